@@ -1,0 +1,18 @@
+"""attncc: a compiler for attention variants.
+
+Write FlexAttention-style mods in Python; attncc traces them into a typed IR, simplifies it,
+generates CUDA and compiles it with NVRTC. On a CPU the same API computes the exact result.
+
+Example:
+    >>> import torch, attncc
+    >>> q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    >>> out = attncc.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s)
+    >>> out.shape
+    torch.Size([1, 2, 8, 16])
+"""
+from .errors import AttnccError, AttnSyntaxError, CompileError, TraceError
+from .frontend import Variant, and_masks, noop_mask, or_masks
+
+__all__ = ["AttnccError", "AttnSyntaxError", "CompileError", "TraceError", "Variant",
+           "and_masks", "noop_mask", "or_masks"]
+__version__ = "0.1.0"
