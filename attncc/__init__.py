@@ -12,7 +12,11 @@ Example:
 """
 from .errors import AttnccError, AttnSyntaxError, CompileError, TraceError
 from .frontend import Variant, and_masks, noop_mask, or_masks
+from .runtime.block_mask import BlockMask, create_block_mask
+from .runtime.compile import CompiledKernel, compile, export
+from .runtime.flex import flex_attention
 
-__all__ = ["AttnccError", "AttnSyntaxError", "CompileError", "TraceError", "Variant",
-           "and_masks", "noop_mask", "or_masks"]
+__all__ = ["AttnccError", "AttnSyntaxError", "BlockMask", "CompileError", "CompiledKernel",
+           "TraceError", "Variant", "and_masks", "compile", "create_block_mask", "export",
+           "flex_attention", "noop_mask", "or_masks"]
 __version__ = "0.1.0"

@@ -1,0 +1,342 @@
+"""The `attncc` command line: compile, export and explain attention variants.
+
+TARGET is a `.attn` text file, or `module:name` where `module` is an importable module or a path
+to a `.py` file and `name` an `attncc.Variant`, a score_mod/mask_mod function or a `VariantIR`.
+
+    attncc compile examples/softcap_window.attn --emit ir
+    attncc compile mymods.py:softcap --arch sm_90a --head-dim 128 --emit ptx
+    attncc compile examples/alibi.attn --arch sm_80 --emit cubin -o alibi.cubin
+    attncc export examples/rope.attn -o rope.cu --head-dim 128 --dtype bfloat16
+    attncc explain examples/softcap_window.attn
+
+Errors in the user's variant (AttnSyntaxError, TraceError, CompileError, ...) print a clean message
+to stderr and exit with status 2; no traceback.
+
+Example:
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "causal.attn")
+    >>> _ = open(path, "w").write("mask_mod = q_idx >= kv_idx\\n")
+    >>> main(["compile", path, "--emit", "ir"])
+    variant causal (normalize=softmax)
+    mask_mod -> bool:
+      return q_idx >= kv_idx
+    0
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import AttnccError, AttnSyntaxError
+from .ir.program import Bindings, VariantIR
+
+EMITS = ("ir", "cuda", "ptx", "cubin")
+
+
+class UsageError(AttnccError):
+    """The command line names something that cannot be used (missing file, bad target, ...)."""
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+def _import_module_file(path: str) -> Any:
+    """Import a .py file by path, its folder first on sys.path (as `python path.py` would)."""
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise UsageError(f"no such Python file: {path}")
+    stem = Path(path).stem
+    mod_name = f"_attncc_target_{stem}" if stem.isidentifier() else "_attncc_target"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:  # pragma: no cover - a .py path always has a loader
+        raise UsageError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    folder = os.path.dirname(path)
+    sys.path.insert(0, folder)
+    sys.modules[mod_name] = module  # dataclasses and pickling look classes up here
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(mod_name, None)
+        raise
+    finally:
+        try:
+            sys.path.remove(folder)
+        except ValueError:  # pragma: no cover - the module removed it itself
+            pass
+    return module
+
+
+def _import_module(spec: str) -> Any:
+    if spec.endswith(".py") or os.sep in spec or (os.altsep and os.altsep in spec):
+        return _import_module_file(spec)
+    # the console script does not put the working directory on sys.path; `python -m` does
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(spec)
+    except ModuleNotFoundError as e:
+        if e.name and spec.startswith(e.name):
+            raise UsageError(f"cannot import module {spec!r} ({e}); give a module on the Python "
+                             f"path or a path to a .py file, e.g. ./mods.py:softcap") from None
+        raise
+
+
+def _as_ir(obj: Any, what: str) -> tuple[VariantIR, Bindings]:
+    from .frontend.variant import Variant, as_variant
+
+    if isinstance(obj, VariantIR):
+        return obj, Bindings()
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], VariantIR):
+        return obj[0], obj[1]
+    if isinstance(obj, Variant):
+        return obj.trace()
+    if callable(obj):
+        return as_variant(obj).trace()
+    raise UsageError(f"{what} is a {type(obj).__name__}; it must be an attncc.Variant, a "
+                     f"score_mod/mask_mod function or a VariantIR")
+
+
+def load_target(target: str) -> tuple[VariantIR, Bindings]:
+    """The traced IR and captured values of a command-line TARGET.
+
+    `FILE.attn` is parsed; `module:name` (module may be a path to a .py file; name may be dotted)
+    is imported and traced.
+
+    Example:
+        >>> ir, _ = load_target("attncc.frontend.variant:noop_mask")
+        >>> print(ir.expr("mask_mod"))
+        <True : bool>
+    """
+    if target.endswith(".attn"):
+        from .frontend.text import load_attn
+
+        if not os.path.isfile(target):
+            raise UsageError(f"no such file: {target}")
+        return load_attn(target)
+    module_spec, sep, attr = target.rpartition(":")
+    if not sep or not module_spec or not attr:
+        if target.endswith(".py"):
+            raise UsageError(f"{target}: name the variant inside the file, e.g. {target}:softcap")
+        raise UsageError(f"{target!r} is not a target: give FILE.attn or module:function "
+                         f"(module may be a path to a .py file)")
+    obj = _import_module(module_spec)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = sorted(n for n in dir(obj) if not n.startswith("_"))
+            raise UsageError(f"{module_spec} has no attribute {part!r}"
+                             + (f"; it defines {', '.join(names[:20])}" if names else ""))
+        obj = getattr(obj, part)
+    return _as_ir(obj, target)
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _dtype(args: argparse.Namespace) -> str:
+    from .runtime.compile import dtype_name
+
+    return dtype_name(args.dtype)
+
+
+def _arch(args: argparse.Namespace) -> str:
+    from .errors import CompileError
+    from .runtime.nvrtc import normalize_arch
+
+    try:
+        return normalize_arch(args.arch)
+    except CompileError:
+        if args.arch is not None:
+            raise UsageError(f"--arch {args.arch}: not a GPU architecture; use e.g. sm_80 "
+                             f"(A100) or sm_90a (H100/H200)") from None
+        raise UsageError("there is no CUDA GPU here to compile for: pass --arch, e.g. "
+                         "--arch sm_90a (H100/H200) or --arch sm_80 (A100)") from None
+
+
+def _write_or_print(text: str, out: str | None) -> None:
+    if out is None:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        return
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text)
+    print(f"wrote {out}", file=sys.stderr)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    """`attncc compile TARGET --emit ir|cuda|ptx|cubin [-o OUT]`."""
+    if args.emit == "cubin" and not args.output:
+        raise UsageError("--emit cubin writes a binary file: give -o OUT.cubin")
+    ir, _ = load_target(args.target)
+    if args.emit == "ir":
+        from .ir.simplify import simplify_variant
+
+        _write_or_print(simplify_variant(ir).format(), args.output)
+        return 0
+    if args.emit == "cuda":
+        from .codegen.generate import generate_source
+        from .ir.simplify import simplify_variant
+
+        gen = generate_source(simplify_variant(ir), head_dim=args.head_dim, dtype=_dtype(args),
+                              kernel=args.kernel)
+        _write_or_print(gen.source, args.output)
+        return 0
+    from .runtime.compile import compile as compile_kernel
+
+    kernel = compile_kernel(ir, head_dim=args.head_dim, dtype=_dtype(args), arch=_arch(args),
+                            kernel=args.kernel)
+    if args.emit == "ptx":
+        _write_or_print(kernel.ptx(), args.output)
+        return 0
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_bytes(kernel.cubin)
+    print(f"wrote {args.output} ({len(kernel.cubin)} bytes, {kernel.arch}, "
+          f"kernel {kernel.kernel_name})", file=sys.stderr)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """`attncc export TARGET -o FILE.cu`: the standalone CUDA source (no NVRTC needed)."""
+    from .codegen.export import export_source
+    from .ir.simplify import simplify_variant
+
+    ir, _ = load_target(args.target)
+    text = export_source(simplify_variant(ir), head_dim=args.head_dim, dtype=_dtype(args),
+                         kernel=args.kernel)
+    _write_or_print(text, args.output)
+    return 0
+
+
+def _hook_bodies(ir: VariantIR) -> str:
+    """The C++ each hook of a (simplified) variant becomes, one block per hook."""
+    from .codegen.generate import generate_variant
+
+    code = generate_variant(ir)
+    blocks = []
+    for hook in code.hooks:
+        if not hook.enabled:
+            continue
+        lines = [f"// {c}" for c in hook.comments]
+        lines.append(hook.signature + " {")
+        lines += [f"  {b}" for b in hook.body]
+        lines.append("}")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) if blocks else "(every hook is the identity: no code)"
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """`attncc explain TARGET`: traced IR, simplified IR and the generated CUDA hook bodies."""
+    from .ir.simplify import simplify_variant
+
+    ir, _ = load_target(args.target)
+    simple = simplify_variant(ir)
+    sections = (("traced IR", ir.format()), ("simplified IR", simple.format()),
+                ("CUDA hook bodies", _hook_bodies(simple)))
+    out = []
+    for title, body in sections:
+        out.append(f"== {title} ==\n{body}\n")
+    sys.stdout.write("\n".join(out))
+    return 0
+
+
+# ----------------------------------------------------------------------------- argument parsing
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser for `attncc` (subcommands compile, export, explain).
+
+    Example:
+        >>> build_parser().parse_args(["compile", "x.attn", "--emit", "ir"]).head_dim
+        128
+    """
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="attncc", description="Compile attention variants (FlexAttention-style mods or "
+                                   ".attn files) to CUDA.",
+        epilog="TARGET: FILE.attn, or module:name / path/to/file.py:name naming an "
+               "attncc.Variant or a score_mod/mask_mod function.")
+    parser.add_argument("--version", action="version", version=f"attncc {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def codegen_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("target", metavar="TARGET", help="FILE.attn or module:function")
+        p.add_argument("--head-dim", type=_positive_int, default=128,
+                       help="size of the last dim of q/k/v (default 128)")
+        p.add_argument("--dtype", default="bfloat16",
+                       help="q/k/v/o storage dtype: bfloat16 (default), float16 or float32")
+        p.add_argument("--kernel", default="simple",
+                       help="kernel template to instantiate (default: simple)")
+
+    p = sub.add_parser("compile", help="compile a variant and print its IR, CUDA or PTX, or "
+                                       "write its cubin",
+                       description="Compile a variant. --emit ir prints the simplified IR; cuda "
+                                   "the generated CUDA; ptx the PTX; cubin writes the cubin "
+                                   "to -o.")
+    codegen_options(p)
+    p.add_argument("--arch", default=None,
+                   help="GPU architecture, e.g. sm_80 or sm_90a (default: the current GPU)")
+    p.add_argument("--emit", choices=EMITS, default="cubin", help="what to produce (default "
+                                                                  "cubin, which needs -o)")
+    p.add_argument("-o", "--output", default=None, help="write here instead of stdout")
+    p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("export", help="write a standalone .cu for the variant",
+                       description="Write the standalone CUDA source of a variant (nvcc -c "
+                                   "compiles it).")
+    codegen_options(p)
+    p.add_argument("-o", "--output", required=True, help="the .cu file to write")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("explain", help="show traced IR, simplified IR and the CUDA hook bodies")
+    p.add_argument("target", metavar="TARGET", help="FILE.attn or module:function")
+    p.set_defaults(func=cmd_explain)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `attncc` command line; returns the exit status (0 ok, 2 error).
+
+    Example:
+        >>> main(["compile", "no_such_file.attn", "--emit", "ir"])
+        2
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version and usage errors: argparse already printed
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        return args.func(args)
+    except AttnSyntaxError as e:  # already "file:line:col: error: ..." with the source line
+        print(str(e), file=sys.stderr)
+        return 2
+    except AttnccError as e:
+        print(f"attncc: error: {e}", file=sys.stderr)
+        log = getattr(e, "log", "")
+        if log and log.strip() and log.strip() not in str(e):
+            print(f"NVRTC log:\n{log.rstrip()}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"attncc: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # pragma: no cover - interactive
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

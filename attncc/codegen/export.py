@@ -1,0 +1,32 @@
+"""Export a variant as a standalone `.cu` file for users who build with nvcc themselves.
+
+The file is the same translation unit NVRTC compiles, plus a top-of-file comment documenting
+the kernel, its arguments and their layout, and a host launcher
+`extern "C" int <kernel_name>_launch(const attncc::AttentionParams*, const VariantParams_<name>*,
+void* stream)` guarded by `#ifndef __CUDACC_RTC__`. Build it with
+`nvcc -gencode=arch=compute_90a,code=sm_90a -c file.cu`.
+
+Example:
+    >>> import attncc
+    >>> ir, _ = attncc.Variant(mask_mod=lambda b, h, q, kv: q >= kv, name="causal").trace()
+    >>> text = export_source(ir, head_dim=128, dtype="bfloat16")
+    >>> "attncc_causal_simple_d128_bf16_launch(" in text and "#ifndef __CUDACC_RTC__" in text
+    True
+"""
+from __future__ import annotations
+
+from ..ir.program import VariantIR
+from .generate import export_kernel
+
+__all__ = ["export_source"]
+
+
+def export_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple") -> str:
+    """The documented `.cu` text for `ir` (see the module docstring).
+
+    Example:
+        >>> from attncc.ir.program import VariantIR
+        >>> export_source(VariantIR(name="plain"), head_dim=64, dtype="float32").count("__global__")
+        1
+    """
+    return export_kernel(ir, head_dim=head_dim, dtype=dtype, kernel=kernel).source

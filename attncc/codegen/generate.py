@@ -1,0 +1,294 @@
+"""VariantIR -> one self-contained CUDA translation unit for a kernel template.
+
+`generate_variant` turns the hooks into `VariantParams_<name>` / `Variant_<name>` C++ structs;
+`generate_source` inlines the shipped kernel templates (attncc.kernels), appends the variant, the
+layout static_asserts and an `extern "C" __global__` entry point. The output is deterministic:
+the same VariantIR gives byte-identical text (no ids, timestamps or absolute paths), so the text
+can key a compile cache; captured values are kernel arguments and never change it.
+
+Example:
+    >>> import torch, attncc
+    >>> ir, _ = attncc.Variant(score_mod=lambda s, b, h, q, kv: 30 * torch.tanh(s / 30),
+    ...                        name="softcap").trace()
+    >>> gk = generate_source(ir, head_dim=128, dtype="bfloat16")
+    >>> gk.kernel_name
+    'attncc_softcap_simple_d128_bf16'
+    >>> "return 30.0f * tanhf(score / 30.0f);" in gk.source
+    True
+    >>> gk.grid(q_len=1000, num_q_heads=8, batch=2), gk.block
+    ((250, 8, 2), (128, 1, 1))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Mapping, Sequence
+
+import jinja2
+
+from ..ir.program import HOOK_ORDER, VariantIR
+from .errors import CodegenError
+from .hooks import EMITTERS, HookCode
+from .layout import ATTENTION_PARAMS, StructLayout, c_identifier, variant_params_layout
+
+__all__ = ["KernelSpec", "KERNELS", "DTYPES", "VariantCode", "GeneratedKernel",
+           "generate_variant", "generate_source", "render"]
+
+# Shipped templates every translation unit starts with, in this order.
+COMMON_TEMPLATES = ("attncc_types.cuh", "attention_params.cuh")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """A shipped kernel template: its files, entry function and launch geometry."""
+
+    name: str
+    files: tuple[str, ...]  # shipped templates after COMMON_TEMPLATES
+    function: str  # template <Variant, DType, HEAD_DIM> __device__ void f(p, vp)
+    threads: int  # block size
+    rows_per_cta: int  # query rows per CTA (grid.x = ceil(q_len / rows_per_cta))
+    head_dims: str  # what HEAD_DIM it accepts, for error messages
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise CodegenError unless the template supports `head_dim`.
+
+        Example:
+            >>> KERNELS["simple"].check_head_dim(96)
+        """
+        if not (isinstance(head_dim, int) and head_dim % 32 == 0 and 32 <= head_dim <= 256):
+            raise CodegenError(f"the {self.name!r} kernel supports head dims {self.head_dims}; "
+                               f"got {head_dim!r}")
+
+
+KERNELS: dict[str, KernelSpec] = {
+    "simple": KernelSpec("simple", ("simple_attention.cuh",), "attncc::simple_attention",
+                         threads=128, rows_per_cta=4,
+                         head_dims="that are multiples of 32 from 32 to 256"),
+}
+
+# dtype name -> (C storage type, short name used in kernel names)
+DTYPES: dict[str, tuple[str, str]] = {
+    "bfloat16": ("attncc::bf16", "bf16"),
+    "float16": ("attncc::f16", "f16"),
+    "float32": ("float", "f32"),
+}
+
+
+@dataclass(frozen=True)
+class VariantCode:
+    """The generated C++ of one variant and what a kernel template needs to know about it."""
+
+    name: str  # C-safe variant name
+    struct_name: str  # Variant_<name>
+    params_name: str  # VariantParams_<name>
+    params_struct: str  # C++ text of the params struct
+    variant_struct: str  # C++ text of the Variant struct
+    normalize: str
+    use_softmax: bool
+    has_query_transform: bool
+    has_key_transform: bool
+    has_value_transform: bool
+    has_logits_transform: bool
+    has_logits_mask: bool
+    has_output_transform: bool
+    params_layout: StructLayout
+    tensor_fields: Mapping[str, str]  # captured tensor -> C member base name
+    scalar_fields: Mapping[str, str]  # captured scalar -> C member name
+    hooks: tuple[HookCode, ...]
+
+    @property
+    def text(self) -> str:
+        """Both structs, as they appear in the translation unit."""
+        return self.params_struct + "\n" + self.variant_struct
+
+
+@dataclass(frozen=True)
+class GeneratedKernel:
+    """One compilable translation unit and everything needed to launch its kernel."""
+
+    source: str
+    kernel_name: str
+    params_layout: StructLayout  # VariantParams_<name>
+    attention_params_layout: StructLayout  # attncc::AttentionParams
+    variant: VariantCode
+    kernel: str
+    head_dim: int
+    dtype: str
+    threads: int
+    rows_per_cta: int
+    shared_mem_bytes: int = 0  # dynamic shared memory to request at launch
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        """CUDA block dimensions."""
+        return (self.threads, 1, 1)
+
+    def grid(self, q_len: int, num_q_heads: int, batch: int) -> tuple[int, int, int]:
+        """CUDA grid for a problem: (ceil(q_len / rows_per_cta), num_q_heads, batch).
+
+        Example:
+            >>> from attncc.ir.program import VariantIR
+            >>> generate_source(VariantIR(), head_dim=64, dtype="float16").grid(5, 2, 3)
+            (2, 2, 3)
+        """
+        return (-(-q_len // self.rows_per_cta), num_q_heads, batch)
+
+
+@lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    folder = resources.files(__package__).joinpath("templates")
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(folder)),
+                              undefined=jinja2.StrictUndefined, autoescape=False,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+
+
+def render(template: str, **context: Any) -> str:
+    """Render one of attncc/codegen/templates/*.j2.
+
+    Example:
+        >>> render("variant.cuh.j2", v=generate_variant(VariantIR()), hooks=()).startswith("//")
+        True
+    """
+    return _env().get_template(template).render(**context)
+
+
+def generate_variant(ir: VariantIR) -> VariantCode:
+    """The VariantParams_<name> and Variant_<name> structs for `ir`.
+
+    Example:
+        >>> from attncc.ir.nodes import var
+        >>> from attncc.ir.program import Hook
+        >>> vc = generate_variant(VariantIR(hooks={"mask_mod": Hook("mask_mod",
+        ...                                   var("q_idx") >= var("kv_idx"))}, name="causal"))
+        >>> vc.struct_name, vc.has_logits_mask, vc.has_logits_transform
+        ('Variant_causal', True, False)
+    """
+    if ir.normalize not in ("softmax", "none"):
+        raise CodegenError(f"normalize={ir.normalize!r}: use 'softmax' or 'none'")
+    unknown = sorted(set(ir.hooks) - set(HOOK_ORDER))
+    if unknown:
+        raise CodegenError(f"unknown hook(s) {', '.join(unknown)}; hooks are "
+                           f"{', '.join(HOOK_ORDER)}")
+    name = c_identifier(ir.name)
+    params_name, struct_name = f"VariantParams_{name}", f"Variant_{name}"
+    try:
+        pl = variant_params_layout(params_name, ir.scalars, ir.tensors)
+    except ValueError as e:
+        raise CodegenError(str(e)) from None
+    ndims = {t.name: t.ndim for t in ir.tensors}
+    hooks = tuple(EMITTERS[h](ir.hook(h), tensors=pl.tensor_fields, scalars=pl.scalar_fields,
+                              tensor_ndims=ndims) for h in HOOK_ORDER)
+    flags = {h.spec.flag: h.enabled for h in hooks}
+    vc = VariantCode(name=name, struct_name=struct_name, params_name=params_name,
+                     params_struct="", variant_struct="", normalize=ir.normalize,
+                     use_softmax=ir.use_softmax, **flags, params_layout=pl.layout,
+                     tensor_fields=dict(pl.tensor_fields), scalar_fields=dict(pl.scalar_fields),
+                     hooks=hooks)
+    # One template renders both structs (so they read as one unit); split at the blank line.
+    params_text, _, variant_text = render("variant.cuh.j2", v=vc, hooks=hooks).partition("\n\n")
+    return replace(vc, params_struct=params_text + "\n", variant_struct=variant_text)
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def kernel_name(variant: str, kernel: str, head_dim: int, dtype: str) -> str:
+    """The deterministic entry-point name.
+
+    Example:
+        >>> kernel_name("softcap", "simple", 128, "bfloat16")
+        'attncc_softcap_simple_d128_bf16'
+    """
+    return f"attncc_{c_identifier(variant)}_{kernel}_d{head_dim}_{DTYPES[dtype][1]}"
+
+
+def _check_options(head_dim: int, dtype: str, kernel: str) -> KernelSpec:
+    if kernel not in KERNELS:
+        raise CodegenError(f"unknown kernel template {kernel!r}; available: "
+                           f"{', '.join(sorted(KERNELS))}")
+    if dtype not in DTYPES:
+        raise CodegenError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)} (the dtype of q, k, "
+                           f"v and o)")
+    spec = KERNELS[kernel]
+    spec.check_head_dim(head_dim)
+    return spec
+
+
+def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool) -> GeneratedKernel:
+    from ..kernels import read_template
+
+    spec = _check_options(head_dim, dtype, kernel)
+    vc = generate_variant(ir)
+    name = kernel_name(vc.name, kernel, head_dim, dtype)
+    shipped: Sequence[tuple[str, str]] = [(f, read_template(f).rstrip("\n") + "\n")
+                                         for f in (*COMMON_TEMPLATES, *spec.files)]
+    asserts = ATTENTION_PARAMS.static_asserts() + vc.params_layout.static_asserts()
+    source = render("translation_unit.cu.j2", version=_version(), v=vc, spec=spec,
+                    head_dim=head_dim, dtype=dtype, dtype_ctype=DTYPES[dtype][0],
+                    kernel_name=name, shipped=shipped, variant_text=vc.text, asserts=asserts,
+                    ap_layout=ATTENTION_PARAMS, export=export)
+    return GeneratedKernel(source=source, kernel_name=name, params_layout=vc.params_layout,
+                           attention_params_layout=ATTENTION_PARAMS, variant=vc, kernel=kernel,
+                           head_dim=head_dim, dtype=dtype, threads=spec.threads,
+                           rows_per_cta=spec.rows_per_cta)
+
+
+def generate_source(ir: VariantIR, *, head_dim: int, dtype: str,
+                    kernel: str = "simple") -> GeneratedKernel:
+    """One self-contained translation unit (for NVRTC) running `ir` on a kernel template.
+
+    `dtype` is the storage type of q, k, v and o: "bfloat16", "float16" or "float32".
+
+    Example:
+        >>> gk = generate_source(VariantIR(name="plain"), head_dim=64, dtype="float16")
+        >>> gk.variant.has_logits_transform, gk.params_layout.size
+        (False, 4)
+        >>> 'extern "C" __global__' in gk.source and "#include" not in gk.source
+        True
+    """
+    return _build(ir, head_dim, dtype, kernel, export=False)
+
+
+def export_kernel(ir: VariantIR, *, head_dim: int, dtype: str,
+                  kernel: str = "simple") -> GeneratedKernel:
+    """Like generate_source, plus a documented header and a host launcher (for nvcc users).
+
+    Example:
+        >>> gk = export_kernel(VariantIR(name="plain"), head_dim=64, dtype="float16")
+        >>> "attncc_plain_simple_d64_f16_launch" in gk.source
+        True
+    """
+    return _build(ir, head_dim, dtype, kernel, export=True)
+
+
+def variant_param_values(layout: StructLayout, scalars: Mapping[str, Any],
+                         tensors: Mapping[str, tuple[int, Sequence[int], Sequence[int]]]
+                         ) -> dict[str, Any]:
+    """Member values of VariantParams_<name> from captured values, ready for `layout.pack`.
+
+    `scalars` maps captured scalar names to numbers; `tensors` maps captured tensor names to
+    (device address, strides in elements, sizes).
+
+    Example:
+        >>> from attncc.ir.nodes import I32
+        >>> from attncc.ir.program import ScalarParam
+        >>> lay = generate_variant(VariantIR(scalars=(ScalarParam("n", I32),))).params_layout
+        >>> lay.pack(variant_param_values(lay, {"n": 7}, {})).hex()
+        '07000000'
+    """
+    out: dict[str, Any] = {}
+    for f in layout.fields:
+        if f.role == "scalar":
+            if f.ref not in scalars:
+                raise KeyError(f"no value for captured scalar {f.ref!r}")
+            out[f.name] = scalars[f.ref]
+        elif f.role in ("ptr", "stride", "size"):
+            if f.ref not in tensors:
+                raise KeyError(f"no value for captured tensor {f.ref!r}")
+            ptr, strides, sizes = tensors[f.ref]
+            out[f.name] = ptr if f.role == "ptr" else list(strides if f.role == "stride" else sizes)
+    return out

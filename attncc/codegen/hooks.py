@@ -1,0 +1,212 @@
+"""One Variant hook -> the C++ member function the kernel templates call.
+
+Each IR hook maps to one static member of `Variant_<name>` (see KERNEL_INTERFACE.md):
+query_mod -> QueryTransform, key_mod -> KeyTransform, value_mod -> ValueTransform,
+score_mod -> LogitsTransform, mask_mod -> LogitsMask, output_mod -> OutputTransform.
+An identity hook still gets its function (`return score;`, `return true;`, `return q[d];`) but
+its `has_*` flag is false, so templates compile it out with `if constexpr`.
+
+Example:
+    >>> from attncc.ir.program import Hook
+    >>> from attncc.ir.nodes import var
+    >>> code = logits_mask(Hook("mask_mod", var("q_idx") >= var("kv_idx")))
+    >>> code.enabled, code.body
+    (True, ('return q_idx >= kv_idx;',))
+    >>> logits_transform(Hook("score_mod", var("score"))).body
+    ('return score;',)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from ..ir.nodes import Node, walk
+from ..ir.printer import format_expr
+from ..ir.program import HOOK_SIGNATURES, Hook, identity_expr
+from .cuda_expr import ExprNames, emit
+from .errors import CodegenError
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    """The C++ shape of one hook: method, flag, return type and parameter list."""
+
+    hook: str  # IR hook name, e.g. "score_mod"
+    method: str  # member function name, e.g. "LogitsTransform"
+    flag: str  # constexpr flag, e.g. "has_logits_transform"
+    ret: str  # C return type
+    vector: str | None  # head-vector parameter name (a `Vec` template parameter), or None
+    params: tuple[str, ...]  # C parameters after `const Params& p`
+    var_names: tuple[tuple[str, str], ...] = ()  # IR variable -> C parameter renames
+
+
+SPECS: dict[str, HookSpec] = {
+    "query_mod": HookSpec("query_mod", "QueryTransform", "has_query_transform", "float", "q",
+                          ("const Vec& q", "int b", "int h", "int q_idx", "int d")),
+    "key_mod": HookSpec("key_mod", "KeyTransform", "has_key_transform", "float", "k",
+                        ("const Vec& k", "int b", "int h_kv", "int kv_idx", "int d"),
+                        (("h", "h_kv"),)),
+    "value_mod": HookSpec("value_mod", "ValueTransform", "has_value_transform", "float", "v",
+                          ("const Vec& v", "int b", "int h_kv", "int kv_idx", "int d"),
+                          (("h", "h_kv"),)),
+    "score_mod": HookSpec("score_mod", "LogitsTransform", "has_logits_transform", "float", None,
+                          ("float score", "int b", "int h", "int q_idx", "int kv_idx")),
+    "mask_mod": HookSpec("mask_mod", "LogitsMask", "has_logits_mask", "bool", None,
+                         ("int b", "int h", "int q_idx", "int kv_idx")),
+    "output_mod": HookSpec("output_mod", "OutputTransform", "has_output_transform", "float", "o",
+                           ("const Vec& o", "int b", "int h", "int q_idx", "int d")),
+}
+
+
+@dataclass(frozen=True)
+class HookCode:
+    """A hook ready for the variant template: signature parts, comments and body lines."""
+
+    spec: HookSpec
+    enabled: bool  # the has_* flag: false for identity hooks
+    comments: tuple[str, ...]  # `//` comment lines (without the `// `)
+    body: tuple[str, ...]  # statements, unindented; the last one returns
+
+    @property
+    def signature(self) -> str:
+        """`float LogitsTransform(const Params& p, float score, ...)` (no qualifiers)."""
+        return f"{self.spec.ret} {self.spec.method}(const Params& p, {', '.join(self.spec.params)})"
+
+
+def comment_text(text: str) -> str:
+    """`text` made safe for a `//` comment: one ASCII line that cannot splice the next line.
+
+    Example:
+        >>> comment_text("a\\nb α \\\\")
+        'a b \\\\u03b1 \\\\ (end)'
+    """
+    text = " ".join(text.split())
+    text = text.encode("ascii", "backslashreplace").decode("ascii")
+    # A trailing backslash would join the next source line onto this comment.
+    return text + " (end)" if text.endswith("\\") else text
+
+
+def _check(hook: Hook, allowed: Mapping[str, object]) -> None:
+    """Reject IR that reads what this hook has no access to, naming the hook and the value."""
+    want, variables, vector = HOOK_SIGNATURES[hook.name]
+    if hook.expr.dtype is not want:
+        raise CodegenError(f"{hook.name} must compute a {want.value} value, but its IR computes "
+                           f"{hook.expr.dtype.value}")
+    for n in walk(hook.expr):
+        if n.op == "var" and n.attr not in variables:
+            raise CodegenError(f"{hook.name} reads {n.attr!r}, which is not one of its "
+                               f"arguments ({', '.join(variables)})")
+        if n.op == "vec" and n.attr != vector:
+            have = f"only {vector}[...]" if vector else "no head vector"
+            raise CodegenError(f"{hook.name} reads {n.attr}[...], but it can read {have}")
+        if n.op == "load":
+            ndim = allowed.get(n.attr)
+            if ndim is not None and ndim != len(n.args):
+                raise CodegenError(f"{hook.name} indexes captured tensor {n.attr!r} with "
+                                   f"{len(n.args)} index(es), but it has {ndim} dim(s)")
+
+
+def hook_code(hook: Hook, tensors: Mapping[str, str] | None = None,
+              scalars: Mapping[str, str] | None = None,
+              tensor_ndims: Mapping[str, int] | None = None) -> HookCode:
+    """The C++ of any hook; `tensors` / `scalars` map captured names to params members.
+
+    Example:
+        >>> from attncc.ir.nodes import var
+        >>> hook_code(Hook("key_mod", var("h") * 1.0 + 0.0)).body  # h is spelled h_kv here
+        ('return (float)h_kv * 1.0f + 0.0f;',)
+    """
+    if hook.name not in SPECS:
+        raise CodegenError(f"unknown hook {hook.name!r}; hooks are {', '.join(SPECS)}")
+    spec = SPECS[hook.name]
+    _check(hook, tensor_ndims or {})
+    enabled = hook.expr is not identity_expr(hook.name)
+    names = ExprNames(vars=dict(spec.var_names), tensors=dict(tensors or {}),
+                      scalars=dict(scalars or {}))
+    code = emit(hook.expr, names)
+    where = str(hook.source) if hook.source is not None else "(no source location)"
+    if enabled:
+        comments = (comment_text(f"{hook.name}: {where}"),
+                    comment_text(f"IR: {format_expr(hook.expr)}"))
+    else:
+        comments = (comment_text(f"{hook.name}: identity (not given or simplified away); "
+                                 f"{spec.flag} = false"),)
+    return HookCode(spec, enabled, comments, tuple(code.lines()))
+
+
+def _as_hook(name: str, hook: Hook | Node | None) -> Hook:
+    if hook is None:
+        return Hook(name, identity_expr(name))
+    if isinstance(hook, Node):
+        return Hook(name, hook)
+    if hook.name != name:
+        raise CodegenError(f"{SPECS[name].method} is generated from a {name} hook, not from "
+                           f"{hook.name}")
+    return hook
+
+
+def query_transform(hook: Hook | Node | None = None, **names: Mapping) -> HookCode:
+    """QueryTransform from a query_mod Hook (or its IR; None = identity). See hook_code.
+
+    Example:
+        >>> query_transform().body
+        ('return q[d];',)
+    """
+    return hook_code(_as_hook("query_mod", hook), **names)
+
+
+def key_transform(hook: Hook | Node | None = None, **names: Mapping) -> HookCode:
+    """KeyTransform from a key_mod Hook (or its IR; None = identity). See hook_code.
+
+    Example:
+        >>> key_transform().body, key_transform().enabled
+        (('return k[d];',), False)
+    """
+    return hook_code(_as_hook("key_mod", hook), **names)
+
+
+def value_transform(hook: Hook | Node | None = None, **names: Mapping) -> HookCode:
+    """ValueTransform from a value_mod Hook (or its IR; None = identity). See hook_code.
+
+    Example:
+        >>> from attncc.ir.nodes import var, vec
+        >>> value_transform(vec("v", var("d")) * 2.0).body
+        ('return v[d] * 2.0f;',)
+    """
+    return hook_code(_as_hook("value_mod", hook), **names)
+
+
+def logits_transform(hook: Hook | Node | None = None, **names: Mapping) -> HookCode:
+    """LogitsTransform from a score_mod Hook (or its IR; None = identity). See hook_code.
+
+    Example:
+        >>> logits_transform().body
+        ('return score;',)
+    """
+    return hook_code(_as_hook("score_mod", hook), **names)
+
+
+def logits_mask(hook: Hook | Node | None = None, **names: Mapping) -> HookCode:
+    """LogitsMask from a mask_mod Hook (or its IR; None = keep everything). See hook_code.
+
+    Example:
+        >>> logits_mask().body
+        ('return true;',)
+    """
+    return hook_code(_as_hook("mask_mod", hook), **names)
+
+
+def output_transform(hook: Hook | Node | None = None, **names: Mapping) -> HookCode:
+    """OutputTransform from an output_mod Hook (or its IR; None = identity). See hook_code.
+
+    Example:
+        >>> output_transform().signature
+        'float OutputTransform(const Params& p, const Vec& o, int b, int h, int q_idx, int d)'
+    """
+    return hook_code(_as_hook("output_mod", hook), **names)
+
+
+EMITTERS: dict[str, Callable[..., HookCode]] = {
+    "query_mod": query_transform, "key_mod": key_transform, "value_mod": value_transform,
+    "score_mod": logits_transform, "mask_mod": logits_mask, "output_mod": output_transform,
+}

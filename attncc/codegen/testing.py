@@ -1,0 +1,69 @@
+"""Compile-check many variants' hooks at once: one translation unit, one small kernel each.
+
+Property tests generate hundreds of variants; compiling each on a full attention kernel would
+take seconds apiece. `hook_test_unit` puts only the shipped type helpers, each variant's structs
+and a tiny `__global__` that calls every enabled hook (so templates are instantiated and every
+hook body is type-checked and code-generated) into one source for a single NVRTC call.
+
+Example:
+    >>> from attncc.ir.nodes import var
+    >>> from attncc.ir.program import Hook, VariantIR
+    >>> ir = VariantIR(hooks={"mask_mod": Hook("mask_mod", var("q_idx") >= var("kv_idx"))})
+    >>> src = hook_test_unit([ir, ir], prefix="t")
+    >>> src.count("__global__"), "Variant_t_1" in src
+    (2, True)
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from ..ir.program import VariantIR
+from .generate import generate_variant
+
+__all__ = ["hook_test_unit"]
+
+# A head vector for the calls: any index reads a (never executed) global row.
+_PRELUDE = """
+// Hook compile test: never launched; each kernel only makes every hook get instantiated.
+struct AttnccHookTestVec {
+    const float* row;
+    __device__ __forceinline__ float operator[](int i) const { return row[i]; }
+};
+"""
+
+_CALLS = {
+    "has_query_transform": "out[0] = V::QueryTransform(vp, vec, 0, 1, 2, 3);",
+    "has_key_transform": "out[1] = V::KeyTransform(vp, vec, 0, 1, 2, 3);",
+    "has_value_transform": "out[2] = V::ValueTransform(vp, vec, 0, 1, 2, 3);",
+    "has_logits_transform": "out[3] = V::LogitsTransform(vp, out[8], 0, 1, 2, 3);",
+    "has_logits_mask": "out[4] = V::LogitsMask(vp, 0, 1, 2, 3) ? 1.0f : 0.0f;",
+    "has_output_transform": "out[5] = V::OutputTransform(vp, vec, 0, 1, 2, 3);",
+}
+
+
+def hook_test_unit(variants: Sequence[VariantIR], prefix: str = "v") -> str:
+    """One CUDA source declaring every variant (renamed `<prefix>_<i>`) and calling its hooks.
+
+    Kernels are `extern "C" __global__ void attncc_hooktest_<prefix>_<i>(...)`.
+
+    Example:
+        >>> from attncc.ir.program import VariantIR
+        >>> "attncc_hooktest_p_0" in hook_test_unit([VariantIR()], prefix="p")
+        True
+    """
+    from ..kernels import read_template
+
+    parts = [read_template("attncc_types.cuh").rstrip("\n") + "\n", _PRELUDE]
+    for i, ir in enumerate(variants):
+        vc = generate_variant(replace(ir, name=f"{prefix}_{i}"))
+        calls = [c for flag, c in _CALLS.items() if getattr(vc, flag)]
+        body = "\n".join(f"    {c}" for c in calls) or "    out[0] = 0.0f;"
+        parts.append(f"\n{vc.text}\n"
+                     f'extern "C" __global__ void attncc_hooktest_{vc.name}('
+                     f"{vc.params_name} vp, float* out) {{\n"
+                     f"    using V = {vc.struct_name};\n"
+                     f"    const AttnccHookTestVec vec{{out + 16}};\n"
+                     f"    (void)vec;\n"
+                     f"{body}\n}}\n")
+    return "".join(parts)

@@ -1,0 +1,134 @@
+// attncc_types.cuh: storage types, conversions and Python-semantics math helpers.
+//
+// Self-contained on purpose: no toolkit header is included, so NVRTC can compile generated code
+// on a machine without a CUDA toolkit, and nvcc compiles the same text. The device math builtins
+// used here (expf, floorf, __float_as_uint, ...) are provided by both compilers implicitly.
+// Include guards rather than `#pragma once`: codegen inlines this text into one translation unit
+// (and tests concatenate several units), where `#pragma once` would warn and not help.
+#ifndef ATTNCC_TYPES_CUH
+#define ATTNCC_TYPES_CUH
+
+// offsetof as a constant expression, for the layout static_asserts of generated code. NVRTC has
+// no <cstddef> and no __builtin_offsetof, but its EDG front end has __INTADDR__; nvcc's host and
+// device compilers have __builtin_offsetof.
+#if defined(__CUDACC_RTC__)
+#define ATTNCC_OFFSETOF(T, m) ((unsigned long long)__INTADDR__(&(((T*)0)->m)))
+#else
+#define ATTNCC_OFFSETOF(T, m) __builtin_offsetof(T, m)
+#endif
+
+namespace attncc {
+
+typedef long long i64;
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+// 16-bit storage types. Plain structs (not cuda_fp16's __half) so that no header is needed; all
+// arithmetic happens in float after to_float().
+struct bf16 {
+    unsigned short bits;
+};
+struct f16 {
+    unsigned short bits;
+};
+
+// ------------------------------------------------------------------------------ conversions
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(double x) { return (float)x; }
+__device__ __forceinline__ float to_float(int x) { return (float)x; }
+__device__ __forceinline__ float to_float(long long x) { return (float)x; }
+__device__ __forceinline__ float to_float(bool x) { return x ? 1.0f : 0.0f; }
+__device__ __forceinline__ float to_float(signed char x) { return (float)x; }
+__device__ __forceinline__ float to_float(unsigned char x) { return (float)x; }
+__device__ __forceinline__ float to_float(short x) { return (float)x; }
+// bf16 is the upper half of a float32: widening is exact and needs only a shift.
+__device__ __forceinline__ float to_float(bf16 x) { return __uint_as_float(((u32)x.bits) << 16); }
+__device__ __forceinline__ float to_float(f16 x) {
+    float r;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(x.bits));
+    return r;
+}
+
+// Integer loads: captured int64 tensors are read as int because IR integers are 32-bit (the
+// frontend rejects constants that do not fit; index tensors fit in practice).
+__device__ __forceinline__ int to_int(int x) { return x; }
+__device__ __forceinline__ int to_int(long long x) { return (int)x; }
+__device__ __forceinline__ int to_int(short x) { return (int)x; }
+__device__ __forceinline__ int to_int(signed char x) { return (int)x; }
+__device__ __forceinline__ int to_int(unsigned char x) { return (int)x; }
+__device__ __forceinline__ int to_int(bool x) { return x ? 1 : 0; }
+
+__device__ __forceinline__ bool to_bool(bool x) { return x; }
+__device__ __forceinline__ bool to_bool(unsigned char x) { return x != 0; }
+__device__ __forceinline__ bool to_bool(int x) { return x != 0; }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+
+// Round to nearest even by bit arithmetic (what torch does for float -> bfloat16). NaN is kept a
+// quiet NaN: adding the rounding bias to a NaN payload could otherwise carry into infinity.
+template <>
+__device__ __forceinline__ bf16 from_float<bf16>(float x) {
+    u32 u = __float_as_uint(x);
+    bf16 r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        r.bits = (unsigned short)((u >> 16) | 0x40u);
+        return r;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    r.bits = (unsigned short)(u >> 16);
+    return r;
+}
+
+// The hardware conversion rounds to nearest even and handles subnormals, inf and NaN.
+template <>
+__device__ __forceinline__ f16 from_float<f16>(float x) {
+    f16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+    return r;
+}
+
+// ------------------------------------------------------------------------------ constants
+__device__ __forceinline__ float pos_inf() { return __uint_as_float(0x7f800000u); }
+__device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
+
+// ------------------------------------------------------------------------------ math with Python / torch semantics
+// Python's `//` floors (C truncates toward zero): step down when the signs differ and the
+// division is inexact. Division by zero is undefined, as in C (the reference path raises).
+__device__ __forceinline__ int floordiv(int a, int b) {
+    int q = a / b;
+    if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1;
+    return q;
+}
+// Python's `%` takes the sign of the divisor (C's takes the sign of the dividend).
+__device__ __forceinline__ int pymod(int a, int b) {
+    int r = a % b;
+    if (r != 0 && ((r < 0) != (b < 0))) r += b;
+    return r;
+}
+// torch.floor_divide / torch.remainder on floats.
+__device__ __forceinline__ float floordiv(float a, float b) { return floorf(a / b); }
+__device__ __forceinline__ float pymod(float a, float b) { return a - floorf(a / b) * b; }
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float rsqrt(float x) { return rsqrtf(x); }
+__device__ __forceinline__ float exp2(float x) { return exp2f(x); }
+__device__ __forceinline__ float log2(float x) { return log2f(x); }
+
+// torch.minimum / torch.maximum propagate NaN; fminf / fmaxf would drop it.
+__device__ __forceinline__ float minf(float a, float b) {
+    return (a != a || b != b) ? a + b : fminf(a, b);
+}
+__device__ __forceinline__ float maxf(float a, float b) {
+    return (a != a || b != b) ? a + b : fmaxf(a, b);
+}
+__device__ __forceinline__ int mini(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int maxi(int a, int b) { return a > b ? a : b; }
+__device__ __forceinline__ int absi(int a) { return a < 0 ? -a : a; }
+
+}  // namespace attncc
+
+#endif  // ATTNCC_TYPES_CUH

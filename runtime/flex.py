@@ -1,0 +1,139 @@
+"""`attncc.flex_attention`: FlexAttention's call signature, running attncc variants.
+
+`score_mod` takes what torch's does (a `score_mod(score, b, h, q_idx, kv_idx)` function) or an
+`attncc.Variant`, which brings every hook (query/key/value/output transforms, its own mask_mod,
+`normalize="none"`). The variant's mask_mod and the block mask are ANDed.
+
+On CPU tensors the exact reference runs (float64 inside, results in the input dtype; LSE float32).
+On CUDA tensors this version has no compiled kernel path yet: the same exact reference runs on
+the GPU (float64) after a one-time warning.
+
+Example:
+    >>> import torch, attncc
+    >>> q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    >>> def softcap(score, b, h, q_idx, kv_idx):
+    ...     return 20 * torch.tanh(score / 20)
+    >>> out = flex_attention(q, k, v, score_mod=softcap)
+    >>> out.shape, out.dtype
+    (torch.Size([1, 2, 16, 8]), torch.float32)
+    >>> causal = attncc.Variant(score_mod=softcap, mask_mod=lambda b, h, qi, ki: qi >= ki)
+    >>> out, lse = flex_attention(q, k, v, score_mod=causal, return_lse=True)
+    >>> lse.shape, lse.dtype
+    (torch.Size([1, 2, 16]), torch.float32)
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from typing import Any, Callable, Mapping
+
+import torch
+
+from attncc.frontend import Variant
+from attncc.ir.program import Bindings, VariantIR
+
+from .reference import attention_reference, validate_attention_inputs
+
+# kernel_options keys attncc understands: tile-shape hints for the compiled kernel, and promises
+# FlexAttention also accepts. The exact reference path ignores them (they cannot change results).
+SUPPORTED_KERNEL_OPTIONS: dict[str, type] = {
+    "BLOCK_M": int,
+    "BLOCK_N": int,
+    "num_warps": int,
+    "num_stages": int,
+    "ROWS_GUARANTEED_SAFE": bool,
+    "BLOCKS_ARE_CONTIGUOUS": bool,
+}
+
+_warned_no_gpu_kernel = False
+
+
+def _validate_kernel_options(kernel_options: Mapping[str, Any] | None) -> None:
+    if kernel_options is None:
+        return
+    if not isinstance(kernel_options, Mapping):
+        raise TypeError(f"kernel_options must be a dict, got {type(kernel_options).__name__}")
+    for key, val in kernel_options.items():
+        want = SUPPORTED_KERNEL_OPTIONS.get(key)
+        if want is None:
+            raise ValueError(f"kernel_options[{key!r}] is not supported by attncc; supported "
+                             f"keys: {', '.join(SUPPORTED_KERNEL_OPTIONS)}")
+        if want is bool and not isinstance(val, bool):
+            raise ValueError(f"kernel_options[{key!r}] must be True or False, got {val!r}")
+        if want is int and (isinstance(val, bool) or not isinstance(val, int) or val <= 0):
+            raise ValueError(f"kernel_options[{key!r}] must be a positive int, got {val!r}")
+
+
+def _as_variant(score_mod: Any) -> Variant:
+    if score_mod is None:
+        return Variant()
+    if isinstance(score_mod, Variant):
+        return score_mod
+    if callable(score_mod):
+        # strict like torch: this argument is a score_mod; a mask belongs in block_mask or in
+        # Variant(mask_mod=...). The tracer's arity check says so if a mask_mod is passed here.
+        return Variant(score_mod=score_mod)
+    raise TypeError(f"score_mod must be a function score_mod(score, b, h, q_idx, kv_idx) or an "
+                    f"attncc.Variant, got {type(score_mod).__name__}")
+
+
+def _trace(variant: Variant) -> tuple[VariantIR, Bindings]:
+    ir, bindings = variant.trace()
+    try:
+        from attncc.ir.simplify import simplify_variant
+    except ImportError:
+        return ir, bindings
+    # simplification preserves meaning; it only makes evaluation cheaper
+    return simplify_variant(ir), bindings
+
+
+def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   score_mod: Callable[..., Any] | Variant | None = None, block_mask: Any = None,
+                   scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
+                   kernel_options: Mapping[str, Any] | None = None,
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention-compatible attention; `score_mod` may be an `attncc.Variant`.
+
+    query [B, Hq, Sq, D], key [B, Hkv, Skv, D], value [B, Hkv, Skv, Dv] -> out [B, Hq, Sq, Dv]
+    in query's dtype, and with `return_lse=True` also lse [B, Hq, Sq] (float32, natural log;
+    -inf for a fully masked row). `enable_gqa=True` lets Hq be a multiple of Hkv. `scale`
+    defaults to 1/sqrt(D). `block_mask` comes from `attncc.create_block_mask` or torch's.
+    `return_lse` is an error for a `normalize="none"` variant: it has no softmax.
+
+    Example:
+        >>> import torch
+        >>> q, k, v = (torch.randn(1, 1, 4, 8) for _ in range(3))
+        >>> sig = Variant(score_mod=lambda s, b, h, qi, ki: torch.sigmoid(s), normalize="none")
+        >>> ref = torch.sigmoid(q @ k.transpose(-1, -2) / 8 ** 0.5) @ v
+        >>> bool(torch.allclose(flex_attention(q, k, v, score_mod=sig), ref, atol=1e-6))
+        True
+    """
+    global _warned_no_gpu_kernel
+    validate_attention_inputs(query, key, value, block_mask, enable_gqa)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(float(scale))):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    _validate_kernel_options(kernel_options)
+    variant = _as_variant(score_mod)
+    if return_lse and variant.normalize == "none":
+        raise ValueError("return_lse=True but the variant has normalize='none': there is no "
+                         "softmax, so no log-sum-exp; call with return_lse=False")
+    if query.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"query is on {query.device}; attncc runs on CPU and CUDA tensors")
+    ir, bindings = _trace(variant)
+    if query.device.type == "cuda" and not _warned_no_gpu_kernel:
+        _warned_no_gpu_kernel = True
+        warnings.warn("attncc.flex_attention: the compiled GPU kernel path is not available in "
+                      "this version; running the exact float64 reference on the GPU instead "
+                      "(correct but slow)", RuntimeWarning, stacklevel=2)
+    out, lse = attention_reference(query, key, value, ir, bindings, block_mask=block_mask,
+                                   scale=scale, enable_gqa=enable_gqa, float_dtype=torch.float64)
+    out = out.to(query.dtype)
+    if return_lse:
+        assert lse is not None  # softmax variants always produce it
+        return out, lse.to(torch.float32)
+    return out
+
+
+__all__ = ["SUPPORTED_KERNEL_OPTIONS", "flex_attention"]

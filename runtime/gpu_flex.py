@@ -1,0 +1,762 @@
+"""FlexAttention on CUDA tensors with attncc's FA2 kernel (kernels/fa2_prefill.cuh).
+
+`gpu_flex_attention(q, k, v, ir, bindings, block_mask=..., scale=..., enable_gqa=...,
+return_lse=..., kernel_options=...)` is what `attncc.flex_attention` runs for CUDA tensors: it
+validates every argument before any launch (errors name the argument), merges the block mask's
+mask_mod into the variant, picks tile sizes, compiles (NVRTC, cached on disk and in memory) and
+launches on torch's current stream. Launches are CUDA-graph capturable once the kernel is loaded
+(call once before capturing).
+
+Tile heuristic (FlashInfer-style, on the effective query length l_q x group size): T_q is the
+smallest of {16, 32, 64, 128} that covers the fused rows, capped at 128 and lowered to 64 when 128
+would leave SMs idle; T_kv comes from the head dim and the register/shared-memory budget (measured
+configurations without spills, see bench/NOTES.md). Head-group fusion (all query heads of a GQA
+group in one CTA's rows) is used when it keeps block-mask lists uniform per CTA.
+
+Example:
+    >>> fa2_config(128, 128, 64, 2)
+    Fa2Config(head_dim=128, tq=128, tkv=64, stages=2, m_frags=1, warps=8, threads=256, smem_bytes=98304)
+    >>> choose_tiles(128, q_len=4096, kv_len=4096, group=1, heads=16, batch=1, num_sms=132)
+    TilePlan(tq=128, tkv=64, stages=2, gf=1)
+    >>> choose_tiles(128, q_len=1, kv_len=4096, group=8, heads=32, batch=4, num_sms=132).tq
+    16
+"""
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from attncc.ir.nodes import Node, const, load, param, rewrite, walk
+from attncc.ir.program import Bindings, Hook, ScalarParam, TensorParam, VariantIR
+
+__all__ = ["Fa2Config", "TilePlan", "LaunchPlan", "fa2_config", "choose_tiles", "fa2_source",
+           "plan_launch", "precompile", "gpu_flex_attention", "compiled_kernel_info",
+           "HEAD_DIMS"]
+
+HEAD_DIMS = (64, 128, 256)
+TQ_CHOICES = (16, 32, 64, 128)
+TKV_CHOICES = (32, 64, 128)
+_TORCH_NOOP_BLOCK = 1 << 30
+_ELEM_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+               torch.bfloat16: "bfloat16", torch.int8: "int8", torch.uint8: "uint8",
+               torch.int16: "int16", torch.int32: "int32", torch.int64: "int64",
+               torch.bool: "bool"}
+# T_kv per (head_dim, T_q): the largest KV tile that compiles without register spills
+# (ptxas report, sm_90a, every hook combination; bench/NOTES.md has the table).
+_DEFAULT_TKV = {(64, 128): 64, (64, 64): 64, (64, 32): 64, (64, 16): 64,
+                (128, 128): 64, (128, 64): 64, (128, 32): 64, (128, 16): 64,
+                (256, 128): 32, (256, 64): 32, (256, 32): 32, (256, 16): 32}
+
+
+@dataclass(frozen=True)
+class Fa2Config:
+    """Launch geometry of one FA2 instantiation; mirrors attncc::fa2::Config in the .cuh."""
+
+    head_dim: int
+    tq: int
+    tkv: int
+    stages: int
+    m_frags: int
+    warps: int
+    threads: int
+    smem_bytes: int
+
+
+def fa2_config(head_dim: int, tq: int, tkv: int, stages: int = 2) -> Fa2Config:
+    """Threads and dynamic shared memory of fa2_prefill<.., head_dim, tq, tkv, stages>.
+
+    Example:
+        >>> c = fa2_config(256, 128, 32, 2)
+        >>> c.warps, c.smem_bytes
+        (8, 131072)
+    """
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim}: the FA2 kernel supports {HEAD_DIMS}")
+    if tq not in TQ_CHOICES or tkv not in TKV_CHOICES or not 1 <= stages <= 4:
+        raise ValueError(f"tile ({tq}, {tkv}, stages={stages}): T_q in {TQ_CHOICES}, T_kv in "
+                         f"{TKV_CHOICES}, 1..4 stages")
+    m_frags = 1  # see attncc::fa2::Config: one 16-row MMA fragment per warp
+    warps = tq // (16 * m_frags)
+    return Fa2Config(head_dim, tq, tkv, stages, m_frags, warps, warps * 32,
+                     2 * head_dim * (tq + 2 * stages * tkv))
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Chosen tiles: query rows per CTA, KV rows per tile, pipeline depth, head-group fusion."""
+
+    tq: int
+    tkv: int
+    stages: int
+    gf: int
+    forced: bool = field(default=False, repr=False)  # from kernel_options: compile exactly
+
+
+def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: int, batch: int,
+                 num_sms: int = 132, block_q: int | None = None, block_kv: int | None = None,
+                 mask_head_uniform: bool = True,
+                 kernel_options: Mapping[str, Any] | None = None) -> TilePlan:
+    """Pick (T_q, T_kv, stages, gf) for a problem; `block_*` are the block mask's BLOCK_SIZE.
+
+    `group` = num_q_heads / num_kv_heads; `heads` = num_q_heads. kernel_options may force
+    BLOCK_M (T_q), BLOCK_N (T_kv) and num_stages; an impossible choice raises ValueError.
+
+    Example:
+        >>> choose_tiles(64, q_len=17, kv_len=17, group=4, heads=8, batch=1)
+        TilePlan(tq=64, tkv=64, stages=2, gf=4)
+        >>> choose_tiles(128, q_len=1000, kv_len=1000, group=1, heads=16, batch=2,
+        ...              block_q=128, block_kv=128)
+        TilePlan(tq=128, tkv=64, stages=2, gf=1)
+    """
+    opts = dict(kernel_options or {})
+    masked = block_q is not None
+    if masked and (block_q % 16 or block_kv % 32):  # type: ignore[operator]
+        raise ValueError(f"block_mask BLOCK_SIZE={(block_q, block_kv)}: the GPU kernel needs the "
+                         f"query block size to be a multiple of 16 and the kv block size a "
+                         f"multiple of 32; create the block mask with BLOCK_SIZE=128")
+
+    def fusion_ok(tq: int, gf: int) -> bool:
+        if gf == 1:
+            return not masked or block_q % tq == 0  # type: ignore[operator]
+        if not masked:
+            return True
+        return mask_head_uniform and tq % gf == 0 and block_q % (tq // gf) == 0  # type: ignore
+
+    def default_tq(rows: int, gf: int) -> int:
+        tq = next((t for t in TQ_CHOICES if t >= rows), 128)
+        if tq == 128 and -(-rows // 128) * (heads // gf) * batch < num_sms:
+            tq = 64  # twice the CTAs: better than leaving SMs idle
+        if head_dim == 256:
+            tq = min(tq, 64)  # TQ=128 (8 warps) spilled at D=256 for causal / ALiBi variants
+        return tq
+
+    forced_tq = opts.get("BLOCK_M")
+    if forced_tq is not None and forced_tq not in TQ_CHOICES:
+        raise ValueError(f"kernel_options['BLOCK_M']={forced_tq}: the FA2 kernel takes "
+                         f"{TQ_CHOICES}")
+    plan_tq = plan_gf = None
+    for gf in ((group, 1) if group > 1 else (1,)):
+        rows = q_len * gf
+        tq = forced_tq or default_tq(rows, gf)
+        cands = [tq] + [t for t in reversed(TQ_CHOICES) if t < tq and forced_tq is None]
+        ok = [t for t in cands if fusion_ok(t, gf)]
+        if ok:
+            plan_tq, plan_gf = ok[0], gf
+            break
+    if plan_tq is None:
+        raise ValueError(f"kernel_options['BLOCK_M']={forced_tq} does not divide the block "
+                         f"mask's query block size {block_q}; pick a BLOCK_M that does")
+    tkv = opts.get("BLOCK_N") or _DEFAULT_TKV[(head_dim, plan_tq)]
+    if tkv not in TKV_CHOICES:
+        raise ValueError(f"kernel_options['BLOCK_N']={tkv}: the FA2 kernel takes {TKV_CHOICES}")
+    if masked and block_kv % tkv:  # type: ignore[operator]
+        if opts.get("BLOCK_N"):
+            raise ValueError(f"kernel_options['BLOCK_N']={tkv} does not divide the block mask's "
+                             f"kv block size {block_kv}")
+        tkv = max(t for t in TKV_CHOICES if t <= tkv and block_kv % t == 0)  # type: ignore
+    stages = opts.get("num_stages") or 2
+    if not 1 <= stages <= 4:
+        raise ValueError(f"kernel_options['num_stages']={stages}: use 1 to 4")
+    fa2_config(head_dim, plan_tq, tkv, stages)  # validates
+    forced = bool(opts.get("BLOCK_M") or opts.get("BLOCK_N"))
+    return TilePlan(plan_tq, tkv, stages, plan_gf, forced)
+
+
+# --------------------------------------------------------------------------------- source
+_ENTRY_MARK = "// ============================================================================ entry point"
+
+
+def fa2_source(ir: VariantIR, *, head_dim: int, dtype: str, tq: int, tkv: int,
+               stages: int = 2) -> tuple[str, str, Any, Any]:
+    """(source, kernel_name, params_layout, attention_params_layout) of the FA2 kernel for `ir`.
+
+    Interim assembly until codegen ships `kernel="fa2"`: codegen's translation unit for the
+    variant (shipped templates, the Variant_<name> functors and the layout static_asserts) with
+    its entry point replaced by kernels/fa2_prefill.cuh and one ATTNCC_FA2_ENTRY line.
+
+    Example:
+        >>> src, name, _, _ = fa2_source(VariantIR(name="plain"), head_dim=64, dtype="bfloat16",
+        ...                              tq=64, tkv=64)
+        >>> name, src.count("ATTNCC_FA2_ENTRY(attncc_plain")
+        ('attncc_plain_fa2_d64_bf16_q64_k64_s2', 1)
+    """
+    from attncc.codegen.generate import DTYPES, generate_source, kernel_name
+    from attncc.kernels import read_template
+
+    fa2_config(head_dim, tq, tkv, stages)
+    if dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"dtype={dtype!r}: the FA2 kernel runs bfloat16 or float16")
+    gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="simple")
+    cut = gk.source.find(_ENTRY_MARK)
+    if cut < 0:
+        raise RuntimeError("codegen's translation unit has no entry-point marker; update "
+                           "attncc.runtime.gpu_flex.fa2_source to the new template")
+    name = (kernel_name(gk.variant.name, "fa2", head_dim, dtype)
+            + f"_q{tq}_k{tkv}_s{stages}")
+    source = (gk.source[:cut] + "// ============================================================"
+              "================ fa2_prefill.cuh\n" + read_template("fa2_prefill.cuh")
+              + "\n" + _ENTRY_MARK + "\n"
+              + f"ATTNCC_FA2_ENTRY({name}, {gk.variant.struct_name}, {DTYPES[dtype][0]}, "
+                f"{head_dim}, {tq}, {tkv}, {stages})\n")
+    return source, name, gk.params_layout, gk.attention_params_layout
+
+
+@dataclass
+class _Compiled:
+    launcher: Any
+    config: Fa2Config  # the tiles actually compiled (may be smaller than planned: no spills)
+    ir: VariantIR
+    log: str  # NVRTC log with ptxas's resource report
+
+
+_KERNELS: dict[tuple, _Compiled] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def _kernel_for(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
+                device: int) -> _Compiled:
+    hooks = tuple((n, h.expr) for n, h in ir.hooks.items())
+    key = (hooks, ir.normalize, ir.name, ir.scalars, ir.tensors, head_dim, dtype, plan.tq,
+           plan.tkv, plan.stages, device)
+    hit = _KERNELS.get(key)
+    if hit is not None:
+        return hit
+    with _KERNELS_LOCK:
+        hit = _KERNELS.get(key)
+        if hit is not None:
+            return hit
+        from attncc.ir.simplify import simplify_variant
+
+        from .cache import cached_compile
+        from .launcher import load_kernel
+        from .nvrtc import device_arch
+
+        with torch.cuda.device(device):
+            arch = device_arch()
+        simplified = simplify_variant(ir)
+        # ptxas decides register allocation per variant; if this one spills, fall back to smaller
+        # KV tiles (fewer S accumulators), then smaller query tiles (more CTAs, same regs/thread).
+        tiles = [(plan.tq, plan.tkv)]
+        tiles += [(plan.tq, t) for t in (32,) if t < plan.tkv]
+        tiles += [(q, min(plan.tkv, 64)) for q in (64,) if q < plan.tq]
+        for i, (tq, tkv) in enumerate(tiles):
+            cfg = fa2_config(head_dim, tq, tkv, plan.stages)
+            source, name, vp_layout, ap_layout = fa2_source(
+                simplified, head_dim=head_dim, dtype=dtype, tq=tq, tkv=tkv, stages=plan.stages)
+            res, _ = cached_compile(source, arch=arch, name=f"{name}.cu", verbose=True)
+            if _spill_bytes(res.log) == 0 or i == len(tiles) - 1 or plan_forced(plan):
+                break
+        kl = load_kernel(res.cubin, name, ap_layout, vp_layout, device=device,
+                         dynamic_smem=cfg.smem_bytes)
+        if kl.max_threads < cfg.threads:
+            raise RuntimeError(f"{name}: the module allows {kl.max_threads} threads per block "
+                               f"but the FA2 config needs {cfg.threads}; fa2_config and "
+                               f"attncc::fa2::Config disagree")
+        hit = _KERNELS[key] = _Compiled(kl, cfg, simplified, res.log)
+        return hit
+
+
+def plan_forced(plan: TilePlan) -> bool:
+    """True when the tiles came from kernel_options (then they are used as given)."""
+    return getattr(plan, "forced", False)
+
+
+def _spill_bytes(log: str) -> int:
+    """Spill stores + loads in ptxas's `-v` report (0 when the log has no report)."""
+    import re
+
+    return sum(int(a) + int(b) for a, b in
+               re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log))
+
+
+# --------------------------------------------------------------------------------- validation
+def _validate(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, seq_len, head_dim], got shape "
+                             f"{tuple(t.shape)}")
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} is on {t.device}; the GPU kernel needs CUDA tensors")
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"{name} has dtype {t.dtype}; the GPU kernel runs bfloat16 or "
+                             f"float16 (convert with .to(torch.bfloat16))")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise ValueError(f"query, key and value must share a dtype, got query={query.dtype}, "
+                         f"key={key.dtype}, value={value.dtype}")
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(f"query, key and value must be on one device, got query={query.device}, "
+                         f"key={key.device}, value={value.device}")
+    B, Hq, Sq, D = query.shape
+    Bk, Hkv, Skv, Dk = key.shape
+    Bv, Hv, Sv, Dv = value.shape
+    if Bk != B or Bv != B:
+        raise ValueError(f"batch sizes differ: query has {B}, key {Bk}, value {Bv}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"query head_dim {D}: the GPU kernel supports head dims {HEAD_DIMS}")
+    if Dk != D:
+        raise ValueError(f"key head_dim {Dk} != query head_dim {D}")
+    if Dv != D:
+        raise ValueError(f"value head_dim {Dv} != query head_dim {D}: the GPU kernel needs one "
+                         f"head dim for q, k and v")
+    if Hv != Hkv or Sv != Skv:
+        raise ValueError(f"value has {Hv} heads and seq_len {Sv} but key has {Hkv} heads and "
+                         f"seq_len {Skv}; they must match")
+    if Hq != Hkv:
+        if not enable_gqa:
+            raise ValueError(f"query has {Hq} heads but key/value have {Hkv}; pass "
+                             f"enable_gqa=True for grouped-query attention")
+        if Hkv == 0 or Hq % Hkv:
+            raise ValueError(f"enable_gqa=True needs query heads ({Hq}) to be a multiple of "
+                             f"key/value heads ({Hkv})")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        # cp.async moves 16-byte chunks: the head dim must be contiguous and every row start
+        # 16-byte aligned
+        if t.stride(3) != 1 or any(t.stride(i) % 8 for i in range(3) if t.shape[i] > 1) \
+                or t.data_ptr() % 16:
+            raise ValueError(f"{name} has strides {tuple(t.stride())} (data_ptr % 16 = "
+                             f"{t.data_ptr() % 16}); the GPU kernel needs a contiguous head "
+                             f"dim and 16-byte aligned rows: pass {name}.contiguous()")
+        if max(t.shape[2], 1) * max(t.shape[1], 1) >= 2**31:
+            raise ValueError(f"{name} has {t.shape[1]} heads x {t.shape[2]} positions; the GPU "
+                             f"kernel indexes rows with 32-bit ints")
+
+
+_DEVICE_COPIES: "weakref.WeakKeyDictionary[torch.Tensor, tuple[int, torch.Tensor]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _on_device(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A captured tensor on the kernel's device. CPU tensors are copied once and the copy reused
+    while the CPU tensor is unchanged (its version counter), so repeated calls -- and CUDA graph
+    replays after a warm-up call -- do no host-to-device traffic."""
+    if t.device == device:
+        return t
+    if t.device.type != "cpu":
+        raise ValueError(f"captured tensor {name!r} is on {t.device} but query is on {device}; "
+                         f"move it with {name} = {name}.to({str(device)!r}) before defining "
+                         f"the mod")
+    hit = _DEVICE_COPIES.get(t)
+    if hit is not None and hit[0] == t._version and hit[1].device == device:
+        return hit[1]
+    copy = t.to(device)
+    _DEVICE_COPIES[t] = (t._version, copy)
+    return copy
+
+
+def _captured(ir: VariantIR, bindings: Bindings, device: torch.device) -> dict[str, Any]:
+    """Member values of VariantParams for the launch; checks captured tensors' device/dtype."""
+    tensors: dict[str, tuple[int, list[int], list[int]]] = {}
+    for t in ir.tensors:
+        val = bindings.tensors.get(t.name)
+        if not isinstance(val, torch.Tensor):
+            raise ValueError(f"captured tensor {t.name!r} has no value in the bindings")
+        if _ELEM_NAMES.get(val.dtype) != t.elem:
+            raise ValueError(f"captured tensor {t.name!r} is {val.dtype} but was traced as "
+                             f"{t.elem}; trace the variant again")
+        val = _on_device(t.name, val, device)
+        tensors[t.name] = (val.data_ptr(), list(val.stride()), list(val.shape))
+    scalars = {s.name: bindings.scalars[s.name] for s in ir.scalars}
+    return {"tensors": tensors, "scalars": scalars}
+
+
+# --------------------------------------------------------------------------------- block masks
+_TRACED_MASKS: "weakref.WeakKeyDictionary[Any, tuple[VariantIR, Bindings]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _is_noop(fn: Any) -> bool:
+    if fn is None:
+        return True
+    from attncc.frontend import noop_mask
+
+    if fn is noop_mask:
+        return True
+    try:
+        from torch.nn.attention.flex_attention import noop_mask as torch_noop
+    except ImportError:  # pragma: no cover
+        return False
+    return fn is torch_noop
+
+
+def _mask_program(block_mask: Any) -> tuple[Node, tuple[ScalarParam, ...],
+                                              tuple[TensorParam, ...], Bindings] | None:
+    """The block mask's mask_mod as (expr, scalar decls, tensor decls, values), or None (noop)."""
+    fn = getattr(block_mask, "mask_mod", None)
+    expr = getattr(block_mask, "mask_ir", None)
+    bind = getattr(block_mask, "bindings", None)
+    if expr is not None and bind is not None:
+        scal = {n.attr: ScalarParam(n.attr, n.dtype) for n in walk(expr) if n.op == "param"}
+        tens = {}
+        for n in walk(expr):
+            if n.op == "load":
+                t = bind.tensors[n.attr]
+                idx = [a for a in n.args]
+                tens[n.attr] = TensorParam(n.attr, _ELEM_NAMES[t.dtype], len(idx), n.dtype)
+        return expr, tuple(scal.values()), tuple(tens.values()), bind
+    if _is_noop(fn):
+        return None
+    try:
+        cached = _TRACED_MASKS.get(fn)
+    except TypeError:
+        cached = None
+    if cached is None:
+        from attncc.frontend import trace_mods
+
+        cached = trace_mods({"mask_mod": fn})
+        try:
+            _TRACED_MASKS[fn] = cached
+        except TypeError:
+            pass
+    mir, mbind = cached
+    return mir.expr("mask_mod"), mir.scalars, mir.tensors, mbind
+
+
+def _merge_mask(ir: VariantIR, bindings: Bindings, block_mask: Any
+                ) -> tuple[VariantIR, Bindings]:
+    """`ir` whose mask_mod is ANDed with the block mask's (captured names renamed apart)."""
+    prog = _mask_program(block_mask)
+    if prog is None:
+        return ir, bindings
+    expr, scal, tens, mbind = prog
+    taken = {s.name for s in ir.scalars} | {t.name for t in ir.tensors}
+    rename: dict[str, str] = {}
+    for nm in [s.name for s in scal] + [t.name for t in tens]:
+        new = f"bm_{nm}"
+        while new in taken:
+            new += "_"
+        taken.add(new)
+        rename[nm] = new
+
+    def fn(n: Node, args: tuple[Node, ...]) -> Node:
+        if n.op == "param":
+            return param(rename[n.attr], n.dtype)
+        if n.op == "load":
+            return load(rename[n.attr], args, n.dtype)
+        if not n.args:
+            return n
+        from attncc.ir.nodes import rebuild
+
+        return rebuild(n, args)
+
+    bm_expr = rewrite(expr, fn) if rename else expr
+    own = ir.hook("mask_mod")
+    merged = bm_expr if own.is_identity else (own.expr & bm_expr)
+    new_ir = ir.with_exprs({"mask_mod": merged})
+    new_ir = VariantIR(hooks=new_ir.hooks, normalize=ir.normalize, name=ir.name,
+                       scalars=ir.scalars + tuple(ScalarParam(rename[s.name], s.dtype)
+                                                  for s in scal),
+                       tensors=ir.tensors + tuple(TensorParam(rename[t.name], t.elem, t.ndim,
+                                                              t.dtype) for t in tens))
+    new_bind = Bindings(
+        {**bindings.scalars, **{rename[s.name]: mbind.scalars[s.name] for s in scal}},
+        {**bindings.tensors, **{rename[t.name]: mbind.tensors[t.name] for t in tens}})
+    return new_ir, new_bind
+
+
+def _fold_full(num: torch.Tensor, idx: torch.Tensor, fnum: torch.Tensor, fidx: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One partial list holding the partial blocks, then the full ones (mask applied to all)."""
+    n = idx.shape[-1]
+    slot = torch.arange(2 * n, device=idx.device, dtype=torch.int64)
+    np_ = num.to(torch.int64)[..., None]
+    first = torch.gather(idx.expand(*num.shape, n), -1, slot.clamp(max=n - 1).expand(
+        *num.shape, 2 * n))
+    second = torch.gather(fidx.expand(*num.shape, n), -1, (slot - np_).clamp(0, n - 1))
+    merged = torch.where(slot < np_, first, second)
+    return (num + fnum).to(torch.int32).contiguous(), merged.to(torch.int32).contiguous()
+
+
+@dataclass
+class _MaskArgs:
+    num: torch.Tensor
+    idx: torch.Tensor
+    fnum: torch.Tensor | None
+    fidx: torch.Tensor | None
+    block_q: int
+    block_kv: int
+    head_uniform: bool
+
+
+def _block_size(bm: Any) -> tuple[int, int]:
+    bs = bm.BLOCK_SIZE
+    if isinstance(bs, int):
+        return bs, bs
+    return int(bs[0]), int(bs[1])
+
+
+def _mask_args(block_mask: Any, variant_has_mask: bool, B: int, Hq: int, Sq: int, Skv: int,
+               device: torch.device) -> _MaskArgs | None:
+    for attr in ("kv_num_blocks", "kv_indices", "BLOCK_SIZE"):
+        if not hasattr(block_mask, attr):
+            raise TypeError(f"block_mask must be a BlockMask (attncc.create_block_mask or torch's "
+                            f"create_block_mask); {type(block_mask).__name__} has no .{attr}")
+    bq, bkv = _block_size(block_mask)
+    if bq >= _TORCH_NOOP_BLOCK and bkv >= _TORCH_NOOP_BLOCK:
+        return None
+    num, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    fnum = getattr(block_mask, "full_kv_num_blocks", None)
+    fidx = getattr(block_mask, "full_kv_indices", None)
+    for name, t in (("kv_num_blocks", num), ("kv_indices", idx), ("full_kv_num_blocks", fnum),
+                    ("full_kv_indices", fidx)):
+        if t is None:
+            continue
+        if t.device != device:
+            raise ValueError(f"block_mask.{name} is on {t.device} but query is on {device}; "
+                             f"create the mask with device=query.device or use "
+                             f"block_mask.to(query.device)")
+        if t.dtype != torch.int32:
+            raise ValueError(f"block_mask.{name} has dtype {t.dtype}; block masks hold int32")
+    if num.dim() != 3 or idx.dim() != 4:
+        raise ValueError(f"block_mask.kv_num_blocks must be [B, H, q_blocks] and kv_indices "
+                         f"[B, H, q_blocks, kv_blocks], got {tuple(num.shape)} and "
+                         f"{tuple(idx.shape)}")
+    Bm, Hm, nqb = num.shape
+    if Bm not in (1, B) or Hm not in (1, Hq):
+        raise ValueError(f"block_mask has shape {tuple(num.shape[:2])} for (B, H) but query has "
+                         f"({B}, {Hq}); create it with B={B} (or None) and H={Hq} (or None)")
+    if nqb * bq < Sq:
+        raise ValueError(f"block_mask covers {nqb * bq} query rows but query has seq_len {Sq}; "
+                         f"create it with Q_LEN={Sq}")
+    if (fnum is None) != (fidx is None):
+        raise ValueError("block_mask has only one of full_kv_num_blocks / full_kv_indices")
+    if fnum is not None and variant_has_mask:
+        # the variant's own mask_mod applies everywhere, so no block may skip it
+        num, idx = _fold_full(num, idx, fnum, fidx)
+        fnum = fidx = None
+    if num.stride(-1) != 1:
+        num = num.contiguous()
+    if idx.stride(-1) != 1:
+        idx = idx.contiguous()
+    if fnum is not None:
+        fnum = fnum if fnum.stride(-1) == 1 else fnum.contiguous()
+        fidx = fidx if fidx.stride(-1) == 1 else fidx.contiguous()
+        if _bstrides(fnum) != _bstrides(num) or _bstrides(fidx) != _bstrides(idx):
+            num, idx, fnum, fidx = (t.contiguous() for t in (num, idx, fnum, fidx))
+            if _bstrides(fnum) != _bstrides(num) or _bstrides(fidx) != _bstrides(idx):
+                raise ValueError("block_mask.full_kv_* and kv_* have different shapes")
+    head_uniform = Hm == 1 or (num.stride(1) == 0 and idx.stride(1) == 0 and
+                               (fnum is None or (fnum.stride(1) == 0 and fidx.stride(1) == 0)))
+    return _MaskArgs(num, idx, fnum, fidx, bq, bkv, head_uniform)
+
+
+def _bstrides(t: torch.Tensor) -> tuple[int, ...]:
+    """Strides with 0 for size-1 dims (a broadcast dimension's stride is irrelevant)."""
+    return tuple(0 if s == 1 else st for s, st in zip(t.shape, t.stride()))
+
+
+# --------------------------------------------------------------------------------- entry
+def _num_sms(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@dataclass
+class LaunchPlan:
+    """Everything decided before a launch: merged variant, captured values, tiles, mask lists."""
+
+    ir: VariantIR
+    bindings: Bindings
+    tiles: TilePlan
+    mask: _MaskArgs | None
+    dtype: str
+    head_dim: int
+    device: int
+
+
+def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: VariantIR,
+                bindings: Bindings | None = None, *, block_mask: Any = None,
+                enable_gqa: bool = False, kernel_options: Mapping[str, Any] | None = None
+                ) -> LaunchPlan:
+    """Validate the arguments and decide the launch (no compile, no launch).
+
+    Example:
+        >>> import torch
+        >>> if torch.cuda.is_available():  # doctest: +SKIP
+        ...     plan = plan_launch(q, k, v, ir, bindings)
+    """
+    bindings = bindings if bindings is not None else Bindings()
+    _validate(query, key, value, enable_gqa)
+    B, Hq, Sq, D = query.shape
+    Hkv, Skv = key.shape[1], key.shape[2]
+    device = query.device
+    dev_index = device.index if device.index is not None else torch.cuda.current_device()
+    margs = None
+    if block_mask is not None:
+        margs = _mask_args(block_mask, not ir.hook("mask_mod").is_identity, B, Hq, Sq, Skv,
+                           device)
+        if margs is not None:
+            ir, bindings = _merge_mask(ir, bindings, block_mask)
+    tiles = choose_tiles(D, q_len=Sq, kv_len=Skv, group=Hq // Hkv, heads=Hq, batch=B,
+                         num_sms=_num_sms(dev_index),
+                         block_q=margs.block_q if margs else None,
+                         block_kv=margs.block_kv if margs else None,
+                         mask_head_uniform=margs.head_uniform if margs else True,
+                         kernel_options=kernel_options)
+    if Hq // tiles.gf > 65535 or B > 65535:
+        raise ValueError(f"batch {B} x heads {Hq}: the GPU kernel's grid allows at most 65535 "
+                         f"head slots and 65535 batches")
+    dtype = "bfloat16" if query.dtype == torch.bfloat16 else "float16"
+    return LaunchPlan(ir, bindings, tiles, margs, dtype, D, dev_index)
+
+
+def _compile_job(job: tuple[str, str, str]) -> str:
+    from .cache import cached_compile
+
+    source, arch, name = job
+    cached_compile(source, arch=arch, name=name, verbose=True)
+    return name
+
+
+def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int:
+    """Compile the kernels `plans` need in parallel processes, into the on-disk cache.
+
+    NVRTC holds the GIL, so threads do not help; a process pool does. Later calls then load the
+    cubins from the cache. Returns how many distinct kernels were compiled or found.
+
+    Example:
+        >>> precompile([])
+        0
+    """
+    if not plans:
+        return 0
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing
+    import os
+
+    from attncc.ir.simplify import simplify_variant
+
+    from .nvrtc import device_arch
+
+    jobs: dict[str, tuple[str, str, str]] = {}
+    for pl in plans:
+        with torch.cuda.device(pl.device):
+            arch = device_arch()
+        src, name, _, _ = fa2_source(simplify_variant(pl.ir), head_dim=pl.head_dim,
+                                     dtype=pl.dtype, tq=pl.tiles.tq, tkv=pl.tiles.tkv,
+                                     stages=pl.tiles.stages)
+        jobs[src] = (src, arch, f"{name}.cu")
+    workers = max_workers or min(len(jobs), os.cpu_count() or 1)
+    if workers <= 1:
+        for job in jobs.values():
+            _compile_job(job)
+    else:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+            list(ex.map(_compile_job, jobs.values()))
+    return len(jobs)
+
+
+def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       ir: VariantIR, bindings: Bindings | None = None, *, block_mask: Any = None,
+                       scale: float | None = None, enable_gqa: bool = False,
+                       return_lse: bool = False,
+                       kernel_options: Mapping[str, Any] | None = None,
+                       out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run a traced variant on CUDA tensors with the FA2 kernel: `(out, lse or None)`.
+
+    query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D] (bf16 or fp16, D in 64/128/256) ->
+    out [B, Hq, Sq, D] in query's dtype; lse [B, Hq, Sq] float32 (natural log, -inf for a fully
+    masked row) when `return_lse`. The variant's mask_mod applies everywhere; the block mask's
+    mask_mod only in its partial blocks (FlexAttention's semantics); absent blocks are skipped.
+    `out` / `lse_out` may be given (e.g. static buffers for CUDA graphs). Every argument is
+    checked before anything is launched.
+
+    Example:
+        >>> import torch, attncc
+        >>> if torch.cuda.is_available():  # doctest: +SKIP
+        ...     q, k, v = (torch.randn(1, 8, 256, 128, device="cuda", dtype=torch.bfloat16)
+        ...                for _ in range(3))
+        ...     ir, b = attncc.Variant(mask_mod=lambda b, h, qi, ki: qi >= ki).trace()
+        ...     out, lse = gpu_flex_attention(q, k, v, ir, b, return_lse=True)
+    """
+    if return_lse and not ir.use_softmax:
+        raise ValueError("return_lse=True but the variant has normalize='none': there is no "
+                         "softmax, so no log-sum-exp")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(float(scale))):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    pl = plan_launch(query, key, value, ir, bindings, block_mask=block_mask,
+                     enable_gqa=enable_gqa, kernel_options=kernel_options)
+    B, Hq, Sq, D = query.shape
+    Hkv, Skv = key.shape[1], key.shape[2]
+    device = query.device
+    sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    captured = _captured(pl.ir, pl.bindings, device)
+    if out is None:
+        out = torch.empty(B, Hq, Sq, D, dtype=query.dtype, device=device)
+    elif (out.shape != query.shape or out.dtype != query.dtype or out.device != device
+          or out.stride(3) != 1 or any(out.stride(i) % 8 for i in range(3))
+          or out.data_ptr() % 16):
+        raise ValueError(f"out must be a {tuple(query.shape)} {query.dtype} tensor on {device} "
+                         f"with a contiguous, 16-byte aligned head dim; got {tuple(out.shape)} "
+                         f"{out.dtype} strides {tuple(out.stride())}")
+    lse = None
+    if return_lse:
+        lse = lse_out if lse_out is not None else torch.empty(B, Hq, Sq, dtype=torch.float32,
+                                                              device=device)
+        if (lse.shape != (B, Hq, Sq) or lse.dtype != torch.float32 or lse.device != device
+                or (Sq > 1 and lse.stride(2) != 1)):
+            raise ValueError(f"lse_out must be a ({B}, {Hq}, {Sq}) float32 tensor on {device} "
+                             f"with a contiguous last dim")
+    if out.numel() == 0:
+        return out, lse
+
+    kern = _kernel_for(pl.ir, D, pl.dtype, pl.tiles, pl.device)
+    kl, cfg = kern.launcher, kern.config
+    grid = (-(-(Sq * pl.tiles.gf) // cfg.tq), Hq // pl.tiles.gf, B)
+    ap = {
+        "q": query.data_ptr(), "k": key.data_ptr(), "v": value.data_ptr(), "o": out.data_ptr(),
+        "lse": lse.data_ptr() if lse is not None else 0,
+        "q_stride_b": query.stride(0), "q_stride_h": query.stride(1),
+        "q_stride_s": query.stride(2),
+        "k_stride_b": key.stride(0), "k_stride_h": key.stride(1), "k_stride_s": key.stride(2),
+        "v_stride_b": value.stride(0), "v_stride_h": value.stride(1),
+        "v_stride_s": value.stride(2),
+        "o_stride_b": out.stride(0), "o_stride_h": out.stride(1), "o_stride_s": out.stride(2),
+        "lse_stride_b": lse.stride(0) if lse is not None else 0,
+        "lse_stride_h": lse.stride(1) if lse is not None else 0,
+        "batch": B, "num_q_heads": Hq, "num_kv_heads": Hkv, "q_len": Sq, "kv_len": Skv,
+        "sm_scale": sm_scale,
+        "kv_num_blocks": 0, "kv_indices": 0, "full_kv_num_blocks": 0, "full_kv_indices": 0,
+        "bm_stride_b": 0, "bm_stride_h": 0, "bi_stride_b": 0, "bi_stride_h": 0,
+        "bi_stride_q": 0, "block_q": 0, "block_kv": 0,
+    }
+    m = pl.mask
+    if m is not None:
+        nb, ix = _bstrides(m.num), _bstrides(m.idx)
+        ap.update(kv_num_blocks=m.num.data_ptr(), kv_indices=m.idx.data_ptr(),
+                  full_kv_num_blocks=m.fnum.data_ptr() if m.fnum is not None else 0,
+                  full_kv_indices=m.fidx.data_ptr() if m.fidx is not None else 0,
+                  bm_stride_b=nb[0], bm_stride_h=nb[1], bi_stride_b=ix[0], bi_stride_h=ix[1],
+                  bi_stride_q=m.idx.stride(2), block_q=m.block_q, block_kv=m.block_kv)
+    from attncc.codegen.generate import variant_param_values
+
+    vp = variant_param_values(kl.vp.layout, captured["scalars"], captured["tensors"])
+    kl.launch(grid, (cfg.threads, 1, 1), cfg.smem_bytes, kl.ap.flatten(ap), kl.vp.flatten(vp),
+              stream=torch.cuda.current_stream(device).cuda_stream)
+    return out, lse
+
+
+def compiled_kernel_info(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         ir: VariantIR, bindings: Bindings | None = None, **kw: Any) -> dict:
+    """Which kernel a call would run and its resources (registers, spills, tiles), compiling it
+    if needed. For benchmarks and notes.
+
+    Example:
+        >>> import torch
+        >>> if torch.cuda.is_available():  # doctest: +SKIP
+        ...     compiled_kernel_info(q, k, v, ir)["registers"]
+    """
+    pl = plan_launch(query, key, value, ir, bindings, **kw)
+    kern = _kernel_for(pl.ir, pl.head_dim, pl.dtype, pl.tiles, pl.device)
+    kl = kern.launcher
+    return {"kernel": kl.kernel_name, "tq": kern.config.tq, "tkv": kern.config.tkv,
+            "stages": kern.config.stages, "gf": pl.tiles.gf, "threads": kern.config.threads,
+            "smem_bytes": kern.config.smem_bytes, "registers": kl.num_regs,
+            "local_bytes": kl.local_bytes, "spill_bytes": _spill_bytes(kern.log)}

@@ -1,0 +1,343 @@
+"""Load cubins and launch attncc kernels from Python through the CUDA driver API (cuda-python).
+
+A kernel takes two structs by value: `attncc::AttentionParams` and `VariantParams_<name>`. Both
+are packed as bytes from their Python `StructLayout` (attncc.codegen.layout) by a `StructPacker`
+(one precompiled `struct.Struct`, one `pack_into` into a buffer allocated once), and
+`cuLaunchKernel` gets the address of a pre-built `void*[2]` pointing at the two buffers. That keeps
+a launch of a cached kernel to a few microseconds of host time: no per-call allocation, no
+cuda-python `(values, types)` marshalling (which also mis-passed a float in an earlier probe).
+
+Modules are cached per (sha256 of the cubin, device): the driver loads a cubin once per context.
+Launches go on `torch.cuda.current_stream()`, so they order with torch's work and can be captured
+in `torch.cuda.graph` (the driver copies argument bytes at launch time, so the reused buffers are
+safe; load the module before capturing -- the first launch outside the graph does that).
+
+Every driver call is checked; failures raise `LaunchError` naming the call and the CUDA error.
+Works with cuda-bindings 12 and 13 (`from cuda.bindings import driver` in both).
+
+Example (CPU-only parts):
+    >>> from attncc.codegen.layout import struct_layout
+    >>> lay = struct_layout("S", [("p", "const void*"), ("n", "int"), ("x", "float"),
+    ...                           ("s", "attncc::i64", 2)])
+    >>> pk = StructPacker(lay)
+    >>> pk.pack({"p": 16, "n": 3, "x": 0.5, "s": [7, 8]}) == lay.pack(
+    ...     {"p": 16, "n": 3, "x": 0.5, "s": [7, 8]})
+    True
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from attncc.errors import AttnccError
+
+__all__ = ["LaunchError", "StructPacker", "KernelLauncher", "load_kernel", "driver_check",
+           "clear_module_cache"]
+
+_FMT = {"int": "i", "float": "f", "attncc::i64": "q"}
+_MAX_STATIC_SMEM = 48 * 1024
+
+
+class LaunchError(AttnccError, RuntimeError):
+    """A CUDA driver call failed while loading or launching a kernel (message names the call)."""
+
+
+def _driver() -> Any:
+    from cuda.bindings import driver  # lazily: the compiler half must import without CUDA
+
+    return driver
+
+
+def driver_check(result: Any, call: str) -> Any:
+    """Unpack a cuda-python driver result `(CUresult, *values)`; raise LaunchError on failure.
+
+    Returns None, the single value, or a tuple of values.
+
+    Example:
+        >>> from attncc.runtime.nvrtc import available
+        >>> try:
+        ...     from cuda.bindings import driver
+        ... except ImportError:
+        ...     driver = None
+        >>> if driver is not None:
+        ...     driver_check((driver.CUresult.CUDA_SUCCESS, 5), "cuFake")
+        ... else:
+        ...     5
+        5
+    """
+    if isinstance(result, tuple):
+        err, rest = result[0], result[1:]
+    else:
+        err, rest = result, ()
+    if int(err) != 0:
+        raise LaunchError(f"{call} failed: {_error_text(err)}")
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else rest
+
+
+def _error_text(err: Any) -> str:
+    drv = _driver()
+    name = desc = None
+    try:
+        e, n = drv.cuGetErrorName(err)
+        if int(e) == 0 and n is not None:
+            name = n.decode() if isinstance(n, bytes) else str(n)
+        e, d = drv.cuGetErrorString(err)
+        if int(e) == 0 and d is not None:
+            desc = d.decode() if isinstance(d, bytes) else str(d)
+    except Exception:  # the error text is best effort; the code itself is always reported
+        pass
+    code = int(err)
+    return f"{name or 'CUDA error'} ({code}){': ' + desc if desc else ''}"
+
+
+# ------------------------------------------------------------------------------------ packing
+class StructPacker:
+    """Packs one `StructLayout` into a reusable, fixed-address buffer with a single pack_into.
+
+    `names` is the member order `pack_values` expects (arrays contribute `count` values each).
+    `buffer` stays at one address for the packer's lifetime, so a launcher can point a kernel
+    argument at it once.
+
+    Example:
+        >>> from attncc.codegen.layout import struct_layout
+        >>> pk = StructPacker(struct_layout("S", [("n", "int"), ("p", "float*")]))
+        >>> pk.fmt, pk.size, pk.names
+        ('<i4xQ', 16, ('n', 'p'))
+        >>> pk.pack_values((1, 0)).hex()
+        '01000000000000000000000000000000'
+    """
+
+    def __init__(self, layout: Any) -> None:
+        self.layout = layout
+        parts = ["<"]
+        pos = 0
+        names: list[str] = []
+        counts: list[int] = []
+        ptr_slots: list[bool] = []
+        for f in sorted(layout.fields, key=lambda f: f.offset):
+            if f.offset < pos:
+                raise ValueError(f"{layout.name}: member {f.name} overlaps the previous one")
+            if f.offset > pos:
+                parts.append(f"{f.offset - pos}x")
+            code = "Q" if f.ctype.endswith("*") else _FMT.get(f.ctype)
+            if code is None:
+                raise ValueError(f"{layout.name}::{f.name}: cannot pack C type {f.ctype!r}")
+            parts.append(code * f.count if f.count > 1 else code)
+            names.append(f.name)
+            counts.append(f.count)
+            ptr_slots.extend([code == "Q"] * f.count)
+            pos = f.offset + f.size
+        if layout.size > pos:
+            parts.append(f"{layout.size - pos}x")
+        self.fmt = "".join(parts)
+        self._struct = struct.Struct(self.fmt)
+        if self._struct.size != layout.size:
+            raise ValueError(f"{layout.name}: packed size {self._struct.size} != layout size "
+                             f"{layout.size}")
+        self.size = layout.size
+        self.names = tuple(names)
+        self.counts = tuple(counts)
+        self._ptr_slots = tuple(ptr_slots)
+        # ctypes buffer: a stable address the kernel-argument pointer array can hold
+        self.buffer = (ctypes.c_char * max(self.size, 1))()
+        self.address = ctypes.addressof(self.buffer)
+
+    def flatten(self, values: Mapping[str, Any]) -> tuple:
+        """Member values (a mapping, arrays as sequences, None for null pointers) as a flat tuple.
+
+        Example:
+            >>> from attncc.codegen.layout import struct_layout
+            >>> StructPacker(struct_layout("S", [("s", "attncc::i64", 2), ("p", "int*")])
+            ...              ).flatten({"s": [1, 2], "p": None})
+            (1, 2, 0)
+        """
+        unknown = set(values) - set(self.names)
+        if unknown:
+            raise KeyError(f"{self.layout.name} has no member(s) {', '.join(sorted(unknown))}")
+        flat: list[Any] = []
+        for name, count, f in zip(self.names, self.counts,
+                                  sorted(self.layout.fields, key=lambda f: f.offset)):
+            if name not in values:
+                if f.role == "unused":
+                    flat.extend([0] * count)
+                    continue
+                raise KeyError(f"no value given for {self.layout.name}::{name}")
+            v = values[name]
+            items = list(v) if count > 1 or isinstance(v, (list, tuple)) else [v]
+            if len(items) != count:
+                raise ValueError(f"{self.layout.name}::{name} holds {count} value(s), got "
+                                 f"{len(items)}")
+            flat.extend(items)
+        return tuple(0 if (x is None and is_ptr) else x
+                     for x, is_ptr in zip(flat, self._ptr_slots))
+
+    def pack_values(self, flat: Sequence[Any]) -> bytes:
+        """Pack a flat tuple (see `names`/`flatten`) into `buffer`; returns the bytes too."""
+        self._struct.pack_into(self.buffer, 0, *flat)
+        return self.buffer.raw[: self.size]
+
+    def pack_values_fast(self, flat: Sequence[Any]) -> None:
+        """Pack a flat tuple into `buffer` without copying it out (the launch hot path)."""
+        self._struct.pack_into(self.buffer, 0, *flat)
+
+    def pack(self, values: Mapping[str, Any]) -> bytes:
+        """Pack a mapping of member values; returns the struct's bytes."""
+        return self.pack_values(self.flatten(values))
+
+
+# ------------------------------------------------------------------------------------ modules
+@dataclass
+class _Module:
+    module: Any
+    device: int
+
+
+_MODULES: dict[tuple[str, int], _Module] = {}
+_MODULES_LOCK = threading.Lock()
+
+
+def _ensure_context(device: int) -> None:
+    """Make `device`'s primary context (the one torch uses) current on this thread."""
+    drv = _driver()
+    import torch
+
+    torch.cuda.init()
+    if torch.cuda.current_device() != device:
+        torch.cuda.set_device(device)
+    ctx = driver_check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if ctx is not None and int(ctx) != 0:
+        cur = driver_check(drv.cuCtxGetDevice(), "cuCtxGetDevice")
+        if int(cur) == device:
+            return
+    dev = driver_check(drv.cuDeviceGet(device), "cuDeviceGet")
+    pctx = driver_check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    driver_check(drv.cuCtxSetCurrent(pctx), "cuCtxSetCurrent")
+
+
+def _load_module(cubin: bytes, device: int) -> _Module:
+    key = (hashlib.sha256(cubin).hexdigest(), device)
+    with _MODULES_LOCK:
+        mod = _MODULES.get(key)
+        if mod is None:
+            _ensure_context(device)
+            drv = _driver()
+            handle = driver_check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
+            mod = _MODULES[key] = _Module(handle, device)
+        return mod
+
+
+def clear_module_cache() -> None:
+    """Unload every module this process loaded (kernels launched earlier must have finished)."""
+    drv = _driver()
+    with _MODULES_LOCK:
+        for mod in _MODULES.values():
+            try:
+                _ensure_context(mod.device)
+                driver_check(drv.cuModuleUnload(mod.module), "cuModuleUnload")
+            except LaunchError:
+                pass
+        _MODULES.clear()
+
+
+class KernelLauncher:
+    """One loaded kernel function plus its pre-built argument buffers.
+
+    `launch(grid, block, smem, ap_flat, vp_flat, stream=None)` packs the two flat tuples (see
+    `StructPacker.flatten`) and launches on `stream` (an int CUstream handle; None = torch's
+    current stream for the device). Thread-safe: packing and launching happen under a lock, since
+    the argument buffers are shared (the driver copies them during cuLaunchKernel).
+    """
+
+    def __init__(self, cubin: bytes, kernel_name: str, attention_layout: Any, params_layout: Any,
+                 *, device: int = 0, dynamic_smem: int = 0) -> None:
+        drv = _driver()
+        self.kernel_name = kernel_name
+        self.device = device
+        self._module = _load_module(cubin, device)
+        self.function = driver_check(
+            drv.cuModuleGetFunction(self._module.module, kernel_name.encode()),
+            f"cuModuleGetFunction({kernel_name})")
+        self.max_threads = int(driver_check(drv.cuFuncGetAttribute(
+            drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, self.function),
+            "cuFuncGetAttribute(MAX_THREADS_PER_BLOCK)"))
+        self.num_regs = int(driver_check(drv.cuFuncGetAttribute(
+            drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, self.function),
+            "cuFuncGetAttribute(NUM_REGS)"))
+        self.local_bytes = int(driver_check(drv.cuFuncGetAttribute(
+            drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, self.function),
+            "cuFuncGetAttribute(LOCAL_SIZE_BYTES)"))
+        self.dynamic_smem = 0
+        if dynamic_smem:
+            self.set_dynamic_smem(dynamic_smem)
+        self.ap = StructPacker(attention_layout)
+        self.vp = StructPacker(params_layout)
+        self._args = (ctypes.c_void_p * 2)(self.ap.address, self.vp.address)
+        self._args_addr = ctypes.addressof(self._args)
+        self._lock = threading.Lock()
+        self._streams: dict[int, Any] = {}
+
+    def set_dynamic_smem(self, nbytes: int) -> None:
+        """Allow `nbytes` of dynamic shared memory (the opt-in above 48 KB)."""
+        if nbytes <= self.dynamic_smem:
+            return
+        drv = _driver()
+        if nbytes > _MAX_STATIC_SMEM:
+            _ensure_context(self.device)
+            optin = int(driver_check(drv.cuDeviceGetAttribute(
+                drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                self.device), "cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)"))
+            if nbytes > optin:
+                raise LaunchError(f"{self.kernel_name} needs {nbytes} bytes of shared memory but "
+                                  f"device {self.device} allows {optin} per block; choose "
+                                  f"smaller tiles (kernel_options BLOCK_M / BLOCK_N / "
+                                  f"num_stages)")
+        driver_check(drv.cuFuncSetAttribute(
+            self.function,
+            drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
+            f"cuFuncSetAttribute({self.kernel_name}, MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes})")
+        self.dynamic_smem = nbytes
+
+    def _stream(self, handle: int) -> Any:
+        s = self._streams.get(handle)
+        if s is None:
+            s = self._streams[handle] = _driver().CUstream(handle)
+        return s
+
+    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
+               ap_flat: Sequence[Any], vp_flat: Sequence[Any], stream: int | None = None) -> None:
+        """Pack both argument structs and launch. `stream`: CUstream handle (None: torch's)."""
+        if stream is None:
+            import torch
+
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+        if smem > self.dynamic_smem:
+            self.set_dynamic_smem(smem)
+        with self._lock:
+            self.ap.pack_values_fast(ap_flat)
+            self.vp.pack_values_fast(vp_flat)
+            err, = _driver().cuLaunchKernel(self.function, grid[0], grid[1], grid[2], block[0],
+                                            block[1], block[2], smem, self._stream(stream),
+                                            self._args_addr, 0)
+        if int(err) != 0:
+            raise LaunchError(f"cuLaunchKernel({self.kernel_name}, grid={tuple(grid)}, "
+                              f"block={tuple(block)}, smem={smem}) failed: {_error_text(err)}")
+
+
+def load_kernel(cubin: bytes, kernel_name: str, attention_layout: Any, params_layout: Any, *,
+                device: int = 0, dynamic_smem: int = 0) -> KernelLauncher:
+    """A `KernelLauncher` for `kernel_name` in `cubin` on `device` (module loaded once per device).
+
+    Example:
+        >>> import torch
+        >>> if torch.cuda.is_available():  # doctest: +SKIP
+        ...     kl = load_kernel(ck.cubin, ck.kernel_name, ck.attention_params_layout,
+        ...                      ck.params_layout)
+    """
+    return KernelLauncher(cubin, kernel_name, attention_layout, params_layout, device=device,
+                          dynamic_smem=dynamic_smem)

@@ -1,0 +1,368 @@
+"""The exact attention oracle: a variant's IR evaluated with torch on upcast inputs.
+
+`attention_reference` is what `attncc.flex_attention` runs on CPU tensors, and what GPU tests
+compare compiled kernels against. It evaluates every hook with `attncc.ir.evaluator.evaluate`
+(float64 by default) on whatever device the inputs live on, chunked over query rows so that the
+score matrix of a long sequence never has to exist at once.
+
+Semantics (the same ones the kernel templates implement, see KERNEL_INTERFACE.md):
+
+1. `q' = query_mod(q)`, `k' = key_mod(k)`, `v' = value_mod(v)` (the key/value hooks see the kv
+   head as `h`);
+2. `score = (q' . k') * scale` (default `1/sqrt(D)`), then `score_mod`;
+3. a position is kept when the variant's `mask_mod` keeps it AND the block mask keeps it
+   (FlexAttention rules: absent blocks are masked, partial blocks apply `block_mask.mask_mod`,
+   full blocks are kept);
+4. `normalize="softmax"`: softmax over kept keys; a row with no kept key gives output 0 and
+   LSE -inf. `normalize="none"`: `out = sum(score * v)` over kept keys, no LSE;
+5. `output_mod` on every output row (a fully masked row's output is 0 before `output_mod`).
+
+GQA: query head `h` reads kv head `h // (Hq // Hkv)`.
+
+Example:
+    >>> import torch
+    >>> from attncc.frontend import Variant
+    >>> ir, bind = Variant(mask_mod=lambda b, h, q, kv: q >= kv).trace()
+    >>> q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    >>> out, lse = attention_reference(q, k, v, ir, bind)
+    >>> out.dtype, tuple(out.shape), tuple(lse.shape)
+    (torch.float64, (1, 2, 5, 8), (1, 2, 5))
+    >>> bool(torch.allclose(out[0, 0, 0], v[0, 0, 0].double()))   # row 0 sees only key 0
+    True
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+import torch
+
+from attncc.errors import TraceError
+from attncc.ir.evaluator import evaluate
+from attncc.ir.nodes import Node
+from attncc.ir.program import Bindings, VariantIR
+
+# Elements of one [B, H, rows, Skv] intermediate when q_chunk is chosen automatically: the
+# evaluator keeps a handful of such buffers alive per hook, so 2**22 float64 elements (32 MiB)
+# keeps a 4096x4096 problem to a few hundred MiB on a CPU.
+_AUTO_CHUNK_ELEMS = 1 << 22
+
+# torch marks its "no block mask" BlockMask with this block size (and seq_lengths (1, 1)).
+_TORCH_NOOP_BLOCK = 1 << 30
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# --------------------------------------------------------------------------------- validation
+def validate_attention_inputs(query: Any, key: Any, value: Any, block_mask: Any = None,
+                              enable_gqa: bool = False) -> None:
+    """Check shapes, dtypes, devices and the block mask; messages name the offending argument.
+
+    Example:
+        >>> q = torch.randn(1, 4, 8, 16); kv = torch.randn(1, 2, 8, 16)
+        >>> validate_attention_inputs(q, kv, kv, enable_gqa=True)
+        >>> try:
+        ...     validate_attention_inputs(q, kv, kv)
+        ... except ValueError as e:
+        ...     print(str(e).split(";")[0])
+        query has 4 heads but key/value have 2
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, seq_len, head_dim], got shape "
+                             f"{tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; use float16, bfloat16, float32 or "
+                             f"float64")
+        if t.is_nested:
+            raise ValueError(f"{name} is a nested tensor; pass a dense [B, H, S, D] tensor")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise ValueError(f"query, key and value must share a dtype, got query={query.dtype}, "
+                         f"key={key.dtype}, value={value.dtype}; convert them with .to(dtype)")
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(f"query, key and value must be on one device, got query={query.device}, "
+                         f"key={key.device}, value={value.device}")
+    B, Hq, Sq, D = query.shape
+    Bk, Hkv, Skv, Dk = key.shape
+    Bv, Hv, Sv, _ = value.shape
+    if Bk != B or Bv != B:
+        raise ValueError(f"batch sizes differ: query has {B}, key {Bk}, value {Bv}")
+    if Dk != D:
+        raise ValueError(f"key head_dim {Dk} != query head_dim {D}: query and key must share "
+                         f"the last dim (value's may differ)")
+    if Hv != Hkv or Sv != Skv:
+        raise ValueError(f"value has {Hv} heads and seq_len {Sv} but key has {Hkv} heads and "
+                         f"seq_len {Skv}; they must match")
+    if Hq != Hkv:
+        if not enable_gqa:
+            raise ValueError(f"query has {Hq} heads but key/value have {Hkv}; pass "
+                             f"enable_gqa=True for grouped-query attention")
+        if Hkv == 0 or Hq % Hkv:
+            raise ValueError(f"enable_gqa=True needs query heads ({Hq}) to be a multiple of "
+                             f"key/value heads ({Hkv})")
+    if block_mask is not None:
+        _validate_block_mask(block_mask, B, Hq, Sq, Skv, query.device)
+
+
+def _block_size(block_mask: Any) -> tuple[int, int]:
+    bs = block_mask.BLOCK_SIZE
+    if isinstance(bs, int):
+        return bs, bs
+    bq, bkv = tuple(bs)
+    return int(bq), int(bkv)
+
+
+def _validate_block_mask(bm: Any, B: int, Hq: int, Sq: int, Skv: int,
+                         device: torch.device) -> None:
+    for attr in ("kv_num_blocks", "kv_indices", "BLOCK_SIZE"):
+        if not hasattr(bm, attr):
+            raise TypeError(f"block_mask must be a BlockMask (attncc.create_block_mask or "
+                            f"torch's create_block_mask); {type(bm).__name__} has no .{attr}")
+    bq, bkv = _block_size(bm)
+    if bq <= 0 or bkv <= 0:
+        raise ValueError(f"block_mask.BLOCK_SIZE must be positive, got {(bq, bkv)}")
+    num, idx = bm.kv_num_blocks, bm.kv_indices
+    if num.dim() != 3 or idx.dim() != 4:
+        raise ValueError(f"block_mask.kv_num_blocks must be [B, H, q_blocks] and kv_indices "
+                         f"[B, H, q_blocks, kv_blocks], got {tuple(num.shape)} and "
+                         f"{tuple(idx.shape)}")
+    if num.device != device:
+        raise ValueError(f"block_mask is on {num.device} but query is on {device}; create it "
+                         f"with device=query.device or move it with block_mask.to(device)")
+    Bm, Hm, nqb = num.shape
+    if Bm not in (1, B):
+        raise ValueError(f"block_mask has batch size {Bm} but query has {B}; create it with "
+                         f"B={B} or B=None")
+    if Hm not in (1, Hq):
+        raise ValueError(f"block_mask has {Hm} heads but query has {Hq}; create it with "
+                         f"H={Hq} or H=None")
+    noop = bq >= _TORCH_NOOP_BLOCK and bkv >= _TORCH_NOOP_BLOCK
+    seq = getattr(bm, "seq_lengths", None)
+    if seq is not None and not noop and tuple(int(s) for s in seq) != (Sq, Skv):
+        raise ValueError(f"block_mask was created for (Q_LEN, KV_LEN)={tuple(seq)} but query "
+                         f"has seq_len {Sq} and key {Skv}; create the block mask with "
+                         f"Q_LEN={Sq}, KV_LEN={Skv}")
+    if nqb * bq < Sq:
+        raise ValueError(f"block_mask covers {nqb} query blocks of {bq} rows ({nqb * bq} rows) "
+                         f"but query has seq_len {Sq}; create it with Q_LEN={Sq}")
+    full = getattr(bm, "full_kv_num_blocks", None)
+    if full is not None and tuple(full.shape) != tuple(num.shape):
+        raise ValueError(f"block_mask.full_kv_num_blocks has shape {tuple(full.shape)}, not "
+                         f"kv_num_blocks' {tuple(num.shape)}")
+
+
+# --------------------------------------------------------------------------------- block masks
+def _is_noop_mask(fn: Any) -> bool:
+    """torch's and attncc's `noop_mask` keep everything (torch's cannot be traced: new_ones)."""
+    if fn is None:
+        return True
+    from attncc.frontend import noop_mask
+
+    if fn is noop_mask:
+        return True
+    try:
+        from torch.nn.attention.flex_attention import noop_mask as torch_noop
+    except ImportError:  # pragma: no cover - torch without FlexAttention
+        return False
+    return fn is torch_noop
+
+
+def _block_states(bm: Any, Skv: int, device: torch.device) -> torch.Tensor:
+    """[Bm, Hm, q_blocks, kv_blocks] int8: 0 = absent (masked), 1 = partial, 2 = full."""
+    _, bkv = _block_size(bm)
+    nkvb = max(1, -(-Skv // bkv))
+    num = bm.kv_num_blocks.to(device=device, dtype=torch.long)
+    Bm, Hm, nqb = num.shape
+    # column nkvb collects padding entries (beyond num_blocks, or pointing past the sequence)
+    state = torch.zeros(Bm, Hm, nqb, nkvb + 1, dtype=torch.int8, device=device)
+    lists = [(num, bm.kv_indices, 1)]
+    if getattr(bm, "full_kv_num_blocks", None) is not None and \
+            getattr(bm, "full_kv_indices", None) is not None:
+        lists.append((bm.full_kv_num_blocks.to(device=device, dtype=torch.long),
+                      bm.full_kv_indices, 2))
+    for counts, indices, code in lists:
+        ind = indices.to(device=device, dtype=torch.long)
+        slot = torch.arange(ind.shape[-1], device=device)
+        used = slot < counts[..., None]
+        ok = used & (ind >= 0) & (ind < nkvb)
+        col = torch.where(ok, ind, torch.full_like(ind, nkvb))
+        # full wins over partial: a block listed as full is kept without its mask_mod
+        state.scatter_reduce_(-1, col, torch.full_like(col, code, dtype=torch.int8), "amax")
+    return state[..., :nkvb]
+
+
+def _trace_mask(fn: Callable) -> tuple[VariantIR, Bindings]:
+    from attncc.frontend import trace_mods
+
+    try:
+        from torch.nn.attention.flex_attention import _sliced_mask_mod_error
+    except ImportError:  # pragma: no cover
+        _sliced_mask_mod_error = None
+    if _sliced_mask_mod_error is not None and fn is _sliced_mask_mod_error:
+        raise ValueError("block_mask was sliced, so its mask_mod is gone; create the block mask "
+                         "for the shape you use instead of slicing it")
+    return trace_mods({"mask_mod": fn})
+
+
+# --------------------------------------------------------------------------------- evaluation
+def _device_tensors(bindings: Bindings, device: torch.device) -> dict[str, torch.Tensor]:
+    """Captured tensors on `device`: CPU ones are copied over, ones on another GPU are an error."""
+    out = {}
+    for name, t in bindings.tensors.items():
+        if t.device != device:
+            if t.device.type != "cpu":
+                raise TraceError(f"captured tensor {name!r} is on {t.device} but the attention "
+                                 f"inputs are on {device}; move it with {name} = "
+                                 f"{name}.to({str(device)!r}) before defining the mod")
+            t = t.to(device)
+        out[name] = t
+    return out
+
+
+def _index(n: int, dim: int, device: torch.device, offset: int = 0) -> torch.Tensor:
+    shape = [1, 1, 1, 1]
+    shape[dim] = n
+    return torch.arange(offset, offset + n, device=device).view(shape)
+
+
+class _Hooks:
+    """Evaluates one traced variant's hooks with its bindings on one device."""
+
+    def __init__(self, ir: VariantIR, bindings: Bindings, device: torch.device,
+                 float_dtype: torch.dtype) -> None:
+        self.ir = ir
+        self.params = dict(bindings.scalars)
+        self.tensors = _device_tensors(bindings, device)
+        self.float_dtype = float_dtype
+
+    def active(self, hook: str) -> Node | None:
+        """The hook's expression, or None when it is the identity (nothing to evaluate)."""
+        h = self.ir.hook(hook)
+        return None if h.is_identity else h.expr
+
+    def __call__(self, expr: Node, env: Mapping[str, Any]) -> torch.Tensor:
+        return evaluate(expr, env, self.tensors, self.params, self.float_dtype)
+
+
+def _transform(hooks: _Hooks, hook: str, vec_name: str, x: torch.Tensor, pos_name: str,
+               offset: int = 0) -> torch.Tensor:
+    """query/key/value/output_mod on a [B, H, S, D] tensor (identity when the hook is absent)."""
+    expr = hooks.active(hook)
+    if expr is None:
+        return x
+    B, H, S, D = x.shape
+    dev = x.device
+    env = {vec_name: x, "b": _index(B, 0, dev), "h": _index(H, 1, dev),
+           pos_name: _index(S, 2, dev, offset), "d": _index(D, 3, dev)}
+    return hooks(expr, env).expand(B, H, S, D)
+
+
+def _auto_chunk(B: int, Hq: int, Skv: int) -> int:
+    return max(1, _AUTO_CHUNK_ELEMS // max(1, B * Hq * Skv))
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: VariantIR,
+                        bindings: Bindings | None = None, *, block_mask: Any = None,
+                        scale: float | None = None, enable_gqa: bool = False,
+                        float_dtype: torch.dtype = torch.float64, q_chunk: int | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Exact attention for a traced variant: `(out [B,Hq,Sq,Dv], lse [B,Hq,Sq] or None)`.
+
+    Both results are `float_dtype` on the inputs' device. `lse` (natural log, FlexAttention's
+    convention) is None for `normalize="none"`. `q_chunk` bounds memory: query rows are processed
+    that many at a time (None: chosen so one [B, H, rows, Skv] buffer is ~4M elements); results
+    agree across chunk sizes to float64 rounding (BLAS may pick another kernel for a 1-row
+    matmul). `block_mask` is an attncc or torch BlockMask.
+
+    Example:
+        >>> import torch
+        >>> from attncc.frontend import Variant
+        >>> ir, bind = Variant(score_mod=lambda s, b, h, q, kv: s * 0).trace()
+        >>> q, k, v = (torch.randn(1, 1, 3, 4) for _ in range(3))
+        >>> out, lse = attention_reference(q, k, v, ir, bind)    # uniform weights: mean of v
+        >>> bool(torch.allclose(out[0, 0, 2], v[0, 0].double().mean(0)))
+        True
+        >>> round(float(lse[0, 0, 0]), 6) == round(math.log(3), 6)
+        True
+    """
+    validate_attention_inputs(q, k, v, block_mask, enable_gqa)
+    if q_chunk is not None and q_chunk < 1:
+        raise ValueError(f"q_chunk must be a positive number of query rows, got {q_chunk}")
+    bindings = bindings if bindings is not None else Bindings()
+    device = q.device
+    B, Hq, Sq, D = q.shape
+    Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    hooks = _Hooks(ir, bindings, device, float_dtype)
+
+    qf = _transform(hooks, "query_mod", "q", q.to(float_dtype), "q_idx")
+    kf = _transform(hooks, "key_mod", "k", k.to(float_dtype), "kv_idx")
+    vf = _transform(hooks, "value_mod", "v", v.to(float_dtype), "kv_idx")
+    # GQA without copying k/v: query heads grouped as [B, Hkv, G, ...]; h = hkv * G + g
+    # contiguous K^T: MKL then computes a row's dot products the same way for (almost) any
+    # chunk height, so results barely depend on q_chunk
+    kT = kf.transpose(-1, -2).contiguous().unsqueeze(2)  # [B, Hkv, 1, D, Skv]
+    vg = vf.unsqueeze(2)  # [B, Hkv, 1, Skv, Dv]
+
+    score_expr = hooks.active("score_mod")
+    mask_expr = hooks.active("mask_mod")
+    bm_state = bm_hooks = bm_expr = None
+    if block_mask is not None:
+        bq, bkv = _block_size(block_mask)
+        bm_state = _block_states(block_mask, Skv, device)
+        if not _is_noop_mask(getattr(block_mask, "mask_mod", None)):
+            bm_ir, bm_bind = _trace_mask(block_mask.mask_mod)
+            bm_hooks = _Hooks(bm_ir, bm_bind, device, float_dtype)
+            bm_expr = bm_hooks.active("mask_mod")
+        kv_block = torch.arange(Skv, device=device) // bkv
+
+    out = torch.empty(B, Hq, Sq, Dv, dtype=float_dtype, device=device)
+    lse = torch.empty(B, Hq, Sq, dtype=float_dtype, device=device) if ir.use_softmax else None
+    chunk = q_chunk or _auto_chunk(B, Hq, Skv)
+    b_idx, h_idx = _index(B, 0, device), _index(Hq, 1, device)
+    kv_idx = _index(Skv, 3, device)
+    for r0 in range(0, Sq, chunk):
+        r1 = min(Sq, r0 + chunk)
+        rows = r1 - r0
+        shape = (B, Hq, rows, Skv)
+        qc = qf[:, :, r0:r1].reshape(B, Hkv, G, rows, D)
+        s = (qc @ kT).reshape(shape) * scale
+        q_idx = _index(rows, 2, device, r0)
+        env = {"score": s, "b": b_idx, "h": h_idx, "q_idx": q_idx, "kv_idx": kv_idx}
+        if score_expr is not None:
+            s = hooks(score_expr, env).expand(shape)
+        keep: torch.Tensor | None = None
+        if mask_expr is not None:
+            keep = hooks(mask_expr, env)
+        if bm_state is not None:
+            st = bm_state[:, :, (torch.arange(r0, r1, device=device) // bq)][..., kv_block]
+            kept = st == 2
+            if bm_expr is not None:
+                kept = kept | ((st == 1) & bm_hooks(bm_expr, env))  # type: ignore[misc]
+            else:
+                kept = kept | (st == 1)
+            keep = kept if keep is None else keep & kept
+        if keep is not None:
+            keep = keep.expand(shape)
+        if ir.use_softmax:
+            if keep is not None:
+                s = s.masked_fill(~keep, -math.inf)
+            if Skv == 0:
+                m = torch.full((B, Hq, rows, 1), -math.inf, dtype=float_dtype, device=device)
+            else:
+                m = s.amax(-1, keepdim=True)
+            # a fully masked row has max -inf: shift by 0 so exp gives 0 rather than NaN
+            m_safe = torch.where(m == -math.inf, torch.zeros_like(m), m)
+            p = torch.exp(s - m_safe)
+            denom = p.sum(-1, keepdim=True)
+            o = (p.reshape(B, Hkv, G, rows, Skv) @ vg).reshape(B, Hq, rows, Dv)
+            o = torch.where(denom > 0, o / torch.where(denom > 0, denom, 1), 0)
+            lse[:, :, r0:r1] = (m_safe + torch.log(denom)).squeeze(-1)  # type: ignore[index]
+        else:
+            w = s if keep is None else torch.where(keep, s, 0)
+            o = (w.reshape(B, Hkv, G, rows, Skv) @ vg).reshape(B, Hq, rows, Dv)
+        out[:, :, r0:r1] = _transform(hooks, "output_mod", "o", o, "q_idx", r0)
+    return out, lse
