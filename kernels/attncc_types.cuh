@@ -95,7 +95,7 @@ __device__ __forceinline__ f16 from_float<f16>(float x) {
 __device__ __forceinline__ float pos_inf() { return __uint_as_float(0x7f800000u); }
 __device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
 
-// ------------------------------------------------------------------------------ math with Python / torch semantics
+// ------------------------------------------------------------------------- Python / torch math
 // Python's `//` floors (C truncates toward zero): step down when the signs differ and the
 // division is inexact. Division by zero is undefined, as in C (the reference path raises).
 __device__ __forceinline__ int floordiv(int a, int b) {

@@ -96,7 +96,8 @@ struct SimpleAttentionCta {
                 row[d] = Variant::QueryTransform(vp, SmemRow{scratch}, b, h, q_idx, d);
         } else {
 #pragma unroll
-            for (int i = 0; i < Cfg::kDPerLane; ++i) row[lane + 32 * i] = to_float(q[lane + 32 * i]);
+            for (int i = 0; i < Cfg::kDPerLane; ++i)
+                row[lane + 32 * i] = to_float(q[lane + 32 * i]);
         }
         __syncwarp();
     }
@@ -120,7 +121,8 @@ struct SimpleAttentionCta {
                         k_tile[n * Cfg::kKStride + d] =
                             in ? to_float(k_head[s * p.k_stride_s + d]) : 0.0f;
                     if constexpr (!Variant::has_value_transform)
-                        v_tile[n * HEAD_DIM + d] = in ? to_float(v_head[s * p.v_stride_s + d]) : 0.0f;
+                        v_tile[n * HEAD_DIM + d] =
+                            in ? to_float(v_head[s * p.v_stride_s + d]) : 0.0f;
                 }
             }
         }
@@ -212,7 +214,8 @@ struct SimpleAttentionCta {
 
     // Visit kv positions [kv_begin, kv_end) tile by tile. Called by the whole CTA.
     __device__ __forceinline__ void visit(const AttentionParams& p, const VParams& vp,
-                                          int kv_begin, int kv_end, bool active, bool apply_mask) {
+                                          int kv_begin, int kv_end, bool active,
+                                          bool apply_mask) {
         for (int kv0 = kv_begin; kv0 < kv_end; kv0 += Cfg::kBlockN) {
             const int count = mini(Cfg::kBlockN, kv_end - kv0);
             load_tile(p, vp, kv0, count);

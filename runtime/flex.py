@@ -35,12 +35,12 @@ from attncc.ir.program import Bindings, VariantIR
 
 from .reference import attention_reference, validate_attention_inputs
 
-# kernel_options keys attncc understands: tile-shape hints for the compiled kernel, and promises
-# FlexAttention also accepts. The exact reference path ignores them (they cannot change results).
+# kernel_options keys attncc understands: the compiled kernel's tile shape (query rows, kv
+# columns, pipeline stages), and two promises FlexAttention also accepts. The exact reference path
+# ignores them: they cannot change results. Anything else is an error rather than a silent no-op.
 SUPPORTED_KERNEL_OPTIONS: dict[str, type] = {
     "BLOCK_M": int,
     "BLOCK_N": int,
-    "num_warps": int,
     "num_stages": int,
     "ROWS_GUARANTEED_SAFE": bool,
     "BLOCKS_ARE_CONTIGUOUS": bool,
@@ -100,6 +100,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     -inf for a fully masked row). `enable_gqa=True` lets Hq be a multiple of Hkv. `scale`
     defaults to 1/sqrt(D). `block_mask` comes from `attncc.create_block_mask` or torch's.
     `return_lse` is an error for a `normalize="none"` variant: it has no softmax.
+    `kernel_options` takes the keys in `SUPPORTED_KERNEL_OPTIONS` (tile hints for the compiled
+    kernel; the reference path ignores them); any other key is an error naming it.
 
     Example:
         >>> import torch

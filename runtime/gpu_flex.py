@@ -31,8 +31,8 @@ from typing import Any, Mapping
 
 import torch
 
-from attncc.ir.nodes import Node, const, load, param, rewrite, walk
-from attncc.ir.program import Bindings, Hook, ScalarParam, TensorParam, VariantIR
+from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
+from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
 
 __all__ = ["Fa2Config", "TilePlan", "LaunchPlan", "fa2_config", "choose_tiles", "fa2_source",
            "plan_launch", "precompile", "gpu_flex_attention", "compiled_kernel_info",
@@ -439,10 +439,6 @@ def _merge_mask(ir: VariantIR, bindings: Bindings, block_mask: Any
             return param(rename[n.attr], n.dtype)
         if n.op == "load":
             return load(rename[n.attr], args, n.dtype)
-        if not n.args:
-            return n
-        from attncc.ir.nodes import rebuild
-
         return rebuild(n, args)
 
     bm_expr = rewrite(expr, fn) if rename else expr
@@ -625,9 +621,10 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
     """
     if not plans:
         return 0
-    from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
     import os
+    import sys
+    from concurrent.futures import ProcessPoolExecutor
 
     from attncc.ir.simplify import simplify_variant
 
@@ -646,7 +643,11 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
         for job in jobs.values():
             _compile_job(job)
     else:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        # spawn re-imports __main__ from its file; a script read from stdin has none, so fork
+        # then (the children only run NVRTC, never CUDA, so forking after CUDA init is safe)
+        main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+        method = "spawn" if main_file and os.path.isfile(main_file) else "fork"
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as ex:
             list(ex.map(_compile_job, jobs.values()))
     return len(jobs)
 

@@ -39,6 +39,7 @@ __all__ = ["LaunchError", "StructPacker", "KernelLauncher", "load_kernel", "driv
            "clear_module_cache"]
 
 _FMT = {"int": "i", "float": "f", "attncc::i64": "q"}
+_MISSING = object()
 _MAX_STATIC_SMEM = 48 * 1024
 
 
@@ -119,7 +120,6 @@ class StructPacker:
         pos = 0
         names: list[str] = []
         counts: list[int] = []
-        ptr_slots: list[bool] = []
         for f in sorted(layout.fields, key=lambda f: f.offset):
             if f.offset < pos:
                 raise ValueError(f"{layout.name}: member {f.name} overlaps the previous one")
@@ -131,7 +131,6 @@ class StructPacker:
             parts.append(code * f.count if f.count > 1 else code)
             names.append(f.name)
             counts.append(f.count)
-            ptr_slots.extend([code == "Q"] * f.count)
             pos = f.offset + f.size
         if layout.size > pos:
             parts.append(f"{layout.size - pos}x")
@@ -143,7 +142,13 @@ class StructPacker:
         self.size = layout.size
         self.names = tuple(names)
         self.counts = tuple(counts)
-        self._ptr_slots = tuple(ptr_slots)
+        self._name_set = frozenset(names)
+        ordered = sorted(layout.fields, key=lambda f: f.offset)
+        # a one-element array (a 1-d captured tensor's `t_stride[1]`) still takes a sequence
+        is_array = [getattr(f, "is_array", f.count != 1) for f in ordered]
+        self._members = tuple((f.name, f.count, f.role == "unused", f.ctype.endswith("*"), arr)
+                              for f, arr in zip(ordered, is_array))
+        self._scalars_only = not any(is_array)
         # ctypes buffer: a stable address the kernel-argument pointer array can hold
         self.buffer = (ctypes.c_char * max(self.size, 1))()
         self.address = ctypes.addressof(self.buffer)
@@ -157,25 +162,31 @@ class StructPacker:
             ...              ).flatten({"s": [1, 2], "p": None})
             (1, 2, 0)
         """
-        unknown = set(values) - set(self.names)
+        if self._scalars_only and len(values) == len(self.names):
+            try:  # hot path (AttentionParams): every member given, no arrays
+                return tuple([0 if v is None else v for v in map(values.__getitem__, self.names)])
+            except KeyError:
+                pass  # an unknown key: the slow path names it
+        unknown = set(values) - self._name_set
         if unknown:
             raise KeyError(f"{self.layout.name} has no member(s) {', '.join(sorted(unknown))}")
         flat: list[Any] = []
-        for name, count, f in zip(self.names, self.counts,
-                                  sorted(self.layout.fields, key=lambda f: f.offset)):
-            if name not in values:
-                if f.role == "unused":
+        for name, count, unused, is_ptr, is_array in self._members:
+            v = values.get(name, _MISSING)
+            if v is _MISSING:
+                if unused:
                     flat.extend([0] * count)
                     continue
                 raise KeyError(f"no value given for {self.layout.name}::{name}")
-            v = values[name]
-            items = list(v) if count > 1 or isinstance(v, (list, tuple)) else [v]
+            if not is_array:
+                flat.append(0 if (v is None and is_ptr) else v)
+                continue
+            items = list(v)
             if len(items) != count:
                 raise ValueError(f"{self.layout.name}::{name} holds {count} value(s), got "
                                  f"{len(items)}")
-            flat.extend(items)
-        return tuple(0 if (x is None and is_ptr) else x
-                     for x, is_ptr in zip(flat, self._ptr_slots))
+            flat.extend(0 if (x is None and is_ptr) else x for x in items)
+        return tuple(flat)
 
     def pack_values(self, flat: Sequence[Any]) -> bytes:
         """Pack a flat tuple (see `names`/`flatten`) into `buffer`; returns the bytes too."""

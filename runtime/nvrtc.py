@@ -136,6 +136,10 @@ def normalize_arch(arch: str | None) -> str:
     return f"sm_{m.group(2)}{m.group(3)}"
 
 
+def _version_or_zero() -> tuple[int, int]:
+    return nvrtc_version() if available() else (0, 0)
+
+
 def _require() -> None:
     if not available():
         raise CompileError("NVRTC could not be loaded: install cuda-python's NVRTC, e.g. "
@@ -224,6 +228,11 @@ def build_options(arch: str, *, emit: str = "cubin", options: Sequence[str] = ()
     opts += [f"--include-path={d}" for d in include_dirs]
     if verbose and emit == "cubin":
         opts.append("--ptxas-options=-v")  # register/smem/spill report lands in the program log
+        # NVRTC >= 12.9 reuses cubins from the driver's compute cache (~/.nv/ComputeCache) and
+        # then skips ptxas, so the report silently goes missing; verified on 12.9 and 13.0 that
+        # --no-cache brings it back and leaves the cubin byte-identical.
+        if _version_or_zero() >= (12, 9):
+            opts.append("--no-cache")
     opts += [str(o) for o in options]
     return tuple(opts)
 

@@ -97,8 +97,11 @@ def test_emit_ptx_targets_the_virtual_arch() -> None:
 @pytest.mark.nvrtc
 @needs_nvrtc
 def test_verbose_puts_ptxas_resource_report_in_log() -> None:
-    r = compile_cuda(TINY, arch="sm_90a", verbose=True)
-    assert "registers" in r.log and "scale" in r.log
+    # Twice: on NVRTC >= 12.9 the second compile would come from the driver's compute cache,
+    # which skips ptxas and drops the report, unless the wrapper opts out of that cache.
+    for _ in range(2):
+        r = compile_cuda(TINY, arch="sm_90a", verbose=True)
+        assert "registers" in r.log and "scale" in r.log
 
 
 @pytest.mark.nvrtc

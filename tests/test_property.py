@@ -81,7 +81,8 @@ def _exprs(kind: str, depth: int) -> st.SearchStrategy[str]:
     return st.one_of(
         sub("b"),
         st.tuples(st.one_of(sub("i"), sub("f")), st.sampled_from(["<", "<=", ">", ">=", "==", "!="]),
-                  st.one_of(sub("i"), sub("f"))).map(lambda t: f"({t[0]} {t[1]} {t[2]})"),
+                  st.one_of(sub("i"), sub("f"))).map(
+                      lambda t: f"({_tensorish(t[0])} {t[1]} {t[2]})"),
         st.tuples(sub("b"), st.sampled_from(["&", "|"]), sub("b")).map(
             lambda t: f"({t[0]} {t[1]} {t[2]})"),
         sub("b").map(lambda e: f"(~{e})"),

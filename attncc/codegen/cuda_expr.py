@@ -46,6 +46,7 @@ _BINARY_CALLS = {("floordiv", F32): "attncc::floordiv", ("floordiv", I32): "attn
                  ("mod", F32): "attncc::pymod", ("mod", I32): "attncc::pymod",
                  ("pow", F32): "powf", ("min", F32): "attncc::minf", ("max", F32): "attncc::maxf",
                  ("min", I32): "attncc::mini", ("max", I32): "attncc::maxi"}
+_LEAVES = ("var", "const", "param")  # never bound to temporaries: already a name or literal
 _CTYPES = {F32: "float", I32: "int", BOOL: "bool"}
 _LOAD_CONVERT = {F32: "attncc::to_float", I32: "attncc::to_int", BOOL: "attncc::to_bool"}
 # Children evaluated only under a condition: where's branches, the right side of && / ||.
@@ -177,7 +178,7 @@ class _Printer:
             return f"({t})" if t.startswith("-") else t
 
         op = n.op
-        if not n.args:
+        if op in _LEAVES:
             return self.leaf(n)
         if op == "load":
             return self.load(n, [operand(i, _UNARY) for i in range(len(n.args))]), _ATOM
@@ -266,7 +267,7 @@ def emit(root: Node, names: ExprNames | None = None, *, inline_limit: int = 96) 
     temps: list[str] = []
     for n in order:
         text, prec = printer.text(n, texts)
-        hoist = (n is not root and bool(n.args)
+        hoist = (n is not root and n.op not in _LEAVES
                  and (uses[id(n)] > 1 or len(text) > inline_limit)
                  and (id(n) in always or id(n) not in reads_memory))
         if hoist:

@@ -26,7 +26,8 @@ def export_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "si
 
     Example:
         >>> from attncc.ir.program import VariantIR
-        >>> export_source(VariantIR(name="plain"), head_dim=64, dtype="float32").count("__global__")
+        >>> text = export_source(VariantIR(name="plain"), head_dim=64, dtype="float32")
+        >>> text.count("<<<grid, dim3(128), 0, (cudaStream_t)stream>>>")
         1
     """
     return export_kernel(ir, head_dim=head_dim, dtype=dtype, kernel=kernel).source

@@ -48,23 +48,29 @@ class KernelSpec:
     function: str  # template <Variant, DType, HEAD_DIM> __device__ void f(p, vp)
     threads: int  # block size
     rows_per_cta: int  # query rows per CTA (grid.x = ceil(q_len / rows_per_cta))
-    head_dims: str  # what HEAD_DIM it accepts, for error messages
+    head_dim_multiple: int  # HEAD_DIM must be a multiple of this ...
+    head_dim_max: int  # ... and at most this
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise CodegenError unless the template supports `head_dim`.
 
         Example:
             >>> KERNELS["simple"].check_head_dim(96)
+            >>> KERNELS["simple"].check_head_dim(100)
+            Traceback (most recent call last):
+            ...
+            attncc.codegen.errors.CodegenError: the 'simple' kernel supports head dims that are multiples of 32 up to 256; got 100
         """
-        if not (isinstance(head_dim, int) and head_dim % 32 == 0 and 32 <= head_dim <= 256):
-            raise CodegenError(f"the {self.name!r} kernel supports head dims {self.head_dims}; "
-                               f"got {head_dim!r}")
+        m = self.head_dim_multiple
+        ok = isinstance(head_dim, int) and head_dim % m == 0 and m <= head_dim <= self.head_dim_max
+        if not ok:
+            raise CodegenError(f"the {self.name!r} kernel supports head dims that are multiples "
+                               f"of {m} up to {self.head_dim_max}; got {head_dim!r}")
 
 
 KERNELS: dict[str, KernelSpec] = {
     "simple": KernelSpec("simple", ("simple_attention.cuh",), "attncc::simple_attention",
-                         threads=128, rows_per_cta=4,
-                         head_dims="that are multiples of 32 from 32 to 256"),
+                         threads=128, rows_per_cta=4, head_dim_multiple=32, head_dim_max=256),
 }
 
 # dtype name -> (C storage type, short name used in kernel names)

@@ -43,7 +43,7 @@ _ISLAND_OPS = frozenset({"add", "sub", "mul", "neg", "div"})
 # Islands are cut into chunks: an island child whose own island (counted as a tree) has
 # _CHUNK ops or more is treated as opaque and simplified on its own, so long chains
 # (sum of 1000 terms, x = tanh(x) + x / 2 repeated) cost linear time, not quadratic.
-_CHUNK = 24
+_CHUNK = 16
 # sympy is skipped for islands larger than this (time), and expand/factor_terms run only on
 # islands up to _REWRITE_LIMIT ops whose expansion stays under _EXPAND_TERMS terms.
 _SYMPY_LIMIT = 48
@@ -484,8 +484,14 @@ def _digest(root: Node) -> str:
     hit = _DIGEST.get(root)
     if hit is not None:
         return hit
-    for n in walk(root):
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:  # post-order over the nodes not digested yet (each is digested once, ever)
+        n, done = stack.pop()
         if n in _DIGEST:
+            continue
+        if not done:
+            stack.append((n, True))
+            stack.extend((a, False) for a in n.args if a not in _DIGEST)
             continue
         h = hashlib.blake2b(digest_size=8)
         h.update(f"{n.op}|{n.dtype.value}|{n.attr!r}|".encode())

@@ -14,9 +14,9 @@ for sm_90a with no register spills, and the tile heuristic's invariants.
 from __future__ import annotations
 
 import itertools
-import math
 import random
 import re
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,7 +152,7 @@ def warm_cache() -> None:
 def test_fa2_matches_reference(case: Case, warm_cache: None) -> None:
     from attncc.runtime.reference import attention_reference
 
-    q, k, v = _inputs(case, seed=hash(case.id) % 2**31)
+    q, k, v = _inputs(case, seed=zlib.crc32(case.id.encode()))
     variant, bm = _variant_and_mask(case)
     ir, bind = variant.trace()
     softmax = ir.use_softmax
@@ -256,7 +256,7 @@ def test_errors_name_the_argument_before_launch(rng: Any) -> None:
     with pytest.raises(ValueError, match="key is on cpu"):
         gpu_flex.gpu_flex_attention(q, k.cpu(), v, ir)
     with pytest.raises(ValueError, match="key has strides"):
-        gpu_flex.gpu_flex_attention(q, k.transpose(2, 3), v, ir)
+        gpu_flex.gpu_flex_attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, ir)
     with pytest.raises(ValueError, match="enable_gqa=True"):
         gpu_flex.gpu_flex_attention(q, k[:, :2], v[:, :2], ir)
     with pytest.raises(ValueError, match="return_lse=True"):
@@ -283,7 +283,7 @@ def test_default_tiles_compile_without_spills(name: str, head_dim: int) -> None:
     res = compile_cuda(src, arch="sm_90a", verbose=True)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.log)
     assert spills and all(int(a) == 0 and int(b) == 0 for a, b in spills), res.log
-    assert "#include" not in src and kname in src
+    assert not re.search(r"^\s*#\s*include", src, re.M) and kname in src
 
 
 def test_tile_plan_invariants() -> None:
@@ -318,4 +318,4 @@ def test_block_mask_mod_merges_into_variant() -> None:
     assert len(names) == len(set(names)) == 2
     assert merged.expr("mask_mod").op == "and"
     assert set(mbind.tensors) == set(names)
-    assert math.isfinite(len(merged.format()))
+    assert "bm_table" in merged.format()
