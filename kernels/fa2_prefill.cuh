@@ -295,7 +295,10 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
   const int group = p.num_q_heads / p.num_kv_heads;
   const int head0 = slot * gf;           // first query head of this CTA
   const int h_kv = head0 / group;        // KV head shared by all of them
-  const int row0 = blockIdx.x * TQ;      // first fused row of this tile
+  // Tiles in reverse order: under a causal mask the last query tiles have the most KV tiles, and
+  // the hardware starts CTAs in blockIdx order, so the longest work starts first and the short
+  // tiles fill the tail (better balance than leaving the long ones for the end).
+  const int row0 = (gridDim.x - 1 - blockIdx.x) * TQ;  // first fused row of this tile
   const int q_len = p.q_len;
   const int kv_len = p.kv_len;
 
@@ -457,6 +460,19 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
   const fa2_u32 sK_addr = smem_addr(sK);
   const fa2_u32 sV_addr = smem_addr(sV);
 
+  // Q fragments stay in registers for the whole KV loop when they fit (D/16 * 4 registers per
+  // 16-row fragment: 32 at D=128): saves D/16 ldmatrix per KV tile. At D=256 (64 registers on top
+  // of a 128-register O accumulator) they are re-read from shared memory instead.
+  constexpr bool kQInRegs = D <= 128;
+  fa2_u32 q_frag[kQInRegs ? M_FRAGS : 1][kQInRegs ? D / 16 : 1][4];
+  if constexpr (kQInRegs) {
+#pragma unroll
+    for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks)
+        ldmatrix_x4(q_frag[mf][ks], chunk_addr(q_row_addr + mf * 16 * 2 * D, 2 * ks, q_x));
+  }
+
   // ---- main loop over KV tiles -----------------------------------------------------------------
 #pragma unroll 1
   for (int it = 0; it < tiles.count; ++it) {
@@ -515,7 +531,12 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
         for (int mf = 0; mf < M_FRAGS; ++mf) {
           // A fragment (16x16): lanes 0-15 address rows 0-15 at k-chunk 2ks, lanes 16-31 the same
           // rows at k-chunk 2ks+1 -> registers a0..a3 in mma order.
-          ldmatrix_x4(a[mf], chunk_addr(qa + mf * 16 * 2 * D, 2 * ks, qx));
+          if constexpr (kQInRegs) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[mf][i] = q_frag[mf][ks][i];
+          } else {
+            ldmatrix_x4(a[mf], chunk_addr(qa + mf * 16 * 2 * D, 2 * ks, qx));
+          }
         }
 #pragma unroll
         for (int np = 0; np < TKV / 16; ++np) {

@@ -11,6 +11,12 @@ is opaque: its children are simplified on their own and the island sees it as on
 island goes through sympy's automatic canonicalisation (like terms collected, `x*30/30` cancelled),
 optionally `expand`/`factor_terms` when the island is small, and comes back as IR of its own dtype.
 Python's floor-division and modulo never enter sympy, so integer semantics are kept exactly.
+Long islands are cut into chunks of about 16 ops so that loops building huge sums stay linear.
+
+Float rules are those of `-ffast-math` algebra (`x - x -> 0`, `x * 0 -> 0`, reassociation), except
+that an island holding a NaN/inf *constant* is never rewritten by sympy, and `x - x` / `x * 0`
+keep an `x` that contains one: `(score + -inf) - -inf` stays NaN-producing, as written. Float
+comparisons keep NaN semantics (`~(a < b)` is not `a >= b`; `x == x` is not folded).
 
 Example:
     >>> from attncc.ir.nodes import var, const
