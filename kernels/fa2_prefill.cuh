@@ -89,6 +89,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+template <bool B> struct BoolTag { static constexpr bool value = B; };
+
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers: cp.async, ldmatrix, mma.sync.
 // ---------------------------------------------------------------------------------------------
@@ -278,7 +280,6 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
   constexpr bool kSoftmax = Variant::use_softmax;
-  constexpr bool kHooksOnLogits = Variant::has_logits_transform || Variant::has_logits_mask;
 
   extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa2_smem[];
   fa2_u16* sQ = reinterpret_cast<fa2_u16*>(attncc_fa2_smem);
@@ -301,6 +302,8 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
   const int row0 = (gridDim.x - 1 - blockIdx.x) * TQ;  // first fused row of this tile
   const int q_len = p.q_len;
   const int kv_len = p.kv_len;
+  // every fused row of this tile is a real query row (all but the last tile of a sequence)
+  const bool tile_rows_in = row0 + TQ <= q_len * gf;
 
   const DType* __restrict__ gQ = reinterpret_cast<const DType*>(p.q);
   const DType* __restrict__ gK =
@@ -553,49 +556,55 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
       }
     }
 
-    // Logits: scale, hooks, masking. Out-of-range rows/columns never reach the hooks.
-    const bool check_cols = kv0 < 0 || kv0 + TKV > kv_len;
+    // Logits: scale, hooks, masking. Out-of-range rows/columns never reach the hooks. Four
+    // compile-time specializations so that the common tile -- inside the sequence, and a full
+    // block (or no mask) -- pays only for the scale and, if present, the LogitsTransform; bounds
+    // checks and the mask cost only on edge tiles and partial blocks.
+    const bool bounds = kv0 < 0 || kv0 + TKV > kv_len || !tile_rows_in;
     const bool apply_mask = Variant::has_logits_mask && !is_full;
-    const float masked = kSoftmax ? neg_inf() : 0.f;
-    if (kHooksOnLogits || check_cols) {
+    auto logits = [&](auto bounds_tag, auto mask_tag) {
+      constexpr bool kBounds = decltype(bounds_tag)::value;
+      constexpr bool kMask = decltype(mask_tag)::value;
+      const float masked = kSoftmax ? neg_inf() : 0.f;
 #pragma unroll
       for (int mf = 0; mf < M_FRAGS; ++mf)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           int qi = 0, hq = 0;
-          if constexpr (kHooksOnLogits) row_of(mf, hr, qi, hq);
-          const bool row_in = qi < q_len;
+          if constexpr (Variant::has_logits_transform || kMask || kBounds) row_of(mf, hr, qi, hq);
+          const bool row_in = !kBounds || qi < q_len;
 #pragma unroll
           for (int nf = 0; nf < N_FRAGS_S; ++nf)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int kv = kv0 + nf * 8 + 2 * (lane & 3) + e;
               float sc = s_acc[mf][nf][2 * hr + e] * qk_scale;
-              if ((unsigned)kv >= (unsigned)kv_len) {
+              if (kBounds && (!row_in || (unsigned)kv >= (unsigned)kv_len)) {
                 sc = masked;
-              } else if constexpr (kHooksOnLogits) {
-                if (!row_in) {
-                  sc = masked;
-                } else {
-                  if constexpr (Variant::has_logits_transform) {
-                    sc = Variant::LogitsTransform(vp, sc, b, hq, qi, kv);
-                    if constexpr (kSoftmax) sc *= kLog2e;
-                  }
-                  if constexpr (Variant::has_logits_mask) {
-                    if (apply_mask && !Variant::LogitsMask(vp, b, hq, qi, kv)) sc = masked;
-                  }
+              } else {
+                if constexpr (Variant::has_logits_transform) {
+                  sc = Variant::LogitsTransform(vp, sc, b, hq, qi, kv);
+                  if constexpr (kSoftmax) sc *= kLog2e;
+                }
+                if constexpr (kMask) {
+                  if (!Variant::LogitsMask(vp, b, hq, qi, kv)) sc = masked;
                 }
               }
               s_acc[mf][nf][2 * hr + e] = sc;
             }
         }
+    };
+    if (!bounds && !apply_mask) {
+      logits(BoolTag<false>{}, BoolTag<false>{});
+    } else if constexpr (Variant::has_logits_mask) {
+      if (!bounds)
+        logits(BoolTag<false>{}, BoolTag<true>{});
+      else if (!apply_mask)
+        logits(BoolTag<true>{}, BoolTag<false>{});
+      else
+        logits(BoolTag<true>{}, BoolTag<true>{});
     } else {
-#pragma unroll
-      for (int mf = 0; mf < M_FRAGS; ++mf)
-#pragma unroll
-        for (int nf = 0; nf < N_FRAGS_S; ++nf)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) s_acc[mf][nf][i] *= qk_scale;
+      logits(BoolTag<true>{}, BoolTag<false>{});
     }
 
     if constexpr (kSoftmax) {

@@ -8,8 +8,8 @@ launches on torch's current stream. Launches are CUDA-graph capturable once the 
 (call once before capturing).
 
 Tile heuristic (FlashInfer-style, on the effective query length l_q x group size): T_q is the
-smallest of {16, 32, 64, 128} that covers the fused rows, capped at 128 and lowered to 64 when 128
-would leave SMs idle; T_kv comes from the head dim and the register/shared-memory budget (measured
+smallest of {16, 32, 64} that covers the fused rows (128 only through kernel_options: it measured
+slower on the H200); T_kv comes from the head dim and the register/shared-memory budget (measured
 configurations without spills, see bench/NOTES.md). Head-group fusion (all query heads of a GQA
 group in one CTA's rows) is used when it keeps block-mask lists uniform per CTA.
 
@@ -17,8 +17,10 @@ Example:
     >>> fa2_config(128, 128, 64, 2)
     Fa2Config(head_dim=128, tq=128, tkv=64, stages=2, m_frags=1, warps=8, threads=256, smem_bytes=98304)
     >>> choose_tiles(128, q_len=4096, kv_len=4096, group=1, heads=16, batch=1, num_sms=132)
-    TilePlan(tq=128, tkv=64, stages=2, gf=1)
+    TilePlan(tq=64, tkv=64, stages=2, gf=1)
     >>> choose_tiles(128, q_len=1, kv_len=4096, group=8, heads=32, batch=4, num_sms=132).tq
+    16
+    >>> choose_tiles(128, q_len=2, kv_len=4096, group=8, heads=32, batch=4, num_sms=132).tq
     16
 """
 from __future__ import annotations
@@ -26,10 +28,12 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
@@ -111,7 +115,7 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
         TilePlan(tq=64, tkv=64, stages=2, gf=4)
         >>> choose_tiles(128, q_len=1000, kv_len=1000, group=1, heads=16, batch=2,
         ...              block_q=128, block_kv=128)
-        TilePlan(tq=128, tkv=64, stages=2, gf=1)
+        TilePlan(tq=64, tkv=64, stages=2, gf=1)
     """
     opts = dict(kernel_options or {})
     masked = block_q is not None
@@ -128,12 +132,10 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
         return mask_head_uniform and tq % gf == 0 and block_q % (tq // gf) == 0  # type: ignore
 
     def default_tq(rows: int, gf: int) -> int:
-        tq = next((t for t in TQ_CHOICES if t >= rows), 128)
-        if tq == 128 and -(-rows // 128) * (heads // gf) * batch < num_sms:
-            tq = 64  # twice the CTAs: better than leaving SMs idle
-        if head_dim == 256:
-            tq = min(tq, 64)  # TQ=128 (8 warps) spilled at D=256 for causal / ALiBi variants
-        return tq
+        # At most 64 query rows (4 warps, 2 CTAs per SM): on the H200 T_q=64 beat T_q=128 (8 warps)
+        # at every head dim measured -- D=128: 311 vs 290 TFLOP/s full, 208 vs 191 causal; D=64
+        # causal 163 vs 125 -- and T_q=128 spilled at D=256 (bench/NOTES.md).
+        return next((t for t in TQ_CHOICES if t >= rows), 64) if rows < 64 else 64
 
     forced_tq = opts.get("BLOCK_M")
     if forced_tq is not None and forced_tq not in TQ_CHOICES:
@@ -328,8 +330,9 @@ def _validate(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
                              f"kernel indexes rows with 32-bit ints")
 
 
-_DEVICE_COPIES: "weakref.WeakKeyDictionary[torch.Tensor, tuple[int, torch.Tensor]]" = \
-    weakref.WeakKeyDictionary()
+# keyed by tensor identity: a plain WeakKeyDictionary compares keys with ==, elementwise for
+# tensors (torch's WeakIdKeyDictionary exists for exactly this)
+_DEVICE_COPIES: Any = WeakIdKeyDictionary()
 
 
 def _on_device(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -478,6 +481,7 @@ class _MaskArgs:
     block_q: int
     block_kv: int
     head_uniform: bool
+    derived: bool = False  # lists were rebuilt from the mask's (folded / made contiguous)
 
 
 def _block_size(bm: Any) -> tuple[int, int]:
@@ -539,7 +543,8 @@ def _mask_args(block_mask: Any, variant_has_mask: bool, B: int, Hq: int, Sq: int
                 raise ValueError("block_mask.full_kv_* and kv_* have different shapes")
     head_uniform = Hm == 1 or (num.stride(1) == 0 and idx.stride(1) == 0 and
                                (fnum is None or (fnum.stride(1) == 0 and fidx.stride(1) == 0)))
-    return _MaskArgs(num, idx, fnum, fidx, bq, bkv, head_uniform)
+    derived = not (num is block_mask.kv_num_blocks and idx is block_mask.kv_indices)
+    return _MaskArgs(num, idx, fnum, fidx, bq, bkv, head_uniform, derived)
 
 
 def _bstrides(t: torch.Tensor) -> tuple[int, ...]:
@@ -563,6 +568,9 @@ class LaunchPlan:
     dtype: str
     head_dim: int
     device: int
+    # captures of the block mask's mask_mod under their renamed names (see _merge_mask)
+    mask_scalars: Mapping[str, Any] = field(default_factory=dict)
+    mask_tensors: Mapping[str, Any] = field(default_factory=dict)
 
 
 def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: VariantIR,
@@ -583,11 +591,16 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
     device = query.device
     dev_index = device.index if device.index is not None else torch.cuda.current_device()
     margs = None
+    mscal: dict[str, Any] = {}
+    mtens: dict[str, Any] = {}
     if block_mask is not None:
         margs = _mask_args(block_mask, not ir.hook("mask_mod").is_identity, B, Hq, Sq, Skv,
                            device)
         if margs is not None:
-            ir, bindings = _merge_mask(ir, bindings, block_mask)
+            ir, merged = _merge_mask(ir, bindings, block_mask)
+            mscal = {k: v for k, v in merged.scalars.items() if k not in bindings.scalars}
+            mtens = {k: v for k, v in merged.tensors.items() if k not in bindings.tensors}
+            bindings = merged
     tiles = choose_tiles(D, q_len=Sq, kv_len=Skv, group=Hq // Hkv, heads=Hq, batch=B,
                          num_sms=_num_sms(dev_index),
                          block_q=margs.block_q if margs else None,
@@ -598,7 +611,7 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
         raise ValueError(f"batch {B} x heads {Hq}: the GPU kernel's grid allows at most 65535 "
                          f"head slots and 65535 batches")
     dtype = "bfloat16" if query.dtype == torch.bfloat16 else "float16"
-    return LaunchPlan(ir, bindings, tiles, margs, dtype, D, dev_index)
+    return LaunchPlan(ir, bindings, tiles, margs, dtype, D, dev_index, mscal, mtens)
 
 
 def _compile_job(job: tuple[str, str, str]) -> str:
@@ -652,6 +665,28 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
     return len(jobs)
 
 
+@dataclass
+class _CallEntry:
+    plan: LaunchPlan
+    kernel: _Compiled
+    block_mask: Any  # held so its id cannot be reused while cached; compared by identity
+
+
+_CALLS: "OrderedDict[tuple, _CallEntry]" = OrderedDict()
+_CALL_CACHE_SIZE = 256
+
+
+def _call_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: VariantIR, block_mask: Any,
+              enable_gqa: bool, kernel_options: Mapping[str, Any] | None) -> tuple:
+    """What a launch plan depends on: the variant's content (interned IR nodes), the block mask's
+    identity, and the inputs' shapes, strides, dtype and device (alignment is checked per call)."""
+    return (tuple((n, h.expr) for n, h in ir.hooks.items()), ir.normalize, ir.name, ir.scalars,
+            ir.tensors, id(block_mask), q.shape, q.stride(), k.shape, k.stride(), v.shape,
+            v.stride(), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+            bool(enable_gqa),
+            tuple(sorted(kernel_options.items())) if kernel_options else None)
+
+
 def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        ir: VariantIR, bindings: Bindings | None = None, *, block_mask: Any = None,
                        scale: float | None = None, enable_gqa: bool = False,
@@ -682,13 +717,34 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(float(scale))):
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
-    pl = plan_launch(query, key, value, ir, bindings, block_mask=block_mask,
-                     enable_gqa=enable_gqa, kernel_options=kernel_options)
+    bindings = bindings if bindings is not None else Bindings()
+    if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
+        _validate(query, key, value, enable_gqa)  # raises TypeError naming the argument
+    ckey = _call_key(query, key, value, ir, block_mask, enable_gqa, kernel_options)
+    entry = _CALLS.get(ckey)
+    if entry is not None and entry.block_mask is block_mask:
+        _CALLS.move_to_end(ckey)
+        if (query.data_ptr() | key.data_ptr() | value.data_ptr()) % 16:
+            _validate(query, key, value, enable_gqa)  # raises, naming the misaligned argument
+    else:
+        pl = plan_launch(query, key, value, ir, bindings, block_mask=block_mask,
+                         enable_gqa=enable_gqa, kernel_options=kernel_options)
+        entry = _CallEntry(pl, _kernel_for(pl.ir, pl.head_dim, pl.dtype, pl.tiles, pl.device),
+                           block_mask)
+        if pl.mask is None or not pl.mask.derived:  # derived lists would go stale if cached
+            with _KERNELS_LOCK:
+                _CALLS[ckey] = entry
+                while len(_CALLS) > _CALL_CACHE_SIZE:
+                    _CALLS.popitem(last=False)
+    pl, kern = entry.plan, entry.kernel
     B, Hq, Sq, D = query.shape
     Hkv, Skv = key.shape[1], key.shape[2]
     device = query.device
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    captured = _captured(pl.ir, pl.bindings, device)
+    if pl.mask_scalars or pl.mask_tensors:
+        bindings = Bindings({**bindings.scalars, **pl.mask_scalars},
+                            {**bindings.tensors, **pl.mask_tensors})
+    captured = _captured(pl.ir, bindings, device)
     if out is None:
         out = torch.empty(B, Hq, Sq, D, dtype=query.dtype, device=device)
     elif (out.shape != query.shape or out.dtype != query.dtype or out.device != device
@@ -708,7 +764,6 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if out.numel() == 0:
         return out, lse
 
-    kern = _kernel_for(pl.ir, D, pl.dtype, pl.tiles, pl.device)
     kl, cfg = kern.launcher, kern.config
     grid = (-(-(Sq * pl.tiles.gf) // cfg.tq), Hq // pl.tiles.gf, B)
     ap = {

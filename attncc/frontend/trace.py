@@ -12,7 +12,7 @@ Example:
     ...     return score - slopes[h] * (q_idx - kv_idx)
     >>> ir, bind = trace_mods({"score_mod": alibi})
     >>> print(ir.format().splitlines()[1:])
-    ['tensor slopes: float32[_] -> f32', 'score_mod -> f32:', '  return score - (slopes[h] * to_f32(q_idx - kv_idx))']
+    ['tensor slopes: float32[_] -> f32', 'score_mod -> f32:', '  return score - slopes[h] * f32(q_idx - kv_idx)']
 """
 from __future__ import annotations
 

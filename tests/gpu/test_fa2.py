@@ -230,6 +230,28 @@ def test_block_mask_smaller_tiles_and_strided_inputs(rng: Any) -> None:
 
 
 @pytest.mark.gpu
+def test_cached_calls_use_new_captured_values(rng: Any) -> None:
+    """A repeat call hits the launch-plan cache but must read this call's captured values."""
+    from attncc.runtime.reference import attention_reference
+
+    q, k, v = rng.qkv(1, 4, 200, 128, dtype=torch.bfloat16, device="cuda")
+    bm = attncc.create_block_mask(causal, None, None, 200, 200, device="cuda")
+    for cap in (30.0, 2.0, 0.5):
+        slopes = torch.rand(4, device="cuda")
+        ir, bind = attncc.Variant(score_mod=lambda s, b, h, qi, ki: cap * torch.tanh(s / cap)
+                                  + slopes[h] * (ki - qi)).trace()
+        got, _ = gpu_flex.gpu_flex_attention(q, k, v, ir, bind, block_mask=bm)
+        ref, _ = attention_reference(q, k, v, ir, bind, block_mask=bm)
+        assert _rel_err(got, ref) < 2e-2, cap
+    # a CPU-captured tensor (GYM's ALiBi slopes) is copied once and reused on repeat calls
+    ir, bind = GYM["alibi_causal"](1, 4, 200, 128).trace()
+    ref, _ = attention_reference(q, k, v, ir, bind)
+    for _ in range(3):
+        got, _ = gpu_flex.gpu_flex_attention(q, k, v, ir, bind)
+        assert _rel_err(got, ref) < 2e-2
+
+
+@pytest.mark.gpu
 def test_kernel_options_force_tiles(rng: Any) -> None:
     from attncc.runtime.reference import attention_reference
 
@@ -237,7 +259,7 @@ def test_kernel_options_force_tiles(rng: Any) -> None:
     ir, bind = attncc.Variant(mask_mod=causal).trace()
     ref, _ = attention_reference(q, k, v, ir, bind)
     for opts in ({"BLOCK_M": 32, "BLOCK_N": 128, "num_stages": 3}, {"BLOCK_M": 16},
-                 {"num_stages": 1}):
+                 {"num_stages": 1}, {"BLOCK_M": 128, "BLOCK_N": 64}):
         got, _ = gpu_flex.gpu_flex_attention(q, k, v, ir, bind, kernel_options=opts)
         assert _rel_err(got, ref) < 2e-2, opts
 
