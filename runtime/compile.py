@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from attncc.codegen.export import export_source
-from attncc.codegen.generate import generate_source
+from attncc.codegen.generate import generate_source, use_template_cache
 from attncc.errors import CompileError
 from attncc.frontend.variant import Variant, as_variant
 from attncc.ir.program import Bindings, VariantIR
@@ -186,6 +186,8 @@ def compile(variant: Any, *, head_dim: int, dtype: Any = "bfloat16", arch: str |
             return replace(hit, bindings=bindings, cache_hit=True)
 
     simplified = simplify_variant(ir)
+    if kc is not None and kc.dir is not None:
+        use_template_cache(Path(kc.dir) / "templates")
     gen = generate_source(simplified, head_dim=head_dim, dtype=dtype, kernel=kernel)
     try:
         res, was_hit = cached_compile(gen.source, arch=arch, cache=kc if kc is not None else False,
