@@ -5,8 +5,9 @@
 `normalize="none"`). The variant's mask_mod and the block mask are ANDed.
 
 On CPU tensors the exact reference runs (float64 inside, results in the input dtype; LSE float32).
-On CUDA tensors this version has no compiled kernel path yet: the same exact reference runs on
-the GPU (float64) after a one-time warning.
+On CUDA bf16/fp16 tensors the variant is compiled (NVRTC, cached) into the FA2 template and
+launched (`attncc.runtime.gpu_flex`). CUDA float32 tensors have no compiled kernel yet: the exact
+reference runs on the GPU (float64) after a one-time warning.
 
 Example:
     >>> import torch, attncc
@@ -124,11 +125,19 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if query.device.type not in ("cpu", "cuda"):
         raise ValueError(f"query is on {query.device}; attncc runs on CPU and CUDA tensors")
     ir, bindings = _trace(variant)
+    if query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16):
+        from .gpu_flex import gpu_flex_attention
+
+        out, lse = gpu_flex_attention(query, key, value, ir, bindings, block_mask=block_mask,
+                                      scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+                                      kernel_options=kernel_options)
+        return (out, lse) if return_lse else out
     if query.device.type == "cuda" and not _warned_no_gpu_kernel:
         _warned_no_gpu_kernel = True
-        warnings.warn("attncc.flex_attention: the compiled GPU kernel path is not available in "
-                      "this version; running the exact float64 reference on the GPU instead "
-                      "(correct but slow)", RuntimeWarning, stacklevel=2)
+        warnings.warn("attncc.flex_attention: no compiled GPU kernel for "
+                      f"{query.dtype} yet (bf16/fp16 are compiled); running the exact float64 "
+                      "reference on the GPU instead (correct but slow)", RuntimeWarning,
+                      stacklevel=2)
     out, lse = attention_reference(query, key, value, ir, bindings, block_mask=block_mask,
                                    scale=scale, enable_gqa=enable_gqa, float_dtype=torch.float64)
     out = out.to(query.dtype)

@@ -48,9 +48,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     no_nvrtc = pytest.mark.skip(reason="needs NVRTC from cuda-bindings, which cannot load here")
     has_gpu = torch.cuda.is_available()
     for item in items:
-        if "gpu" in item.keywords and not has_gpu:
+        if item.get_closest_marker("gpu") and not has_gpu:
             item.add_marker(no_gpu)
-        if "nvrtc" in item.keywords and not nvrtc_available():
+        if item.get_closest_marker("nvrtc") and not nvrtc_available():
             item.add_marker(no_nvrtc)
 
 
