@@ -37,6 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
+from .reference import validate_attention_inputs
 
 __all__ = ["Fa2Config", "TilePlan", "LaunchPlan", "fa2_config", "choose_tiles", "fa2_source",
            "plan_launch", "precompile", "gpu_flex_attention", "compiled_kernel_info",
@@ -278,45 +279,22 @@ def _spill_bytes(log: str) -> int:
 
 # --------------------------------------------------------------------------------- validation
 def _validate(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
+    """GPU device/dtype per argument, the shared `validate_attention_inputs`, then GPU limits."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [batch, heads, seq_len, head_dim], got shape "
-                             f"{tuple(t.shape)}")
+            continue  # validate_attention_inputs names it
         if t.device.type != "cuda":
             raise ValueError(f"{name} is on {t.device}; the GPU kernel needs CUDA tensors")
         if t.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"{name} has dtype {t.dtype}; the GPU kernel runs bfloat16 or "
                              f"float16 (convert with .to(torch.bfloat16))")
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise ValueError(f"query, key and value must share a dtype, got query={query.dtype}, "
-                         f"key={key.dtype}, value={value.dtype}")
-    if key.device != query.device or value.device != query.device:
-        raise ValueError(f"query, key and value must be on one device, got query={query.device}, "
-                         f"key={key.device}, value={value.device}")
-    B, Hq, Sq, D = query.shape
-    Bk, Hkv, Skv, Dk = key.shape
-    Bv, Hv, Sv, Dv = value.shape
-    if Bk != B or Bv != B:
-        raise ValueError(f"batch sizes differ: query has {B}, key {Bk}, value {Bv}")
+    validate_attention_inputs(query, key, value, None, enable_gqa)
+    D, Dv = query.shape[3], value.shape[3]
     if D not in HEAD_DIMS:
         raise ValueError(f"query head_dim {D}: the GPU kernel supports head dims {HEAD_DIMS}")
-    if Dk != D:
-        raise ValueError(f"key head_dim {Dk} != query head_dim {D}")
     if Dv != D:
         raise ValueError(f"value head_dim {Dv} != query head_dim {D}: the GPU kernel needs one "
                          f"head dim for q, k and v")
-    if Hv != Hkv or Sv != Skv:
-        raise ValueError(f"value has {Hv} heads and seq_len {Sv} but key has {Hkv} heads and "
-                         f"seq_len {Skv}; they must match")
-    if Hq != Hkv:
-        if not enable_gqa:
-            raise ValueError(f"query has {Hq} heads but key/value have {Hkv}; pass "
-                             f"enable_gqa=True for grouped-query attention")
-        if Hkv == 0 or Hq % Hkv:
-            raise ValueError(f"enable_gqa=True needs query heads ({Hq}) to be a multiple of "
-                             f"key/value heads ({Hkv})")
     for name, t in (("query", query), ("key", key), ("value", value)):
         # cp.async moves 16-byte chunks: the head dim must be contiguous and every row start
         # 16-byte aligned
