@@ -37,7 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
-from .reference import validate_attention_inputs
+from .reference import _is_noop_mask, _trace_mask, validate_attention_inputs
 
 __all__ = ["Fa2Config", "TilePlan", "LaunchPlan", "fa2_config", "choose_tiles", "fa2_source",
            "plan_launch", "precompile", "gpu_flex_attention", "compiled_kernel_info",
@@ -352,20 +352,6 @@ _TRACED_MASKS: "weakref.WeakKeyDictionary[Any, tuple[VariantIR, Bindings]]" = \
     weakref.WeakKeyDictionary()
 
 
-def _is_noop(fn: Any) -> bool:
-    if fn is None:
-        return True
-    from attncc.frontend import noop_mask
-
-    if fn is noop_mask:
-        return True
-    try:
-        from torch.nn.attention.flex_attention import noop_mask as torch_noop
-    except ImportError:  # pragma: no cover
-        return False
-    return fn is torch_noop
-
-
 def _mask_program(block_mask: Any) -> tuple[Node, tuple[ScalarParam, ...],
                                               tuple[TensorParam, ...], Bindings] | None:
     """The block mask's mask_mod as (expr, scalar decls, tensor decls, values), or None (noop)."""
@@ -381,16 +367,14 @@ def _mask_program(block_mask: Any) -> tuple[Node, tuple[ScalarParam, ...],
                 idx = [a for a in n.args]
                 tens[n.attr] = TensorParam(n.attr, _ELEM_NAMES[t.dtype], len(idx), n.dtype)
         return expr, tuple(scal.values()), tuple(tens.values()), bind
-    if _is_noop(fn):
+    if _is_noop_mask(fn):
         return None
     try:
         cached = _TRACED_MASKS.get(fn)
     except TypeError:
         cached = None
     if cached is None:
-        from attncc.frontend import trace_mods
-
-        cached = trace_mods({"mask_mod": fn})
+        cached = _trace_mask(fn)
         try:
             _TRACED_MASKS[fn] = cached
         except TypeError:
