@@ -114,6 +114,43 @@ __device__ __forceinline__ float floordiv(float a, float b) { return floorf(a / 
 __device__ __forceinline__ float pymod(float a, float b) { return a - floorf(a / b) * b; }
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Fast math (codegen's fast_math=True): one special-function-unit instruction each instead of the
+// multi-instruction accurate libm versions, which would make the SFU -- not the tensor cores --
+// the bound of an attention loop (softcap pays a tanh per logit on top of softmax's ex2). Errors
+// (PTX ISA): ex2.approx ~2 ulp, lg2.approx ~2^-22 absolute, tanh.approx ~2^-11 relative,
+// rcp.approx ~1 ulp; all far below bf16/fp16 output precision. Denormals flush to zero.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float fast_exp(float x) { return fast_exp2(x * 1.4426950408889634f); }
+__device__ __forceinline__ float fast_log2(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float fast_log(float x) { return fast_log2(x) * 0.6931471805599453f; }
+__device__ __forceinline__ float fast_tanh(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return tanhf(x);
+#endif
+}
+// sigmoid(x) = (1 + tanh(x/2)) / 2: one MUFU op, and no overflow for large |x|
+__device__ __forceinline__ float fast_sigmoid(float x) { return 0.5f * fast_tanh(0.5f * x) + 0.5f; }
+// a * (1/b): when b is loop-invariant (a captured scalar such as softcap's cap) the compiler
+// hoists the reciprocal out of the kernel's loop, leaving one multiply per logit.
+__device__ __forceinline__ float fast_rcp(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float fast_div(float a, float b) { return a * fast_rcp(b); }
 __device__ __forceinline__ float rsqrt(float x) { return rsqrtf(x); }
 __device__ __forceinline__ float exp2(float x) { return exp2f(x); }
 __device__ __forceinline__ float log2(float x) { return log2f(x); }

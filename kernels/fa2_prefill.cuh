@@ -29,6 +29,10 @@
 #ifndef ATTNCC_FA2_PREFILL_CUH
 #define ATTNCC_FA2_PREFILL_CUH
 
+#ifndef ATTNCC_FA2_LAZY_RESCALE
+#define ATTNCC_FA2_LAZY_RESCALE 1
+#endif
+
 namespace attncc {
 namespace fa2 {
 
@@ -209,27 +213,34 @@ __device__ __forceinline__ void transform_row(fa2_u16* tile, int row, int lane, 
 // Compile-time configuration shared by the kernel, the entry-point macro and (mirrored) the Python
 // launcher (attncc.runtime.gpu_flex.fa2_config).
 // ---------------------------------------------------------------------------------------------
-template <int HEAD_DIM, int TQ, int TKV, int STAGES>
+template <int HEAD_DIM, int TQ, int TKV, int STAGES, int M_FRAGS>
 struct Config {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head dim 64/128/256");
   static_assert(TQ == 16 || TQ == 32 || TQ == 64 || TQ == 128, "TQ in {16,32,64,128}");
   static_assert(TKV == 32 || TKV == 64 || TKV == 128, "TKV in {32,64,128}");
   static_assert(STAGES >= 1 && STAGES <= 4, "1..4 pipeline stages");
-  // The body supports M_FRAGS 16-row fragments per warp (2 would let each K/V ldmatrix feed two
-  // MMAs), but the O and S accumulators then take 2*(D/8 + TKV/8)*4 registers, and ptxas spilled
-  // for causal / ALiBi / RoPE variants at D=64 and D=128 (bench/NOTES.md). So every config uses
-  // one fragment per warp: TQ/16 warps.
-  static constexpr int kMFrags = 1;
+  // M_FRAGS 16-row MMA fragments per warp. Two (FA2's 4 warps x 32 rows) let every K/V ldmatrix
+  // feed two MMAs, halving shared-memory traffic per MMA -- at one fragment per warp ldmatrix
+  // bandwidth, not the tensor cores, bounds the loop. The price is registers: the O and S
+  // accumulators take M_FRAGS*(D/8 + TKV/8)*4 of them, so the launcher uses 2 only where ptxas
+  // reports no spills (bench/NOTES.md).
+  static_assert(M_FRAGS == 1 || M_FRAGS == 2, "1 or 2 fragments per warp");
+  static_assert(TQ % (16 * M_FRAGS) == 0, "TQ must be a multiple of 16 * M_FRAGS");
+  static constexpr int kMFrags = M_FRAGS;
   static constexpr int kWarps = TQ / (16 * kMFrags);
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kTileElems = TKV * HEAD_DIM;
   static constexpr int kSmemBytes = 2 * HEAD_DIM * (TQ + 2 * STAGES * TKV);
 };
 
-template <int HEAD_DIM, int TQ, int TKV, int STAGES>
-__host__ __device__ constexpr int fa2_smem_bytes() { return Config<HEAD_DIM, TQ, TKV, STAGES>::kSmemBytes; }
-template <int HEAD_DIM, int TQ, int TKV, int STAGES>
-__host__ __device__ constexpr int fa2_num_threads() { return Config<HEAD_DIM, TQ, TKV, STAGES>::kThreads; }
+template <int HEAD_DIM, int TQ, int TKV, int STAGES, int M_FRAGS>
+__host__ __device__ constexpr int fa2_smem_bytes() {
+  return Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>::kSmemBytes;
+}
+template <int HEAD_DIM, int TQ, int TKV, int STAGES, int M_FRAGS>
+__host__ __device__ constexpr int fa2_num_threads() {
+  return Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>::kThreads;
+}
 
 // Which KV tiles a CTA visits: all of them (no block mask), or FlexAttention's BSR lists for the
 // CTA's query block, partial blocks first (LogitsMask applies), then full blocks (it does not).
@@ -267,12 +278,12 @@ struct TileList {
 // ---------------------------------------------------------------------------------------------
 // The kernel body.
 // ---------------------------------------------------------------------------------------------
-template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES>
+template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,
+          int M_FRAGS>
 __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
                                             const typename Variant::Params& vp) {
-  using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES>;
+  using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>;
   constexpr int D = HEAD_DIM;
-  constexpr int M_FRAGS = Cfg::kMFrags;
   constexpr int NT = Cfg::kThreads;
   constexpr int N_FRAGS_S = TKV / 8;   // S accumulator fragments per 16-row fragment
   constexpr int N_FRAGS_O = D / 8;     // O accumulator fragments per 16-row fragment
@@ -394,27 +405,25 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
   };
 
   // ---- prologue: Q and the first STAGES-1 K/V tiles in flight ---------------------------------
-  // Commit-group discipline: Q is one group; then every tile is two groups, K then V, committed
-  // even when empty, so "groups newer than K_i" is always 2*STAGES-1 and cp.async.wait_group can
-  // take a compile-time count.
+  // Commit-group discipline: Q is one group; then every tile (its K and V rows) is one group,
+  // committed even when empty, so at the top of iteration `it` exactly STAGES-2 groups are newer
+  // than tile `it` and cp.async.wait_group takes a compile-time count.
+  auto load_tile = [&](int i) {
+    if (i < tiles.count) {
+      bool f;
+      const int kv0 = tile_start(i, f);
+      const int st = i % STAGES;
+      load_kv(gK, p.k_stride_s, smem_addr(sK + st * Cfg::kTileElems), kv0);
+      load_kv(gV, p.v_stride_s, smem_addr(sV + st * Cfg::kTileElems), kv0);
+    }
+    cp_async_commit();
+  };
   load_q();
   cp_async_commit();
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < tiles.count) {
-      bool f;
-      const int kv0 = tile_start(s, f);
-      load_kv(gK, p.k_stride_s, smem_addr(sK + s * Cfg::kTileElems), kv0);
-      cp_async_commit();
-      load_kv(gV, p.v_stride_s, smem_addr(sV + s * Cfg::kTileElems), kv0);
-      cp_async_commit();
-    } else {
-      cp_async_commit();
-      cp_async_commit();
-    }
-  }
-  cp_async_wait<2 * (STAGES - 1)>();
-  __syncthreads();
+  for (int s = 0; s < STAGES - 1; ++s) load_tile(s);
+  cp_async_wait<STAGES - 1>();  // Q landed (this thread's copies) ...
+  __syncthreads();              // ... and everyone's
 
   if constexpr (Variant::has_query_transform) {
     // Each warp transforms only the rows it will read (its own fragments): __syncwarp suffices.
@@ -466,7 +475,7 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
   // Q fragments stay in registers for the whole KV loop when they fit (D/16 * 4 registers per
   // 16-row fragment: 32 at D=128): saves D/16 ldmatrix per KV tile. At D=256 (64 registers on top
   // of a 128-register O accumulator) they are re-read from shared memory instead.
-  constexpr bool kQInRegs = D <= 128;
+  constexpr bool kQInRegs = D * M_FRAGS <= 128;
   fa2_u32 q_frag[kQInRegs ? M_FRAGS : 1][kQInRegs ? D / 16 : 1][4];
   if constexpr (kQInRegs) {
 #pragma unroll
@@ -477,40 +486,39 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
   }
 
   // ---- main loop over KV tiles -----------------------------------------------------------------
+  // One barrier per iteration: after it, tile `it` is visible to every warp AND every warp has
+  // finished iteration it-1, so the stage that tile it-1 used can be refilled right away.
 #pragma unroll 1
   for (int it = 0; it < tiles.count; ++it) {
     const int stage = it % STAGES;
-    {  // prefetch tile it+STAGES-1 into the stage tile it-1 used (freed by the barrier at the end
-       // of the previous iteration)
-      const int pf = it + STAGES - 1;
-      if (pf < tiles.count) {
-        bool f;
-        const int kv0 = tile_start(pf, f);
-        const int ps = pf % STAGES;
-        load_kv(gK, p.k_stride_s, smem_addr(sK + ps * Cfg::kTileElems), kv0);
-        cp_async_commit();
-        load_kv(gV, p.v_stride_s, smem_addr(sV + ps * Cfg::kTileElems), kv0);
-        cp_async_commit();
-      } else {
-        cp_async_commit();
-        cp_async_commit();
-      }
+    if constexpr (STAGES == 1) {  // no prefetch: refill the only stage once everyone is done
+      __syncthreads();
+      load_tile(it);
+      cp_async_wait<0>();
+      __syncthreads();
+    } else {
+      cp_async_wait<STAGES - 2>();  // tile it landed (this thread's copies) ...
+      __syncthreads();              // ... and everyone's; stage (it-1) % STAGES is free
+      load_tile(it + STAGES - 1);   // prefetch into it
     }
+
     bool is_full;
     const int kv0 = tile_start(it, is_full);
     fa2_u16* sKs = sK + stage * Cfg::kTileElems;
     fa2_u16* sVs = sV + stage * Cfg::kTileElems;
-
-    cp_async_wait<2 * STAGES - 1>();  // K_it landed (this thread's copies) ...
-    __syncthreads();                  // ... and everyone's
-    if constexpr (Variant::has_key_transform) {
+    if constexpr (Variant::has_key_transform || Variant::has_value_transform) {
 #pragma unroll 1
       for (int r = warp; r < TKV; r += Cfg::kWarps) {
         const int kv = kv0 + r;
         if (kv >= kv_len) break;
-        transform_row<DType, D>(sKs, r, lane, [&](const SmemRow<DType, D>& k, int d) {
-          return Variant::KeyTransform(vp, k, b, h_kv, kv, d);
-        });
+        if constexpr (Variant::has_key_transform)
+          transform_row<DType, D>(sKs, r, lane, [&](const SmemRow<DType, D>& k, int d) {
+            return Variant::KeyTransform(vp, k, b, h_kv, kv, d);
+          });
+        if constexpr (Variant::has_value_transform)
+          transform_row<DType, D>(sVs, r, lane, [&](const SmemRow<DType, D>& v, int d) {
+            return Variant::ValueTransform(vp, v, b, h_kv, kv, d);
+          });
       }
       __syncthreads();
     }
@@ -611,6 +619,8 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
       // Online softmax, base 2. A row's 8*N_FRAGS_S columns are spread over the 4 lanes of a quad:
       // reduce the max with two xor-shuffles. l stays a per-lane partial sum (all quad lanes
       // rescale by the same factor) and is reduced once at the end.
+      float corr[M_FRAGS][2];
+      bool grew = false;  // did any row max of this thread change (then O must be rescaled)
 #pragma unroll
       for (int mf = 0; mf < M_FRAGS; ++mf)
 #pragma unroll
@@ -624,7 +634,8 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
           // A row with every logit so far masked has max -inf: subtract 0 instead so that
           // exp2(-inf - m) is 0, not NaN; its rescale factor is irrelevant (acc and l are 0).
           const float m_use = (mx == neg_inf()) ? 0.f : mx;
-          const float corr = fast_exp2(row_m[mf][hr] - m_use);
+          grew |= mx != row_m[mf][hr];
+          corr[mf][hr] = fast_exp2(row_m[mf][hr] - m_use);
           row_m[mf][hr] = mx;
           float sum = 0.f;
 #pragma unroll
@@ -635,27 +646,25 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
             s_acc[mf][nf][2 * hr + 1] = p1;
             sum += p0 + p1;
           }
-          row_l[mf][hr] = row_l[mf][hr] * corr + sum;
-#pragma unroll
-          for (int nf = 0; nf < N_FRAGS_O; ++nf) {
-            o_acc[mf][nf][2 * hr] *= corr;
-            o_acc[mf][nf][2 * hr + 1] *= corr;
-          }
+          row_l[mf][hr] = row_l[mf][hr] * corr[mf][hr] + sum;
         }
-    }
-
-    cp_async_wait<2 * STAGES - 2>();  // V_it landed
-    __syncthreads();
-    if constexpr (Variant::has_value_transform) {
-#pragma unroll 1
-      for (int r = warp; r < TKV; r += Cfg::kWarps) {
-        const int kv = kv0 + r;
-        if (kv >= kv_len) break;
-        transform_row<DType, D>(sVs, r, lane, [&](const SmemRow<DType, D>& v, int d) {
-          return Variant::ValueTransform(vp, v, b, h_kv, kv, d);
-        });
+      // Rescaling O costs D/2 multiplies per row-half -- more than the tile's exponentials. After
+      // the first few tiles a row's max rarely grows, and when no row of the warp grew every
+      // factor is exactly 1 (ex2(0) = 1), so the warp skips the rescale (a warp-uniform branch).
+#if ATTNCC_FA2_LAZY_RESCALE
+      if (__any_sync(0xffffffffu, grew))
+#endif
+      {
+#pragma unroll
+        for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+            for (int nf = 0; nf < N_FRAGS_O; ++nf) {
+              o_acc[mf][nf][2 * hr] *= corr[mf][hr];
+              o_acc[mf][nf][2 * hr + 1] *= corr[mf][hr];
+            }
       }
-      __syncthreads();
     }
 
     // O += P V. The S accumulator of n-fragments 2kk, 2kk+1 is exactly the A-fragment layout of
@@ -690,7 +699,6 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
         }
       }
     }
-    __syncthreads();  // everyone is done with this stage before it is refilled
   }
   cp_async_wait<0>();  // only empty groups can remain; drain them before the CTA exits
 
@@ -786,11 +794,11 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
 // launcher checks kThreads against the function's CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK).
 // __launch_bounds__(threads, 1): one CTA per SM is all we ask, so ptxas may use up to 255
 // registers (with no minimum it sometimes capped small CTAs at 128 registers and spilled).
-#define ATTNCC_FA2_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES)                        \
+#define ATTNCC_FA2_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS)               \
   extern "C" __global__ void __launch_bounds__(                                                \
-      attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES>::kThreads, 1)                             \
+      attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>::kThreads, 1)                    \
       NAME(attncc::AttentionParams p, VARIANT::Params vp) {                                    \
-    attncc::fa2::fa2_prefill<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES>(p, vp);                \
+    attncc::fa2::fa2_prefill<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>(p, vp);       \
   }
 
 #endif  // ATTNCC_FA2_PREFILL_CUH

@@ -7,17 +7,18 @@ mask_mod into the variant, picks tile sizes, compiles (NVRTC, cached on disk and
 launches on torch's current stream. Launches are CUDA-graph capturable once the kernel is loaded
 (call once before capturing).
 
-Tile heuristic (FlashInfer-style, on the effective query length l_q x group size): T_q is the
-smallest of {16, 32, 64} that covers the fused rows (128 only through kernel_options: it measured
-slower on the H200); T_kv comes from the head dim and the register/shared-memory budget (measured
-configurations without spills, see bench/NOTES.md). Head-group fusion (all query heads of a GQA
-group in one CTA's rows) is used when it keeps block-mask lists uniform per CTA.
+Tile heuristic (FlashInfer-style, on the effective query length l_q x group size): with at least
+128 fused rows, D <= 128 and a grid of >= 2 CTAs per SM, T_q = 128 as 4 warps x 32 rows (two MMA
+fragments per warp); otherwise T_q is the smallest of {16, 32, 64} that covers the fused rows.
+T_kv comes from the head dim and the register/shared-memory budget (bench/NOTES.md). Head-group
+fusion (all query heads of a GQA group in one CTA's rows) is used when it keeps block-mask lists
+uniform per CTA.
 
 Example:
     >>> fa2_config(128, 128, 64, 2)
     Fa2Config(head_dim=128, tq=128, tkv=64, stages=2, m_frags=1, warps=8, threads=256, smem_bytes=98304)
     >>> choose_tiles(128, q_len=4096, kv_len=4096, group=1, heads=16, batch=1, num_sms=132)
-    TilePlan(tq=64, tkv=64, stages=2, gf=1)
+    TilePlan(tq=128, tkv=64, stages=2, gf=1, m_frags=2)
     >>> choose_tiles(128, q_len=1, kv_len=4096, group=8, heads=32, batch=4, num_sms=132).tq
     16
     >>> choose_tiles(128, q_len=2, kv_len=4096, group=8, heads=32, batch=4, num_sms=132).tq
@@ -72,20 +73,27 @@ class Fa2Config:
     smem_bytes: int
 
 
-def fa2_config(head_dim: int, tq: int, tkv: int, stages: int = 2) -> Fa2Config:
-    """Threads and dynamic shared memory of fa2_prefill<.., head_dim, tq, tkv, stages>.
+def fa2_config(head_dim: int, tq: int, tkv: int, stages: int = 2, m_frags: int = 1
+               ) -> Fa2Config:
+    """Threads and dynamic shared memory of fa2_prefill<.., head_dim, tq, tkv, stages, m_frags>.
+
+    `m_frags` is the number of 16-row MMA fragments per warp (warps = tq / (16 * m_frags)).
 
     Example:
         >>> c = fa2_config(256, 128, 32, 2)
         >>> c.warps, c.smem_bytes
         (8, 131072)
+        >>> fa2_config(128, 128, 64, 2, m_frags=2).warps
+        4
     """
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}: the FA2 kernel supports {HEAD_DIMS}")
     if tq not in TQ_CHOICES or tkv not in TKV_CHOICES or not 1 <= stages <= 4:
         raise ValueError(f"tile ({tq}, {tkv}, stages={stages}): T_q in {TQ_CHOICES}, T_kv in "
                          f"{TKV_CHOICES}, 1..4 stages")
-    m_frags = 1  # see attncc::fa2::Config: one 16-row MMA fragment per warp
+    if m_frags not in (1, 2) or tq % (16 * m_frags):
+        raise ValueError(f"m_frags={m_frags} with T_q={tq}: 1 or 2 16-row fragments per warp, "
+                         f"T_q a multiple of 16 * m_frags")
     warps = tq // (16 * m_frags)
     return Fa2Config(head_dim, tq, tkv, stages, m_frags, warps, warps * 32,
                      2 * head_dim * (tq + 2 * stages * tkv))
@@ -99,6 +107,7 @@ class TilePlan:
     tkv: int
     stages: int
     gf: int
+    m_frags: int = 1
     forced: bool = field(default=False, repr=False)  # from kernel_options: compile exactly
 
 
@@ -113,10 +122,12 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
 
     Example:
         >>> choose_tiles(64, q_len=17, kv_len=17, group=4, heads=8, batch=1)
-        TilePlan(tq=64, tkv=64, stages=2, gf=4)
+        TilePlan(tq=64, tkv=64, stages=2, gf=4, m_frags=1)
         >>> choose_tiles(128, q_len=1000, kv_len=1000, group=1, heads=16, batch=2,
         ...              block_q=128, block_kv=128)
-        TilePlan(tq=64, tkv=64, stages=2, gf=1)
+        TilePlan(tq=64, tkv=64, stages=2, gf=1, m_frags=1)
+        >>> choose_tiles(128, q_len=4096, kv_len=4096, group=1, heads=16, batch=4)
+        TilePlan(tq=128, tkv=64, stages=2, gf=1, m_frags=2)
     """
     opts = dict(kernel_options or {})
     masked = block_q is not None
@@ -133,9 +144,14 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
         return mask_head_uniform and tq % gf == 0 and block_q % (tq // gf) == 0  # type: ignore
 
     def default_tq(rows: int, gf: int) -> int:
-        # At most 64 query rows (4 warps, 2 CTAs per SM): on the H200 T_q=64 beat T_q=128 (8 warps)
-        # at every head dim measured -- D=128: 311 vs 290 TFLOP/s full, 208 vs 191 causal; D=64
-        # causal 163 vs 125 -- and T_q=128 spilled at D=256 (bench/NOTES.md).
+        # D <= 128 with enough rows: T_q=128 as 4 warps x 32 rows (two MMA fragments per warp),
+        # which beat 64-row CTAs by 12-20% on the H200 (S=8192 full 365 vs 304 TFLOP/s, causal
+        # 308 vs 258), as long as the grid still holds two CTAs per SM. Otherwise at most 64 rows
+        # (4 warps x 16): T_q=128 as 8 warps x 16 rows was slower at every head dim, and D=256
+        # has no registers for a second fragment (bench/NOTES.md).
+        if head_dim <= 128 and rows >= 128 and \
+                -(-rows // 128) * (heads // gf) * batch >= 2 * num_sms:
+            return 128
         return next((t for t in TQ_CHOICES if t >= rows), 64) if rows < 64 else 64
 
     forced_tq = opts.get("BLOCK_M")
@@ -165,9 +181,18 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
     stages = opts.get("num_stages") or 2
     if not 1 <= stages <= 4:
         raise ValueError(f"kernel_options['num_stages']={stages}: use 1 to 4")
-    fa2_config(head_dim, plan_tq, tkv, stages)  # validates
-    forced = bool(opts.get("BLOCK_M") or opts.get("BLOCK_N"))
-    return TilePlan(plan_tq, tkv, stages, plan_gf, forced)
+    warps = opts.get("num_warps")
+    if warps is None:
+        m_frags = 2 if (plan_tq == 128 and head_dim <= 128) else 1
+    elif warps in (plan_tq // 16, plan_tq // 32):
+        m_frags = plan_tq // (16 * warps)
+    else:
+        raise ValueError(f"kernel_options['num_warps']={warps} with BLOCK_M={plan_tq}: each warp "
+                         f"owns 16 or 32 query rows, so use num_warps={plan_tq // 16}"
+                         + (f" or {plan_tq // 32}" if plan_tq >= 32 else ""))
+    fa2_config(head_dim, plan_tq, tkv, stages, m_frags)  # validates
+    forced = bool(opts.get("BLOCK_M") or opts.get("BLOCK_N") or warps)
+    return TilePlan(plan_tq, tkv, stages, plan_gf, m_frags, forced)
 
 
 # --------------------------------------------------------------------------------- source
@@ -175,7 +200,8 @@ _ENTRY_MARK = "// ==============================================================
 
 
 def fa2_source(ir: VariantIR, *, head_dim: int, dtype: str, tq: int, tkv: int,
-               stages: int = 2) -> tuple[str, str, Any, Any]:
+               stages: int = 2, m_frags: int = 1, fast_math: bool = True
+               ) -> tuple[str, str, Any, Any]:
     """(source, kernel_name, params_layout, attention_params_layout) of the FA2 kernel for `ir`.
 
     Interim assembly until codegen ships `kernel="fa2"`: codegen's translation unit for the
@@ -191,21 +217,21 @@ def fa2_source(ir: VariantIR, *, head_dim: int, dtype: str, tq: int, tkv: int,
     from attncc.codegen.generate import DTYPES, generate_source, kernel_name
     from attncc.kernels import read_template
 
-    fa2_config(head_dim, tq, tkv, stages)
+    fa2_config(head_dim, tq, tkv, stages, m_frags)
     if dtype not in ("bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r}: the FA2 kernel runs bfloat16 or float16")
-    gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="simple")
+    gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="simple", fast_math=fast_math)
     cut = gk.source.find(_ENTRY_MARK)
     if cut < 0:
         raise RuntimeError("codegen's translation unit has no entry-point marker; update "
                            "attncc.runtime.gpu_flex.fa2_source to the new template")
     name = (kernel_name(gk.variant.name, "fa2", head_dim, dtype)
-            + f"_q{tq}_k{tkv}_s{stages}")
+            + f"_q{tq}_k{tkv}_s{stages}" + (f"_m{m_frags}" if m_frags > 1 else ""))
     source = (gk.source[:cut] + "// ============================================================"
               "================ fa2_prefill.cuh\n" + read_template("fa2_prefill.cuh")
               + "\n" + _ENTRY_MARK + "\n"
               + f"ATTNCC_FA2_ENTRY({name}, {gk.variant.struct_name}, {DTYPES[dtype][0]}, "
-                f"{head_dim}, {tq}, {tkv}, {stages})\n")
+                f"{head_dim}, {tq}, {tkv}, {stages}, {m_frags})\n")
     return source, name, gk.params_layout, gk.attention_params_layout
 
 
@@ -225,7 +251,7 @@ def _kernel_for(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
                 device: int) -> _Compiled:
     hooks = tuple((n, h.expr) for n, h in ir.hooks.items())
     key = (hooks, ir.normalize, ir.name, ir.scalars, ir.tensors, head_dim, dtype, plan.tq,
-           plan.tkv, plan.stages, device)
+           plan.tkv, plan.stages, plan.m_frags, device)
     hit = _KERNELS.get(key)
     if hit is not None:
         return hit
@@ -242,17 +268,21 @@ def _kernel_for(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
         with torch.cuda.device(device):
             arch = device_arch()
         simplified = simplify_variant(ir)
-        # ptxas decides register allocation per variant; if this one spills, fall back to smaller
-        # KV tiles (fewer S accumulators), then smaller query tiles (more CTAs, same regs/thread).
-        tiles = [(plan.tq, plan.tkv)]
-        tiles += [(plan.tq, t) for t in (32,) if t < plan.tkv]
-        tiles += [(q, min(plan.tkv, 64)) for q in (64,) if q < plan.tq]
-        for i, (tq, tkv) in enumerate(tiles):
-            cfg = fa2_config(head_dim, tq, tkv, plan.stages)
+        # ptxas decides register allocation per variant; if this one spills, fall back to one
+        # fragment per warp (half the accumulators per thread), then smaller KV tiles (fewer S
+        # accumulators), then smaller query tiles (more CTAs, same registers per thread).
+        tiles = [(plan.tq, plan.tkv, plan.m_frags)]
+        tiles += [(plan.tq, plan.tkv, 1)] if plan.m_frags > 1 else []
+        tiles += [(plan.tq, t, 1) for t in (32,) if t < plan.tkv]
+        tiles += [(q, min(plan.tkv, 64), 1) for q in (64,) if q < plan.tq]
+        for i, (tq, tkv, mf) in enumerate(tiles):
+            cfg = fa2_config(head_dim, tq, tkv, plan.stages, mf)
             source, name, vp_layout, ap_layout = fa2_source(
-                simplified, head_dim=head_dim, dtype=dtype, tq=tq, tkv=tkv, stages=plan.stages)
+                simplified, head_dim=head_dim, dtype=dtype, tq=tq, tkv=tkv, stages=plan.stages,
+                m_frags=mf)
             res, _ = cached_compile(source, arch=arch, name=f"{name}.cu", verbose=True)
-            if _spill_bytes(res.log) == 0 or i == len(tiles) - 1 or plan_forced(plan):
+            if (_spill_bytes(res.log) <= _SPILL_BUDGET[mf] or i == len(tiles) - 1
+                    or plan_forced(plan)):
                 break
         kl = load_kernel(res.cubin, name, ap_layout, vp_layout, device=device,
                          dynamic_smem=cfg.smem_bytes)
@@ -262,6 +292,14 @@ def _kernel_for(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
                                f"attncc::fa2::Config disagree")
         hit = _KERNELS[key] = _Compiled(kl, cfg, simplified, res.log)
         return hit
+
+
+# Spill bytes (stores + loads, ptxas -v) accepted before falling back to smaller tiles. One
+# fragment per warp: none. Two: ptxas at the 255-register cap spills a few words for some hooks
+# (causal 32, sliding window 120, softcap 144 bytes with NVRTC 13), and those kernels still beat
+# the spill-free one-fragment fallback by 12-20% on the H200 (bench/NOTES.md, 2026-11-30): the
+# spilled words are touched a few times per KV tile and stay in L1.
+_SPILL_BUDGET = {1: 0, 2: 192}
 
 
 def plan_forced(plan: TilePlan) -> bool:
@@ -611,7 +649,7 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
             arch = device_arch()
         src, name, _, _ = fa2_source(simplify_variant(pl.ir), head_dim=pl.head_dim,
                                      dtype=pl.dtype, tq=pl.tiles.tq, tkv=pl.tiles.tkv,
-                                     stages=pl.tiles.stages)
+                                     stages=pl.tiles.stages, m_frags=pl.tiles.m_frags)
         jobs[src] = (src, arch, f"{name}.cu")
     workers = max_workers or min(len(jobs), os.cpu_count() or 1)
     if workers <= 1:
@@ -775,6 +813,7 @@ def compiled_kernel_info(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     kern = _kernel_for(pl.ir, pl.head_dim, pl.dtype, pl.tiles, pl.device)
     kl = kern.launcher
     return {"kernel": kl.kernel_name, "tq": kern.config.tq, "tkv": kern.config.tkv,
-            "stages": kern.config.stages, "gf": pl.tiles.gf, "threads": kern.config.threads,
+            "stages": kern.config.stages, "m_frags": kern.config.m_frags, "gf": pl.tiles.gf,
+            "threads": kern.config.threads,
             "smem_bytes": kern.config.smem_bytes, "registers": kl.num_regs,
             "local_bytes": kl.local_bytes, "spill_bytes": _spill_bytes(kern.log)}

@@ -25,7 +25,7 @@ import math
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from ..ir.nodes import BOOL, F32, I32, DType, Node, walk
 from .errors import CodegenError
@@ -41,6 +41,11 @@ _INFIX = {"add": ("+", _ADD), "sub": ("-", _ADD), "mul": ("*", _MUL), "div": ("/
 _FLOAT_CALLS = {"exp": "expf", "exp2": "exp2f", "log": "logf", "log2": "log2f", "tanh": "tanhf",
                 "sigmoid": "attncc::sigmoid", "sqrt": "sqrtf", "rsqrt": "rsqrtf", "sin": "sinf",
                 "cos": "cosf", "floor": "floorf", "abs": "fabsf"}
+# fast_math=True: one-MUFU approximations (attncc_types.cuh documents each error bound). sin /
+# cos stay exact: sin.approx has no range reduction, and RoPE angles reach thousands of radians.
+_FAST_FLOAT_CALLS = {**_FLOAT_CALLS, "exp": "attncc::fast_exp", "exp2": "attncc::fast_exp2",
+                     "tanh": "attncc::fast_tanh", "sigmoid": "attncc::fast_sigmoid",
+                     "log": "attncc::fast_log", "log2": "attncc::fast_log2"}
 _INT_CALLS = {"abs": "attncc::absi"}
 _BINARY_CALLS = {("floordiv", F32): "attncc::floordiv", ("floordiv", I32): "attncc::floordiv",
                  ("mod", F32): "attncc::pymod", ("mod", I32): "attncc::pymod",
@@ -147,8 +152,9 @@ class CudaCode:
 
 
 class _Printer:
-    def __init__(self, names: ExprNames) -> None:
+    def __init__(self, names: ExprNames, fast_math: bool = False) -> None:
         self.names = names
+        self.fast_math = fast_math
         self.bound: dict[int, str] = {}
 
     def leaf(self, n: Node) -> tuple[str, int]:
@@ -190,6 +196,8 @@ class _Printer:
             return "!" + operand(0, _UNARY), _UNARY
         if op in ("to_f32", "to_i32"):
             return f"({'float' if op == 'to_f32' else 'int'})" + operand(0, _UNARY), _UNARY
+        if op == "div" and self.fast_math and n.dtype is F32:
+            return self.fast_div(n, texts, operand)
         if op in _INFIX:
             sym, prec = _INFIX[op]
             if op in ("and", "or"):
@@ -204,7 +212,8 @@ class _Printer:
         if op == "where":
             return f"{arg(0, _COND + 1)} ? {arg(1, _COND + 1)} : {arg(2, _COND + 1)}", _COND
         if len(n.args) == 1:
-            table = _FLOAT_CALLS if n.dtype is F32 else _INT_CALLS
+            table = ((_FAST_FLOAT_CALLS if self.fast_math else _FLOAT_CALLS) if n.dtype is F32
+                     else _INT_CALLS)
             if op not in table:
                 raise CodegenError(f"no CUDA spelling for {op} on {n.dtype.value}")
             return f"{table[op]}({texts[id(n.args[0])][0]})", _ATOM
@@ -213,6 +222,18 @@ class _Printer:
             raise CodegenError(f"no CUDA spelling for {op} on {n.dtype.value}")
         a, b = (texts[id(x)][0] for x in n.args)
         return f"{fn}({a}, {b})", _ATOM
+
+    def fast_div(self, n: Node, texts: Mapping[int, tuple[str, int]], operand: Any
+                 ) -> tuple[str, int]:
+        """a / c -> a * (1/c) for a constant c whose reciprocal is a normal float (<= 1 ulp from
+        the division); a / b -> attncc::fast_div (a * rcp.approx(b), ~2 ulp) otherwise."""
+        b = n.args[1]
+        if b.op == "const" and b.attr != 0 and math.isfinite(b.attr):
+            r = _to_f32(1.0 / _to_f32(b.attr))
+            if r != 0 and math.isfinite(r) and abs(r) >= 1.1754943508222875e-38:
+                return f"{operand(0, _MUL)} * {float_literal(r)}", _MUL
+        a_text, b_text = (texts[id(x)][0] for x in n.args)
+        return f"attncc::fast_div({a_text}, {b_text})", _ATOM
 
     def load(self, n: Node, idx: list[str]) -> str:
         if n.attr not in self.names.tensors:
@@ -241,8 +262,13 @@ def _unconditional(root: Node, order: list[Node]) -> set[int]:
     return always
 
 
-def emit(root: Node, names: ExprNames | None = None, *, inline_limit: int = 96) -> CudaCode:
+def emit(root: Node, names: ExprNames | None = None, *, inline_limit: int = 96,
+         fast_math: bool = False) -> CudaCode:
     """CUDA text for `root`: temporaries for shared / long subtrees, then the value.
+
+    `fast_math` spells exp/exp2/log/log2/tanh/sigmoid with one-instruction hardware
+    approximations and float division by a constant as multiplication by its reciprocal (the
+    FA2/FA3 kernels use it; results stay well inside bf16/fp16 tolerance).
 
     Example:
         >>> from attncc.ir.nodes import var, where, load, const
@@ -250,6 +276,10 @@ def emit(root: Node, names: ExprNames | None = None, *, inline_limit: int = 96) 
         >>> e = where(i < var("q_idx"), load("tab", (i,), F32), const(0.0))
         >>> emit(e, ExprNames(tensors={"tab": "tab"})).value
         'kv_idx < q_idx ? attncc::to_float(p.tab[(attncc::i64)kv_idx * p.tab_stride[0]]) : 0.0f'
+        >>> from attncc.ir.nodes import unary, binary
+        >>> emit(const(30.0) * unary("tanh", binary("div", var("score"), const(30.0))),
+        ...      fast_math=True).value
+        '30.0f * attncc::fast_tanh(score * 0x1.111112p-5f)'
     """
     names = names or ExprNames()
     order = list(walk(root))
@@ -262,7 +292,7 @@ def emit(root: Node, names: ExprNames | None = None, *, inline_limit: int = 96) 
     for n in order:
         if n.op in ("load", "vec") or any(id(a) in reads_memory for a in n.args):
             reads_memory.add(id(n))
-    printer = _Printer(names)
+    printer = _Printer(names, fast_math)
     texts: dict[int, tuple[str, int]] = {}
     temps: list[str] = []
     for n in order:

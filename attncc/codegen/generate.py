@@ -188,8 +188,10 @@ def render(template: str, **context: Any) -> str:
     return _env().get_template(template).render(**context)
 
 
-def generate_variant(ir: VariantIR) -> VariantCode:
-    """The VariantParams_<name> and Variant_<name> structs for `ir`.
+def generate_variant(ir: VariantIR, *, fast_math: bool = False) -> VariantCode:
+    """The VariantParams_<name> and Variant_<name> structs for `ir` (`fast_math`: hooks use
+    hardware approximations of exp/log/tanh/sigmoid and reciprocal multiplies, see
+    `cuda_expr.emit`).
 
     Example:
         >>> from attncc.ir.nodes import var
@@ -213,7 +215,7 @@ def generate_variant(ir: VariantIR) -> VariantCode:
         raise CodegenError(str(e)) from None
     ndims = {t.name: t.ndim for t in ir.tensors}
     hooks = tuple(EMITTERS[h](ir.hook(h), tensors=pl.tensor_fields, scalars=pl.scalar_fields,
-                              tensor_ndims=ndims) for h in HOOK_ORDER)
+                              tensor_ndims=ndims, fast_math=fast_math) for h in HOOK_ORDER)
     flags = {h.spec.flag: h.enabled for h in hooks}
     vc = VariantCode(name=name, struct_name=struct_name, params_name=params_name,
                      params_struct="", variant_struct="", normalize=ir.normalize,
@@ -253,11 +255,12 @@ def _check_options(head_dim: int, dtype: str, kernel: str) -> KernelSpec:
     return spec
 
 
-def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool) -> GeneratedKernel:
+def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
+           fast_math: bool = False) -> GeneratedKernel:
     from ..kernels import read_template
 
     spec = _check_options(head_dim, dtype, kernel)
-    vc = generate_variant(ir)
+    vc = generate_variant(ir, fast_math=fast_math)
     name = kernel_name(vc.name, kernel, head_dim, dtype)
     shipped: Sequence[tuple[str, str]] = [(f, read_template(f).rstrip("\n") + "\n")
                                          for f in (*COMMON_TEMPLATES, *spec.files)]
@@ -272,11 +275,13 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool) 
                            rows_per_cta=spec.rows_per_cta)
 
 
-def generate_source(ir: VariantIR, *, head_dim: int, dtype: str,
-                    kernel: str = "simple") -> GeneratedKernel:
+def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",
+                    fast_math: bool = False) -> GeneratedKernel:
     """One self-contained translation unit (for NVRTC) running `ir` on a kernel template.
 
     `dtype` is the storage type of q, k, v and o: "bfloat16", "float16" or "float32".
+    `fast_math=True` spells the hooks' math with one-instruction approximations (see
+    `cuda_expr.emit`).
 
     Example:
         >>> gk = generate_source(VariantIR(name="plain"), head_dim=64, dtype="float16")
@@ -285,11 +290,11 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str,
         >>> 'extern "C" __global__' in gk.source and "#include" not in gk.source
         True
     """
-    return _build(ir, head_dim, dtype, kernel, export=False)
+    return _build(ir, head_dim, dtype, kernel, export=False, fast_math=fast_math)
 
 
-def export_kernel(ir: VariantIR, *, head_dim: int, dtype: str,
-                  kernel: str = "simple") -> GeneratedKernel:
+def export_kernel(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",
+                  fast_math: bool = False) -> GeneratedKernel:
     """Like generate_source, plus a documented header and a host launcher (for nvcc users).
 
     Example:
@@ -297,7 +302,7 @@ def export_kernel(ir: VariantIR, *, head_dim: int, dtype: str,
         >>> "attncc_plain_simple_d64_f16_launch" in gk.source
         True
     """
-    return _build(ir, head_dim, dtype, kernel, export=True)
+    return _build(ir, head_dim, dtype, kernel, export=True, fast_math=fast_math)
 
 
 def variant_param_values(layout: StructLayout, scalars: Mapping[str, Any],

@@ -108,8 +108,10 @@ def _check(hook: Hook, allowed: Mapping[str, object]) -> None:
 
 def hook_code(hook: Hook, tensors: Mapping[str, str] | None = None,
               scalars: Mapping[str, str] | None = None,
-              tensor_ndims: Mapping[str, int] | None = None) -> HookCode:
-    """The C++ of any hook; `tensors` / `scalars` map captured names to params members.
+              tensor_ndims: Mapping[str, int] | None = None, fast_math: bool = False
+              ) -> HookCode:
+    """The C++ of any hook; `tensors` / `scalars` map captured names to params members;
+    `fast_math` as in `cuda_expr.emit`.
 
     Example:
         >>> from attncc.ir.nodes import var
@@ -123,7 +125,7 @@ def hook_code(hook: Hook, tensors: Mapping[str, str] | None = None,
     enabled = hook.expr is not identity_expr(hook.name)
     names = ExprNames(vars=dict(spec.var_names), tensors=dict(tensors or {}),
                       scalars=dict(scalars or {}))
-    code = emit(hook.expr, names)
+    code = emit(hook.expr, names, fast_math=fast_math)
     where = str(hook.source) if hook.source is not None else "(no source location)"
     if enabled:
         comments = (comment_text(f"{hook.name}: {where}"),

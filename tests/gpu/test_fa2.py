@@ -265,6 +265,31 @@ def test_kernel_options_force_tiles(rng: Any) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["softcap_causal", "alibi_causal", "rope", "sigmoid",
+                                  "value_output", "rows_masked", "document_mask"])
+@pytest.mark.parametrize("opts", [{"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4},
+                                  {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4},
+                                  {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 2,
+                                   "num_stages": 3}],
+                         ids=["q128k32w4", "q128k64w4", "q64k64w2s3"])
+def test_two_fragments_per_warp(name: str, opts: dict, rng: Any) -> None:
+    """32 query rows per warp (num_warps = BLOCK_M / 32): every hook, GQA, odd lengths."""
+    from attncc.runtime.reference import attention_reference
+
+    for D, S, G, dtype in ((128, 1000, 4, torch.bfloat16), (64, 333, 1, torch.float16)):
+        q, k, v = rng.qkv(2, 2 * G, S, D, Hkv=2, dtype=dtype, device="cuda")
+        ir, bind = VARIANTS[name](2, 2 * G, S, D, seed=3).trace()
+        out = torch.full_like(q, float("nan"))
+        got, _ = gpu_flex.gpu_flex_attention(q, k, v, ir, bind, enable_gqa=G > 1,
+                                             kernel_options=opts, out=out)
+        ref, _ = attention_reference(q, k, v, ir, bind, enable_gqa=G > 1)
+        assert not torch.isnan(got).any()
+        assert _rel_err(got, ref) < 2e-2, (D, S, G)
+    info = gpu_flex.compiled_kernel_info(q, k, v, ir, bind, kernel_options=opts)
+    assert info["m_frags"] == 2 and info["threads"] == 32 * opts["num_warps"]
+
+
+@pytest.mark.gpu
 def test_errors_name_the_argument_before_launch(rng: Any) -> None:
     q, k, v = rng.qkv(1, 4, 32, 64, dtype=torch.bfloat16, device="cuda")
     ir = VariantIR()
@@ -293,18 +318,22 @@ def test_errors_name_the_argument_before_launch(rng: Any) -> None:
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("name,head_dim", [("softcap_causal", 128), ("rope", 64),
                                            ("alibi_causal", 256), ("sigmoid", 128)])
-def test_default_tiles_compile_without_spills(name: str, head_dim: int) -> None:
-    """The heuristic's default tiles compile for sm_90a with zero register spills."""
+def test_default_tiles_compile_within_spill_budget(name: str, head_dim: int) -> None:
+    """The heuristic's default tiles compile for sm_90a with zero register spills at one MMA
+    fragment per warp, and within gpu_flex's small measured budget at two."""
     from attncc.ir.simplify import simplify_variant
     from attncc.runtime.nvrtc import compile_cuda
 
     ir, _ = VARIANTS[name](1, 8, 4096, head_dim).trace()
     plan = choose_tiles(head_dim, q_len=4096, kv_len=4096, group=1, heads=16, batch=4)
     src, kname, _, _ = fa2_source(simplify_variant(ir), head_dim=head_dim, dtype="bfloat16",
-                                  tq=plan.tq, tkv=plan.tkv, stages=plan.stages)
+                                  tq=plan.tq, tkv=plan.tkv, stages=plan.stages,
+                                  m_frags=plan.m_frags)
     res = compile_cuda(src, arch="sm_90a", verbose=True)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.log)
-    assert spills and all(int(a) == 0 and int(b) == 0 for a, b in spills), res.log
+    assert spills, res.log
+    budget = gpu_flex._SPILL_BUDGET[plan.m_frags]
+    assert all(int(a) + int(b) <= budget for a, b in spills), res.log
     assert not re.search(r"^\s*#\s*include", src, re.M) and kname in src
 
 

@@ -1,0 +1,343 @@
+"""Prefill benchmark: attncc vs FlexAttention (torch.compile) vs SDPA (flash, cuDNN) on one GPU.
+
+All implementations run in one process on the same inputs (bf16, H=16, D=128, B*S=16384).
+TFLOP/s count 4*D FLOPs per unmasked (query, key) pair: causal counts half of S^2, the sliding
+window its exact pair count. Every attncc cell is also checked against another implementation's
+output on the same inputs (relative error recorded), so a fast wrong kernel cannot pass.
+
+    python bench/prefill.py                       # full sweep -> bench/results/prefill-h200.json
+    python bench/prefill.py --S 4096 --variants causal --impls attncc sdpa_flash
+    python bench/prefill.py --report bench/results/prefill-h200.json   # table + PNG (CPU ok)
+
+Example (what one record looks like; the FLOP count of a causal cell):
+    >>> pairs("causal", 4096) == 4096 * 4096 / 2
+    True
+    >>> round(pairs("sliding1024", 2048) / 2048**2, 3)
+    0.375
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = ("full", "causal", "softcap_causal", "alibi_causal", "sliding1024")
+IMPLS = ("attncc", "flex", "sdpa_flash", "sdpa_cudnn")
+SEQ_LENS = (512, 2048, 8192, 16384)
+TOKENS, HEADS, HEAD_DIM, WINDOW = 16384, 16, 128, 1024
+# targets of the FA2 issue: (variant, compared impl, ratio, minimum S)
+TARGETS = (("full", "sdpa_flash", 0.95, 0), ("causal", "sdpa_flash", 0.95, 0),
+           ("softcap_causal", "flex", 1.5, 0), ("alibi_causal", "flex", 1.0, 2048),
+           ("sliding1024", "flex", 1.0, 2048))
+
+
+def pairs(variant: str, S: int) -> float:
+    """Unmasked (query, key) pairs of one head: what the TFLOP/s figure counts."""
+    if variant == "full":
+        return float(S * S)
+    if variant == "sliding1024":  # query i sees keys max(0, i - WINDOW) .. i
+        return float(sum(min(i, WINDOW) + 1 for i in range(S)))
+    return S * S / 2.0  # causal variants count half, as FlashAttention's benchmarks do
+
+
+def _meta() -> dict[str, Any]:
+    import torch
+
+    try:
+        import triton
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = None
+    try:
+        import cuda.bindings as cb
+        cb_v = cb.__version__
+    except ImportError:
+        cb_v = None
+    commit = os.environ.get("ATTNCC_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton_v, "cuda": torch.version.cuda, "cuda_bindings": cb_v,
+            "attncc_commit": commit, "dtype": "bfloat16", "heads": HEADS,
+            "head_dim": HEAD_DIM, "tokens": TOKENS,
+            "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms), eager calls "
+                      "(host cost included)"}
+
+
+class Bench:
+    """Inputs, masks and callables of one sequence length."""
+
+    def __init__(self, S: int) -> None:
+        import torch
+
+        import attncc
+        from examples.gym import alibi_slopes, causal, sliding_window, softcap
+
+        self.S, self.B = S, TOKENS // S
+        g = torch.Generator(device="cuda").manual_seed(S)
+        self.q, self.k, self.v = (torch.randn(self.B, HEADS, S, HEAD_DIM, generator=g,
+                                              device="cuda", dtype=torch.bfloat16)
+                                  for _ in range(3))
+        masks = {"causal": causal, "sliding1024": sliding_window(WINDOW)}
+        self.mask_of = {"full": None, "causal": "causal", "softcap_causal": "causal",
+                        "alibi_causal": "causal", "sliding1024": "sliding1024"}
+        self.attncc_bm = {n: attncc.create_block_mask(m, None, None, S, S, device="cuda")
+                          for n, m in masks.items()}
+        self._masks = masks
+        self._torch_bm: dict[str, Any] = {}
+        slopes = alibi_slopes(HEADS).cuda()
+
+        def alibi_dev(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return score + slopes[h] * (kv_idx - q_idx)
+
+        self.score_mod = {"full": None, "causal": None, "softcap_causal": softcap(30.0),
+                          "alibi_causal": alibi_dev, "sliding1024": None}
+
+    def torch_bm(self, name: str) -> Any:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        if name not in self._torch_bm:
+            self._torch_bm[name] = create_block_mask(self._masks[name], None, None, self.S,
+                                                     self.S, device="cuda")
+        return self._torch_bm[name]
+
+    def fn(self, impl: str, variant: str, kernel_options: dict | None = None
+           ) -> Callable[[], Any] | None:
+        import torch
+        import torch.nn.functional as F
+
+        import attncc
+
+        q, k, v = self.q, self.k, self.v
+        mask = self.mask_of[variant]
+        sm = self.score_mod[variant]
+        if impl == "attncc":
+            bm = self.attncc_bm[mask] if mask else None
+            return lambda: attncc.flex_attention(q, k, v, score_mod=sm, block_mask=bm,
+                                                 kernel_options=kernel_options)
+        if impl == "flex":
+            from torch.nn.attention.flex_attention import flex_attention
+
+            compiled = _compiled_flex(flex_attention)
+            bm = self.torch_bm(mask) if mask else None
+            return lambda: compiled(q, k, v, score_mod=sm, block_mask=bm)
+        if impl in ("sdpa_flash", "sdpa_cudnn") and variant in ("full", "causal"):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            backend = (SDPBackend.FLASH_ATTENTION if impl == "sdpa_flash"
+                       else SDPBackend.CUDNN_ATTENTION)
+            causal_ = variant == "causal"
+
+            def run() -> Any:
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal_)
+            return run
+        return None
+
+
+_FLEX: list[Any] = []
+
+
+def _compiled_flex(flex_attention: Any) -> Any:
+    import torch
+
+    if not _FLEX:
+        # one compiled function for every (variant, S): raise dynamo's recompile limit
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        _FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _FLEX[0]
+
+
+def _rel_err(a: Any, b: Any) -> float:
+    a, b = a.float(), b.float()
+    if not bool(a.isfinite().all()):
+        return math.inf
+    return float((a - b).norm() / b.norm())
+
+
+def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, ...],
+        sweep: list[dict] | None = None) -> list[dict[str, Any]]:
+    """Measure every (S, variant, impl) cell; returns the result records."""
+    import torch
+    from triton.testing import do_bench
+
+    from attncc.runtime import gpu_flex
+
+    results: list[dict[str, Any]] = []
+    for S in seq_lens:
+        bench = Bench(S)
+        for variant in variants:
+            outs: dict[str, Any] = {}
+            cells = [(impl, None) for impl in impls]
+            if sweep and "attncc" in impls:
+                cells += [("attncc", opts) for opts in sweep]
+            for impl, opts in cells:
+                fn = bench.fn(impl, variant, opts)
+                if fn is None:
+                    continue
+                label = impl if opts is None else f"attncc{json.dumps(opts, sort_keys=True)}"
+                try:
+                    t0 = time.time()
+                    out = fn()
+                    torch.cuda.synchronize()
+                    first_s = time.time() - t0
+                    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                except Exception as e:  # a comparison that cannot run is reported, not fatal
+                    print(f"S={S:6d} {variant:15s} {label:28s} FAILED {type(e).__name__}: "
+                          f"{str(e)[:200]}", flush=True)
+                    results.append({"impl": impl, "variant": variant, "S": S,
+                                    "error": f"{type(e).__name__}: {str(e)[:500]}"})
+                    continue
+                flops = 4.0 * HEAD_DIM * bench.B * HEADS * pairs(variant, S)
+                rec: dict[str, Any] = {"impl": impl, "variant": variant, "S": S, "B": bench.B,
+                                       "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
+                                       "first_call_s": round(first_s, 2)}
+                if opts is not None:
+                    rec["kernel_options"] = opts
+                if impl == "attncc":
+                    from attncc.runtime.flex import _as_variant, _trace
+
+                    ir, b = _trace(_as_variant(bench.score_mod[variant]))
+                    mask = bench.mask_of[variant]
+                    info = gpu_flex.compiled_kernel_info(
+                        bench.q, bench.k, bench.v, ir, b,
+                        block_mask=bench.attncc_bm[mask] if mask else None,
+                        kernel_options=opts)
+                    rec["kernel"] = {k: info[k] for k in ("tq", "tkv", "stages", "m_frags",
+                                                          "threads", "registers", "spill_bytes",
+                                                          "smem_bytes")}
+                    ref_impl = next((r for r in ("flex", "sdpa_flash") if r in outs), None)
+                    if ref_impl is not None:
+                        rec["rel_err_vs"] = ref_impl
+                        rec["rel_err"] = _rel_err(out, outs[ref_impl])
+                else:
+                    outs[impl] = out
+                results.append(rec)
+                extra = ""
+                if "rel_err" in rec:
+                    extra = f" rel_err vs {rec['rel_err_vs']} {rec['rel_err']:.1e}"
+                if "kernel" in rec:
+                    kk = rec["kernel"]
+                    extra += (f" [tq={kk['tq']} tkv={kk['tkv']} m={kk['m_frags']} "
+                              f"regs={kk['registers']} spill={kk['spill_bytes']}]")
+                print(f"S={S:6d} {variant:15s} {label:28s} {ms:8.3f} ms "
+                      f"{rec['tflops']:7.1f} TFLOP/s{extra}", flush=True)
+            # attncc is measured first; compare it with whichever reference ran after it
+            for rec in results:
+                if (rec.get("impl") == "attncc" and rec["S"] == S and rec["variant"] == variant
+                        and "rel_err" not in rec and "error" not in rec):
+                    ref_impl = next((r for r in ("flex", "sdpa_flash") if r in outs), None)
+                    if ref_impl is not None:
+                        fn = bench.fn("attncc", variant, rec.get("kernel_options"))
+                        rec["rel_err_vs"] = ref_impl
+                        rec["rel_err"] = _rel_err(fn(), outs[ref_impl])
+        del bench
+        torch.cuda.empty_cache()
+    return results
+
+
+# ------------------------------------------------------------------------------------ report
+def table(doc: dict[str, Any]) -> str:
+    """Markdown table of TFLOP/s with attncc's ratios and the issue's targets."""
+    res = [r for r in doc["results"] if "tflops" in r and "kernel_options" not in r]
+    by = {(r["impl"], r["variant"], r["S"]): r["tflops"] for r in res}
+    seqs = sorted({r["S"] for r in res})
+    m = doc["meta"]
+    lines = [f"{m['gpu']}, torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, "
+             f"attncc {m['attncc_commit'][:10]}, {m['date'][:10]}; bf16, H={m['heads']}, "
+             f"D={m['head_dim']}, B*S={m['tokens']}; TFLOP/s (causal counts half, the sliding "
+             f"window its unmasked pairs).", "",
+             "| variant | S | attncc | flex | sdpa_flash | sdpa_cudnn | attncc / target impl "
+             "| target | met |", "|---|---|---|---|---|---|---|---|---|"]
+    for variant in VARIANTS:
+        for S in seqs:
+            if ("attncc", variant, S) not in by:
+                continue
+            cells = [f"{by[(i, variant, S)]:.0f}" if (i, variant, S) in by else "-"
+                     for i in IMPLS]
+            tgt = next((t for t in TARGETS if t[0] == variant), None)
+            ratio, want, met = "-", "-", "-"
+            if tgt and (tgt[1], variant, S) in by:
+                r = by[("attncc", variant, S)] / by[(tgt[1], variant, S)]
+                ratio = f"{r:.2f} vs {tgt[1]}"
+                if S >= tgt[3]:
+                    want, met = f">= {tgt[2]}", ("yes" if r >= tgt[2] else "**no**")
+            lines.append(f"| {variant} | {S} | " + " | ".join(cells) + f" | {ratio} | {want} "
+                         f"| {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """One panel per variant: TFLOP/s against S for every implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = [r for r in doc["results"] if "tflops" in r and "kernel_options" not in r]
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in res)]
+    fig, axes = plt.subplots(1, len(variants), figsize=(4 * len(variants), 3.6), squeeze=False)
+    for ax, variant in zip(axes[0], variants):
+        for impl in IMPLS:
+            pts = sorted((r["S"], r["tflops"]) for r in res
+                         if r["impl"] == impl and r["variant"] == variant)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(variant)
+        ax.set_xlabel("S (B*S = 16384)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("TFLOP/s")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"prefill, {doc['meta']['gpu']}, bf16, H=16, D=128", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--S", type=int, nargs="+", default=list(SEQ_LENS))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--sweep", type=json.loads, nargs="*", default=None,
+                    help="extra attncc cells with these kernel_options (JSON dicts)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON path (default $OUT/prefill-h200.json or bench/results/)")
+    ap.add_argument("--report", type=Path, default=None,
+                    help="only write the markdown table and PNG of an existing JSON")
+    args = ap.parse_args(argv)
+    if args.report is not None:
+        doc = json.loads(args.report.read_text())
+        md = args.report.with_suffix(".md")
+        md.write_text(table(doc))
+        plot(doc, args.report.with_suffix(".png"))
+        print(md.read_text())
+        return 0
+    out = args.out or Path(os.environ.get("OUT", ROOT / "bench" / "results")) / "prefill-h200.json"
+    doc = {"meta": _meta(), "results": run(tuple(args.S), tuple(args.variants),
+                                           tuple(args.impls), args.sweep)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(table(doc))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
