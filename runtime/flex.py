@@ -9,6 +9,10 @@ On CUDA bf16/fp16 tensors the variant is compiled (NVRTC, cached) into the FA2 t
 launched (`attncc.runtime.gpu_flex`). CUDA float32 tensors have no compiled kernel yet: the exact
 reference runs on the GPU (float64) after a one-time warning.
 
+A score_mod function (or Variant) is traced once: later calls reuse its IR while the captured
+values it depends on would trace to the same IR (`attncc.frontend.trace.TraceGuard`), so a new
+value of a captured scalar only changes the kernel's arguments.
+
 Example:
     >>> import torch, attncc
     >>> q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
@@ -26,23 +30,27 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 import warnings
+import weakref
 from typing import Any, Callable, Mapping
 
 import torch
 
 from attncc.frontend import Variant
+from attncc.frontend.variant import TraceCache, share_trace_cache
 from attncc.ir.program import Bindings, VariantIR
 
 from .reference import attention_reference, validate_attention_inputs
 
 # kernel_options keys attncc understands: the compiled kernel's tile shape (query rows, kv
-# columns, pipeline stages), and two promises FlexAttention also accepts. The exact reference path
+# columns, pipeline stages, warps per CTA), and two promises FlexAttention also accepts. The exact reference path
 # ignores them: they cannot change results. Anything else is an error rather than a silent no-op.
 SUPPORTED_KERNEL_OPTIONS: dict[str, type] = {
     "BLOCK_M": int,
     "BLOCK_N": int,
     "num_stages": int,
+    "num_warps": int,
     "ROWS_GUARANTEED_SAFE": bool,
     "BLOCKS_ARE_CONTIGUOUS": bool,
 }
@@ -66,27 +74,55 @@ def _validate_kernel_options(kernel_options: Mapping[str, Any] | None) -> None:
             raise ValueError(f"kernel_options[{key!r}] must be a positive int, got {val!r}")
 
 
+# score_mod function -> the trace cache of the Variants made for it, so a plain function is not
+# traced again on every call. The cache refers to the function only weakly (a Variant as the value
+# would hold its own key and never leave the dict).
+_FN_TRACE_CACHES: "weakref.WeakKeyDictionary[Any, TraceCache]" = weakref.WeakKeyDictionary()
+# id(raw traced IR) -> (that IR, its simplification); holding the IR keeps its id from being
+# reused. Bounded: the oldest entries go first.
+_SIMPLIFIED: dict[int, tuple[VariantIR, VariantIR]] = {}
+_SIMPLIFIED_SIZE = 256
+_SIMPLIFIED_LOCK = threading.Lock()
+_NO_MODS = Variant()  # plain attention: one Variant, so its trace is cached too
+
+
 def _as_variant(score_mod: Any) -> Variant:
     if score_mod is None:
-        return Variant()
+        return _NO_MODS
     if isinstance(score_mod, Variant):
         return score_mod
     if callable(score_mod):
         # strict like torch: this argument is a score_mod; a mask belongs in block_mask or in
         # Variant(mask_mod=...). The tracer's arity check says so if a mask_mod is passed here.
-        return Variant(score_mod=score_mod)
+        variant = Variant(score_mod=score_mod)
+        try:
+            cache = _FN_TRACE_CACHES.get(score_mod)
+            if cache is None:
+                cache = _FN_TRACE_CACHES.setdefault(score_mod, TraceCache())
+        except TypeError:  # not weak-referenceable or not hashable: trace every call
+            return variant
+        return share_trace_cache(variant, cache)
     raise TypeError(f"score_mod must be a function score_mod(score, b, h, q_idx, kv_idx) or an "
                     f"attncc.Variant, got {type(score_mod).__name__}")
 
 
 def _trace(variant: Variant) -> tuple[VariantIR, Bindings]:
-    ir, bindings = variant.trace()
+    ir, bindings = variant.trace()  # the same `ir` object while the variant's trace holds
+    hit = _SIMPLIFIED.get(id(ir))
+    if hit is not None and hit[0] is ir:
+        return hit[1], bindings
     try:
         from attncc.ir.simplify import simplify_variant
     except ImportError:
         return ir, bindings
     # simplification preserves meaning; it only makes evaluation cheaper
-    return simplify_variant(ir), bindings
+    simplified = simplify_variant(ir)
+    with _SIMPLIFIED_LOCK:
+        _SIMPLIFIED.pop(id(ir), None)
+        while len(_SIMPLIFIED) >= _SIMPLIFIED_SIZE:
+            del _SIMPLIFIED[next(iter(_SIMPLIFIED))]
+        _SIMPLIFIED[id(ir)] = (ir, simplified)
+    return simplified, bindings
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

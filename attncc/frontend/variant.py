@@ -19,10 +19,31 @@ from typing import Any, Callable
 
 from ..errors import TraceError
 from ..ir.program import HOOK_ORDER, Bindings, VariantIR
-from .trace import trace_mods
+from .trace import TraceGuard, trace_mods_guarded
 
 ScoreMod = Callable[..., Any]
 MaskMod = Callable[..., Any]
+
+
+class TraceCache:
+    """Holds a variant's last trace, `(normalize, name, ir, guard)`, for `Variant.trace`.
+
+    A `Variant` makes its own; `share_trace_cache` gives several variants of the same mods one
+    cache (e.g. `flex_attention`, which builds a `Variant` per call from a plain function). It
+    refers to the traced functions only weakly, so it may be kept in a dict keyed by them.
+
+    Example:
+        >>> cache = TraceCache()
+        >>> v = share_trace_cache(Variant(mask_mod=lambda b, h, q, kv: q >= kv), cache)
+        >>> ir, _ = v.trace()
+        >>> cache.entry[2] is ir
+        True
+    """
+
+    __slots__ = ("entry", "__weakref__")
+
+    def __init__(self) -> None:
+        self.entry: tuple[str, str | None, VariantIR, TraceGuard] | None = None
 
 
 @dataclass(frozen=True)
@@ -59,8 +80,57 @@ class Variant:
         return {h: getattr(self, h) for h in HOOK_ORDER if getattr(self, h) is not None}
 
     def trace(self) -> tuple[VariantIR, Bindings]:
-        """Trace every hook into IR; returns the IR and the captured values."""
-        return trace_mods(self.mods(), normalize=self.normalize, name=self.name)
+        """Trace every hook into IR; returns the IR and the captured values.
+
+        The last trace is cached: while its `TraceGuard` vouches that tracing again would give
+        the same IR, the same IR object comes back with the captures' current values (a new
+        value of a captured scalar that is a kernel parameter needs no new trace).
+
+        Example:
+            >>> import torch
+            >>> cap = 30.0
+            >>> v = Variant(score_mod=lambda s, b, h, q, kv: cap * torch.tanh(s / cap))
+            >>> ir, bind = v.trace()
+            >>> cap = 20.0
+            >>> ir2, bind2 = v.trace()
+            >>> ir2 is ir, bind2.scalars
+            (True, {'cap': 20.0})
+        """
+        mods = self.mods()
+        cache: TraceCache | None = self.__dict__.get("_trace_cache")
+        entry = cache.entry if cache is not None else None
+        if entry is not None and entry[0] == self.normalize and entry[1] == self.name and \
+                entry[3].same_mods(mods):
+            bindings = entry[3].rebind()
+            if bindings is not None:
+                return entry[2], bindings
+        ir, bindings, guard = trace_mods_guarded(mods, normalize=self.normalize, name=self.name)
+        if cache is None:
+            cache = TraceCache()
+            object.__setattr__(self, "_trace_cache", cache)  # not a field: no eq/repr/hash
+        cache.entry = (self.normalize, self.name, ir, guard) if guard.cacheable else None
+        return ir, bindings
+
+    def __getstate__(self) -> dict[str, Any]:
+        # copies and pickles start without the trace cache (it holds weak references)
+        state = dict(self.__dict__)
+        state.pop("_trace_cache", None)
+        return state
+
+
+def share_trace_cache(variant: Variant, cache: TraceCache) -> Variant:
+    """Make `variant.trace()` use (and update) `cache`; returns `variant`.
+
+    Example:
+        >>> cache = TraceCache()
+        >>> f = lambda s, b, h, q, kv: s * 2
+        >>> ir1, _ = share_trace_cache(Variant(score_mod=f), cache).trace()
+        >>> ir2, _ = share_trace_cache(Variant(score_mod=f), cache).trace()
+        >>> ir1 is ir2
+        True
+    """
+    object.__setattr__(variant, "_trace_cache", cache)
+    return variant
 
 
 def as_variant(x: Any) -> Variant:
