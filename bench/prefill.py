@@ -304,7 +304,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("TFLOP/s")
-    axes[0][-1].legend(fontsize=8)
+    axes[0][0].legend(fontsize=8)  # the first panel (full) has every implementation
     fig.suptitle(f"prefill, {doc['meta']['gpu']}, bf16, H=16, D=128", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
