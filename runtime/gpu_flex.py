@@ -197,24 +197,35 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
 
 # --------------------------------------------------------------------------------- source
 _ENTRY_MARK = "// ============================================================================ entry point"
+# kernels/ files of the FA2 prefill kernel, in translation-unit order
+FA2_FILES = ("fa2_common.cuh", "fa2_attend.cuh", "fa2_prefill.cuh")
+FA2_BATCH_FILES = ("batch_params.cuh", "fa2_common.cuh", "fa2_attend.cuh", "fa2_batch.cuh")
 
 
 def fa2_source(ir: VariantIR, *, head_dim: int, dtype: str, tq: int, tkv: int,
-               stages: int = 2, m_frags: int = 1, fast_math: bool = True
+               stages: int = 2, m_frags: int = 1, fast_math: bool = True, batch: bool = False
                ) -> tuple[str, str, Any, Any]:
-    """(source, kernel_name, params_layout, attention_params_layout) of the FA2 kernel for `ir`.
+    """(source, kernel_name, params_layout, first_argument_layout) of an FA2 kernel for `ir`.
+
+    `batch=False`: the FlexAttention-style prefill kernel (first argument AttentionParams);
+    `batch=True`: the persistent serving kernel over a plan, plus its merge kernel
+    `<kernel_name>_merge` (first argument BatchParams; kernels/fa2_batch.cuh).
 
     Interim assembly until codegen ships `kernel="fa2"`: codegen's translation unit for the
     variant (shipped templates, the Variant_<name> functors and the layout static_asserts) with
-    its entry point replaced by kernels/fa2_prefill.cuh and one ATTNCC_FA2_ENTRY line.
+    its entry point replaced by the FA2 files and one entry-macro line.
 
     Example:
         >>> src, name, _, _ = fa2_source(VariantIR(name="plain"), head_dim=64, dtype="bfloat16",
         ...                              tq=64, tkv=64)
         >>> name, src.count("ATTNCC_FA2_ENTRY(attncc_plain")
         ('attncc_plain_fa2_d64_bf16_q64_k64_s2', 1)
+        >>> fa2_source(VariantIR(name="plain"), head_dim=64, dtype="bfloat16", tq=16, tkv=64,
+        ...            batch=True)[1]
+        'attncc_plain_fa2batch_d64_bf16_q16_k64_s2'
     """
     from attncc.codegen.generate import DTYPES, generate_source, kernel_name
+    from attncc.codegen.layout import BATCH_PARAMS
     from attncc.kernels import read_template
 
     fa2_config(head_dim, tq, tkv, stages, m_frags)
@@ -225,14 +236,18 @@ def fa2_source(ir: VariantIR, *, head_dim: int, dtype: str, tq: int, tkv: int,
     if cut < 0:
         raise RuntimeError("codegen's translation unit has no entry-point marker; update "
                            "attncc.runtime.gpu_flex.fa2_source to the new template")
-    name = (kernel_name(gk.variant.name, "fa2", head_dim, dtype)
+    name = (kernel_name(gk.variant.name, "fa2batch" if batch else "fa2", head_dim, dtype)
             + f"_q{tq}_k{tkv}_s{stages}" + (f"_m{m_frags}" if m_frags > 1 else ""))
-    source = (gk.source[:cut] + "// ============================================================"
-              "================ fa2_prefill.cuh\n" + read_template("fa2_prefill.cuh")
-              + "\n" + _ENTRY_MARK + "\n"
-              + f"ATTNCC_FA2_ENTRY({name}, {gk.variant.struct_name}, {DTYPES[dtype][0]}, "
+    files = FA2_BATCH_FILES if batch else FA2_FILES
+    text = "".join(f"// {'=' * 76} {f}\n" + read_template(f) + "\n" for f in files)
+    if batch:  # BatchParams is not part of codegen's unit: assert its Python layout here
+        text += "\n".join(BATCH_PARAMS.static_asserts()) + "\n"
+    macro = "ATTNCC_FA2_BATCH_ENTRY" if batch else "ATTNCC_FA2_ENTRY"
+    source = (gk.source[:cut] + text + _ENTRY_MARK + "\n"
+              + f"{macro}({name}, {gk.variant.struct_name}, {DTYPES[dtype][0]}, "
                 f"{head_dim}, {tq}, {tkv}, {stages}, {m_frags})\n")
-    return source, name, gk.params_layout, gk.attention_params_layout
+    return source, name, gk.params_layout, (BATCH_PARAMS if batch
+                                            else gk.attention_params_layout)
 
 
 @dataclass

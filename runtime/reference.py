@@ -267,14 +267,16 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
                         bindings: Bindings | None = None, *, block_mask: Any = None,
                         scale: float | None = None, enable_gqa: bool = False,
                         float_dtype: torch.dtype = torch.float64, q_chunk: int | None = None,
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        q_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact attention for a traced variant: `(out [B,Hq,Sq,Dv], lse [B,Hq,Sq] or None)`.
 
     Both results are `float_dtype` on the inputs' device. `lse` (natural log, FlexAttention's
     convention) is None for `normalize="none"`. `q_chunk` bounds memory: query rows are processed
     that many at a time (None: chosen so one [B, H, rows, Skv] buffer is ~4M elements); results
     agree across chunk sizes to float64 rounding (BLAS may pick another kernel for a 1-row
-    matmul). `block_mask` is an attncc or torch BlockMask.
+    matmul). `block_mask` is an attncc or torch BlockMask. `q_offset`: query row r is position
+    `q_offset + r` for the hooks and the block mask (serving: the queries are the last tokens of
+    a longer sequence).
 
     Example:
         >>> import torch
@@ -298,7 +300,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     hooks = _Hooks(ir, bindings, device, float_dtype)
 
-    qf = _transform(hooks, "query_mod", "q", q.to(float_dtype), "q_idx")
+    if not isinstance(q_offset, int) or q_offset < 0:
+        raise ValueError(f"q_offset must be a non-negative int, got {q_offset!r}")
+    qf = _transform(hooks, "query_mod", "q", q.to(float_dtype), "q_idx", q_offset)
     kf = _transform(hooks, "key_mod", "k", k.to(float_dtype), "kv_idx")
     vf = _transform(hooks, "value_mod", "v", v.to(float_dtype), "kv_idx")
     # GQA without copying k/v: query heads grouped as [B, Hkv, G, ...]; h = hkv * G + g
@@ -330,7 +334,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
         shape = (B, Hq, rows, Skv)
         qc = qf[:, :, r0:r1].reshape(B, Hkv, G, rows, D)
         s = (qc @ kT).reshape(shape) * scale
-        q_idx = _index(rows, 2, device, r0)
+        q_idx = _index(rows, 2, device, q_offset + r0)
         env = {"score": s, "b": b_idx, "h": h_idx, "q_idx": q_idx, "kv_idx": kv_idx}
         if score_expr is not None:
             s = hooks(score_expr, env).expand(shape)
@@ -338,7 +342,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
         if mask_expr is not None:
             keep = hooks(mask_expr, env)
         if bm_state is not None:
-            st = bm_state[:, :, (torch.arange(r0, r1, device=device) // bq)][..., kv_block]
+            st = bm_state[:, :, (torch.arange(q_offset + r0, q_offset + r1, device=device) // bq)
+                          ][..., kv_block]
             kept = st == 2
             if bm_expr is not None:
                 kept = kept | ((st == 1) & bm_hooks(bm_expr, env))  # type: ignore[misc]
@@ -364,5 +369,5 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
         else:
             w = s if keep is None else torch.where(keep, s, 0)
             o = (w.reshape(B, Hkv, G, rows, Skv) @ vg).reshape(B, Hq, rows, Dv)
-        out[:, :, r0:r1] = _transform(hooks, "output_mod", "o", o, "q_idx", r0)
+        out[:, :, r0:r1] = _transform(hooks, "output_mod", "o", o, "q_idx", q_offset + r0)
     return out, lse

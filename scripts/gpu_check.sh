@@ -6,6 +6,7 @@
 #   scripts/gpu_check.sh                 # tests + benchmark
 #   scripts/gpu_check.sh tests           # GPU tests only:  pytest -m gpu tests/gpu
 #   scripts/gpu_check.sh bench [ARGS]    # bench/prefill.py only (ARGS go to it)
+#   scripts/gpu_check.sh decode [ARGS]   # bench/decode.py only (ARGS go to it)
 # Set ATTNCC_COMMIT to the commit being measured (the device copy has no .git).
 #
 # lark is not installed on the H200 image: carry it as a wheel in .whl/ (see DEVELOPERS.md):
@@ -46,6 +47,12 @@ if [[ "$MODE" == "all" || "$MODE" == "bench" ]]; then
     # (e.g. `scripts/gpu_check.sh bench --S 2048 --variants causal`)
     ATTNCC_COMMIT="${ATTNCC_COMMIT:-unknown}" python3 bench/prefill.py --out "$OUT/prefill-h200.json" \
         "${@:2}" 2>&1 | tee "$OUT/bench.log"
+    [[ ${PIPESTATUS[0]} -ne 0 ]] && status=1
+fi
+if [[ "$MODE" == "decode" ]]; then
+    # BatchAttention decode vs FlexAttention vs SDPA; extra arguments go to bench/decode.py
+    ATTNCC_COMMIT="${ATTNCC_COMMIT:-unknown}" python3 bench/decode.py --out "$OUT/decode-h200.json" \
+        "${@:2}" 2>&1 | tee "$OUT/decode.log"
     [[ ${PIPESTATUS[0]} -ne 0 ]] && status=1
 fi
 echo "gpu_check: exit $status (logs in $OUT)"

@@ -1,4 +1,5 @@
-"""C struct layouts mirrored in Python: AttentionParams and the generated VariantParams_<name>.
+"""C struct layouts mirrored in Python: AttentionParams, BatchParams and the generated
+VariantParams_<name>.
 
 The runtime packs kernel arguments as bytes from these descriptions, and every generated
 translation unit static_asserts each offset and the size, so Python and C cannot silently
@@ -193,6 +194,21 @@ _ATTENTION_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
 )
 
 ATTENTION_PARAMS: StructLayout = struct_layout("attncc::AttentionParams", _ATTENTION_PARAMS_MEMBERS)
+
+# Mirrors kernels/batch_params.cuh member by member (the persistent batch kernels' argument).
+_BATCH_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
+    ("q", "const void*"), ("k", "const void*"), ("v", "const void*"), ("o", "void*"),
+    ("lse", "float*"), ("partial_o", "float*"), ("partial_lse", "float*"),
+    *((n, "const int*") for n in ("qo_indptr", "kv_page_indptr", "kv_page_indices", "kv_lens",
+                                   "units", "cta_indptr", "cta_units", "merge_indptr",
+                                   "merge_slots", "merge_out", "num_merges")),
+    *((n, "attncc::i64") for n in ("q_stride_tok", "q_stride_h", "o_stride_tok", "o_stride_h",
+                                   "kv_stride_page", "kv_stride_slot", "kv_stride_h")),
+    ("lse_stride_tok", "int"), ("num_q_heads", "int"), ("num_kv_heads", "int"),
+    ("page_size", "int"), ("page_shift", "int"), ("sm_scale", "float"),
+)
+
+BATCH_PARAMS: StructLayout = struct_layout("attncc::BatchParams", _BATCH_PARAMS_MEMBERS)
 
 # ----------------------------------------------------------------------------- C names
 

@@ -1,0 +1,260 @@
+"""Decode benchmark: attncc BatchAttention vs FlexAttention vs SDPA on one GPU, same inputs.
+
+One query token per request (bf16, Hq=32, D=128, paged KV with page size 16). KV lengths:
+"constant" 1024, "uniform" 512..1024, "skewed" Zipf-like with mean ~1024 (a few very long
+requests). Batches 16, 64, 256; Hkv 32 (MHA), 8 and 4 (GQA). Reported: achieved TB/s of the bytes
+the attention must read (K and V of every request once, plus q and o), its fraction of a device
+copy's bandwidth measured in the same process, plan() host time, and the no-scheduler ablation
+(`attncc_noschedule`: one CTA per (request, KV head), no KV split).
+
+FlexAttention and SDPA get the same KV in a padded [B, Hkv, max_len, D] cache with a length mask
+(FlexAttention: a BlockMask from `kv_idx < len[b]`; SDPA: a boolean attn_mask).
+
+    python bench/decode.py                               -> bench/results/decode-h200.json
+    python bench/decode.py --batch 16 --hkv 8 --dist constant
+    python bench/decode.py --report bench/results/decode-h200.json   # table + PNG (CPU ok)
+
+Example (the length distributions are deterministic):
+    >>> [int(x) for x in kv_lengths("uniform", 4, seed=0)]
+    [948, 838, 774, 650]
+    >>> round(float(kv_lengths("skewed", 4096, seed=0).mean()))
+    1024
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+HQ, D, PAGE = 32, 128, 16
+BATCHES, HKVS, DISTS = (16, 64, 256), (32, 8, 4), ("constant", "uniform", "skewed")
+IMPLS = ("attncc", "attncc_noschedule", "flex", "sdpa_mask")
+
+
+def kv_lengths(dist: str, batch: int, seed: int = 0) -> np.ndarray:
+    """KV lengths of one batch: constant 1024, uniform 512..1024, or skewed (Pareto, mean 1024,
+    capped at 32K)."""
+    rng = np.random.default_rng(seed)
+    if dist == "constant":
+        return np.full(batch, 1024, dtype=np.int64)
+    if dist == "uniform":
+        return rng.integers(512, 1025, batch).astype(np.int64)
+    if dist == "skewed":
+        raw = (rng.pareto(1.5, batch) + 1.0)
+        lens = np.minimum(np.maximum(raw / raw.mean() * 1024, 16), 32768)
+        return np.maximum(np.rint(lens * 1024 / lens.mean()), 1).astype(np.int64)
+    raise ValueError(f"dist {dist!r}: one of {DISTS}")
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), 1 GiB buffers."""
+    import torch
+    from triton.testing import do_bench
+
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), warmup=25, rep=100, return_mode="median")
+    return 2 * a.numel() / (ms * 1e-3)
+
+
+def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: float
+             ) -> list[dict[str, Any]]:
+    import torch
+    from triton.testing import do_bench
+
+    import attncc
+    from attncc.runtime.batch import BatchAttention
+
+    lens = kv_lengths(dist, batch, seed=batch * 7 + hkv)
+    g = torch.Generator(device="cuda").manual_seed(int(lens.sum()) % 100000)
+    n_pages = -(-lens // PAGE)
+    total_pages = int(n_pages.sum())
+    k_cache = torch.randn(total_pages, PAGE, hkv, D, generator=g, device="cuda").bfloat16()
+    v_cache = torch.randn(total_pages, PAGE, hkv, D, generator=g, device="cuda").bfloat16()
+    perm = torch.randperm(total_pages, generator=torch.Generator().manual_seed(1))
+    kv_indptr = np.concatenate([[0], np.cumsum(n_pages)])
+    last = lens - (n_pages - 1) * PAGE
+    qo = np.arange(batch + 1)
+    q = torch.randn(batch, HQ, D, generator=g, device="cuda").bfloat16()
+    kv_bytes = float(lens.sum()) * hkv * D * 2 * 2 + 2 * q.numel() * 2
+    out: list[dict[str, Any]] = []
+
+    def record(impl: str, ms: float, **extra: Any) -> None:
+        tbs = kv_bytes / (ms * 1e-3) / 1e12
+        rec = {"impl": impl, "batch": batch, "hkv": hkv, "dist": dist, "ms": ms,
+               "tb_s": tbs, "bw_fraction": tbs * 1e12 / copy_bw, **extra}
+        out.append(rec)
+        more = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in extra.items())
+        print(f"B={batch:4d} Hkv={hkv:2d} {dist:9s} {impl:18s} {ms * 1e3:8.1f} us "
+              f"{tbs:6.2f} TB/s ({rec['bw_fraction']:.2f} of copy) {more}", flush=True)
+
+    ref = None
+    for impl in impls:
+        try:
+            if impl.startswith("attncc"):
+                ba = BatchAttention(None, kv_layout="NHD", max_batch=max(batch, 16),
+                                    max_qo_tokens=max(batch, 16),
+                                    balance=impl == "attncc")
+                args = (qo, kv_indptr, perm[:total_pages].numpy(), last)
+                kw = dict(num_qo_heads=HQ, num_kv_heads=hkv, head_dim=D, page_size=PAGE)
+                ba.plan(*args, **kw)
+                ts = []
+                for _ in range(50):
+                    t0 = time.perf_counter()
+                    ba.plan(*args, **kw)
+                    ts.append((time.perf_counter() - t0) * 1e6)
+                plan_us = float(np.median(ts))
+                res = ba.run(q, (k_cache, v_cache))
+                torch.cuda.synchronize()
+                ms = do_bench(lambda: ba.run(q, (k_cache, v_cache)), warmup=25, rep=100,
+                              return_mode="median")
+                extra: dict[str, Any] = {"plan_us": plan_us, "num_ctas": ba.tiles.num_ctas,
+                                         "tq": ba.tiles.tq}
+                if ref is not None:
+                    extra["rel_err"] = float((res.float() - ref).norm() / ref.norm())
+                else:
+                    ref = res.float()
+                record(impl, ms, **extra)
+            elif impl in ("flex", "sdpa_mask"):
+                maxlen = int(lens.max())
+                kp = torch.zeros(batch, hkv, maxlen, D, device="cuda", dtype=torch.bfloat16)
+                vp = torch.zeros_like(kp)
+                for b in range(batch):
+                    ids = perm[kv_indptr[b]:kv_indptr[b + 1]].cuda()
+                    kp[b, :, :lens[b]] = k_cache[ids].flatten(0, 1)[:lens[b]].transpose(0, 1)
+                    vp[b, :, :lens[b]] = v_cache[ids].flatten(0, 1)[:lens[b]].transpose(0, 1)
+                lens_t = torch.as_tensor(lens, device="cuda")
+                q4 = q[:, :, None]
+                if impl == "flex":
+                    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+                    def length_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+                        return kv_idx < lens_t[b]
+
+                    bm = create_block_mask(length_mask, batch, None, 1, maxlen, device="cuda")
+                    torch._dynamo.config.cache_size_limit = 256
+                    fn = torch.compile(flex_attention, dynamic=False)
+                    call = lambda: fn(q4, kp, vp, block_mask=bm, enable_gqa=hkv != HQ)  # noqa: E731
+                else:
+                    import torch.nn.functional as F
+                    mask = (torch.arange(maxlen, device="cuda")[None] < lens_t[:, None]
+                            )[:, None, None, :]
+                    call = lambda: F.scaled_dot_product_attention(  # noqa: E731
+                        q4, kp, vp, attn_mask=mask, enable_gqa=hkv != HQ)
+                res = call()[:, :, 0]
+                torch.cuda.synchronize()
+                ms = do_bench(call, warmup=25, rep=100, return_mode="median")
+                extra = {}
+                if ref is not None:
+                    extra["rel_err"] = float((res.float() - ref).norm() / ref.norm())
+                record(impl, ms, **extra)
+        except Exception as e:  # a comparison that cannot run is reported, not fatal
+            print(f"B={batch} Hkv={hkv} {dist} {impl} FAILED {type(e).__name__}: "
+                  f"{str(e)[:300]}", flush=True)
+            out.append({"impl": impl, "batch": batch, "hkv": hkv, "dist": dist,
+                        "error": f"{type(e).__name__}: {str(e)[:500]}"})
+    return out
+
+
+def table(doc: dict[str, Any]) -> str:
+    """Markdown: fraction of copy bandwidth per cell, and attncc / flex."""
+    res = [r for r in doc["results"] if "bw_fraction" in r]
+    by = {(r["impl"], r["batch"], r["hkv"], r["dist"]): r for r in res}
+    m = doc["meta"]
+    lines = [f"{m['gpu']}, torch {m['torch']}, attncc {m['attncc_commit'][:10]}, "
+             f"{m['date'][:10]}; decode, bf16, Hq={HQ}, D={D}, page {PAGE}; copy bandwidth "
+             f"{m['copy_tb_s']:.2f} TB/s. Cells: fraction of copy bandwidth (TB/s).", "",
+             "| batch | Hkv | dist | attncc | no scheduler | flex | sdpa+mask | attncc/flex "
+             "| plan us |", "|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["batch"], r["hkv"], r["dist"]) for r in res},
+                  key=lambda k: (k[0], -k[1], DISTS.index(k[2])))
+    for b, h, dist in keys:
+        cells = []
+        for impl in IMPLS:
+            r = by.get((impl, b, h, dist))
+            cells.append(f"{r['bw_fraction']:.2f} ({r['tb_s']:.2f})" if r else "-")
+        a, f = by.get(("attncc", b, h, dist)), by.get(("flex", b, h, dist))
+        ratio = f"{f['ms'] / a['ms']:.2f}" if a and f else "-"
+        plan_us = f"{a['plan_us']:.0f}" if a else "-"
+        lines.append(f"| {b} | {h} | {dist} | " + " | ".join(cells) + f" | {ratio} | {plan_us} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = [r for r in doc["results"] if "bw_fraction" in r]
+    hkvs = sorted({r["hkv"] for r in res}, reverse=True)
+    fig, axes = plt.subplots(1, len(hkvs), figsize=(5 * len(hkvs), 3.6), squeeze=False)
+    for ax, h in zip(axes[0], hkvs):
+        cells = sorted({(r["batch"], r["dist"]) for r in res if r["hkv"] == h},
+                       key=lambda c: (c[0], DISTS.index(c[1])))
+        x = np.arange(len(cells))
+        for i, impl in enumerate(IMPLS):
+            ys = [next((r["bw_fraction"] for r in res if r["impl"] == impl and r["hkv"] == h
+                        and (r["batch"], r["dist"]) == c), 0.0) for c in cells]
+            ax.bar(x + (i - 1.5) * 0.2, ys, 0.2, label=impl)
+        ax.set_xticks(x, [f"B{b}\n{d[:4]}" for b, d in cells], fontsize=7)
+        ax.set_title(f"Hkv={h}")
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].set_ylabel("fraction of copy bandwidth")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"decode, {doc['meta']['gpu']}, bf16, Hq=32, D=128, page 16", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--hkv", type=int, nargs="+", default=list(HKVS))
+    ap.add_argument("--dist", nargs="+", default=list(DISTS), choices=DISTS)
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--report", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.report is not None:
+        doc = json.loads(args.report.read_text())
+        args.report.with_suffix(".md").write_text(table(doc))
+        plot(doc, args.report.with_suffix(".png"))
+        print(table(doc))
+        return 0
+    from prefill import _meta
+
+    bw = copy_bandwidth()
+    meta = {**_meta(), "copy_tb_s": bw / 1e12, "page_size": PAGE, "num_qo_heads": HQ,
+            "head_dim": D}
+    meta["timing"] = ("triton.testing.do_bench median (warmup 25 ms, rep 100 ms) of run(); "
+                      "plan() timed separately (median of 50 host calls)")
+    results = []
+    for b in args.batch:
+        for h in args.hkv:
+            for dist in args.dist:
+                results += run_cell(b, h, dist, tuple(args.impls), bw)
+    doc = {"meta": meta, "results": results}
+    out = args.out or Path(os.environ.get("OUT", ROOT / "bench" / "results")) / "decode-h200.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(table(doc))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

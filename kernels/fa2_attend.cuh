@@ -1,0 +1,501 @@
+// attncc FlashAttention-2-style attention of one CTA tile, for sm_80+ (Ampere, Hopper).
+//
+// Written for attncc from the FlashAttention-2 paper's algorithm; see KERNEL_INTERFACE.md for the
+// functor interface. Self-contained: no #include; comes after fa2_common.cuh.
+//
+// fa2_attend computes TQ "fused rows" of one (batch, KV head) against a list of KV tiles:
+//   Q tile [TQ x D] -> shared memory (cp.async), QueryTransform in place;
+//   for each KV tile: K,V tiles [TKV x D] stream through a STAGES-deep cp.async ring;
+//     S = Q K^T with ldmatrix + mma.sync.m16n8k16 (fp32 accumulate) in registers;
+//     LogitsTransform / LogitsMask on each fragment element; online softmax (exp2 domain);
+//     O += P V (P re-packed from the S accumulators to bf16/fp16 A fragments in registers);
+//   O /= l, staged through shared memory (re-using the Q tile), OutputTransform, 16-byte
+//   coalesced stores; LSE (natural log) per row.  Or, for a split unit, fp32 O and LSE to a
+//   workspace slot for the merge kernel.
+//
+// Fused rows: head-group fusion stacks the gf query heads that share a KV head into the row
+// dimension (fused row = token * gf + head_in_group), so each K/V tile read serves the group.
+//
+// Warp layout: TQ / (16 * M_FRAGS) warps; warp w owns tile rows [16*M_FRAGS*w, 16*M_FRAGS*(w+1))
+// -- M_FRAGS 16-row MMA fragments. Each warp reads only its own Q rows and writes only its own O
+// rows, so the Q transform and the epilogue need just __syncwarp(); K/V tiles are shared by all
+// warps and need __syncthreads().
+//
+// What the caller's `Work` provides (DenseWork in fa2_prefill.cuh, BatchWork in fa2_batch.cuh):
+//   int b, gf, head0, h_kv;      batch index the hooks see; heads fused per KV head; first query
+//                                head of the rows; the KV head
+//   int row0, rows;              first fused row of the tile; fused rows [0, rows) exist
+//   int q_pos0;                  token t is query position t + q_pos0 for the hooks
+//   int kv_len, count;           kv positions [0, kv_len) exist; KV tiles to visit
+//   int tile_start(int i, bool& is_full) const;   first kv position of tile i; is_full: the
+//                                                 block is known fully unmasked (skip LogitsMask)
+//   void load_q(u32 sQ, int tid) const;           cp.async the tile's Q rows (zero-fill padding)
+//   void load_kv(u32 sK, u32 sV, int kv0, int tid) const;  cp.async K and V rows kv0..kv0+TKV-1
+//   DType* o_row(int tok, int hq) const;          output row of (token, head)
+//   bool has_lse() const; float* lse_at(int tok, int hq) const;
+//   static constexpr bool kMaySplit; float* partial_o() const; float* partial_lse() const;
+#ifndef ATTNCC_FA2_ATTEND_CUH
+#define ATTNCC_FA2_ATTEND_CUH
+
+namespace attncc {
+namespace fa2 {
+
+// ---------------------------------------------------------------------------------------------
+// One CTA tile of attention: TQ fused query rows against the KV tiles `w` lists.
+// ---------------------------------------------------------------------------------------------
+template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,
+          int M_FRAGS, typename Work>
+__device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant::Params& vp,
+                                           float sm_scale) {
+  using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>;
+  constexpr int D = HEAD_DIM;
+  constexpr int N_FRAGS_S = TKV / 8;   // S accumulator fragments per 16-row fragment
+  constexpr int N_FRAGS_O = D / 8;     // O accumulator fragments per 16-row fragment
+  constexpr int CHUNKS = D / 8;        // 16-byte chunks per row
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kLn2 = 0.6931471805599453f;
+  constexpr bool kSoftmax = Variant::use_softmax;
+
+  extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa2_smem[];
+  fa2_u16* sQ = reinterpret_cast<fa2_u16*>(attncc_fa2_smem);
+  fa2_u16* sK = sQ + TQ * D;
+  fa2_u16* sV = sK + STAGES * Cfg::kTileElems;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int b = w.b;            // batch index the hooks see
+  const int gf = w.gf;          // query heads fused per KV head (rows of one token)
+  const FastDiv gdiv(gf);       // fused row -> token
+  const int head0 = w.head0;    // first query head of the tile's rows
+  const int h_kv = w.h_kv;      // the KV head all of them read
+  const int row0 = w.row0;      // first fused row (fused row = token * gf + head_in_group)
+  const int rows = w.rows;      // fused rows [0, rows) exist; the rest are padding
+  const int q_pos0 = w.q_pos0;  // token t of the tile is query position t + q_pos0 for hooks
+  const int kv_len = w.kv_len;  // kv positions [0, kv_len) exist
+  // every fused row of this tile is a real query row (all but the last tile of a sequence)
+  const bool tile_rows_in = row0 + TQ <= rows;
+  auto tile_start = [&](int i, bool& is_full) -> int { return w.tile_start(i, is_full); };
+
+  // ---- per-thread row bookkeeping --------------------------------------------------------------
+  // MMA accumulator layout (m16n8): lane holds rows lane/4 and lane/4 + 8 of each 16-row fragment,
+  // columns 2*(lane%4) + {0,1} of each 8-column fragment.
+  // Recomputed where needed (hooks, epilogue) rather than kept in registers across the main loop,
+  // where every register is taken by the O and S accumulators.
+  // fr: fused row; qi: its query position as the hooks see it; hq: its query head.
+  auto row_of = [&](int mf, int hr, int& fr, int& qi, int& hq) {
+    fr = row0 + (warp * M_FRAGS + mf) * 16 + (lane >> 2) + 8 * hr;
+    const int tok = gdiv.div(fr);
+    qi = tok + q_pos0;
+    hq = head0 + (fr - tok * gf);
+  };
+
+  // ---- prologue: Q and the first STAGES-1 K/V tiles in flight ---------------------------------
+  // Commit-group discipline: Q is one group; then every tile (its K and V rows) is one group,
+  // committed even when empty, so at the top of iteration `it` exactly STAGES-2 groups are newer
+  // than tile `it` and cp.async.wait_group takes a compile-time count.
+  auto load_tile = [&](int i) {
+    if (i < w.count) {
+      bool f;
+      const int kv0 = tile_start(i, f);
+      const int st = i % STAGES;
+      w.load_kv(smem_addr(sK + st * Cfg::kTileElems), smem_addr(sV + st * Cfg::kTileElems), kv0,
+                tid);
+    }
+    cp_async_commit();
+  };
+  w.load_q(smem_addr(sQ), tid);
+  cp_async_commit();
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) load_tile(s);
+  cp_async_wait<STAGES - 1>();  // Q landed (this thread's copies) ...
+  __syncthreads();              // ... and everyone's
+
+  if constexpr (Variant::has_query_transform) {
+    // Each warp transforms only the rows it will read (its own fragments): __syncwarp suffices.
+#pragma unroll 1
+    for (int r = warp * M_FRAGS * 16; r < (warp + 1) * M_FRAGS * 16; ++r) {
+      const int fr = row0 + r;
+      if (fr >= rows) continue;  // padding rows never reach the hooks
+      const int tok = gdiv.div(fr);
+      const int qi = tok + q_pos0;
+      const int hq = head0 + (fr - tok * gf);
+      transform_row<DType, D>(sQ, r, lane, [&](const SmemRow<DType, D>& q, int d) {
+        return Variant::QueryTransform(vp, q, b, hq, qi, d);
+      });
+    }
+  }
+
+  // ---- accumulators ----------------------------------------------------------------------------
+  float o_acc[M_FRAGS][N_FRAGS_O][4];
+  float row_m[M_FRAGS][2], row_l[M_FRAGS][2];
+#pragma unroll
+  for (int mf = 0; mf < M_FRAGS; ++mf) {
+#pragma unroll
+    for (int nf = 0; nf < N_FRAGS_O; ++nf)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o_acc[mf][nf][i] = 0.f;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      row_m[mf][hr] = neg_inf();
+      row_l[mf][hr] = 0.f;
+    }
+  }
+  // exp2-domain scale: with no LogitsTransform, dot * sm_scale * log2(e) is one multiply.
+  const float qk_scale = (kSoftmax && !Variant::has_logits_transform) ? sm_scale * kLog2e
+                                                                      : sm_scale;
+
+  // Per-lane fragment address bases (see the ldmatrix comments below for the lane -> row/chunk
+  // mapping). Every row index used with them is (multiple of 8) + (lane & 7), so row % 8 == lane & 7
+  // and the swizzle key of each operand is a per-lane constant.
+  const fa2_u32 l7 = lane & 7;
+  const fa2_u32 q_row_addr =
+      smem_addr(sQ) + 2 * D * ((warp * M_FRAGS) * 16 + (lane & 15));
+  const fa2_u32 q_x = (fa2_u32)(lane >> 4) ^ l7;
+  const fa2_u32 k_lane_off = 2 * D * ((lane >> 4) * 8 + l7);
+  const fa2_u32 k_x = (fa2_u32)((lane >> 3) & 1) ^ l7;
+  const fa2_u32 v_lane_off = 2 * D * (((lane >> 3) & 1) * 8 + l7);
+  const fa2_u32 v_x = (fa2_u32)(lane >> 4) ^ l7;
+  const fa2_u32 sK_addr = smem_addr(sK);
+  const fa2_u32 sV_addr = smem_addr(sV);
+
+  // Q fragments stay in registers for the whole KV loop when they fit (D/16 * 4 registers per
+  // 16-row fragment: 32 at D=128): saves D/16 ldmatrix per KV tile. At D=256 (64 registers on top
+  // of a 128-register O accumulator) they are re-read from shared memory instead.
+  constexpr bool kQInRegs = D * M_FRAGS <= 128;
+  fa2_u32 q_frag[kQInRegs ? M_FRAGS : 1][kQInRegs ? D / 16 : 1][4];
+  if constexpr (kQInRegs) {
+#pragma unroll
+    for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks)
+        ldmatrix_x4(q_frag[mf][ks], chunk_addr(q_row_addr + mf * 16 * 2 * D, 2 * ks, q_x));
+  }
+
+  // ---- main loop over KV tiles -----------------------------------------------------------------
+  // One barrier per iteration: after it, tile `it` is visible to every warp AND every warp has
+  // finished iteration it-1, so the stage that tile it-1 used can be refilled right away.
+#pragma unroll 1
+  for (int it = 0; it < w.count; ++it) {
+    const int stage = it % STAGES;
+    if constexpr (STAGES == 1) {  // no prefetch: refill the only stage once everyone is done
+      __syncthreads();
+      load_tile(it);
+      cp_async_wait<0>();
+      __syncthreads();
+    } else {
+      cp_async_wait<STAGES - 2>();  // tile it landed (this thread's copies) ...
+      __syncthreads();              // ... and everyone's; stage (it-1) % STAGES is free
+      load_tile(it + STAGES - 1);   // prefetch into it
+    }
+
+    bool is_full;
+    const int kv0 = tile_start(it, is_full);
+    fa2_u16* sKs = sK + stage * Cfg::kTileElems;
+    fa2_u16* sVs = sV + stage * Cfg::kTileElems;
+    if constexpr (Variant::has_key_transform || Variant::has_value_transform) {
+#pragma unroll 1
+      for (int r = warp; r < TKV; r += Cfg::kWarps) {
+        const int kv = kv0 + r;
+        if (kv >= kv_len) break;
+        if constexpr (Variant::has_key_transform)
+          transform_row<DType, D>(sKs, r, lane, [&](const SmemRow<DType, D>& k, int d) {
+            return Variant::KeyTransform(vp, k, b, h_kv, kv, d);
+          });
+        if constexpr (Variant::has_value_transform)
+          transform_row<DType, D>(sVs, r, lane, [&](const SmemRow<DType, D>& v, int d) {
+            return Variant::ValueTransform(vp, v, b, h_kv, kv, d);
+          });
+      }
+      __syncthreads();
+    }
+
+    // S = Q K^T for this warp's rows: M_FRAGS x (TKV/8) fragments.
+    float s_acc[M_FRAGS][N_FRAGS_S][4];
+#pragma unroll
+    for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+      for (int nf = 0; nf < N_FRAGS_S; ++nf)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s_acc[mf][nf][i] = 0.f;
+
+    {
+      const fa2_u32 qa = opaque(q_row_addr), qx = opaque(q_x), kx = opaque(k_x);
+      const fa2_u32 ka = opaque(sK_addr + 2 * stage * Cfg::kTileElems + k_lane_off);
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        fa2_u32 a[M_FRAGS][4];
+#pragma unroll
+        for (int mf = 0; mf < M_FRAGS; ++mf) {
+          // A fragment (16x16): lanes 0-15 address rows 0-15 at k-chunk 2ks, lanes 16-31 the same
+          // rows at k-chunk 2ks+1 -> registers a0..a3 in mma order.
+          if constexpr (kQInRegs) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[mf][i] = q_frag[mf][ks][i];
+          } else {
+            ldmatrix_x4(a[mf], chunk_addr(qa + mf * 16 * 2 * D, 2 * ks, qx));
+          }
+        }
+#pragma unroll
+        for (int np = 0; np < TKV / 16; ++np) {
+          // B fragments of two 8-column n-fragments (K rows are the n index); lane groups of 8
+          // address matrices (n0-7,k0-7) (n0-7,k8-15) (n8-15,k0-7) (n8-15,k8-15).
+          fa2_u32 bk[4];
+          ldmatrix_x4(bk, chunk_addr(ka + np * 16 * 2 * D, 2 * ks, kx));
+#pragma unroll
+          for (int mf = 0; mf < M_FRAGS; ++mf) {
+            mma_16816<DType>(s_acc[mf][2 * np], a[mf], bk[0], bk[1]);
+            mma_16816<DType>(s_acc[mf][2 * np + 1], a[mf], bk[2], bk[3]);
+          }
+        }
+      }
+    }
+
+    // Logits: scale, hooks, masking. Out-of-range rows/columns never reach the hooks. Four
+    // compile-time specializations so that the common tile -- inside the sequence, and a full
+    // block (or no mask) -- pays only for the scale and, if present, the LogitsTransform; bounds
+    // checks and the mask cost only on edge tiles and partial blocks.
+    const bool bounds = kv0 < 0 || kv0 + TKV > kv_len || !tile_rows_in;
+    const bool apply_mask = Variant::has_logits_mask && !is_full;
+    auto logits = [&](auto bounds_tag, auto mask_tag) {
+      constexpr bool kBounds = decltype(bounds_tag)::value;
+      constexpr bool kMask = decltype(mask_tag)::value;
+      const float masked = kSoftmax ? neg_inf() : 0.f;
+#pragma unroll
+      for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          int fr = 0, qi = 0, hq = 0;
+          if constexpr (Variant::has_logits_transform || kMask || kBounds)
+            row_of(mf, hr, fr, qi, hq);
+          const bool row_in = !kBounds || fr < rows;
+#pragma unroll
+          for (int nf = 0; nf < N_FRAGS_S; ++nf)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int kv = kv0 + nf * 8 + 2 * (lane & 3) + e;
+              float sc = s_acc[mf][nf][2 * hr + e] * qk_scale;
+              if (kBounds && (!row_in || (unsigned)kv >= (unsigned)kv_len)) {
+                sc = masked;
+              } else {
+                if constexpr (Variant::has_logits_transform) {
+                  sc = Variant::LogitsTransform(vp, sc, b, hq, qi, kv);
+                  if constexpr (kSoftmax) sc *= kLog2e;
+                }
+                if constexpr (kMask) {
+                  if (!Variant::LogitsMask(vp, b, hq, qi, kv)) sc = masked;
+                }
+              }
+              s_acc[mf][nf][2 * hr + e] = sc;
+            }
+        }
+    };
+    if (!bounds && !apply_mask) {
+      logits(BoolTag<false>{}, BoolTag<false>{});
+    } else if constexpr (Variant::has_logits_mask) {
+      if (!bounds)
+        logits(BoolTag<false>{}, BoolTag<true>{});
+      else if (!apply_mask)
+        logits(BoolTag<true>{}, BoolTag<false>{});
+      else
+        logits(BoolTag<true>{}, BoolTag<true>{});
+    } else {
+      logits(BoolTag<true>{}, BoolTag<false>{});
+    }
+
+    if constexpr (kSoftmax) {
+      // Online softmax, base 2. A row's 8*N_FRAGS_S columns are spread over the 4 lanes of a quad:
+      // reduce the max with two xor-shuffles. l stays a per-lane partial sum (all quad lanes
+      // rescale by the same factor) and is reduced once at the end.
+      float corr[M_FRAGS][2];
+      bool grew = false;  // did any row max of this thread change (then O must be rescaled)
+#pragma unroll
+      for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          float mx = row_m[mf][hr];
+#pragma unroll
+          for (int nf = 0; nf < N_FRAGS_S; ++nf)
+            mx = fmaxf(mx, fmaxf(s_acc[mf][nf][2 * hr], s_acc[mf][nf][2 * hr + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          // A row with every logit so far masked has max -inf: subtract 0 instead so that
+          // exp2(-inf - m) is 0, not NaN; its rescale factor is irrelevant (acc and l are 0).
+          const float m_use = (mx == neg_inf()) ? 0.f : mx;
+          grew |= mx != row_m[mf][hr];
+          corr[mf][hr] = fast_exp2(row_m[mf][hr] - m_use);
+          row_m[mf][hr] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int nf = 0; nf < N_FRAGS_S; ++nf) {
+            const float p0 = fast_exp2(s_acc[mf][nf][2 * hr] - m_use);
+            const float p1 = fast_exp2(s_acc[mf][nf][2 * hr + 1] - m_use);
+            s_acc[mf][nf][2 * hr] = p0;
+            s_acc[mf][nf][2 * hr + 1] = p1;
+            sum += p0 + p1;
+          }
+          row_l[mf][hr] = row_l[mf][hr] * corr[mf][hr] + sum;
+        }
+      // Rescaling O costs D/2 multiplies per row-half -- more than the tile's exponentials. After
+      // the first few tiles a row's max rarely grows, and when no row of the warp grew every
+      // factor is exactly 1 (ex2(0) = 1), so the warp skips the rescale (a warp-uniform branch).
+      if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+        for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+            for (int nf = 0; nf < N_FRAGS_O; ++nf) {
+              o_acc[mf][nf][2 * hr] *= corr[mf][hr];
+              o_acc[mf][nf][2 * hr + 1] *= corr[mf][hr];
+            }
+      }
+    }
+
+    // O += P V. The S accumulator of n-fragments 2kk, 2kk+1 is exactly the A-fragment layout of
+    // k-step kk (rows lane/4, lane/4+8; k = 2*(lane%4) + {0,1} and + 8), so P never leaves
+    // registers; it is packed to 16 bits once, halving its register footprint during PV.
+    fa2_u32 pa[M_FRAGS][TKV / 16][4];
+#pragma unroll
+    for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+      for (int kk = 0; kk < TKV / 16; ++kk) {
+        pa[mf][kk][0] = pack2<DType>(s_acc[mf][2 * kk][0], s_acc[mf][2 * kk][1]);
+        pa[mf][kk][1] = pack2<DType>(s_acc[mf][2 * kk][2], s_acc[mf][2 * kk][3]);
+        pa[mf][kk][2] = pack2<DType>(s_acc[mf][2 * kk + 1][0], s_acc[mf][2 * kk + 1][1]);
+        pa[mf][kk][3] = pack2<DType>(s_acc[mf][2 * kk + 1][2], s_acc[mf][2 * kk + 1][3]);
+      }
+    {
+      const fa2_u32 va = opaque(sV_addr + 2 * stage * Cfg::kTileElems + v_lane_off);
+      const fa2_u32 vx = opaque(v_x);
+#pragma unroll
+      for (int kk = 0; kk < TKV / 16; ++kk) {
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          // V is [kv][d] row-major = B row-major: ldmatrix.trans yields the col fragment. Lane
+          // groups address (kv0-7,d0-7) (kv8-15,d0-7) (kv0-7,d8-15) (kv8-15,d8-15).
+          fa2_u32 bv[4];
+          ldmatrix_x4_trans(bv, chunk_addr(va + kk * 16 * 2 * D, 2 * dp, vx));
+#pragma unroll
+          for (int mf = 0; mf < M_FRAGS; ++mf) {
+            mma_16816<DType>(o_acc[mf][2 * dp], pa[mf][kk], bv[0], bv[1]);
+            mma_16816<DType>(o_acc[mf][2 * dp + 1], pa[mf][kk], bv[2], bv[3]);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // only empty groups can remain; drain them before the CTA exits
+
+  // ---- epilogue --------------------------------------------------------------------------------
+  float lse_val[M_FRAGS][2];
+#pragma unroll
+  for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float inv = 1.f;
+      if constexpr (kSoftmax) {
+        float l = row_l[mf][hr];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        // Fully masked row: l = 0 -> output 0 (the accumulator is 0) and lse = -inf.
+        inv = l > 0.f ? 1.f / l : 0.f;
+        lse_val[mf][hr] = l > 0.f ? (row_m[mf][hr] + __log2f(l)) * kLn2 : neg_inf();
+      } else {
+        lse_val[mf][hr] = 0.f;
+      }
+#pragma unroll
+      for (int nf = 0; nf < N_FRAGS_O; ++nf) {
+        o_acc[mf][nf][2 * hr] *= inv;
+        o_acc[mf][nf][2 * hr + 1] *= inv;
+      }
+    }
+
+  if constexpr (Work::kMaySplit) {
+    // A unit that covers only part of its rows' KV range writes its partial state -- normalized O
+    // in fp32 and the LSE, tile rows [0, TQ) of its workspace slot -- for the merge kernel, which
+    // combines the parts in a fixed order and applies the OutputTransform.
+    float* po = w.partial_o();
+    if (po != nullptr) {
+      float* pl = w.partial_lse();
+#pragma unroll
+      for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int r = (warp * M_FRAGS + mf) * 16 + (lane >> 2) + 8 * hr;
+          if (row0 + r >= rows) continue;
+#pragma unroll
+          for (int nf = 0; nf < N_FRAGS_O; ++nf) {
+            float2 v2;
+            v2.x = o_acc[mf][nf][2 * hr];
+            v2.y = o_acc[mf][nf][2 * hr + 1];
+            *reinterpret_cast<float2*>(po + r * D + nf * 8 + 2 * (lane & 3)) = v2;
+          }
+          if ((lane & 3) == 0) pl[r] = lse_val[mf][hr];
+        }
+      return;
+    }
+  }
+
+  // Stage the normalized O tile through shared memory (the warp's own Q rows, no longer read), so
+  // the OutputTransform sees whole rows and global stores are 16 bytes wide and coalesced.
+#pragma unroll
+  for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = (warp * M_FRAGS + mf) * 16 + (lane >> 2) + 8 * hr;
+#pragma unroll
+      for (int nf = 0; nf < N_FRAGS_O; ++nf) {
+        const int col = nf * 8 + 2 * (lane & 3);
+        *reinterpret_cast<fa2_u32*>(sQ + swz<D>(r, col)) =
+            pack2<DType>(o_acc[mf][nf][2 * hr], o_acc[mf][nf][2 * hr + 1]);
+      }
+    }
+  __syncwarp();
+
+  if constexpr (Variant::has_output_transform) {
+#pragma unroll 1
+    for (int r = warp * M_FRAGS * 16; r < (warp + 1) * M_FRAGS * 16; ++r) {
+      const int fr = row0 + r;
+      if (fr >= rows) continue;
+      const int tok = gdiv.div(fr);
+      const int qi = tok + q_pos0;
+      const int hq = head0 + (fr - tok * gf);
+      transform_row<DType, D>(sQ, r, lane, [&](const SmemRow<DType, D>& o, int d) {
+        return Variant::OutputTransform(vp, o, b, hq, qi, d);
+      });
+    }
+  }
+
+  // 16-byte stores of the warp's rows: lanes sweep a row's chunks, then the next row.
+#pragma unroll
+  for (int c = lane; c < M_FRAGS * 16 * CHUNKS; c += 32) {
+    const int r = (warp * M_FRAGS) * 16 + c / CHUNKS;
+    const int ch = c % CHUNKS;
+    const int fr = row0 + r;
+    if (fr < rows) {
+      const int tok = gdiv.div(fr);
+      const int hq = head0 + (fr - tok * gf);
+      const fa2_u32x4 val = *reinterpret_cast<const fa2_u32x4*>(sQ + swz<D>(r, ch * 8));
+      *reinterpret_cast<fa2_u32x4*>(w.o_row(tok, hq) + ch * 8) = val;
+    }
+  }
+
+  if constexpr (kSoftmax) {
+    if (w.has_lse() && (lane & 3) == 0) {
+#pragma unroll
+      for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          int fr, qi, hq;
+          row_of(mf, hr, fr, qi, hq);
+          if (fr < rows) *w.lse_at(gdiv.div(fr), hq) = lse_val[mf][hr];
+        }
+    }
+  }
+}
+
+}  // namespace fa2
+}  // namespace attncc
+
+#endif  // ATTNCC_FA2_ATTEND_CUH

@@ -1,0 +1,268 @@
+// attncc persistent batch attention (serving): ragged queries, paged or ragged KV caches, a
+// load-balanced plan of work units, and the merge kernel for KV ranges split across CTAs.
+//
+// Self-contained: no #include. Comes after attncc_types.cuh, batch_params.cuh, fa2_common.cuh and
+// fa2_attend.cuh, and before the generated Variant_<name> functors' entry point
+// (ATTNCC_FA2_BATCH_ENTRY at the bottom).
+//
+// The plan (attncc.runtime.scheduler.plan) is made on the host and copied to the workspace with
+// one asynchronous copy. The attention kernel's grid is fixed (k x #SMs): CTA c runs the work
+// units cta_units[cta_indptr[c] .. cta_indptr[c+1]) one after another. A unit is (request, KV
+// head, a tile of up to TQ fused query rows, a KV range). A unit that covers its rows' whole KV
+// range writes the output directly; the units of a split range write fp32 partial states to the
+// workspace, and the merge kernel combines them -- in the plan's fixed order, so the same lengths
+// give bitwise the same output -- then applies the OutputTransform. Because every pointer and both
+// grid sizes are fixed, the pair of launches can be captured once in a CUDA graph and replayed
+// with new plans.
+//
+// Query positions: token t of a request with q_len queries and kv_len keys is query position
+// kv_len - q_len + t (the queries are the last q_len tokens of the sequence), which is what the
+// hooks see as q_idx -- so `q_idx >= kv_idx` is the causal mask of a prefill chunk or a decode
+// step alike.
+#ifndef ATTNCC_FA2_BATCH_CUH
+#define ATTNCC_FA2_BATCH_CUH
+
+namespace attncc {
+namespace fa2 {
+
+// One work unit, as attncc.runtime.scheduler.WORK_UNIT_DTYPE lays it out (8 int32).
+struct WorkUnit {
+  int request, kv_head, qo_offset, q_start, q_rows, kv_start, kv_end, slot;
+};
+
+__device__ __forceinline__ WorkUnit load_unit(const int* units, int u) {
+  const int4 a = __ldg(reinterpret_cast<const int4*>(units) + 2 * u);
+  const int4 c = __ldg(reinterpret_cast<const int4*>(units) + 2 * u + 1);
+  return WorkUnit{a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+}
+
+// ---------------------------------------------------------------------------------------------
+// BatchWork: fa2_attend's view of one work unit.
+// ---------------------------------------------------------------------------------------------
+template <typename DType, int D, int TQ, int TKV, int NT>
+struct BatchWork {
+  static constexpr bool kMaySplit = true;
+  static constexpr int CHUNKS = D / 8;
+  static constexpr int ROWS_PER_PASS = NT / CHUNKS;  // loader layout as in DenseWork
+  static_assert(NT % CHUNKS == 0 && TQ % ROWS_PER_PASS == 0 && TKV % ROWS_PER_PASS == 0,
+                "loader layout");
+
+  const attncc::BatchParams& p;
+  int b, gf, head0, h_kv, row0, rows, q_pos0, kv_len, count;
+  int kv_start, qo_offset, slot;
+  const int* pages;  // this request's page ids
+
+  __device__ __forceinline__ BatchWork(const attncc::BatchParams& params, const WorkUnit& u)
+      : p(params) {
+    b = u.request;
+    gf = p.num_q_heads / p.num_kv_heads;
+    h_kv = u.kv_head;
+    head0 = u.kv_head * gf;
+    row0 = u.q_start;
+    rows = u.q_start + u.q_rows;
+    const int q_len = __ldg(p.qo_indptr + b + 1) - __ldg(p.qo_indptr + b);
+    q_pos0 = __ldg(p.kv_lens + b) - q_len;
+    kv_start = u.kv_start;
+    kv_len = u.kv_end;  // positions past the unit's range do not exist for it
+    count = (u.kv_end - u.kv_start + TKV - 1) / TKV;
+    qo_offset = u.qo_offset;
+    slot = u.slot;
+    pages = p.kv_page_indices + __ldg(p.kv_page_indptr + b);
+  }
+
+  __device__ __forceinline__ int tile_start(int i, bool& is_full) const {
+    is_full = false;  // no block lists here: the variant's own mask applies to every tile
+    return kv_start + i * TKV;
+  }
+
+  __device__ __forceinline__ void load_q(fa2_u32 sq, int tid) const {
+    const DType* gQ = reinterpret_cast<const DType*>(p.q);
+    const int ld_row = tid / CHUNKS, ld_ch = tid % CHUNKS;
+    const FastDiv gdiv(gf);
+#pragma unroll
+    for (int j = 0; j < TQ / ROWS_PER_PASS; ++j) {
+      const int r = ld_row + j * ROWS_PER_PASS;
+      const int fr = row0 + r;
+      const int tok = gdiv.div(fr);
+      const int hq = head0 + (fr - tok * gf);
+      const bool ok = fr < rows;
+      const DType* src = ok ? gQ + (qo_offset + tok) * p.q_stride_tok + hq * p.q_stride_h +
+                                  ld_ch * 8
+                            : gQ;
+      cp_async_16(sq + 2 * swz<D>(r, ld_ch * 8), src, ok);
+    }
+  }
+
+  // Element offset of KV position `kv` of this request: its page, then the slot in the page.
+  __device__ __forceinline__ attncc::i64 kv_offset(int kv) const {
+    int page_i;
+    if (p.page_shift >= 0) {
+      page_i = kv >> p.page_shift;
+    } else {
+      page_i = kv / p.page_size;
+    }
+    const int slot_in_page = kv - page_i * p.page_size;
+    return (attncc::i64)__ldg(pages + page_i) * p.kv_stride_page +
+           (attncc::i64)slot_in_page * p.kv_stride_slot;
+  }
+
+  // K and V rows of a tile: the page lookup of each row is shared by its K and V copies. Rows
+  // are gathered one 16-byte chunk per thread, so any page size (down to 1) works; a page never
+  // has to hold a whole tile.
+  __device__ __forceinline__ void load_kv(fa2_u32 sk, fa2_u32 sv, int kv0, int tid) const {
+    const int ld_row = tid / CHUNKS, ld_ch = tid % CHUNKS;
+    const DType* kb = reinterpret_cast<const DType*>(p.k) + h_kv * p.kv_stride_h + ld_ch * 8;
+    const DType* vb = reinterpret_cast<const DType*>(p.v) + h_kv * p.kv_stride_h + ld_ch * 8;
+#pragma unroll
+    for (int j = 0; j < TKV / ROWS_PER_PASS; ++j) {
+      const int r = ld_row + j * ROWS_PER_PASS;
+      const int kv = kv0 + r;
+      const bool ok = (unsigned)kv < (unsigned)kv_len;
+      const attncc::i64 off = ok ? kv_offset(kv) : 0;
+      cp_async_16(sk + 2 * swz<D>(r, ld_ch * 8), kb + off, ok);
+      cp_async_16(sv + 2 * swz<D>(r, ld_ch * 8), vb + off, ok);
+    }
+  }
+
+  __device__ __forceinline__ DType* o_row(int tok, int hq) const {
+    return reinterpret_cast<DType*>(p.o) + (qo_offset + tok) * p.o_stride_tok + hq * p.o_stride_h;
+  }
+  __device__ __forceinline__ bool has_lse() const { return p.lse != nullptr; }
+  __device__ __forceinline__ float* lse_at(int tok, int hq) const {
+    return p.lse + (attncc::i64)(qo_offset + tok) * p.lse_stride_tok + hq;
+  }
+  __device__ __forceinline__ float* partial_o() const {
+    return slot < 0 ? nullptr : p.partial_o + (attncc::i64)slot * TQ * D;
+  }
+  __device__ __forceinline__ float* partial_lse() const {
+    return p.partial_lse + (attncc::i64)slot * TQ;
+  }
+};
+
+// The persistent attention kernel: this CTA's queue of work units, in order.
+template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,
+          int M_FRAGS>
+__device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
+                                          const typename Variant::Params& vp) {
+  using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>;
+  const int first = __ldg(p.cta_indptr + blockIdx.x);
+  const int last = __ldg(p.cta_indptr + blockIdx.x + 1);
+#pragma unroll 1
+  for (int i = first; i < last; ++i) {
+    const WorkUnit u = load_unit(p.units, __ldg(p.cta_units + i));
+    __syncthreads();  // the previous unit's epilogue is done with shared memory
+    const BatchWork<DType, HEAD_DIM, TQ, TKV, Cfg::kThreads> w(p, u);
+    fa2_attend<Variant, DType, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>(w, vp, p.sm_scale);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Merge: one CTA per split work item, one warp per fused row at a time. The partial states are
+// combined with the attention composition operator -- LSE = log sum exp(LSE_s), O = sum
+// exp(LSE_s - LSE) O_s -- summing the slots in the plan's order (ascending KV start), so the
+// result does not depend on which CTA finished first. No-softmax variants just add the parts.
+// ---------------------------------------------------------------------------------------------
+constexpr int kMergeThreads = 128;
+
+struct FloatRow {  // a staged output row, as the OutputTransform's `Vec`
+  const float* row;
+  __device__ __forceinline__ float operator[](int d) const { return row[d]; }
+};
+
+template <typename Variant, typename DType, int HEAD_DIM, int TQ>
+__device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
+                                          const typename Variant::Params& vp) {
+  constexpr int D = HEAD_DIM;
+  constexpr int WARPS = kMergeThreads / 32;
+  constexpr float kLog2e = 1.4426950408889634f;
+  __shared__ float rows_buf[WARPS][D];
+  const int m = blockIdx.x;
+  if (m >= __ldg(p.num_merges)) return;  // the grid is sized for the largest plan
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int* t = p.merge_out + 5 * m;
+  const int request = __ldg(t), kv_head = __ldg(t + 1), qo_offset = __ldg(t + 2);
+  const int q_start = __ldg(t + 3), q_rows = __ldg(t + 4);
+  const int s0 = __ldg(p.merge_indptr + m), s1 = __ldg(p.merge_indptr + m + 1);
+  const int gf = p.num_q_heads / p.num_kv_heads;
+  const int head0 = kv_head * gf;
+  const int q_len = __ldg(p.qo_indptr + request + 1) - __ldg(p.qo_indptr + request);
+  const int q_pos0 = __ldg(p.kv_lens + request) - q_len;
+  float* buf = rows_buf[warp];
+
+#pragma unroll 1
+  for (int r = warp; r < q_rows; r += WARPS) {
+    float lse = 0.f;
+    if constexpr (Variant::use_softmax) {
+      float mx = neg_inf();
+      for (int s = s0; s < s1; ++s)
+        mx = fmaxf(mx, p.partial_lse[(attncc::i64)__ldg(p.merge_slots + s) * TQ + r]);
+      float wsum = 0.f;
+      for (int s = s0; s < s1; ++s) {
+        const float l = p.partial_lse[(attncc::i64)__ldg(p.merge_slots + s) * TQ + r];
+        wsum += mx == neg_inf() ? 0.f : fast_exp2((l - mx) * kLog2e);
+      }
+      const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+      for (int d = lane; d < D; d += 32) {
+        float acc = 0.f;
+        for (int s = s0; s < s1; ++s) {
+          const attncc::i64 slot = __ldg(p.merge_slots + s);
+          const float l = p.partial_lse[slot * TQ + r];
+          const float wgt = mx == neg_inf() ? 0.f : fast_exp2((l - mx) * kLog2e);
+          acc += wgt * p.partial_o[(slot * TQ + r) * D + d];
+        }
+        buf[d] = acc * inv;
+      }
+      lse = wsum > 0.f ? mx + __logf(wsum) : neg_inf();
+    } else {
+      for (int d = lane; d < D; d += 32) {
+        float acc = 0.f;
+        for (int s = s0; s < s1; ++s)
+          acc += p.partial_o[((attncc::i64)__ldg(p.merge_slots + s) * TQ + r) * D + d];
+        buf[d] = acc;
+      }
+    }
+    __syncwarp();
+    const int fr = q_start + r;
+    const int tok = fr / gf;
+    const int hq = head0 + (fr - tok * gf);
+    DType* out = reinterpret_cast<DType*>(p.o) + (qo_offset + tok) * p.o_stride_tok +
+                 hq * p.o_stride_h;
+    float vals[D / 32];
+#pragma unroll
+    for (int j = 0; j < D / 32; ++j) {
+      const int d = lane + 32 * j;
+      if constexpr (Variant::has_output_transform) {
+        vals[j] = Variant::OutputTransform(vp, FloatRow{buf}, request, hq, tok + q_pos0, d);
+      } else {
+        vals[j] = buf[d];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < D / 32; ++j)
+      reinterpret_cast<fa2_u16*>(out)[lane + 32 * j] = float_to_elem<DType>(vals[j]);
+    if constexpr (Variant::use_softmax) {
+      if (p.lse != nullptr && lane == 0)
+        p.lse[(attncc::i64)(qo_offset + tok) * p.lse_stride_tok + hq] = lse;
+    }
+    __syncwarp();  // the row buffer is reused for the warp's next row
+  }
+}
+
+}  // namespace fa2
+}  // namespace attncc
+
+// The line codegen emits per batch kernel: the persistent attention kernel NAME (grid: the plan's
+// num_ctas; block: Config::kThreads; dynamic shared memory: Config::kSmemBytes) and its merge
+// kernel NAME_merge (grid: the layout's max_merges; block: 128; static shared memory only).
+#define ATTNCC_FA2_BATCH_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS)         \
+  extern "C" __global__ void __launch_bounds__(                                                \
+      attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>::kThreads, 1)                    \
+      NAME(attncc::BatchParams p, VARIANT::Params vp) {                                        \
+    attncc::fa2::fa2_batch<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>(p, vp);         \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(attncc::fa2::kMergeThreads)                     \
+      NAME##_merge(attncc::BatchParams p, VARIANT::Params vp) {                                \
+    attncc::fa2::fa2_merge<VARIANT, DTYPE, HEAD_DIM, TQ>(p, vp);                               \
+  }
+
+#endif  // ATTNCC_FA2_BATCH_CUH

@@ -1,0 +1,512 @@
+"""Serving attention: ragged query batches over paged or ragged KV caches, planned then run.
+
+`BatchAttention(variant, workspace_buffer, kv_layout=...)` follows FlashInfer's plan/run split:
+
+- `plan(...)` (host, once per generation step) turns the batch's lengths into a load-balanced
+  plan (`attncc.runtime.scheduler.plan`: work units of (request, KV head, query tile, KV chunk)
+  assigned longest-first to a fixed grid of CTAs, plus the merge map of split KV ranges), packs
+  it with the batch's page tables into a pinned host buffer and copies that to fixed offsets of
+  the workspace with ONE asynchronous copy.
+- `run(q, kv_cache)` launches the persistent FA2 kernel over the plan and the merge kernel
+  (kernels/fa2_batch.cuh). Every pointer and both grid sizes are fixed by the workspace, so
+  `run` can be captured once in a CUDA graph and replayed after new `plan` calls.
+
+Layouts (FlashInfer's names): `q`, `out` are `[total_q_tokens, num_qo_heads, head_dim]` with request
+i owning tokens `qo_indptr[i] .. qo_indptr[i+1]`. KV caches:
+
+- "NHD": `(k_cache, v_cache)` each `[num_pages, page_size, num_kv_heads, head_dim]`, or one tensor
+  `[num_pages, 2, page_size, num_kv_heads, head_dim]`;
+- "HND": the same with `[num_pages, num_kv_heads, page_size, head_dim]` pages;
+- "ragged": `(k, v)` each `[total_kv_tokens, num_kv_heads, head_dim]`, request i owning tokens
+  `kv_indptr[i] .. kv_indptr[i+1]` (no pages).
+
+Request i's queries are the LAST `l_q` tokens of its sequence: its query t is position
+`kv_len - l_q + t`, which the variant's hooks see as `q_idx` (so `q_idx >= kv_idx` is causal for
+prefill chunks and decode steps alike).
+
+Example (CPU: the plan and its checks; `run` needs a CUDA GPU):
+    >>> import torch
+    >>> ba = BatchAttention(None, kv_layout="NHD", device="cpu")
+    >>> ba.plan(torch.tensor([0, 1, 3]), torch.tensor([0, 2, 3]), torch.tensor([4, 0, 2]),
+    ...         torch.tensor([16, 5]), num_qo_heads=8, num_kv_heads=2, head_dim=128,
+    ...         page_size=16)
+    >>> ba.kv_lens.tolist(), ba.tiles.tq
+    ([32, 5], 16)
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from attncc.frontend import Variant
+from attncc.ir.program import Bindings, VariantIR
+
+from . import scheduler
+from .gpu_flex import HEAD_DIMS, _captured, _spill_bytes, fa2_config, fa2_source
+
+__all__ = ["BatchAttention", "BatchTiles", "batch_attention_reference", "KV_LAYOUTS"]
+
+KV_LAYOUTS = ("NHD", "HND", "ragged")
+_RAGGED_PAGE = 1 << 30  # a ragged request is one "page" this long (see batch_params.cuh)
+_INT = np.int32
+
+
+@dataclass(frozen=True)
+class BatchTiles:
+    """The FA2 configuration of a plan: fused query rows per tile, KV rows per tile, pipeline
+    depth, 16-row MMA fragments per warp, and the persistent grid."""
+
+    tq: int
+    tkv: int
+    stages: int
+    m_frags: int
+    ctas_per_sm: int
+    num_ctas: int
+
+
+def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int) -> BatchTiles:
+    """Tiles for a batch whose longest request has `max_fused_rows` (query tokens x GQA group).
+
+    Decode (a few fused rows) gets 16-row tiles: one warp per tile, and many CTAs per SM to keep
+    enough KV loads in flight; prefill gets the prefill kernel's 128-row tiles at D <= 128.
+
+    Example:
+        >>> choose_batch_tiles(128, 8, 132)
+        BatchTiles(tq=16, tkv=32, stages=2, m_frags=1, ctas_per_sm=6, num_ctas=792)
+        >>> choose_batch_tiles(128, 4096, 132).tq
+        128
+    """
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim}: the batch kernel supports {HEAD_DIMS}")
+    tq = next((t for t in (16, 32, 64) if t >= max_fused_rows), 128 if head_dim <= 128 else 64)
+    m_frags = 2 if tq == 128 else 1
+    # small tiles (decode) are bandwidth-bound: 32-row KV tiles halve the shared memory per CTA
+    # so twice as many CTAs (and their loads) are in flight per SM
+    tkv = 32 if head_dim == 256 or tq <= 32 else 64
+    cfg = fa2_config(head_dim, tq, tkv, 2, m_frags)
+    # residency: 255 registers per thread (64K per SM) and 227 KB of shared memory per SM
+    by_regs = 65536 // (cfg.threads * 256)
+    by_smem = (227 * 1024) // cfg.smem_bytes
+    per_sm = max(1, min(by_regs, by_smem, 16))
+    return BatchTiles(tq, tkv, 2, m_frags, per_sm, per_sm * num_sms)
+
+
+def _np_int(x: Any, name: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().to("cpu").numpy()
+    a = np.asarray(x)
+    if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+        raise ValueError(f"{name} must be a 1-D integer array, got shape {a.shape} dtype "
+                         f"{a.dtype}")
+    return a.astype(np.int64)
+
+
+def _check_indptr(a: np.ndarray, name: str) -> None:
+    if a.size < 1 or a[0] != 0:
+        raise ValueError(f"{name} must start with 0 (got {a[:1].tolist()})")
+    if np.any(np.diff(a) < 0):
+        i = int(np.argmax(np.diff(a) < 0))
+        raise ValueError(f"{name} must be non-decreasing: {name}[{i}] = {int(a[i])} > "
+                         f"{name}[{i + 1}] = {int(a[i + 1])}")
+
+
+class _Kernels:
+    """The compiled batch kernel and its merge kernel for one (variant, head dim, dtype, tiles)."""
+
+    def __init__(self, ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
+                 device: int) -> None:
+        from attncc.ir.simplify import simplify_variant
+
+        from .cache import cached_compile
+        from .launcher import load_kernel
+        from .nvrtc import device_arch
+
+        with torch.cuda.device(device):
+            arch = device_arch()
+        self.ir = simplify_variant(ir)
+        self.config = fa2_config(head_dim, tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags)
+        src, name, vp_layout, bp_layout = fa2_source(
+            self.ir, head_dim=head_dim, dtype=dtype, tq=tiles.tq, tkv=tiles.tkv,
+            stages=tiles.stages, m_frags=tiles.m_frags, batch=True)
+        res, _ = cached_compile(src, arch=arch, name=f"{name}.cu", verbose=True)
+        self.spill_bytes = _spill_bytes(res.log)
+        self.attend = load_kernel(res.cubin, name, bp_layout, vp_layout, device=device,
+                                  dynamic_smem=self.config.smem_bytes)
+        self.merge = load_kernel(res.cubin, name + "_merge", bp_layout, vp_layout,
+                                 device=device)
+
+
+_KERNELS: dict[tuple, _Kernels] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def _kernels_for(ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
+                 device: int) -> _Kernels:
+    key = (tuple((n, h.expr) for n, h in ir.hooks.items()), ir.normalize, ir.name, ir.scalars,
+           ir.tensors, head_dim, dtype, tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags, device)
+    with _KERNELS_LOCK:
+        hit = _KERNELS.get(key)
+        if hit is None:
+            hit = _KERNELS[key] = _Kernels(ir, head_dim, dtype, tiles, device)
+        return hit
+
+
+class BatchAttention:
+    """Plan/run attention for a serving batch (see the module docstring).
+
+    `variant`: an `attncc.Variant` (None: plain softmax attention). `workspace_buffer`: a uint8
+    CUDA tensor the plan, page tables and split-KV partial states live in (None: allocated at the
+    first `plan`); `workspace_bytes()` says how large it must be. The maxima bound every later
+    plan (and so the workspace): `max_batch` requests, `max_qo_tokens` query tokens, `max_pages`
+    page ids per batch. `balance=False` is the no-scheduler ablation: one CTA per (request,
+    KV head, query tile), no KV splitting.
+    """
+
+    def __init__(self, variant: Variant | None = None, workspace_buffer: torch.Tensor | None = None,
+                 kv_layout: str = "NHD", *, max_batch: int = 256, max_qo_tokens: int = 16384,
+                 max_pages: int = 1 << 20, balance: bool = True, device: Any = "cuda") -> None:
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={kv_layout!r}: use one of {KV_LAYOUTS}")
+        if variant is not None and not isinstance(variant, Variant):
+            raise TypeError(f"variant must be an attncc.Variant or None, got "
+                            f"{type(variant).__name__}")
+        self.variant = variant if variant is not None else Variant(name="batch_plain")
+        self.kv_layout = kv_layout
+        self.max_batch, self.max_qo_tokens, self.max_pages = max_batch, max_qo_tokens, max_pages
+        self.balance = balance
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.workspace = workspace_buffer
+        self.tiles: BatchTiles | None = None
+        self.layout: scheduler.PlanLayout | None = None
+        self._staging: torch.Tensor | None = None
+        self._copy_done: torch.cuda.Event | None = None
+        self._plan: scheduler.Plan | None = None
+
+    # ------------------------------------------------------------------------------ plan
+    def plan(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any = None,
+             kv_last_page_len: Any = None, *, num_qo_heads: int, num_kv_heads: int,
+             head_dim: int, page_size: int = 1) -> None:
+        """Schedule one batch. Paged layouts: `kv_indptr` is the CSR of page ids `kv_indices`
+        per request and `kv_last_page_len` the tokens used in each request's last page;
+        "ragged": `kv_indptr` is the CSR of KV tokens (no indices, no page size). Host-side
+        arrays (CPU tensors, numpy, lists); invalid input raises here, naming the argument.
+        """
+        qo = _np_int(qo_indptr, "qo_indptr")
+        kvp = _np_int(kv_indptr, "kv_indptr")
+        _check_indptr(qo, "qo_indptr")
+        _check_indptr(kvp, "kv_indptr")
+        batch = qo.size - 1
+        if kvp.size != batch + 1:
+            raise ValueError(f"kv_indptr has {kvp.size} entries, qo_indptr describes {batch} "
+                             f"requests: it needs {batch + 1}")
+        if batch > self.max_batch or int(qo[-1]) > self.max_qo_tokens:
+            raise ValueError(f"batch of {batch} requests / {int(qo[-1])} query tokens exceeds "
+                             f"max_batch={self.max_batch} / max_qo_tokens={self.max_qo_tokens} "
+                             f"given to BatchAttention")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim={head_dim}: the batch kernel supports {HEAD_DIMS}")
+        if self.kv_layout == "ragged":
+            if kv_indices is not None or kv_last_page_len is not None:
+                raise ValueError("kv_layout='ragged' takes no kv_indices / kv_last_page_len: "
+                                 "kv_indptr is the CSR of KV tokens")
+            kv_lens = np.diff(kvp)
+            pages = kvp[:-1]                      # one "page" per request: its first token
+            page_indptr = np.arange(batch + 1)
+            page, shift = _RAGGED_PAGE, 30
+            self._max_page = int(kvp[-1])          # tokens the cache must hold
+        else:
+            if kv_indices is None or kv_last_page_len is None:
+                raise ValueError(f"kv_layout={self.kv_layout!r} needs kv_indices and "
+                                 f"kv_last_page_len")
+            if not isinstance(page_size, int) or page_size < 1:
+                raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+            pages = _np_int(kv_indices, "kv_indices")
+            last = _np_int(kv_last_page_len, "kv_last_page_len")
+            if pages.size < kvp[-1]:
+                raise ValueError(f"kv_indices has {pages.size} entries but kv_indptr[-1] = "
+                                 f"{int(kvp[-1])}")
+            if pages.size > self.max_pages:
+                raise ValueError(f"{pages.size} page ids exceed max_pages={self.max_pages}")
+            if pages.size and pages.min() < 0:
+                raise ValueError(f"kv_indices holds a negative page id ({int(pages.min())})")
+            kv_lens = scheduler.paged_kv_lens(kvp, last, page_size).astype(np.int64)
+            page_indptr = kvp
+            page, shift = page_size, (page_size.bit_length() - 1
+                                      if page_size & (page_size - 1) == 0 else -1)
+            used = pages[:int(kvp[-1])]
+            self._max_page = int(used.max()) + 1 if used.size else 0   # pages the cache needs
+        q_lens = np.diff(qo)
+        if np.any(q_lens > kv_lens):
+            i = int(np.argmax(q_lens > kv_lens))
+            raise ValueError(f"request {i} has {int(q_lens[i])} query tokens but only "
+                             f"{int(kv_lens[i])} KV tokens: queries are the last tokens of "
+                             f"their sequence, so the KV cache must already hold them")
+        group = num_qo_heads // num_kv_heads
+        num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                   if self.device.type == "cuda" else 132)
+        tiles = choose_batch_tiles(head_dim, int(q_lens.max(initial=0)) * group, num_sms)
+        if self.tiles is not None and tiles.tq != self.tiles.tq and self.tiles.tq >= tiles.tq:
+            tiles = self.tiles  # keep the captured kernel when the new batch fits its tiles
+        if self.balance:
+            pl = scheduler.plan(qo, kv_lens, num_qo_heads, num_kv_heads, tiles.tq,
+                                tiles.num_ctas, kv_chunk_align=tiles.tkv)
+        else:  # one CTA per work item, each item's whole KV range in one unit
+            items = num_kv_heads * int(np.sum(-(-(q_lens * group) // tiles.tq)))
+            tiles = BatchTiles(tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
+                               tiles.ctas_per_sm, max(items, 1))
+            longest = int(kv_lens.max(initial=0))
+            pl = scheduler.plan(qo, kv_lens, num_qo_heads, num_kv_heads, tiles.tq,
+                                tiles.num_ctas, kv_chunk_align=tiles.tkv,
+                                min_kv_chunk=max(longest, 1))
+        layout = scheduler.PlanLayout(self.max_batch, self.max_qo_tokens, tiles.num_ctas,
+                                      num_qo_heads, num_kv_heads, tiles.tq)
+        self.tiles, self.layout, self._plan = tiles, layout, pl
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.page_size, self.page_shift = page, shift
+        self.qo_indptr, self.kv_lens = qo, kv_lens
+        self._stage(pl, qo, page_indptr, kv_lens, pages)
+
+    def workspace_bytes(self) -> int:
+        """Bytes of workspace the current plan's layout needs (plan, page tables, partials)."""
+        if self.layout is None:
+            raise RuntimeError("call plan() first: the workspace size depends on the layout")
+        return 4 * self._int_words() + scheduler.workspace_bytes(
+            self.layout, self.head_dim, self.num_qo_heads, 4)
+
+    def _int_words(self) -> int:
+        mb = self.max_batch + 1
+        return self.layout.size + 3 * _pad4(mb) + _pad4(self.max_pages)  # type: ignore[union-attr]
+
+    def _stage(self, pl: scheduler.Plan, qo: np.ndarray, page_indptr: np.ndarray,
+               kv_lens: np.ndarray, pages: np.ndarray) -> None:
+        """Pack plan + page tables into the pinned staging buffer, then one async copy."""
+        words = self._int_words()
+        pinned = self.device.type == "cuda"
+        if self._staging is None or self._staging.numel() < words:
+            self._staging = torch.zeros(words, dtype=torch.int32, pin_memory=pinned)
+        elif self._copy_done is not None:
+            self._copy_done.synchronize()  # the previous plan's copy has read the buffer
+        buf = self._staging.numpy()
+        lay = self.layout
+        assert lay is not None
+        pl.pack(lay, out=buf[:lay.size])
+        mb = _pad4(self.max_batch + 1)
+        off = lay.size
+        self._offsets = {"qo_indptr": off, "kv_page_indptr": off + mb, "kv_lens": off + 2 * mb,
+                         "pages": off + 3 * mb}
+        buf[off:off + qo.size] = qo
+        buf[off + mb:off + mb + page_indptr.size] = page_indptr
+        buf[off + 2 * mb:off + 2 * mb + kv_lens.size] = kv_lens
+        npg = int(page_indptr[-1]) if page_indptr.size else 0
+        buf[off + 3 * mb:off + 3 * mb + npg] = pages[:npg]
+        if self.device.type != "cuda":
+            return
+        need = self.workspace_bytes()
+        if self.workspace is None or self.workspace.numel() < need:
+            if self.workspace is not None:
+                raise ValueError(f"workspace_buffer has {self.workspace.numel()} bytes; this "
+                                 f"layout needs {need} (BatchAttention.workspace_bytes())")
+            self.workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
+        if self.workspace.dtype != torch.uint8 or self.workspace.device != self.device:
+            raise ValueError("workspace_buffer must be a uint8 tensor on the kernel's device")
+        used = off + 3 * mb + npg
+        ints = self.workspace[:4 * words].view(torch.int32)
+        ints[:used].copy_(self._staging[:used], non_blocking=True)
+        self._copy_done = torch.cuda.Event()
+        self._copy_done.record(torch.cuda.current_stream(self.device))
+
+    # ------------------------------------------------------------------------------ run
+    def run(self, q: torch.Tensor, kv_cache: Any, *, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None, return_lse: bool = False,
+            scale: float | None = None) -> Any:
+        """Attention of the planned batch: `out [total_q, num_qo_heads, head_dim]` (and `lse
+        [total_q, num_qo_heads]` float32 with `return_lse`). CUDA-graph capturable once the
+        kernels are compiled (call run once before capturing); replays use the latest plan."""
+        if self._plan is None or self.tiles is None or self.layout is None:
+            raise RuntimeError("call plan() before run()")
+        if self.device.type != "cuda":
+            raise ValueError("BatchAttention.run needs CUDA tensors; use "
+                             "batch_attention_reference on the CPU")
+        k, v, strides = self._cache_views(kv_cache)
+        total_q = int(self.qo_indptr[-1])
+        H, D = self.num_qo_heads, self.head_dim
+        if (not isinstance(q, torch.Tensor) or q.shape != (total_q, H, D) or q.device != self.device
+                or q.dtype not in (torch.bfloat16, torch.float16) or q.stride(2) != 1
+                or q.data_ptr() % 16 or q.stride(0) % 8 or q.stride(1) % 8):
+            raise ValueError(f"q must be a bf16/fp16 CUDA tensor [{total_q}, {H}, {D}] (the "
+                             f"planned batch) with a contiguous, 16-byte aligned head dim; got "
+                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}")
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise ValueError(f"kv_cache dtype {k.dtype} != q dtype {q.dtype}")
+        ir, bindings = self.variant.trace()
+        if not ir.use_softmax and (return_lse or lse is not None):
+            raise ValueError("return_lse=True but the variant has normalize='none'")
+        kern = _kernels_for(ir, D, "bfloat16" if q.dtype == torch.bfloat16 else "float16",
+                            self.tiles, self.device.index or 0)
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+            raise ValueError(f"out must be a {tuple(q.shape)} {q.dtype} tensor")
+        if (return_lse or lse is not None) and lse is None:
+            lse = torch.empty(total_q, H, dtype=torch.float32, device=self.device)
+        if lse is not None and (lse.shape != (total_q, H) or lse.dtype != torch.float32
+                                or lse.stride(1) != 1):
+            raise ValueError(f"lse must be a ({total_q}, {H}) float32 tensor")
+        ws = self.workspace
+        assert ws is not None
+        base = ws.data_ptr()
+        lay, o = self.layout, self._offsets
+        words = self._int_words()
+        # scheduler.workspace_bytes' layout: every slot's fp32 O first, then the LSEs
+        rows = lay.max_partial_slots * lay.tile_q
+        lse_off = 4 * words + _round256(rows * D * 4)
+        sec = lay.offsets
+        bp = {
+            "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": out.data_ptr(),
+            "lse": lse.data_ptr() if lse is not None else 0,
+            "partial_o": base + 4 * words, "partial_lse": base + lse_off,
+            "qo_indptr": base + 4 * o["qo_indptr"], "kv_page_indptr": base + 4 * o["kv_page_indptr"],
+            "kv_page_indices": base + 4 * o["pages"], "kv_lens": base + 4 * o["kv_lens"],
+            "units": base + 4 * sec["units"], "cta_indptr": base + 4 * sec["cta_indptr"],
+            "cta_units": base + 4 * sec["cta_units"], "merge_indptr": base + 4 * sec["merge_indptr"],
+            "merge_slots": base + 4 * sec["merge_slots"], "merge_out": base + 4 * sec["merge_out"],
+            "num_merges": base + 4 * (sec["header"]
+                                      + scheduler.HEADER_FIELDS.index("num_merges")),
+            "q_stride_tok": q.stride(0), "q_stride_h": q.stride(1),
+            "o_stride_tok": out.stride(0), "o_stride_h": out.stride(1),
+            "kv_stride_page": strides[0], "kv_stride_slot": strides[1], "kv_stride_h": strides[2],
+            "lse_stride_tok": lse.stride(0) if lse is not None else 0,
+            "num_q_heads": H, "num_kv_heads": self.num_kv_heads,
+            "page_size": self.page_size, "page_shift": self.page_shift,
+            "sm_scale": 1.0 / math.sqrt(D) if scale is None else float(scale),
+        }
+        from attncc.codegen.generate import variant_param_values
+
+        cap = _captured(kern.ir, bindings, self.device)
+        vp = variant_param_values(kern.attend.vp.layout, cap["scalars"], cap["tensors"])
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        cfg = kern.config
+        kern.attend.launch((lay.max_ctas, 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
+                           kern.attend.ap.flatten(bp), kern.attend.vp.flatten(vp), stream=stream)
+        if lay.max_merges:
+            kern.merge.launch((lay.max_merges, 1, 1), (128, 1, 1), 0, kern.merge.ap.flatten(bp),
+                              kern.merge.vp.flatten(vp), stream=stream)
+        return (out, lse) if return_lse else out
+
+    def _cache_views(self, kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor,
+                                                   tuple[int, int, int]]:
+        """(k, v, (stride_page, stride_slot, stride_head)) in elements; checks the shapes."""
+        Hkv, D = self.num_kv_heads, self.head_dim
+        if isinstance(kv_cache, torch.Tensor) and self.kv_layout != "ragged":
+            if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+                raise ValueError(f"kv_cache as one tensor must be [num_pages, 2, ...] (k and v); "
+                                 f"got {tuple(kv_cache.shape)}")
+            k, v = kv_cache[:, 0], kv_cache[:, 1]
+        elif isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
+            k, v = kv_cache
+        else:
+            raise ValueError("kv_cache must be (k_cache, v_cache) or a [num_pages, 2, ...] tensor")
+        for name, t in (("k_cache", k), ("v_cache", v)):
+            if not isinstance(t, torch.Tensor) or t.device != self.device:
+                raise ValueError(f"{name} must be a tensor on {self.device}")
+            if self.kv_layout == "ragged":
+                want = (self._max_page, Hkv, D)
+                ok = t.dim() == 3 and t.shape[0] >= want[0] and t.shape[1:] == want[1:]
+            else:
+                pg = self.page_size
+                want = ((self._max_page, pg, Hkv, D) if self.kv_layout == "NHD"
+                        else (self._max_page, Hkv, pg, D))
+                ok = t.dim() == 4 and t.shape[0] >= want[0] and t.shape[1:] == want[1:]
+            if not ok:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; the plan needs "
+                                 f"{'[>=' + str(want[0]) + ', ' + ', '.join(map(str, want[1:]))}]"
+                                 f" ({self.kv_layout} layout; every page id and token must fit)")
+            if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+                raise ValueError(f"{name} needs a contiguous, 16-byte aligned head dim")
+        if k.stride() != v.stride():
+            raise ValueError(f"k_cache and v_cache must have the same strides; got {k.stride()} "
+                             f"and {v.stride()}")
+        if self.kv_layout == "ragged":
+            strides = (k.stride(0), k.stride(0), k.stride(1))
+        elif self.kv_layout == "NHD":
+            strides = (k.stride(0), k.stride(1), k.stride(2))
+        else:
+            strides = (k.stride(0), k.stride(2), k.stride(1))
+        return k, v, strides
+
+
+def _pad4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+def _round256(n: int) -> int:
+    return (n + 255) // 256 * 256
+
+
+# ------------------------------------------------------------------------------ reference
+def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv_indptr: Any,
+                              kv_indices: Any = None, kv_last_page_len: Any = None, *,
+                              kv_layout: str = "NHD", page_size: int = 1,
+                              variant: Variant | None = None, scale: float | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Exact (float64) batch attention, request by request: the oracle of `BatchAttention.run`.
+
+    Example:
+        >>> import torch
+        >>> q = torch.randn(3, 4, 64)
+        >>> k, v = torch.randn(2, 16, 2, 64), torch.randn(2, 16, 2, 64)    # NHD pages
+        >>> out, lse = batch_attention_reference(q, (k, v), [0, 1, 3], [0, 1, 2], [1, 0],
+        ...                                      [10, 16], page_size=16)
+        >>> tuple(out.shape), out.dtype
+        ((3, 4, 64), torch.float64)
+    """
+    from .reference import attention_reference
+
+    variant = variant if variant is not None else Variant(name="batch_plain")
+    ir, bindings = variant.trace()
+    qo = _np_int(qo_indptr, "qo_indptr")
+    kvp = _np_int(kv_indptr, "kv_indptr")
+    k_all, v_all = kv_cache if isinstance(kv_cache, (tuple, list)) else (kv_cache[:, 0],
+                                                                         kv_cache[:, 1])
+    H, D = q.shape[1], q.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = (torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
+           if ir.use_softmax else None)
+    pages = _np_int(kv_indices, "kv_indices") if kv_indices is not None else None
+    last = _np_int(kv_last_page_len, "kv_last_page_len") if kv_last_page_len is not None else None
+    for i in range(qo.size - 1):
+        lq = int(qo[i + 1] - qo[i])
+        if lq == 0:
+            continue
+        if kv_layout == "ragged":
+            k = k_all[int(kvp[i]):int(kvp[i + 1])]
+            v = v_all[int(kvp[i]):int(kvp[i + 1])]
+        else:
+            assert pages is not None and last is not None
+            ids = torch.as_tensor(pages[int(kvp[i]):int(kvp[i + 1])], device=k_all.device)
+            if kv_layout == "NHD":
+                k, v = k_all[ids].flatten(0, 1), v_all[ids].flatten(0, 1)
+            else:
+                k = k_all[ids].transpose(1, 2).flatten(0, 1)
+                v = v_all[ids].transpose(1, 2).flatten(0, 1)
+            n = (ids.numel() - 1) * page_size + int(last[i]) if ids.numel() else 0
+            k, v = k[:n], v[:n]
+        # queries are the last lq positions of the sequence: q_idx = lkv - lq + t
+        qi = q[int(qo[i]):int(qo[i + 1])]
+        o_i, l_i = attention_reference(qi.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                       v.transpose(0, 1)[None], ir, bindings, scale=scale,
+                                       enable_gqa=H != k.shape[1], q_offset=k.shape[0] - lq)
+        out[int(qo[i]):int(qo[i + 1])] = o_i[0].transpose(0, 1)
+        if lse is not None and l_i is not None:
+            lse[int(qo[i]):int(qo[i + 1])] = l_i[0].transpose(0, 1)
+    return out, lse

@@ -1,0 +1,180 @@
+"""BatchAttention (runtime/batch.py, kernels/fa2_batch.cuh) against the fp64 batch reference.
+
+Paged caches (NHD and HND, page sizes 1, 16 and 64) and ragged caches; batches mixing decode
+(1 query), speculative (4) and prefill chunks with KV lengths from 1 to 32K; GQA groups 1, 4, 8;
+variants causal, softcap, sliding window, ALiBi and RoPE (query/key mods). Outputs are poisoned
+before every run and must be fully written; relative error < 2e-2, no NaN. Plus: bitwise-equal
+outputs over 20 runs, and one CUDA graph replayed with three different plans.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+import attncc
+from attncc.runtime.batch import BatchAttention, batch_attention_reference
+from examples.gym import GYM
+
+pytestmark = pytest.mark.gpu
+
+VARIANTS = ("plain", "causal", "softcap_causal", "sliding_window", "alibi_causal", "rope")
+MIXED = ([1, 4, 1, 300, 1, 64, 1000, 1], [1, 17, 4096, 300, 2000, 600, 1000, 32768])
+DECODE = ([1] * 12, [1, 5, 16, 17, 100, 511, 1024, 1500, 2048, 3000, 4095, 8192])
+
+
+def _variant(name: str, hq: int, d: int) -> attncc.Variant | None:
+    if name == "plain":
+        return None
+    return GYM[name](1, hq, 4096, d, seed=5)
+
+
+def _batch(layout: str, page: int, q_lens: list[int], kv_lens: list[int], hkv: int, g: int,
+           d: int, dtype: torch.dtype, seed: int) -> dict[str, Any]:
+    """Random q and KV cache for the lengths; page ids shuffled, with unused pages between."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+
+    qo = torch.tensor([0] + list(itertools.accumulate(q_lens)))
+    q = rnd(int(qo[-1]), hkv * g, d)
+    if layout == "ragged":
+        kv = torch.tensor([0] + list(itertools.accumulate(kv_lens)))
+        k, v = rnd(int(kv[-1]), hkv, d), rnd(int(kv[-1]), hkv, d)
+        return dict(q=q, cache=(k, v), qo=qo, kv_indptr=kv, kv_indices=None, last=None)
+    n_pages = [-(-n // page) for n in kv_lens]
+    total = sum(n_pages)
+    perm = torch.randperm(2 * total + 3, generator=torch.Generator().manual_seed(seed))[:total]
+    shape = ((2 * total + 3, page, hkv, d) if layout == "NHD" else (2 * total + 3, hkv, page, d))
+    k, v = rnd(*shape), rnd(*shape)
+    indptr = torch.tensor([0] + list(itertools.accumulate(n_pages)))
+    last = torch.tensor([n - (p - 1) * page if p else 0 for n, p in zip(kv_lens, n_pages)])
+    return dict(q=q, cache=(k, v), qo=qo, kv_indptr=indptr, kv_indices=perm, last=last)
+
+
+def _check(ba: BatchAttention, b: dict[str, Any], variant: Any, layout: str, page: int) -> None:
+    out = torch.full_like(b["q"], float("nan"))
+    lse = torch.full(b["q"].shape[:2], float("nan"), device="cuda")
+    softmax = variant is None or variant.normalize == "softmax"
+    ba.run(b["q"], b["cache"], out=out, lse=lse if softmax else None)
+    torch.cuda.synchronize()
+    ref, ref_lse = batch_attention_reference(b["q"], b["cache"], b["qo"], b["kv_indptr"],
+                                             b["kv_indices"], b["last"], kv_layout=layout,
+                                             page_size=page, variant=variant)
+    assert not torch.isnan(out).any(), f"{int(torch.isnan(out).sum())} outputs unwritten/NaN"
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert err < 2e-2, f"relative error {err:.3e}"
+    if softmax:
+        live = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), live)
+        assert (lse[live].double() - ref_lse[live]).abs().max().item() < 2e-2
+
+
+CASES = [(layout, page, var, g, dt)
+         for (layout, page), var, (g, dt) in zip(
+             itertools.cycle([("NHD", 16), ("HND", 16), ("NHD", 1), ("HND", 64), ("ragged", 1),
+                              ("NHD", 64), ("HND", 1)]),
+             VARIANTS * 2,
+             itertools.cycle([(1, torch.bfloat16), (4, torch.float16), (8, torch.bfloat16)]))]
+
+
+@pytest.mark.parametrize("lengths", [MIXED, DECODE], ids=["mixed", "decode"])
+@pytest.mark.parametrize("layout,page,var,g,dtype", CASES,
+                         ids=[f"{c[0]}-p{c[1]}-{c[2]}-g{c[3]}" for c in CASES])
+def test_batch_matches_reference(layout: str, page: int, var: str, g: int, dtype: torch.dtype,
+                                 lengths: tuple[list[int], list[int]]) -> None:
+    hkv, d = 2, 128
+    b = _batch(layout, page, lengths[0], lengths[1], hkv, g, d, dtype, seed=len(var) * 7 + g)
+    variant = _variant(var, hkv * g, d)
+    ba = BatchAttention(variant, kv_layout=layout)
+    ba.plan(b["qo"], b["kv_indptr"], b["kv_indices"], b["last"], num_qo_heads=hkv * g,
+            num_kv_heads=hkv, head_dim=d, page_size=page)
+    _check(ba, b, variant, layout, page)
+
+
+@pytest.mark.parametrize("d", [64, 256])
+def test_other_head_dims(d: int) -> None:
+    b = _batch("NHD", 16, MIXED[0][:6], MIXED[1][:6], 2, 4, d, torch.bfloat16, seed=d)
+    variant = _variant("softcap_causal", 8, d)
+    ba = BatchAttention(variant, kv_layout="NHD")
+    ba.plan(b["qo"], b["kv_indptr"], b["kv_indices"], b["last"], num_qo_heads=8, num_kv_heads=2,
+            head_dim=d, page_size=16)
+    _check(ba, b, variant, "NHD", 16)
+
+
+def test_runs_are_bitwise_equal() -> None:
+    """Same plan, 20 runs: split KV ranges are merged in a fixed order, so bits never change."""
+    b = _batch("NHD", 16, *MIXED, 2, 4, 128, torch.bfloat16, seed=1)
+    ba = BatchAttention(_variant("causal", 8, 128), kv_layout="NHD")
+    ba.plan(b["qo"], b["kv_indptr"], b["kv_indices"], b["last"], num_qo_heads=8, num_kv_heads=2,
+            head_dim=128, page_size=16)
+    assert ba._plan is not None and ba._plan.num_merges > 0  # the batch does split
+    first = ba.run(b["q"], b["cache"]).clone()
+    for _ in range(19):
+        assert torch.equal(ba.run(b["q"], b["cache"]), first)
+
+
+def test_cuda_graph_replays_new_plans() -> None:
+    """run captured once, then three plans with different lengths, each replayed and checked."""
+    hkv, g, d, page = 2, 8, 128, 16
+    variant = _variant("causal", hkv * g, d)
+    batches = [([1] * 8, [4000, 17, 300, 1, 2048, 900, 64, 5]),
+               ([1] * 5, [33, 3000, 1, 777, 12000]),
+               ([1] * 8, [100] * 8)]
+    cache_pages = 2048
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(cache_pages, page, hkv, d, generator=gen, device="cuda").bfloat16()
+    v = torch.randn(cache_pages, page, hkv, d, generator=gen, device="cuda").bfloat16()
+    q_buf = torch.randn(64, hkv * g, d, generator=gen, device="cuda").bfloat16()
+    out_buf = torch.empty_like(q_buf)
+    ba = BatchAttention(variant, kv_layout="NHD", max_batch=16, max_qo_tokens=64)
+
+    def plan(i: int) -> dict[str, Any]:
+        q_lens, kv_lens = batches[i]
+        n_pages = [-(-n // page) for n in kv_lens]
+        ids = torch.randperm(cache_pages, generator=torch.Generator().manual_seed(i))
+        indptr = torch.tensor([0] + list(itertools.accumulate(n_pages)))
+        last = torch.tensor([n - (p - 1) * page for n, p in zip(kv_lens, n_pages)])
+        qo = torch.tensor([0] + list(itertools.accumulate(q_lens)))
+        ba.plan(qo, indptr, ids[:int(indptr[-1])], last, num_qo_heads=hkv * g,
+                num_kv_heads=hkv, head_dim=d, page_size=page)
+        return dict(qo=qo, kv_indptr=indptr, kv_indices=ids[:int(indptr[-1])], last=last)
+
+    meta = plan(0)
+    n0 = int(meta["qo"][-1])
+    ba.run(q_buf[:n0], (k, v), out=out_buf[:n0])  # compile and load before capturing
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ba.run(q_buf[:n0], (k, v), out=out_buf[:n0])
+    for i in range(3):
+        meta = plan(i)
+        n = int(meta["qo"][-1])
+        out_buf.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = batch_attention_reference(q_buf[:n], (k, v), meta["qo"], meta["kv_indptr"],
+                                           meta["kv_indices"], meta["last"], page_size=page,
+                                           variant=variant)
+        got = out_buf[:n]
+        assert not torch.isnan(got).any()
+        assert float((got.double() - ref).norm() / ref.norm()) < 2e-2, i
+
+
+def test_invalid_input_raises_before_launch() -> None:
+    ba = BatchAttention(None, kv_layout="NHD")
+    kw = dict(num_qo_heads=4, num_kv_heads=2, head_dim=128, page_size=16)
+    with pytest.raises(ValueError, match="kv_indptr must be non-decreasing"):
+        ba.plan([0, 1, 2], [0, 3, 2], [0, 1, 2], [16, 16], **kw)
+    with pytest.raises(ValueError, match="negative page id"):
+        ba.plan([0, 1], [0, 2], [0, -1], [16], **kw)
+    ba.plan([0, 1], [0, 2], [0, 9], [5], **kw)
+    k = torch.zeros(4, 16, 2, 128, device="cuda", dtype=torch.bfloat16)
+    q = torch.zeros(1, 4, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="k_cache has shape"):  # page 9 is past the cache
+        ba.run(q, (k, k.clone()))
+    with pytest.raises(ValueError, match="q must be"):
+        ba.run(q[:, :2], (torch.zeros(10, 16, 2, 128, device="cuda", dtype=torch.bfloat16),) * 2)

@@ -1,0 +1,133 @@
+"""BatchAttention on the CPU: plan-time validation, the batch reference, and the batch kernels'
+translation units (NVRTC). GPU behaviour is pinned in tests/gpu/test_batch.py."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import attncc
+from attncc.runtime.batch import BatchAttention, batch_attention_reference, choose_batch_tiles
+from attncc.runtime.reference import attention_reference
+from examples.gym import GYM, causal
+
+
+def _ba(layout: str = "NHD") -> BatchAttention:
+    return BatchAttention(None, kv_layout=layout, device="cpu")
+
+
+KW = dict(num_qo_heads=4, num_kv_heads=2, head_dim=128, page_size=16)
+
+
+@pytest.mark.parametrize("args,match", [
+    (([0, 1, 2], [0, 3, 2], [0, 1, 2], [16, 16]), "kv_indptr must be non-decreasing"),
+    (([1, 2], [0, 1], [0], [16]), "qo_indptr must start with 0"),
+    (([0, 1], [0, 2], [0, -4], [16]), "negative page id"),
+    (([0, 1], [0, 2], [0], [16]), "kv_indices has 1 entries"),
+    (([0, 1, 2], [0, 1], [0], [16]), "kv_indptr has 2 entries"),
+    (([0, 40], [0, 2], [0, 1], [4]), "40 query tokens but only 20 KV tokens"),
+])
+def test_plan_rejects_invalid_input(args: tuple, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _ba().plan(*args, **KW)
+
+
+def test_plan_rejects_bad_heads_and_maxima() -> None:
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        _ba().plan([0, 1], [0, 1], [0], [3], num_qo_heads=3, num_kv_heads=2, head_dim=128)
+    with pytest.raises(ValueError, match="max_batch"):
+        BatchAttention(None, device="cpu", max_batch=1).plan([0, 1, 2], [0, 1, 2], [0, 1],
+                                                              [3, 3], **KW)
+    with pytest.raises(ValueError, match="ragged' takes no kv_indices"):
+        _ba("ragged").plan([0, 1], [0, 5], [0], [5], **KW)
+
+
+def test_plan_lengths_and_tiles() -> None:
+    ba = _ba()
+    ba.plan([0, 1, 1, 2], [0, 2, 2, 5], [7, 3, 1, 2, 9], [1, 0, 16], **KW)
+    assert ba.kv_lens.tolist() == [17, 0, 48]
+    assert ba.tiles is not None and ba.tiles.tq == 16  # decode: 1 token x group 2
+    ba.plan([0, 300], [0, 30], list(range(30)), [16], **KW)
+    assert ba.tiles.tq == 128 and ba.tiles.m_frags == 2
+
+
+def test_choose_batch_tiles_fits_the_sm() -> None:
+    for d in (64, 128, 256):
+        for rows in (1, 8, 17, 64, 65, 4096):
+            t = choose_batch_tiles(d, rows, 132)
+            assert t.tq >= min(rows, t.tq) and t.num_ctas == t.ctas_per_sm * 132
+            assert t.ctas_per_sm >= 1
+
+
+def test_reference_q_offset_is_the_tail_of_the_full_sequence(rng) -> None:
+    """attention_reference(q_offset=n) == the last rows of the full-length computation."""
+    ir, bind = attncc.Variant(mask_mod=causal, score_mod=GYM["alibi"](1, 4, 9, 16).score_mod
+                              ).trace()
+    q, k, v = rng.qkv(1, 4, 9, 16)
+    full, full_lse = attention_reference(q, k, v, ir, bind)
+    tail, tail_lse = attention_reference(q[:, :, 6:], k, v, ir, bind, q_offset=6)
+    assert torch.allclose(tail, full[:, :, 6:]) and torch.allclose(tail_lse, full_lse[:, :, 6:])
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "ragged"])
+def test_batch_reference_matches_per_request_attention(layout: str, rng) -> None:
+    """The batch oracle equals plain attention on each request's gathered K/V (causal, GQA)."""
+    page, q_lens, kv_lens, hkv, g, d = 4, [1, 3, 5], [6, 3, 9], 2, 2, 16
+    variant = attncc.Variant(mask_mod=causal)
+    q = rng.randn(sum(q_lens), hkv * g, d)
+    if layout == "ragged":
+        k, v = rng.randn(sum(kv_lens), hkv, d), rng.randn(sum(kv_lens), hkv, d)
+        kv_indptr = np.cumsum([0] + kv_lens)
+        seqs = [(k[a:b], v[a:b]) for a, b in zip(kv_indptr[:-1], kv_indptr[1:])]
+        ids = last = None
+    else:
+        npg = [-(-n // page) for n in kv_lens]
+        shape = (sum(npg) + 2, page, hkv, d) if layout == "NHD" else (sum(npg) + 2, hkv, page, d)
+        k, v = rng.randn(*shape), rng.randn(*shape)
+        ids = np.random.default_rng(0).permutation(sum(npg) + 2)[:sum(npg)]
+        kv_indptr = np.cumsum([0] + npg)
+        last = [n - (p - 1) * page for n, p in zip(kv_lens, npg)]
+        seqs = []
+        for i, n in enumerate(kv_lens):
+            sel = torch.as_tensor(ids[kv_indptr[i]:kv_indptr[i + 1]])
+            kk, vv = k[sel], v[sel]
+            if layout == "HND":
+                kk, vv = kk.transpose(1, 2), vv.transpose(1, 2)
+            seqs.append((kk.flatten(0, 1)[:n], vv.flatten(0, 1)[:n]))
+    qo = np.cumsum([0] + q_lens)
+    out, lse = batch_attention_reference(q, (k, v), qo, kv_indptr, ids, last, kv_layout=layout,
+                                         page_size=page, variant=variant)
+    ir, bind = variant.trace()
+    for i, (kk, vv) in enumerate(seqs):
+        n, m = kv_lens[i], q_lens[i]
+        qq = torch.zeros(n, hkv * g, d)
+        qq[n - m:] = q[qo[i]:qo[i + 1]]
+        want, _ = attention_reference(qq.transpose(0, 1)[None], kk.transpose(0, 1)[None],
+                                      vv.transpose(0, 1)[None], ir, bind, enable_gqa=True)
+        assert torch.allclose(out[qo[i]:qo[i + 1]], want[0].transpose(0, 1)[n - m:])
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("name,tq,head_dim", [("causal", 16, 128), ("softcap_causal", 128, 128),
+                                              ("rope", 32, 64), ("sigmoid", 16, 256),
+                                              ("alibi_causal", 64, 128)])
+def test_batch_kernels_compile(name: str, tq: int, head_dim: int) -> None:
+    """The persistent kernel and its merge kernel compile for sm_90a (BatchParams' layout
+    static_asserts included); one-fragment configurations do not spill."""
+    from attncc.ir.simplify import simplify_variant
+    from attncc.runtime.gpu_flex import fa2_source
+    from attncc.runtime.nvrtc import compile_cuda
+
+    ir, _ = GYM[name](1, 8, 4096, head_dim).trace()
+    tiles = choose_batch_tiles(head_dim, tq, 132)
+    src, kname, _, layout = fa2_source(simplify_variant(ir), head_dim=head_dim,
+                                       dtype="bfloat16", tq=tiles.tq, tkv=tiles.tkv,
+                                       m_frags=tiles.m_frags, batch=True)
+    assert layout.name == "attncc::BatchParams" and "static_assert(sizeof(attncc::BatchParams)" in src
+    res = compile_cuda(src, arch="sm_90a", verbose=True)
+    assert f"{kname}_merge" in res.log and kname in res.log
+    if tiles.m_frags == 1:
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.log)
+        assert spills and all(a == "0" and b == "0" for a, b in spills), res.log
