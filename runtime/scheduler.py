@@ -525,7 +525,7 @@ class Plan:
 
 def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, tile_q: int,
          num_ctas: int, *, alpha: float = 1.0, beta: float = 1.0, kv_chunk_align: int = 16,
-         min_kv_chunk: int = 128) -> Plan:
+         min_kv_chunk: int = 128, impl: str = "auto") -> Plan:
     """Schedule one batch (Algorithm 1, see the module docstring).
 
     Args:
@@ -537,6 +537,9 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
         alpha, beta: unit cost = ``alpha * q_rows + beta * kv_tokens``.
         kv_chunk_align: chunk lengths are multiples of this (use the page size).
         min_kv_chunk: floor of the chunk length (rounded up to ``kv_chunk_align``).
+        impl: "numpy", "c" (the compiled twin in runtime/planner.c: the same plan, tens of
+            microseconds instead of a millisecond at batch 256) or "auto" (C when a C compiler
+            is available).
 
     Example:
         >>> p = plan([0, 1, 1, 2], [4096, 50, 0], num_qo_heads=32, num_kv_heads=4, tile_q=16,
@@ -567,6 +570,28 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
     if qo[-1] > _INT32_MAX or (batch and kv.max() > _INT32_MAX):
         raise ValueError("qo_indptr / kv_lens exceed the int32 range of the packed plan")
     hk = int(num_kv_heads)
+    if impl not in ("auto", "numpy", "c"):
+        raise ValueError(f"impl={impl!r}: use 'auto', 'numpy' or 'c'")
+    if impl != "numpy":
+        from . import planner
+
+        if planner.available():
+            r = planner.compiled_plan(qo, kv, g=g, hk=hk, tile_q=tile_q, num_ctas=num_ctas,
+                                      alpha=alpha, beta=beta, align=align, floor=floor)
+            return Plan(
+                batch_size=batch, num_qo_heads=int(num_qo_heads), num_kv_heads=hk,
+                group_size=g, tile_q=tile_q, num_ctas=num_ctas, kv_chunk=r["chunk"],
+                alpha=alpha, beta=beta, qo_indptr=_frozen(qo.astype(np.int32)),
+                kv_lens=_frozen(kv.astype(np.int32)),
+                units=_frozen(r["units"].view(WORK_UNIT_DTYPE).reshape(-1)),
+                cta_indptr=_frozen(r["cta_indptr"]), cta_units=_frozen(r["cta_units"]),
+                merge_indptr=_frozen(r["merge_indptr"]),
+                merge_slots=_frozen(np.arange(r["num_slots"], dtype=np.int32)),
+                merge_out=_frozen(r["merge_out"].view(MERGE_TARGET_DTYPE).reshape(-1)),
+                num_partial_slots=r["num_slots"])
+        if impl == "c":
+            raise RuntimeError("plan(impl='c'): the compiled planner could not be built (no C "
+                               "compiler found; set CC) -- use impl='numpy'")
 
     # per request (int64 [batch]): fused rows, query tiles, KV chunks
     rows = np.diff(qo) * g
