@@ -14,11 +14,13 @@ from .errors import AttnccError, AttnSyntaxError, CompileError, TraceError
 from .frontend import Variant, and_masks, noop_mask, or_masks
 from .runtime.batch import BatchAttention
 from .runtime.block_mask import BlockMask, create_block_mask
+from .runtime.cascade import CascadeAttention
 from .runtime.compile import CompiledKernel, compile, export
 from .runtime.flex import flex_attention
 from .runtime.merge import merge_state, merge_states
 
-__all__ = ["AttnccError", "AttnSyntaxError", "BatchAttention", "BlockMask", "CompileError",
+__all__ = ["AttnccError", "AttnSyntaxError", "BatchAttention", "BlockMask", "CascadeAttention",
+           "CompileError",
            "CompiledKernel", "TraceError", "Variant", "and_masks", "compile", "create_block_mask",
            "export", "flex_attention", "merge_state", "merge_states", "noop_mask", "or_masks"]
 __version__ = "0.1.0"

@@ -39,6 +39,9 @@ struct BatchParams {
     const int* merge_out;        // [num_merges][5]: MERGE_TARGET_DTYPE
     const int* num_merges;       // device-side count (the plan header), so a captured graph
                                  // replays with any plan
+    const int* q_positions;      // [total_q_tokens] query positions the hooks see, or null:
+                                 // then token t of request i is kv_lens[i] - q_len_i + t
+    const int* kv_pos_offset;    // [batch] added to kv positions for the hooks, or null
     i64 q_stride_tok, q_stride_h;
     i64 o_stride_tok, o_stride_h;
     i64 kv_stride_page, kv_stride_slot, kv_stride_h;

@@ -25,7 +25,8 @@
 //   int b, gf, head0, h_kv;      batch index the hooks see; heads fused per KV head; first query
 //                                head of the rows; the KV head
 //   int row0, rows;              first fused row of the tile; fused rows [0, rows) exist
-//   int q_pos0;                  token t is query position t + q_pos0 for the hooks
+//   int q_position(int tok) const;  the query position the hooks see for token `tok`
+//   int kv_pos0;                 kv position i is position i + kv_pos0 for the hooks
 //   int kv_len, count;           kv positions [0, kv_len) exist; KV tiles to visit
 //   int tile_start(int i, bool& is_full) const;   first kv position of tile i; is_full: the
 //                                                 block is known fully unmasked (skip LogitsMask)
@@ -71,7 +72,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   const int h_kv = w.h_kv;      // the KV head all of them read
   const int row0 = w.row0;      // first fused row (fused row = token * gf + head_in_group)
   const int rows = w.rows;      // fused rows [0, rows) exist; the rest are padding
-  const int q_pos0 = w.q_pos0;  // token t of the tile is query position t + q_pos0 for hooks
+  const int kv_pos0 = w.kv_pos0;  // the hooks see kv position kv + kv_pos0
   const int kv_len = w.kv_len;  // kv positions [0, kv_len) exist
   // every fused row of this tile is a real query row (all but the last tile of a sequence)
   const bool tile_rows_in = row0 + TQ <= rows;
@@ -86,7 +87,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   auto row_of = [&](int mf, int hr, int& fr, int& qi, int& hq) {
     fr = row0 + (warp * M_FRAGS + mf) * 16 + (lane >> 2) + 8 * hr;
     const int tok = gdiv.div(fr);
-    qi = tok + q_pos0;
+    qi = w.q_position(tok);
     hq = head0 + (fr - tok * gf);
   };
 
@@ -118,7 +119,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
       const int fr = row0 + r;
       if (fr >= rows) continue;  // padding rows never reach the hooks
       const int tok = gdiv.div(fr);
-      const int qi = tok + q_pos0;
+      const int qi = w.q_position(tok);
       const int hq = head0 + (fr - tok * gf);
       transform_row<DType, D>(sQ, r, lane, [&](const SmemRow<DType, D>& q, int d) {
         return Variant::QueryTransform(vp, q, b, hq, qi, d);
@@ -200,11 +201,11 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
         if (kv >= kv_len) break;
         if constexpr (Variant::has_key_transform)
           transform_row<DType, D>(sKs, r, lane, [&](const SmemRow<DType, D>& k, int d) {
-            return Variant::KeyTransform(vp, k, b, h_kv, kv, d);
+            return Variant::KeyTransform(vp, k, b, h_kv, kv + kv_pos0, d);
           });
         if constexpr (Variant::has_value_transform)
           transform_row<DType, D>(sVs, r, lane, [&](const SmemRow<DType, D>& v, int d) {
-            return Variant::ValueTransform(vp, v, b, h_kv, kv, d);
+            return Variant::ValueTransform(vp, v, b, h_kv, kv + kv_pos0, d);
           });
       }
       __syncthreads();
@@ -279,11 +280,11 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
                 sc = masked;
               } else {
                 if constexpr (Variant::has_logits_transform) {
-                  sc = Variant::LogitsTransform(vp, sc, b, hq, qi, kv);
+                  sc = Variant::LogitsTransform(vp, sc, b, hq, qi, kv + kv_pos0);
                   if constexpr (kSoftmax) sc *= kLog2e;
                 }
                 if constexpr (kMask) {
-                  if (!Variant::LogitsMask(vp, b, hq, qi, kv)) sc = masked;
+                  if (!Variant::LogitsMask(vp, b, hq, qi, kv + kv_pos0)) sc = masked;
                 }
               }
               s_acc[mf][nf][2 * hr + e] = sc;
@@ -459,7 +460,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
       const int fr = row0 + r;
       if (fr >= rows) continue;
       const int tok = gdiv.div(fr);
-      const int qi = tok + q_pos0;
+      const int qi = w.q_position(tok);
       const int hq = head0 + (fr - tok * gf);
       transform_row<DType, D>(sQ, r, lane, [&](const SmemRow<DType, D>& o, int d) {
         return Variant::OutputTransform(vp, o, b, hq, qi, d);

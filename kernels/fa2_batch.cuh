@@ -49,7 +49,7 @@ struct BatchWork {
 
   const attncc::BatchParams& p;
   int b, gf, head0, h_kv, row0, rows, q_pos0, kv_len, count;
-  int kv_start, qo_offset, slot;
+  int kv_start, qo_offset, slot, kv_pos0;
   const int* pages;  // this request's page ids
 
   __device__ __forceinline__ BatchWork(const attncc::BatchParams& params, const WorkUnit& u)
@@ -62,6 +62,7 @@ struct BatchWork {
     rows = u.q_start + u.q_rows;
     const int q_len = __ldg(p.qo_indptr + b + 1) - __ldg(p.qo_indptr + b);
     q_pos0 = __ldg(p.kv_lens + b) - q_len;
+    kv_pos0 = p.kv_pos_offset != nullptr ? __ldg(p.kv_pos_offset + b) : 0;
     kv_start = u.kv_start;
     kv_len = u.kv_end;  // positions past the unit's range do not exist for it
     count = (u.kv_end - u.kv_start + TKV - 1) / TKV;
@@ -73,6 +74,11 @@ struct BatchWork {
   __device__ __forceinline__ int tile_start(int i, bool& is_full) const {
     is_full = false;  // no block lists here: the variant's own mask applies to every tile
     return kv_start + i * TKV;
+  }
+  // The queries are the request's last tokens (position kv_len - q_len + t), unless the caller
+  // gives every query token its position (cascade: one "request" gathers the queries of many).
+  __device__ __forceinline__ int q_position(int tok) const {
+    return p.q_positions != nullptr ? __ldg(p.q_positions + qo_offset + tok) : tok + q_pos0;
   }
 
   __device__ __forceinline__ void load_q(fa2_u32 sq, int tid) const {
@@ -225,6 +231,8 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
     const int fr = q_start + r;
     const int tok = fr / gf;
     const int hq = head0 + (fr - tok * gf);
+    const int q_pos = p.q_positions != nullptr ? __ldg(p.q_positions + qo_offset + tok)
+                                               : tok + q_pos0;
     DType* out = reinterpret_cast<DType*>(p.o) + (qo_offset + tok) * p.o_stride_tok +
                  hq * p.o_stride_h;
     float vals[D / 32];
@@ -232,7 +240,7 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
     for (int j = 0; j < D / 32; ++j) {
       const int d = lane + 32 * j;
       if constexpr (Variant::has_output_transform) {
-        vals[j] = Variant::OutputTransform(vp, FloatRow{buf}, request, hq, tok + q_pos0, d);
+        vals[j] = Variant::OutputTransform(vp, FloatRow{buf}, request, hq, q_pos, d);
       } else {
         vals[j] = buf[d];
       }
@@ -260,7 +268,7 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
       NAME(attncc::BatchParams p, VARIANT::Params vp) {                                        \
     attncc::fa2::fa2_batch<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>(p, vp);         \
   }                                                                                            \
-  extern "C" __global__ void __launch_bounds__(attncc::fa2::kMergeThreads)                     \
+  extern "C" __global__ void __launch_bounds__(attncc::fa2::kMergeThreads, 1)                  \
       NAME##_merge(attncc::BatchParams p, VARIANT::Params vp) {                                \
     attncc::fa2::fa2_merge<VARIANT, DTYPE, HEAD_DIM, TQ>(p, vp);                               \
   }

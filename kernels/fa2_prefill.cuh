@@ -64,7 +64,8 @@ struct DenseWork {
                 "loader layout");
 
   const attncc::AttentionParams& p;
-  int b, gf, head0, h_kv, row0, rows, q_pos0, kv_len, count;
+  static constexpr int kv_pos0 = 0;  // positions are the tensors' own indices
+  int b, gf, head0, h_kv, row0, rows, kv_len, count;
   TileList tiles;
 
   __device__ __forceinline__ explicit DenseWork(const attncc::AttentionParams& params)
@@ -78,7 +79,6 @@ struct DenseWork {
     // short tiles fill the tail (better balance than leaving the long ones for the end).
     row0 = (gridDim.x - 1 - blockIdx.x) * TQ;
     rows = p.q_len * gf;
-    q_pos0 = 0;
     kv_len = p.kv_len;
     if (p.kv_num_blocks == nullptr) {
       tiles.partial = nullptr;
@@ -116,6 +116,7 @@ struct DenseWork {
   __device__ __forceinline__ int tile_start(int i, bool& is_full) const {
     return tiles.start(i, is_full);
   }
+  __device__ __forceinline__ int q_position(int tok) const { return tok; }
 
   __device__ __forceinline__ void load_q(fa2_u32 sq, int tid) const {
     const DType* gQ = reinterpret_cast<const DType*>(p.q);

@@ -192,11 +192,17 @@ class BatchAttention:
     # ------------------------------------------------------------------------------ plan
     def plan(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any = None,
              kv_last_page_len: Any = None, *, num_qo_heads: int, num_kv_heads: int,
-             head_dim: int, page_size: int = 1) -> None:
+             head_dim: int, page_size: int = 1, q_positions: Any = None,
+             kv_position_offset: Any = None) -> None:
         """Schedule one batch. Paged layouts: `kv_indptr` is the CSR of page ids `kv_indices`
         per request and `kv_last_page_len` the tokens used in each request's last page;
         "ragged": `kv_indptr` is the CSR of KV tokens (no indices, no page size). Host-side
         arrays (CPU tensors, numpy, lists); invalid input raises here, naming the argument.
+
+        Positions the hooks see: by default query token t of request i is position
+        `kv_len_i - q_len_i + t` and KV token j is position j. `q_positions` ([total query
+        tokens]) overrides the first and `kv_position_offset` ([batch]) shifts the second --
+        what CascadeAttention uses for a shared prefix and the suffixes after it.
         """
         qo = _np_int(qo_indptr, "qo_indptr")
         kvp = _np_int(kv_indptr, "kv_indptr")
@@ -246,7 +252,17 @@ class BatchAttention:
             used = pages[:int(kvp[-1])]
             self._max_page = int(used.max()) + 1 if used.size else 0   # pages the cache needs
         q_lens = np.diff(qo)
-        if np.any(q_lens > kv_lens):
+        qpos = kvoff = None
+        if q_positions is not None:
+            qpos = _np_int(q_positions, "q_positions")
+            if qpos.size != int(qo[-1]) or (qpos.size and qpos.min() < 0):
+                raise ValueError(f"q_positions must hold {int(qo[-1])} non-negative positions "
+                                 f"(one per query token), got {qpos.size}")
+        if kv_position_offset is not None:
+            kvoff = _np_int(kv_position_offset, "kv_position_offset")
+            if kvoff.size != batch or (kvoff.size and kvoff.min() < 0):
+                raise ValueError(f"kv_position_offset must hold {batch} non-negative offsets")
+        if qpos is None and np.any(q_lens > kv_lens):
             i = int(np.argmax(q_lens > kv_lens))
             raise ValueError(f"request {i} has {int(q_lens[i])} query tokens but only "
                              f"{int(kv_lens[i])} KV tokens: queries are the last tokens of "
@@ -274,7 +290,7 @@ class BatchAttention:
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size, self.page_shift = page, shift
         self.qo_indptr, self.kv_lens = qo, kv_lens
-        self._stage(pl, qo, page_indptr, kv_lens, pages)
+        self._stage(pl, qo, page_indptr, kv_lens, pages, qpos, kvoff)
 
     def workspace_bytes(self) -> int:
         """Bytes of workspace the current plan's layout needs (plan, page tables, partials)."""
@@ -285,10 +301,12 @@ class BatchAttention:
 
     def _int_words(self) -> int:
         mb = self.max_batch + 1
-        return self.layout.size + 3 * _pad4(mb) + _pad4(self.max_pages)  # type: ignore[union-attr]
+        return (self.layout.size + 4 * _pad4(mb) + _pad4(self.max_qo_tokens)  # type: ignore
+                + _pad4(self.max_pages))
 
     def _stage(self, pl: scheduler.Plan, qo: np.ndarray, page_indptr: np.ndarray,
-               kv_lens: np.ndarray, pages: np.ndarray) -> None:
+               kv_lens: np.ndarray, pages: np.ndarray, qpos: np.ndarray | None,
+               kvoff: np.ndarray | None) -> None:
         """Pack plan + page tables into the pinned staging buffer, then one async copy."""
         words = self._int_words()
         pinned = self.device.type == "cuda"
@@ -302,13 +320,20 @@ class BatchAttention:
         pl.pack(lay, out=buf[:lay.size])
         mb = _pad4(self.max_batch + 1)
         off = lay.size
-        self._offsets = {"qo_indptr": off, "kv_page_indptr": off + mb, "kv_lens": off + 2 * mb,
-                         "pages": off + 3 * mb}
+        qcap = _pad4(self.max_qo_tokens)
+        o = self._offsets = {"qo_indptr": off, "kv_page_indptr": off + mb, "kv_lens": off + 2 * mb,
+                             "kv_pos": off + 3 * mb, "q_pos": off + 4 * mb,
+                             "pages": off + 4 * mb + qcap}
         buf[off:off + qo.size] = qo
-        buf[off + mb:off + mb + page_indptr.size] = page_indptr
-        buf[off + 2 * mb:off + 2 * mb + kv_lens.size] = kv_lens
+        buf[o["kv_page_indptr"]:o["kv_page_indptr"] + page_indptr.size] = page_indptr
+        buf[o["kv_lens"]:o["kv_lens"] + kv_lens.size] = kv_lens
+        self._has_kv_pos, self._has_q_pos = kvoff is not None, qpos is not None
+        if kvoff is not None:
+            buf[o["kv_pos"]:o["kv_pos"] + kvoff.size] = kvoff
+        if qpos is not None:
+            buf[o["q_pos"]:o["q_pos"] + qpos.size] = qpos
         npg = int(page_indptr[-1]) if page_indptr.size else 0
-        buf[off + 3 * mb:off + 3 * mb + npg] = pages[:npg]
+        buf[o["pages"]:o["pages"] + npg] = pages[:npg]
         if self.device.type != "cuda":
             return
         need = self.workspace_bytes()
@@ -319,7 +344,7 @@ class BatchAttention:
             self.workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
         if self.workspace.dtype != torch.uint8 or self.workspace.device != self.device:
             raise ValueError("workspace_buffer must be a uint8 tensor on the kernel's device")
-        used = off + 3 * mb + npg
+        used = o["pages"] + npg
         ints = self.workspace[:4 * words].view(torch.int32)
         ints[:used].copy_(self._staging[:used], non_blocking=True)
         self._copy_done = torch.cuda.Event()
@@ -377,6 +402,8 @@ class BatchAttention:
             "partial_o": base + 4 * words, "partial_lse": base + lse_off,
             "qo_indptr": base + 4 * o["qo_indptr"], "kv_page_indptr": base + 4 * o["kv_page_indptr"],
             "kv_page_indices": base + 4 * o["pages"], "kv_lens": base + 4 * o["kv_lens"],
+            "q_positions": base + 4 * o["q_pos"] if self._has_q_pos else 0,
+            "kv_pos_offset": base + 4 * o["kv_pos"] if self._has_kv_pos else 0,
             "units": base + 4 * sec["units"], "cta_indptr": base + 4 * sec["cta_indptr"],
             "cta_units": base + 4 * sec["cta_units"], "merge_indptr": base + 4 * sec["merge_indptr"],
             "merge_slots": base + 4 * sec["merge_slots"], "merge_out": base + 4 * sec["merge_out"],

@@ -7,6 +7,7 @@
 #   scripts/gpu_check.sh tests           # GPU tests only:  pytest -m gpu tests/gpu
 #   scripts/gpu_check.sh bench [ARGS]    # bench/prefill.py only (ARGS go to it)
 #   scripts/gpu_check.sh decode [ARGS]   # bench/decode.py only (ARGS go to it)
+#   scripts/gpu_check.sh shared_prefix   # bench/shared_prefix.py (cascade vs single format)
 # Set ATTNCC_COMMIT to the commit being measured (the device copy has no .git).
 #
 # lark is not installed on the H200 image: carry it as a wheel in .whl/ (see DEVELOPERS.md):
@@ -53,6 +54,11 @@ if [[ "$MODE" == "decode" ]]; then
     # BatchAttention decode vs FlexAttention vs SDPA; extra arguments go to bench/decode.py
     ATTNCC_COMMIT="${ATTNCC_COMMIT:-unknown}" python3 bench/decode.py --out "$OUT/decode-h200.json" \
         "${@:2}" 2>&1 | tee "$OUT/decode.log"
+    [[ ${PIPESTATUS[0]} -ne 0 ]] && status=1
+fi
+if [[ "$MODE" == "shared_prefix" ]]; then
+    ATTNCC_COMMIT="${ATTNCC_COMMIT:-unknown}" python3 bench/shared_prefix.py \
+        --out "$OUT/shared-prefix-h200.json" "${@:2}" 2>&1 | tee "$OUT/shared-prefix.log"
     [[ ${PIPESTATUS[0]} -ne 0 ]] && status=1
 fi
 echo "gpu_check: exit $status (logs in $OUT)"

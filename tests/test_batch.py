@@ -131,3 +131,23 @@ def test_batch_kernels_compile(name: str, tq: int, head_dim: int) -> None:
     if tiles.m_frags == 1:
         spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.log)
         assert spills and all(a == "0" and b == "0" for a, b in spills), res.log
+
+
+# ------------------------------------------------------------------------------------ cascade
+def test_cascade_plan_positions_and_checks() -> None:
+    from attncc.runtime.cascade import CascadeAttention
+
+    ca = CascadeAttention(None, device="cpu")
+    kw = dict(num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
+    ca.plan([0, 2, 3], prefix_indices=[0, 1, 2], prefix_last_page_len=4, suffix_indptr=[0, 1, 3],
+            suffix_indices=[5, 6, 7], suffix_last_page_len=[3, 16], **kw)
+    assert ca.prefix_len == 36
+    assert ca.q_positions.tolist() == [36 + 3 - 2, 36 + 3 - 1, 36 + 32 - 1]
+    assert ca.suffix.kv_lens.tolist() == [3, 32] and ca.prefix.kv_lens.tolist() == [36]
+    with pytest.raises(ValueError, match="must be suffix tokens"):
+        ca.plan([0, 5], prefix_indices=[0], prefix_last_page_len=16, suffix_indptr=[0, 1],
+                suffix_indices=[1], suffix_last_page_len=[2], **kw)
+    with pytest.raises(ValueError, match="batch index"):
+        CascadeAttention(GYM["document_mask"](2, 8, 64, 128), device="cpu")
+    with pytest.raises(ValueError, match="paged"):
+        CascadeAttention(None, kv_layout="ragged", device="cpu")

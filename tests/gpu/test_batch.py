@@ -178,3 +178,42 @@ def test_invalid_input_raises_before_launch() -> None:
         ba.run(q, (k, k.clone()))
     with pytest.raises(ValueError, match="q must be"):
         ba.run(q[:, :2], (torch.zeros(10, 16, 2, 128, device="cuda", dtype=torch.bfloat16),) * 2)
+
+
+@pytest.mark.parametrize("var,page,g", [("causal", 16, 4), ("alibi_causal", 16, 1),
+                                        ("softcap_causal", 1, 8), ("rope", 64, 4),
+                                        ("plain", 16, 1)])
+def test_cascade_equals_single_format(var: str, page: int, g: int) -> None:
+    """Shared prefix + suffixes, merged, == one BatchAttention over prefix+suffix page lists."""
+    from attncc.runtime.cascade import CascadeAttention
+
+    hkv, d, prefix = 2, 128, 1024
+    q_lens, s_lens = [1, 3, 1, 64, 1], [1, 40, 300, 64, 2000]
+    variant = _variant(var, hkv * g, d)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    pre_pages = -(-prefix // page)
+    s_pages = [-(-n // page) for n in s_lens]
+    total = pre_pages + sum(s_pages)
+    perm = torch.randperm(total + 5, generator=torch.Generator().manual_seed(3))[:total]
+    k = torch.randn(total + 5, page, hkv, d, generator=gen, device="cuda").bfloat16()
+    v = torch.randn(total + 5, page, hkv, d, generator=gen, device="cuda").bfloat16()
+    if prefix % page:  # the single format needs whole prefix pages before each suffix
+        pytest.skip("prefix must fill its pages for the single-format comparison")
+    pre_ids, suf_ids = perm[:pre_pages], perm[pre_pages:]
+    qo = torch.tensor([0] + list(itertools.accumulate(q_lens)))
+    q = torch.randn(int(qo[-1]), hkv * g, d, generator=gen, device="cuda").bfloat16()
+    sptr = torch.tensor([0] + list(itertools.accumulate(s_pages)))
+    slast = torch.tensor([n - (p - 1) * page for n, p in zip(s_lens, s_pages)])
+    ca = CascadeAttention(variant, kv_layout="NHD")
+    ca.plan(qo, prefix_indices=pre_ids, prefix_last_page_len=page, suffix_indptr=sptr,
+            suffix_indices=suf_ids, suffix_last_page_len=slast, num_qo_heads=hkv * g,
+            num_kv_heads=hkv, head_dim=d, page_size=page)
+    got = ca.run(q, (k, v))
+    # single format: each request's page list is the prefix pages followed by its own
+    lists = [torch.cat([pre_ids, suf_ids[int(sptr[i]):int(sptr[i + 1])]]) for i in range(5)]
+    ind = torch.tensor([0] + list(itertools.accumulate(len(x) for x in lists)))
+    ids = torch.cat(lists)
+    ref, _ = batch_attention_reference(q, (k, v), qo, ind, ids, slast, page_size=page,
+                                       variant=variant)
+    assert not torch.isnan(got).any()
+    assert float((got.double() - ref).norm() / ref.norm()) < 2e-2
