@@ -280,7 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default="bfloat16",
                        help="q/k/v/o storage dtype: bfloat16 (default), float16 or float32")
         p.add_argument("--kernel", default="simple",
-                       help="kernel template to instantiate (default: simple)")
+                       help="kernel template to instantiate: simple (exact, any dtype) or fa2 "
+                            "(the fast bf16/fp16 template, default tiles for the head dim); "
+                            "default: simple")
 
     p = sub.add_parser("compile", help="compile a variant and print its IR, CUDA or PTX, or "
                                        "write its cubin",

@@ -158,7 +158,8 @@ def compile(variant: Any, *, head_dim: int, dtype: Any = "bfloat16", arch: str |
 
     `variant`: an `attncc.Variant`, a score_mod (5 args) or mask_mod (4 args) function, or a
     `VariantIR`. `dtype`: "bfloat16"/"float16" or a torch dtype. `arch`: "sm_80", "sm_90a", ...;
-    None compiles for the current GPU. `kernel`: which template ("simple", ...). `cache`: True
+    None compiles for the current GPU. `kernel`: which template ("simple": exact, one warp per
+    row; "fa2": the FlashAttention-2-style bf16/fp16 template with its default tiles). `cache`: True
     (default directory, see `attncc.runtime.cache`), a `KernelCache`, or False (always compile).
     Raises TraceError for unsupported Python in a mod and CompileError if NVRTC rejects the code.
 

@@ -36,6 +36,8 @@ from typing import Any, Mapping
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from attncc.codegen.fa2 import FA2_HEAD_DIMS as HEAD_DIMS
+from attncc.codegen.fa2 import Fa2Tiles, TKV_CHOICES, TQ_CHOICES
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
 from .reference import _is_noop_mask, _trace_mask, validate_attention_inputs
@@ -44,9 +46,6 @@ __all__ = ["Fa2Config", "TilePlan", "LaunchPlan", "fa2_config", "choose_tiles", 
            "plan_launch", "precompile", "gpu_flex_attention", "compiled_kernel_info",
            "HEAD_DIMS"]
 
-HEAD_DIMS = (64, 128, 256)
-TQ_CHOICES = (16, 32, 64, 128)
-TKV_CHOICES = (32, 64, 128)
 _TORCH_NOOP_BLOCK = 1 << 30
 _ELEM_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
                torch.bfloat16: "bfloat16", torch.int8: "int8", torch.uint8: "uint8",
@@ -88,15 +87,9 @@ def fa2_config(head_dim: int, tq: int, tkv: int, stages: int = 2, m_frags: int =
     """
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}: the FA2 kernel supports {HEAD_DIMS}")
-    if tq not in TQ_CHOICES or tkv not in TKV_CHOICES or not 1 <= stages <= 4:
-        raise ValueError(f"tile ({tq}, {tkv}, stages={stages}): T_q in {TQ_CHOICES}, T_kv in "
-                         f"{TKV_CHOICES}, 1..4 stages")
-    if m_frags not in (1, 2) or tq % (16 * m_frags):
-        raise ValueError(f"m_frags={m_frags} with T_q={tq}: 1 or 2 16-row fragments per warp, "
-                         f"T_q a multiple of 16 * m_frags")
-    warps = tq // (16 * m_frags)
-    return Fa2Config(head_dim, tq, tkv, stages, m_frags, warps, warps * 32,
-                     2 * head_dim * (tq + 2 * stages * tkv))
+    t = Fa2Tiles(tq, tkv, stages, m_frags)  # CodegenError (a ValueError) for a bad tile
+    return Fa2Config(head_dim, tq, tkv, stages, m_frags, t.warps, t.threads,
+                     t.smem_bytes(head_dim))
 
 
 @dataclass(frozen=True)
@@ -196,24 +189,13 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
 
 
 # --------------------------------------------------------------------------------- source
-_ENTRY_MARK = "// ============================================================================ entry point"
-# kernels/ files of the FA2 prefill kernel, in translation-unit order
-FA2_FILES = ("fa2_common.cuh", "fa2_attend.cuh", "fa2_prefill.cuh")
-FA2_BATCH_FILES = ("batch_params.cuh", "fa2_common.cuh", "fa2_attend.cuh", "fa2_batch.cuh")
-
-
 def fa2_source(ir: VariantIR, *, head_dim: int, dtype: str, tq: int, tkv: int,
                stages: int = 2, m_frags: int = 1, fast_math: bool = True, batch: bool = False
                ) -> tuple[str, str, Any, Any]:
-    """(source, kernel_name, params_layout, first_argument_layout) of an FA2 kernel for `ir`.
-
-    `batch=False`: the FlexAttention-style prefill kernel (first argument AttentionParams);
-    `batch=True`: the persistent serving kernel over a plan, plus its merge kernel
-    `<kernel_name>_merge` (first argument BatchParams; kernels/fa2_batch.cuh).
-
-    Interim assembly until codegen ships `kernel="fa2"`: codegen's translation unit for the
-    variant (shipped templates, the Variant_<name> functors and the layout static_asserts) with
-    its entry point replaced by the FA2 files and one entry-macro line.
+    """(source, kernel_name, params_layout, first_argument_layout) of an FA2 kernel for `ir`:
+    codegen's `kernel="fa2"` translation unit (first argument AttentionParams) or, with
+    `batch=True`, `kernel="fa2batch"`: the persistent serving kernel plus its merge kernel
+    `<kernel_name>_merge` (first argument BatchParams).
 
     Example:
         >>> src, name, _, _ = fa2_source(VariantIR(name="plain"), head_dim=64, dtype="bfloat16",
@@ -224,30 +206,14 @@ def fa2_source(ir: VariantIR, *, head_dim: int, dtype: str, tq: int, tkv: int,
         ...            batch=True)[1]
         'attncc_plain_fa2batch_d64_bf16_q16_k64_s2'
     """
-    from attncc.codegen.generate import DTYPES, generate_source, kernel_name
-    from attncc.codegen.layout import BATCH_PARAMS
-    from attncc.kernels import read_template
+    from attncc.codegen.generate import generate_source
 
-    fa2_config(head_dim, tq, tkv, stages, m_frags)
+    fa2_config(head_dim, tq, tkv, stages, m_frags)  # ValueError naming the bad tile
     if dtype not in ("bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r}: the FA2 kernel runs bfloat16 or float16")
-    gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="simple", fast_math=fast_math)
-    cut = gk.source.find(_ENTRY_MARK)
-    if cut < 0:
-        raise RuntimeError("codegen's translation unit has no entry-point marker; update "
-                           "attncc.runtime.gpu_flex.fa2_source to the new template")
-    name = (kernel_name(gk.variant.name, "fa2batch" if batch else "fa2", head_dim, dtype)
-            + f"_q{tq}_k{tkv}_s{stages}" + (f"_m{m_frags}" if m_frags > 1 else ""))
-    files = FA2_BATCH_FILES if batch else FA2_FILES
-    text = "".join(f"// {'=' * 76} {f}\n" + read_template(f) + "\n" for f in files)
-    if batch:  # BatchParams is not part of codegen's unit: assert its Python layout here
-        text += "\n".join(BATCH_PARAMS.static_asserts()) + "\n"
-    macro = "ATTNCC_FA2_BATCH_ENTRY" if batch else "ATTNCC_FA2_ENTRY"
-    source = (gk.source[:cut] + text + _ENTRY_MARK + "\n"
-              + f"{macro}({name}, {gk.variant.struct_name}, {DTYPES[dtype][0]}, "
-                f"{head_dim}, {tq}, {tkv}, {stages}, {m_frags})\n")
-    return source, name, gk.params_layout, (BATCH_PARAMS if batch
-                                            else gk.attention_params_layout)
+    gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa2batch" if batch else "fa2",
+                         fast_math=fast_math, tiles=Fa2Tiles(tq, tkv, stages, m_frags))
+    return gk.source, gk.kernel_name, gk.params_layout, gk.attention_params_layout
 
 
 @dataclass

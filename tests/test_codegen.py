@@ -446,3 +446,41 @@ def test_empty_params_struct_is_never_empty() -> None:
     lay = struct_layout("E", [("_unused", "int", None, "unused")])
     assert lay.size == 4 and lay.pack({}) == b"\0\0\0\0"
     assert generate_variant(VariantIR()).params_layout.fields[0].name == "_unused"
+
+
+# ------------------------------------------------------------------------------------ fa2 kernels
+def test_fa2_translation_unit_and_export() -> None:
+    """kernel="fa2": the FA2 templates, one entry macro line, tiles in the name; the export adds
+    a launcher that opts into the dynamic shared memory it needs."""
+    from attncc.codegen.fa2 import Fa2Tiles
+
+    ir = Variant(score_mod=lambda s, b, h, q, kv: 30 * torch.tanh(s / 30),
+                 mask_mod=lambda b, h, q, kv: q >= kv, name="sc").trace()[0]
+    gk = generate_source(ir, head_dim=64, dtype="float16", kernel="fa2",
+                         tiles=Fa2Tiles(64, 64, 3, 1))
+    assert gk.kernel_name == "attncc_sc_fa2_d64_f16_q64_k64_s3"
+    assert gk.source.count("ATTNCC_FA2_ENTRY(attncc_sc_fa2_d64_f16_q64_k64_s3,") == 1
+    assert "attncc::fast_tanh" in gk.source  # the FA2 templates default to fast math
+    assert gk.block == (128, 1, 1) and gk.shared_mem_bytes == 2 * 64 * (64 + 2 * 3 * 64)
+    ex = export_source(ir, head_dim=128, dtype="bfloat16", kernel="fa2")
+    assert "cudaFuncSetAttribute(attncc_sc_fa2_d128_bf16_q128_k64_s2_m2," in ex
+    assert "<<<grid, dim3(128), 98304, (cudaStream_t)stream>>>" in ex
+    with pytest.raises(CodegenError, match="bfloat16 or float16"):
+        generate_source(ir, head_dim=64, dtype="float32", kernel="fa2")
+    with pytest.raises(CodegenError, match="not exported"):
+        export_source(ir, head_dim=64, dtype="bfloat16", kernel="fa2batch")
+    with pytest.raises(CodegenError, match="tiles are for"):
+        generate_source(ir, head_dim=64, dtype="float16", tiles=Fa2Tiles())
+    with pytest.raises(CodegenError, match="head dims"):
+        generate_source(ir, head_dim=96, dtype="float16", kernel="fa2")
+
+
+@pytest.mark.nvrtc
+def test_exported_fa2_compiles_with_nvrtc() -> None:
+    from attncc.runtime.nvrtc import compile_cuda
+    from examples.gym import GYM
+
+    ir = GYM["alibi_causal"](1, 8, 256, 128).trace()[0]
+    res = compile_cuda(export_source(ir, head_dim=128, dtype="bfloat16", kernel="fa2"),
+                       arch="sm_90a")
+    assert res.cubin[:4] == b"\x7fELF"

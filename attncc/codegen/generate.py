@@ -32,7 +32,9 @@ import jinja2
 from ..ir.program import HOOK_ORDER, VariantIR
 from .errors import CodegenError
 from .hooks import EMITTERS, HookCode
-from .layout import ATTENTION_PARAMS, StructLayout, c_identifier, variant_params_layout
+from .fa2 import FA2_HEAD_DIMS, Fa2Tiles, default_tiles
+from .layout import (ATTENTION_PARAMS, BATCH_PARAMS, StructLayout, c_identifier,
+                     variant_params_layout)
 
 __all__ = ["KernelSpec", "KERNELS", "DTYPES", "VariantCode", "GeneratedKernel",
            "generate_variant", "generate_source", "render"]
@@ -52,6 +54,9 @@ class KernelSpec:
     rows_per_cta: int  # query rows per CTA (grid.x = ceil(q_len / rows_per_cta))
     head_dim_multiple: int  # HEAD_DIM must be a multiple of this ...
     head_dim_max: int  # ... and at most this
+    head_dims: tuple[int, ...] = ()  # if set: exactly these head dims
+    entry_macro: str = ""  # tiled templates: the macro that defines the entry point(s)
+    batch: bool = False  # first argument attncc::BatchParams (serving kernel + merge kernel)
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise CodegenError unless the template supports `head_dim`.
@@ -63,6 +68,11 @@ class KernelSpec:
             ...
             attncc.codegen.errors.CodegenError: the 'simple' kernel supports head dims that are multiples of 32 up to 256; got 100
         """
+        if self.head_dims:
+            if head_dim not in self.head_dims:
+                raise CodegenError(f"the {self.name!r} kernel supports head dims "
+                                   f"{self.head_dims}; got {head_dim!r}")
+            return
         m = self.head_dim_multiple
         ok = isinstance(head_dim, int) and head_dim % m == 0 and m <= head_dim <= self.head_dim_max
         if not ok:
@@ -73,6 +83,17 @@ class KernelSpec:
 KERNELS: dict[str, KernelSpec] = {
     "simple": KernelSpec("simple", ("simple_attention.cuh",), "attncc::simple_attention",
                          threads=128, rows_per_cta=4, head_dim_multiple=32, head_dim_max=256),
+    # FlashAttention-2-style prefill (dense or BlockMask-sparse): threads / rows come from tiles
+    "fa2": KernelSpec("fa2", ("fa2_common.cuh", "fa2_attend.cuh", "fa2_prefill.cuh"),
+                      "attncc::fa2::fa2_prefill", threads=0, rows_per_cta=0,
+                      head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
+                      entry_macro="ATTNCC_FA2_ENTRY"),
+    # the persistent serving kernel over a plan (runtime/batch.py) and its merge kernel
+    "fa2batch": KernelSpec("fa2batch", ("batch_params.cuh", "fa2_common.cuh", "fa2_attend.cuh",
+                                        "fa2_batch.cuh"),
+                           "attncc::fa2::fa2_batch", threads=0, rows_per_cta=0,
+                           head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
+                           entry_macro="ATTNCC_FA2_BATCH_ENTRY", batch=True),
 }
 
 # dtype name -> (C storage type, short name used in kernel names)
@@ -256,32 +277,56 @@ def _check_options(head_dim: int, dtype: str, kernel: str) -> KernelSpec:
 
 
 def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
-           fast_math: bool = False) -> GeneratedKernel:
+           fast_math: bool | None = None, tiles: Fa2Tiles | None = None) -> GeneratedKernel:
     from ..kernels import read_template
 
     spec = _check_options(head_dim, dtype, kernel)
+    if fast_math is None:  # the performance templates approximate, the simple one is exact
+        fast_math = bool(spec.entry_macro)
     vc = generate_variant(ir, fast_math=fast_math)
     name = kernel_name(vc.name, kernel, head_dim, dtype)
+    threads, rows, smem, entry = spec.threads, spec.rows_per_cta, 0, ""
+    first_arg = BATCH_PARAMS if spec.batch else ATTENTION_PARAMS
+    if spec.entry_macro:  # a tiled FA2 template
+        if dtype not in ("bfloat16", "float16"):
+            raise CodegenError(f"dtype={dtype!r}: the {kernel!r} kernel runs bfloat16 or float16")
+        if spec.batch and export:
+            raise CodegenError("the 'fa2batch' serving kernel runs from a plan made by "
+                               "attncc.BatchAttention and is not exported; export 'fa2' or "
+                               "'simple'")
+        tiles = tiles if tiles is not None else default_tiles(head_dim)
+        name += tiles.suffix
+        threads, rows, smem = tiles.threads, tiles.tq, tiles.smem_bytes(head_dim)
+        entry = (f"{spec.entry_macro}({name}, {vc.struct_name}, {DTYPES[dtype][0]}, {head_dim}, "
+                 f"{tiles.tq}, {tiles.tkv}, {tiles.stages}, {tiles.m_frags})")
+    elif tiles is not None:
+        raise CodegenError(f"tiles are for the 'fa2' / 'fa2batch' kernels, not {kernel!r}")
     shipped: Sequence[tuple[str, str]] = [(f, read_template(f).rstrip("\n") + "\n")
                                          for f in (*COMMON_TEMPLATES, *spec.files)]
-    asserts = ATTENTION_PARAMS.static_asserts() + vc.params_layout.static_asserts()
+    asserts = (ATTENTION_PARAMS.static_asserts() + vc.params_layout.static_asserts()
+               + (BATCH_PARAMS.static_asserts() if spec.batch else []))
     source = render("translation_unit.cu.j2", version=_version(), v=vc, spec=spec,
                     head_dim=head_dim, dtype=dtype, dtype_ctype=DTYPES[dtype][0],
                     kernel_name=name, shipped=shipped, variant_text=vc.text, asserts=asserts,
-                    ap_layout=ATTENTION_PARAMS, export=export)
+                    ap_layout=ATTENTION_PARAMS, export=export, entry=entry, threads=threads,
+                    rows_per_cta=rows, smem=smem)
     return GeneratedKernel(source=source, kernel_name=name, params_layout=vc.params_layout,
-                           attention_params_layout=ATTENTION_PARAMS, variant=vc, kernel=kernel,
-                           head_dim=head_dim, dtype=dtype, threads=spec.threads,
-                           rows_per_cta=spec.rows_per_cta)
+                           attention_params_layout=first_arg, variant=vc, kernel=kernel,
+                           head_dim=head_dim, dtype=dtype, threads=threads,
+                           rows_per_cta=rows, shared_mem_bytes=smem)
 
 
 def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",
-                    fast_math: bool = False) -> GeneratedKernel:
+                    fast_math: bool | None = None, tiles: Fa2Tiles | None = None
+                    ) -> GeneratedKernel:
     """One self-contained translation unit (for NVRTC) running `ir` on a kernel template.
 
     `dtype` is the storage type of q, k, v and o: "bfloat16", "float16" or "float32".
-    `fast_math=True` spells the hooks' math with one-instruction approximations (see
-    `cuda_expr.emit`).
+    `kernel`: "simple" (one warp per query row, any dtype), "fa2" (the FlashAttention-2-style
+    prefill template, bf16/fp16, `tiles` or `fa2.default_tiles`) or "fa2batch" (the persistent
+    serving kernel and its merge kernel). `fast_math=True` spells the hooks' math with
+    one-instruction approximations (see `cuda_expr.emit`); None (default) means True for the
+    FA2 templates, False for "simple".
 
     Example:
         >>> gk = generate_source(VariantIR(name="plain"), head_dim=64, dtype="float16")
@@ -289,12 +334,17 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
         (False, 4)
         >>> 'extern "C" __global__' in gk.source and "#include" not in gk.source
         True
+        >>> fa = generate_source(VariantIR(name="plain"), head_dim=128, dtype="bfloat16",
+        ...                      kernel="fa2", tiles=Fa2Tiles(64, 64, 2, 1))
+        >>> fa.kernel_name, fa.block, fa.shared_mem_bytes
+        ('attncc_plain_fa2_d128_bf16_q64_k64_s2', (128, 1, 1), 81920)
     """
-    return _build(ir, head_dim, dtype, kernel, export=False, fast_math=fast_math)
+    return _build(ir, head_dim, dtype, kernel, export=False, fast_math=fast_math, tiles=tiles)
 
 
 def export_kernel(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",
-                  fast_math: bool = False) -> GeneratedKernel:
+                  fast_math: bool | None = None, tiles: Fa2Tiles | None = None
+                  ) -> GeneratedKernel:
     """Like generate_source, plus a documented header and a host launcher (for nvcc users).
 
     Example:
@@ -302,7 +352,7 @@ def export_kernel(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "si
         >>> "attncc_plain_simple_d64_f16_launch" in gk.source
         True
     """
-    return _build(ir, head_dim, dtype, kernel, export=True, fast_math=fast_math)
+    return _build(ir, head_dim, dtype, kernel, export=True, fast_math=fast_math, tiles=tiles)
 
 
 def variant_param_values(layout: StructLayout, scalars: Mapping[str, Any],

@@ -1,0 +1,71 @@
+"""Compile-time tiles of the FA2 kernel templates (kernels/fa2_*.cuh), mirrored in Python.
+
+`Fa2Tiles(tq, tkv, stages, m_frags)` is what `generate_source(kernel="fa2" | "fa2batch",
+tiles=...)` instantiates: T_q fused query rows per CTA, T_kv KV rows per tile, the cp.async
+pipeline depth, and 16-row MMA fragments per warp (warps = T_q / (16 * m_frags)). Its threads
+and dynamic shared memory are the C++ `attncc::fa2::Config`'s (the launcher also checks the
+threads against the loaded function).
+
+Example:
+    >>> t = Fa2Tiles(128, 64, 2, 2)
+    >>> t.warps, t.threads, t.smem_bytes(128), t.suffix
+    (4, 128, 98304, '_q128_k64_s2_m2')
+    >>> default_tiles(256)
+    Fa2Tiles(tq=64, tkv=32, stages=2, m_frags=1)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import CodegenError
+
+__all__ = ["Fa2Tiles", "default_tiles", "FA2_HEAD_DIMS", "TQ_CHOICES", "TKV_CHOICES"]
+
+FA2_HEAD_DIMS = (64, 128, 256)
+TQ_CHOICES = (16, 32, 64, 128)
+TKV_CHOICES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class Fa2Tiles:
+    """One FA2 instantiation's tiles; invalid combinations raise CodegenError."""
+
+    tq: int = 128
+    tkv: int = 64
+    stages: int = 2
+    m_frags: int = 2
+
+    def __post_init__(self) -> None:
+        if self.tq not in TQ_CHOICES or self.tkv not in TKV_CHOICES or \
+                not 1 <= self.stages <= 4:
+            raise CodegenError(f"tiles (T_q={self.tq}, T_kv={self.tkv}, stages={self.stages}): "
+                               f"T_q in {TQ_CHOICES}, T_kv in {TKV_CHOICES}, 1..4 stages")
+        if self.m_frags not in (1, 2) or self.tq % (16 * self.m_frags):
+            raise CodegenError(f"m_frags={self.m_frags} with T_q={self.tq}: 1 or 2 16-row "
+                               f"fragments per warp, T_q a multiple of 16 * m_frags")
+
+    @property
+    def warps(self) -> int:
+        return self.tq // (16 * self.m_frags)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Dynamic shared memory: the Q tile plus `stages` K and V tiles of 16-bit elements."""
+        return 2 * head_dim * (self.tq + 2 * self.stages * self.tkv)
+
+    @property
+    def suffix(self) -> str:
+        """What the kernel name appends for these tiles."""
+        return (f"_q{self.tq}_k{self.tkv}_s{self.stages}"
+                + (f"_m{self.m_frags}" if self.m_frags > 1 else ""))
+
+
+def default_tiles(head_dim: int) -> Fa2Tiles:
+    """The tiles `export` / `compile` use when none are given: the prefill heuristic's choice
+    for a long sequence (attncc.runtime.gpu_flex.choose_tiles has the shape-dependent one)."""
+    if head_dim <= 128:
+        return Fa2Tiles(128, 64, 2, 2)
+    return Fa2Tiles(64, 32, 2, 1)
