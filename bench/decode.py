@@ -68,8 +68,8 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / (ms * 1e-3)
 
 
-def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: float
-             ) -> list[dict[str, Any]]:
+def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: float,
+             sweep: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     import torch
     from triton.testing import do_bench
 
@@ -101,12 +101,19 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
               f"{tbs:6.2f} TB/s ({rec['bw_fraction']:.2f} of copy) {more}", flush=True)
 
     ref = None
-    for impl in impls:
+    cells: list[tuple[str, dict[str, Any]]] = [(impl, {}) for impl in impls]
+    cells += [("attncc", opts) for opts in (sweep or [])]
+    for impl, opts in cells:
         try:
             if impl.startswith("attncc"):
+                knobs = {}
+                if "tiles" in opts:
+                    knobs["tiles"] = tuple(opts["tiles"])
+                if "min_kv_chunk" in opts:
+                    knobs["min_kv_chunk"] = int(opts["min_kv_chunk"])
                 ba = BatchAttention(None, kv_layout="NHD", max_batch=max(batch, 16),
                                     max_qo_tokens=max(batch, 16),
-                                    balance=impl == "attncc")
+                                    balance=impl == "attncc", **knobs)
                 args = (qo, kv_indptr, perm[:total_pages].numpy(), last)
                 kw = dict(num_qo_heads=HQ, num_kv_heads=hkv, head_dim=D, page_size=PAGE)
                 ba.plan(*args, **kw)
@@ -121,7 +128,10 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
                 ms = do_bench(lambda: ba.run(q, (k_cache, v_cache)), warmup=25, rep=100,
                               return_mode="median")
                 extra: dict[str, Any] = {"plan_us": plan_us, "num_ctas": ba.tiles.num_ctas,
-                                         "tq": ba.tiles.tq}
+                                         "tq": ba.tiles.tq, "tkv": ba.tiles.tkv,
+                                         "stages": ba.tiles.stages}
+                if opts:
+                    extra["knobs"] = json.dumps(opts, sort_keys=True)
                 if ref is not None:
                     extra["rel_err"] = float((res.float() - ref).norm() / ref.norm())
                 else:
@@ -169,8 +179,8 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
 
 
 def table(doc: dict[str, Any]) -> str:
-    """Markdown: fraction of copy bandwidth per cell, and attncc / flex."""
-    res = [r for r in doc["results"] if "bw_fraction" in r]
+    """Markdown: fraction of copy bandwidth per cell, and attncc / flex (sweep cells after)."""
+    res = [r for r in doc["results"] if "bw_fraction" in r and "knobs" not in r]
     by = {(r["impl"], r["batch"], r["hkv"], r["dist"]): r for r in res}
     m = doc["meta"]
     lines = [f"{m['gpu']}, torch {m['torch']}, attncc {m['attncc_commit'][:10]}, "
@@ -189,6 +199,11 @@ def table(doc: dict[str, Any]) -> str:
         ratio = f"{f['ms'] / a['ms']:.2f}" if a and f else "-"
         plan_us = f"{a['plan_us']:.0f}" if a else "-"
         lines.append(f"| {b} | {h} | {dist} | " + " | ".join(cells) + f" | {ratio} | {plan_us} |")
+    swept = [r for r in doc["results"] if "knobs" in r and "bw_fraction" in r]
+    if swept:
+        lines += ["", "| batch | Hkv | dist | knobs | fraction (TB/s) | CTAs |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['hkv']} | {r['dist']} | `{r['knobs']}` | "
+                  f"{r['bw_fraction']:.2f} ({r['tb_s']:.2f}) | {r['num_ctas']} |" for r in swept]
     return "\n".join(lines) + "\n"
 
 
@@ -198,7 +213,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    res = [r for r in doc["results"] if "bw_fraction" in r]
+    res = [r for r in doc["results"] if "bw_fraction" in r and "knobs" not in r]
     hkvs = sorted({r["hkv"] for r in res}, reverse=True)
     fig, axes = plt.subplots(1, len(hkvs), figsize=(5 * len(hkvs), 3.6), squeeze=False)
     for ax, h in zip(axes[0], hkvs):
@@ -228,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--report", type=Path, default=None)
+    ap.add_argument("--sweep", type=json.loads, nargs="*", default=None,
+                    help='extra attncc cells, e.g. \'{"tiles": [16, 32, 4], "min_kv_chunk": 512}\'')
     args = ap.parse_args(argv)
     if args.report is not None:
         doc = json.loads(args.report.read_text())
@@ -246,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     for b in args.batch:
         for h in args.hkv:
             for dist in args.dist:
-                results += run_cell(b, h, dist, tuple(args.impls), bw)
+                results += run_cell(b, h, dist, tuple(args.impls), bw, args.sweep)
     doc = {"meta": meta, "results": results}
     out = args.out or Path(os.environ.get("OUT", ROOT / "bench" / "results")) / "decode-h200.json"
     out.parent.mkdir(parents=True, exist_ok=True)

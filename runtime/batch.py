@@ -69,8 +69,10 @@ class BatchTiles:
     num_ctas: int
 
 
-def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int) -> BatchTiles:
-    """Tiles for a batch whose longest request has `max_fused_rows` (query tokens x GQA group).
+def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
+                       force: tuple[int, int, int] | None = None) -> BatchTiles:
+    """Tiles for a batch whose longest request has `max_fused_rows` (query tokens x GQA group);
+    `force=(T_q, T_kv, stages)` takes those instead (the grid still follows residency).
 
     Decode (a few fused rows) gets 16-row tiles: one warp per tile, and many CTAs per SM to keep
     enough KV loads in flight; prefill gets the prefill kernel's 128-row tiles at D <= 128.
@@ -84,16 +86,19 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int) -> Batc
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim}: the batch kernel supports {HEAD_DIMS}")
     tq = next((t for t in (16, 32, 64) if t >= max_fused_rows), 128 if head_dim <= 128 else 64)
-    m_frags = 2 if tq == 128 else 1
     # small tiles (decode) are bandwidth-bound: 32-row KV tiles halve the shared memory per CTA
     # so twice as many CTAs (and their loads) are in flight per SM
     tkv = 32 if head_dim == 256 or tq <= 32 else 64
-    cfg = fa2_config(head_dim, tq, tkv, 2, m_frags)
+    stages = 2
+    if force is not None:
+        tq, tkv, stages = force
+    m_frags = 2 if tq == 128 and head_dim <= 128 else 1
+    cfg = fa2_config(head_dim, tq, tkv, stages, m_frags)
     # residency: 255 registers per thread (64K per SM) and 227 KB of shared memory per SM
     by_regs = 65536 // (cfg.threads * 256)
     by_smem = (227 * 1024) // cfg.smem_bytes
     per_sm = max(1, min(by_regs, by_smem, 16))
-    return BatchTiles(tq, tkv, 2, m_frags, per_sm, per_sm * num_sms)
+    return BatchTiles(tq, tkv, stages, m_frags, per_sm, per_sm * num_sms)
 
 
 def _np_int(x: Any, name: str) -> np.ndarray:
@@ -164,12 +169,16 @@ class BatchAttention:
     first `plan`); `workspace_bytes()` says how large it must be. The maxima bound every later
     plan (and so the workspace): `max_batch` requests, `max_qo_tokens` query tokens, `max_pages`
     page ids per batch. `balance=False` is the no-scheduler ablation: one CTA per (request,
-    KV head, query tile), no KV splitting.
+    KV head, query tile), no KV splitting. Tuning knobs (benchmarks): `tiles=(T_q, T_kv,
+    stages)` overrides the heuristic's tiles, `min_kv_chunk` is the scheduler's smallest KV
+    chunk (fewer, longer units: fewer pipeline restarts and partial states).
     """
 
     def __init__(self, variant: Variant | None = None, workspace_buffer: torch.Tensor | None = None,
                  kv_layout: str = "NHD", *, max_batch: int = 256, max_qo_tokens: int = 16384,
-                 max_pages: int = 1 << 20, balance: bool = True, device: Any = "cuda") -> None:
+                 max_pages: int = 1 << 20, balance: bool = True,
+                 tiles: tuple[int, int, int] | None = None, min_kv_chunk: int = 128,
+                 device: Any = "cuda") -> None:
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={kv_layout!r}: use one of {KV_LAYOUTS}")
         if variant is not None and not isinstance(variant, Variant):
@@ -179,6 +188,8 @@ class BatchAttention:
         self.kv_layout = kv_layout
         self.max_batch, self.max_qo_tokens, self.max_pages = max_batch, max_qo_tokens, max_pages
         self.balance = balance
+        self._forced_tiles = tiles
+        self.min_kv_chunk = int(min_kv_chunk)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -270,12 +281,14 @@ class BatchAttention:
         group = num_qo_heads // num_kv_heads
         num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                    if self.device.type == "cuda" else 132)
-        tiles = choose_batch_tiles(head_dim, int(q_lens.max(initial=0)) * group, num_sms)
+        tiles = choose_batch_tiles(head_dim, int(q_lens.max(initial=0)) * group, num_sms,
+                                   self._forced_tiles)
         if self.tiles is not None and tiles.tq != self.tiles.tq and self.tiles.tq >= tiles.tq:
             tiles = self.tiles  # keep the captured kernel when the new batch fits its tiles
         if self.balance:
             pl = scheduler.plan(qo, kv_lens, num_qo_heads, num_kv_heads, tiles.tq,
-                                tiles.num_ctas, kv_chunk_align=tiles.tkv)
+                                tiles.num_ctas, kv_chunk_align=tiles.tkv,
+                                min_kv_chunk=self.min_kv_chunk)
         else:  # one CTA per work item, each item's whole KV range in one unit
             items = num_kv_heads * int(np.sum(-(-(q_lens * group) // tiles.tq)))
             tiles = BatchTiles(tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
