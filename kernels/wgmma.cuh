@@ -1,0 +1,105 @@
+// attncc Hopper warpgroup MMA (wgmma) building blocks, for the FA3 template (issue 5).
+//
+// Status: compiled with NVRTC for sm_90a; tests/gpu/test_wgmma.py checks them against torch on
+// an H200 (not run yet when this file was written). Self-contained: no #include; needs
+// fa2_common.cuh's fa2_u32 (and comes after it).
+//
+// wgmma.mma_async: one warpgroup (4 consecutive warps, 128 threads) computes D[64 x N] (+)= A[64 x
+// 16] * B[16 x N] per instruction. B always comes from shared memory through a 64-bit matrix
+// descriptor; A from shared memory too (SS) or from registers (RS, the same per-warp fragment
+// layout as mma.sync m16n8k16's A -- which is how attention feeds P, straight from the S
+// accumulators). The accumulator of warp w holds rows 16w .. 16w+15: for each 8-column block j,
+// d[4j + 0..1] = (row lane/4, cols 8j + 2*(lane%4) + {0,1}) and d[4j + 2..3] = the same columns
+// of row lane/4 + 8 -- mma.sync's C layout repeated over N/8 blocks.
+//
+// Shared-memory layout these helpers assume: "128-byte swizzle", the tensor core's canonical
+// layout, which is also fa2_common.cuh's swizzle at D = 64: a 64-element (128-byte) row r keeps
+// 16-byte chunk c at chunk position c ^ (r % 8), and 8 rows form a 1024-byte atom. Wider rows
+// are split into 64-element column blocks stored one after another (block b of a [rows][D] tile
+// starts at b * rows * 128 bytes).
+#ifndef ATTNCC_WGMMA_CUH
+#define ATTNCC_WGMMA_CUH
+
+namespace attncc {
+namespace wg {
+
+typedef unsigned long long u64;
+
+// Byte offset of element (row, col) in a 128B-swizzled tile with `rows` rows (see the top).
+__device__ __forceinline__ unsigned sw128_offset(int row, int col, int rows) {
+  const int blk = col >> 6, c = col & 63;
+  return (unsigned)(blk * rows * 128 + row * 128 + ((((c >> 3) ^ (row & 7))) << 4) + ((c & 7) << 1));
+}
+
+// Matrix descriptor: start address, leading / stride byte offsets (all in 16-byte units, 14 bits
+// each) and the swizzle mode (bits 62-63: 1 = 128-byte swizzle).
+__device__ __forceinline__ u64 make_desc(unsigned smem_byte_addr, unsigned lbo_bytes,
+                                         unsigned sbo_bytes) {
+  u64 d = 0;
+  d |= (u64)((smem_byte_addr >> 4) & 0x3FFF);
+  d |= (u64)((lbo_bytes >> 4) & 0x3FFF) << 16;
+  d |= (u64)((sbo_bytes >> 4) & 0x3FFF) << 32;
+  d |= (u64)1 << 62;
+  return d;
+}
+
+// Order generic-proxy shared-memory writes (st.shared, cp.async) before the async proxy
+// (wgmma, TMA) reads them.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Make the accumulator registers' prior writes visible to the next wgmma (required before the
+// first wgmma of a group and whenever registers it reads were written by other instructions).
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+#define ATTNCC_WG_D32 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),    \
+      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),          \
+      "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),       \
+      "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),       \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),       \
+      "+f"(d[31])
+#define ATTNCC_WG_D32_LIST                                                                \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
+  "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+
+// D[64x64] (+)= A[64x16] (shared, K-major) * B[16x64] (shared; K-major, or N-major when
+// TRANS_B), bf16 in, fp32 accumulate. accumulate = 0 overwrites D.
+template <int TRANS_B>
+__device__ __forceinline__ void mma_ss_m64n64k16_bf16(float (&d)[32], u64 desc_a, u64 desc_b,
+                                                      int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " ATTNCC_WG_D32_LIST
+      ", %32, %33, p, 1, 1, 0, %35;\n}\n"
+      : ATTNCC_WG_D32
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B));
+}
+
+// D[64x64] (+)= A[64x16] (registers, mma.sync A-fragment layout per warp) * B[16x64] (shared).
+template <int TRANS_B>
+__device__ __forceinline__ void mma_rs_m64n64k16_bf16(float (&d)[32], const fa2::fa2_u32 (&a)[4],
+                                                      u64 desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " ATTNCC_WG_D32_LIST
+      ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+      : ATTNCC_WG_D32
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate),
+        "n"(TRANS_B));
+}
+
+#undef ATTNCC_WG_D32
+#undef ATTNCC_WG_D32_LIST
+
+}  // namespace wg
+}  // namespace attncc
+
+#endif  // ATTNCC_WGMMA_CUH
