@@ -1,0 +1,65 @@
+// attncc Hopper TMA and mbarrier building blocks, for the FA3 template (issue 5).
+//
+// Status: compiled with NVRTC for sm_90a; tests/gpu/test_tma.py checks them on an H200 (not run
+// yet when this file was written). Self-contained: no #include.
+//
+// A producer thread arms an mbarrier with the bytes it expects (arrive.expect_tx), issues bulk
+// tensor copies (TMA) that complete_tx on that barrier as they land, and consumers wait on the
+// barrier's phase parity -- so a K/V tile arriving in shared memory is signalled by the copy
+// engine itself, with no cp.async.wait_group or __syncthreads in the consumers' loop.
+//
+// Tensor maps are built on the host (attncc.runtime.tma.tensor_map_2d) and passed as a pointer to
+// 128 bytes in global memory (64-byte aligned). With the 128-byte swizzle a box row is at most 128
+// bytes (64 bf16), and the copy lands in exactly wgmma.cuh's sw128 layout: a [rows][128 B] box
+// per TMA copy, so a D = 128 tile is two copies into two column blocks.
+#ifndef ATTNCC_TMA_CUH
+#define ATTNCC_TMA_CUH
+
+namespace attncc {
+namespace tma {
+
+typedef unsigned int u32;
+
+// One mbarrier (8 bytes of shared memory, 8-byte aligned) expecting `count` arrivals per phase.
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Make initialized barriers visible to the async proxy (TMA) before any copy uses them.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// Arrive once and announce `bytes` more transaction bytes for the current phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Block until the phase with parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  u32 done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// 2-D tiled bulk copy: the box at (col0, row0) of the tensor `tmap` describes (innermost
+// coordinate first) into shared memory at `dst`, completing `bar`'s transaction bytes.
+__device__ __forceinline__ void load_2d(u32 dst, const void* tmap, u32 bar, int col0, int row0) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(tmap), "r"(col0), "r"(row0), "r"(bar)
+      : "memory");
+}
+
+}  // namespace tma
+}  // namespace attncc
+
+#endif  // ATTNCC_TMA_CUH
