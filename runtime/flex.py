@@ -44,13 +44,16 @@ from attncc.ir.program import Bindings, VariantIR
 from .reference import attention_reference, validate_attention_inputs
 
 # kernel_options keys attncc understands: the compiled kernel's tile shape (query rows, kv
-# columns, pipeline stages, warps per CTA), and two promises FlexAttention also accepts. The exact reference path
-# ignores them: they cannot change results. Anything else is an error rather than a silent no-op.
+# columns, pipeline stages, warps per CTA), two promises FlexAttention also accepts, and
+# FAST_MATH (attncc's: False compiles the hooks with exact libm math instead of one-instruction
+# approximations). The exact reference path ignores them. Anything else is an error rather than a
+# silent no-op.
 SUPPORTED_KERNEL_OPTIONS: dict[str, type] = {
     "BLOCK_M": int,
     "BLOCK_N": int,
     "num_stages": int,
     "num_warps": int,
+    "FAST_MATH": bool,
     "ROWS_GUARANTEED_SAFE": bool,
     "BLOCKS_ARE_CONTIGUOUS": bool,
 }

@@ -102,6 +102,7 @@ class TilePlan:
     gf: int
     m_frags: int = 1
     forced: bool = field(default=False, repr=False)  # from kernel_options: compile exactly
+    fast_math: bool = field(default=True, repr=False)  # kernel_options FAST_MATH
 
 
 def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: int, batch: int,
@@ -185,7 +186,8 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
                          + (f" or {plan_tq // 32}" if plan_tq >= 32 else ""))
     fa2_config(head_dim, plan_tq, tkv, stages, m_frags)  # validates
     forced = bool(opts.get("BLOCK_M") or opts.get("BLOCK_N") or warps)
-    return TilePlan(plan_tq, tkv, stages, plan_gf, m_frags, forced)
+    return TilePlan(plan_tq, tkv, stages, plan_gf, m_frags, forced,
+                    bool(opts.get("FAST_MATH", True)))
 
 
 # --------------------------------------------------------------------------------- source
@@ -232,7 +234,7 @@ def _kernel_for(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
                 device: int) -> _Compiled:
     hooks = tuple((n, h.expr) for n, h in ir.hooks.items())
     key = (hooks, ir.normalize, ir.name, ir.scalars, ir.tensors, head_dim, dtype, plan.tq,
-           plan.tkv, plan.stages, plan.m_frags, device)
+           plan.tkv, plan.stages, plan.m_frags, plan.fast_math, device)
     hit = _KERNELS.get(key)
     if hit is not None:
         return hit
@@ -260,7 +262,7 @@ def _kernel_for(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
             cfg = fa2_config(head_dim, tq, tkv, plan.stages, mf)
             source, name, vp_layout, ap_layout = fa2_source(
                 simplified, head_dim=head_dim, dtype=dtype, tq=tq, tkv=tkv, stages=plan.stages,
-                m_frags=mf)
+                m_frags=mf, fast_math=plan.fast_math)
             res, _ = cached_compile(source, arch=arch, name=f"{name}.cu", verbose=True)
             if (_spill_bytes(res.log) <= _SPILL_BUDGET[mf] or i == len(tiles) - 1
                     or plan_forced(plan)):
@@ -630,7 +632,8 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
             arch = device_arch()
         src, name, _, _ = fa2_source(simplify_variant(pl.ir), head_dim=pl.head_dim,
                                      dtype=pl.dtype, tq=pl.tiles.tq, tkv=pl.tiles.tkv,
-                                     stages=pl.tiles.stages, m_frags=pl.tiles.m_frags)
+                                     stages=pl.tiles.stages, m_frags=pl.tiles.m_frags,
+                                     fast_math=pl.tiles.fast_math)
         jobs[src] = (src, arch, f"{name}.cu")
     workers = max_workers or min(len(jobs), os.cpu_count() or 1)
     if workers <= 1:

@@ -387,3 +387,25 @@ def test_block_mask_mod_merges_into_variant() -> None:
     assert merged.expr("mask_mod").op == "and"
     assert set(mbind.tensors) == set(names)
     assert "bm_table" in merged.format()
+
+
+def test_fast_math_kernel_option_reaches_the_source() -> None:
+    """kernel_options FAST_MATH=False: the hooks use exact libm math (tanhf), default fast."""
+    ir, _ = VARIANTS["softcap"](1, 2, 64, 64).trace()
+    plan = choose_tiles(64, q_len=64, kv_len=64, group=1, heads=2, batch=1,
+                        kernel_options={"FAST_MATH": False})
+    assert plan.fast_math is False
+    exact = fa2_source(ir, head_dim=64, dtype="bfloat16", tq=64, tkv=64, fast_math=False)[0]
+    fast = fa2_source(ir, head_dim=64, dtype="bfloat16", tq=64, tkv=64)[0]
+    assert "tanhf(" in exact and "attncc::fast_tanh(" in fast
+
+
+@pytest.mark.gpu
+def test_exact_math_kernel_option_runs(rng: Any) -> None:
+    from attncc.runtime.reference import attention_reference
+
+    q, k, v = rng.qkv(1, 2, 333, 128, dtype=torch.bfloat16, device="cuda")
+    ir, bind = VARIANTS["softcap_causal"](1, 2, 333, 128).trace()
+    got, _ = gpu_flex.gpu_flex_attention(q, k, v, ir, bind, kernel_options={"FAST_MATH": False})
+    ref, _ = attention_reference(q, k, v, ir, bind)
+    assert _rel_err(got, ref) < 2e-2
