@@ -35,6 +35,10 @@ struct AttentionParams {
     i64 bm_stride_b, bm_stride_h;                // strides of kv_num_blocks; 0 broadcasts b / h
     i64 bi_stride_b, bi_stride_h, bi_stride_q;   // strides of kv_indices (full_* share them)
     int block_q, block_kv;                       // BLOCK_SIZE of the block mask
+
+    // FA3 template only: three TMA tensor maps (q, k, v; 128 bytes each, 64-byte aligned) in
+    // global memory, describing q/k/v as [rows, head_dim] matrices. Null for other templates.
+    const void* tma;
 };
 
 }  // namespace attncc

@@ -234,6 +234,39 @@ __host__ __device__ constexpr int fa2_num_threads() {
   return Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>::kThreads;
 }
 
+// Which KV tiles a CTA visits: all of them (no block mask), or FlexAttention's BSR lists for the
+// CTA's query block, partial blocks first (LogitsMask applies), then full blocks (it does not).
+// Mask blocks are block_kv wide; each is visited as block_kv / TKV sub-tiles.
+struct TileList {
+  const int* partial;  // kv_indices row of this (b, h, q-block), or null when dense
+  const int* full;     // full_kv_indices row, or null
+  int n_partial;       // number of listed partial blocks (dense: number of KV tiles)
+  int n_full;
+  int sub;             // sub-tiles per mask block (dense: 1)
+  int block_kv;        // kv positions per mask block (dense: the tile width)
+  int tile;            // kv positions per tile (TKV)
+  int count;           // total tiles to visit
+
+  // First kv position of tile `i` and whether it comes from the full list.
+  __device__ __forceinline__ int start(int i, bool& is_full) const {
+    if (partial == nullptr) {
+      is_full = false;
+      return i * tile;
+    }
+    const int blk = i / sub;
+    const int s = i - blk * sub;
+    int kvb;
+    if (blk < n_partial) {
+      is_full = false;
+      kvb = __ldg(partial + blk);
+    } else {
+      is_full = true;
+      kvb = __ldg(full + (blk - n_partial));
+    }
+    return kvb * block_kv + s * tile;
+  }
+};
+
 }  // namespace fa2
 }  // namespace attncc
 

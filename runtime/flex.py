@@ -54,6 +54,7 @@ SUPPORTED_KERNEL_OPTIONS: dict[str, type] = {
     "num_stages": int,
     "num_warps": int,
     "FAST_MATH": bool,
+    "KERNEL": str,
     "ROWS_GUARANTEED_SAFE": bool,
     "BLOCKS_ARE_CONTIGUOUS": bool,
 }
@@ -73,6 +74,8 @@ def _validate_kernel_options(kernel_options: Mapping[str, Any] | None) -> None:
                              f"keys: {', '.join(SUPPORTED_KERNEL_OPTIONS)}")
         if want is bool and not isinstance(val, bool):
             raise ValueError(f"kernel_options[{key!r}] must be True or False, got {val!r}")
+        if want is str and not isinstance(val, str):
+            raise ValueError(f"kernel_options[{key!r}] must be a string, got {val!r}")
         if want is int and (isinstance(val, bool) or not isinstance(val, int) or val <= 0):
             raise ValueError(f"kernel_options[{key!r}] must be a positive int, got {val!r}")
 

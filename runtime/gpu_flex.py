@@ -103,6 +103,7 @@ class TilePlan:
     m_frags: int = 1
     forced: bool = field(default=False, repr=False)  # from kernel_options: compile exactly
     fast_math: bool = field(default=True, repr=False)  # kernel_options FAST_MATH
+    kernel: str = field(default="fa2", repr=False)  # kernel_options KERNEL: "fa2" or "fa3"
 
 
 def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: int, batch: int,
@@ -125,6 +126,20 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
     """
     opts = dict(kernel_options or {})
     masked = block_q is not None
+    kernel = opts.get("KERNEL", "fa2")
+    if kernel not in ("fa2", "fa3"):
+        raise ValueError(f"kernel_options['KERNEL']={kernel!r}: use 'fa2' (default) or 'fa3' "
+                         f"(the Hopper TMA + wgmma prototype)")
+    if kernel == "fa3":
+        if head_dim not in (64, 128):
+            raise ValueError(f"kernel_options['KERNEL']='fa3' supports head dims 64 and 128, "
+                             f"not {head_dim}")
+        if masked and (block_q % 64 or block_kv % 64):  # type: ignore[operator]
+            raise ValueError(f"kernel_options['KERNEL']='fa3' needs block mask blocks that are "
+                             f"multiples of 64, got BLOCK_SIZE={(block_q, block_kv)}")
+        stages = opts.get("num_stages") or 2
+        fa2_config(head_dim, 64, 64, stages, 1)  # validates the stage count
+        return TilePlan(64, 64, stages, 1, 1, True, bool(opts.get("FAST_MATH", True)), "fa3")
     if masked and (block_q % 16 or block_kv % 32):  # type: ignore[operator]
         raise ValueError(f"block_mask BLOCK_SIZE={(block_q, block_kv)}: the GPU kernel needs the "
                          f"query block size to be a multiple of 16 and the kv block size a "
@@ -234,7 +249,7 @@ def _kernel_for(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
                 device: int) -> _Compiled:
     hooks = tuple((n, h.expr) for n, h in ir.hooks.items())
     key = (hooks, ir.normalize, ir.name, ir.scalars, ir.tensors, head_dim, dtype, plan.tq,
-           plan.tkv, plan.stages, plan.m_frags, plan.fast_math, device)
+           plan.tkv, plan.stages, plan.m_frags, plan.fast_math, plan.kernel, device)
     hit = _KERNELS.get(key)
     if hit is not None:
         return hit
@@ -251,6 +266,9 @@ def _kernel_for(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
         with torch.cuda.device(device):
             arch = device_arch()
         simplified = simplify_variant(ir)
+        if plan.kernel == "fa3":
+            hit = _KERNELS[key] = _fa3_kernel(simplified, head_dim, dtype, plan, arch, device)
+            return hit
         # ptxas decides register allocation per variant; if this one spills, fall back to one
         # fragment per warp (half the accumulators per thread), then smaller KV tiles (fewer S
         # accumulators), then smaller query tiles (more CTAs, same registers per thread).
@@ -283,6 +301,45 @@ def _kernel_for(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
 # the spill-free one-fragment fallback by 12-20% on the H200 (bench/NOTES.md, 2026-11-30): the
 # spilled words are touched a few times per KV tile and stay in L1.
 _SPILL_BUDGET = {1: 0, 2: 192}
+
+
+def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: str,
+                device: int) -> _Compiled:
+    """Compile and load the FA3 prototype (kernels/fa3_prefill.cuh) for a checked plan."""
+    from attncc.codegen.generate import generate_source
+
+    from .cache import cached_compile
+    from .launcher import load_kernel
+
+    if not arch.startswith("sm_90"):
+        raise ValueError(f"kernel_options['KERNEL']='fa3' needs an sm_90 (Hopper) GPU; this one "
+                         f"is {arch}")
+    transforms = [h for h in ("query_mod", "key_mod", "value_mod", "output_mod")
+                  if not ir.hook(h).is_identity]
+    if transforms or dtype != "bfloat16":
+        raise ValueError(f"kernel_options['KERNEL']='fa3' runs bfloat16 score/mask variants; "
+                         f"this call has dtype {dtype} and {transforms or 'no'} transforms -- "
+                         f"drop KERNEL to use the FA2 template")
+    gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa3",
+                         fast_math=plan.fast_math, tiles=Fa2Tiles(64, 64, plan.stages, 1))
+    res, _ = cached_compile(gk.source, arch=arch, name=f"{gk.kernel_name}.cu", verbose=True)
+    kl = load_kernel(res.cubin, gk.kernel_name, gk.attention_params_layout, gk.params_layout,
+                     device=device, dynamic_smem=gk.shared_mem_bytes)
+    cfg = Fa2Config(head_dim, 64, 64, plan.stages, 1, 4, 128, gk.shared_mem_bytes)
+    return _Compiled(kl, cfg, ir, res.log)
+
+
+def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                     ) -> torch.Tensor:
+    """The q, k, v TMA maps (384 bytes on the device) over [rows, head_dim] views."""
+    from .tma import tensor_map_2d
+
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not t.is_contiguous():
+            raise ValueError(f"kernel_options['KERNEL']='fa3' reads {name} with TMA and needs it "
+                             f"contiguous: pass {name}.contiguous()")
+    D = query.shape[-1]
+    return torch.cat([tensor_map_2d(t.view(-1, D), 64, 64) for t in (query, key, value)])
 
 
 def plan_forced(plan: TilePlan) -> bool:
@@ -628,6 +685,8 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
 
     jobs: dict[str, tuple[str, str, str]] = {}
     for pl in plans:
+        if pl.tiles.kernel != "fa2":
+            continue  # the FA3 prototype compiles on first use
         with torch.cuda.device(pl.device):
             arch = device_arch()
         src, name, _, _ = fa2_source(simplify_variant(pl.ir), head_dim=pl.head_dim,
@@ -750,6 +809,9 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
     kl, cfg = kern.launcher, kern.config
     grid = (-(-(Sq * pl.tiles.gf) // cfg.tq), Hq // pl.tiles.gf, B)
+    # held until this function returns; later reuse of the memory is ordered after the kernel
+    # on this stream by torch's caching allocator
+    maps = _fa3_tensor_maps(query, key, value) if pl.tiles.kernel == "fa3" else None
     ap = {
         "q": query.data_ptr(), "k": key.data_ptr(), "v": value.data_ptr(), "o": out.data_ptr(),
         "lse": lse.data_ptr() if lse is not None else 0,
@@ -766,6 +828,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         "kv_num_blocks": 0, "kv_indices": 0, "full_kv_num_blocks": 0, "full_kv_indices": 0,
         "bm_stride_b": 0, "bm_stride_h": 0, "bi_stride_b": 0, "bi_stride_h": 0,
         "bi_stride_q": 0, "block_q": 0, "block_kv": 0,
+        "tma": maps.data_ptr() if maps is not None else 0,
     }
     m = pl.mask
     if m is not None:

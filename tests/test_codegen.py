@@ -406,7 +406,7 @@ def test_python_semantics_helpers_and_precedence() -> None:
 # ------------------------------------------------------------------------------- layouts
 
 def test_attention_params_layout() -> None:
-    assert ATTENTION_PARAMS.size == 256 and ATTENTION_PARAMS.align == 8
+    assert ATTENTION_PARAMS.size == 264 and ATTENTION_PARAMS.align == 8
     assert ATTENTION_PARAMS.field("lse_stride_h").offset == 144
     assert ATTENTION_PARAMS.field("sm_scale").offset == 172
     assert ATTENTION_PARAMS.field("kv_num_blocks").offset == 176

@@ -88,6 +88,11 @@ KERNELS: dict[str, KernelSpec] = {
                       "attncc::fa2::fa2_prefill", threads=0, rows_per_cta=0,
                       head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
                       entry_macro="ATTNCC_FA2_ENTRY"),
+    # Hopper prototype: TMA + wgmma, one warpgroup per 64 query rows (kernels/fa3_prefill.cuh)
+    "fa3": KernelSpec("fa3", ("fa2_common.cuh", "wgmma.cuh", "tma.cuh", "fa3_prefill.cuh"),
+                      "attncc::fa3::fa3_prefill", threads=0, rows_per_cta=0,
+                      head_dim_multiple=64, head_dim_max=128, head_dims=(64, 128),
+                      entry_macro="ATTNCC_FA3_ENTRY"),
     # the persistent serving kernel over a plan (runtime/batch.py) and its merge kernel
     "fa2batch": KernelSpec("fa2batch", ("batch_params.cuh", "fa2_common.cuh", "fa2_attend.cuh",
                                         "fa2_batch.cuh"),
@@ -294,9 +299,18 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
             raise CodegenError("the 'fa2batch' serving kernel runs from a plan made by "
                                "attncc.BatchAttention and is not exported; export 'fa2' or "
                                "'simple'")
+        if kernel == "fa3":
+            if dtype != "bfloat16":
+                raise CodegenError(f"dtype={dtype!r}: the 'fa3' prototype runs bfloat16")
+            tiles = tiles if tiles is not None else Fa2Tiles(64, 64, 2, 1)
+            if (tiles.tq, tiles.tkv, tiles.m_frags) != (64, 64, 1):
+                raise CodegenError("the 'fa3' prototype has fixed 64 x 64 tiles (one warpgroup); "
+                                   "only stages may vary")
         tiles = tiles if tiles is not None else default_tiles(head_dim)
         name += tiles.suffix
         threads, rows, smem = tiles.threads, tiles.tq, tiles.smem_bytes(head_dim)
+        if kernel == "fa3":  # + its mbarriers and the slack that aligns tiles to 1024 bytes
+            smem += 8 * (tiles.stages + 1) + 1024
         entry = (f"{spec.entry_macro}({name}, {vc.struct_name}, {DTYPES[dtype][0]}, {head_dim}, "
                  f"{tiles.tq}, {tiles.tkv}, {tiles.stages}, {tiles.m_frags})")
     elif tiles is not None:
