@@ -329,6 +329,14 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
     return _Compiled(kl, cfg, ir, res.log)
 
 
+# q/k/v tensor maps by what they encode (address, shape, dtype of each contiguous tensor): a
+# repeated call reuses the device copy instead of encoding three maps and copying them to the
+# GPU (a host-synchronous copy) on every launch. The cache holds the maps' memory, so a launch
+# never reads a freed map.
+_FA3_MAPS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_FA3_MAPS_SIZE = 64
+
+
 def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      ) -> torch.Tensor:
     """The q, k, v TMA maps (384 bytes on the device) over [rows, head_dim] views."""
@@ -338,8 +346,18 @@ def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if not t.is_contiguous():
             raise ValueError(f"kernel_options['KERNEL']='fa3' reads {name} with TMA and needs it "
                              f"contiguous: pass {name}.contiguous()")
-    D = query.shape[-1]
-    return torch.cat([tensor_map_2d(t.view(-1, D), 64, 64) for t in (query, key, value)])
+    key_ = tuple((t.data_ptr(), tuple(t.shape), t.dtype, t.device) for t in (query, key, value))
+    hit = _FA3_MAPS.get(key_)
+    if hit is None:
+        D = query.shape[-1]
+        hit = torch.cat([tensor_map_2d(t.view(-1, D), 64, 64) for t in (query, key, value)])
+        with _KERNELS_LOCK:
+            _FA3_MAPS[key_] = hit
+            while len(_FA3_MAPS) > _FA3_MAPS_SIZE:
+                _FA3_MAPS.popitem(last=False)
+    else:
+        _FA3_MAPS.move_to_end(key_)
+    return hit
 
 
 def plan_forced(plan: TilePlan) -> bool:
@@ -809,8 +827,6 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
     kl, cfg = kern.launcher, kern.config
     grid = (-(-(Sq * pl.tiles.gf) // cfg.tq), Hq // pl.tiles.gf, B)
-    # held until this function returns; later reuse of the memory is ordered after the kernel
-    # on this stream by torch's caching allocator
     maps = _fa3_tensor_maps(query, key, value) if pl.tiles.kernel == "fa3" else None
     ap = {
         "q": query.data_ptr(), "k": key.data_ptr(), "v": value.data_ptr(), "o": out.data_ptr(),
