@@ -36,6 +36,18 @@ __device__ __forceinline__ WorkUnit load_unit(const int* units, int u) {
   return WorkUnit{a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
 }
 
+// Query positions the hooks see. By default the queries are the request's last tokens: token t
+// is position kv_len - q_len + t = t + request_q_pos0(...). A caller may instead give every query
+// token its position (cascade: one "request" gathers the queries of many).
+__device__ __forceinline__ int request_q_pos0(const attncc::BatchParams& p, int request) {
+  const int q_len = __ldg(p.qo_indptr + request + 1) - __ldg(p.qo_indptr + request);
+  return __ldg(p.kv_lens + request) - q_len;
+}
+__device__ __forceinline__ int query_position(const attncc::BatchParams& p, int q_pos0,
+                                              int qo_offset, int tok) {
+  return p.q_positions != nullptr ? __ldg(p.q_positions + qo_offset + tok) : tok + q_pos0;
+}
+
 // ---------------------------------------------------------------------------------------------
 // BatchWork: fa2_attend's view of one work unit.
 // ---------------------------------------------------------------------------------------------
@@ -60,8 +72,7 @@ struct BatchWork {
     head0 = u.kv_head * gf;
     row0 = u.q_start;
     rows = u.q_start + u.q_rows;
-    const int q_len = __ldg(p.qo_indptr + b + 1) - __ldg(p.qo_indptr + b);
-    q_pos0 = __ldg(p.kv_lens + b) - q_len;
+    q_pos0 = request_q_pos0(p, b);
     kv_pos0 = p.kv_pos_offset != nullptr ? __ldg(p.kv_pos_offset + b) : 0;
     kv_start = u.kv_start;
     kv_len = u.kv_end;  // positions past the unit's range do not exist for it
@@ -75,10 +86,8 @@ struct BatchWork {
     is_full = false;  // no block lists here: the variant's own mask applies to every tile
     return kv_start + i * TKV;
   }
-  // The queries are the request's last tokens (position kv_len - q_len + t), unless the caller
-  // gives every query token its position (cascade: one "request" gathers the queries of many).
   __device__ __forceinline__ int q_position(int tok) const {
-    return p.q_positions != nullptr ? __ldg(p.q_positions + qo_offset + tok) : tok + q_pos0;
+    return query_position(p, q_pos0, qo_offset, tok);
   }
 
   __device__ __forceinline__ void load_q(fa2_u32 sq, int tid) const {
@@ -191,8 +200,7 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
   const int s0 = __ldg(p.merge_indptr + m), s1 = __ldg(p.merge_indptr + m + 1);
   const int gf = p.num_q_heads / p.num_kv_heads;
   const int head0 = kv_head * gf;
-  const int q_len = __ldg(p.qo_indptr + request + 1) - __ldg(p.qo_indptr + request);
-  const int q_pos0 = __ldg(p.kv_lens + request) - q_len;
+  const int q_pos0 = request_q_pos0(p, request);
   float* buf = rows_buf[warp];
 
 #pragma unroll 1
@@ -231,8 +239,7 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
     const int fr = q_start + r;
     const int tok = fr / gf;
     const int hq = head0 + (fr - tok * gf);
-    const int q_pos = p.q_positions != nullptr ? __ldg(p.q_positions + qo_offset + tok)
-                                               : tok + q_pos0;
+    const int q_pos = query_position(p, q_pos0, qo_offset, tok);
     DType* out = reinterpret_cast<DType*>(p.o) + (qo_offset + tok) * p.o_stride_tok +
                  hq * p.o_stride_h;
     float vals[D / 32];
