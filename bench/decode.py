@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -246,13 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", type=json.loads, nargs="*", default=None,
                     help='extra attncc cells, e.g. \'{"tiles": [16, 32, 4], "min_kv_chunk": 512}\'')
     args = ap.parse_args(argv)
+    from prefill import _meta, report, save
+
     if args.report is not None:
-        doc = json.loads(args.report.read_text())
-        args.report.with_suffix(".md").write_text(table(doc))
-        plot(doc, args.report.with_suffix(".png"))
-        print(table(doc))
+        report(args.report, table, plot)
         return 0
-    from prefill import _meta
 
     bw = copy_bandwidth()
     meta = {**_meta(), "copy_tb_s": bw / 1e12, "page_size": PAGE, "num_qo_heads": HQ,
@@ -264,12 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         for h in args.hkv:
             for dist in args.dist:
                 results += run_cell(b, h, dist, tuple(args.impls), bw, args.sweep)
-    doc = {"meta": meta, "results": results}
-    out = args.out or Path(os.environ.get("OUT", ROOT / "bench" / "results")) / "decode-h200.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    print(table(doc))
-    print(f"wrote {out}")
+    save({"meta": meta, "results": results}, args.out, "decode-h200.json", table)
     return 0
 
 

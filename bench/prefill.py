@@ -310,6 +310,28 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def report(json_path: Path, table_fn: Callable[[dict], str],
+           plot_fn: Callable[[dict, Path], None] | None = None) -> None:
+    """`--report`: the markdown table (and PNG) next to an existing results JSON, printed."""
+    doc = json.loads(json_path.read_text())
+    json_path.with_suffix(".md").write_text(table_fn(doc))
+    if plot_fn is not None:
+        plot_fn(doc, json_path.with_suffix(".png"))
+    print(table_fn(doc))
+
+
+def save(doc: dict[str, Any], out: Path | None, name: str,
+         table_fn: Callable[[dict], str]) -> Path:
+    """Write a results JSON to `out` (default $OUT/<name>, else bench/results/<name>), print the
+    table, return the path."""
+    out = out or Path(os.environ.get("OUT", ROOT / "bench" / "results")) / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(table_fn(doc))
+    print(f"wrote {out}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--S", type=int, nargs="+", default=list(SEQ_LENS))
@@ -323,19 +345,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="only write the markdown table and PNG of an existing JSON")
     args = ap.parse_args(argv)
     if args.report is not None:
-        doc = json.loads(args.report.read_text())
-        md = args.report.with_suffix(".md")
-        md.write_text(table(doc))
-        plot(doc, args.report.with_suffix(".png"))
-        print(md.read_text())
+        report(args.report, table, plot)
         return 0
-    out = args.out or Path(os.environ.get("OUT", ROOT / "bench" / "results")) / "prefill-h200.json"
     doc = {"meta": _meta(), "results": run(tuple(args.S), tuple(args.variants),
                                            tuple(args.impls), args.sweep)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    print(table(doc))
-    print(f"wrote {out}")
+    save(doc, args.out, "prefill-h200.json", table)
     return 0
 
 

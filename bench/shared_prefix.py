@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -100,12 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--report", type=Path, default=None)
     args = ap.parse_args(argv)
+    from prefill import _meta, report, save
+
     if args.report is not None:
-        doc = json.loads(args.report.read_text())
-        args.report.with_suffix(".md").write_text(table(doc))
-        print(table(doc))
+        report(args.report, table)
         return 0
-    from prefill import _meta
 
     results = []
     for p in args.prefix:
@@ -117,12 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"prefix {p} batch {b} Hkv {h} FAILED {type(e).__name__}: {e}")
                     results.append({"prefix": p, "batch": b, "hkv": h,
                                     "error": f"{type(e).__name__}: {str(e)[:300]}"})
-    doc = {"meta": _meta(), "results": results}
-    out = args.out or Path(os.environ.get("OUT", ROOT / "bench" / "results")) / \
-        "shared-prefix-h200.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    print(table(doc))
+    save({"meta": _meta(), "results": results}, args.out, "shared-prefix-h200.json", table)
     return 0
 
 
