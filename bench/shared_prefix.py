@@ -3,7 +3,8 @@
 Every request of a batch shares a prefix of P tokens and has its own 128-token suffix; each
 decodes one token (bf16, Hq=32, Hkv=32 by default, D=128, page size 16). The single format lists
 the prefix pages in every request's page table, so each request reads the prefix's KV; cascade
-attention reads it once for the whole batch and merges. Reported: time of each and the speedup.
+attention reads it once for the whole batch and merges. Reported: time of each (GPU time of a
+CUDA-graph replay, bench/timing.py; the eager times are kept too) and the speedup.
 
     python bench/shared_prefix.py               -> bench/results/shared-prefix-h200.json
     python bench/shared_prefix.py --report bench/results/shared-prefix-h200.json
@@ -41,7 +42,7 @@ def page_lists(prefix: int, batch: int, suffix: int, page: int
 
 def run_cell(prefix: int, batch: int, hkv: int) -> dict[str, Any]:
     import torch
-    from triton.testing import do_bench
+    from timing import time_call
 
     import attncc
 
@@ -67,10 +68,11 @@ def run_cell(prefix: int, batch: int, hkv: int) -> dict[str, Any]:
     a, b = ca.run(q, (k, v)), single.run(q, (k, v))
     torch.cuda.synchronize()
     err = float((a.float() - b.float()).norm() / b.float().norm())
-    t_c = do_bench(lambda: ca.run(q, (k, v)), warmup=25, rep=100, return_mode="median")
-    t_s = do_bench(lambda: single.run(q, (k, v)), warmup=25, rep=100, return_mode="median")
+    tc, ts = time_call(lambda: ca.run(q, (k, v))), time_call(lambda: single.run(q, (k, v)))
+    t_c, t_s = tc.get("ms_graph", tc["ms_eager"]), ts.get("ms_graph", ts["ms_eager"])
     rec = {"prefix": prefix, "batch": batch, "hkv": hkv, "suffix": SUFFIX, "cascade_ms": t_c,
-           "single_ms": t_s, "speedup": t_s / t_c, "rel_err": err}
+           "single_ms": t_s, "speedup": t_s / t_c, "rel_err": err,
+           "cascade": tc, "single": ts, "speedup_eager": ts["ms_eager"] / tc["ms_eager"]}
     print(f"prefix {prefix:6d} batch {batch:3d} Hkv {hkv:2d}: cascade {t_c * 1e3:8.1f} us, "
           f"single {t_s * 1e3:8.1f} us, speedup {t_s / t_c:5.2f}x (rel err {err:.1e})",
           flush=True)
@@ -91,6 +93,31 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Bars: cascade vs single-format time per (prefix, batch), speedup on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = [r for r in doc["results"] if "speedup" in r]
+    x = np.arange(len(res))
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.bar(x - 0.2, [r["single_ms"] * 1e3 for r in res], 0.4, label="single format")
+    ax.bar(x + 0.2, [r["cascade_ms"] * 1e3 for r in res], 0.4, label="cascade")
+    for i, r in enumerate(res):
+        ax.text(i, r["single_ms"] * 1e3, f"{r['speedup']:.1f}x", ha="center", va="bottom",
+                fontsize=8)
+    ax.set_xticks(x, [f"P={r['prefix'] // 1024}K\nB={r['batch']}" for r in res], fontsize=8)
+    ax.set_ylabel("us (CUDA-graph replay)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title(f"shared prefix + {SUFFIX}-token suffixes, decode, {doc['meta']['gpu']}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefix", type=int, nargs="+", default=list(PREFIXES))
@@ -102,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     from prefill import _meta, report, save
 
     if args.report is not None:
-        report(args.report, table)
+        report(args.report, table, plot)
         return 0
 
     results = []

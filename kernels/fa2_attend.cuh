@@ -16,10 +16,13 @@
 // Fused rows: head-group fusion stacks the gf query heads that share a KV head into the row
 // dimension (fused row = token * gf + head_in_group), so each K/V tile read serves the group.
 //
-// Warp layout: TQ / (16 * M_FRAGS) warps; warp w owns tile rows [16*M_FRAGS*w, 16*M_FRAGS*(w+1))
-// -- M_FRAGS 16-row MMA fragments. Each warp reads only its own Q rows and writes only its own O
-// rows, so the Q transform and the epilogue need just __syncwarp(); K/V tiles are shared by all
-// warps and need __syncthreads().
+// Warp layout: TQ / (16 * M_FRAGS) row warps; warp w owns tile rows [16*M_FRAGS*w,
+// 16*M_FRAGS*(w+1)) -- M_FRAGS 16-row MMA fragments. Each warp reads only its own Q rows and
+// writes only its own O rows, so the Q transform and the epilogue need just __syncwarp(); K/V
+// tiles are shared by all warps and need __syncthreads().
+// Decode (KV_WARPS > 1, TQ = 16): KV_WARPS warps share the one 16-row fragment and each takes a
+// TKV / KV_WARPS-row slice of every KV tile, keeping its own (m, l, O); at the end the slices'
+// states are merged through shared memory and warp 0 runs the epilogue.
 //
 // What the caller's `Work` provides (DenseWork in fa2_prefill.cuh, BatchWork in fa2_batch.cuh):
 //   int b, gf, head0, h_kv;      batch index the hooks see; heads fused per KV head; first query
@@ -42,15 +45,90 @@ namespace attncc {
 namespace fa2 {
 
 // ---------------------------------------------------------------------------------------------
+// Decode (KV_WARPS > 1): merge the KV slices' states of the shared 16-row fragment into warp 0.
+// Each warp holds rows lane/4 and lane/4 + 8 (hr = 0, 1) with its own running max m (base 2),
+// per-lane partial sum l and unnormalized O. The softmax merge is the composition operator:
+// m = max_k m_k, l = sum_k l_k 2^(m_k - m), O = sum_k O_k 2^(m_k - m). `red` is the K/V stage
+// memory, free once every warp has left the KV loop.
+// ---------------------------------------------------------------------------------------------
+template <bool kSoftmax, int D, int KV_WARPS>
+__device__ __forceinline__ void merge_kv_slices(float* red, int kvw, int lane, float (&o)[D / 8][4],
+                                                float (&m)[2], float (&l)[2]) {
+  float* red_m = red;                      // [KV_WARPS][16] row maxima
+  float* red_l = red + KV_WARPS * 16;      // [KV_WARPS][16] row sums
+  float* red_o = red + 2 * KV_WARPS * 16;  // [KV_WARPS - 1][16][D] rescaled O of warps 1..
+  __syncthreads();  // every warp is past its last read of the K/V stages
+  if constexpr (kSoftmax) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float lq = l[hr];
+      lq += __shfl_xor_sync(0xffffffffu, lq, 1);
+      lq += __shfl_xor_sync(0xffffffffu, lq, 2);
+      const int r = (lane >> 2) + 8 * hr;
+      if ((lane & 3) == 0) {
+        red_m[kvw * 16 + r] = m[hr];
+        red_l[kvw * 16 + r] = lq;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = (lane >> 2) + 8 * hr;
+      float mx = neg_inf();
+#pragma unroll
+      for (int k = 0; k < KV_WARPS; ++k) mx = fmaxf(mx, red_m[k * 16 + r]);
+      const float m_use = mx == neg_inf() ? 0.f : mx;  // all masked: every factor is 0, not NaN
+      float lsum = 0.f;
+#pragma unroll
+      for (int k = 0; k < KV_WARPS; ++k) lsum += red_l[k * 16 + r] * fast_exp2(red_m[k * 16 + r] - m_use);
+      const float f = fast_exp2(m[hr] - m_use);
+#pragma unroll
+      for (int nf = 0; nf < D / 8; ++nf) {
+        o[nf][2 * hr] *= f;
+        o[nf][2 * hr + 1] *= f;
+      }
+      m[hr] = mx;
+      l[hr] = (lane & 3) == 0 ? lsum : 0.f;  // the epilogue sums l over the lane quad
+    }
+  }
+  if (kvw > 0) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+      for (int nf = 0; nf < D / 8; ++nf)
+        *reinterpret_cast<float2*>(red_o + ((kvw - 1) * 16 + (lane >> 2) + 8 * hr) * D + nf * 8 +
+                                   2 * (lane & 3)) = make_float2(o[nf][2 * hr], o[nf][2 * hr + 1]);
+  }
+  __syncthreads();
+  if (kvw == 0) {
+#pragma unroll
+    for (int k = 1; k < KV_WARPS; ++k)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int nf = 0; nf < D / 8; ++nf) {
+          const float2 v = *reinterpret_cast<const float2*>(
+              red_o + ((k - 1) * 16 + (lane >> 2) + 8 * hr) * D + nf * 8 + 2 * (lane & 3));
+          o[nf][2 * hr] += v.x;
+          o[nf][2 * hr + 1] += v.y;
+        }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // One CTA tile of attention: TQ fused query rows against the KV tiles `w` lists.
 // ---------------------------------------------------------------------------------------------
 template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,
-          int M_FRAGS, typename Work>
+          int M_FRAGS, int KV_WARPS = 1, typename Work>
 __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant::Params& vp,
                                            float sm_scale) {
-  using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>;
+  using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>;
   constexpr int D = HEAD_DIM;
-  constexpr int N_FRAGS_S = TKV / 8;   // S accumulator fragments per 16-row fragment
+  constexpr int TKVW = TKV / KV_WARPS;  // KV rows of a tile this warp computes on
+  constexpr int N_FRAGS_S = TKVW / 8;  // S accumulator fragments per 16-row fragment
+  static_assert(KV_WARPS == 1 || 4 * (2 * KV_WARPS * 16 + (KV_WARPS - 1) * 16 * HEAD_DIM) <=
+                                     2 * 2 * STAGES * TKV * HEAD_DIM,
+                "the KV slices' merge must fit in the K/V stage memory");
   constexpr int N_FRAGS_O = D / 8;     // O accumulator fragments per 16-row fragment
   constexpr int CHUNKS = D / 8;        // 16-byte chunks per row
   constexpr float kLog2e = 1.4426950408889634f;
@@ -64,7 +142,8 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
-  const int warp = tid >> 5;
+  const int kvw = KV_WARPS > 1 ? tid >> 5 : 0;   // this warp's KV slice of each tile
+  const int warp = KV_WARPS > 1 ? 0 : tid >> 5;  // this warp's rows: row warp `warp`
   const int b = w.b;            // batch index the hooks see
   const int gf = w.gf;          // query heads fused per KV head (rows of one token)
   const FastDiv gdiv(gf);       // fused row -> token
@@ -114,17 +193,21 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
 
   if constexpr (Variant::has_query_transform) {
     // Each warp transforms only the rows it will read (its own fragments): __syncwarp suffices.
+    // KV-slice warps share their rows: the first transforms them, the block barrier publishes.
+    if (kvw == 0) {
 #pragma unroll 1
-    for (int r = warp * M_FRAGS * 16; r < (warp + 1) * M_FRAGS * 16; ++r) {
-      const int fr = row0 + r;
-      if (fr >= rows) continue;  // padding rows never reach the hooks
-      const int tok = gdiv.div(fr);
-      const int qi = w.q_position(tok);
-      const int hq = head0 + (fr - tok * gf);
-      transform_row<DType, D>(sQ, r, lane, [&](const SmemRow<DType, D>& q, int d) {
-        return Variant::QueryTransform(vp, q, b, hq, qi, d);
-      });
+      for (int r = warp * M_FRAGS * 16; r < (warp + 1) * M_FRAGS * 16; ++r) {
+        const int fr = row0 + r;
+        if (fr >= rows) continue;  // padding rows never reach the hooks
+        const int tok = gdiv.div(fr);
+        const int qi = w.q_position(tok);
+        const int hq = head0 + (fr - tok * gf);
+        transform_row<DType, D>(sQ, r, lane, [&](const SmemRow<DType, D>& q, int d) {
+          return Variant::QueryTransform(vp, q, b, hq, qi, d);
+        });
+      }
     }
+    if constexpr (KV_WARPS > 1) __syncthreads();
   }
 
   // ---- accumulators ----------------------------------------------------------------------------
@@ -157,13 +240,15 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   const fa2_u32 k_x = (fa2_u32)((lane >> 3) & 1) ^ l7;
   const fa2_u32 v_lane_off = 2 * D * (((lane >> 3) & 1) * 8 + l7);
   const fa2_u32 v_x = (fa2_u32)(lane >> 4) ^ l7;
-  const fa2_u32 sK_addr = smem_addr(sK);
-  const fa2_u32 sV_addr = smem_addr(sV);
+  // this warp's KV slice starts TKVW rows into each tile
+  const fa2_u32 sK_addr = smem_addr(sK) + 2 * D * TKVW * kvw;
+  const fa2_u32 sV_addr = smem_addr(sV) + 2 * D * TKVW * kvw;
 
   // Q fragments stay in registers for the whole KV loop when they fit (D/16 * 4 registers per
   // 16-row fragment: 32 at D=128): saves D/16 ldmatrix per KV tile. At D=256 (64 registers on top
-  // of a 128-register O accumulator) they are re-read from shared memory instead.
-  constexpr bool kQInRegs = D * M_FRAGS <= 128;
+  // of a 128-register O accumulator) they are re-read from shared memory instead, and so in decode
+  // (KV_WARPS > 1), which is bound by memory, not ldmatrix, and runs under a 128-register cap.
+  constexpr bool kQInRegs = D * M_FRAGS <= 128 && KV_WARPS == 1;
   fa2_u32 q_frag[kQInRegs ? M_FRAGS : 1][kQInRegs ? D / 16 : 1][4];
   if constexpr (kQInRegs) {
 #pragma unroll
@@ -196,7 +281,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
     fa2_u16* sVs = sV + stage * Cfg::kTileElems;
     if constexpr (Variant::has_key_transform || Variant::has_value_transform) {
 #pragma unroll 1
-      for (int r = warp; r < TKV; r += Cfg::kWarps) {
+      for (int r = tid >> 5; r < TKV; r += Cfg::kWarps) {
         const int kv = kv0 + r;
         if (kv >= kv_len) break;
         if constexpr (Variant::has_key_transform)
@@ -238,7 +323,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
           }
         }
 #pragma unroll
-        for (int np = 0; np < TKV / 16; ++np) {
+        for (int np = 0; np < TKVW / 16; ++np) {
           // B fragments of two 8-column n-fragments (K rows are the n index); lane groups of 8
           // address matrices (n0-7,k0-7) (n0-7,k8-15) (n8-15,k0-7) (n8-15,k8-15).
           fa2_u32 bk[4];
@@ -274,7 +359,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
           for (int nf = 0; nf < N_FRAGS_S; ++nf)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const int kv = kv0 + nf * 8 + 2 * (lane & 3) + e;
+              const int kv = kv0 + TKVW * kvw + nf * 8 + 2 * (lane & 3) + e;
               float sc = s_acc[mf][nf][2 * hr + e] * qk_scale;
               if (kBounds && (!row_in || (unsigned)kv >= (unsigned)kv_len)) {
                 sc = masked;
@@ -356,11 +441,11 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
     // O += P V. The S accumulator of n-fragments 2kk, 2kk+1 is exactly the A-fragment layout of
     // k-step kk (rows lane/4, lane/4+8; k = 2*(lane%4) + {0,1} and + 8), so P never leaves
     // registers; it is packed to 16 bits once, halving its register footprint during PV.
-    fa2_u32 pa[M_FRAGS][TKV / 16][4];
+    fa2_u32 pa[M_FRAGS][TKVW / 16][4];
 #pragma unroll
     for (int mf = 0; mf < M_FRAGS; ++mf)
 #pragma unroll
-      for (int kk = 0; kk < TKV / 16; ++kk) {
+      for (int kk = 0; kk < TKVW / 16; ++kk) {
         pa[mf][kk][0] = pack2<DType>(s_acc[mf][2 * kk][0], s_acc[mf][2 * kk][1]);
         pa[mf][kk][1] = pack2<DType>(s_acc[mf][2 * kk][2], s_acc[mf][2 * kk][3]);
         pa[mf][kk][2] = pack2<DType>(s_acc[mf][2 * kk + 1][0], s_acc[mf][2 * kk + 1][1]);
@@ -370,7 +455,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
       const fa2_u32 va = opaque(sV_addr + 2 * stage * Cfg::kTileElems + v_lane_off);
       const fa2_u32 vx = opaque(v_x);
 #pragma unroll
-      for (int kk = 0; kk < TKV / 16; ++kk) {
+      for (int kk = 0; kk < TKVW / 16; ++kk) {
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           // V is [kv][d] row-major = B row-major: ldmatrix.trans yields the col fragment. Lane
@@ -387,6 +472,11 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
     }
   }
   cp_async_wait<0>();  // only empty groups can remain; drain them before the CTA exits
+  if constexpr (KV_WARPS > 1) {
+    merge_kv_slices<kSoftmax, D, KV_WARPS>(reinterpret_cast<float*>(sK), kvw, lane, o_acc[0],
+                                           row_m[0], row_l[0]);
+    if (kvw != 0) return;  // warp 0 holds the merged state; the epilogue is per warp
+  }
 
   // ---- epilogue --------------------------------------------------------------------------------
   float lse_val[M_FRAGS][2];

@@ -156,10 +156,10 @@ struct BatchWork {
 
 // The persistent attention kernel: this CTA's queue of work units, in order.
 template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,
-          int M_FRAGS>
+          int M_FRAGS, int KV_WARPS>
 __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp) {
-  using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>;
+  using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>;
   const int first = __ldg(p.cta_indptr + blockIdx.x);
   const int last = __ldg(p.cta_indptr + blockIdx.x + 1);
 #pragma unroll 1
@@ -167,17 +167,27 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
     const WorkUnit u = load_unit(p.units, __ldg(p.cta_units + i));
     __syncthreads();  // the previous unit's epilogue is done with shared memory
     const BatchWork<DType, HEAD_DIM, TQ, TKV, Cfg::kThreads> w(p, u);
-    fa2_attend<Variant, DType, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>(w, vp, p.sm_scale);
+    fa2_attend<Variant, DType, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(w, vp, p.sm_scale);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Merge: one CTA per split work item, one warp per fused row at a time. The partial states are
+// Merge: one CTA per split work item, one warp per fused row at a time (16 warps). The partial states are
 // combined with the attention composition operator -- LSE = log sum exp(LSE_s), O = sum
 // exp(LSE_s - LSE) O_s -- summing the slots in the plan's order (ascending KV start), so the
 // result does not depend on which CTA finished first. No-softmax variants just add the parts.
+//
+// The partials were just written and sit in L2, so the merge is bound by load latency, not
+// bandwidth: a long request split into many chunks must not walk its slots one dependent load at
+// a time. The lanes first read up to 32 slots' LSEs at once (max and sum by shuffles) and stage
+// the slots' weights in shared memory; then every lane owns D/32 columns and sums the slots'
+// rows kMergeUnroll at a time, so that many independent loads are in flight per lane.
 // ---------------------------------------------------------------------------------------------
-constexpr int kMergeThreads = 128;
+// 16 warps: a decode tile's 16 rows are merged at once (a long request's rows each walk many
+// slots, so rows, not columns, are the parallelism). attncc.runtime.batch.MERGE_THREADS mirrors it.
+constexpr int kMergeThreads = 512;
+constexpr int kMergeChunk = 128;  // slots whose weights are staged at once (per warp)
+constexpr int kMergeUnroll = 8;
 
 struct FloatRow {  // a staged output row, as the OutputTransform's `Vec`
   const float* row;
@@ -188,9 +198,13 @@ template <typename Variant, typename DType, int HEAD_DIM, int TQ>
 __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp) {
   constexpr int D = HEAD_DIM;
+  constexpr int COLS = D / 32;  // consecutive columns per lane: 2, 4 or 8 floats
   constexpr int WARPS = kMergeThreads / 32;
   constexpr float kLog2e = 1.4426950408889634f;
+  constexpr bool kSoftmax = Variant::use_softmax;
   __shared__ float rows_buf[WARPS][D];
+  __shared__ float wts[WARPS][kMergeChunk];
+  __shared__ int slots[WARPS][kMergeChunk];
   const int m = blockIdx.x;
   if (m >= __ldg(p.num_merges)) return;  // the grid is sized for the largest plan
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -202,39 +216,58 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
   const int head0 = kv_head * gf;
   const int q_pos0 = request_q_pos0(p, request);
   float* buf = rows_buf[warp];
+  auto lse_of = [&](int s, int r) -> float {
+    return p.partial_lse[(attncc::i64)__ldg(p.merge_slots + s) * TQ + r];
+  };
 
 #pragma unroll 1
   for (int r = warp; r < q_rows; r += WARPS) {
-    float lse = 0.f;
-    if constexpr (Variant::use_softmax) {
-      float mx = neg_inf();
-      for (int s = s0; s < s1; ++s)
-        mx = fmaxf(mx, p.partial_lse[(attncc::i64)__ldg(p.merge_slots + s) * TQ + r]);
-      float wsum = 0.f;
-      for (int s = s0; s < s1; ++s) {
-        const float l = p.partial_lse[(attncc::i64)__ldg(p.merge_slots + s) * TQ + r];
-        wsum += mx == neg_inf() ? 0.f : fast_exp2((l - mx) * kLog2e);
-      }
-      const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-      for (int d = lane; d < D; d += 32) {
-        float acc = 0.f;
-        for (int s = s0; s < s1; ++s) {
-          const attncc::i64 slot = __ldg(p.merge_slots + s);
-          const float l = p.partial_lse[slot * TQ + r];
-          const float wgt = mx == neg_inf() ? 0.f : fast_exp2((l - mx) * kLog2e);
-          acc += wgt * p.partial_o[(slot * TQ + r) * D + d];
+    // the row's LSE over all slots: max, then the sum of 2^((l - max) log2 e), 32 slots per step
+    float mx = neg_inf(), wsum = 0.f;
+    if constexpr (kSoftmax) {
+      for (int s = s0 + lane; s < s1; s += 32) mx = fmaxf(mx, lse_of(s, r));
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      for (int s = s0 + lane; s < s1; s += 32)
+        wsum += mx == neg_inf() ? 0.f : fast_exp2((lse_of(s, r) - mx) * kLog2e);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    float acc[COLS];
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) acc[c] = 0.f;
+#pragma unroll 1
+    for (int c0 = s0; c0 < s1; c0 += kMergeChunk) {
+      const int n = min(kMergeChunk, s1 - c0);
+      __syncwarp();  // the previous chunk's weights are consumed
+      for (int i = lane; i < n; i += 32) {
+        const int slot = __ldg(p.merge_slots + c0 + i);
+        slots[warp][i] = slot;
+        if constexpr (kSoftmax) {
+          const float l = p.partial_lse[(attncc::i64)slot * TQ + r];
+          wts[warp][i] = mx == neg_inf() ? 0.f : fast_exp2((l - mx) * kLog2e) * inv;
+        } else {
+          wts[warp][i] = 1.f;
         }
-        buf[d] = acc * inv;
       }
-      lse = wsum > 0.f ? mx + __logf(wsum) : neg_inf();
-    } else {
-      for (int d = lane; d < D; d += 32) {
-        float acc = 0.f;
-        for (int s = s0; s < s1; ++s)
-          acc += p.partial_o[((attncc::i64)__ldg(p.merge_slots + s) * TQ + r) * D + d];
-        buf[d] = acc;
+      __syncwarp();
+      // slots in plan order, one accumulator per column: the sum is the same on every run
+#pragma unroll kMergeUnroll
+      for (int i = 0; i < n; ++i) {
+        const float* src = p.partial_o + ((attncc::i64)slots[warp][i] * TQ + r) * D + lane * COLS;
+        const float w = wts[warp][i];
+#pragma unroll
+        for (int c = 0; c < COLS; c += 2) {
+          const float2 v = *reinterpret_cast<const float2*>(src + c);
+          acc[c] += w * v.x;
+          acc[c + 1] += w * v.y;
+        }
       }
     }
+    const float lse = kSoftmax && wsum > 0.f ? mx + __logf(wsum) : (kSoftmax ? neg_inf() : 0.f);
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) buf[lane * COLS + c] = acc[c];
     __syncwarp();
     const int fr = q_start + r;
     const int tok = fr / gf;
@@ -255,7 +288,7 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
 #pragma unroll
     for (int j = 0; j < D / 32; ++j)
       reinterpret_cast<fa2_u16*>(out)[lane + 32 * j] = float_to_elem<DType>(vals[j]);
-    if constexpr (Variant::use_softmax) {
+    if constexpr (kSoftmax) {
       if (p.lse != nullptr && lane == 0)
         p.lse[(attncc::i64)(qo_offset + tok) * p.lse_stride_tok + hq] = lse;
     }
@@ -268,16 +301,17 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
 
 // The line codegen emits per batch kernel: the persistent attention kernel NAME (grid: the plan's
 // num_ctas; block: Config::kThreads; dynamic shared memory: Config::kSmemBytes) and its merge
-// kernel NAME_merge (grid: the layout's max_merges; block: 128; static shared memory only).
-#define ATTNCC_FA2_BATCH_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS)         \
-  extern "C" __global__ void __launch_bounds__(                                                \
-      attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>::kThreads, 1)                    \
-      NAME(attncc::BatchParams p, VARIANT::Params vp) {                                        \
-    attncc::fa2::fa2_batch<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>(p, vp);         \
-  }                                                                                            \
-  extern "C" __global__ void __launch_bounds__(attncc::fa2::kMergeThreads, 1)                  \
-      NAME##_merge(attncc::BatchParams p, VARIANT::Params vp) {                                \
-    attncc::fa2::fa2_merge<VARIANT, DTYPE, HEAD_DIM, TQ>(p, vp);                               \
+// kernel NAME_merge (grid: the layout's max_merges; block: kMergeThreads; static shared memory).
+#define ATTNCC_FA2_BATCH_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS) \
+  extern "C" __global__ void __launch_bounds__(                                                    \
+      attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kThreads,                 \
+      attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kMinBlocks)               \
+      NAME(attncc::BatchParams p, VARIANT::Params vp) {                                            \
+    attncc::fa2::fa2_batch<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(p, vp);   \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(attncc::fa2::kMergeThreads, 1)                      \
+      NAME##_merge(attncc::BatchParams p, VARIANT::Params vp) {                                    \
+    attncc::fa2::fa2_merge<VARIANT, DTYPE, HEAD_DIM, TQ>(p, vp);                                   \
   }
 
 #endif  // ATTNCC_FA2_BATCH_CUH

@@ -205,7 +205,7 @@ __device__ __forceinline__ void transform_row(fa2_u16* tile, int row, int lane, 
 // Compile-time configuration shared by the kernel, the entry-point macro and (mirrored) the Python
 // launcher (attncc.runtime.gpu_flex.fa2_config).
 // ---------------------------------------------------------------------------------------------
-template <int HEAD_DIM, int TQ, int TKV, int STAGES, int M_FRAGS>
+template <int HEAD_DIM, int TQ, int TKV, int STAGES, int M_FRAGS, int KV_WARPS = 1>
 struct Config {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head dim 64/128/256");
   static_assert(TQ == 16 || TQ == 32 || TQ == 64 || TQ == 128, "TQ in {16,32,64,128}");
@@ -218,20 +218,38 @@ struct Config {
   // reports no spills (bench/NOTES.md).
   static_assert(M_FRAGS == 1 || M_FRAGS == 2, "1 or 2 fragments per warp");
   static_assert(TQ % (16 * M_FRAGS) == 0, "TQ must be a multiple of 16 * M_FRAGS");
+  // KV_WARPS > 1 (decode): the warps share one 16-row Q fragment and split every KV tile into
+  // KV_WARPS column slices, each with its own online-softmax state, merged once at the end. A
+  // decode tile has 16 rows -- one warp's worth -- so without this a CTA is one warp and the
+  // SM runs few of the loads a bandwidth-bound kernel needs in flight.
+  static_assert(KV_WARPS == 1 || (TQ == 16 && M_FRAGS == 1 && TKV / KV_WARPS >= 16 &&
+                                  TKV % (16 * KV_WARPS) == 0),
+                "KV_WARPS > 1 needs TQ = 16, one fragment and KV slices of 16 rows or more");
   static constexpr int kMFrags = M_FRAGS;
-  static constexpr int kWarps = TQ / (16 * kMFrags);
+  static constexpr int kKvWarps = KV_WARPS;
+  static constexpr int kRowWarps = TQ / (16 * kMFrags);
+  static constexpr int kWarps = kRowWarps * KV_WARPS;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kTileElems = TKV * HEAD_DIM;
   static constexpr int kSmemBytes = 2 * HEAD_DIM * (TQ + 2 * STAGES * TKV);
+  // CTAs per SM asked of ptxas (__launch_bounds__): one (up to 255 registers) for the compute
+  // bound tiles; decode CTAs (KV_WARPS > 1) as many as 227 KB of shared memory and 128 registers
+  // per thread allow, so several CTAs' loads are in flight per SM and ptxas gets every register
+  // that residency leaves. Mirrored by attncc.runtime.batch.choose_batch_tiles.
+  static constexpr int kMinBlocks =
+      KV_WARPS == 1 ? 1
+                    : (65536 / (kThreads * 128) < (227 * 1024) / kSmemBytes
+                           ? 65536 / (kThreads * 128)
+                           : ((227 * 1024) / kSmemBytes > 0 ? (227 * 1024) / kSmemBytes : 1));
 };
 
-template <int HEAD_DIM, int TQ, int TKV, int STAGES, int M_FRAGS>
+template <int HEAD_DIM, int TQ, int TKV, int STAGES, int M_FRAGS, int KV_WARPS = 1>
 __host__ __device__ constexpr int fa2_smem_bytes() {
-  return Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>::kSmemBytes;
+  return Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kSmemBytes;
 }
-template <int HEAD_DIM, int TQ, int TKV, int STAGES, int M_FRAGS>
+template <int HEAD_DIM, int TQ, int TKV, int STAGES, int M_FRAGS, int KV_WARPS = 1>
 __host__ __device__ constexpr int fa2_num_threads() {
-  return Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>::kThreads;
+  return Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kThreads;
 }
 
 // Which KV tiles a CTA visits: all of them (no block mask), or FlexAttention's BSR lists for the

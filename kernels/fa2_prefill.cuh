@@ -137,12 +137,12 @@ struct DenseWork {
 };
 
 template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,
-          int M_FRAGS>
+          int M_FRAGS, int KV_WARPS>
 __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
                                             const typename Variant::Params& vp) {
-  using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>;
+  using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>;
   const DenseWork<DType, HEAD_DIM, TQ, TKV, Cfg::kThreads> w(p);
-  fa2_attend<Variant, DType, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>(w, vp, p.sm_scale);
+  fa2_attend<Variant, DType, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(w, vp, p.sm_scale);
 }
 
 }  // namespace fa2
@@ -154,11 +154,12 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
 // launcher checks kThreads against the function's CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK).
 // __launch_bounds__(threads, 1): one CTA per SM is all we ask, so ptxas may use up to 255
 // registers (with no minimum it sometimes capped small CTAs at 128 registers and spilled).
-#define ATTNCC_FA2_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS)               \
-  extern "C" __global__ void __launch_bounds__(                                                \
-      attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>::kThreads, 1)                    \
-      NAME(attncc::AttentionParams p, VARIANT::Params vp) {                                    \
-    attncc::fa2::fa2_prefill<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS>(p, vp);       \
+#define ATTNCC_FA2_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)       \
+  extern "C" __global__ void __launch_bounds__(                                                    \
+      attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kThreads,                 \
+      attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kMinBlocks)               \
+      NAME(attncc::AttentionParams p, VARIANT::Params vp) {                                        \
+    attncc::fa2::fa2_prefill<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(p, vp); \
   }
 
 #endif  // ATTNCC_FA2_PREFILL_CUH

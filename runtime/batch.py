@@ -35,6 +35,8 @@ Example (CPU: the plan and its checks; `run` needs a CUDA GPU):
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import threading
 from dataclasses import dataclass
@@ -46,7 +48,7 @@ import torch
 from attncc.frontend import Variant
 from attncc.ir.program import Bindings, VariantIR
 
-from . import scheduler
+from . import planner, scheduler
 from .gpu_flex import HEAD_DIMS, _captured, _spill_bytes, fa2_config, fa2_source
 
 __all__ = ["BatchAttention", "BatchTiles", "batch_attention_reference", "KV_LAYOUTS"]
@@ -54,12 +56,14 @@ __all__ = ["BatchAttention", "BatchTiles", "batch_attention_reference", "KV_LAYO
 KV_LAYOUTS = ("NHD", "HND", "ragged")
 _RAGGED_PAGE = 1 << 30  # a ragged request is one "page" this long (see batch_params.cuh)
 _INT = np.int32
+MERGE_THREADS = 512  # kernels/fa2_batch.cuh kMergeThreads: one warp per row of a 16-row tile
 
 
 @dataclass(frozen=True)
 class BatchTiles:
     """The FA2 configuration of a plan: fused query rows per tile, KV rows per tile, pipeline
-    depth, 16-row MMA fragments per warp, and the persistent grid."""
+    depth, 16-row MMA fragments per warp, the persistent grid, and (decode) the warps that split
+    each KV tile."""
 
     tq: int
     tkv: int
@@ -67,48 +71,64 @@ class BatchTiles:
     m_frags: int
     ctas_per_sm: int
     num_ctas: int
+    kv_warps: int = 1
 
 
 def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
-                       force: tuple[int, int, int] | None = None) -> BatchTiles:
+                       force: tuple[int, ...] | None = None) -> BatchTiles:
     """Tiles for a batch whose longest request has `max_fused_rows` (query tokens x GQA group);
-    `force=(T_q, T_kv, stages)` takes those instead (the grid still follows residency).
+    `force=(T_q, T_kv, stages[, kv_warps])` takes those instead (the grid still follows
+    residency).
 
-    Decode (a few fused rows) gets 16-row tiles: one warp per tile, and many CTAs per SM to keep
-    enough KV loads in flight; prefill gets the prefill kernel's 128-row tiles at D <= 128.
+    Decode (up to 16 fused rows) gets 16-row tiles with 2 warps splitting each 32-row KV tile:
+    the memory-bound case wants many loads in flight per SM, and a 16-row tile alone is one
+    warp (measured on the H200: bench/NOTES.md, 2026-11-30). Larger tiles are FA2's, with the
+    prefill kernel's 128-row tiles at D <= 128.
 
     Example:
         >>> choose_batch_tiles(128, 8, 132)
-        BatchTiles(tq=16, tkv=32, stages=2, m_frags=1, ctas_per_sm=6, num_ctas=792)
+        BatchTiles(tq=16, tkv=32, stages=2, m_frags=1, ctas_per_sm=6, num_ctas=792, kv_warps=2)
         >>> choose_batch_tiles(128, 4096, 132).tq
         128
     """
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim}: the batch kernel supports {HEAD_DIMS}")
     tq = next((t for t in (16, 32, 64) if t >= max_fused_rows), 128 if head_dim <= 128 else 64)
-    # small tiles (decode) are bandwidth-bound: 32-row KV tiles halve the shared memory per CTA
-    # so twice as many CTAs (and their loads) are in flight per SM
+    # small tiles are bandwidth-bound: 32-row KV tiles halve the shared memory per CTA so twice
+    # as many CTAs (and their loads) are in flight per SM
     tkv = 32 if head_dim == 256 or tq <= 32 else 64
-    stages = 2
+    stages, kv_warps = 2, 1
+    if tq == 16:
+        kv_warps = 2
     if force is not None:
-        tq, tkv, stages = force
+        tq, tkv, stages = force[:3]
+        kv_warps = force[3] if len(force) > 3 else 1
     m_frags = 2 if tq == 128 and head_dim <= 128 else 1
-    cfg = fa2_config(head_dim, tq, tkv, stages, m_frags)
-    # residency: 255 registers per thread (64K per SM) and 227 KB of shared memory per SM
-    by_regs = 65536 // (cfg.threads * 256)
+    cfg = fa2_config(head_dim, tq, tkv, stages, m_frags, kv_warps)
+    # residency: 64K registers and 227 KB of shared memory per SM, with registers per thread as
+    # the kernel's __launch_bounds__ caps them (fa2_common.cuh's kMinBlocks: decode CTAs fit 128
+    # registers per thread, the others may take 255)
+    by_regs = 65536 // (cfg.threads * (128 if kv_warps > 1 else 256))
     by_smem = (227 * 1024) // cfg.smem_bytes
     per_sm = max(1, min(by_regs, by_smem, 16))
-    return BatchTiles(tq, tkv, stages, m_frags, per_sm, per_sm * num_sms)
+    return BatchTiles(tq, tkv, stages, m_frags, per_sm, per_sm * num_sms, kv_warps)
 
 
-def _np_int(x: Any, name: str) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach().to("cpu").numpy()
-    a = np.asarray(x)
-    if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+def _np_int(x: Any, name: str, copy: bool = True, int32_ok: bool = False) -> np.ndarray:
+    """`x` (tensor, array, list) as a 1-D int64 numpy array, a copy unless `copy=False`
+    (`int32_ok`: int32 stays int32); a ValueError naming `name` if it is not 1-D integers."""
+    if type(x) is not np.ndarray:  # (the cheap test first: plan() runs every step)
+        if isinstance(x, torch.Tensor):
+            x = x.detach().to("cpu").numpy()
+        x = np.asarray(x)
+    a = x
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"
+                       and not np.issubdtype(a.dtype, np.integer)):
         raise ValueError(f"{name} must be a 1-D integer array, got shape {a.shape} dtype "
                          f"{a.dtype}")
-    return a.astype(np.int64)
+    if int32_ok and a.dtype == np.int32:
+        return a
+    return a.astype(np.int64, copy=copy)
 
 
 def _check_indptr(a: np.ndarray, name: str) -> None:
@@ -118,6 +138,73 @@ def _check_indptr(a: np.ndarray, name: str) -> None:
         i = int(np.argmax(np.diff(a) < 0))
         raise ValueError(f"{name} must be non-decreasing: {name}[{i}] = {int(a[i])} > "
                          f"{name}[{i + 1}] = {int(a[i + 1])}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _page_shift(page_size: int) -> int:
+    """log2(page_size) for the kernel's page arithmetic, -1 when not a power of two."""
+    return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """SMs of `device`; CPU planning (no GPU) assumes an H100/H200's 132."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=256)
+def _batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
+                 force: tuple[int, ...] | None) -> BatchTiles:
+    """`choose_batch_tiles`, memoised: plan() runs every generation step."""
+    return choose_batch_tiles(head_dim, max_fused_rows, num_sms, force)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_layout(max_batch: int, max_qo_tokens: int, num_ctas: int, num_qo_heads: int,
+                 num_kv_heads: int, tile_q: int) -> scheduler.PlanLayout:
+    """`scheduler.PlanLayout(...)`, memoised: plan() needs the same few every step."""
+    return scheduler.PlanLayout(max_batch, max_qo_tokens, num_ctas, num_qo_heads, num_kv_heads,
+                                tile_q)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """A checked batch: what `BatchAttention.plan` schedules and stages."""
+
+    qo: np.ndarray              # int64 [batch+1] query CSR (a copy: the instance keeps it)
+    kv_lens: np.ndarray         # int64 [batch]
+    page_indptr: np.ndarray     # [batch+1] CSR of `pages`
+    pages: np.ndarray           # page ids (ragged: each request's first KV token)
+    page: int                   # tokens per page (ragged: _RAGGED_PAGE)
+    shift: int                  # log2(page), -1 when not a power of two
+    max_page: int               # pages (ragged: tokens) the KV cache must hold
+    max_q_len: int              # the longest request's query tokens
+    qpos: np.ndarray | None = None
+    kvoff: np.ndarray | None = None
+
+
+class _LazyPlan:
+    """The `scheduler.Plan` a `BatchAttention.plan` packed, computed on first attribute access.
+
+    plan() packs straight into the staging buffer and never needs the typed arrays; inspection
+    and tests do (`ba._plan.num_merges`). Same arguments, so the same plan (scheduler.plan_into
+    and scheduler.plan are tested to agree word for word)."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        self._args, self._kwargs = args, kwargs
+        self._plan: _LazyPlan | None = None  # the typed plan, computed when looked at
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not a Plan field (and no recursion before __init__ ran)
+            raise AttributeError(name)
+        if self._plan is None:
+            self._plan = scheduler.plan(*self._args, **self._kwargs)
+        return getattr(self._plan, name)
 
 
 class _Kernels:
@@ -134,10 +221,11 @@ class _Kernels:
         with torch.cuda.device(device):
             arch = device_arch()
         self.ir = simplify_variant(ir)
-        self.config = fa2_config(head_dim, tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags)
+        self.config = fa2_config(head_dim, tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
+                                 tiles.kv_warps)
         src, name, vp_layout, bp_layout = fa2_source(
             self.ir, head_dim=head_dim, dtype=dtype, tq=tiles.tq, tkv=tiles.tkv,
-            stages=tiles.stages, m_frags=tiles.m_frags, batch=True)
+            stages=tiles.stages, m_frags=tiles.m_frags, batch=True, kv_warps=tiles.kv_warps)
         res, _ = cached_compile(src, arch=arch, name=f"{name}.cu", verbose=True)
         self.spill_bytes = _spill_bytes(res.log)
         self.attend = load_kernel(res.cubin, name, bp_layout, vp_layout, device=device,
@@ -153,7 +241,8 @@ _KERNELS_LOCK = threading.Lock()
 def _kernels_for(ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
                  device: int) -> _Kernels:
     key = (tuple((n, h.expr) for n, h in ir.hooks.items()), ir.normalize, ir.name, ir.scalars,
-           ir.tensors, head_dim, dtype, tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags, device)
+           ir.tensors, head_dim, dtype, tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
+           tiles.kv_warps, device)
     with _KERNELS_LOCK:
         hit = _KERNELS.get(key)
         if hit is None:
@@ -169,15 +258,16 @@ class BatchAttention:
     first `plan`); `workspace_bytes()` says how large it must be. The maxima bound every later
     plan (and so the workspace): `max_batch` requests, `max_qo_tokens` query tokens, `max_pages`
     page ids per batch. `balance=False` is the no-scheduler ablation: one CTA per (request,
-    KV head, query tile), no KV splitting. Tuning knobs (benchmarks): `tiles=(T_q, T_kv,
-    stages)` overrides the heuristic's tiles, `min_kv_chunk` is the scheduler's smallest KV
-    chunk (fewer, longer units: fewer pipeline restarts and partial states).
+    KV head, query tile), no KV splitting. Tuning knobs (benchmarks): `tiles=(T_q, T_kv, stages[,
+    kv_warps])` overrides the heuristic's tiles, `min_kv_chunk` is the scheduler's smallest KV
+    chunk (fewer, longer units: fewer pipeline restarts and partial states; default 256 tokens
+    for decode tiles, 128 otherwise).
     """
 
     def __init__(self, variant: Variant | None = None, workspace_buffer: torch.Tensor | None = None,
                  kv_layout: str = "NHD", *, max_batch: int = 256, max_qo_tokens: int = 16384,
                  max_pages: int = 1 << 20, balance: bool = True,
-                 tiles: tuple[int, int, int] | None = None, min_kv_chunk: int = 128,
+                 tiles: tuple[int, ...] | None = None, min_kv_chunk: int | None = None,
                  device: Any = "cuda") -> None:
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={kv_layout!r}: use one of {KV_LAYOUTS}")
@@ -189,7 +279,7 @@ class BatchAttention:
         self.max_batch, self.max_qo_tokens, self.max_pages = max_batch, max_qo_tokens, max_pages
         self.balance = balance
         self._forced_tiles = tiles
-        self.min_kv_chunk = int(min_kv_chunk)
+        self.min_kv_chunk = None if min_kv_chunk is None else int(min_kv_chunk)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -197,8 +287,9 @@ class BatchAttention:
         self.tiles: BatchTiles | None = None
         self.layout: scheduler.PlanLayout | None = None
         self._staging: torch.Tensor | None = None
+        self._staging_np = np.zeros(0, dtype=np.int32)  # numpy view of _staging
         self._copy_done: torch.cuda.Event | None = None
-        self._plan: scheduler.Plan | None = None
+        self._plan: _LazyPlan | None = None  # the typed plan, computed when looked at
 
     # ------------------------------------------------------------------------------ plan
     def plan(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any = None,
@@ -214,7 +305,82 @@ class BatchAttention:
         `kv_len_i - q_len_i + t` and KV token j is position j. `q_positions` ([total query
         tokens]) overrides the first and `kv_position_offset` ([batch]) shifts the second --
         what CascadeAttention uses for a shared prefix and the suffixes after it.
+
+        Host time: with the compiled planner (runtime/planner.c) the arrays are checked in one
+        pass and the plan is computed straight into the pinned staging buffer
+        (`scheduler.plan_into`); bench/plan_time.py measures it. Without a C compiler the same
+        plan comes from numpy.
         """
+        b = None
+        if q_positions is None and kv_position_offset is None:
+            b = self._checked_fast(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                   num_qo_heads, num_kv_heads, head_dim, page_size)
+        fast = b is not None
+        if b is None:
+            b = self._checked(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
+                              num_kv_heads, head_dim, page_size, q_positions, kv_position_offset)
+        group = num_qo_heads // num_kv_heads
+        tiles = self._tiles_for(head_dim, b.max_q_len * group)
+        floor = self.min_kv_chunk or (256 if tiles.tq == 16 else 128)  # H200 sweep, NOTES.md
+        if not self.balance:  # one CTA per work item, each item's whole KV range in one unit
+            items = num_kv_heads * int(np.sum(-(-(np.diff(b.qo) * group) // tiles.tq)))
+            tiles = dataclasses.replace(tiles, num_ctas=max(items, 1))
+            floor = max(int(b.kv_lens.max(initial=0)), 1)
+        layout = _plan_layout(self.max_batch, self.max_qo_tokens, tiles.num_ctas, num_qo_heads,
+                              num_kv_heads, tiles.tq)
+        args = (b.qo, b.kv_lens, num_qo_heads, num_kv_heads, tiles.tq, tiles.num_ctas)
+        kwargs = dict(kv_chunk_align=tiles.tkv, min_kv_chunk=floor)
+        buf = self._staging_for(layout)
+        # the plan, packed straight into the staging buffer; raises as scheduler.plan would
+        scheduler.plan_into(buf[:layout.size], layout, *args, **kwargs, checked=fast)
+        self.tiles, self.layout, self._plan = tiles, layout, _LazyPlan(args, kwargs)
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.page_size, self.page_shift, self._max_page = b.page, b.shift, b.max_page
+        self.qo_indptr, self.kv_lens = b.qo, b.kv_lens
+        self._stage(buf, b)
+
+    def _checked_fast(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any,
+                      kv_last_page_len: Any, num_qo_heads: Any, num_kv_heads: Any,
+                      head_dim: Any, page_size: Any) -> _Batch | None:
+        """The batch, checked by the compiled planner in one pass, or None when that cannot
+        vouch for it (no C compiler, an unusual argument, a failed check): `_checked` then runs
+        the reference checks, which raise naming the argument. Never raises itself, so which
+        error a bad call gets does not depend on the path."""
+        ragged = self.kv_layout == "ragged"
+        plain = (_is_int(num_qo_heads) and _is_int(num_kv_heads) and num_kv_heads > 0
+                 and num_qo_heads % num_kv_heads == 0 and _is_int(head_dim)
+                 and head_dim in HEAD_DIMS
+                 and (ragged or (isinstance(page_size, int) and page_size >= 1))
+                 and (kv_indices is None) == ragged and (kv_last_page_len is None) == ragged)
+        if not plain:
+            return None
+        try:
+            qo = _np_int(qo_indptr, "qo_indptr")
+            kvp = _np_int(kv_indptr, "kv_indptr", copy=False)
+            pages = None if ragged else _np_int(kv_indices, "kv_indices", copy=False,
+                                                int32_ok=True)
+            last = None if ragged else _np_int(kv_last_page_len, "kv_last_page_len", copy=False)
+        except ValueError:
+            return None
+        checked = planner.check_batch(qo, kvp, pages, last, page_size=1 if ragged else page_size,
+                                      max_batch=self.max_batch,
+                                      max_qo_tokens=self.max_qo_tokens,
+                                      max_pages=self.max_pages)
+        if checked is None:
+            return None
+        kv_lens, max_q_len, max_page = checked
+        if ragged:  # one "page" per request: its first token
+            return _Batch(qo, kv_lens, np.arange(qo.size), kvp[:-1], _RAGGED_PAGE, 30, max_page,
+                          max_q_len)
+        assert pages is not None
+        return _Batch(qo, kv_lens, kvp, pages, page_size, _page_shift(page_size), max_page,
+                      max_q_len)
+
+    def _checked(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any,
+                 num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 q_positions: Any, kv_position_offset: Any) -> _Batch:
+        """`plan`'s reference checks (numpy): the first failure raises a ValueError that names
+        the argument and what to fix."""
         qo = _np_int(qo_indptr, "qo_indptr")
         kvp = _np_int(kv_indptr, "kv_indptr")
         _check_indptr(qo, "qo_indptr")
@@ -240,7 +406,7 @@ class BatchAttention:
             pages = kvp[:-1]                      # one "page" per request: its first token
             page_indptr = np.arange(batch + 1)
             page, shift = _RAGGED_PAGE, 30
-            self._max_page = int(kvp[-1])          # tokens the cache must hold
+            max_page = int(kvp[-1])                # tokens the cache must hold
         else:
             if kv_indices is None or kv_last_page_len is None:
                 raise ValueError(f"kv_layout={self.kv_layout!r} needs kv_indices and "
@@ -258,10 +424,9 @@ class BatchAttention:
                 raise ValueError(f"kv_indices holds a negative page id ({int(pages.min())})")
             kv_lens = scheduler.paged_kv_lens(kvp, last, page_size).astype(np.int64)
             page_indptr = kvp
-            page, shift = page_size, (page_size.bit_length() - 1
-                                      if page_size & (page_size - 1) == 0 else -1)
+            page, shift = page_size, _page_shift(page_size)
             used = pages[:int(kvp[-1])]
-            self._max_page = int(used.max()) + 1 if used.size else 0   # pages the cache needs
+            max_page = int(used.max()) + 1 if used.size else 0   # pages the cache needs
         q_lens = np.diff(qo)
         qpos = kvoff = None
         if q_positions is not None:
@@ -278,32 +443,17 @@ class BatchAttention:
             raise ValueError(f"request {i} has {int(q_lens[i])} query tokens but only "
                              f"{int(kv_lens[i])} KV tokens: queries are the last tokens of "
                              f"their sequence, so the KV cache must already hold them")
-        group = num_qo_heads // num_kv_heads
-        num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                   if self.device.type == "cuda" else 132)
-        tiles = choose_batch_tiles(head_dim, int(q_lens.max(initial=0)) * group, num_sms,
-                                   self._forced_tiles)
+        return _Batch(qo, kv_lens, page_indptr, pages, page, shift, max_page,
+                      int(q_lens.max(initial=0)), qpos, kvoff)
+
+    def _tiles_for(self, head_dim: int, max_fused_rows: int) -> BatchTiles:
+        """`choose_batch_tiles` for this device, keeping the captured kernel's tiles when the
+        new batch fits them."""
+        forced = tuple(self._forced_tiles) if self._forced_tiles is not None else None
+        tiles = _batch_tiles(head_dim, max_fused_rows, _sm_count(self.device), forced)
         if self.tiles is not None and tiles.tq != self.tiles.tq and self.tiles.tq >= tiles.tq:
             tiles = self.tiles  # keep the captured kernel when the new batch fits its tiles
-        if self.balance:
-            pl = scheduler.plan(qo, kv_lens, num_qo_heads, num_kv_heads, tiles.tq,
-                                tiles.num_ctas, kv_chunk_align=tiles.tkv,
-                                min_kv_chunk=self.min_kv_chunk)
-        else:  # one CTA per work item, each item's whole KV range in one unit
-            items = num_kv_heads * int(np.sum(-(-(q_lens * group) // tiles.tq)))
-            tiles = BatchTiles(tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
-                               tiles.ctas_per_sm, max(items, 1))
-            longest = int(kv_lens.max(initial=0))
-            pl = scheduler.plan(qo, kv_lens, num_qo_heads, num_kv_heads, tiles.tq,
-                                tiles.num_ctas, kv_chunk_align=tiles.tkv,
-                                min_kv_chunk=max(longest, 1))
-        layout = scheduler.PlanLayout(self.max_batch, self.max_qo_tokens, tiles.num_ctas,
-                                      num_qo_heads, num_kv_heads, tiles.tq)
-        self.tiles, self.layout, self._plan = tiles, layout, pl
-        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
-        self.page_size, self.page_shift = page, shift
-        self.qo_indptr, self.kv_lens = qo, kv_lens
-        self._stage(pl, qo, page_indptr, kv_lens, pages, qpos, kvoff)
+        return tiles
 
     def workspace_bytes(self) -> int:
         """Bytes of workspace the current plan's layout needs (plan, page tables, partials)."""
@@ -312,41 +462,48 @@ class BatchAttention:
         return 4 * self._int_words() + scheduler.workspace_bytes(
             self.layout, self.head_dim, self.num_qo_heads, 4)
 
-    def _int_words(self) -> int:
+    def _int_words(self, layout: scheduler.PlanLayout | None = None) -> int:
+        """int32 words of the plan (`layout`, default the current one) and the page tables."""
+        lay = layout if layout is not None else self.layout
+        assert lay is not None
         mb = self.max_batch + 1
-        return (self.layout.size + 4 * _pad4(mb) + _pad4(self.max_qo_tokens)  # type: ignore
-                + _pad4(self.max_pages))
+        return lay.size + 4 * _pad4(mb) + _pad4(self.max_qo_tokens) + _pad4(self.max_pages)
 
-    def _stage(self, pl: scheduler.Plan, qo: np.ndarray, page_indptr: np.ndarray,
-               kv_lens: np.ndarray, pages: np.ndarray, qpos: np.ndarray | None,
-               kvoff: np.ndarray | None) -> None:
-        """Pack plan + page tables into the pinned staging buffer, then one async copy."""
-        words = self._int_words()
-        pinned = self.device.type == "cuda"
+    def _staging_for(self, layout: scheduler.PlanLayout) -> np.ndarray:
+        """The pinned staging buffer (a numpy view), large enough for `layout`; waits until the
+        previous plan's copy has read it."""
+        words = self._int_words(layout)
         if self._staging is None or self._staging.numel() < words:
-            self._staging = torch.zeros(words, dtype=torch.int32, pin_memory=pinned)
+            self._staging = torch.zeros(words, dtype=torch.int32,
+                                        pin_memory=self.device.type == "cuda")
+            self._staging_np = self._staging.numpy()
         elif self._copy_done is not None:
             self._copy_done.synchronize()  # the previous plan's copy has read the buffer
-        buf = self._staging.numpy()
+        return self._staging_np
+
+    def _stage(self, buf: np.ndarray, b: _Batch) -> None:
+        """Add the page tables after the packed plan in the staging buffer `buf`, then copy
+        both to the workspace with one async copy."""
         lay = self.layout
         assert lay is not None
-        pl.pack(lay, out=buf[:lay.size])
-        mb = _pad4(self.max_batch + 1)
         off = lay.size
-        qcap = _pad4(self.max_qo_tokens)
-        o = self._offsets = {"qo_indptr": off, "kv_page_indptr": off + mb, "kv_lens": off + 2 * mb,
-                             "kv_pos": off + 3 * mb, "q_pos": off + 4 * mb,
-                             "pages": off + 4 * mb + qcap}
-        buf[off:off + qo.size] = qo
-        buf[o["kv_page_indptr"]:o["kv_page_indptr"] + page_indptr.size] = page_indptr
-        buf[o["kv_lens"]:o["kv_lens"] + kv_lens.size] = kv_lens
-        self._has_kv_pos, self._has_q_pos = kvoff is not None, qpos is not None
-        if kvoff is not None:
-            buf[o["kv_pos"]:o["kv_pos"] + kvoff.size] = kvoff
-        if qpos is not None:
-            buf[o["q_pos"]:o["q_pos"] + qpos.size] = qpos
-        npg = int(page_indptr[-1]) if page_indptr.size else 0
-        buf[o["pages"]:o["pages"] + npg] = pages[:npg]
+        o = getattr(self, "_offsets", None)
+        if o is None or o["qo_indptr"] != off:  # the tables follow the plan: move with it
+            mb = _pad4(self.max_batch + 1)
+            qcap = _pad4(self.max_qo_tokens)
+            o = self._offsets = {"qo_indptr": off, "kv_page_indptr": off + mb,
+                                 "kv_lens": off + 2 * mb, "kv_pos": off + 3 * mb,
+                                 "q_pos": off + 4 * mb, "pages": off + 4 * mb + qcap}
+        buf[off:off + b.qo.size] = b.qo
+        buf[o["kv_page_indptr"]:o["kv_page_indptr"] + b.page_indptr.size] = b.page_indptr
+        buf[o["kv_lens"]:o["kv_lens"] + b.kv_lens.size] = b.kv_lens
+        self._has_kv_pos, self._has_q_pos = b.kvoff is not None, b.qpos is not None
+        if b.kvoff is not None:
+            buf[o["kv_pos"]:o["kv_pos"] + b.kvoff.size] = b.kvoff
+        if b.qpos is not None:
+            buf[o["q_pos"]:o["q_pos"] + b.qpos.size] = b.qpos
+        npg = int(b.page_indptr[-1]) if b.page_indptr.size else 0
+        buf[o["pages"]:o["pages"] + npg] = b.pages[:npg]
         if self.device.type != "cuda":
             return
         need = self.workspace_bytes()
@@ -358,7 +515,7 @@ class BatchAttention:
         if self.workspace.dtype != torch.uint8 or self.workspace.device != self.device:
             raise ValueError("workspace_buffer must be a uint8 tensor on the kernel's device")
         used = o["pages"] + npg
-        ints = self.workspace[:4 * words].view(torch.int32)
+        ints = self.workspace[:4 * self._int_words()].view(torch.int32)
         ints[:used].copy_(self._staging[:used], non_blocking=True)
         self._copy_done = torch.cuda.Event()
         self._copy_done.record(torch.cuda.current_stream(self.device))
@@ -439,7 +596,8 @@ class BatchAttention:
         kern.attend.launch((lay.max_ctas, 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
                            kern.attend.ap.flatten(bp), kern.attend.vp.flatten(vp), stream=stream)
         if lay.max_merges:
-            kern.merge.launch((lay.max_merges, 1, 1), (128, 1, 1), 0, kern.merge.ap.flatten(bp),
+            kern.merge.launch((lay.max_merges, 1, 1), (MERGE_THREADS, 1, 1), 0,
+                              kern.merge.ap.flatten(bp),
                               kern.merge.vp.flatten(vp), stream=stream)
         return (out, lse) if return_lse else out
 

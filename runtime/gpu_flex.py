@@ -16,7 +16,7 @@ uniform per CTA.
 
 Example:
     >>> fa2_config(128, 128, 64, 2)
-    Fa2Config(head_dim=128, tq=128, tkv=64, stages=2, m_frags=1, warps=8, threads=256, smem_bytes=98304)
+    Fa2Config(head_dim=128, tq=128, tkv=64, stages=2, m_frags=1, warps=8, threads=256, smem_bytes=98304, kv_warps=1)
     >>> choose_tiles(128, q_len=4096, kv_len=4096, group=1, heads=16, batch=1, num_sms=132)
     TilePlan(tq=128, tkv=64, stages=2, gf=1, m_frags=2)
     >>> choose_tiles(128, q_len=1, kv_len=4096, group=8, heads=32, batch=4, num_sms=132).tq
@@ -70,13 +70,15 @@ class Fa2Config:
     warps: int
     threads: int
     smem_bytes: int
+    kv_warps: int = 1
 
 
-def fa2_config(head_dim: int, tq: int, tkv: int, stages: int = 2, m_frags: int = 1
-               ) -> Fa2Config:
+def fa2_config(head_dim: int, tq: int, tkv: int, stages: int = 2, m_frags: int = 1,
+               kv_warps: int = 1) -> Fa2Config:
     """Threads and dynamic shared memory of fa2_prefill<.., head_dim, tq, tkv, stages, m_frags>.
 
-    `m_frags` is the number of 16-row MMA fragments per warp (warps = tq / (16 * m_frags)).
+    `m_frags` is the number of 16-row MMA fragments per warp; `kv_warps` (decode, tq = 16) warps
+    split each KV tile (warps = tq / (16 * m_frags) * kv_warps).
 
     Example:
         >>> c = fa2_config(256, 128, 32, 2)
@@ -84,12 +86,14 @@ def fa2_config(head_dim: int, tq: int, tkv: int, stages: int = 2, m_frags: int =
         (8, 131072)
         >>> fa2_config(128, 128, 64, 2, m_frags=2).warps
         4
+        >>> fa2_config(128, 16, 64, 2, kv_warps=4).threads
+        128
     """
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}: the FA2 kernel supports {HEAD_DIMS}")
-    t = Fa2Tiles(tq, tkv, stages, m_frags)  # CodegenError (a ValueError) for a bad tile
+    t = Fa2Tiles(tq, tkv, stages, m_frags, kv_warps)  # CodegenError (a ValueError) if bad
     return Fa2Config(head_dim, tq, tkv, stages, m_frags, t.warps, t.threads,
-                     t.smem_bytes(head_dim))
+                     t.smem_bytes(head_dim), kv_warps)
 
 
 @dataclass(frozen=True)
@@ -134,12 +138,13 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
         if head_dim not in (64, 128):
             raise ValueError(f"kernel_options['KERNEL']='fa3' supports head dims 64 and 128, "
                              f"not {head_dim}")
-        if masked and (block_q % 64 or block_kv % 64):  # type: ignore[operator]
-            raise ValueError(f"kernel_options['KERNEL']='fa3' needs block mask blocks that are "
-                             f"multiples of 64, got BLOCK_SIZE={(block_q, block_kv)}")
+        if masked and (block_q % 128 or block_kv % 64):  # type: ignore[operator]
+            raise ValueError(f"kernel_options['KERNEL']='fa3' needs block mask blocks of 128 "
+                             f"query rows (or a multiple) and a multiple of 64 keys, got "
+                             f"BLOCK_SIZE={(block_q, block_kv)}")
         stages = opts.get("num_stages") or 2
-        fa2_config(head_dim, 64, 64, stages, 1)  # validates the stage count
-        return TilePlan(64, 64, stages, 1, 1, True, bool(opts.get("FAST_MATH", True)), "fa3")
+        fa2_config(head_dim, 128, 64, stages, 1)  # validates the stage count
+        return TilePlan(128, 64, stages, 1, 1, True, bool(opts.get("FAST_MATH", True)), "fa3")
     if masked and (block_q % 16 or block_kv % 32):  # type: ignore[operator]
         raise ValueError(f"block_mask BLOCK_SIZE={(block_q, block_kv)}: the GPU kernel needs the "
                          f"query block size to be a multiple of 16 and the kv block size a "
@@ -207,8 +212,8 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
 
 # --------------------------------------------------------------------------------- source
 def fa2_source(ir: VariantIR, *, head_dim: int, dtype: str, tq: int, tkv: int,
-               stages: int = 2, m_frags: int = 1, fast_math: bool = True, batch: bool = False
-               ) -> tuple[str, str, Any, Any]:
+               stages: int = 2, m_frags: int = 1, fast_math: bool = True, batch: bool = False,
+               kv_warps: int = 1) -> tuple[str, str, Any, Any]:
     """(source, kernel_name, params_layout, first_argument_layout) of an FA2 kernel for `ir`:
     codegen's `kernel="fa2"` translation unit (first argument AttentionParams) or, with
     `batch=True`, `kernel="fa2batch"`: the persistent serving kernel plus its merge kernel
@@ -225,11 +230,11 @@ def fa2_source(ir: VariantIR, *, head_dim: int, dtype: str, tq: int, tkv: int,
     """
     from attncc.codegen.generate import generate_source
 
-    fa2_config(head_dim, tq, tkv, stages, m_frags)  # ValueError naming the bad tile
+    fa2_config(head_dim, tq, tkv, stages, m_frags, kv_warps)  # ValueError naming a bad tile
     if dtype not in ("bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r}: the FA2 kernel runs bfloat16 or float16")
     gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa2batch" if batch else "fa2",
-                         fast_math=fast_math, tiles=Fa2Tiles(tq, tkv, stages, m_frags))
+                         fast_math=fast_math, tiles=Fa2Tiles(tq, tkv, stages, m_frags, kv_warps))
     return gk.source, gk.kernel_name, gk.params_layout, gk.attention_params_layout
 
 
@@ -321,11 +326,12 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
                          f"this call has dtype {dtype} and {transforms or 'no'} transforms -- "
                          f"drop KERNEL to use the FA2 template")
     gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa3",
-                         fast_math=plan.fast_math, tiles=Fa2Tiles(64, 64, plan.stages, 1))
+                         fast_math=plan.fast_math, tiles=Fa2Tiles(128, 64, plan.stages, 1))
     res, _ = cached_compile(gk.source, arch=arch, name=f"{gk.kernel_name}.cu", verbose=True)
     kl = load_kernel(res.cubin, gk.kernel_name, gk.attention_params_layout, gk.params_layout,
                      device=device, dynamic_smem=gk.shared_mem_bytes)
-    cfg = Fa2Config(head_dim, 64, 64, plan.stages, 1, 4, 128, gk.shared_mem_bytes)
+    cfg = Fa2Config(head_dim, 128, 64, plan.stages, 1, gk.threads // 32, gk.threads,
+                    gk.shared_mem_bytes)
     return _Compiled(kl, cfg, ir, res.log)
 
 

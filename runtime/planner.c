@@ -1,10 +1,16 @@
-/* attncc planner: the compiled twin of attncc.runtime.scheduler.plan (FlashInfer's Algorithm 1).
+/* attncc planner: the compiled twin of attncc.runtime.scheduler.plan + Plan.pack (FlashInfer's
+ * Algorithm 1), and of BatchAttention.plan's input checks.
  *
  * Built on first use with the system C compiler (runtime/planner.py) and called through ctypes.
  * It must produce exactly what the numpy implementation produces -- same units, same slots, same
- * greedy order, same CTA queues -- so the two are interchangeable; tests compare them on random
- * batches. See the scheduler module docstring for the algorithm; the comments here only say how
- * each step is computed.
+ * greedy order, same CTA queues, same packed bytes -- so the two are interchangeable; tests
+ * compare them on random batches. See the scheduler module docstring for the algorithm; the
+ * comments here only say how each step is computed.
+ *
+ * Entry points:
+ *   attncc_plan_pack   the whole plan, written straight into a packed int32 buffer (PlanLayout);
+ *   attncc_check_batch BatchAttention.plan's input checks and KV lengths in one pass.
+ * The structs below are mirrored field for field by planner.py's ctypes structures.
  */
 #include <math.h>
 #include <stdint.h>
@@ -14,145 +20,151 @@
 typedef int64_t i64;
 typedef int32_t i32;
 
-static i64 ceil_div(i64 a, i64 b) { return (a + b - 1) / b; }
+/* Four int32 to dst in one 16-byte store where the compiler has vector types (half a unit). */
+#if defined(__GNUC__)
+typedef i32 quad __attribute__((vector_size(16)));
+#define STORE4(dst, a, b, c, d)           \
+  do {                                    \
+    const quad q4_ = {(a), (b), (c), (d)}; \
+    memcpy((dst), &q4_, sizeof q4_);      \
+  } while (0)
+#else
+#define STORE4(dst, a, b, c, d) \
+  do {                          \
+    (dst)[0] = (a);             \
+    (dst)[1] = (b);             \
+    (dst)[2] = (c);             \
+    (dst)[3] = (d);             \
+  } while (0)
+#endif
 
-/* Phase 1: sizes. out[0] chunk, out[1] units, out[2] split items (merges), out[3] slots. */
-void attncc_plan_sizes(i64 batch, const i64* qo, const i64* kv, i64 g, i64 hk, i64 tile_q,
-                       i64 num_ctas, i64 align, i64 floor_, i64* out) {
+static i64 ceil_div(i64 a, i64 b) { return (a + b - 1) / b; }
+static i64 min64(i64 a, i64 b) { return a < b ? a : b; }
+static i64 max64(i64 a, i64 b) { return a > b ? a : b; }
+
+/* ------------------------------------------------------------------------------ the plan */
+
+typedef struct {
+  /* in: the batch, already validated (the scheduler's checks) */
+  i64 batch;
+  const i64* qo; /* [batch + 1] query CSR */
+  const i64* kv; /* [batch] KV lengths, 0 .. 2^31 - 1 */
+  /* in: the problem (tile_q a power of two: scheduler.TILE_Q_CHOICES) */
+  i64 num_qo_heads, num_kv_heads, tile_q, num_ctas, align, floor_;
+  double alpha, beta;
+  /* in: the PlanLayout (maxima, int32 size, section offsets) and the header's constants */
+  i64 max_batch, max_qo_tokens, max_ctas, max_units, max_merges, max_slots, layout_size;
+  i64 off_header, off_units, off_cta_indptr, off_cta_units, off_merge_indptr, off_merge_slots,
+      off_merge_out;
+  i64 magic, version;
+  /* out */
+  i64 chunk, num_units, num_merges, num_slots, scratch_bytes;
+} plan_args;
+
+/* Per-request numbers the steps share (scratch). */
+typedef struct {
+  i64* nt;    /* [batch] query tiles */
+  i64* nc;    /* [batch] KV chunks (0 without a query tile) */
+  i64* first; /* [batch] first unit */
+} requests;
+
+/* The KV chunk (scheduler.kv_chunk_size), every request's tiles, chunks and first unit, and the
+ * plan's sizes (a->chunk, num_units, num_merges, num_slots). Tiles are a shift (tile_q is a
+ * power of two), chunks one 32-bit division (lengths and chunk are below 2^31). */
+static void request_sizes(plan_args* a, i64 g, requests* rq) {
+  const i64 batch = a->batch, hk = a->num_kv_heads, tile_q = a->tile_q, align = a->align;
+  int shift = 0;
+  while (((i64)1 << shift) < tile_q) ++shift;
   i64 work = 0;
-  for (i64 i = 0; i < batch; ++i) work += ceil_div((qo[i + 1] - qo[i]) * g, tile_q) * kv[i];
-  i64 raw = ceil_div(work, num_ctas);
-  i64 chunk = ceil_div(raw > floor_ ? raw : floor_, align) * align;
-  const i64 cap = (i64)2147483647 / align * align;
-  if (chunk > cap) chunk = cap;
+  for (i64 i = 0; i < batch; ++i) {
+    rq->nt[i] = ((a->qo[i + 1] - a->qo[i]) * g + tile_q - 1) >> shift;
+    work += rq->nt[i] * a->kv[i];
+  }
+  const i64 raw = ceil_div(work * hk, a->num_ctas); /* all KV heads share the CTAs */
+  const i64 chunk = min64(ceil_div(max64(raw, a->floor_), align) * align,
+                          (i64)2147483647 / align * align);
+  const uint32_t c32 = (uint32_t)chunk;
   i64 units = 0, merges = 0, slots = 0;
   for (i64 i = 0; i < batch; ++i) {
-    const i64 nt = ceil_div((qo[i + 1] - qo[i]) * g, tile_q);
-    if (nt == 0) continue;
-    i64 nc = ceil_div(kv[i], chunk);
-    if (nc < 1) nc = 1;
+    const i64 nt = rq->nt[i];
+    const i64 nc = nt > 0 ? max64(((uint32_t)a->kv[i] + c32 - 1) / c32, 1) : 0;
+    rq->nc[i] = nc;
+    rq->first[i] = units;
     units += hk * nt * nc;
     if (nc > 1) {
       merges += hk * nt;
       slots += hk * nt * nc;
     }
   }
-  out[0] = chunk;
-  out[1] = units;
-  out[2] = merges;
-  out[3] = slots;
+  a->chunk = chunk;
+  a->num_units = units;
+  a->num_merges = merges;
+  a->num_slots = slots;
 }
 
-static const i64* g_sort_ticks; /* qsort context: ticks of each group */
-
-static int by_ticks_desc(const void* a, const void* b) {
-  const i64 ga = *(const i64*)a, gb = *(const i64*)b;
-  const i64 ta = g_sort_ticks[ga], tb = g_sort_ticks[gb];
-  if (ta != tb) return ta > tb ? -1 : 1;
-  return ga < gb ? -1 : (ga > gb); /* stable: group id ascending */
-}
-
-/* Min-heap (4-ary: half the depth of a binary heap, and the child minimum compiles to
- * conditional moves) of CTA keys (load << bits) | cta with 2^bits >= P: unique and ordered like
- * (load, cta), and the CTA is a mask away (no 64-bit division in the loop). The scheduler's tick
- * budget keeps sum(ticks) * P < 2^62, so the shifted loads stay below 2^63. A sorted array is a
- * valid heap. */
-static void sift_down(i64* h, i64 n, i64 i) {
-  const i64 x = h[i];
-  for (;;) {
-    const i64 c = 4 * i + 1;
-    if (c >= n) break;
-    i64 m = c;
-    if (c + 3 < n) {
-      const i64 a = h[c] <= h[c + 1] ? c : c + 1;
-      const i64 b = h[c + 2] <= h[c + 3] ? c + 2 : c + 3;
-      m = h[a] <= h[b] ? a : b;
-    } else {
-      for (i64 k = c + 1; k < n; ++k) m = h[k] < h[m] ? k : m;
-    }
-    if (h[m] >= x) break;
-    h[i] = h[m];
-    i = m;
-  }
-  h[i] = x;
-}
-
-static int cmp_i64(const void* a, const void* b) {
-  const i64 x = *(const i64*)a, y = *(const i64*)b;
-  return x < y ? -1 : (x > y);
-}
-
-/* Phase 2: fill the plan. units: [n][8] int32; cta_indptr [P+1]; cta_units [n];
- * merge_indptr [m+1]; merge_out [m][5]. scratch: int64 [4n + 12*batch + 2P]. Returns 0. */
-int attncc_plan_fill(i64 batch, const i64* qo, const i64* kv, i64 g, i64 hk, i64 tile_q,
-                     i64 num_ctas, double alpha, double beta, i64 chunk, i64 n, i32* units,
-                     i32* cta_indptr, i32* cta_units, i32* merge_indptr, i32* merge_out,
-                     i64* scratch) {
-  const i64 P = num_ctas;
-  i64* unit_group = scratch;          /* [n] */
-  i64* order = scratch + n;           /* [n] */
-  i64* assign = scratch + 2 * n;      /* [n] */
-  i64* tick = scratch + 3 * n;        /* [n]: ticks of the units in greedy order */
-  i64* g_count = scratch + 4 * n;     /* [4 batch] */
-  i64* g_ticks = g_count + 4 * batch; /* [4 batch] */
-  i64* gl = g_ticks + 4 * batch;      /* [4 batch]: groups in greedy order */
-  i64* heap = gl + 4 * batch;         /* [P] */
-  i64* fill = heap + P;               /* [P] */
-
-  /* units in (request, kv_head, tile, chunk) order; slots numbered over split requests */
-  i64 u = 0, slot = 0, m = 0;
+/* Units in (request, kv_head, tile, chunk) order and the reduction map; slots are numbered
+ * over the split requests' units in unit order. */
+static void write_units(const plan_args* a, i64 g, const requests* rq, i32* units,
+                        i32* merge_indptr, i32* merge_out) {
+  const i64 hk = a->num_kv_heads, tile_q = a->tile_q;
+  const i32 chunk = (i32)a->chunk;
+  i32 slot = 0;
+  i64 m = 0;
+  i32* w = units;
   merge_indptr[0] = 0;
-  double dot_rows = 0.0, dot_kv = 0.0;
-  i64 rows_nc = 0, nt_kv = 0;
-  for (i64 i = 0; i < batch; ++i) {
-    const i64 rows = (qo[i + 1] - qo[i]) * g;
-    const i64 nt = ceil_div(rows, tile_q);
-    i64 nc = nt > 0 ? ceil_div(kv[i], chunk) : 0;
-    if (nt > 0 && nc < 1) nc = 1;
-    rows_nc += rows * nc;
-    nt_kv += nt * kv[i];
-    const int split = kv[i] > chunk;
+  for (i64 i = 0; i < a->batch; ++i) {
+    const i64 rows = (a->qo[i + 1] - a->qo[i]) * g;
+    const i32 kv = (i32)a->kv[i], qo = (i32)a->qo[i];
+    const i64 nt = rq->nt[i], nc = rq->nc[i];
+    const int split = nc > 1;
     for (i64 h = 0; h < hk; ++h)
       for (i64 t = 0; t < nt; ++t) {
-        const i64 q_start = t * tile_q;
-        const i64 q_rows = rows - q_start < tile_q ? rows - q_start : tile_q;
-        const int last_tile = q_start + tile_q >= rows;
-        if (nc > 1) {
+        const i32 q_start = (i32)(t * tile_q), q_rows = (i32)min64(rows - t * tile_q, tile_q);
+        if (split) {
           i32* mo = merge_out + 5 * m;
-          mo[0] = (i32)i; mo[1] = (i32)h; mo[2] = (i32)qo[i]; mo[3] = (i32)q_start;
-          mo[4] = (i32)q_rows;
-          merge_indptr[m + 1] = (i32)(merge_indptr[m] + nc);
+          mo[0] = (i32)i; mo[1] = (i32)h; mo[2] = qo; mo[3] = q_start; mo[4] = q_rows;
+          merge_indptr[m + 1] = merge_indptr[m] + (i32)nc;
           ++m;
         }
-        for (i64 c = 0; c < nc; ++c, ++u) {
-          const i64 ks = c * chunk, ke = ks + chunk;
-          i32* w = units + 8 * u;
-          w[0] = (i32)i; w[1] = (i32)h; w[2] = (i32)qo[i]; w[3] = (i32)q_start;
-          w[4] = (i32)q_rows; w[5] = (i32)ks; w[6] = (i32)(ke < kv[i] ? ke : kv[i]);
-          w[7] = split ? (i32)slot++ : -1;
-          unit_group[u] = 4 * i + 2 * last_tile + (ke >= kv[i]);
+        i64 ks = 0; /* 64 bits: one past the last chunk may pass 2^31 */
+        for (i64 c = 0; c < nc; ++c, w += 8, ks += chunk) {
+          STORE4(w, (i32)i, (i32)h, qo, q_start);
+          STORE4(w + 4, q_rows, (i32)ks, c + 1 < nc ? (i32)(ks + chunk) : kv, /* min(., kv) */
+                 split ? slot++ : -1);
         }
       }
   }
-  dot_rows = (double)rows_nc;
-  dot_kv = (double)nt_kv;
+}
 
-  /* cost groups: count and ticks = rint(cost * 2^61 / (P * total)), as cost_ticks does */
-  const double total = (double)hk * (alpha * dot_rows + beta * dot_kv);
-  const double scale = total > 0.0 ? 2305843009213693952.0 / ((double)P * total) : 0.0;
-  for (i64 i = 0; i < batch; ++i) {
-    const i64 rows = (qo[i + 1] - qo[i]) * g;
-    const i64 nt = ceil_div(rows, tile_q);
-    i64 nc = nt > 0 ? ceil_div(kv[i], chunk) : 0;
-    if (nt > 0 && nc < 1) nc = 1;
+/* x >= 0 rounded half to even, as np.rint does (llrint without a libm call): below 2^52 adding
+ * and subtracting 2^52 rounds in the default mode; above, doubles are integers already. */
+static i64 round_even(double x) {
+  const double two52 = 4503599627370496.0;
+  return (i64)(x < two52 ? (x + two52) - two52 : x);
+}
+
+/* Cost groups 4*i + 2*last_tile + last_chunk: unit count and ticks = rint(cost * 2^61 /
+ * (P * total)), as scheduler._group_ticks / cost_ticks compute them. */
+static void group_ticks(const plan_args* a, i64 g, const requests* rq, i64* count, i64* ticks) {
+  const i64 hk = a->num_kv_heads, tile_q = a->tile_q, chunk = a->chunk;
+  const double alpha = a->alpha, beta = a->beta;
+  i64 rows_nc = 0, nt_kv = 0;
+  for (i64 i = 0; i < a->batch; ++i) {
+    rows_nc += (a->qo[i + 1] - a->qo[i]) * g * rq->nc[i];
+    nt_kv += rq->nt[i] * a->kv[i];
+  }
+  const double total = (double)hk * (alpha * (double)rows_nc + beta * (double)nt_kv);
+  const double scale = total > 0.0 ? 2305843009213693952.0 / ((double)a->num_ctas * total) : 0.0;
+  for (i64 i = 0; i < a->batch; ++i) {
+    const i64 rows = (a->qo[i + 1] - a->qo[i]) * g, nt = rq->nt[i], nc = rq->nc[i];
     const i64 full_t = nt - 1, full_c = nc - 1, heads = nt > 0 ? hk : 0;
-    i64* cnt = g_count + 4 * i;
+    i64* cnt = count + 4 * i;
     cnt[0] = full_t * full_c * heads;
     cnt[1] = full_t * heads;
     cnt[2] = full_c * heads;
     cnt[3] = heads;
     const double last_rows = alpha * (double)(rows - full_t * tile_q);
-    const double last_len = beta * (double)(kv[i] - full_c * chunk);
+    const double last_len = beta * (double)(a->kv[i] - full_c * chunk);
     double cost[4];
     cost[0] = alpha * (double)tile_q + beta * (double)chunk;
     cost[1] = alpha * (double)tile_q + last_len;
@@ -160,79 +172,371 @@ int attncc_plan_fill(i64 batch, const i64* qo, const i64* kv, i64 g, i64 hk, i64
     cost[3] = last_rows + last_len;
     for (int k = 0; k < 4; ++k) {
       const double cst = cnt[k] == 0 ? 0.0 : cost[k];
-      g_ticks[4 * i + k] = total > 0.0 ? (i64)llrint(cst * scale) : 0;
+      ticks[4 * i + k] = total > 0.0 ? round_even(cst * scale) : 0;
     }
   }
+}
 
-  /* greedy order: groups by ticks descending (then id), units of a group by index */
-  i64 ng = 0;
-  for (i64 k = 0; k < 4 * batch; ++k)
-    if (g_count[k] > 0) gl[ng++] = k;
-  g_sort_ticks = g_ticks;
-  qsort(gl, (size_t)ng, sizeof(i64), by_ticks_desc);
-  /* start offset of each group in the order (g_count becomes each group's write position) */
-  i64 pos = 0;
-  for (i64 r = 0; r < ng; ++r) {
-    const i64 k = gl[r];
-    const i64 c = g_count[k];
-    g_count[k] = pos; /* now: next write position of group k */
-    pos += c;
-  }
-  for (i64 v = 0; v < n; ++v) order[g_count[unit_group[v]]++] = v;
-  for (i64 v = 0; v < n; ++v) tick[v] = g_ticks[unit_group[order[v]]];
+/* A cost group in the greedy order. */
+typedef struct {
+  i64 tick, id;
+} group;
 
-  /* LPT: each unit to the least loaded CTA (ties: lowest index). A run of equal ticks is dealt
-   * round robin in load order when all loads are within one unit of each other (then every
-   * CTA gets one unit before any gets two, exactly as the heap would do). */
-  int bits = 0;
-  while (((i64)1 << bits) < P) ++bits;
-  const i64 mask = ((i64)1 << bits) - 1;
-  for (i64 c = 0; c < P; ++c) heap[c] = c;
-  int sorted = 1; /* heap[] is also in ascending order (true at the start and after a deal) */
-  i64 t = 0;
-  while (t < n) {
-    const i64 st = tick[t] << bits;
-    if (st == 0) { /* the rest cost nothing: the least loaded CTA takes them all */
-      const i64 cta = heap[0] & mask;
-      for (; t < n; ++t) assign[t] = cta;
-      break;
+/* Sort groups (ids ascending on entry) by ticks descending, stably, so that equal ticks keep
+ * id order: insertion sorts of runs of 16, then bottom-up merges taking the lesser front
+ * without a branch. tmp: [n]. */
+static void sort_groups(group* g, i64 n, group* tmp) {
+  const i64 run = 16;
+  for (i64 lo = 0; lo < n; lo += run) {
+    const i64 hi = min64(lo + run, n);
+    for (i64 i = lo + 1; i < hi; ++i) {
+      const group x = g[i];
+      i64 j = i;
+      for (; j > lo && g[j - 1].tick < x.tick; --j) g[j] = g[j - 1];
+      g[j] = x;
     }
-    i64 e = t + 1;
-    while (e < n && tick[e] == tick[t]) ++e;
-    if (e - t >= P) {
-      i64 mx = heap[0];
-      for (i64 c = 1; c < P; ++c) mx = heap[c] > mx ? heap[c] : mx;
-      if (mx - heap[0] < st) {
-        if (!sorted) qsort(heap, (size_t)P, sizeof(i64), cmp_i64); /* load order */
-        const i64 k = e - t, q = k / P, r = k % P;
-        for (i64 j = 0, c = 0; j < k; ++j, c = c + 1 == P ? 0 : c + 1)
-          assign[t + j] = heap[c] & mask;
-        /* the first r CTAs got q + 1 units, the rest q; loads were within one unit, so the
-         * new ascending order is the rest followed by the first r: rotate, stay sorted */
-        for (i64 c = 0; c < P; ++c) heap[c] += (q + (c < r)) * st;
-        if (r) {
-          memcpy(fill, heap, (size_t)r * sizeof(i64));
-          memmove(heap, heap + r, (size_t)(P - r) * sizeof(i64));
-          memcpy(heap + (P - r), fill, (size_t)r * sizeof(i64));
-        }
-        sorted = 1;
-        t = e;
-        continue;
+  }
+  group *src = g, *dst = tmp;
+  for (i64 w = run; w < n; w *= 2) {
+    for (i64 lo = 0; lo < n; lo += 2 * w) {
+      const group *a = src + lo, *b = src + min64(lo + w, n);
+      const group *a_end = b, *b_end = src + min64(lo + 2 * w, n);
+      group* o = dst + lo;
+      while (a < a_end && b < b_end) {
+        const int take_b = b->tick > a->tick;
+        *o++ = take_b ? *b : *a;
+        b += take_b;
+        a += !take_b;
       }
+      while (a < a_end) *o++ = *a++;
+      while (b < b_end) *o++ = *b++;
     }
-    sorted = 0;
-    for (; t < e; ++t) {
-      assign[t] = heap[0] & mask;
-      heap[0] += st;
-      sift_down(heap, P, 0);
+    group* t = src;
+    src = dst;
+    dst = t;
+  }
+  if (src != g) memcpy(g, src, (size_t)n * sizeof(group));
+}
+
+/* Append the units of cost group k, in unit order, to their CTAs' queues: the CTA of the unit
+ * at greedy position pos is assign[pos]. Returns the next position. The group's units are
+ * tiles [t0, t1) x chunks [c0, c1) of each head; one loop walks them, its counters wrapping
+ * without branches (a short inner loop per (head, tile) would mispredict its exit: chunk counts
+ * change from group to group). */
+static i64 enqueue_group(i64 k, i64 count, const requests* rq, const i32* assign, i64 pos,
+                         i64* fill, i32* cta_units) {
+  const i64 i = k >> 2, nt = rq->nt[i], nc = rq->nc[i];
+  const i64 t0 = (k & 2) ? nt - 1 : 0, t1 = (k & 2) ? nt : nt - 1;
+  const i64 c0 = (k & 1) ? nc - 1 : 0, c1 = (k & 1) ? nc : nc - 1;
+  const i64 head_skip = (nt - (t1 - t0)) * nc; /* from (h, t1, 0) to (h + 1, t0, 0) */
+  i64 row = rq->first[i] + t0 * nc, t = t0, c = c0;
+  for (i64 j = 0; j < count; ++j) {
+    cta_units[fill[assign[pos + j]]++] = (i32)(row + c);
+    const int next_t = ++c == c1, next_h = (t + next_t) == t1;
+    c = next_t ? c0 : c;
+    row += (next_t ? nc : 0) + (next_h ? head_skip : 0);
+    t = next_h ? t0 : t + next_t;
+  }
+  return pos + count;
+}
+
+/* The CTAs' loads for the greedy. A CTA's key is (load << bits) | cta with 2^bits >= P: unique
+ * and ordered like (load, cta), the CTA a mask away. The scheduler's tick budget keeps
+ * sum(ticks) * P < 2^62, so the shifted loads stay below 2^63.
+ *
+ * The keys are kept sorted: buf[head .. head + P) ascending, in a buffer of 2P with room to
+ * move right. A run of k units of equal cost st (k <= P at a time) is an exact simulation of
+ * the min-heap with two sorted queues: the keys not yet taken (the front of the sorted keys)
+ * and the keys just loaded (taken key + st, ascending because the taken keys ascend); each unit
+ * takes the lesser front. The loaded keys are then merged back, moving whichever side of them
+ * is shorter (memmove). When max - min < st a run is dealt round robin instead (every CTA gets
+ * one unit before any gets two, exactly as the heap would do): O(1) per unit. */
+typedef struct {
+  i64 P, mask;
+  i64* buf;   /* [2P] */
+  i64 head;
+  i64* fresh; /* [P]: keys loaded by the current run, ascending */
+  i64* count; /* [P] units per CTA */
+} ctas;
+
+/* Index of the first of keys[0 .. n) not below x (keys ascending); branch-free halving. */
+static i64 lower_bound(const i64* keys, i64 n, i64 x) {
+  const i64* base = keys;
+  while (n > 1) {
+    const i64 half = n / 2;
+    base = base[half - 1] < x ? base + half : base;
+    n -= half;
+  }
+  return (base - keys) + (n == 1 && base[0] < x);
+}
+
+/* Make room for the sorted keys to move `shift` places right. */
+static void room_right(ctas* s, i64 shift) {
+  if (s->head + shift > s->P) {
+    memmove(s->buf, s->buf + s->head, (size_t)s->P * sizeof(i64));
+    s->head = 0;
+  }
+}
+
+/* Deal k units of st round robin from the least key (max - min < st). */
+static void deal(ctas* s, i64 st, i64 k, i32* assign) {
+  const i64 P = s->P, q = k / P, r = k % P;
+  i64* key = s->buf + s->head;
+  for (i64 round = 0, o = 0; round <= q; ++round) {
+    const i64 n = round < q ? P : r;
+    for (i64 j = 0; j < n; ++j) assign[o++] = (i32)(key[j] & s->mask);
+  }
+  if (q)
+    for (i64 j = 0; j < P; ++j) {
+      key[j] += q * st;
+      s->count[key[j] & s->mask] += q;
+    }
+  /* the first r moved past every other key: they go to the end */
+  room_right(s, r);
+  key = s->buf + s->head;
+  for (i64 j = 0; j < r; ++j) {
+    key[P + j] = key[j] + st;
+    s->count[key[j] & s->mask] += 1;
+  }
+  s->head += r;
+}
+
+/* Merge the m loaded keys s->fresh[0 .. m) back into the m keys taken from the front. */
+static void merge_back(ctas* s, i64 m) {
+  const i64 P = s->P, n = P - m; /* the untaken keys: rest[0 .. n) */
+  const i64* f = s->fresh;
+  i64* rest = s->buf + s->head + m;
+  const i64 lo = lower_bound(rest, n, f[0]), hi = lower_bound(rest, n, f[m - 1]);
+  if (lo <= n - hi) { /* keys below the loaded ones move m left; merge forward */
+    i64* out = s->buf + s->head;
+    memmove(out, rest, (size_t)lo * sizeof(i64));
+    i64 o = lo, x = lo, y = 0;
+    while (y < m) out[o++] = (x < hi && rest[x] < f[y]) ? rest[x++] : f[y++];
+  } else { /* keys above the loaded ones move m right; merge backward */
+    room_right(s, m);
+    rest = s->buf + s->head + m;
+    memmove(rest + hi + m, rest + hi, (size_t)(n - hi) * sizeof(i64));
+    i64 o = hi + m, x = hi, y = m;
+    while (y > 0) rest[--o] = (x > lo && rest[x - 1] > f[y - 1]) ? rest[--x] : f[--y];
+    s->head += m;
+  }
+}
+
+/* k <= P units of st: each takes the least key, untaken or just loaded. */
+static void take(ctas* s, i64 st, i64 k, i32* assign) {
+  const i64* key = s->buf + s->head;
+  i64* f = s->fresh;
+  i64 x = 0, y = 0, nf = 0; /* next untaken key (x <= j < k <= P); live loaded keys [y, nf) */
+  for (i64 j = 0; j < k; ++j) {
+    const i64 least = (y < nf && f[y] < key[x]) ? f[y++] : key[x++];
+    const i64 cta = least & s->mask;
+    assign[j] = (i32)cta;
+    s->count[cta] += 1;
+    f[nf++] = least + st;
+  }
+  if (y) memmove(f, f + y, (size_t)x * sizeof(i64)); /* x keys taken, x loaded keys live */
+  merge_back(s, x);
+}
+
+/* Assign a run of k units of equal ticks (assign[0..k) gets their CTAs). */
+static void assign_run(ctas* s, i64 st, i64 k, i32* assign) {
+  if (st == 0) { /* they cost nothing: the least loaded CTA takes them all */
+    const i64 cta = s->buf[s->head] & s->mask;
+    for (i64 j = 0; j < k; ++j) assign[j] = (i32)cta;
+    s->count[cta] += k;
+    return;
+  }
+  while (k > 0) {
+    const i64* key = s->buf + s->head;
+    if (key[s->P - 1] - key[0] < st) {
+      deal(s, st, k, assign);
+      return;
+    }
+    const i64 m = k < s->P ? k : s->P;
+    take(s, st, m, assign);
+    assign += m;
+    k -= m;
+  }
+}
+
+/* Greedy order and LPT: groups by ticks descending (then id), units of a group by index; runs
+ * of equal ticks are assigned together. assign: [n] the CTA of each greedy position. Returns
+ * the number of groups, sorted in groups[]. */
+static i64 schedule(const plan_args* a, const i64* g_count, const i64* g_ticks, group* groups,
+                    group* tmp, i32* assign, ctas* s) {
+  i64 ng = 0;
+  for (i64 k = 0; k < 4 * a->batch; ++k)
+    if (g_count[k] > 0) {
+      groups[ng].tick = g_ticks[k];
+      groups[ng++].id = k;
+    }
+  sort_groups(groups, ng, tmp);
+  i64 bits = 0;
+  while (((i64)1 << bits) < s->P) ++bits;
+  s->mask = ((i64)1 << bits) - 1;
+  s->head = 0;
+  for (i64 c = 0; c < s->P; ++c) {
+    s->buf[c] = c; /* load 0 */
+    s->count[c] = 0;
+  }
+  i64 pos = 0;
+  for (i64 r = 0; r < ng;) {
+    const i64 tick = groups[r].tick, start = pos;
+    for (; r < ng && groups[r].tick == tick; ++r) pos += g_count[groups[r].id];
+    assign_run(s, tick << bits, pos - start, assign + start);
+  }
+  return ng;
+}
+
+/* Per-CTA queues in assignment order (a stable counting sort by CTA). fill: [P]. */
+static void queues(const requests* rq, const i64* g_count, const group* groups, i64 ng,
+                   const i32* assign, const ctas* s, i64* fill, i32* cta_indptr,
+                   i32* cta_units) {
+  cta_indptr[0] = 0;
+  for (i64 c = 0; c < s->P; ++c) {
+    fill[c] = cta_indptr[c];
+    cta_indptr[c + 1] = (i32)(cta_indptr[c] + s->count[c]);
+  }
+  for (i64 r = 0, pos = 0; r < ng; ++r)
+    pos = enqueue_group(groups[r].id, g_count[groups[r].id], rq, assign, pos, fill, cta_units);
+}
+
+/* The plan of a->batch, packed into buf as Plan.pack(layout, out=buf) writes it: the header,
+ * then the used prefix of each section (cta_indptr and merge_indptr padded to the layout's
+ * maxima with their last value). Returns 0; 1 when the plan exceeds a layout maximum (its
+ * sizes are in a->chunk, num_units, num_merges, num_slots), 2 when scratch is smaller than
+ * a->scratch_bytes (call again with that much). Nothing is written to buf unless it returns 0. */
+int attncc_plan_pack(plan_args* a, i32* buf, void* scratch, i64 scratch_bytes) {
+  const i64 batch = a->batch, P = a->num_ctas, hk = a->num_kv_heads;
+  const i64 g = a->num_qo_heads / hk;
+  /* scratch: int64 [3 batch] requests, [8 batch] group counts and ticks, [16 batch] groups
+   * and their sort buffer, [5P] CTAs; then int32 [n] the CTA of each greedy position */
+  a->scratch_bytes = 8 * (27 * batch + 5 * P);
+  if (a->scratch_bytes > scratch_bytes) return 2;
+  i64* w = (i64*)scratch;
+  requests rq = {w, w + batch, w + 2 * batch};
+  request_sizes(a, g, &rq);
+  const i64 n = a->num_units, m = a->num_merges, slots = a->num_slots;
+  if (batch > a->max_batch || a->qo[batch] > a->max_qo_tokens || P > a->max_ctas ||
+      n > a->max_units || m > a->max_merges || slots > a->max_slots)
+    return 1;
+  a->scratch_bytes += 4 * n;
+  if (a->scratch_bytes > scratch_bytes) return 2;
+  i64* g_count = w + 3 * batch;
+  i64* g_ticks = g_count + 4 * batch;
+  group* groups = (group*)(g_ticks + 4 * batch);
+  group* tmp = groups + 4 * batch;
+  i64* keys = (i64*)(tmp + 4 * batch);
+  i64* fresh = keys + 2 * P;
+  i64* count = fresh + P;
+  i64* fill = count + P;
+  ctas s = {P, 0, keys, 0, fresh, count};
+  i32* assign = (i32*)(fill + P);
+
+  i32* hdr = buf + a->off_header;
+  const i32 header[16] = {(i32)a->magic, (i32)a->version, (i32)batch, (i32)n, (i32)P, (i32)m,
+                          (i32)slots, (i32)a->chunk, (i32)a->tile_q, (i32)g,
+                          (i32)a->num_qo_heads, (i32)hk, (i32)a->qo[batch],
+                          (i32)a->layout_size, 0, 0}; /* scheduler.HEADER_FIELDS order */
+  memcpy(hdr, header, sizeof header);
+  i32* merge_indptr = buf + a->off_merge_indptr;
+  write_units(a, g, &rq, buf + a->off_units, merge_indptr, buf + a->off_merge_out);
+  for (i64 j = m + 1; j <= a->max_merges; ++j) merge_indptr[j] = (i32)slots;
+  i32* merge_slots = buf + a->off_merge_slots;
+  for (i64 j = 0; j < slots; ++j) merge_slots[j] = (i32)j;
+
+  group_ticks(a, g, &rq, g_count, g_ticks);
+  const i64 ng = schedule(a, g_count, g_ticks, groups, tmp, assign, &s);
+  i32* cta_indptr = buf + a->off_cta_indptr;
+  queues(&rq, g_count, groups, ng, assign, &s, fill, cta_indptr, buf + a->off_cta_units);
+  for (i64 c = P + 1; c <= a->max_ctas; ++c) cta_indptr[c] = (i32)n;
+  return 0;
+}
+
+/* ------------------------------------------------------------------------------ input checks */
+
+typedef struct {
+  /* in: the arrays as BatchAttention.plan converted them (int64; pages int64 or int32) */
+  const i64* qo;
+  i64 qo_size;
+  const i64* kvp;
+  i64 kvp_size;
+  const void* pages; /* paged layouts: kv_indices */
+  i64 num_pages, pages_int32;
+  const i64* last; /* paged layouts: kv_last_page_len */
+  i64 last_size;
+  i64 ragged, page_size, max_batch, max_qo_tokens, max_pages;
+  /* out */
+  i64* kv_lens; /* [qo_size - 1] */
+  i64 max_q_len, max_page;
+} batch_args;
+
+static int is_indptr(const i64* a, i64 size) {
+  if (size < 1 || a[0] != 0) return 0;
+  for (i64 i = 1; i < size; ++i)
+    if (a[i] < a[i - 1]) return 0;
+  return 1;
+}
+
+/* 1 when every page id is >= 0 (an OR of all: the sign bit); *max_used: 1 + the largest of
+ * the first `used` ids, 0 if none. Branch-free, four independent maxima (the loop is bound by
+ * the compare-and-move chain, not by memory). */
+#define CHECK_PAGES(T)                                                       \
+  do {                                                                       \
+    const T* p = (const T*)b->pages;                                         \
+    i64 any = 0, h0 = -1, h1 = -1, h2 = -1, h3 = -1, j = 0;                  \
+    for (; j + 4 <= used; j += 4) {                                          \
+      const i64 v0 = p[j], v1 = p[j + 1], v2 = p[j + 2], v3 = p[j + 3];      \
+      any |= v0 | v1 | v2 | v3;                                              \
+      h0 = max64(h0, v0);                                                    \
+      h1 = max64(h1, v1);                                                    \
+      h2 = max64(h2, v2);                                                    \
+      h3 = max64(h3, v3);                                                    \
+    }                                                                        \
+    for (; j < used; ++j) {                                                  \
+      any |= p[j];                                                           \
+      h0 = max64(h0, p[j]);                                                  \
+    }                                                                        \
+    for (; j < b->num_pages; ++j) any |= p[j];                               \
+    *max_used = max64(max64(h0, h1), max64(h2, h3)) + 1;                     \
+    return any >= 0;                                                         \
+  } while (0)
+
+static int check_pages(const batch_args* b, i64 used, i64* max_used) {
+  if (b->pages_int32) CHECK_PAGES(i32);
+  CHECK_PAGES(i64);
+}
+
+/* Every check BatchAttention.plan makes on these arrays (index pointers, sizes, maxima, page
+ * ids, last-page lengths, query tokens <= KV tokens, the packed plan's int32 range), and the KV
+ * lengths. Returns 0 when all pass; else a nonzero code, and the caller runs the Python checks,
+ * which raise the exact error (this function holds no messages). */
+int attncc_check_batch(batch_args* b) {
+  const i64 batch = b->qo_size - 1;
+  if (!is_indptr(b->qo, b->qo_size) || !is_indptr(b->kvp, b->kvp_size)) return 1;
+  if (b->kvp_size != b->qo_size || batch > b->max_batch || b->qo[batch] > b->max_qo_tokens)
+    return 2;
+  const i64 i32_max = 2147483647;
+  if (b->qo[batch] > i32_max) return 3;
+  if (b->ragged) {
+    for (i64 i = 0; i < batch; ++i) b->kv_lens[i] = b->kvp[i + 1] - b->kvp[i];
+    b->max_page = b->kvp[batch];
+  } else {
+    const i64 used = b->kvp[batch], ps = b->page_size;
+    if (b->num_pages < used || b->num_pages > b->max_pages || b->last_size != batch) return 4;
+    if (ps < 1 || ps > i32_max || !check_pages(b, used, &b->max_page)) return 5;
+    for (i64 i = 0; i < batch; ++i) {
+      const i64 np = b->kvp[i + 1] - b->kvp[i], last = b->last[i];
+      if (last < 0 || last > ps || (np > 0 && last == 0) || np > i32_max) return 6;
+      b->kv_lens[i] = np > 0 ? (np - 1) * ps + last : 0;
     }
   }
-
-  /* per-CTA queues in assignment order (a stable counting sort by CTA) */
-  for (i64 c = 0; c <= P; ++c) cta_indptr[c] = 0;
-  for (i64 v = 0; v < n; ++v) cta_indptr[assign[v] + 1]++;
-  for (i64 c = 0; c < P; ++c) cta_indptr[c + 1] += cta_indptr[c];
-  for (i64 c = 0; c < P; ++c) fill[c] = cta_indptr[c];
-  for (i64 v = 0; v < n; ++v) cta_units[fill[assign[v]]++] = (i32)order[v];
+  i64 max_q = 0;
+  for (i64 i = 0; i < batch; ++i) {
+    const i64 q = b->qo[i + 1] - b->qo[i];
+    if (q > b->kv_lens[i] || b->kv_lens[i] > i32_max) return 7;
+    max_q = max64(max_q, q);
+  }
+  b->max_q_len = max_q;
   return 0;
 }

@@ -1,24 +1,35 @@
 """The compiled planner: runtime/planner.c, built on first use with the system C compiler.
 
-`attncc.runtime.scheduler.plan` computes a plan with numpy (~150 numpy calls: 0.7-1.1 ms at
-decode batch 256 on this project's 2-core CI-class VM, most of it call overhead). The same
-algorithm in C takes 0.2-0.3 ms there (7,112 units: per-unit work, not call overhead, now
-dominates). `compiled_plan(...)` runs it and returns exactly the arrays the numpy version
-returns (tests compare them on random batches); `available()` says whether it could be built.
-Without a C compiler everything still works on the numpy path.
+`attncc.runtime.scheduler.plan` computes a plan with numpy (~150 numpy calls: 0.6-2 ms at
+decode batch 256 on this project's 2-core CI-class VM, most of it call overhead). planner.c is
+its compiled twin, and more: it packs the plan straight into the `PlanLayout` buffer (what
+`Plan.pack` writes, byte for byte) and makes BatchAttention.plan's input checks in one pass.
+Tests compare both halves with the numpy code on random batches. Without a C compiler
+everything still works on the numpy path; `available()` says whether the library could be
+built.
 
-The shared library is cached in the kernel cache directory (`cache.default_cache_dir()`), keyed by a hash of the C source, and built atomically (temp file + rename)
-so concurrent processes never load a half-written file.
+- `pack_plan(out, layout, qo, kv, ...)`: the plan of a checked batch, packed into `out`.
+- `compiled_plan(qo, kv, ...)`: the plan's arrays (what `scheduler.plan(impl="c")` wraps).
+- `check_batch(...)`: BatchAttention.plan's array checks and the KV lengths; None when any
+  check fails (the caller then runs its Python checks, which raise the exact error: the C code
+  holds no messages).
+
+The C structs are mirrored by `_PlanArgs` / `_BatchArgs`. The scratch memory and the argument
+structs are kept per thread and reused: no call allocates scratch, and it stays in warm memory.
+
+The shared library is cached in the kernel cache directory (`cache.default_cache_dir()`), keyed
+by a hash of the C source, and built atomically (temp file + rename) so concurrent processes
+never load a half-written file.
 
 Example:
     >>> import numpy as np
     >>> if available():
     ...     out = compiled_plan(np.array([0, 1, 3]), np.array([300, 40]), g=2, hk=2, tile_q=16,
-    ...                         num_ctas=4, alpha=1.0, beta=1.0, align=16, floor=128)
+    ...                         num_ctas=8, alpha=1.0, beta=1.0, align=16, floor=128)
     ...     print(out["chunk"], out["units"].shape, out["cta_indptr"].tolist())
     ... else:
-    ...     print(128, (8, 8), [0, 2, 4, 6, 8])
-    128 (8, 8) [0, 2, 4, 6, 8]
+    ...     print(128, (8, 8), [0, 1, 2, 3, 4, 5, 6, 7, 8])
+    128 (8, 8) [0, 1, 2, 3, 4, 5, 6, 7, 8]
 """
 from __future__ import annotations
 
@@ -30,17 +41,46 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-__all__ = ["available", "compiled_plan"]
+if TYPE_CHECKING:
+    from .scheduler import PlanLayout
+
+__all__ = ["available", "compiled_plan", "pack_plan", "check_batch"]
 
 _SRC = Path(__file__).with_name("planner.c")
 _LOCK = threading.Lock()
 _LIB: Any = None  # None: not tried yet; False: unavailable
-_P64 = ctypes.POINTER(ctypes.c_int64)
-_P32 = ctypes.POINTER(ctypes.c_int32)
+_I64, _F64, _PTR = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
+_SECTIONS = ("header", "units", "cta_indptr", "cta_units", "merge_indptr", "merge_slots",
+             "merge_out")  # PlanLayout.offsets, in plan_args order
+
+
+class _PlanArgs(ctypes.Structure):
+    """planner.c's plan_args."""
+
+    _fields_ = ([("batch", _I64), ("qo", _PTR), ("kv", _PTR)]
+                + [(f, _I64) for f in ("num_qo_heads", "num_kv_heads", "tile_q", "num_ctas",
+                                       "align", "floor")]
+                + [("alpha", _F64), ("beta", _F64)]
+                + [(f, _I64) for f in ("max_batch", "max_qo_tokens", "max_ctas", "max_units",
+                                       "max_merges", "max_slots", "layout_size")]
+                + [("off_" + s, _I64) for s in _SECTIONS]
+                + [(f, _I64) for f in ("magic", "version", "chunk", "num_units", "num_merges",
+                                       "num_slots", "scratch_bytes")])
+
+
+class _BatchArgs(ctypes.Structure):
+    """planner.c's batch_args."""
+
+    _fields_ = [("qo", _PTR), ("qo_size", _I64), ("kvp", _PTR), ("kvp_size", _I64),
+                ("pages", _PTR), ("num_pages", _I64), ("pages_int32", _I64),
+                ("last", _PTR), ("last_size", _I64)] + [
+                (f, _I64) for f in ("ragged", "page_size", "max_batch", "max_qo_tokens",
+                                    "max_pages")] + [
+                ("kv_lens", _PTR), ("max_q_len", _I64), ("max_page", _I64)]
 
 
 def _cache_dir() -> Path:
@@ -77,12 +117,10 @@ def _build() -> Any:
         lib = ctypes.CDLL(str(out))
     except OSError:
         return False
-    i64, f64 = ctypes.c_int64, ctypes.c_double
-    lib.attncc_plan_sizes.argtypes = [i64, _P64, _P64, i64, i64, i64, i64, i64, i64, _P64]
-    lib.attncc_plan_sizes.restype = None
-    lib.attncc_plan_fill.argtypes = [i64, _P64, _P64, i64, i64, i64, i64, f64, f64, i64, i64,
-                                     _P32, _P32, _P32, _P32, _P32, _P64]
-    lib.attncc_plan_fill.restype = ctypes.c_int
+    lib.attncc_plan_pack.argtypes = [ctypes.POINTER(_PlanArgs), _PTR, _PTR, _I64]
+    lib.attncc_plan_pack.restype = ctypes.c_int
+    lib.attncc_check_batch.argtypes = [ctypes.POINTER(_BatchArgs)]
+    lib.attncc_check_batch.restype = ctypes.c_int
     return lib
 
 
@@ -105,6 +143,101 @@ def available() -> bool:
     return bool(_lib())
 
 
+def _addr(a: np.ndarray) -> int:
+    """Address of a C-contiguous array's data (c_char.from_buffer is 3x cheaper than
+    __array_interface__ but needs a writable, non-empty buffer)."""
+    if a.size and a.flags.writeable:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+    return a.__array_interface__["data"][0]
+
+
+class _Scratch(threading.local):
+    """Per-thread reusable memory: the planner's scratch and int64 copies of small inputs
+    (copying a few hundred ints is cheaper than asking numpy for an array's address)."""
+
+    def __init__(self) -> None:
+        self.plan_args: dict[Any, _PlanArgs] = {}
+        self.last_layout: Any = None
+        self.last_args = _PlanArgs()
+        self.batch_args = _BatchArgs()
+        self.work = np.empty(0, dtype=np.int64)
+        self.work_at = 0
+        self.ints = np.empty(0, dtype=np.int64)
+        self.ints_at = 0
+
+    def grow_work(self, nbytes: int) -> None:
+        """At least `nbytes` of scratch (grown by half again)."""
+        if self.work.nbytes < nbytes:
+            self.work = np.empty((nbytes + nbytes // 2) // 8 + 1, dtype=np.int64)
+            self.work_at = _addr(self.work)
+
+    def int64s(self, n: int) -> np.ndarray:
+        """A reusable int64 array of at least `n` entries (its address: `ints_at`)."""
+        if self.ints.size < n:
+            self.ints = np.empty(n + n // 2 + 1, dtype=np.int64)
+            self.ints_at = _addr(self.ints)
+        return self.ints
+
+
+_SCRATCH = _Scratch()
+
+
+def _layout_args(layout: PlanLayout) -> _PlanArgs:
+    """The plan_args of `layout`, its constant fields filled once per thread and layout."""
+    if _SCRATCH.last_layout is layout:  # (the same layout object step after step: no hashing)
+        return _SCRATCH.last_args
+    args = _SCRATCH.plan_args.get(layout)
+    if args is None:
+        from .scheduler import PLAN_MAGIC, PLAN_VERSION
+
+        args = _PlanArgs(max_batch=layout.max_batch, max_qo_tokens=layout.max_qo_tokens,
+                         max_ctas=layout.max_ctas, max_units=layout.max_units,
+                         max_merges=layout.max_merges, max_slots=layout.max_partial_slots,
+                         layout_size=layout.size, magic=PLAN_MAGIC, version=PLAN_VERSION,
+                         num_qo_heads=layout.num_qo_heads, num_kv_heads=layout.num_kv_heads,
+                         tile_q=layout.tile_q,
+                         **{"off_" + s: layout.offsets[s] for s in _SECTIONS})
+        if len(_SCRATCH.plan_args) >= 64:  # bounded: a grid per batch (balance=False) varies
+            _SCRATCH.plan_args.clear()
+        _SCRATCH.plan_args[layout] = args
+    _SCRATCH.last_layout, _SCRATCH.last_args = layout, args
+    return args
+
+
+def _run_pack(args: _PlanArgs, out_addr: int) -> int:
+    """attncc_plan_pack with enough scratch: 0 packed, 1 the plan exceeds the layout."""
+    lib = _lib()
+    code = lib.attncc_plan_pack(args, out_addr, _SCRATCH.work_at, _SCRATCH.work.nbytes)
+    while code == 2:  # a larger batch than so far: grow the scratch and go again
+        _SCRATCH.grow_work(args.scratch_bytes)
+        code = lib.attncc_plan_pack(args, out_addr, _SCRATCH.work_at, _SCRATCH.work.nbytes)
+    return code
+
+
+def pack_plan(out: np.ndarray, layout: PlanLayout, qo: np.ndarray, kv: np.ndarray, *,
+              num_ctas: int, alpha: float, beta: float, align: int, floor: int
+              ) -> tuple[int, int, int, int] | None:
+    """Plan the batch and pack it into `out` as `Plan.pack(layout, out=out)` would (the same
+    int32 words; words Plan.pack leaves alone are left alone). Inputs must already be checked
+    as `scheduler.plan` checks them: `qo` [batch+1] CSR from 0, `kv` [batch] in 0..2**31-1
+    (int64 arrays), heads and `tile_q` those of `layout`. `out`: a C-contiguous int32 array of
+    at least `layout.size` words. Returns (kv_chunk, num_units, num_merges, num_partial_slots),
+    or None when the plan exceeds one of `layout`'s maxima (nothing written: `Plan.pack` names
+    it).
+    """
+    nq, nk = qo.size, kv.size
+    ints = _SCRATCH.int64s(nq + nk)
+    ints[:nq] = qo
+    ints[nq:nq + nk] = kv
+    args = _layout_args(layout)
+    args.batch, args.qo, args.kv = nk, _SCRATCH.ints_at, _SCRATCH.ints_at + 8 * nq
+    args.num_ctas, args.alpha, args.beta, args.align, args.floor = (num_ctas, alpha, beta,
+                                                                    align, floor)
+    if _run_pack(args, _addr(out)) == 1:
+        return None
+    return args.chunk, args.num_units, args.num_merges, args.num_slots
+
+
 def compiled_plan(qo: np.ndarray, kv: np.ndarray, *, g: int, hk: int, tile_q: int,
                   num_ctas: int, alpha: float, beta: float, align: int, floor: int
                   ) -> dict[str, Any]:
@@ -117,21 +250,59 @@ def compiled_plan(qo: np.ndarray, kv: np.ndarray, *, g: int, hk: int, tile_q: in
         raise RuntimeError("the compiled planner is not available (no C compiler?)")
     qo = np.ascontiguousarray(qo, dtype=np.int64)
     kv = np.ascontiguousarray(kv, dtype=np.int64)
-    batch = kv.size
-    sizes = np.zeros(4, dtype=np.int64)
-    qp, kp = qo.ctypes.data_as(_P64), kv.ctypes.data_as(_P64)
-    lib.attncc_plan_sizes(batch, qp, kp, g, hk, tile_q, num_ctas, align, floor,
-                          sizes.ctypes.data_as(_P64))
-    chunk, n, m, slots = (int(x) for x in sizes)
-    units = np.empty((n, 8), dtype=np.int32)
-    cta_indptr = np.empty(num_ctas + 1, dtype=np.int32)
-    cta_units = np.empty(n, dtype=np.int32)
-    merge_indptr = np.empty(m + 1, dtype=np.int32)
-    merge_out = np.empty((m, 5), dtype=np.int32)
-    scratch = np.empty(4 * n + 12 * batch + 2 * num_ctas, dtype=np.int64)
-    lib.attncc_plan_fill(batch, qp, kp, g, hk, tile_q, num_ctas, float(alpha), float(beta),
-                         chunk, n, units.ctypes.data_as(_P32), cta_indptr.ctypes.data_as(_P32),
-                         cta_units.ctypes.data_as(_P32), merge_indptr.ctypes.data_as(_P32),
-                         merge_out.ctypes.data_as(_P32), scratch.ctypes.data_as(_P64))
-    return {"chunk": chunk, "units": units, "cta_indptr": cta_indptr, "cta_units": cta_units,
-            "merge_indptr": merge_indptr, "merge_out": merge_out, "num_slots": slots}
+    args = _PlanArgs(batch=kv.size, qo=_addr(qo), kv=_addr(kv), num_qo_heads=g * hk,
+                     num_kv_heads=hk, tile_q=tile_q, num_ctas=num_ctas, align=align,
+                     floor=floor, alpha=alpha, beta=beta)
+    _run_pack(args, 0)  # every maximum 0: returns 1 with the plan's sizes
+    chunk, n, m, slots = args.chunk, args.num_units, args.num_merges, args.num_slots
+    # a layout with exactly these sizes, sections back to back
+    lengths = (16, 8 * n, num_ctas + 1, n, m + 1, slots, 5 * m)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    buf = np.empty(offsets[-1], dtype=np.int32)
+    args.max_batch, args.max_qo_tokens, args.max_ctas = kv.size, int(qo[-1]), num_ctas
+    args.max_units, args.max_merges, args.max_slots, args.layout_size = n, m, slots, offsets[-1]
+    for s, o in zip(_SECTIONS, offsets):
+        setattr(args, "off_" + s, o)
+    code = _run_pack(args, _addr(buf))
+    assert code == 0, code
+    sec = {s: buf[offsets[i]:offsets[i + 1]] for i, s in enumerate(_SECTIONS)}
+    return {"chunk": chunk, "units": sec["units"].reshape(n, 8),
+            "cta_indptr": sec["cta_indptr"], "cta_units": sec["cta_units"],
+            "merge_indptr": sec["merge_indptr"], "merge_out": sec["merge_out"].reshape(m, 5),
+            "num_slots": slots}
+
+
+def check_batch(qo: np.ndarray, kvp: np.ndarray, pages: np.ndarray | None,
+                last: np.ndarray | None, *, page_size: int, max_batch: int, max_qo_tokens: int,
+                max_pages: int) -> tuple[np.ndarray, int, int] | None:
+    """BatchAttention.plan's checks of its arrays (1-D int64, `pages` int64 or int32; both
+    `pages` and `last` None for the ragged layout) and the KV lengths: (kv_lens int64 [batch],
+    longest query, pages (ragged: tokens) the cache must hold), or None when a check fails.
+    """
+    lib = _lib()
+    nq, nk = qo.size, kvp.size
+    nl = 0 if last is None else last.size
+    if not lib or nq == 0 or nq > max_batch + 1 or nk > max_batch + 1 or nl > max_batch:
+        return None  # too long for the scratch copies: the Python checks say what is wrong
+    ints = _SCRATCH.int64s(4 * max_batch + 4)  # qo, kv_indptr, kv_last_page_len, kv_lens
+    ints[:nq] = qo
+    ints[nq:nq + nk] = kvp
+    at = _SCRATCH.ints_at
+    b = _SCRATCH.batch_args
+    b.qo, b.qo_size, b.kvp, b.kvp_size = at, nq, at + 8 * nq, nk
+    if pages is None or last is None:
+        b.ragged, b.pages, b.num_pages, b.last, b.last_size = 1, None, 0, None, 0
+    else:
+        if pages.dtype not in (np.int32, np.int64) or not pages.flags.c_contiguous:
+            pages = np.ascontiguousarray(pages, dtype=np.int64)
+        ints[nq + nk:nq + nk + nl] = last
+        b.ragged, b.pages, b.num_pages = 0, _addr(pages), pages.size
+        b.pages_int32 = int(pages.dtype == np.int32)
+        b.last, b.last_size = at + 8 * (nq + nk), nl
+    lens = 3 * max_batch + 3  # kv_lens after the inputs
+    b.page_size, b.max_batch, b.max_qo_tokens, b.max_pages = (page_size, max_batch,
+                                                              max_qo_tokens, max_pages)
+    b.kv_lens = at + 8 * lens
+    if lib.attncc_check_batch(b) != 0:
+        return None
+    return ints[lens:lens + nq - 1].copy(), b.max_q_len, b.max_page

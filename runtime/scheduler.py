@@ -18,13 +18,16 @@ A *work item* is one (request, kv_head, query tile).
 
 KV chunk length
 ---------------
-    L_kv = round_up(max(ceil(sum_i ceil(l_q[i] * g / tile_q) * l_kv[i] / num_ctas),
-                        min_kv_chunk), kv_chunk_align)
+    L_kv = round_up(max(ceil(num_kv_heads * sum_i ceil(l_q[i] * g / tile_q) * l_kv[i]
+                             / num_ctas), min_kv_chunk), kv_chunk_align)
 
-The sum is the KV work of one KV head (as in the paper), so a CTA receives on average
-``num_kv_heads * L_kv`` tokens of work and a chunk is about ``1 / num_kv_heads`` of that; the
-floor keeps chunks long enough to amortise their fixed cost, the alignment (a page size) keeps
-chunk boundaries on page boundaries. The KV range of every work item is cut into chunks of at
+The paper's formula (the KV work of one head over the CTAs) applied to the CTAs one KV head gets
+when all heads share the grid, ``num_ctas / num_kv_heads``: a chunk is the average work of a CTA,
+so a batch with at least one work item per CTA is not split at all. (Dividing one head's work by
+all CTAs instead split every request of a large MHA batch into ~num_kv_heads pieces: on the
+H200, B=64 x 32 heads x 1K tokens became 8,192 units and 2,048 merges for 792 CTAs, and the
+no-split ablation was faster.) The floor keeps chunks long enough to amortise their fixed cost,
+the alignment (a page size) keeps chunk boundaries on page boundaries. The KV range of every work item is cut into chunks of at
 most ``L_kv`` tokens; each chunk is a *work unit* with cost ``alpha * q_rows + beta * kv_len``.
 A work item with ``l_kv = 0`` still gets one unit with an empty KV range: it must write its
 output (0) and LSE (-inf). Requests with ``l_q = 0`` get no unit at all.
@@ -69,23 +72,27 @@ from these bounds; `workspace_bytes` sizes the partial-(O, LSE) workspace from t
 
 Host time
 ---------
-Everything is vectorised numpy: about 150 numpy calls plus about 10 per ``num_ctas`` units
-for the greedy. Measured medians at batch 256 with 32/8 heads and 264 CTAs (2 per SM): decode
-(3-4k units) 0.6-1.2 ms on a noisy 2-vCPU VM (numpy 2.4), 0.8 ms on the CPU of an H200 host
-(numpy 2.5); prefill with 10-22k units 1.6-3.3 ms; a one-request batch 0.13 ms. The 50 us
-target of the issue needs compiled code (numpy's per-call overhead alone is 1-2 us); the plan
-layout does not depend on how the plan is computed.
+Here everything is vectorised numpy: about 150 numpy calls plus about 10 per ``num_ctas``
+units for the greedy. Measured medians at batch 256 with 32/8 heads and 264 CTAs (2 per SM):
+decode (3-4k units) 0.6-1.2 ms on a noisy 2-vCPU VM (numpy 2.4), 0.8 ms on the CPU of an H200
+host (numpy 2.5); prefill with 10-22k units 1.6-3.3 ms; a one-request batch 0.13 ms. The
+compiled twin (runtime/planner.c, used when a C compiler is found) computes the same plan and,
+through `plan_into`, packs it straight into the caller's buffer: at decode batch 256 with 792
+CTAs, 35-45 us for 3-3.5k units, 48-62 us for 6-7k, 150-190 us for 25-29k on that VM
+(bench/plan_time.py, which also times BatchAttention.plan end to end). The plan layout does not
+depend on how the plan is computed.
 
 Example:
     >>> p = plan([0, 1, 2, 3], [100, 1000, 5000], num_qo_heads=8, num_kv_heads=2, tile_q=16,
-    ...          num_ctas=4)
+    ...          num_ctas=8)
     >>> p.kv_chunk, p.num_units, p.num_merges, p.num_partial_slots
     (1536, 12, 2, 8)
     >>> [round(x) for x in simulate(p)]
-    [3080, 3080, 3044, 3044]
+    [1540, 1540, 1540, 1540, 1540, 1540, 1504, 1504]
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -93,10 +100,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from . import planner
+
 __all__ = [
     "TILE_Q_CHOICES", "WRITE_THROUGH", "WORK_UNIT_DTYPE", "MERGE_TARGET_DTYPE", "HEADER_FIELDS",
     "paged_kv_lens", "kv_chunk_size", "cost_ticks", "lpt_schedule", "lpt_schedule_reference",
-    "plan", "Plan",
+    "plan", "plan_into", "Plan",
     "PlanLayout", "workspace_bytes", "simulate",
 ]
 
@@ -237,7 +246,8 @@ def kv_chunk_size(tile_kv_work: int, num_ctas: int, min_kv_chunk: int = 128,
                   kv_chunk_align: int = 16) -> int:
     """The maximum KV chunk length ``L_kv`` (see the module docstring).
 
-    ``tile_kv_work`` is ``sum_i ceil(l_q[i] * g / tile_q) * l_kv[i]`` (one KV head's work).
+    ``tile_kv_work`` is ``num_kv_heads * sum_i ceil(l_q[i] * g / tile_q) * l_kv[i]`` (the work
+    of every KV head).
 
     Example:
         >>> kv_chunk_size(10_000, 8), kv_chunk_size(100, 8), kv_chunk_size(100, 8, 50, 32)
@@ -401,6 +411,52 @@ def cost_ticks(costs: Any, num_ctas: int, total: float | None = None) -> np.ndar
 
 # --------------------------------------------------------------------------- the plan
 
+def _checked_lengths(qo_indptr: Any, kv_lens: Any) -> tuple[np.ndarray, np.ndarray]:
+    """`plan`'s checks of the batch: a query CSR from 0 and one KV length >= 0 per request."""
+    qo = _as_indptr(qo_indptr, "qo_indptr")
+    kv = _as_int_array(kv_lens, "kv_lens")
+    batch = qo.size - 1
+    if kv.size != batch:
+        raise ValueError(f"kv_lens has {kv.size} entries, qo_indptr describes {batch} requests")
+    if batch and kv.min() < 0:
+        i = int(np.argmax(kv < 0))
+        raise ValueError(f"kv_lens must be >= 0, kv_lens[{i}] = {int(kv[i])}")
+    return qo, kv
+
+
+def _checked_params(*params: Any) -> tuple[int, int, int, float, float, int, int]:
+    """`plan`'s checks of its scalars (num_qo_heads, num_kv_heads, tile_q, num_ctas, alpha,
+    beta, kv_chunk_align, min_kv_chunk): (group size, tile_q, num_ctas, alpha, beta, KV chunk
+    alignment, KV chunk floor). Memoised (a serving loop plans with the same few every step);
+    arguments that cannot be hashed, or fail a check, go through the checks themselves."""
+    try:
+        return _checked_params_memo(*params)
+    except TypeError:
+        return _check_params(*params)
+
+
+def _check_params(num_qo_heads: Any, num_kv_heads: Any, tile_q: Any, num_ctas: Any,
+                  alpha: Any, beta: Any, kv_chunk_align: Any, min_kv_chunk: Any
+                  ) -> tuple[int, int, int, float, float, int, int]:
+    g = _check_heads(num_qo_heads, num_kv_heads)
+    tile_q = _check_tile_q(tile_q)
+    num_ctas = _check_int(num_ctas, "num_ctas", 1)
+    alpha, beta = _check_coef(alpha, "alpha"), _check_coef(beta, "beta")
+    if alpha == 0.0 and beta == 0.0:
+        raise ValueError("alpha and beta cannot both be 0")
+    align = _check_int(kv_chunk_align, "kv_chunk_align", 1, 2**20)
+    floor = _check_int(min_kv_chunk, "min_kv_chunk", 1, 2**30)
+    return g, tile_q, num_ctas, alpha, beta, align, floor
+
+
+_checked_params_memo = functools.lru_cache(maxsize=256, typed=True)(_check_params)
+
+
+def _check_int32_range(qo: np.ndarray, kv: np.ndarray) -> None:
+    if qo[-1] > _INT32_MAX or (kv.size and kv.max() > _INT32_MAX):
+        raise ValueError("qo_indptr / kv_lens exceed the int32 range of the packed plan")
+
+
 def _frozen(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False
     return a
@@ -425,7 +481,7 @@ class Plan:
         num_partial_slots: workspace slots used (each ``tile_q`` rows of O plus ``tile_q`` LSE).
 
     Example:
-        >>> p = plan([0, 2], [300], num_qo_heads=4, num_kv_heads=2, tile_q=16, num_ctas=2)
+        >>> p = plan([0, 2], [300], num_qo_heads=4, num_kv_heads=2, tile_q=16, num_ctas=4)
         >>> p.kv_chunk, p.units[["kv_head", "q_rows", "kv_start", "kv_end", "slot"]].tolist()
         (160, [(0, 4, 0, 160, 0), (0, 4, 160, 300, 1), (1, 4, 0, 160, 2), (1, 4, 160, 300, 3)])
         >>> p.merge_indptr.tolist(), p.merge_slots.tolist(), p.merge_out["kv_head"].tolist()
@@ -538,43 +594,28 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
         kv_chunk_align: chunk lengths are multiples of this (use the page size).
         min_kv_chunk: floor of the chunk length (rounded up to ``kv_chunk_align``).
         impl: "numpy", "c" (the compiled twin in runtime/planner.c: the same plan, tens of
-            microseconds instead of a millisecond at batch 256) or "auto" (C when a C compiler
-            is available).
+            microseconds instead of a millisecond at batch 256; `plan_into` skips the typed
+            arrays too) or "auto" (C when a C compiler is available).
 
     Example:
         >>> p = plan([0, 1, 1, 2], [4096, 50, 0], num_qo_heads=32, num_kv_heads=4, tile_q=16,
-        ...          num_ctas=4)
+        ...          num_ctas=16)
         >>> p.kv_chunk, p.num_units, p.num_merges
         (1024, 20, 4)
         >>> p.cta_indptr.tolist()
-        [0, 5, 10, 15, 20]
+        [0, 2, 4, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
         >>> p.units[-1].tolist()     # request 2 has no KV: an empty write-through unit
         (2, 3, 1, 0, 8, 0, 0, -1)
     """
-    qo = _as_indptr(qo_indptr, "qo_indptr")
-    kv = _as_int_array(kv_lens, "kv_lens")
+    qo, kv = _checked_lengths(qo_indptr, kv_lens)
     batch = qo.size - 1
-    if kv.size != batch:
-        raise ValueError(f"kv_lens has {kv.size} entries, qo_indptr describes {batch} requests")
-    if batch and kv.min() < 0:
-        i = int(np.argmax(kv < 0))
-        raise ValueError(f"kv_lens must be >= 0, kv_lens[{i}] = {int(kv[i])}")
-    g = _check_heads(num_qo_heads, num_kv_heads)
-    tile_q = _check_tile_q(tile_q)
-    num_ctas = _check_int(num_ctas, "num_ctas", 1)
-    alpha, beta = _check_coef(alpha, "alpha"), _check_coef(beta, "beta")
-    if alpha == 0.0 and beta == 0.0:
-        raise ValueError("alpha and beta cannot both be 0")
-    align = _check_int(kv_chunk_align, "kv_chunk_align", 1, 2**20)
-    floor = _check_int(min_kv_chunk, "min_kv_chunk", 1, 2**30)
-    if qo[-1] > _INT32_MAX or (batch and kv.max() > _INT32_MAX):
-        raise ValueError("qo_indptr / kv_lens exceed the int32 range of the packed plan")
+    g, tile_q, num_ctas, alpha, beta, align, floor = _checked_params(
+        num_qo_heads, num_kv_heads, tile_q, num_ctas, alpha, beta, kv_chunk_align, min_kv_chunk)
+    _check_int32_range(qo, kv)
     hk = int(num_kv_heads)
     if impl not in ("auto", "numpy", "c"):
         raise ValueError(f"impl={impl!r}: use 'auto', 'numpy' or 'c'")
     if impl != "numpy":
-        from . import planner
-
         if planner.available():
             r = planner.compiled_plan(qo, kv, g=g, hk=hk, tile_q=tile_q, num_ctas=num_ctas,
                                       alpha=alpha, beta=beta, align=align, floor=floor)
@@ -596,7 +637,7 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
     # per request (int64 [batch]): fused rows, query tiles, KV chunks
     rows = np.diff(qo) * g
     ntiles = _ceil_div(rows, tile_q)
-    chunk = kv_chunk_size(int(ntiles @ kv), num_ctas, floor, align)
+    chunk = kv_chunk_size(int(ntiles @ kv) * hk, num_ctas, floor, align)
     chunk = min(chunk, _INT32_MAX // align * align)  # only absurd sizes: stays a packed int32
     nchunks = np.where(ntiles > 0, np.maximum(_ceil_div(kv, chunk), 1), 0)
 
@@ -624,6 +665,47 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
         merge_slots=_frozen(np.arange(num_slots, dtype=np.int32)),
         merge_out=_frozen(merge_out), num_partial_slots=num_slots,
     )
+
+
+def plan_into(out: np.ndarray, layout: PlanLayout, qo_indptr: Any, kv_lens: Any,
+              num_qo_heads: int, num_kv_heads: int, tile_q: int, num_ctas: int, *,
+              alpha: float = 1.0, beta: float = 1.0, kv_chunk_align: int = 16,
+              min_kv_chunk: int = 128, checked: bool = False) -> None:
+    """``plan(...).pack(layout, out=out)`` in one step: the same int32 words, and the same
+    errors. With the compiled planner the plan is computed straight into ``out`` (no `Plan`
+    object, no intermediate arrays): tens of microseconds where plan + pack take a millisecond.
+
+    ``checked=True``: the caller has already checked ``qo_indptr`` and ``kv_lens`` as `plan`
+    does (int64 numpy arrays, a CSR from 0, lengths in ``0 .. 2**31 - 1``); the checks of the
+    scalars are always made.
+
+    Example:
+        >>> layout = PlanLayout(max_batch=4, max_qo_tokens=64, max_ctas=8, num_qo_heads=4,
+        ...                     num_kv_heads=1, tile_q=16)
+        >>> out = np.zeros(layout.size, dtype=np.int32)
+        >>> plan_into(out, layout, [0, 3, 4], [500, 20], 4, 1, 16, num_ctas=4)
+        >>> bool(np.array_equal(out, plan([0, 3, 4], [500, 20], 4, 1, 16, 4).pack(layout)))
+        True
+    """
+    if checked:
+        qo, kv = qo_indptr, kv_lens
+    else:
+        qo, kv = _checked_lengths(qo_indptr, kv_lens)
+    g, tile_q, num_ctas, alpha, beta, align, floor = _checked_params(
+        num_qo_heads, num_kv_heads, tile_q, num_ctas, alpha, beta, kv_chunk_align, min_kv_chunk)
+    if not checked:
+        _check_int32_range(qo, kv)
+    fits = (isinstance(out, np.ndarray) and out.dtype == np.int32 and out.ndim == 1
+            and out.flags.c_contiguous and out.flags.writeable and out.size >= layout.size
+            and (num_qo_heads, num_kv_heads, tile_q) == (layout.num_qo_heads,
+                                                         layout.num_kv_heads, layout.tile_q))
+    if fits and planner.available() and planner.pack_plan(
+            out, layout, qo, kv, num_ctas=num_ctas, alpha=alpha, beta=beta, align=align,
+            floor=floor) is not None:
+        return
+    # no compiler, or the plan does not fit: Plan.pack writes it or names what does not fit
+    plan(qo, kv, num_qo_heads, num_kv_heads, tile_q, num_ctas, alpha=alpha, beta=beta,
+         kv_chunk_align=align, min_kv_chunk=floor).pack(layout, out=out)
 
 
 _BUILD_DTYPE = np.dtype(WORK_UNIT_DTYPE.descr + [("first", np.int32)])
@@ -874,10 +956,10 @@ class PlanLayout:
         """Read a packed plan back: header fields as ints, sections as views trimmed to use.
 
         Example:
-            >>> layout = PlanLayout(4, 64, 2, 2, 2, 16)
-            >>> d = layout.unpack(plan([0, 2], [300], 2, 2, 16, 2).pack(layout))
+            >>> layout = PlanLayout(4, 64, 4, 2, 2, 16)
+            >>> d = layout.unpack(plan([0, 2], [300], 2, 2, 16, 4).pack(layout))
             >>> d["kv_chunk"], d["cta_indptr"].tolist(), d["units"]["kv_end"].tolist()
-            (160, [0, 2, 4], [160, 300, 160, 300])
+            (160, [0, 1, 2, 3, 4], [160, 300, 160, 300])
         """
         buf = np.asarray(buf)
         if buf.dtype != np.int32 or buf.ndim != 1 or buf.size < self.size:

@@ -3,6 +3,7 @@ translation units (NVRTC). GPU behaviour is pinned in tests/gpu/test_batch.py.""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -151,3 +152,95 @@ def test_cascade_plan_positions_and_checks() -> None:
         CascadeAttention(GYM["document_mask"](2, 8, 64, 128), device="cpu")
     with pytest.raises(ValueError, match="paged"):
         CascadeAttention(None, kv_layout="ragged", device="cpu")
+
+
+# ------------------------------------------------------------------------------ fast plan path
+def _plan_outcome(layout: str, args: tuple, kw: dict, **ctor: Any) -> tuple:
+    """What plan() does with these arguments: the error it raises, or what it staged."""
+    ba = BatchAttention(None, kv_layout=layout, device="cpu", **ctor)
+    try:
+        ba.plan(*args, **kw)
+    except Exception as e:  # noqa: BLE001 -- the exception itself is the outcome
+        return type(e).__name__, str(e)
+    return ("ok", ba.tiles, ba.kv_lens.tolist(), ba.qo_indptr.tolist(), ba._max_page,
+            ba.page_size, ba.page_shift, ba._staging_np.tobytes())
+
+
+def _random_plan_args(rng: np.random.Generator, layout: str) -> tuple[tuple, dict]:
+    """A batch for plan(), often broken in one of the ways plan() must name."""
+    B = int(rng.integers(1, 12))
+    page = int(rng.choice([1, 4, 16]))
+    q = rng.integers(0, 4, B) * (rng.random(B) < 0.8)
+    kv = q + rng.integers(0, 300, B)
+    flaw = rng.integers(0, 16)
+    if flaw == 14:  # more queries than KV tokens
+        q[0], kv[0] = 3, 2
+    npg = -(-kv // page)
+    qo, kvp = np.concatenate([[0], np.cumsum(q)]), np.concatenate([[0], np.cumsum(npg)])
+    pages = rng.permutation(int(npg.sum()) + 3)[:int(npg.sum()) + int(rng.integers(0, 3))]
+    last = np.where(npg > 0, kv - (npg - 1) * page, 0)
+    hk = int(rng.choice([1, 2, 4]))
+    kw: dict = dict(num_qo_heads=hk * int(rng.choice([1, 2, 8])), num_kv_heads=hk, head_dim=128,
+                    page_size=page)
+    if flaw == 0:
+        pages[rng.integers(0, pages.size)] = -1 if pages.size else 0
+    elif flaw == 1 and B > 1:
+        kvp[1], kvp[2] = kvp[2], kvp[1] + 1
+    elif flaw == 2:
+        last[rng.integers(0, B)] = page + 1
+    elif flaw == 3:
+        last[rng.integers(0, B)] = 0
+    elif flaw == 4:
+        qo[-1] += 500
+    elif flaw == 5:
+        pages = pages[:max(int(kvp[-1]) - 1, 0)]
+    elif flaw == 6:
+        kw["num_kv_heads"] = 3
+    elif flaw == 7:
+        kw["page_size"] = 16.0
+    elif flaw == 8:
+        pages = pages.astype(np.float32)
+    elif flaw == 9:
+        pages = pages.astype(np.int32)
+    elif flaw == 10:
+        qo, kvp, pages, last = (torch.as_tensor(x) for x in (qo, kvp, pages, last))
+    elif flaw == 11:
+        qo = qo.tolist()
+    elif flaw == 12:
+        last = last[:-1]
+    elif flaw == 13:
+        kw["head_dim"] = 96
+    if layout == "ragged":
+        kv_tok = np.concatenate([[0], np.cumsum(kv)])
+        return (qo, kv_tok if flaw != 1 else kvp), kw
+    return (qo, kvp, pages, last), kw
+
+
+@pytest.mark.parametrize("layout", ["NHD", "ragged"])
+def test_fast_plan_path_matches_the_reference_path(layout: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """plan() with the compiled planner (checks in one C pass, plan packed straight into the
+    staging buffer) raises the same errors and stages the same words as the numpy path."""
+    from attncc.runtime import planner
+
+    if not planner.available():
+        pytest.skip("no C compiler to build the planner")
+    rng = np.random.default_rng(11)
+    cases = [_random_plan_args(rng, layout) for _ in range(150)]
+    ctor = dict(max_batch=10, max_qo_tokens=40, max_pages=2000)
+    fast = [_plan_outcome(layout, a, kw, **ctor) for a, kw in cases]
+    monkeypatch.setattr(planner, "_LIB", False)
+    slow = [_plan_outcome(layout, a, kw, **ctor) for a, kw in cases]
+    assert sum(o[0] == "ok" for o in fast) > 20 and sum(o[0] != "ok" for o in fast) > 20
+    for (args, kw), f, s in zip(cases, fast, slow):
+        assert f == s, (args, kw)
+
+
+def test_lazy_plan_is_the_packed_plan() -> None:
+    """`ba._plan` (computed on first use) packs to the words plan() staged."""
+    ba = _ba()
+    ba.plan([0, 1, 3], [0, 40, 41], list(range(41)), [16, 3], **KW)
+    assert ba.layout is not None
+    staged = ba._staging_np[:ba.layout.size]
+    assert ba._plan.pack(ba.layout).tobytes() == staged.tobytes()
+    assert ba._plan.num_merges == ba.layout.unpack(staged)["num_merges"]

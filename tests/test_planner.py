@@ -70,3 +70,74 @@ def test_compiled_plan_is_faster() -> None:
 def test_impl_argument_is_checked() -> None:
     with pytest.raises(ValueError, match="impl="):
         scheduler.plan([0, 1], [10], 1, 1, 16, 1, impl="rust")
+
+
+# --------------------------------------------------------------------------- packed in one step
+
+def _layout_for(rng: np.random.Generator, args: tuple) -> scheduler.PlanLayout:
+    """A layout with room to spare for the plan of `args` (so the maxima are not the sizes)."""
+    qo, _kv, hq, hk, tile_q, num_ctas = args
+    return scheduler.PlanLayout(len(qo) - 1 + int(rng.integers(0, 4)),
+                                int(qo[-1]) + int(rng.integers(0, 64)),
+                                num_ctas + int(rng.integers(0, 8)), hq, hk, tile_q)
+
+
+@needs_cc
+def test_plan_into_writes_exactly_what_pack_writes() -> None:
+    """Same words in the same buffer, the untouched ones included (a poisoned buffer)."""
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        args, kw = _random_case(rng)
+        layout = _layout_for(rng, args)
+        want = np.full(layout.size + 5, -7, dtype=np.int32)
+        scheduler.plan(*args, **kw, impl="numpy").pack(layout, out=want[:layout.size])
+        got = np.full(layout.size + 5, -7, dtype=np.int32)
+        scheduler.plan_into(got[:layout.size], layout, *args, **kw)
+        assert got.tobytes() == want.tobytes()
+
+
+@needs_cc
+@pytest.mark.parametrize("case", ["long equal runs, unequal loads", "zero costs", "one CTA",
+                                  "more CTAs than units", "one request per CTA"])
+def test_compiled_greedy_corner_cases(case: str) -> None:
+    """The C greedy's paths: a run longer than the grid whose loads differ by more than a unit
+    (taken in grid-sized pieces), free units, a one-CTA grid, an idle grid, a full deal."""
+    rng = np.random.default_rng(3)
+    qo = np.arange(41)
+    kw: dict = {}
+    if case == "long equal runs, unequal loads":
+        kv = np.concatenate([rng.integers(1, 4000, 8), np.full(32, 999)])
+        args = (qo, kv, 8, 8, 16, 5)
+    elif case == "zero costs":
+        kv = np.where(rng.random(40) < 0.5, 0, rng.integers(1, 900, 40))
+        args, kw = (qo, kv, 4, 2, 16, 7), dict(alpha=0.0, beta=1.0, min_kv_chunk=64)
+    elif case == "one CTA":
+        args = (qo, rng.integers(0, 3000, 40), 4, 4, 16, 1)
+    elif case == "more CTAs than units":
+        args = (qo, rng.integers(1, 50, 40), 2, 1, 16, 999)
+    else:
+        args = (qo, np.full(40, 128), 1, 1, 16, 40)
+    _assert_same(scheduler.plan(*args, **kw, impl="numpy"), scheduler.plan(*args, **kw, impl="c"))
+
+
+def test_plan_into_names_the_exceeded_maximum_and_writes_nothing() -> None:
+    layout = scheduler.PlanLayout(4, 64, 4, 4, 1, 16)
+    out = np.full(layout.size, 5, dtype=np.int32)
+    with pytest.raises(ValueError, match="num_ctas 6 > PlanLayout.max_ctas = 4"):
+        scheduler.plan_into(out, layout, [0, 2, 3], [4000, 40], 4, 1, 16, num_ctas=6)
+    with pytest.raises(ValueError, match="batch_size 5 > PlanLayout.max_batch = 4"):
+        scheduler.plan_into(out, layout, np.arange(6), np.full(5, 9), 4, 1, 16, num_ctas=4)
+    assert np.all(out == 5)
+
+
+def test_plan_into_without_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No C compiler: the numpy plan, packed, gives the same words."""
+    args, layout = ([0, 1, 3, 3], [900, 40, 7], 8, 2, 16, 6), scheduler.PlanLayout(4, 8, 8, 8, 2,
+                                                                                     16)
+    with_c = np.zeros(layout.size, dtype=np.int32)
+    scheduler.plan_into(with_c, layout, *args)
+    monkeypatch.setattr(planner, "_LIB", False)
+    without = np.zeros(layout.size, dtype=np.int32)
+    scheduler.plan_into(without, layout, *args)
+    assert without.tobytes() == with_c.tobytes()
+    assert without.tobytes() == scheduler.plan(*args, impl="numpy").pack(layout).tobytes()

@@ -151,7 +151,7 @@ def test_plan_executes_to_exact_attention() -> None:
     kv = np.array([700, 40, 0, 300, 1500, 129])
     hq, hk, d = 8, 2, 16
     g = hq // hk
-    p = plan(indptr(lq), kv, hq, hk, tile_q=16, num_ctas=5, min_kv_chunk=32, kv_chunk_align=16)
+    p = plan(indptr(lq), kv, hq, hk, tile_q=16, num_ctas=40, min_kv_chunk=32, kv_chunk_align=16)
     assert p.num_merges > 0 and np.any(p.units["slot"] == WRITE_THROUGH)
     q = torch.randn(int(lq.sum()), hq, d, generator=gen, dtype=torch.float64)
     kv_ptr = indptr(kv)
@@ -315,7 +315,22 @@ def test_one_huge_request_is_split_across_all_ctas(lq: int, kv: int) -> None:
     assert np.all(np.diff(p.cta_indptr) > 0)                          # every CTA has work
     loads = simulate(p)
     assert max(loads) <= 1.15 * sum(loads) / p.num_ctas
-    assert p.num_merges > 0 and all(c.min() == 1 == c.max() for c in coverage(p))
+    assert all(c.min() == 1 == c.max() for c in coverage(p))
+    # a decode request (8 work items for 132 CTAs) must be split; a long prefill (1,024 query
+    # tiles x heads) already has more items than CTAs and is not
+    items = 8 * -(-lq * 4 // 64)
+    assert (p.num_merges > 0) == (items < NUM_SMS)
+
+
+def test_batch_with_an_item_per_cta_is_not_split() -> None:
+    """The chunk is the average work of a CTA over all KV heads: a batch with at least one
+    (request, KV head) item per CTA keeps every item whole (no merges), one with fewer splits."""
+    big = plan(indptr(np.ones(64, dtype=np.int64)), np.full(64, 1024), 32, 32, 16, num_ctas=792,
+               min_kv_chunk=256, kv_chunk_align=32)
+    assert big.num_units == 64 * 32 and big.num_merges == 0
+    small = plan(indptr(np.ones(16, dtype=np.int64)), np.full(16, 1024), 32, 4, 16, num_ctas=792,
+                 min_kv_chunk=256, kv_chunk_align=32)
+    assert small.kv_chunk == 256 and small.num_units == 16 * 4 * 4 and small.num_merges == 64
 
 
 def test_decode_gqa_group_8_is_fused() -> None:
@@ -338,7 +353,8 @@ def test_chunks_are_page_aligned(page_size: int) -> None:
     pages = rng.integers(0, 300, batch)
     last = np.where(pages > 0, rng.integers(1, page_size + 1, batch), 0)
     kv = paged_kv_lens(indptr(pages), last, page_size)
-    p = plan(indptr(rng.integers(1, 20, batch)), kv, 16, 4, 32, num_ctas=NUM_SMS,
+    # more CTAs than the ~320 work items, so that requests are split into chunks
+    p = plan(indptr(rng.integers(1, 20, batch)), kv, 16, 4, 32, num_ctas=1024,
              kv_chunk_align=page_size)
     check_structure(p, page_size, 128)
     assert p.kv_chunk % page_size == 0 and np.all(p.units["kv_start"] % page_size == 0)
@@ -367,7 +383,7 @@ def test_kv_chunk_size_formula() -> None:
     assert kv_chunk_size(0, 132) == 128
     assert kv_chunk_size(10, 1, min_kv_chunk=1, kv_chunk_align=1) == 10
     p = plan(indptr([100, 1]), [4000, 9000], 8, 2, 32, num_ctas=4)
-    work = math.ceil(100 * 4 / 32) * 4000 + 1 * 9000
+    work = 2 * (math.ceil(100 * 4 / 32) * 4000 + 1 * 9000)  # both KV heads' work
     assert p.kv_chunk == kv_chunk_size(work, 4)
 
 

@@ -1,8 +1,9 @@
 """Compile-time tiles of the FA2 kernel templates (kernels/fa2_*.cuh), mirrored in Python.
 
-`Fa2Tiles(tq, tkv, stages, m_frags)` is what `generate_source(kernel="fa2" | "fa2batch",
-tiles=...)` instantiates: T_q fused query rows per CTA, T_kv KV rows per tile, the cp.async
-pipeline depth, and 16-row MMA fragments per warp (warps = T_q / (16 * m_frags)). Its threads
+`Fa2Tiles(tq, tkv, stages, m_frags, kv_warps)` is what `generate_source(kernel="fa2" |
+"fa2batch", tiles=...)` instantiates: T_q fused query rows per CTA, T_kv KV rows per tile, the
+cp.async pipeline depth, 16-row MMA fragments per warp, and (decode, T_q = 16) how many warps
+split each KV tile between them (warps = T_q / (16 * m_frags) * kv_warps). Its threads
 and dynamic shared memory are the C++ `attncc::fa2::Config`'s (the launcher also checks the
 threads against the loaded function).
 
@@ -11,7 +12,9 @@ Example:
     >>> t.warps, t.threads, t.smem_bytes(128), t.suffix
     (4, 128, 98304, '_q128_k64_s2_m2')
     >>> default_tiles(256)
-    Fa2Tiles(tq=64, tkv=32, stages=2, m_frags=1)
+    Fa2Tiles(tq=64, tkv=32, stages=2, m_frags=1, kv_warps=1)
+    >>> Fa2Tiles(16, 64, 2, 1, kv_warps=4).threads
+    128
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class Fa2Tiles:
     tkv: int = 64
     stages: int = 2
     m_frags: int = 2
+    kv_warps: int = 1
 
     def __post_init__(self) -> None:
         if self.tq not in TQ_CHOICES or self.tkv not in TKV_CHOICES or \
@@ -43,10 +47,15 @@ class Fa2Tiles:
         if self.m_frags not in (1, 2) or self.tq % (16 * self.m_frags):
             raise CodegenError(f"m_frags={self.m_frags} with T_q={self.tq}: 1 or 2 16-row "
                                f"fragments per warp, T_q a multiple of 16 * m_frags")
+        if self.kv_warps not in (1, 2, 4) or (self.kv_warps > 1 and (
+                self.tq != 16 or self.m_frags != 1 or self.tkv % (16 * self.kv_warps))):
+            raise CodegenError(f"kv_warps={self.kv_warps} with T_q={self.tq}, T_kv={self.tkv}: "
+                               f"1, 2 or 4; more than 1 needs T_q=16, m_frags=1 and KV slices "
+                               f"(T_kv / kv_warps) that are multiples of 16 rows")
 
     @property
     def warps(self) -> int:
-        return self.tq // (16 * self.m_frags)
+        return self.tq // (16 * self.m_frags) * self.kv_warps
 
     @property
     def threads(self) -> int:
@@ -60,7 +69,8 @@ class Fa2Tiles:
     def suffix(self) -> str:
         """What the kernel name appends for these tiles."""
         return (f"_q{self.tq}_k{self.tkv}_s{self.stages}"
-                + (f"_m{self.m_frags}" if self.m_frags > 1 else ""))
+                + (f"_m{self.m_frags}" if self.m_frags > 1 else "")
+                + (f"_w{self.kv_warps}" if self.kv_warps > 1 else ""))
 
 
 def default_tiles(head_dim: int) -> Fa2Tiles:

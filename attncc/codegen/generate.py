@@ -41,6 +41,7 @@ __all__ = ["KernelSpec", "KERNELS", "DTYPES", "VariantCode", "GeneratedKernel",
 
 # Shipped templates every translation unit starts with, in this order.
 COMMON_TEMPLATES = ("attncc_types.cuh", "attention_params.cuh")
+FA3_THREADS = 384  # kernels/fa3_prefill.cuh kThreads: a producer and two consumer warpgroups
 
 
 @dataclass(frozen=True)
@@ -301,18 +302,19 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
                                "'simple'")
         if kernel == "fa3":
             if dtype != "bfloat16":
-                raise CodegenError(f"dtype={dtype!r}: the 'fa3' prototype runs bfloat16")
-            tiles = tiles if tiles is not None else Fa2Tiles(64, 64, 2, 1)
-            if (tiles.tq, tiles.tkv, tiles.m_frags) != (64, 64, 1):
-                raise CodegenError("the 'fa3' prototype has fixed 64 x 64 tiles (one warpgroup); "
-                                   "only stages may vary")
+                raise CodegenError(f"dtype={dtype!r}: the 'fa3' kernel runs bfloat16")
+            tiles = tiles if tiles is not None else Fa2Tiles(128, 64, 2, 1)
+            if (tiles.tq, tiles.tkv, tiles.m_frags, tiles.kv_warps) != (128, 64, 1, 1):
+                raise CodegenError("the 'fa3' kernel has fixed 128 x 64 tiles (two consumer "
+                                   "warpgroups); only stages may vary")
         tiles = tiles if tiles is not None else default_tiles(head_dim)
         name += tiles.suffix
         threads, rows, smem = tiles.threads, tiles.tq, tiles.smem_bytes(head_dim)
-        if kernel == "fa3":  # + its mbarriers and the slack that aligns tiles to 1024 bytes
-            smem += 8 * (tiles.stages + 1) + 1024
+        if kernel == "fa3":  # producer + 2 consumer warpgroups; + mbarriers and the slack that
+            threads = FA3_THREADS  # aligns tiles to 1024 bytes (kernels/fa3_prefill.cuh Smem)
+            smem += 8 * (2 * tiles.stages + 1) + 1024
         entry = (f"{spec.entry_macro}({name}, {vc.struct_name}, {DTYPES[dtype][0]}, {head_dim}, "
-                 f"{tiles.tq}, {tiles.tkv}, {tiles.stages}, {tiles.m_frags})")
+                 f"{tiles.tq}, {tiles.tkv}, {tiles.stages}, {tiles.m_frags}, {tiles.kv_warps})")
     elif tiles is not None:
         raise CodegenError(f"tiles are for the 'fa2' / 'fa2batch' kernels, not {kernel!r}")
     shipped: Sequence[tuple[str, str]] = [(f, read_template(f).rstrip("\n") + "\n")

@@ -1,4 +1,4 @@
-"""The FA3 prototype (kernels/fa3_prefill.cuh: TMA + wgmma), selected with
+"""The FA3 kernel (kernels/fa3_prefill.cuh: TMA + wgmma, warp-specialized), selected with
 kernel_options={"KERNEL": "fa3"}, against the fp64 reference. GPU tests need an sm_90 GPU; the
 CPU tests pin the option's checks and that every case compiles for sm_90a."""
 from __future__ import annotations
@@ -24,11 +24,11 @@ CASES = [(v, d, s, g) for (v, d), s, g in zip(
 def test_fa3_option_checks() -> None:
     plan = choose_tiles(128, q_len=500, kv_len=500, group=4, heads=8, batch=1,
                         kernel_options=FA3)
-    assert (plan.kernel, plan.tq, plan.tkv, plan.gf) == ("fa3", 64, 64, 1)
+    assert (plan.kernel, plan.tq, plan.tkv, plan.gf) == ("fa3", 128, 64, 1)
     with pytest.raises(ValueError, match="head dims 64 and 128"):
         choose_tiles(256, q_len=5, kv_len=5, group=1, heads=1, batch=1, kernel_options=FA3)
-    with pytest.raises(ValueError, match="multiples of 64"):
-        choose_tiles(64, q_len=5, kv_len=5, group=1, heads=1, batch=1, block_q=32, block_kv=128,
+    with pytest.raises(ValueError, match="blocks of 128 query rows"):
+        choose_tiles(64, q_len=5, kv_len=5, group=1, heads=1, batch=1, block_q=64, block_kv=128,
                      kernel_options=FA3)
     with pytest.raises(ValueError, match="'fa2' \\(default\\) or 'fa3'"):
         choose_tiles(64, q_len=5, kv_len=5, group=1, heads=1, batch=1,

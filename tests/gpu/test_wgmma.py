@@ -83,7 +83,8 @@ extern "C" __global__ void __launch_bounds__(128) wg_ss(ProbeArgs p, Unused) {
 
 // O[64 x 64] = P[64 x 64] (registers) V[64 x 64] (V row-major [k][n]: N-major)
 extern "C" __global__ void __launch_bounds__(128) wg_rs_v(ProbeArgs p, Unused) {
-  __shared__ __attribute__((aligned(1024))) unsigned char sv[64 * 128];
+  // 32 KB although V takes 8: a wrong candidate stride must read shared memory, not fault
+  __shared__ __attribute__((aligned(1024))) unsigned char sv[4 * 64 * 128];
   probe::stage(sv, (const probe::u16*)p.b, 64, 64);
   attncc::wg::fence_proxy_async();
   __syncthreads();
@@ -168,7 +169,11 @@ def test_wgmma_ss_kmajor_matches_torch(kernels: dict, k: int) -> None:
 
 @pytest.mark.gpu
 def test_wgmma_rs_nmajor_b_descriptor_probe(kernels: dict) -> None:
-    """P (registers) x V (N-major smem): find the (LBO, SBO) encoding the hardware wants."""
+    """P (registers) x V (N-major smem): which (LBO, SBO) encodings the hardware accepts.
+
+    Measured on the H200 (2026-11-30): with N = 64 the whole tile width is one 128-byte swizzle
+    atom, so LBO is unused and SBO must be the 1024-byte distance between 8-row groups; the FA3
+    template's ATTNCC_FA3_V_LBO / ATTNCC_FA3_V_SBO (8192, 1024) must be among them."""
     g = torch.Generator(device="cuda").manual_seed(5)
     p = torch.randn(64, 64, generator=g, device="cuda").bfloat16()
     v = torch.randn(64, 64, generator=g, device="cuda").bfloat16()
@@ -181,4 +186,4 @@ def test_wgmma_rs_nmajor_b_descriptor_probe(kernels: dict) -> None:
             if err < 1e-3:
                 ok.append((lbo, sbo))
     print(f"\nN-major B (V) descriptors that match torch, (LBO, SBO) bytes: {ok}")
-    assert ok, "no (LBO, SBO) candidate reproduced P @ V"
+    assert ok == [(lbo, 1024) for lbo in (16, 128, 1024, 2048, 8192)], ok

@@ -1,0 +1,70 @@
+"""GPU timing shared by the benchmarks: eager calls and CUDA-graph replays of the same call.
+
+`time_call(fn)` returns the median milliseconds of `fn()` timed eagerly with
+`triton.testing.do_bench` and, when `fn` can be captured, of one CUDA-graph replay of it (also
+through `do_bench`, which clears the L2 cache before every replay, so a replay reads its inputs
+from device memory like an eager call). The graph figure is the GPU's own time: a serving step is
+replayed from a graph, and for the small decode batches (a few MB of KV, under 10 us of
+bandwidth) the eager figure measures the Python host path instead of the kernel. `host_us` is
+the host time of one eager call (median over back-to-back calls without synchronizing).
+
+Example:
+    >>> import torch
+    >>> if torch.cuda.is_available():  # doctest: +SKIP
+    ...     a = torch.randn(1 << 20, device="cuda")
+    ...     t = time_call(lambda: a.mul_(1.0))
+    ...     sorted(t)          # ['host_us', 'ms_eager', 'ms_graph']
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+
+def host_us(fn: Callable[[], Any], calls: int = 50) -> float:
+    """Median host microseconds of one call of `fn` (no synchronization between calls)."""
+    import torch
+
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def graph_of(fn: Callable[[], Any]) -> Any:
+    """`fn` captured in a CUDA graph (after warm-up on a side stream); raises if it cannot be."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def time_call(fn: Callable[[], Any], graph: bool = True) -> dict[str, float]:
+    """{'ms_eager', 'ms_graph' (when capturable), 'host_us'} of `fn` (see the module docstring)."""
+    from triton.testing import do_bench
+
+    out = {"ms_eager": do_bench(fn, warmup=25, rep=100, return_mode="median"),
+           "host_us": host_us(fn)}
+    if graph:
+        try:
+            g = graph_of(fn)
+        except Exception as e:  # noqa: BLE001 -- reported, the eager figure stands
+            print(f"  (CUDA graph capture failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
+        else:
+            out["ms_graph"] = do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+    return out

@@ -1,0 +1,85 @@
+"""Debug helper: per-kernel GPU time of BatchAttention.run in a few decode cells (torch.profiler).
+
+    python scripts/profile_decode.py '{"tiles": [16, 64, 2, 4]}' ...
+"""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from decode import D, HQ, PAGE, kv_lengths  # noqa: E402
+
+from attncc.runtime.batch import BatchAttention  # noqa: E402
+
+
+def cell(batch, hkv, dist, knobs):
+    lens = kv_lengths(dist, batch, seed=batch * 7 + hkv)
+    n_pages = -(-lens // PAGE)
+    total = int(n_pages.sum())
+    k = torch.randn(total, PAGE, hkv, D, device="cuda").bfloat16()
+    v = torch.randn_like(k)
+    q = torch.randn(batch, HQ, D, device="cuda").bfloat16()
+    ind = np.concatenate([[0], np.cumsum(n_pages)])
+    ba = BatchAttention(None, kv_layout="NHD", max_batch=max(batch, 16), max_qo_tokens=max(batch, 16),
+                        **knobs)
+    ba.plan(np.arange(batch + 1), ind, np.random.default_rng(0).permutation(total),
+            lens - (n_pages - 1) * PAGE, num_qo_heads=HQ, num_kv_heads=hkv, head_dim=D,
+            page_size=PAGE)
+    for _ in range(5):
+        ba.run(q, (k, v))
+    torch.cuda.synchronize()
+    pl = ba._plan
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            ba.run(q, (k, v))
+        torch.cuda.synchronize()
+    ev = [(e.key, e.device_time_total / e.count) for e in prof.key_averages() if e.device_time_total > 0]
+    mb = float(lens.sum()) * hkv * D * 4 / 1e6
+    print(f"B={batch} hkv={hkv} {dist} {knobs} KV {mb:.1f} MB ideal {mb / 4.25e6 * 1e6:.1f} us; "
+          f"ctas {ba.tiles.num_ctas} units {getattr(pl, 'num_units', '?')} merges "
+          f"{getattr(pl, 'num_merges', '?')}: " +
+          ", ".join(f"{n[-30:]} {t:.1f} us" for n, t in ev), flush=True)
+
+
+def cascade(prefix: int = 32768, batch: int = 16) -> None:
+    """Kernel times of CascadeAttention.run in bench/shared_prefix.py's setup."""
+    import attncc
+    from shared_prefix import SUFFIX, page_lists
+
+    pre, suf = page_lists(prefix, batch, SUFFIX, PAGE)
+    total = len(pre) + sum(len(s) for s in suf)
+    k = torch.randn(total, PAGE, 32, D, device="cuda").bfloat16()
+    v = torch.randn_like(k)
+    q = torch.randn(batch, HQ, D, device="cuda").bfloat16()
+    ca = attncc.CascadeAttention(None, kv_layout="NHD", max_qo_tokens=max(batch, 16))
+    ca.plan(np.arange(batch + 1), prefix_indices=pre, prefix_last_page_len=PAGE,
+            suffix_indptr=np.concatenate([[0], np.cumsum([len(s) for s in suf])]),
+            suffix_indices=np.concatenate(suf), suffix_last_page_len=np.full(batch, PAGE),
+            num_qo_heads=HQ, num_kv_heads=32, head_dim=D, page_size=PAGE)
+    for _ in range(3):
+        ca.run(q, (k, v))
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            ca.run(q, (k, v))
+        torch.cuda.synchronize()
+    print(f"cascade prefix {prefix} batch {batch}: prefix tiles {ca.prefix.tiles} units "
+          f"{ca.prefix._plan.num_units}; " + ", ".join(
+              f"{e.key[-40:]} {e.device_time_total / 10:.1f} us/run ({e.count // 10}x)"
+              for e in prof.key_averages() if e.device_time_total > 0), flush=True)
+
+
+if sys.argv[1:] == ["cascade"]:
+    cascade()
+    cascade(1024, 16)
+    sys.exit(0)
+for knobs in [json.loads(a) for a in sys.argv[1:]] or [{}]:
+    if "tiles" in knobs:
+        knobs["tiles"] = tuple(knobs["tiles"])
+    for b, h, dist in ((16, 4, "constant"), (16, 32, "constant"), (64, 4, "constant"),
+                       (64, 4, "skewed"), (64, 32, "constant")):
+        cell(b, h, dist, knobs)
