@@ -25,5 +25,5 @@ else:
             r = subprocess.run([sys.executable, __file__, str(lbo), str(sbo)], capture_output=True,
                                text=True)
             tail = (r.stdout.strip().splitlines() or ["?"])[-1]
-            err = [l for l in r.stderr.splitlines() if "Error" in l][-1:] 
+            err = [l for l in r.stderr.splitlines() if "Error" in l][-1:]
             print(lbo, sbo, "rc", r.returncode, tail[:200], err, flush=True)
