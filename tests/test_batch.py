@@ -62,6 +62,25 @@ def test_choose_batch_tiles_fits_the_sm() -> None:
             assert t.ctas_per_sm >= 1
 
 
+def test_decode_tiles_split_kv_between_warps_and_fit_residency() -> None:
+    """Decode tiles (16 fused rows) get KV-splitting warps; the CTAs per SM follow shared memory
+    and the 128-register cap the kernel's __launch_bounds__ asks for (fa2_common.cuh kMinBlocks),
+    and a forced 4-tuple sets kv_warps."""
+    from attncc.runtime.gpu_flex import fa2_config
+
+    t = choose_batch_tiles(128, 8, 132)
+    assert (t.tq, t.tkv, t.kv_warps, t.ctas_per_sm) == (16, 32, 2, 6)
+    cfg = fa2_config(128, t.tq, t.tkv, t.stages, t.m_frags, t.kv_warps)
+    assert cfg.threads == 64 and t.ctas_per_sm * cfg.smem_bytes <= 227 * 1024
+    assert t.ctas_per_sm * cfg.threads * 128 <= 65536
+    f = choose_batch_tiles(128, 8, 132, force=(16, 64, 2, 4))
+    assert (f.tkv, f.kv_warps, f.ctas_per_sm, f.num_ctas) == (64, 4, 3, 396)
+    assert choose_batch_tiles(128, 8, 132, force=(16, 32, 2)).kv_warps == 1
+    assert choose_batch_tiles(128, 4096, 132).kv_warps == 1
+    with pytest.raises(ValueError, match="kv_warps"):
+        choose_batch_tiles(128, 64, 132, force=(64, 64, 2, 2))
+
+
 def test_reference_q_offset_is_the_tail_of_the_full_sequence(rng) -> None:
     """attention_reference(q_offset=n) == the last rows of the full-length computation."""
     ir, bind = attncc.Variant(mask_mod=causal, score_mod=GYM["alibi"](1, 4, 9, 16).score_mod

@@ -475,6 +475,55 @@ def test_fa2_translation_unit_and_export() -> None:
         generate_source(ir, head_dim=96, dtype="float16", kernel="fa2")
 
 
+def test_fa2_tiles_kv_warps() -> None:
+    """kv_warps > 1 (decode): warps split each KV tile; only with 16-row tiles, one fragment and
+    KV slices of 16 rows or more; the name and the entry macro carry it."""
+    from attncc.codegen.fa2 import Fa2Tiles
+
+    t = Fa2Tiles(16, 64, 2, 1, kv_warps=4)
+    assert (t.warps, t.threads, t.suffix) == (4, 128, "_q16_k64_s2_w4")
+    for bad in (dict(tq=32, kv_warps=2), dict(tq=16, tkv=32, kv_warps=4),
+                dict(tq=16, kv_warps=3)):
+        with pytest.raises(CodegenError, match="kv_warps"):
+            Fa2Tiles(**{"tkv": 64, "stages": 2, "m_frags": 1, **bad})
+    gk = generate_source(VariantIR(name="plain"), head_dim=128, dtype="bfloat16",
+                         kernel="fa2batch", tiles=t)
+    assert "ATTNCC_FA2_BATCH_ENTRY(attncc_plain_fa2batch_d128_bf16_q16_k64_s2_w4," in gk.source
+    assert gk.source.count(", 16, 64, 2, 1, 4)") == 1 and gk.block == (128, 1, 1)
+
+
+def test_fa3_translation_unit() -> None:
+    """kernel="fa3": 128 x 64 tiles, a producer and two consumer warpgroups (384 threads), shared
+    memory for Q, the K/V ring, 2 * stages + 1 mbarriers and the 1 KB alignment slack."""
+    from attncc.codegen.fa2 import Fa2Tiles
+
+    ir = VariantIR(name="plain")
+    gk = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3")
+    assert gk.block == (384, 1, 1)
+    assert gk.shared_mem_bytes == 2 * 128 * (128 + 2 * 2 * 64) + 8 * 5 + 1024
+    assert "ATTNCC_FA3_ENTRY(attncc_plain_fa3_d128_bf16_q128_k64_s2, " in gk.source
+    with pytest.raises(CodegenError, match="128 x 64 tiles"):
+        generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3",
+                        tiles=Fa2Tiles(64, 64, 2, 1))
+
+
+@pytest.mark.nvrtc
+def test_decode_batch_kernels_compile_without_spills() -> None:
+    """The KV-splitting decode kernels stay under their register cap with no spills."""
+    from attncc.codegen.fa2 import Fa2Tiles
+    from attncc.ir.simplify import simplify_variant
+    from attncc.runtime.nvrtc import compile_cuda
+    from examples.gym import GYM
+
+    for name, d in (("noop", 64), ("softcap_causal", 128), ("alibi_causal", 128)):
+        ir = simplify_variant(GYM[name](1, 8, 1024, d).trace()[0])
+        src = generate_source(ir, head_dim=d, dtype="bfloat16", kernel="fa2batch",
+                              tiles=Fa2Tiles(16, 32, 2, 1, kv_warps=2)).source
+        log = compile_cuda(src, arch="sm_90a", verbose=True).log
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        assert spills and all(a == "0" and b == "0" for a, b in spills), log
+
+
 @pytest.mark.nvrtc
 def test_exported_fa2_compiles_with_nvrtc() -> None:
     from attncc.runtime.nvrtc import compile_cuda
