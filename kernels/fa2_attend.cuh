@@ -80,7 +80,8 @@ __device__ __forceinline__ void merge_kv_slices(float* red, int kvw, int lane, f
       const float m_use = mx == neg_inf() ? 0.f : mx;  // all masked: every factor is 0, not NaN
       float lsum = 0.f;
 #pragma unroll
-      for (int k = 0; k < KV_WARPS; ++k) lsum += red_l[k * 16 + r] * fast_exp2(red_m[k * 16 + r] - m_use);
+      for (int k = 0; k < KV_WARPS; ++k)
+        lsum += red_l[k * 16 + r] * fast_exp2(red_m[k * 16 + r] - m_use);
       const float f = fast_exp2(m[hr] - m_use);
 #pragma unroll
       for (int nf = 0; nf < D / 8; ++nf) {
