@@ -131,15 +131,6 @@ def _np_int(x: Any, name: str, copy: bool = True, int32_ok: bool = False) -> np.
     return a.astype(np.int64, copy=copy)
 
 
-def _check_indptr(a: np.ndarray, name: str) -> None:
-    if a.size < 1 or a[0] != 0:
-        raise ValueError(f"{name} must start with 0 (got {a[:1].tolist()})")
-    if np.any(np.diff(a) < 0):
-        i = int(np.argmax(np.diff(a) < 0))
-        raise ValueError(f"{name} must be non-decreasing: {name}[{i}] = {int(a[i])} > "
-                         f"{name}[{i + 1}] = {int(a[i + 1])}")
-
-
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -383,8 +374,8 @@ class BatchAttention:
         the argument and what to fix."""
         qo = _np_int(qo_indptr, "qo_indptr")
         kvp = _np_int(kv_indptr, "kv_indptr")
-        _check_indptr(qo, "qo_indptr")
-        _check_indptr(kvp, "kv_indptr")
+        scheduler._as_indptr(qo, "qo_indptr")  # the scheduler's messages: one wording
+        scheduler._as_indptr(kvp, "kv_indptr")
         batch = qo.size - 1
         if kvp.size != batch + 1:
             raise ValueError(f"kv_indptr has {kvp.size} entries, qo_indptr describes {batch} "

@@ -24,7 +24,7 @@ KW = dict(num_qo_heads=4, num_kv_heads=2, head_dim=128, page_size=16)
 
 @pytest.mark.parametrize("args,match", [
     (([0, 1, 2], [0, 3, 2], [0, 1, 2], [16, 16]), "kv_indptr must be non-decreasing"),
-    (([1, 2], [0, 1], [0], [16]), "qo_indptr must start with 0"),
+    (([1, 2], [0, 1], [0], [16]), "qo_indptr must start at 0"),
     (([0, 1], [0, 2], [0, -4], [16]), "negative page id"),
     (([0, 1], [0, 2], [0], [16]), "kv_indices has 1 entries"),
     (([0, 1, 2], [0, 1], [0], [16]), "kv_indptr has 2 entries"),
