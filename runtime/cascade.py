@@ -35,7 +35,6 @@ import numpy as np
 import torch
 
 from attncc.frontend import Variant
-from attncc.ir.analysis import reads
 
 from .batch import BatchAttention, _np_int
 from .merge import merge_pair
@@ -53,6 +52,8 @@ class CascadeAttention:
             raise ValueError(f"kv_layout={kv_layout!r}: CascadeAttention works on paged caches "
                              f"('NHD' or 'HND')")
         if variant is not None:
+            from attncc.ir.analysis import reads  # sympy: only when a variant needs checking
+
             ir, _ = variant.trace()
             if any("b" in reads(h.expr) for h in ir.hooks.values()):
                 raise ValueError("the variant reads the batch index `b`; in cascade attention the "

@@ -28,7 +28,6 @@ from attncc.codegen.generate import generate_source, use_template_cache
 from attncc.errors import CompileError
 from attncc.frontend.variant import Variant, as_variant
 from attncc.ir.program import Bindings, VariantIR
-from attncc.ir.simplify import simplify_variant
 
 from .cache import KernelCache, cached_compile
 from .nvrtc import normalize_arch
@@ -186,6 +185,8 @@ def compile(variant: Any, *, head_dim: int, dtype: Any = "bfloat16", arch: str |
         if hit is not None:
             return replace(hit, bindings=bindings, cache_hit=True)
 
+    from attncc.ir.simplify import simplify_variant  # sympy: imported on first compile
+
     simplified = simplify_variant(ir)
     if kc is not None and kc.dir is not None:
         use_template_cache(Path(kc.dir) / "templates")
@@ -223,6 +224,8 @@ def export(variant: Any, path: str | os.PathLike[str], *, head_dim: int, dtype: 
         ('causal.cu', True)
     """
     ir, _ = trace_variant(variant)
+    from attncc.ir.simplify import simplify_variant
+
     text = export_source(simplify_variant(ir), head_dim=_check_head_dim(head_dim),
                          dtype=dtype_name(dtype), kernel=kernel)
     return _write(path, text, f"attncc_{ir.name}.cu")
