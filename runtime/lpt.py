@@ -1,0 +1,175 @@
+"""Longest-processing-time-first assignment of weighted work units to CTAs (FlashInfer's
+Algorithm 1, step 3), vectorised in numpy, with the plain min-heap version as its reference and
+integer cost ticks that make the assignment exact and reproducible. Used by
+`attncc.runtime.scheduler.plan` (which re-exports these names); runtime/planner.c is the
+compiled twin of the same rules.
+
+Example (integer costs: `cost_ticks` quantises float ones):
+    >>> indptr, units = lpt_schedule([5, 3, 3, 1], num_ctas=2)
+    >>> indptr.tolist(), units.tolist()      # CTA 0 runs units 0 and 3, CTA 1 units 1 and 2
+    ([0, 2, 4], [0, 3, 1, 2])
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+import numpy as np
+
+from .plan_format import _as_int_array, _check_int
+
+__all__ = ["cost_ticks", "lpt_schedule", "lpt_schedule_reference"]
+
+_TICK_BUDGET = 2.0**61
+
+# --------------------------------------------------------------------------- LPT assignment
+
+def _as_costs(costs: Any, name: str = "costs") -> np.ndarray:
+    c = np.asarray(costs)
+    if c.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {c.shape}")
+    if c.size and c.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be integers (quantise float costs first), got {c.dtype}")
+    c = c.astype(np.int64, copy=False)
+    if c.size and c.min() < 0:
+        raise ValueError(f"{name} must be >= 0")
+    return c
+
+
+def _small_int(a: np.ndarray, bound: int) -> np.ndarray:
+    """`a` (values in [0, bound)) as int16 when it fits: numpy's stable sort is then a radix sort."""
+    return a.astype(np.int16 if bound <= 2**15 else np.int64, copy=False)
+
+
+def _queues(order: np.ndarray, assign: np.ndarray, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
+    """CSR (cta_indptr, cta_units) from units in assignment order and their CTAs."""
+    by_cta = np.argsort(_small_int(assign, num_ctas), kind="stable")
+    cta_units = order[by_cta].astype(np.int32)
+    indptr = np.zeros(num_ctas + 1, dtype=np.int32)
+    np.cumsum(np.bincount(assign, minlength=num_ctas), out=indptr[1:])
+    return indptr, cta_units
+
+
+def _lpt_sorted(c: np.ndarray, run_ends: np.ndarray, p: int) -> np.ndarray:
+    """The CTA of each unit of ``c`` (int64 costs, already in greedy order, descending).
+
+    ``run_ends`` (ascending) holds, for each run of equal costs, one past its last unit (see
+    `_run_ends`). A CTA's heap key is ``load * p + cta`` (unique, ordered like ``(load, cta)``).
+    Each step handles either a whole run of at least ``p`` units of equal cost ``c`` when the
+    loads differ by less than ``c`` (then the run is dealt round robin in load order), or the
+    longest prefix of the next ``p`` units that provably goes unit ``j`` to the ``j``-th least
+    loaded CTA: true while that CTA is below every CTA already given a unit in this step.
+    """
+    n = c.size
+    assign = np.empty(n, dtype=np.int64)
+    key = np.arange(p, dtype=np.int64)
+    step = c * p
+    t = 0
+    while t < n:
+        st = int(step[t])
+        if st == 0:  # the rest cost nothing: the least loaded CTA stays least loaded
+            assign[t:] = int(np.argmin(key))
+            break
+        srt = np.argsort(key, kind="stable")  # keys are unique: any sort would do, this is fast
+        sk = key[srt]
+        if int(sk[-1]) - int(sk[0]) < st:  # loads within one unit: deal a long run round robin
+            e = int(run_ends[np.searchsorted(run_ends, t, side="right")])
+            k = e - t
+        else:
+            k = 0
+        if k >= p:
+            assign[t:e] = srt if k == p else np.resize(srt, k)
+            inc = np.full(p, (k // p) * st, dtype=np.int64)
+            inc[: k % p] += st
+            key[srt] = sk + inc
+            t = e
+            continue
+        k = min(p, n - t)
+        new = sk[:k] + step[t:t + k]
+        ok = sk[1:k] < np.minimum.accumulate(new[:k - 1])
+        bad = int(ok.argmin()) if k > 1 else 0
+        m = k if k == 1 or ok[bad] else bad + 1
+        assign[t:t + m] = srt[:m]
+        key[srt[:m]] = new[:m]
+        t += m
+    return assign
+
+
+def _run_ends(c: np.ndarray) -> np.ndarray:
+    """For sorted ``c``: one past the last position of each run of equal values, ascending."""
+    return np.append(np.flatnonzero(c[1:] != c[:-1]) + 1, c.size)
+
+
+def _greedy_order(c: np.ndarray, tiebreak: Any) -> np.ndarray:
+    """Unit indices by cost descending, then ``tiebreak`` ascending, then index."""
+    if tiebreak is None:
+        return np.argsort(-c, kind="stable")
+    tb = _as_int_array(tiebreak, "tiebreak")
+    if tb.size != c.size:
+        raise ValueError(f"tiebreak has {tb.size} entries, costs has {c.size}")
+    return np.lexsort((tb, -c))
+
+
+def lpt_schedule(costs: Any, num_ctas: int, tiebreak: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """Longest-processing-time-first assignment of integer ``costs`` to ``num_ctas`` CTAs.
+
+    Units are taken by cost descending, ties by ``tiebreak`` (ints, default none) then index;
+    each goes to the least loaded CTA, ties to the lowest CTA index. Returns
+    ``(cta_indptr int32 [num_ctas+1], cta_units int32 [n])``: CTA ``c`` runs units
+    ``cta_units[cta_indptr[c]:cta_indptr[c+1]]`` in the order it received them. Identical to
+    `lpt_schedule_reference` (a Python min-heap), but assigns whole runs of equal cost and
+    whole blocks of up to ``num_ctas`` units per numpy step (see attncc.runtime.scheduler's
+    module docstring).
+
+    Example:
+        >>> indptr, units = lpt_schedule([5, 3, 3, 2, 2, 1], num_ctas=2)
+        >>> [units[indptr[c]:indptr[c + 1]].tolist() for c in range(2)]
+        [[0, 3, 5], [1, 2, 4]]
+    """
+    c = _as_costs(costs)
+    p = _check_int(num_ctas, "num_ctas", 1)
+    if c.size and float(c.sum(dtype=np.float64)) * p >= 2.0**62:
+        raise OverflowError("costs too large: sum(costs) * num_ctas must stay below 2**62")
+    order = _greedy_order(c, tiebreak)
+    cs = c[order]
+    return _queues(order, _lpt_sorted(cs, _run_ends(cs), p), p)
+
+
+def lpt_schedule_reference(costs: Any, num_ctas: int,
+                           tiebreak: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """`lpt_schedule` with a plain Python min-heap of ``(load, cta)``: the specification.
+
+    Example:
+        >>> indptr, units = lpt_schedule_reference([5, 3, 3, 2, 2, 1], num_ctas=2)
+        >>> indptr.tolist(), units.tolist()
+        ([0, 3, 6], [0, 3, 5, 1, 2, 4])
+    """
+    c = [int(x) for x in _as_costs(costs)]
+    p = _check_int(num_ctas, "num_ctas", 1)
+    tb = [0] * len(c) if tiebreak is None else [int(x) for x in tiebreak]
+    order = sorted(range(len(c)), key=lambda u: (-c[u], tb[u], u))
+    heap = [(0, cta) for cta in range(p)]
+    assign = []
+    for u in order:
+        load, cta = heapq.heappop(heap)
+        assign.append(cta)
+        heapq.heappush(heap, (load + c[u], cta))
+    return _queues(np.asarray(order, dtype=np.int64), np.asarray(assign, dtype=np.int64), p)
+
+
+def cost_ticks(costs: Any, num_ctas: int, total: float | None = None) -> np.ndarray:
+    """Float unit costs -> int64 ticks ``rint(cost * 2**61 / (num_ctas * total))``.
+
+    ``total`` defaults to ``sum(costs)``; `plan` passes ``alpha * sum(q_rows) + beta *
+    sum(kv_len)`` (exact integer sums, so the ticks do not depend on a float summation order).
+    Keeps ``sum(ticks) * num_ctas < 2**62``, so `lpt_schedule`'s heap keys fit int64.
+
+    Example:
+        >>> cost_ticks([1.0, 3.0], num_ctas=2).tolist()
+        [288230376151711744, 864691128455135232]
+    """
+    c = np.asarray(costs, dtype=np.float64)
+    total = float(c.sum()) if total is None else float(total)
+    if total <= 0.0:
+        return np.zeros(c.size, dtype=np.int64)
+    return np.rint(c * (_TICK_BUDGET / (num_ctas * total))).astype(np.int64)
