@@ -27,7 +27,6 @@ Example (the length distributions are deterministic):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import time

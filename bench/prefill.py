@@ -118,7 +118,6 @@ class Bench:
 
     def fn(self, impl: str, variant: str, kernel_options: dict | None = None
            ) -> Callable[[], Any] | None:
-        import torch
         import torch.nn.functional as F
 
         import attncc

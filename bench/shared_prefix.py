@@ -17,7 +17,6 @@ Example (the page lists of one configuration):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from attncc.frontend import Variant
-from attncc.ir.program import Bindings, VariantIR
+from attncc.ir.program import VariantIR
 
 from . import planner, scheduler
 from .gpu_flex import HEAD_DIMS, _captured, _spill_bytes, fa2_config, fa2_source
@@ -667,7 +667,7 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
     kvp = _np_int(kv_indptr, "kv_indptr")
     k_all, v_all = kv_cache if isinstance(kv_cache, (tuple, list)) else (kv_cache[:, 0],
                                                                          kv_cache[:, 1])
-    H, D = q.shape[1], q.shape[2]
+    H = q.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     lse = (torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
            if ir.use_softmax else None)

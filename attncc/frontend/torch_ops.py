@@ -6,7 +6,7 @@ from typing import Any, Callable
 import torch
 
 from ..ir import nodes as N
-from ..ir.nodes import BOOL, F32, I32, Node
+from ..ir.nodes import BOOL, F32, I32
 from .proxy import Proxy, _binary, index_tensor, to_node, trace_error
 
 _UNARY = ("abs", "exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "rsqrt", "sin", "cos",
