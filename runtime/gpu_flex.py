@@ -3,26 +3,13 @@
 `gpu_flex_attention(q, k, v, ir, bindings, block_mask=..., scale=..., enable_gqa=...,
 return_lse=..., kernel_options=...)` is what `attncc.flex_attention` runs for CUDA tensors: it
 validates every argument before any launch (errors name the argument), merges the block mask's
-mask_mod into the variant, picks tile sizes, compiles (NVRTC, cached on disk and in memory) and
-launches on torch's current stream. Launches are CUDA-graph capturable once the kernel is loaded
-(call once before capturing).
+mask_mod into the variant, picks tile sizes (`tile_choice`), compiles (NVRTC, cached on disk and
+in memory) and launches on torch's current stream. Launches are CUDA-graph capturable once the
+kernel is loaded (call once before capturing).
 
-Tile heuristic (FlashInfer-style, on the effective query length l_q x group size): with at least
-128 fused rows, D <= 128 and a grid of >= 2 CTAs per SM, T_q = 128 as 4 warps x 32 rows (two MMA
-fragments per warp); otherwise T_q is the smallest of {16, 32, 64} that covers the fused rows.
-T_kv comes from the head dim and the register/shared-memory budget (bench/NOTES.md). Head-group
-fusion (all query heads of a GQA group in one CTA's rows) is used when it keeps block-mask lists
-uniform per CTA.
-
-Example:
-    >>> fa2_config(128, 128, 64, 2)
-    Fa2Config(head_dim=128, tq=128, tkv=64, stages=2, m_frags=1, warps=8, threads=256, smem_bytes=98304, kv_warps=1)
-    >>> choose_tiles(128, q_len=4096, kv_len=4096, group=1, heads=16, batch=1, num_sms=132)
-    TilePlan(tq=128, tkv=64, stages=2, gf=1, m_frags=2)
-    >>> choose_tiles(128, q_len=1, kv_len=4096, group=8, heads=32, batch=4, num_sms=132).tq
-    16
-    >>> choose_tiles(128, q_len=2, kv_len=4096, group=8, heads=32, batch=4, num_sms=132).tq
-    16
+Example (planning only; launching needs a GPU):
+    >>> fa2_config(128, 128, 64, 2).threads
+    256
 """
 from __future__ import annotations
 
@@ -37,10 +24,11 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from attncc.codegen.fa2 import FA2_HEAD_DIMS as HEAD_DIMS
-from attncc.codegen.fa2 import Fa2Tiles, TKV_CHOICES, TQ_CHOICES
+from attncc.codegen.fa2 import Fa2Tiles
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
 from .reference import _is_noop_mask, _trace_mask, validate_attention_inputs
+from .tile_choice import Fa2Config, TilePlan, choose_tiles, fa2_config
 
 __all__ = ["Fa2Config", "TilePlan", "LaunchPlan", "fa2_config", "choose_tiles", "fa2_source",
            "plan_launch", "precompile", "gpu_flex_attention", "compiled_kernel_info",
@@ -51,165 +39,6 @@ _ELEM_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16
                torch.bfloat16: "bfloat16", torch.int8: "int8", torch.uint8: "uint8",
                torch.int16: "int16", torch.int32: "int32", torch.int64: "int64",
                torch.bool: "bool"}
-# T_kv per (head_dim, T_q): the largest KV tile that compiles without register spills
-# (ptxas report, sm_90a, every hook combination; bench/NOTES.md has the table).
-_DEFAULT_TKV = {(64, 128): 64, (64, 64): 64, (64, 32): 64, (64, 16): 64,
-                (128, 128): 64, (128, 64): 64, (128, 32): 64, (128, 16): 64,
-                (256, 128): 32, (256, 64): 32, (256, 32): 32, (256, 16): 32}
-
-
-@dataclass(frozen=True)
-class Fa2Config:
-    """Launch geometry of one FA2 instantiation; mirrors attncc::fa2::Config in the .cuh."""
-
-    head_dim: int
-    tq: int
-    tkv: int
-    stages: int
-    m_frags: int
-    warps: int
-    threads: int
-    smem_bytes: int
-    kv_warps: int = 1
-
-
-def fa2_config(head_dim: int, tq: int, tkv: int, stages: int = 2, m_frags: int = 1,
-               kv_warps: int = 1) -> Fa2Config:
-    """Threads and dynamic shared memory of fa2_prefill<.., head_dim, tq, tkv, stages, m_frags>.
-
-    `m_frags` is the number of 16-row MMA fragments per warp; `kv_warps` (decode, tq = 16) warps
-    split each KV tile (warps = tq / (16 * m_frags) * kv_warps).
-
-    Example:
-        >>> c = fa2_config(256, 128, 32, 2)
-        >>> c.warps, c.smem_bytes
-        (8, 131072)
-        >>> fa2_config(128, 128, 64, 2, m_frags=2).warps
-        4
-        >>> fa2_config(128, 16, 64, 2, kv_warps=4).threads
-        128
-    """
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head dim {head_dim}: the FA2 kernel supports {HEAD_DIMS}")
-    t = Fa2Tiles(tq, tkv, stages, m_frags, kv_warps)  # CodegenError (a ValueError) if bad
-    return Fa2Config(head_dim, tq, tkv, stages, m_frags, t.warps, t.threads,
-                     t.smem_bytes(head_dim), kv_warps)
-
-
-@dataclass(frozen=True)
-class TilePlan:
-    """Chosen tiles: query rows per CTA, KV rows per tile, pipeline depth, head-group fusion."""
-
-    tq: int
-    tkv: int
-    stages: int
-    gf: int
-    m_frags: int = 1
-    forced: bool = field(default=False, repr=False)  # from kernel_options: compile exactly
-    fast_math: bool = field(default=True, repr=False)  # kernel_options FAST_MATH
-    kernel: str = field(default="fa2", repr=False)  # kernel_options KERNEL: "fa2" or "fa3"
-
-
-def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: int, batch: int,
-                 num_sms: int = 132, block_q: int | None = None, block_kv: int | None = None,
-                 mask_head_uniform: bool = True,
-                 kernel_options: Mapping[str, Any] | None = None) -> TilePlan:
-    """Pick (T_q, T_kv, stages, gf) for a problem; `block_*` are the block mask's BLOCK_SIZE.
-
-    `group` = num_q_heads / num_kv_heads; `heads` = num_q_heads. kernel_options may force
-    BLOCK_M (T_q), BLOCK_N (T_kv) and num_stages; an impossible choice raises ValueError.
-
-    Example:
-        >>> choose_tiles(64, q_len=17, kv_len=17, group=4, heads=8, batch=1)
-        TilePlan(tq=64, tkv=64, stages=2, gf=4, m_frags=1)
-        >>> choose_tiles(128, q_len=1000, kv_len=1000, group=1, heads=16, batch=2,
-        ...              block_q=128, block_kv=128)
-        TilePlan(tq=64, tkv=64, stages=2, gf=1, m_frags=1)
-        >>> choose_tiles(128, q_len=4096, kv_len=4096, group=1, heads=16, batch=4)
-        TilePlan(tq=128, tkv=64, stages=2, gf=1, m_frags=2)
-    """
-    opts = dict(kernel_options or {})
-    masked = block_q is not None
-    kernel = opts.get("KERNEL", "fa2")
-    if kernel not in ("fa2", "fa3"):
-        raise ValueError(f"kernel_options['KERNEL']={kernel!r}: use 'fa2' (default) or 'fa3' "
-                         f"(the Hopper TMA + wgmma prototype)")
-    if kernel == "fa3":
-        if head_dim not in (64, 128):
-            raise ValueError(f"kernel_options['KERNEL']='fa3' supports head dims 64 and 128, "
-                             f"not {head_dim}")
-        if masked and (block_q % 128 or block_kv % 64):  # type: ignore[operator]
-            raise ValueError(f"kernel_options['KERNEL']='fa3' needs block mask blocks of 128 "
-                             f"query rows (or a multiple) and a multiple of 64 keys, got "
-                             f"BLOCK_SIZE={(block_q, block_kv)}")
-        stages = opts.get("num_stages") or 2
-        fa2_config(head_dim, 128, 64, stages, 1)  # validates the stage count
-        return TilePlan(128, 64, stages, 1, 1, True, bool(opts.get("FAST_MATH", True)), "fa3")
-    if masked and (block_q % 16 or block_kv % 32):  # type: ignore[operator]
-        raise ValueError(f"block_mask BLOCK_SIZE={(block_q, block_kv)}: the GPU kernel needs the "
-                         f"query block size to be a multiple of 16 and the kv block size a "
-                         f"multiple of 32; create the block mask with BLOCK_SIZE=128")
-
-    def fusion_ok(tq: int, gf: int) -> bool:
-        if gf == 1:
-            return not masked or block_q % tq == 0  # type: ignore[operator]
-        if not masked:
-            return True
-        return mask_head_uniform and tq % gf == 0 and block_q % (tq // gf) == 0  # type: ignore
-
-    def default_tq(rows: int, gf: int) -> int:
-        # D <= 128 with enough rows: T_q=128 as 4 warps x 32 rows (two MMA fragments per warp),
-        # which beat 64-row CTAs by 12-20% on the H200 (S=8192 full 365 vs 304 TFLOP/s, causal
-        # 308 vs 258), as long as the grid still holds two CTAs per SM. Otherwise at most 64 rows
-        # (4 warps x 16): T_q=128 as 8 warps x 16 rows was slower at every head dim, and D=256
-        # has no registers for a second fragment (bench/NOTES.md).
-        if head_dim <= 128 and rows >= 128 and \
-                -(-rows // 128) * (heads // gf) * batch >= 2 * num_sms:
-            return 128
-        return next((t for t in TQ_CHOICES if t >= rows), 64) if rows < 64 else 64
-
-    forced_tq = opts.get("BLOCK_M")
-    if forced_tq is not None and forced_tq not in TQ_CHOICES:
-        raise ValueError(f"kernel_options['BLOCK_M']={forced_tq}: the FA2 kernel takes "
-                         f"{TQ_CHOICES}")
-    plan_tq = plan_gf = None
-    for gf in ((group, 1) if group > 1 else (1,)):
-        rows = q_len * gf
-        tq = forced_tq or default_tq(rows, gf)
-        cands = [tq] + [t for t in reversed(TQ_CHOICES) if t < tq and forced_tq is None]
-        ok = [t for t in cands if fusion_ok(t, gf)]
-        if ok:
-            plan_tq, plan_gf = ok[0], gf
-            break
-    if plan_tq is None:
-        raise ValueError(f"kernel_options['BLOCK_M']={forced_tq} does not divide the block "
-                         f"mask's query block size {block_q}; pick a BLOCK_M that does")
-    tkv = opts.get("BLOCK_N") or _DEFAULT_TKV[(head_dim, plan_tq)]
-    if tkv not in TKV_CHOICES:
-        raise ValueError(f"kernel_options['BLOCK_N']={tkv}: the FA2 kernel takes {TKV_CHOICES}")
-    if masked and block_kv % tkv:  # type: ignore[operator]
-        if opts.get("BLOCK_N"):
-            raise ValueError(f"kernel_options['BLOCK_N']={tkv} does not divide the block mask's "
-                             f"kv block size {block_kv}")
-        tkv = max(t for t in TKV_CHOICES if t <= tkv and block_kv % t == 0)  # type: ignore
-    stages = opts.get("num_stages") or 2
-    if not 1 <= stages <= 4:
-        raise ValueError(f"kernel_options['num_stages']={stages}: use 1 to 4")
-    warps = opts.get("num_warps")
-    if warps is None:
-        m_frags = 2 if (plan_tq == 128 and head_dim <= 128) else 1
-    elif warps in (plan_tq // 16, plan_tq // 32):
-        m_frags = plan_tq // (16 * warps)
-    else:
-        raise ValueError(f"kernel_options['num_warps']={warps} with BLOCK_M={plan_tq}: each warp "
-                         f"owns 16 or 32 query rows, so use num_warps={plan_tq // 16}"
-                         + (f" or {plan_tq // 32}" if plan_tq >= 32 else ""))
-    fa2_config(head_dim, plan_tq, tkv, stages, m_frags)  # validates
-    forced = bool(opts.get("BLOCK_M") or opts.get("BLOCK_N") or warps)
-    return TilePlan(plan_tq, tkv, stages, plan_gf, m_frags, forced,
-                    bool(opts.get("FAST_MATH", True)))
-
-
 # --------------------------------------------------------------------------------- source
 def fa2_source(ir: VariantIR, *, head_dim: int, dtype: str, tq: int, tkv: int,
                stages: int = 2, m_frags: int = 1, fast_math: bool = True, batch: bool = False,
