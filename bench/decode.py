@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +69,30 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / (ms * 1e-3)
 
 
-def padded_call(impl: str, q: Any, k_cache: Any, v_cache: Any, perm: Any, kv_indptr: Any,
+def make_batch(batch: int, hkv: int, dist: str) -> dict[str, Any]:
+    """plan()'s arguments for one cell: the `kv_lengths` of the cell, pages of PAGE tokens listed
+    in a random (seeded) order. run_cell, bench/plan_time.py and scripts/profile_decode.py all
+    plan these.
+
+    Example (the batches are deterministic):
+        >>> b = make_batch(16, 8, "uniform")
+        >>> b["qo_indptr"].tolist()[:3], b["kw"]["num_kv_heads"], len(b["kv_indices"]) > 0
+        ([0, 1, 2], 8, True)
+    """
+    import torch
+
+    lens = kv_lengths(dist, batch, seed=batch * 7 + hkv)
+    n_pages = -(-lens // PAGE)
+    total_pages = int(n_pages.sum())
+    perm = torch.randperm(total_pages, generator=torch.Generator().manual_seed(1))
+    return {"qo_indptr": np.arange(batch + 1),
+            "kv_indptr": np.concatenate([[0], np.cumsum(n_pages)]),
+            "kv_indices": perm[:total_pages].numpy(),
+            "kv_last_page_len": lens - (n_pages - 1) * PAGE,
+            "kw": dict(num_qo_heads=HQ, num_kv_heads=hkv, head_dim=D, page_size=PAGE)}
+
+
+def padded_call(impl: str, q: Any, k_cache: Any, v_cache: Any, page_ids: Any, kv_indptr: Any,
                 lens: Any) -> Any:
     """FlexAttention ("flex", torch.compile) or SDPA ("sdpa_mask") over the pages copied into a
     padded [batch, Hkv, max_len, D] cache with a length mask. Returns a no-argument call
@@ -82,7 +104,7 @@ def padded_call(impl: str, q: Any, k_cache: Any, v_cache: Any, perm: Any, kv_ind
     kp = torch.zeros(batch, hkv, maxlen, D, device="cuda", dtype=torch.bfloat16)
     vp = torch.zeros_like(kp)
     for b in range(batch):
-        ids = perm[kv_indptr[b]:kv_indptr[b + 1]].cuda()
+        ids = torch.as_tensor(page_ids[kv_indptr[b]:kv_indptr[b + 1]], device="cuda")
         kp[b, :, :lens[b]] = k_cache[ids].flatten(0, 1)[:lens[b]].transpose(0, 1)
         vp[b, :, :lens[b]] = v_cache[ids].flatten(0, 1)[:lens[b]].transpose(0, 1)
     lens_t = torch.as_tensor(lens, device="cuda")
@@ -146,18 +168,15 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
     import torch
 
     from attncc.runtime.batch import BatchAttention
-    from timing import time_call
+    from timing import median_us, time_call
 
     lens = kv_lengths(dist, batch, seed=batch * 7 + hkv)
+    pt = make_batch(batch, hkv, dist)
+    kv_indptr, pages = pt["kv_indptr"], pt["kv_indices"]
     g = torch.Generator(device="cuda").manual_seed(int(lens.sum()) % 100000)
-    n_pages = -(-lens // PAGE)
-    total_pages = int(n_pages.sum())
+    total_pages = int(kv_indptr[-1])
     k_cache = torch.randn(total_pages, PAGE, hkv, D, generator=g, device="cuda").bfloat16()
     v_cache = torch.randn(total_pages, PAGE, hkv, D, generator=g, device="cuda").bfloat16()
-    perm = torch.randperm(total_pages, generator=torch.Generator().manual_seed(1))
-    kv_indptr = np.concatenate([[0], np.cumsum(n_pages)])
-    last = lens - (n_pages - 1) * PAGE
-    qo = np.arange(batch + 1)
     q = torch.randn(batch, HQ, D, generator=g, device="cuda").bfloat16()
     kv_bytes = float(lens.sum()) * hkv * D * 2 * 2 + 2 * q.numel() * 2
     out: list[dict[str, Any]] = []
@@ -188,15 +207,8 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
                 ba = BatchAttention(None, kv_layout="NHD", max_batch=max(batch, 16),
                                     max_qo_tokens=max(batch, 16),
                                     balance=impl == "attncc", **knobs)
-                args = (qo, kv_indptr, perm[:total_pages].numpy(), last)
-                kw = dict(num_qo_heads=HQ, num_kv_heads=hkv, head_dim=D, page_size=PAGE)
-                ba.plan(*args, **kw)
-                ts = []
-                for _ in range(50):
-                    t0 = time.perf_counter()
-                    ba.plan(*args, **kw)
-                    ts.append((time.perf_counter() - t0) * 1e6)
-                plan_us = float(np.median(ts))
+                args = (pt["qo_indptr"], kv_indptr, pages, pt["kv_last_page_len"])
+                plan_us = median_us(lambda: ba.plan(*args, **pt["kw"]), 50)
                 res = ba.run(q, (k_cache, v_cache))
                 torch.cuda.synchronize()
                 t = time_call(lambda: ba.run(q, (k_cache, v_cache)))
@@ -214,10 +226,9 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
             else:  # the comparisons: a call returning [batch, Hq, 1, D]
                 torch._dynamo.config.cache_size_limit = 256
                 if impl == "flex_paged":
-                    call = flex_paged_call(q, k_cache, v_cache, perm[:total_pages].numpy(),
-                                           kv_indptr, lens)
+                    call = flex_paged_call(q, k_cache, v_cache, pages, kv_indptr, lens)
                 else:
-                    call = padded_call(impl, q, k_cache, v_cache, perm, kv_indptr, lens)
+                    call = padded_call(impl, q, k_cache, v_cache, pages, kv_indptr, lens)
                 res = call()[:, :, 0]
                 torch.cuda.synchronize()
                 t = time_call(call)

@@ -17,10 +17,7 @@ CPUs these run on are shared and noisy).
 minus it is input checks, tiles, page tables and call overhead) and the typed path it replaces,
 `scheduler.plan(...).pack(layout)`.
 
-Example (the batches are deterministic):
-    >>> b = make_batch(16, 8, "uniform")
-    >>> b["qo_indptr"].tolist()[:3], b["kw"]["num_kv_heads"], len(b["kv_indices"]) > 0
-    ([0, 1, 2], 8, True)
+The batches are bench/decode.py's `make_batch`.
 """
 from __future__ import annotations
 
@@ -30,7 +27,6 @@ import json
 import os
 import pstats
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,33 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from decode import BATCHES, D, DISTS, HKVS, HQ, PAGE, kv_lengths  # noqa: E402
-
-
-def make_batch(batch: int, hkv: int, dist: str) -> dict[str, Any]:
-    """plan()'s arguments for one cell, built as bench/decode.py's run_cell builds them."""
-    import torch
-
-    lens = kv_lengths(dist, batch, seed=batch * 7 + hkv)
-    n_pages = -(-lens // PAGE)
-    total_pages = int(n_pages.sum())
-    perm = torch.randperm(total_pages, generator=torch.Generator().manual_seed(1))
-    return {"qo_indptr": np.arange(batch + 1),
-            "kv_indptr": np.concatenate([[0], np.cumsum(n_pages)]),
-            "kv_indices": perm[:total_pages].numpy(),
-            "kv_last_page_len": lens - (n_pages - 1) * PAGE,
-            "kw": dict(num_qo_heads=HQ, num_kv_heads=hkv, head_dim=D, page_size=PAGE)}
-
-
-def median_us(fn: Callable[[], Any], runs: int) -> float:
-    """Median wall time of `runs` calls of fn (after one warm-up call), in microseconds."""
-    fn()
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) * 1e6
+from decode import BATCHES, DISTS, HKVS, HQ, make_batch  # noqa: E402
+from timing import median_us  # noqa: E402
 
 
 def cell_timers(batch: int, hkv: int, dist: str, breakdown: bool

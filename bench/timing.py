@@ -20,20 +20,29 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+import numpy as np
+
+
+def median_us(fn: Callable[[], Any], runs: int, warmup: bool = True) -> float:
+    """Median wall time of `runs` calls of fn (after one warm-up call), in microseconds."""
+    if warmup:
+        fn()
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e6
+
 
 def host_us(fn: Callable[[], Any], calls: int = 50) -> float:
     """Median host microseconds of one call of `fn` (no synchronization between calls)."""
     import torch
 
     torch.cuda.synchronize()
-    ts = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e6)
+    us = median_us(fn, calls, warmup=False)
     torch.cuda.synchronize()
-    ts.sort()
-    return ts[len(ts) // 2]
+    return us
 
 
 def graph_of(fn: Callable[[], Any]) -> Any:

@@ -11,24 +11,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from decode import D, HQ, PAGE, kv_lengths  # noqa: E402
+from decode import D, HQ, PAGE, kv_lengths, make_batch  # noqa: E402
 
 from attncc.runtime.batch import BatchAttention  # noqa: E402
 
 
 def cell(batch, hkv, dist, knobs):
     lens = kv_lengths(dist, batch, seed=batch * 7 + hkv)
-    n_pages = -(-lens // PAGE)
-    total = int(n_pages.sum())
-    k = torch.randn(total, PAGE, hkv, D, device="cuda").bfloat16()
+    b = make_batch(batch, hkv, dist)
+    k = torch.randn(int(b["kv_indptr"][-1]), PAGE, hkv, D, device="cuda").bfloat16()
     v = torch.randn_like(k)
     q = torch.randn(batch, HQ, D, device="cuda").bfloat16()
-    ind = np.concatenate([[0], np.cumsum(n_pages)])
     ba = BatchAttention(None, kv_layout="NHD", max_batch=max(batch, 16), max_qo_tokens=max(batch, 16),
                         **knobs)
-    ba.plan(np.arange(batch + 1), ind, np.random.default_rng(0).permutation(total),
-            lens - (n_pages - 1) * PAGE, num_qo_heads=HQ, num_kv_heads=hkv, head_dim=D,
-            page_size=PAGE)
+    ba.plan(b["qo_indptr"], b["kv_indptr"], b["kv_indices"], b["kv_last_page_len"], **b["kw"])
     for _ in range(5):
         ba.run(q, (k, v))
     torch.cuda.synchronize()
