@@ -303,9 +303,7 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
 // num_ctas; block: Config::kThreads; dynamic shared memory: Config::kSmemBytes) and its merge
 // kernel NAME_merge (grid: the layout's max_merges; block: kMergeThreads; static shared memory).
 #define ATTNCC_FA2_BATCH_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS) \
-  extern "C" __global__ void __launch_bounds__(                                                    \
-      attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kThreads,                 \
-      attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kMinBlocks)               \
+  extern "C" __global__ void ATTNCC_FA2_LAUNCH_BOUNDS(HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)\
       NAME(attncc::BatchParams p, VARIANT::Params vp) {                                            \
     attncc::fa2::fa2_batch<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(p, vp);   \
   }                                                                                                \

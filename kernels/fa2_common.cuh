@@ -236,12 +236,18 @@ struct Config {
   // bound tiles; decode CTAs (KV_WARPS > 1) as many as 227 KB of shared memory and 128 registers
   // per thread allow, so several CTAs' loads are in flight per SM and ptxas gets every register
   // that residency leaves. Mirrored by attncc.runtime.batch.choose_batch_tiles.
+  static constexpr int kFitByRegs = 65536 / (kThreads * 128);
+  static constexpr int kFitBySmem = (227 * 1024) / kSmemBytes;
   static constexpr int kMinBlocks =
       KV_WARPS == 1 ? 1
-                    : (65536 / (kThreads * 128) < (227 * 1024) / kSmemBytes
-                           ? 65536 / (kThreads * 128)
-                           : ((227 * 1024) / kSmemBytes > 0 ? (227 * 1024) / kSmemBytes : 1));
+                    : (kFitByRegs < kFitBySmem ? kFitByRegs : (kFitBySmem > 0 ? kFitBySmem : 1));
 };
+
+// __launch_bounds__ of an FA2 entry point (fa2_prefill.cuh, fa2_batch.cuh): Config's threads and
+// CTAs per SM, so both kernels follow one residency rule.
+#define ATTNCC_FA2_LAUNCH_BOUNDS(HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)                     \
+  __launch_bounds__(attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kThreads,  \
+                    attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kMinBlocks)
 
 template <int HEAD_DIM, int TQ, int TKV, int STAGES, int M_FRAGS, int KV_WARPS = 1>
 __host__ __device__ constexpr int fa2_smem_bytes() {

@@ -152,12 +152,11 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
 // Launch it with grid (ceil(q_len * gf / TQ), num_q_heads / gf, batch), block (kThreads), dynamic
 // shared memory kSmemBytes (attncc.runtime.gpu_flex.fa2_config mirrors both in Python; the
 // launcher checks kThreads against the function's CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK).
-// __launch_bounds__(threads, 1): one CTA per SM is all we ask, so ptxas may use up to 255
-// registers (with no minimum it sometimes capped small CTAs at 128 registers and spilled).
+// Launch bounds (Config::kMinBlocks): one CTA per SM is all we ask of the prefill tiles, so ptxas
+// may use up to 255 registers (with no minimum it sometimes capped small CTAs at 128 registers
+// and spilled).
 #define ATTNCC_FA2_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)       \
-  extern "C" __global__ void __launch_bounds__(                                                    \
-      attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kThreads,                 \
-      attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kMinBlocks)               \
+  extern "C" __global__ void ATTNCC_FA2_LAUNCH_BOUNDS(HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)\
       NAME(attncc::AttentionParams p, VARIANT::Params vp) {                                        \
     attncc::fa2::fa2_prefill<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(p, vp); \
   }
