@@ -24,7 +24,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from attncc.codegen.fa2 import FA2_HEAD_DIMS as HEAD_DIMS
-from attncc.codegen.fa2 import Fa2Tiles
+from attncc.codegen.fa2 import Fa2Tiles, fa3_tiles
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
 from .reference import _is_noop_mask, _trace_mask, validate_attention_inputs
@@ -154,12 +154,13 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
         raise ValueError(f"kernel_options['KERNEL']='fa3' runs bfloat16 score/mask variants; "
                          f"this call has dtype {dtype} and {transforms or 'no'} transforms -- "
                          f"drop KERNEL to use the FA2 template")
+    tiles = fa3_tiles(plan.stages)
     gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa3",
-                         fast_math=plan.fast_math, tiles=Fa2Tiles(128, 64, plan.stages, 1))
+                         fast_math=plan.fast_math, tiles=tiles)
     res, _ = cached_compile(gk.source, arch=arch, name=f"{gk.kernel_name}.cu", verbose=True)
     kl = load_kernel(res.cubin, gk.kernel_name, gk.attention_params_layout, gk.params_layout,
                      device=device, dynamic_smem=gk.shared_mem_bytes)
-    cfg = Fa2Config(head_dim, 128, 64, plan.stages, 1, gk.threads // 32, gk.threads,
+    cfg = Fa2Config(head_dim, tiles.tq, tiles.tkv, plan.stages, 1, gk.threads // 32, gk.threads,
                     gk.shared_mem_bytes)
     return _Compiled(kl, cfg, ir, res.log)
 

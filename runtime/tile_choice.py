@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from attncc.codegen.fa2 import FA2_HEAD_DIMS as HEAD_DIMS
-from attncc.codegen.fa2 import Fa2Tiles, TKV_CHOICES, TQ_CHOICES
+from attncc.codegen.fa2 import Fa2Tiles, TKV_CHOICES, TQ_CHOICES, fa3_tiles
 
 __all__ = ["Fa2Config", "TilePlan", "fa2_config", "choose_tiles", "HEAD_DIMS"]
 
@@ -120,8 +120,8 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
                              f"query rows (or a multiple) and a multiple of 64 keys, got "
                              f"BLOCK_SIZE={(block_q, block_kv)}")
         stages = opts.get("num_stages") or 2
-        fa2_config(head_dim, 128, 64, stages, 1)  # validates the stage count
-        return TilePlan(128, 64, stages, 1, 1, True, bool(opts.get("FAST_MATH", True)), "fa3")
+        t = fa3_tiles(stages)  # CodegenError (a ValueError) for a bad stage count
+        return TilePlan(t.tq, t.tkv, stages, 1, 1, True, bool(opts.get("FAST_MATH", True)), "fa3")
     if masked and (block_q % 16 or block_kv % 32):  # type: ignore[operator]
         raise ValueError(f"block_mask BLOCK_SIZE={(block_q, block_kv)}: the GPU kernel needs the "
                          f"query block size to be a multiple of 16 and the kv block size a "

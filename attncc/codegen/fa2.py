@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from .errors import CodegenError
 
-__all__ = ["Fa2Tiles", "default_tiles", "FA2_HEAD_DIMS", "TQ_CHOICES", "TKV_CHOICES"]
+__all__ = ["Fa2Tiles", "default_tiles", "fa3_tiles", "FA2_HEAD_DIMS", "TQ_CHOICES",
+           "TKV_CHOICES"]
 
 FA2_HEAD_DIMS = (64, 128, 256)
 TQ_CHOICES = (16, 32, 64, 128)
@@ -79,3 +80,14 @@ def default_tiles(head_dim: int) -> Fa2Tiles:
     if head_dim <= 128:
         return Fa2Tiles(128, 64, 2, 2)
     return Fa2Tiles(64, 32, 2, 1)
+
+
+def fa3_tiles(stages: int = 2) -> Fa2Tiles:
+    """The FA3 kernel's fixed tiles (kernels/fa3_prefill.cuh: 128 query rows = two consumer
+    warpgroups of 64, 64-key KV tiles); only the pipeline depth varies.
+
+    Example:
+        >>> fa3_tiles(3)
+        Fa2Tiles(tq=128, tkv=64, stages=3, m_frags=1, kv_warps=1)
+    """
+    return Fa2Tiles(128, 64, stages, 1)

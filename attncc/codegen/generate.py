@@ -32,7 +32,7 @@ import jinja2
 from ..ir.program import HOOK_ORDER, VariantIR
 from .errors import CodegenError
 from .hooks import EMITTERS, HookCode
-from .fa2 import FA2_HEAD_DIMS, Fa2Tiles, default_tiles
+from .fa2 import FA2_HEAD_DIMS, Fa2Tiles, default_tiles, fa3_tiles
 from .layout import (ATTENTION_PARAMS, BATCH_PARAMS, StructLayout, c_identifier,
                      variant_params_layout)
 
@@ -303,8 +303,8 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
         if kernel == "fa3":
             if dtype != "bfloat16":
                 raise CodegenError(f"dtype={dtype!r}: the 'fa3' kernel runs bfloat16")
-            tiles = tiles if tiles is not None else Fa2Tiles(128, 64, 2, 1)
-            if (tiles.tq, tiles.tkv, tiles.m_frags, tiles.kv_warps) != (128, 64, 1, 1):
+            tiles = tiles if tiles is not None else fa3_tiles()
+            if tiles != fa3_tiles(tiles.stages):
                 raise CodegenError("the 'fa3' kernel has fixed 128 x 64 tiles (two consumer "
                                    "warpgroups); only stages may vary")
         tiles = tiles if tiles is not None else default_tiles(head_dim)
