@@ -10,19 +10,13 @@ import torch
 import attncc
 from attncc.frontend import Variant, and_masks, noop_mask, or_masks
 from attncc.ir.evaluator import evaluate
+from tests.conftest import score_grid
 
 B, H, Q, K, D = 2, 3, 9, 11, 8
 
 
 def _grid(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "score": torch.randn(B, H, Q, K, generator=g, dtype=torch.float64) * 3,
-        "b": torch.arange(B).view(B, 1, 1, 1),
-        "h": torch.arange(H).view(1, H, 1, 1),
-        "q_idx": torch.arange(Q).view(1, 1, Q, 1),
-        "kv_idx": torch.arange(K).view(1, 1, 1, K),
-    }
+    return score_grid(B, H, Q, K, seed)
 
 
 def _check_score_mod(fn) -> None:

@@ -20,19 +20,13 @@ from attncc.frontend.trace import trace_mods, trace_mods_guarded
 from attncc.ir.evaluator import evaluate
 from attncc.runtime import flex as flex_mod
 from examples.gym import GYM, alibi, softcap
+from tests.conftest import score_grid
 
 B, H, Q, K = 2, 3, 9, 11
 
 
 def _grid() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {
-        "score": torch.randn(B, H, Q, K, generator=g, dtype=torch.float64) * 3,
-        "b": torch.arange(B).view(B, 1, 1, 1),
-        "h": torch.arange(H).view(1, H, 1, 1),
-        "q_idx": torch.arange(Q).view(1, 1, Q, 1),
-        "kv_idx": torch.arange(K).view(1, 1, 1, K),
-    }
+    return score_grid(B, H, Q, K)
 
 
 def _fresh(v: Variant) -> tuple[Any, Any]:
