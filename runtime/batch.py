@@ -49,7 +49,7 @@ from attncc.frontend import Variant
 from attncc.ir.program import VariantIR
 
 from . import planner, scheduler
-from .gpu_flex import HEAD_DIMS, _captured, _spill_bytes, fa2_config, fa2_source
+from .gpu_flex import HEAD_DIMS, _captured, _num_sms, _spill_bytes, fa2_config, fa2_source
 
 __all__ = ["BatchAttention", "BatchTiles", "batch_attention_reference", "KV_LAYOUTS"]
 
@@ -140,14 +140,6 @@ def _page_shift(page_size: int) -> int:
     return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """SMs of `device`; CPU planning (no GPU) assumes an H100/H200's 132."""
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @functools.lru_cache(maxsize=256)
 def _batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
                  force: tuple[int, ...] | None) -> BatchTiles:
@@ -188,7 +180,7 @@ class _LazyPlan:
 
     def __init__(self, args: tuple, kwargs: dict) -> None:
         self._args, self._kwargs = args, kwargs
-        self._plan: _LazyPlan | None = None  # the typed plan, computed when looked at
+        self._plan: scheduler.Plan | None = None  # the typed plan, computed when looked at
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # not a Plan field (and no recursion before __init__ ran)
@@ -441,7 +433,7 @@ class BatchAttention:
         """`choose_batch_tiles` for this device, keeping the captured kernel's tiles when the
         new batch fits them."""
         forced = tuple(self._forced_tiles) if self._forced_tiles is not None else None
-        tiles = _batch_tiles(head_dim, max_fused_rows, _sm_count(self.device), forced)
+        tiles = _batch_tiles(head_dim, max_fused_rows, _num_sms(self.device), forced)
         if self.tiles is not None and tiles.tq != self.tiles.tq and self.tiles.tq >= tiles.tq:
             tiles = self.tiles  # keep the captured kernel when the new batch fits its tiles
         return tiles

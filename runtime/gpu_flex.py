@@ -13,6 +13,7 @@ Example (planning only; launching needs a GPU):
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import weakref
@@ -447,7 +448,12 @@ def _bstrides(t: torch.Tensor) -> tuple[int, ...]:
 
 
 # --------------------------------------------------------------------------------- entry
-def _num_sms(device: int) -> int:
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: int | torch.device) -> int:
+    """SMs of a CUDA device (index or torch.device); planning on the CPU (no GPU) assumes an
+    H100/H200's 132."""
+    if isinstance(device, torch.device) and device.type != "cuda":
+        return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
