@@ -9,20 +9,31 @@
 //     K/V tile into a STAGES-deep ring. Stage s has a "full" mbarrier the copy engine completes
 //     with the tile's bytes, and an "empty" mbarrier the consumers arrive on when they are done
 //     reading it; the producer waits for "empty" before refilling. No CTA-wide barrier in the loop.
-//   consumers (warpgroups 1 and 2): each owns 64 of the rows and runs FA2's loop on them with
-//     wgmma: S = Q K^T (both operands in shared memory, K-major), logits hooks and online softmax
+//     It keeps 24 registers (setmaxnreg) and hands the rest to the consumers (240).
+//   consumers (warpgroups 1 and 2): each owns 64 of the rows and runs the online-softmax loop
+//     with wgmma: S = Q K^T (both operands in shared memory, K-major), logits hooks and softmax
 //     in registers (exp2 domain), O += P V (P from registers, V N-major in shared memory).
-// The two consumer warpgroups share every K/V tile, and while one runs its softmax the other's
-// wgmma keeps the tensor cores busy: the scheduler's natural ping-pong. Explicit ping-pong
-// ordering, intra-warpgroup overlap of softmax with the next S, and setmaxnreg (more registers
-// for the consumers) are the next steps.
+//
+// Overlap. Within a warpgroup the loop is software-pipelined: iteration i issues S(i) = Q K(i)^T
+// and then O += P(i-1) V(i-1) back to back, waits only for S(i) (wgmma groups retire in order),
+// and runs the logits hooks and softmax of tile i while the tensor cores still work on P(i-1) V(i-1).
+// It then waits for the P V, rescales O and packs P(i). Across warpgroups, the two consumers
+// share every K/V tile and interleave naturally. A stage is released once the P V that reads its
+// V completed, one iteration after its K was read.
+//
+// Tiles: 128 query rows x TKV keys, TKV = 64 or 128 (S is one m64nTKVk16 wgmma per 16-wide
+// k-step; 128 halves the waits and fences per FLOP but needs twice the shared memory per stage).
+// Grid order: blockIdx.x walks (batch, head), blockIdx.y the query blocks from the last one, so
+// the first wave holds every head's longest causal tiles and the grid ends together (LPT).
 //
 // Supported: head dims 64 and 128, score_mod / mask_mod hooks (LogitsTransform / LogitsMask),
-// FlexAttention BlockMask lists (128-row query blocks), GQA (one query head per CTA),
-// bf16. The launcher keeps query/key/value/output transforms on the FA2 template.
+// FlexAttention BlockMask lists (128-row query blocks, block_kv a multiple of TKV), GQA (one
+// query head per CTA), bf16. The launcher keeps query/key/value/output transforms on the FA2
+// template.
 //
 // Layouts: every tile is stored 128B-swizzled in 64-column blocks (wgmma.cuh), which is exactly
-// what a TMA box of [64 rows][64 elements] with the 128-byte swizzle writes. q/k/v are read
+// what a TMA box of [64 rows][64 elements] with the 128-byte swizzle writes; a column block of a
+// 128-key tile is two boxes back to back (the swizzle repeats every 8 rows). q/k/v are read
 // through tensor maps over [batch * heads * seq, head_dim] (contiguous tensors): rows past a
 // sequence's end belong to the next head (or are zero past the tensor), and the logits of such
 // keys and rows are masked, so their P is 0 and their output is never stored.
@@ -46,29 +57,155 @@ using fa2::fa2_u32;
 
 constexpr int kConsumers = 2;          // consumer warpgroups, 64 query rows each
 constexpr int kTQ = 64 * kConsumers;    // query rows per CTA
-constexpr int kTKV = 64;                // keys per KV tile: one m64n64 wgmma per 16-wide k-step
 constexpr int kThreads = 128 * (1 + kConsumers);
-constexpr int kBlockBytes = 64 * 128;   // one [64 rows][64 bf16] swizzled column block
+constexpr int kBoxBytes = 64 * 128;     // one TMA box: [64 rows][64 bf16], 128B-swizzled
+// registers per thread after setmaxnreg: 24 x 128 + 240 x 256 <= 64K, one CTA per SM
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
-template <int D, int STAGES>
+template <int D, int TKV, int STAGES>
 struct Smem {
-  static constexpr int kTileBytes = 64 * 2 * D;  // 64 rows of D 16-bit elements
-  static constexpr int kQ = 0;                   // kConsumers row blocks of 64 rows
-  static constexpr int kK = kQ + kConsumers * kTileBytes;
-  static constexpr int kV = kK + STAGES * kTileBytes;
-  static constexpr int kBar = kV + STAGES * kTileBytes;  // full[STAGES], empty[STAGES], q
+  static constexpr int kQBlockBytes = 64 * 128;    // a consumer's 64 Q rows, one column block
+  static constexpr int kKvBlockBytes = TKV * 128;  // TKV rows of K (or V), one column block
+  static constexpr int kKvTileBytes = kKvBlockBytes * (D / 64);
+  static constexpr int kQ = 0;                     // [consumer][column block]
+  static constexpr int kK = kQ + kConsumers * 64 * 2 * D;
+  static constexpr int kV = kK + STAGES * kKvTileBytes;
+  static constexpr int kBar = kV + STAGES * kKvTileBytes;  // full[STAGES], empty[STAGES], q
   static constexpr int kBytes = kBar + 8 * (2 * STAGES + 1) + 1024;  // + alignment slack
 };
 
-template <typename Variant, typename DType, int D, int STAGES>
+// ---- consumer building blocks (one warpgroup, 64 rows; every function is warpgroup-wide) ------
+// Accumulator layout (wgmma m64nN): warp w holds rows 16w + lane/4 and 16w + lane/4 + 8; for
+// each 8-column block j, elements [4j, 4j+1] on the first row and [4j+2, 4j+3] on the second.
+
+// Issue S = Q K^T for one K tile (D/16 k-steps, each a 32-byte step inside a 64-column block;
+// the K operand's TKV rows are 8-row swizzle atoms 1024 bytes apart) and commit it as a group.
+template <int D, int TKV>
+__device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], fa2_u32 sq_w, fa2_u32 sk_tile) {
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const fa2_u32 inner = (ks & 3) * 32;
+    const wg::u64 a = wg::make_desc(sq_w + (ks >> 2) * 64 * 128 + inner, 16, 1024);
+    const wg::u64 k = wg::make_desc(sk_tile + (ks >> 2) * TKV * 128 + inner, 16, 1024);
+    if constexpr (TKV == 128) {
+      wg::mma_ss_m64n128k16_bf16(s, a, k, ks > 0);
+    } else {
+      wg::mma_ss_m64n64k16_bf16<0>(s, a, k, ks > 0);
+    }
+  }
+  wg::commit();
+}
+
+// Issue O += P V for one V tile (P's A fragment for k-step kk is S's columns 16kk..16kk+15; V
+// rows 16kk.. of column block blk are N-major, 8-row groups SBO = 1024 bytes apart) and commit.
+template <int D, int TKV>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (&pa)[TKV / 16][4],
+                                         fa2_u32 sv_tile) {
+#pragma unroll
+  for (int blk = 0; blk < D / 64; ++blk)
+#pragma unroll
+    for (int kk = 0; kk < TKV / 16; ++kk) {
+      const fa2_u32 vaddr = sv_tile + blk * TKV * 128 + kk * 16 * 128;
+      wg::mma_rs_m64n64k16_bf16<1>(o[blk], pa[kk],
+                                   wg::make_desc(vaddr, ATTNCC_FA3_V_LBO, ATTNCC_FA3_V_SBO), 1);
+    }
+  wg::commit();
+}
+
+// Logits of one tile in place: scale, the variant's hooks, the mask. CHECKED handles rows past
+// q_len, keys past kv_len and the mask; an interior tile with no mask to apply skips all three.
+template <typename Variant, int TKV, bool CHECKED>
+__device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename Variant::Params& vp,
+                                             float qk_scale, int b, int hq, int row0, int kv0,
+                                             bool is_full, int q_len, int kv_len) {
+  constexpr bool kSoftmax = Variant::use_softmax;
+  const float masked = kSoftmax ? fa2::neg_inf() : 0.f;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int qi = row0 + 8 * hr;
+#pragma unroll
+    for (int j = 0; j < TKV / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int kv = kv0 + 8 * j + 2 * (lane & 3) + e;
+        float sc = s[4 * j + 2 * hr + e] * qk_scale;
+        if constexpr (Variant::has_logits_transform) {
+          sc = Variant::LogitsTransform(vp, sc, b, hq, qi, kv);
+          if constexpr (kSoftmax) sc *= kLog2e;
+        }
+        if constexpr (CHECKED) {
+          if (qi >= q_len || (unsigned)kv >= (unsigned)kv_len) sc = masked;
+          if constexpr (Variant::has_logits_mask) {
+            if (!is_full && !Variant::LogitsMask(vp, b, hq, qi, kv)) sc = masked;
+          }
+        }
+        s[4 * j + 2 * hr + e] = sc;
+      }
+  }
+}
+
+// Online softmax of one tile (base 2): new row maxima, s <- exp2(s - m), per-thread row sums
+// (reduced across the quad only in the epilogue), and the factor the old O must be scaled by.
+template <int TKV>
+__device__ __forceinline__ void softmax_step(float (&s)[TKV / 2], float (&row_m)[2],
+                                             float (&row_l)[2], float (&corr)[2]) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float mx = row_m[hr];
+#pragma unroll
+    for (int j = 0; j < TKV / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * hr], s[4 * j + 2 * hr + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_use = (mx == fa2::neg_inf()) ? 0.f : mx;  // a fully masked row so far
+    corr[hr] = fa2::fast_exp2(row_m[hr] - m_use);
+    row_m[hr] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < TKV / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pe = fa2::fast_exp2(s[4 * j + 2 * hr + e] - m_use);
+        s[4 * j + 2 * hr + e] = pe;
+        sum += pe;
+      }
+    row_l[hr] = row_l[hr] * corr[hr] + sum;
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void rescale(float (&o)[D / 64][32], const float (&corr)[2]) {
+#pragma unroll
+  for (int blk = 0; blk < D / 64; ++blk)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        o[blk][4 * j + 2 * hr] *= corr[hr];
+        o[blk][4 * j + 2 * hr + 1] *= corr[hr];
+      }
+}
+
+// P as bf16 A fragments: k-step kk takes S's columns 16kk .. 16kk+15 (mma.sync's A layout).
+template <typename DType, int TKV>
+__device__ __forceinline__ void pack_p(fa2_u32 (&pa)[TKV / 16][4], const float (&s)[TKV / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < TKV / 16; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) pa[kk][r] = fa2::pack2<DType>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+}
+
+template <typename Variant, typename DType, int D, int TKV, int STAGES>
 __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
                                             const typename Variant::Params& vp) {
   static_assert(D == 64 || D == 128, "the FA3 kernel supports head dims 64 and 128");
+  static_assert(TKV == 64 || TKV == 128, "the FA3 kernel's KV tiles are 64 or 128 keys");
   static_assert(fa2::ElemTraits<DType>::kIsBf16, "the FA3 kernel's wgmma wrappers are bf16");
-  using S = Smem<D, STAGES>;
+  using S = Smem<D, TKV, STAGES>;
   constexpr int BLOCKS = D / 64;     // 64-column blocks per tile
-  constexpr float kLog2e = 1.4426950408889634f;
-  constexpr float kLn2 = 0.6931471805599453f;
   constexpr bool kSoftmax = Variant::use_softmax;
 
   extern __shared__ __attribute__((aligned(1024))) unsigned char attncc_fa3_smem_raw[];
@@ -87,16 +224,16 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   const int tid = threadIdx.x, lane = tid & 31;
   const int wg = tid >> 7;               // 0: producer, 1..kConsumers: consumers
   const int warp = (tid >> 5) & 3;       // warp within its warpgroup
-  const int b = blockIdx.z, hq = blockIdx.y;
+  const int hq = blockIdx.x % p.num_q_heads, b = blockIdx.x / p.num_q_heads;
   const int h_kv = hq / (p.num_q_heads / p.num_kv_heads);
-  const int q0 = (gridDim.x - 1 - blockIdx.x) * kTQ;  // longest (causal) tiles first
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * kTQ;  // longest (causal) tiles first
   const int q_len = p.q_len, kv_len = p.kv_len;
   const int q_row0 = (b * p.num_q_heads + hq) * q_len + q0;   // tensor-map row of query q0
   const int kv_row0 = (b * p.num_kv_heads + h_kv) * kv_len;   // tensor-map row of key 0
 
   fa2::TileList tiles;
   if (p.kv_num_blocks == nullptr) {
-    tiles = fa2::TileList{nullptr, nullptr, (kv_len + kTKV - 1) / kTKV, 0, 1, kTKV, kTKV, 0};
+    tiles = fa2::TileList{nullptr, nullptr, (kv_len + TKV - 1) / TKV, 0, 1, TKV, TKV, 0};
     tiles.count = tiles.n_partial;
   } else {
     const int qb = q0 / p.block_q;
@@ -106,9 +243,9 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     tiles.n_partial = __ldg(p.kv_num_blocks + nb);
     tiles.full = p.full_kv_num_blocks != nullptr ? p.full_kv_indices + ix : nullptr;
     tiles.n_full = p.full_kv_num_blocks != nullptr ? __ldg(p.full_kv_num_blocks + nb) : 0;
-    tiles.sub = p.block_kv / kTKV;
+    tiles.sub = p.block_kv / TKV;
     tiles.block_kv = p.block_kv;
-    tiles.tile = kTKV;
+    tiles.tile = TKV;
     tiles.count = (tiles.n_partial + tiles.n_full) * tiles.sub;
   }
 
@@ -125,13 +262,14 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
 
   // ---- producer: one thread; the other producer threads have nothing to do ------------------
   if (wg == 0) {
+    wg::setmaxnreg_dec<kProducerRegs>();
     if (tid == 0) {
-      tma::mbar_arrive_expect_tx(q_bar, kConsumers * BLOCKS * kBlockBytes);
+      tma::mbar_arrive_expect_tx(q_bar, kConsumers * BLOCKS * kBoxBytes);
 #pragma unroll
       for (int w = 0; w < kConsumers; ++w)
 #pragma unroll
         for (int blk = 0; blk < BLOCKS; ++blk)
-          tma::load_2d(sq + (w * BLOCKS + blk) * kBlockBytes, tm_q, q_bar, 64 * blk,
+          tma::load_2d(sq + (w * BLOCKS + blk) * kBoxBytes, tm_q, q_bar, 64 * blk,
                        q_row0 + 64 * w);
 #pragma unroll 1
       for (int i = 0; i < tiles.count; ++i) {
@@ -142,23 +280,23 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
         bool f;
         const int kv0 = tiles.start(i, f);
         const fa2_u32 full = full_bar + 8 * st;
-        tma::mbar_arrive_expect_tx(full, 2 * BLOCKS * kBlockBytes);
+        tma::mbar_arrive_expect_tx(full, 2 * S::kKvTileBytes);
 #pragma unroll
-        for (int blk = 0; blk < BLOCKS; ++blk) {
-          tma::load_2d(sk + st * S::kTileBytes + blk * kBlockBytes, tm_k, full, 64 * blk,
-                       kv_row0 + kv0);
-          tma::load_2d(sv + st * S::kTileBytes + blk * kBlockBytes, tm_v, full, 64 * blk,
-                       kv_row0 + kv0);
-        }
+        for (int blk = 0; blk < BLOCKS; ++blk)
+#pragma unroll
+          for (int h = 0; h < TKV / 64; ++h) {
+            const fa2_u32 off = st * S::kKvTileBytes + blk * S::kKvBlockBytes + h * kBoxBytes;
+            tma::load_2d(sk + off, tm_k, full, 64 * blk, kv_row0 + kv0 + 64 * h);
+            tma::load_2d(sv + off, tm_v, full, 64 * blk, kv_row0 + kv0 + 64 * h);
+          }
       }
     }
     return;
   }
 
   // ---- consumers: warpgroup wg owns query rows [q0 + 64 (wg - 1), +64) -------------------------
-  // Accumulator layout (wgmma m64nN): warp w holds rows 16w + lane/4 and 16w + lane/4 + 8; for
-  // each 8-column block j, elements [4j, 4j+1] on the first row and [4j+2, 4j+3] on the second.
-  const fa2_u32 sq_w = sq + (wg - 1) * BLOCKS * kBlockBytes;
+  wg::setmaxnreg_inc<kConsumerRegs>();
+  const fa2_u32 sq_w = sq + (wg - 1) * BLOCKS * kBoxBytes;
   float o[BLOCKS][32];
 #pragma unroll
   for (int blk = 0; blk < BLOCKS; ++blk)
@@ -169,110 +307,75 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
                                                                       : p.sm_scale;
   // query position of this thread's first row
   const int r_lo = q0 + 64 * (wg - 1) + 16 * warp + (lane >> 2);
+  // every row of the CTA is a real query: tiles inside kv_len need no bounds checks
+  const bool rows_inside = q0 + kTQ <= q_len;
   tma::mbar_wait(q_bar, 0);
 
-#pragma unroll 1
-  for (int it = 0; it < tiles.count; ++it) {
-    const int st = it % STAGES;
+  // Logits hooks + mask + softmax of tile `it` (its S is in s); returns O's rescale factors.
+  auto logits_softmax = [&](float (&s)[TKV / 2], int it, float (&corr)[2]) {
     bool is_full;
     const int kv0 = tiles.start(it, is_full);
-    tma::mbar_wait(full_bar + 8 * st, (it / STAGES) & 1);
+    const bool interior = rows_inside && kv0 + TKV <= kv_len &&
+                          (is_full || !Variant::has_logits_mask);
+    if (interior) {
+      apply_logits<Variant, TKV, false>(s, vp, qk_scale, b, hq, r_lo, kv0, is_full, q_len, kv_len);
+    } else {
+      apply_logits<Variant, TKV, true>(s, vp, qk_scale, b, hq, r_lo, kv0, is_full, q_len, kv_len);
+    }
+    if constexpr (kSoftmax) {
+      softmax_step<TKV>(s, row_m, row_l, corr);
+    } else {
+      corr[0] = corr[1] = 1.f;
+    }
+  };
+  auto release = [&](int it) {  // this warp's reads of tile it's stage are complete
+    if (lane == 0) tma::mbar_arrive(empty_bar + 8 * (it % STAGES));
+  };
 
-    // S = Q K^T: D/16 k-steps, each a 32-byte step inside a 64-column block
-    float s[32];
+  const int n = tiles.count;
+  if (n > 0) {
+    float s[TKV / 2];
+    fa2_u32 pa[TKV / 16][4];
+    float corr[2];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) s[i] = 0.f;
+    for (int i = 0; i < TKV / 2; ++i) s[i] = 0.f;  // the first k-step overwrites; defined anyway
+
+    // prologue: S(0), its softmax and P(0); O is still zero, so no rescale
+    tma::mbar_wait(full_bar, 0);
     wg::fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const fa2_u32 off = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
-      wg::mma_ss_m64n64k16_bf16<0>(s, wg::make_desc(sq_w + off, 16, 1024),
-                                   wg::make_desc(sk + st * S::kTileBytes + off, 16, 1024), ks > 0);
-    }
-    wg::commit();
+    issue_qk<D, TKV>(s, sq_w, sk);
     wg::wait<0>();
+    wg::fence_operands(s);
+    logits_softmax(s, 0, corr);
+    pack_p<DType, TKV>(pa, s);
 
-    // logits: scale, hooks, mask; rows past q_len and keys past kv_len are masked
-    const float masked = kSoftmax ? fa2::neg_inf() : 0.f;
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int qi = r_lo + 8 * hr;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int kv = kv0 + 8 * j + 2 * (lane & 3) + e;
-          float sc = s[4 * j + 2 * hr + e] * qk_scale;
-          if (qi >= q_len || (unsigned)kv >= (unsigned)kv_len) {
-            sc = masked;
-          } else {
-            if constexpr (Variant::has_logits_transform) {
-              sc = Variant::LogitsTransform(vp, sc, b, hq, qi, kv);
-              if constexpr (kSoftmax) sc *= kLog2e;
-            }
-            if constexpr (Variant::has_logits_mask) {
-              if (!is_full && !Variant::LogitsMask(vp, b, hq, qi, kv)) sc = masked;
-            }
-          }
-          s[4 * j + 2 * hr + e] = sc;
-        }
+#pragma unroll 1
+    for (int it = 1; it < n; ++it) {
+      const int st = it % STAGES, prev = (it - 1) % STAGES;
+      tma::mbar_wait(full_bar + 8 * st, (it / STAGES) & 1);
+      wg::fence_operands(pa);
+      wg::fence_operands(o);
+      wg::fence();  // pa and o were written by ordinary instructions
+      issue_qk<D, TKV>(s, sq_w, sk + st * S::kKvTileBytes);
+      issue_pv<D, TKV>(o, pa, sv + prev * S::kKvTileBytes);
+      wg::wait<1>();  // S(it) is done; P(it-1) V(it-1) may still run
+      wg::fence_operands(s);
+      logits_softmax(s, it, corr);
+      wg::wait<0>();
+      wg::fence_operands(o);
+      release(it - 1);
+      rescale<D>(o, corr);
+      pack_p<DType, TKV>(pa, s);
     }
 
-    if constexpr (kSoftmax) {  // online softmax in base 2, as in fa2_attend.cuh
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        float mx = row_m[hr];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * hr], s[4 * j + 2 * hr + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_use = (mx == fa2::neg_inf()) ? 0.f : mx;
-        const float corr = fa2::fast_exp2(row_m[hr] - m_use);
-        row_m[hr] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pe = fa2::fast_exp2(s[4 * j + 2 * hr + e] - m_use);
-            s[4 * j + 2 * hr + e] = pe;
-            sum += pe;
-          }
-        row_l[hr] = row_l[hr] * corr + sum;
-#pragma unroll
-        for (int blk = 0; blk < BLOCKS; ++blk)
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            o[blk][4 * j + 2 * hr] *= corr;
-            o[blk][4 * j + 2 * hr + 1] *= corr;
-          }
-      }
-    }
-
-    // O += P V: P's A fragments for k-step kk are the S accumulators of columns 16kk..16kk+15
-    fa2_u32 pa[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      pa[kk][0] = fa2::pack2<DType>(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = fa2::pack2<DType>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = fa2::pack2<DType>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = fa2::pack2<DType>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-    wg::fence();  // o was rescaled and pa written by ordinary instructions
-#pragma unroll
-    for (int blk = 0; blk < BLOCKS; ++blk)
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        // V rows 16kk.. of column block blk: N-major, 8-row groups 1024 bytes apart (SBO; at
-        // N = 64 the tile is one swizzle atom wide and LBO is unused: tests/gpu/test_wgmma.py)
-        const fa2_u32 vaddr = sv + st * S::kTileBytes + blk * kBlockBytes + kk * 16 * 128;
-        wg::mma_rs_m64n64k16_bf16<1>(o[blk], pa[kk], wg::make_desc(vaddr, ATTNCC_FA3_V_LBO,
-                                                                   ATTNCC_FA3_V_SBO), 1);
-      }
-    wg::commit();
+    // epilogue of the pipeline: the last P V
+    wg::fence_operands(pa);
+    wg::fence_operands(o);
+    wg::fence();
+    issue_pv<D, TKV>(o, pa, sv + ((n - 1) % STAGES) * S::kKvTileBytes);
     wg::wait<0>();
-    // this warp's reads of stage st are complete: release it to the producer
-    if (lane == 0) tma::mbar_arrive(empty_bar + 8 * st);
+    wg::fence_operands(o);
+    release(n - 1);
   }
 
   // ---- epilogue: normalize, store bf16 pairs and the LSE ---------------------------------------
@@ -309,13 +412,15 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
 }  // namespace fa3
 }  // namespace attncc
 
-// Grid (ceil(q_len / 128), num_q_heads, batch), block kThreads (384), dynamic shared memory
-// attncc::fa3::Smem<HEAD_DIM, STAGES>::kBytes; AttentionParams::tma points at the q/k/v maps.
+// Grid (num_q_heads * batch, ceil(q_len / 128)), block kThreads (384), dynamic shared memory
+// attncc::fa3::Smem<HEAD_DIM, TKV, STAGES>::kBytes; AttentionParams::tma points at the q/k/v
+// maps.
 #define ATTNCC_FA3_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)       \
   extern "C" __global__ void __launch_bounds__(attncc::fa3::kThreads, 1)                           \
       NAME(attncc::AttentionParams p, VARIANT::Params vp) {                                        \
-    static_assert(KV_WARPS == 1, "the FA3 kernel has no KV-slice warps");                       \
-    attncc::fa3::fa3_prefill<VARIANT, DTYPE, HEAD_DIM, STAGES>(p, vp);                             \
+    static_assert(TQ == attncc::fa3::kTQ && M_FRAGS == 1 && KV_WARPS == 1,                         \
+                  "the FA3 kernel has 128-row CTAs of two 64-row consumer warpgroups");            \
+    attncc::fa3::fa3_prefill<VARIANT, DTYPE, HEAD_DIM, TKV, STAGES>(p, vp);                        \
   }
 
 #endif  // ATTNCC_FA3_PREFILL_CUH

@@ -155,7 +155,7 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
         raise ValueError(f"kernel_options['KERNEL']='fa3' runs bfloat16 score/mask variants; "
                          f"this call has dtype {dtype} and {transforms or 'no'} transforms -- "
                          f"drop KERNEL to use the FA2 template")
-    tiles = fa3_tiles(plan.stages)
+    tiles = fa3_tiles(plan.stages, plan.tkv)
     gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa3",
                          fast_math=plan.fast_math, tiles=tiles)
     res, _ = cached_compile(gk.source, arch=arch, name=f"{gk.kernel_name}.cu", verbose=True)
@@ -668,7 +668,10 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         return out, lse
 
     kl, cfg = kern.launcher, kern.config
-    grid = (-(-(Sq * pl.tiles.gf) // cfg.tq), Hq // pl.tiles.gf, B)
+    if pl.tiles.kernel == "fa3":  # (batch x head, query blocks): kernels/fa3_prefill.cuh
+        grid = (B * Hq, -(-Sq // cfg.tq), 1)
+    else:
+        grid = (-(-(Sq * pl.tiles.gf) // cfg.tq), Hq // pl.tiles.gf, B)
     maps = _fa3_tensor_maps(query, key, value) if pl.tiles.kernel == "fa3" else None
     ap = {
         "q": query.data_ptr(), "k": key.data_ptr(), "v": value.data_ptr(), "o": out.data_ptr(),

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from attncc.codegen.fa2 import FA2_HEAD_DIMS as HEAD_DIMS
-from attncc.codegen.fa2 import Fa2Tiles, TKV_CHOICES, TQ_CHOICES, fa3_tiles
+from attncc.codegen.fa2 import FA3_TKV_CHOICES, Fa2Tiles, TKV_CHOICES, TQ_CHOICES, fa3_tiles
 
 __all__ = ["Fa2Config", "TilePlan", "fa2_config", "choose_tiles", "HEAD_DIMS"]
 
@@ -33,6 +33,11 @@ __all__ = ["Fa2Config", "TilePlan", "fa2_config", "choose_tiles", "HEAD_DIMS"]
 _DEFAULT_TKV = {(64, 128): 64, (64, 64): 64, (64, 32): 64, (64, 16): 64,
                 (128, 128): 64, (128, 64): 64, (128, 32): 64, (128, 16): 64,
                 (256, 128): 32, (256, 64): 32, (256, 32): 32, (256, 16): 32}
+# The FA3 kernel's KV tile when kernel_options has no BLOCK_N: 128 keys (one m64n128 wgmma per
+# k-step of S, half the waits of 64-key tiles per FLOP); bench/NOTES.md has the measurements.
+FA3_DEFAULT_TKV = 128
+# Dynamic shared memory one CTA may opt into on sm_90 (227 KB of the SM's 228).
+SMEM_PER_CTA = 227 * 1024
 
 
 @dataclass(frozen=True)
@@ -115,12 +120,23 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
         if head_dim not in (64, 128):
             raise ValueError(f"kernel_options['KERNEL']='fa3' supports head dims 64 and 128, "
                              f"not {head_dim}")
-        if masked and (block_q % 128 or block_kv % 64):  # type: ignore[operator]
+        tkv = opts.get("BLOCK_N") or FA3_DEFAULT_TKV
+        if tkv not in FA3_TKV_CHOICES:
+            raise ValueError(f"kernel_options BLOCK_N={tkv}: the FA3 kernel's KV tiles are "
+                             f"{' or '.join(map(str, FA3_TKV_CHOICES))} keys")
+        if masked and (block_q % 128 or block_kv % tkv):  # type: ignore[operator]
             raise ValueError(f"kernel_options['KERNEL']='fa3' needs block mask blocks of 128 "
-                             f"query rows (or a multiple) and a multiple of 64 keys, got "
-                             f"BLOCK_SIZE={(block_q, block_kv)}")
+                             f"query rows (or a multiple) and a multiple of {tkv} keys (BLOCK_N), "
+                             f"got BLOCK_SIZE={(block_q, block_kv)}")
         stages = opts.get("num_stages") or 2
-        t = fa3_tiles(stages)  # CodegenError (a ValueError) for a bad stage count
+        t = fa3_tiles(stages, tkv)  # CodegenError (a ValueError) for a bad stage count
+        smem = t.smem_bytes(head_dim) + 8 * (2 * stages + 1) + 1024
+        if smem > SMEM_PER_CTA:
+            raise ValueError(f"kernel_options num_stages={stages}: the FA3 kernel's Q tile and "
+                             f"{stages} K/V stages of {tkv} keys need {smem // 1024} KB of shared "
+                             f"memory at head dim {head_dim}, more than the "
+                             f"{SMEM_PER_CTA // 1024} KB a CTA can have; use fewer stages or "
+                             f"BLOCK_N=64")
         return TilePlan(t.tq, t.tkv, stages, 1, 1, True, bool(opts.get("FAST_MATH", True)), "fa3")
     if masked and (block_q % 16 or block_kv % 32):  # type: ignore[operator]
         raise ValueError(f"block_mask BLOCK_SIZE={(block_q, block_kv)}: the GPU kernel needs the "

@@ -493,16 +493,20 @@ def test_fa2_tiles_kv_warps() -> None:
 
 
 def test_fa3_translation_unit() -> None:
-    """kernel="fa3": 128 x 64 tiles, a producer and two consumer warpgroups (384 threads), shared
-    memory for Q, the K/V ring, 2 * stages + 1 mbarriers and the 1 KB alignment slack."""
+    """kernel="fa3": 128 x 128 tiles by default (128 x 64 on request), a producer and two
+    consumer warpgroups (384 threads), shared memory for Q, the K/V ring, 2 * stages + 1
+    mbarriers and the 1 KB alignment slack."""
     from attncc.codegen.fa2 import Fa2Tiles
 
     ir = VariantIR(name="plain")
     gk = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3")
     assert gk.block == (384, 1, 1)
-    assert gk.shared_mem_bytes == 2 * 128 * (128 + 2 * 2 * 64) + 8 * 5 + 1024
+    assert gk.shared_mem_bytes == 2 * 128 * (128 + 2 * 2 * 128) + 8 * 5 + 1024
+    assert "ATTNCC_FA3_ENTRY(attncc_plain_fa3_d128_bf16_q128_k128_s2, " in gk.source
+    gk = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3",
+                         tiles=Fa2Tiles(128, 64, 2, 1))
     assert "ATTNCC_FA3_ENTRY(attncc_plain_fa3_d128_bf16_q128_k64_s2, " in gk.source
-    with pytest.raises(CodegenError, match="128 x 64 tiles"):
+    with pytest.raises(CodegenError, match="128-row tiles"):
         generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3",
                         tiles=Fa2Tiles(64, 64, 2, 1))
 

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from .errors import CodegenError
 
 __all__ = ["Fa2Tiles", "default_tiles", "fa3_tiles", "FA2_HEAD_DIMS", "TQ_CHOICES",
-           "TKV_CHOICES"]
+           "TKV_CHOICES", "FA3_TKV_CHOICES"]
 
 FA2_HEAD_DIMS = (64, 128, 256)
 TQ_CHOICES = (16, 32, 64, 128)
 TKV_CHOICES = (32, 64, 128)
+FA3_TKV_CHOICES = (64, 128)
 
 
 @dataclass(frozen=True)
@@ -82,12 +83,16 @@ def default_tiles(head_dim: int) -> Fa2Tiles:
     return Fa2Tiles(64, 32, 2, 1)
 
 
-def fa3_tiles(stages: int = 2) -> Fa2Tiles:
-    """The FA3 kernel's fixed tiles (kernels/fa3_prefill.cuh: 128 query rows = two consumer
-    warpgroups of 64, 64-key KV tiles); only the pipeline depth varies.
+def fa3_tiles(stages: int = 2, tkv: int = 128) -> Fa2Tiles:
+    """The FA3 kernel's tiles (kernels/fa3_prefill.cuh: 128 query rows = two consumer
+    warpgroups of 64; KV tiles of 64 or 128 keys); the KV tile width and the pipeline depth vary.
 
     Example:
         >>> fa3_tiles(3)
-        Fa2Tiles(tq=128, tkv=64, stages=3, m_frags=1, kv_warps=1)
+        Fa2Tiles(tq=128, tkv=128, stages=3, m_frags=1, kv_warps=1)
+        >>> fa3_tiles(2, tkv=64).suffix
+        '_q128_k64_s2'
     """
-    return Fa2Tiles(128, 64, stages, 1)
+    if tkv not in FA3_TKV_CHOICES:
+        raise CodegenError(f"the FA3 kernel's KV tiles are {FA3_TKV_CHOICES} keys, not {tkv}")
+    return Fa2Tiles(128, tkv, stages, 1)

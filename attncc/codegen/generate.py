@@ -32,7 +32,7 @@ import jinja2
 from ..ir.program import HOOK_ORDER, VariantIR
 from .errors import CodegenError
 from .hooks import EMITTERS, HookCode
-from .fa2 import FA2_HEAD_DIMS, Fa2Tiles, default_tiles, fa3_tiles
+from .fa2 import FA2_HEAD_DIMS, FA3_TKV_CHOICES, Fa2Tiles, default_tiles, fa3_tiles
 from .layout import (ATTENTION_PARAMS, BATCH_PARAMS, StructLayout, c_identifier,
                      variant_params_layout)
 
@@ -304,9 +304,9 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
             if dtype != "bfloat16":
                 raise CodegenError(f"dtype={dtype!r}: the 'fa3' kernel runs bfloat16")
             tiles = tiles if tiles is not None else fa3_tiles()
-            if tiles != fa3_tiles(tiles.stages):
-                raise CodegenError("the 'fa3' kernel has fixed 128 x 64 tiles (two consumer "
-                                   "warpgroups); only stages may vary")
+            if tiles.tkv not in FA3_TKV_CHOICES or tiles != fa3_tiles(tiles.stages, tiles.tkv):
+                raise CodegenError(f"the 'fa3' kernel has 128-row tiles (two consumer "
+                                   f"warpgroups) of {FA3_TKV_CHOICES} keys; got {tiles}")
         tiles = tiles if tiles is not None else default_tiles(head_dim)
         name += tiles.suffix
         threads, rows, smem = tiles.threads, tiles.tq, tiles.smem_bytes(head_dim)
