@@ -217,7 +217,7 @@ def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, 
                         bench.q, bench.k, bench.v, ir, b,
                         block_mask=bench.attncc_bm[mask] if mask else None,
                         kernel_options=opts)
-                    rec["kernel"] = {k: info[k] for k in ("tq", "tkv", "stages", "m_frags",
+                    rec["kernel"] = {k: info[k] for k in ("kernel", "tq", "tkv", "stages", "m_frags",
                                                           "threads", "registers", "spill_bytes",
                                                           "smem_bytes")}
                     ref_impl = next((r for r in ("flex", "sdpa_flash") if r in outs), None)
@@ -232,7 +232,8 @@ def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, 
                     extra = f" rel_err vs {rec['rel_err_vs']} {rec['rel_err']:.1e}"
                 if "kernel" in rec:
                     kk = rec["kernel"]
-                    extra += (f" [tq={kk['tq']} tkv={kk['tkv']} m={kk['m_frags']} "
+                    extra += (f" [{'fa3' if '_fa3_' in kk['kernel'] else 'fa2'} tq={kk['tq']} "
+                              f"tkv={kk['tkv']} s={kk['stages']} m={kk['m_frags']} "
                               f"regs={kk['registers']} spill={kk['spill_bytes']}]")
                 print(f"S={S:6d} {variant:15s} {label:28s} {ms:8.3f} ms "
                       f"{rec['tflops']:7.1f} TFLOP/s{extra}", flush=True)

@@ -17,9 +17,11 @@
 // Overlap. Within a warpgroup the loop is software-pipelined: iteration i issues S(i) = Q K(i)^T
 // and then O += P(i-1) V(i-1) back to back, waits only for S(i) (wgmma groups retire in order),
 // and runs the logits hooks and softmax of tile i while the tensor cores still work on P(i-1) V(i-1).
-// It then waits for the P V, rescales O and packs P(i). Across warpgroups, the two consumers
-// share every K/V tile and interleave naturally. A stage is released once the P V that reads its
-// V completed, one iteration after its K was read.
+// It then waits for the P V, rescales O and packs P(i). Across warpgroups (ping-pong, when
+// ATTNCC_FA3_PINGPONG is 1), the two consumers take turns issuing their GEMMs through two named
+// barriers, so one's softmax runs while the other's GEMMs own the tensor cores instead of both
+// computing softmax at once. A stage is released once the P V that reads its V completed, one
+// iteration after its K was read.
 //
 // Tiles: 128 query rows x TKV keys, TKV = 64 or 128 (S is one m64nTKVk16 wgmma per 16-wide
 // k-step; 128 halves the waits and fences per FLOP but needs twice the shared memory per stage).
@@ -49,6 +51,10 @@
 #define ATTNCC_FA3_V_SBO 1024
 #endif
 
+#ifndef ATTNCC_FA3_PINGPONG
+#define ATTNCC_FA3_PINGPONG 1
+#endif
+
 namespace attncc {
 namespace fa3 {
 
@@ -75,6 +81,19 @@ struct Smem {
   static constexpr int kV = kK + STAGES * kKvTileBytes;
   static constexpr int kBar = kV + STAGES * kKvTileBytes;  // full[STAGES], empty[STAGES], q
   static constexpr int kBytes = kBar + 8 * (2 * STAGES + 1) + 1024;  // + alignment slack
+};
+
+// Ping-pong turns of the two consumer warpgroups: consumer c waits on named barrier 1 + c (0 is
+// __syncthreads) before it issues a group of GEMMs and then arrives on the other's barrier. A
+// barrier completes when all 256 consumer threads reached it: 128 waiting + 128 arriving.
+struct Turns {
+  int me;  // 0 or 1: which consumer warpgroup this thread belongs to
+  __device__ __forceinline__ void wait_mine() const {
+    if (ATTNCC_FA3_PINGPONG) asm volatile("bar.sync %0, 256;\n" ::"r"(1 + me) : "memory");
+  }
+  __device__ __forceinline__ void pass() const {
+    if (ATTNCC_FA3_PINGPONG) asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - me) : "memory");
+  }
 };
 
 // ---- consumer building blocks (one warpgroup, 64 rows; every function is warpgroup-wide) ------
@@ -201,7 +220,7 @@ __device__ __forceinline__ void pack_p(fa2_u32 (&pa)[TKV / 16][4], const float (
 template <typename Variant, typename DType, int D, int TKV, int STAGES>
 __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
                                             const typename Variant::Params& vp) {
-  static_assert(D == 64 || D == 128, "the FA3 kernel supports head dims 64 and 128");
+  static_assert(D == 64 || D == 128 || D == 256, "the FA3 kernel supports head dims 64, 128, 256");
   static_assert(TKV == 64 || TKV == 128, "the FA3 kernel's KV tiles are 64 or 128 keys");
   static_assert(fa2::ElemTraits<DType>::kIsBf16, "the FA3 kernel's wgmma wrappers are bf16");
   using S = Smem<D, TKV, STAGES>;
@@ -332,6 +351,10 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     if (lane == 0) tma::mbar_arrive(empty_bar + 8 * (it % STAGES));
   };
 
+  // Both consumers visit the same n tiles, so they have the same n + 1 issue points (S(0); S(i)
+  // with P(i-1) V(i-1); the last P V): consumer 0 goes first at each, consumer 1 passes the turn
+  // back after each but the last.
+  const Turns turns{wg - 1};
   const int n = tiles.count;
   if (n > 0) {
     float s[TKV / 2];
@@ -339,11 +362,14 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     float corr[2];
 #pragma unroll
     for (int i = 0; i < TKV / 2; ++i) s[i] = 0.f;  // the first k-step overwrites; defined anyway
+    if (turns.me == 1) turns.pass();
 
     // prologue: S(0), its softmax and P(0); O is still zero, so no rescale
     tma::mbar_wait(full_bar, 0);
+    turns.wait_mine();
     wg::fence();
     issue_qk<D, TKV>(s, sq_w, sk);
+    turns.pass();
     wg::wait<0>();
     wg::fence_operands(s);
     logits_softmax(s, 0, corr);
@@ -355,9 +381,11 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
       tma::mbar_wait(full_bar + 8 * st, (it / STAGES) & 1);
       wg::fence_operands(pa);
       wg::fence_operands(o);
+      turns.wait_mine();
       wg::fence();  // pa and o were written by ordinary instructions
       issue_qk<D, TKV>(s, sq_w, sk + st * S::kKvTileBytes);
       issue_pv<D, TKV>(o, pa, sv + prev * S::kKvTileBytes);
+      turns.pass();
       wg::wait<1>();  // S(it) is done; P(it-1) V(it-1) may still run
       wg::fence_operands(s);
       logits_softmax(s, it, corr);
@@ -371,8 +399,10 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     // epilogue of the pipeline: the last P V
     wg::fence_operands(pa);
     wg::fence_operands(o);
+    turns.wait_mine();
     wg::fence();
     issue_pv<D, TKV>(o, pa, sv + ((n - 1) % STAGES) * S::kKvTileBytes);
+    if (turns.me == 0) turns.pass();
     wg::wait<0>();
     wg::fence_operands(o);
     release(n - 1);

@@ -138,11 +138,18 @@ def _kernel_for(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
 _SPILL_BUDGET = {1: 0, 2: 192}
 
 
-def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: str,
-                device: int) -> _Compiled:
-    """Compile and load the FA3 prototype (kernels/fa3_prefill.cuh) for a checked plan."""
+def _fa3_generated(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan) -> Any:
+    """Codegen's FA3 translation unit for a checked plan (`ir` simplified); what _fa3_kernel
+    compiles and precompile warms, so both hit one cache entry."""
     from attncc.codegen.generate import generate_source
 
+    return generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa3",
+                           fast_math=plan.fast_math, tiles=fa3_tiles(plan.stages, plan.tkv))
+
+
+def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: str,
+                device: int) -> _Compiled:
+    """Compile and load the FA3 kernel (kernels/fa3_prefill.cuh) for a checked plan."""
     from .cache import cached_compile
     from .launcher import load_kernel
 
@@ -155,13 +162,11 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
         raise ValueError(f"kernel_options['KERNEL']='fa3' runs bfloat16 score/mask variants; "
                          f"this call has dtype {dtype} and {transforms or 'no'} transforms -- "
                          f"drop KERNEL to use the FA2 template")
-    tiles = fa3_tiles(plan.stages, plan.tkv)
-    gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa3",
-                         fast_math=plan.fast_math, tiles=tiles)
+    gk = _fa3_generated(ir, head_dim, dtype, plan)
     res, _ = cached_compile(gk.source, arch=arch, name=f"{gk.kernel_name}.cu", verbose=True)
     kl = load_kernel(res.cubin, gk.kernel_name, gk.attention_params_layout, gk.params_layout,
                      device=device, dynamic_smem=gk.shared_mem_bytes)
-    cfg = Fa2Config(head_dim, tiles.tq, tiles.tkv, plan.stages, 1, gk.threads // 32, gk.threads,
+    cfg = Fa2Config(head_dim, plan.tq, plan.tkv, plan.stages, 1, gk.threads // 32, gk.threads,
                     gk.shared_mem_bytes)
     return _Compiled(kl, cfg, ir, res.log)
 
@@ -473,6 +478,17 @@ class LaunchPlan:
     mask_tensors: Mapping[str, Any] = field(default_factory=dict)
 
 
+def _fa3_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: VariantIR,
+            device: int) -> bool:
+    """What the FA3 kernel needs beyond the shape (tile_choice checks that): an sm_90 GPU,
+    bf16, q/k/v contiguous (TMA reads them as [rows, head_dim]) and no q/k/v/o transforms."""
+    return (torch.cuda.get_device_capability(device) == (9, 0)
+            and query.dtype == torch.bfloat16
+            and all(t.is_contiguous() for t in (query, key, value))
+            and all(ir.hook(h).is_identity
+                    for h in ("query_mod", "key_mod", "value_mod", "output_mod")))
+
+
 def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: VariantIR,
                 bindings: Bindings | None = None, *, block_mask: Any = None,
                 enable_gqa: bool = False, kernel_options: Mapping[str, Any] | None = None
@@ -506,7 +522,8 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
                          block_q=margs.block_q if margs else None,
                          block_kv=margs.block_kv if margs else None,
                          mask_head_uniform=margs.head_uniform if margs else True,
-                         kernel_options=kernel_options)
+                         kernel_options=kernel_options,
+                         fa3_ok=_fa3_ok(query, key, value, ir, dev_index))
     if Hq // tiles.gf > 65535 or B > 65535:
         raise ValueError(f"batch {B} x heads {Hq}: the GPU kernel's grid allows at most 65535 "
                          f"head slots and 65535 batches")
@@ -545,14 +562,16 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
 
     jobs: dict[str, tuple[str, str, str]] = {}
     for pl in plans:
-        if pl.tiles.kernel != "fa2":
-            continue  # the FA3 prototype compiles on first use
         with torch.cuda.device(pl.device):
             arch = device_arch()
-        src, name, _, _ = fa2_source(simplify_variant(pl.ir), head_dim=pl.head_dim,
-                                     dtype=pl.dtype, tq=pl.tiles.tq, tkv=pl.tiles.tkv,
-                                     stages=pl.tiles.stages, m_frags=pl.tiles.m_frags,
-                                     fast_math=pl.tiles.fast_math)
+        if pl.tiles.kernel == "fa3":
+            gk = _fa3_generated(simplify_variant(pl.ir), pl.head_dim, pl.dtype, pl.tiles)
+            src, name = gk.source, gk.kernel_name
+        else:
+            src, name, _, _ = fa2_source(simplify_variant(pl.ir), head_dim=pl.head_dim,
+                                         dtype=pl.dtype, tq=pl.tiles.tq, tkv=pl.tiles.tkv,
+                                         stages=pl.tiles.stages, m_frags=pl.tiles.m_frags,
+                                         fast_math=pl.tiles.fast_math)
         jobs[src] = (src, arch, f"{name}.cu")
     workers = max_workers or min(len(jobs), os.cpu_count() or 1)
     if workers <= 1:

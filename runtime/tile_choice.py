@@ -6,7 +6,8 @@ fragments per warp); otherwise T_q is the smallest of {16, 32, 64} that covers t
 T_kv comes from the head dim and the register/shared-memory budget (bench/NOTES.md). Head-group
 fusion (all query heads of a GQA group in one CTA's rows) is used when it keeps block-mask lists
 uniform per CTA. `kernel_options` (FlexAttention's names: BLOCK_M, BLOCK_N, num_stages,
-num_warps, plus FAST_MATH and KERNEL="fa2" | "fa3") override the choice.
+num_warps, plus FAST_MATH and KERNEL="fa2" | "fa3") override the choice. On sm_90 the FA3
+kernel (TMA + wgmma, 128 query rows x 128 keys) runs what it supports, FA2 the rest.
 
 Example:
     >>> fa2_config(128, 128, 64, 2)
@@ -92,14 +93,57 @@ class TilePlan:
     kernel: str = field(default="fa2", repr=False)  # kernel_options KERNEL: "fa2" or "fa3"
 
 
+def _fa3_stages(head_dim: int, tkv: int) -> int:
+    """The deepest K/V ring (at most 4 stages) whose shared memory fits one CTA: 3 stages of
+    128 keys beat 2 by 10-28% at head dim 128 (bench/NOTES.md, 2026-11-30 night)."""
+    fits = [s for s in (4, 3, 2) if _fa3_smem(head_dim, tkv, s) <= SMEM_PER_CTA]
+    return fits[0] if fits else 1
+
+
+def _fa3_smem(head_dim: int, tkv: int, stages: int) -> int:
+    """kernels/fa3_prefill.cuh Smem::kBytes: Q, the ring, 2 * stages + 1 mbarriers, 1 KB slack."""
+    return fa3_tiles(stages, tkv).smem_bytes(head_dim) + 8 * (2 * stages + 1) + 1024
+
+
+def _fa3_plan(head_dim: int, block_q: int | None, block_kv: int | None,
+              opts: Mapping[str, Any]) -> TilePlan:
+    """The FA3 kernel's tiles for kernel_options `opts` (BLOCK_N, num_stages, FAST_MATH); a
+    ValueError says what does not fit."""
+    if head_dim not in (64, 128, 256):
+        raise ValueError(f"kernel_options['KERNEL']='fa3' supports head dims 64, 128 and 256, "
+                         f"not {head_dim}")
+    tkv = opts.get("BLOCK_N") or (FA3_DEFAULT_TKV if head_dim <= 128 else 64)
+    if tkv not in FA3_TKV_CHOICES:
+        raise ValueError(f"kernel_options BLOCK_N={tkv}: the FA3 kernel's KV tiles are "
+                         f"{' or '.join(map(str, FA3_TKV_CHOICES))} keys")
+    if block_q is not None and (block_q % 128 or block_kv % tkv):  # type: ignore[operator]
+        raise ValueError(f"kernel_options['KERNEL']='fa3' needs block mask blocks of 128 "
+                         f"query rows (or a multiple) and a multiple of {tkv} keys (BLOCK_N), "
+                         f"got BLOCK_SIZE={(block_q, block_kv)}")
+    stages = opts.get("num_stages") or _fa3_stages(head_dim, tkv)
+    t = fa3_tiles(stages, tkv)  # CodegenError (a ValueError) for a bad stage count
+    smem = _fa3_smem(head_dim, tkv, stages)
+    if smem > SMEM_PER_CTA:
+        raise ValueError(f"kernel_options num_stages={stages}: the FA3 kernel's Q tile and "
+                         f"{stages} K/V stages of {tkv} keys need {smem // 1024} KB of shared "
+                         f"memory at head dim {head_dim}, more than the "
+                         f"{SMEM_PER_CTA // 1024} KB a CTA can have; use fewer stages or "
+                         f"BLOCK_N=64")
+    return TilePlan(t.tq, t.tkv, stages, 1, 1, True, bool(opts.get("FAST_MATH", True)), "fa3")
+
+
 def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: int, batch: int,
                  num_sms: int = 132, block_q: int | None = None, block_kv: int | None = None,
                  mask_head_uniform: bool = True,
-                 kernel_options: Mapping[str, Any] | None = None) -> TilePlan:
+                 kernel_options: Mapping[str, Any] | None = None,
+                 fa3_ok: bool = False) -> TilePlan:
     """Pick (T_q, T_kv, stages, gf) for a problem; `block_*` are the block mask's BLOCK_SIZE.
 
     `group` = num_q_heads / num_kv_heads; `heads` = num_q_heads. kernel_options may force
     BLOCK_M (T_q), BLOCK_N (T_kv) and num_stages; an impossible choice raises ValueError.
+    `fa3_ok` (the caller checked an sm_90 GPU, bf16, contiguous inputs and no q/k/v/o
+    transforms) picks the FA3 kernel for at least 128 query rows when the block mask's blocks
+    suit it and kernel_options name no KERNEL or BLOCK_M; FA2 otherwise.
 
     Example:
         >>> choose_tiles(64, q_len=17, kv_len=17, group=4, heads=8, batch=1)
@@ -109,6 +153,9 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
         TilePlan(tq=64, tkv=64, stages=2, gf=1, m_frags=1)
         >>> choose_tiles(128, q_len=4096, kv_len=4096, group=1, heads=16, batch=4)
         TilePlan(tq=128, tkv=64, stages=2, gf=1, m_frags=2)
+        >>> p = choose_tiles(128, q_len=4096, kv_len=4096, group=1, heads=16, batch=4, fa3_ok=True)
+        >>> p.kernel, p.tkv, p.stages
+        ('fa3', 128, 3)
     """
     opts = dict(kernel_options or {})
     masked = block_q is not None
@@ -117,27 +164,12 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
         raise ValueError(f"kernel_options['KERNEL']={kernel!r}: use 'fa2' (default) or 'fa3' "
                          f"(the Hopper TMA + wgmma prototype)")
     if kernel == "fa3":
-        if head_dim not in (64, 128):
-            raise ValueError(f"kernel_options['KERNEL']='fa3' supports head dims 64 and 128, "
-                             f"not {head_dim}")
-        tkv = opts.get("BLOCK_N") or FA3_DEFAULT_TKV
-        if tkv not in FA3_TKV_CHOICES:
-            raise ValueError(f"kernel_options BLOCK_N={tkv}: the FA3 kernel's KV tiles are "
-                             f"{' or '.join(map(str, FA3_TKV_CHOICES))} keys")
-        if masked and (block_q % 128 or block_kv % tkv):  # type: ignore[operator]
-            raise ValueError(f"kernel_options['KERNEL']='fa3' needs block mask blocks of 128 "
-                             f"query rows (or a multiple) and a multiple of {tkv} keys (BLOCK_N), "
-                             f"got BLOCK_SIZE={(block_q, block_kv)}")
-        stages = opts.get("num_stages") or 2
-        t = fa3_tiles(stages, tkv)  # CodegenError (a ValueError) for a bad stage count
-        smem = t.smem_bytes(head_dim) + 8 * (2 * stages + 1) + 1024
-        if smem > SMEM_PER_CTA:
-            raise ValueError(f"kernel_options num_stages={stages}: the FA3 kernel's Q tile and "
-                             f"{stages} K/V stages of {tkv} keys need {smem // 1024} KB of shared "
-                             f"memory at head dim {head_dim}, more than the "
-                             f"{SMEM_PER_CTA // 1024} KB a CTA can have; use fewer stages or "
-                             f"BLOCK_N=64")
-        return TilePlan(t.tq, t.tkv, stages, 1, 1, True, bool(opts.get("FAST_MATH", True)), "fa3")
+        return _fa3_plan(head_dim, block_q, block_kv, opts)
+    if fa3_ok and "KERNEL" not in opts and "BLOCK_M" not in opts and q_len >= 128:
+        try:  # the FA3 kernel when the shape suits it, else FA2 (never an error from here)
+            return _fa3_plan(head_dim, block_q, block_kv, opts)
+        except ValueError:
+            pass
     if masked and (block_q % 16 or block_kv % 32):  # type: ignore[operator]
         raise ValueError(f"block_mask BLOCK_SIZE={(block_q, block_kv)}: the GPU kernel needs the "
                          f"query block size to be a multiple of 16 and the kv block size a "

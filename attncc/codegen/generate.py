@@ -89,10 +89,11 @@ KERNELS: dict[str, KernelSpec] = {
                       "attncc::fa2::fa2_prefill", threads=0, rows_per_cta=0,
                       head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
                       entry_macro="ATTNCC_FA2_ENTRY"),
-    # Hopper prototype: TMA + wgmma, one warpgroup per 64 query rows (kernels/fa3_prefill.cuh)
+    # Hopper: TMA + wgmma, warp-specialized, 64 query rows per consumer warpgroup
+    # (kernels/fa3_prefill.cuh)
     "fa3": KernelSpec("fa3", ("fa2_common.cuh", "wgmma.cuh", "tma.cuh", "fa3_prefill.cuh"),
                       "attncc::fa3::fa3_prefill", threads=0, rows_per_cta=0,
-                      head_dim_multiple=64, head_dim_max=128, head_dims=(64, 128),
+                      head_dim_multiple=64, head_dim_max=256, head_dims=(64, 128, 256),
                       entry_macro="ATTNCC_FA3_ENTRY"),
     # the persistent serving kernel over a plan (runtime/batch.py) and its merge kernel
     "fa2batch": KernelSpec("fa2batch", ("batch_params.cuh", "fa2_common.cuh", "fa2_attend.cuh",

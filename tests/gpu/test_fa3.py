@@ -18,7 +18,36 @@ from examples.gym import GYM, causal, sliding_window
 FA3 = {"KERNEL": "fa3"}
 CASES = [(v, d, s, g, n) for (v, d, n), s, g in zip(
     itertools.product(("noop", "causal", "softcap_causal", "alibi_causal"), (64, 128), (64, 128)),
-    itertools.cycle((1, 17, 300, 1000, 4096, 129)), itertools.cycle((1, 4, 1)))]
+    itertools.cycle((1, 17, 300, 1000, 4096, 129)), itertools.cycle((1, 4, 1)))] + [
+    ("noop", 256, 1000, 4, 64), ("softcap_causal", 256, 4096, 1, 64),
+    ("alibi_causal", 256, 129, 1, 64)]
+
+
+def test_fa3_default_stages_fill_shared_memory() -> None:
+    """Without num_stages the K/V ring is as deep as 227 KB allows (at most 4): 128-key tiles get
+    3 stages at head dim 128 and 4 at 64; head dim 256 gets 64-key tiles and 2 stages."""
+    got = {d: choose_tiles(d, q_len=4096, kv_len=4096, group=1, heads=8, batch=1,
+                           kernel_options=FA3) for d in (64, 128, 256)}
+    assert {d: (p.tkv, p.stages) for d, p in got.items()} == {64: (128, 4), 128: (128, 3),
+                                                              256: (64, 2)}
+
+
+def test_fa3_is_picked_where_it_fits() -> None:
+    """fa3_ok (sm_90, bf16, contiguous, no transforms) makes FA3 the default for >= 128 query
+    rows whose block mask has 128-row / 128-key blocks; FA2 runs everything else, and
+    kernel_options KERNEL or BLOCK_M keep their meaning."""
+    def pick(**kw: Any) -> str:
+        args = dict(q_len=4096, kv_len=4096, group=1, heads=8, batch=1, fa3_ok=True)
+        return choose_tiles(128, **{**args, **kw}).kernel
+
+    assert pick() == "fa3"
+    assert pick(block_q=128, block_kv=128) == "fa3"
+    assert pick(fa3_ok=False) == "fa2"
+    assert pick(q_len=100) == "fa2"                           # fewer rows than one FA3 tile
+    assert pick(block_q=64, block_kv=64) == "fa2"             # blocks FA3 cannot walk
+    assert pick(kernel_options={"KERNEL": "fa2"}) == "fa2"
+    assert pick(kernel_options={"BLOCK_M": 64}) == "fa2"
+    assert pick(kernel_options={"BLOCK_N": 64}) == "fa3"
 
 
 def test_fa3_option_checks() -> None:
@@ -28,8 +57,8 @@ def test_fa3_option_checks() -> None:
     plan = choose_tiles(64, q_len=500, kv_len=500, group=1, heads=8, batch=1,
                         kernel_options={**FA3, "BLOCK_N": 64, "num_stages": 4})
     assert (plan.tkv, plan.stages) == (64, 4)
-    with pytest.raises(ValueError, match="head dims 64 and 128"):
-        choose_tiles(256, q_len=5, kv_len=5, group=1, heads=1, batch=1, kernel_options=FA3)
+    with pytest.raises(ValueError, match="head dims 64, 128 and 256"):
+        choose_tiles(96, q_len=5, kv_len=5, group=1, heads=1, batch=1, kernel_options=FA3)
     with pytest.raises(ValueError, match="blocks of 128 query rows"):
         choose_tiles(64, q_len=5, kv_len=5, group=1, heads=1, batch=1, block_q=64, block_kv=128,
                      kernel_options=FA3)

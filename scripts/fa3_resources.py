@@ -1,0 +1,86 @@
+"""The FA3 kernel's resource report: registers, spills, shared memory, and what its SASS holds.
+
+Compiles the FA3 translation unit for each AttentionGym variant x head dim at the default tiles
+(runtime/tile_choice.py), reads ptxas's `-v` report from NVRTC, and -- where `cuobjdump` is on
+PATH (the H200 image has it under /usr/local/cuda/bin) -- counts HGMMA (wgmma), USETMAXREG
+(setmaxnreg) and UTMALDG (TMA load) instructions in the SASS. Writes a markdown table (and JSON
+with --out).
+
+    python scripts/fa3_resources.py --out $OUT/fa3-resources.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = ("noop", "causal", "softcap_causal", "alibi_causal", "sliding_window")
+
+
+def _cuobjdump() -> str | None:
+    return shutil.which("cuobjdump") or next(
+        (p for p in ("/usr/local/cuda/bin/cuobjdump",) if os.path.exists(p)), None)
+
+
+def report(variant: str, head_dim: int) -> dict[str, Any]:
+    from attncc.codegen.generate import generate_source
+    from attncc.ir.simplify import simplify_variant
+    from attncc.runtime.nvrtc import compile_cuda
+    from attncc.runtime.tile_choice import choose_tiles
+    from attncc.codegen.fa2 import fa3_tiles
+    from examples.gym import GYM
+
+    plan = choose_tiles(head_dim, q_len=4096, kv_len=4096, group=1, heads=16, batch=1,
+                        kernel_options={"KERNEL": "fa3"})
+    ir = simplify_variant(GYM[variant](1, 16, 4096, head_dim).trace()[0])
+    gk = generate_source(ir, head_dim=head_dim, dtype="bfloat16", kernel="fa3",
+                         tiles=fa3_tiles(plan.stages, plan.tkv))
+    res = compile_cuda(gk.source, arch="sm_90a", verbose=True)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.log)
+    rec: dict[str, Any] = {
+        "variant": variant, "head_dim": head_dim, "tkv": plan.tkv, "stages": plan.stages,
+        "registers": int(re.findall(r"Used (\d+) registers", res.log)[0]),
+        "spill_bytes": sum(int(a) + int(b) for a, b in spills),
+        "smem_bytes": gk.shared_mem_bytes,
+        "ptxas_warnings": [ln for ln in res.log.splitlines() if "warning" in ln.lower()]}
+    tool = _cuobjdump()
+    if tool:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(res.cubin)
+            f.flush()
+            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                                  check=True).stdout
+        for op in ("HGMMA", "USETMAXREG", "UTMALDG", "SYNCS", "BAR"):
+            rec[op] = len(re.findall(rf"\b{op}\b", sass))
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    recs = [report(v, d) for v in VARIANTS for d in (64, 128, 256)]
+    cols = ["variant", "head_dim", "tkv", "stages", "registers", "spill_bytes", "smem_bytes",
+            "HGMMA", "USETMAXREG", "UTMALDG"]
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in recs:
+        print("| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |")
+    if any(r["ptxas_warnings"] for r in recs):
+        print("ptxas warnings:", {f"{r['variant']}-d{r['head_dim']}": r["ptxas_warnings"]
+                                  for r in recs if r["ptxas_warnings"]})
+    if args.out:
+        Path(args.out).write_text(json.dumps(recs, indent=1))
+
+
+if __name__ == "__main__":
+    main()
