@@ -162,7 +162,7 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
     kernel = opts.get("KERNEL", "fa2")
     if kernel not in ("fa2", "fa3"):
         raise ValueError(f"kernel_options['KERNEL']={kernel!r}: use 'fa2' (default) or 'fa3' "
-                         f"(the Hopper TMA + wgmma prototype)")
+                         f"(the Hopper TMA + wgmma kernel; the sm_90 default where it applies)")
     if kernel == "fa3":
         return _fa3_plan(head_dim, block_q, block_kv, opts)
     if fa3_ok and "KERNEL" not in opts and "BLOCK_M" not in opts and q_len >= 128:
