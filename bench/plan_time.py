@@ -13,9 +13,12 @@ CPUs these run on are shared and noisy).
     python bench/plan_time.py --numpy               # the numpy planner (no C compiler)
     python bench/plan_time.py --profile --batch 256 --hkv 4 --dist uniform
 
-`--breakdown` adds `scheduler.plan_into` alone (schedule + pack into the staging buffer; plan()
-minus it is input checks, tiles, page tables and call overhead) and the typed path it replaces,
-`scheduler.plan(...).pack(layout)`.
+`--breakdown` adds the two C calls plan() makes with the compiled planner, timed from Python:
+`check` (`BatchPlanner.check`: the input checks, one pass over the page ids) and `check+stage`
+(that and `BatchPlanner.plan_and_stage`: the schedule, the packed plan and the page tables
+written to the staging buffer), so plan() minus `check+stage` is the Python around them (tile
+choice, bookkeeping). Also `scheduler.plan_into` alone (schedule + pack, what the numpy path
+of plan() calls) and the typed path, `scheduler.plan(...).pack(layout)`.
 
 The batches are bench/decode.py's `make_batch`.
 """
@@ -43,7 +46,7 @@ from timing import median_us  # noqa: E402
 def cell_timers(batch: int, hkv: int, dist: str, breakdown: bool
                 ) -> tuple[dict[str, Callable[[], Any]], dict[str, Any]]:
     """The functions to time for one cell, and what describes it (units, CTAs)."""
-    from attncc.runtime import scheduler
+    from attncc.runtime import planner, scheduler
     from attncc.runtime.batch import BatchAttention
 
     b = make_batch(batch, hkv, dist)
@@ -55,6 +58,15 @@ def cell_timers(batch: int, hkv: int, dist: str, breakdown: bool
     info = {"units": ba._plan.num_units, "num_ctas": ba.tiles.num_ctas, "tq": ba.tiles.tq,
             "tkv": ba.tiles.tkv, "kv_chunk": ba._plan.kv_chunk}
     timers: dict[str, Callable[[], Any]] = {"plan": lambda: ba.plan(*args, **b["kw"])}
+    if breakdown and isinstance(ba._planner, planner.BatchPlanner):
+        bp, cfg, buf, offsets = ba._planner, ba._config_memo, ba._staging_np, ba._offsets
+        assert cfg is not None and cfg.problem is not None
+
+        def check() -> Any:
+            return bp.check(*args, page_size=b["kw"]["page_size"])
+
+        timers["check"] = check
+        timers["check+stage"] = lambda: check() and bp.plan_and_stage(cfg.problem, buf, offsets)
     if breakdown:
         lay, out = ba.layout, np.zeros(ba.layout.size, dtype=np.int32)
         sched = (ba.qo_indptr, ba.kv_lens, HQ, hkv, ba.tiles.tq, ba.tiles.num_ctas)
@@ -112,7 +124,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=50, help="plan() calls per median")
     ap.add_argument("--repeat", type=int, default=5, help="medians per cell (lowest kept)")
     ap.add_argument("--breakdown", action="store_true",
-                    help="also time scheduler.plan_into and scheduler.plan + Plan.pack")
+                    help="also time plan()'s C calls, scheduler.plan_into and "
+                         "scheduler.plan + Plan.pack")
     ap.add_argument("--numpy", action="store_true", help="the numpy planner (no C planner)")
     ap.add_argument("--profile", action="store_true", help="cProfile the first cell instead")
     ap.add_argument("--json", type=Path, help="also write the rows here")

@@ -114,25 +114,29 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
     return BatchTiles(tq, tkv, stages, m_frags, per_sm, per_sm * num_sms, kv_warps)
 
 
-def _np_int(x: Any, name: str, copy: bool = True, int32_ok: bool = False) -> np.ndarray:
-    """`x` (tensor, array, list) as a 1-D int64 numpy array, a copy unless `copy=False`
-    (`int32_ok`: int32 stays int32); a ValueError naming `name` if it is not 1-D integers."""
+def _int_array(x: Any, name: str) -> np.ndarray:
+    """`x` (tensor, array, list) as a 1-D numpy array of integers of its own dtype (no copy
+    where numpy need not make one); a ValueError naming `name` if it is not 1-D integers (an
+    empty array of any dtype passes)."""
     if type(x) is not np.ndarray:  # (the cheap test first: plan() runs every step)
         if isinstance(x, torch.Tensor):
             x = x.detach().to("cpu").numpy()
         x = np.asarray(x)
-    a = x
-    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"
-                       and not np.issubdtype(a.dtype, np.integer)):
-        raise ValueError(f"{name} must be a 1-D integer array, got shape {a.shape} dtype "
-                         f"{a.dtype}")
-    if int32_ok and a.dtype == np.int32:
-        return a
-    return a.astype(np.int64, copy=copy)
+    if x.ndim != 1 or (x.size and x.dtype.kind not in "iu"
+                       and not np.issubdtype(x.dtype, np.integer)):
+        raise ValueError(f"{name} must be a 1-D integer array, got shape {x.shape} dtype "
+                         f"{x.dtype}")
+    return x
+
+
+def _np_int(x: Any, name: str, copy: bool = True) -> np.ndarray:
+    """`_int_array(x, name)` as int64, a copy unless `copy=False`."""
+    return _int_array(x, name).astype(np.int64, copy=copy)
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+    """Whether `x` is an int or a numpy integer (not a bool)."""
+    return type(x) is int or (isinstance(x, (int, np.integer)) and not isinstance(x, bool))
 
 
 def _page_shift(page_size: int) -> int:
@@ -161,7 +165,7 @@ class _Batch:
 
     qo: np.ndarray              # int64 [batch+1] query CSR (a copy: the instance keeps it)
     kv_lens: np.ndarray         # int64 [batch]
-    page_indptr: np.ndarray     # [batch+1] CSR of `pages`
+    page_indptr: np.ndarray     # [batch+1] CSR of `pages` (any integer dtype)
     pages: np.ndarray           # page ids (ragged: each request's first KV token)
     page: int                   # tokens per page (ragged: _RAGGED_PAGE)
     shift: int                  # log2(page), -1 when not a power of two
@@ -171,12 +175,23 @@ class _Batch:
     kvoff: np.ndarray | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Config:
+    """What a plan's schedule depends on besides the batch: the tiles, the packed layout, the
+    scheduler's keyword arguments, and (compiled planner) its C arguments for them."""
+
+    tiles: BatchTiles
+    layout: scheduler.PlanLayout
+    kwargs: dict            # scheduler.plan's kv_chunk_align / min_kv_chunk
+    problem: Any = None     # planner.plan_problem(...) when the compiled planner is in use
+
+
 class _LazyPlan:
     """The `scheduler.Plan` a `BatchAttention.plan` packed, computed on first attribute access.
 
     plan() packs straight into the staging buffer and never needs the typed arrays; inspection
-    and tests do (`ba._plan.num_merges`). Same arguments, so the same plan (scheduler.plan_into
-    and scheduler.plan are tested to agree word for word)."""
+    and tests do (`ba._plan.num_merges`). Same arguments, so the same plan (the packed words of
+    the compiled planner and of scheduler.plan are tested to agree word for word)."""
 
     def __init__(self, args: tuple, kwargs: dict) -> None:
         self._args, self._kwargs = args, kwargs
@@ -271,8 +286,14 @@ class BatchAttention:
         self.layout: scheduler.PlanLayout | None = None
         self._staging: torch.Tensor | None = None
         self._staging_np = np.zeros(0, dtype=np.int32)  # numpy view of _staging
+        self._staging_layout: scheduler.PlanLayout | None = None  # and its table offsets:
+        self._staging_offsets: dict[str, int] = {}  # _staging_for's memo
+        self._offsets: dict[str, int] = {}  # word offsets of the current plan's page tables
         self._copy_done: torch.cuda.Event | None = None
         self._plan: _LazyPlan | None = None  # the typed plan, computed when looked at
+        self._planner: planner.BatchPlanner | None | bool = None  # None: not made yet
+        self._config_key: tuple | None = None  # _config's memo: the last key and its _Config
+        self._config_memo: _Config | None = None
 
     # ------------------------------------------------------------------------------ plan
     def plan(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any = None,
@@ -289,10 +310,11 @@ class BatchAttention:
         tokens]) overrides the first and `kv_position_offset` ([batch]) shifts the second --
         what CascadeAttention uses for a shared prefix and the suffixes after it.
 
-        Host time: with the compiled planner (runtime/planner.c) the arrays are checked in one
-        pass and the plan is computed straight into the pinned staging buffer
-        (`scheduler.plan_into`); bench/plan_time.py measures it. Without a C compiler the same
-        plan comes from numpy.
+        Host time: with the compiled planner (runtime/planner.c) a plan is two C calls, one
+        to check the arrays (`planner.BatchPlanner.check`) and one to compute the plan
+        straight into the pinned staging buffer and write the page tables after it
+        (`BatchPlanner.plan_and_stage`); bench/plan_time.py measures it. Without a C compiler
+        the same words come from numpy (`scheduler.plan_into` and `_stage`).
         """
         b = None
         if q_positions is None and kv_position_offset is None:
@@ -302,25 +324,24 @@ class BatchAttention:
         if b is None:
             b = self._checked(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
                               num_kv_heads, head_dim, page_size, q_positions, kv_position_offset)
-        group = num_qo_heads // num_kv_heads
-        tiles = self._tiles_for(head_dim, b.max_q_len * group)
-        floor = self.min_kv_chunk or (256 if tiles.tq == 16 else 128)  # H200 sweep, NOTES.md
-        if not self.balance:  # one CTA per work item, each item's whole KV range in one unit
-            items = num_kv_heads * int(np.sum(-(-(np.diff(b.qo) * group) // tiles.tq)))
-            tiles = dataclasses.replace(tiles, num_ctas=max(items, 1))
-            floor = max(int(b.kv_lens.max(initial=0)), 1)
-        layout = _plan_layout(self.max_batch, self.max_qo_tokens, tiles.num_ctas, num_qo_heads,
-                              num_kv_heads, tiles.tq)
+        cfg = self._config(b, num_qo_heads, num_kv_heads, head_dim)
+        tiles, layout = cfg.tiles, cfg.layout
+        buf, offsets = self._staging_for(layout)
         args = (b.qo, b.kv_lens, num_qo_heads, num_kv_heads, tiles.tq, tiles.num_ctas)
-        kwargs = dict(kv_chunk_align=tiles.tkv, min_kv_chunk=floor)
-        buf = self._staging_for(layout)
-        # the plan, packed straight into the staging buffer; raises as scheduler.plan would
-        scheduler.plan_into(buf[:layout.size], layout, *args, **kwargs, checked=fast)
-        self.tiles, self.layout, self._plan = tiles, layout, _LazyPlan(args, kwargs)
+        if not (fast and self._planner.plan_and_stage(cfg.problem, buf, offsets)):
+            # the numpy path, or a plan the layout cannot hold: the same words, or the error
+            # scheduler.plan raises
+            scheduler.plan_into(buf[:layout.size], layout, *args, **cfg.kwargs, checked=fast)
+            self._stage(buf, b, offsets)
+        # (only now: a plan() that raised leaves the last plan's layout and offsets for run())
+        self.tiles, self.layout, self._offsets = tiles, layout, offsets
+        self._plan = _LazyPlan(args, cfg.kwargs)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size, self.page_shift, self._max_page = b.page, b.shift, b.max_page
         self.qo_indptr, self.kv_lens = b.qo, b.kv_lens
-        self._stage(buf, b)
+        self._has_kv_pos, self._has_q_pos = b.kvoff is not None, b.qpos is not None
+        if self.device.type == "cuda":
+            self._upload(offsets["pages"] + int(b.page_indptr[-1]))
 
     def _checked_fast(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any,
                       kv_last_page_len: Any, num_qo_heads: Any, num_kv_heads: Any,
@@ -335,23 +356,23 @@ class BatchAttention:
                  and head_dim in HEAD_DIMS
                  and (ragged or (isinstance(page_size, int) and page_size >= 1))
                  and (kv_indices is None) == ragged and (kv_last_page_len is None) == ragged)
-        if not plain:
+        bp = self._planner
+        if bp is None or (bp and bp.limits != (self.max_batch, self.max_qo_tokens,
+                                               self.max_pages, ragged)):
+            bp = self._make_planner()  # the first plan (or maxima changed since)
+        if not plain or not bp:
             return None
         try:
-            qo = _np_int(qo_indptr, "qo_indptr")
-            kvp = _np_int(kv_indptr, "kv_indptr", copy=False)
-            pages = None if ragged else _np_int(kv_indices, "kv_indices", copy=False,
-                                                int32_ok=True)
-            last = None if ragged else _np_int(kv_last_page_len, "kv_last_page_len", copy=False)
+            qo = _int_array(qo_indptr, "qo_indptr")
+            kvp = _int_array(kv_indptr, "kv_indptr")
+            pages = None if ragged else _int_array(kv_indices, "kv_indices")
+            last = None if ragged else _int_array(kv_last_page_len, "kv_last_page_len")
         except ValueError:
             return None
-        checked = planner.check_batch(qo, kvp, pages, last, page_size=1 if ragged else page_size,
-                                      max_batch=self.max_batch,
-                                      max_qo_tokens=self.max_qo_tokens,
-                                      max_pages=self.max_pages)
+        checked = bp.check(qo, kvp, pages, last, page_size=1 if ragged else page_size)
         if checked is None:
             return None
-        kv_lens, max_q_len, max_page = checked
+        qo, kv_lens, max_q_len, max_page = checked
         if ragged:  # one "page" per request: its first token
             return _Batch(qo, kv_lens, np.arange(qo.size), kvp[:-1], _RAGGED_PAGE, 30, max_page,
                           max_q_len)
@@ -429,6 +450,46 @@ class BatchAttention:
         return _Batch(qo, kv_lens, page_indptr, pages, page, shift, max_page,
                       int(q_lens.max(initial=0)), qpos, kvoff)
 
+    def _make_planner(self) -> planner.BatchPlanner | bool:
+        """plan()'s compiled planner, False without a C compiler (made at the first plan that
+        can use it, kept after)."""
+        self._planner = planner.available() and planner.BatchPlanner(
+            max_batch=self.max_batch, max_qo_tokens=self.max_qo_tokens,
+            max_pages=self.max_pages, ragged=self.kv_layout == "ragged")
+        return self._planner
+
+    def _config(self, b: _Batch, num_qo_heads: int, num_kv_heads: int,
+                head_dim: int) -> _Config:
+        """The tiles, layout and scheduler arguments of batch `b`: the last ones again when
+        everything they depend on is the last call's (a serving loop's every step: a decode
+        batch is the same shape step after step)."""
+        group = num_qo_heads // num_kv_heads
+        key = (head_dim, b.max_q_len * group, num_qo_heads, num_kv_heads, self.tiles,
+               self._planner, self.min_kv_chunk, self.max_batch, self.max_qo_tokens,
+               self._forced_tiles)
+        if self.balance and key == self._config_key and self._config_memo is not None:
+            return self._config_memo
+        tiles = self._tiles_for(head_dim, b.max_q_len * group)
+        floor = self.min_kv_chunk or (256 if tiles.tq == 16 else 128)  # H200 sweep, NOTES.md
+        if not self.balance:  # one CTA per work item, each item's whole KV range in one unit
+            items = num_kv_heads * int(np.sum(-(-(np.diff(b.qo) * group) // tiles.tq)))
+            tiles = dataclasses.replace(tiles, num_ctas=max(items, 1))
+            floor = max(int(b.kv_lens.max(initial=0)), 1)
+        layout = _plan_layout(self.max_batch, self.max_qo_tokens, tiles.num_ctas, num_qo_heads,
+                              num_kv_heads, tiles.tq)
+        kwargs = dict(kv_chunk_align=tiles.tkv, min_kv_chunk=floor)
+        problem = None
+        if self._planner:
+            # scheduler.plan's checks of these (the same errors as plan_into would raise)
+            _, tq, ctas, alpha, beta, align, floor = scheduler._checked_params(
+                num_qo_heads, num_kv_heads, tiles.tq, tiles.num_ctas, 1.0, 1.0, tiles.tkv, floor)
+            problem = planner.plan_problem(layout, num_ctas=ctas, alpha=alpha, beta=beta,
+                                           align=align, floor=floor)
+        cfg = _Config(tiles, layout, kwargs, problem)
+        if self.balance:  # (without it the grid depends on the whole batch: nothing to keep)
+            self._config_key, self._config_memo = key, cfg
+        return cfg
+
     def _tiles_for(self, head_dim: int, max_fused_rows: int) -> BatchTiles:
         """`choose_batch_tiles` for this device, keeping the captured kernel's tiles when the
         new batch fits them."""
@@ -452,43 +513,47 @@ class BatchAttention:
         mb = self.max_batch + 1
         return lay.size + 4 * _pad4(mb) + _pad4(self.max_qo_tokens) + _pad4(self.max_pages)
 
-    def _staging_for(self, layout: scheduler.PlanLayout) -> np.ndarray:
-        """The pinned staging buffer (a numpy view), large enough for `layout`; waits until the
-        previous plan's copy has read it."""
-        words = self._int_words(layout)
-        if self._staging is None or self._staging.numel() < words:
-            self._staging = torch.zeros(words, dtype=torch.int32,
-                                        pin_memory=self.device.type == "cuda")
-            self._staging_np = self._staging.numpy()
-        elif self._copy_done is not None:
+    def _staging_for(self, layout: scheduler.PlanLayout) -> tuple[np.ndarray, dict[str, int]]:
+        """The pinned staging buffer (a numpy view), large enough for `layout`, and the word
+        offsets of the page tables after `layout`'s plan; waits until the previous plan's copy
+        has read the buffer."""
+        if layout is not self._staging_layout:  # (the same layout step after step: no sizes)
+            words = self._int_words(layout)
+            if self._staging is None or self._staging.numel() < words:
+                self._staging = torch.zeros(words, dtype=torch.int32,
+                                            pin_memory=self.device.type == "cuda")
+                self._staging_np = self._staging.numpy()
+                self._copy_done = None  # nothing reads the new buffer yet
+            self._staging_layout, self._staging_offsets = layout, self._table_offsets(layout)
+        if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous plan's copy has read the buffer
-        return self._staging_np
+        return self._staging_np, self._staging_offsets
 
-    def _stage(self, buf: np.ndarray, b: _Batch) -> None:
-        """Add the page tables after the packed plan in the staging buffer `buf`, then copy
-        both to the workspace with one async copy."""
-        lay = self.layout
-        assert lay is not None
-        off = lay.size
-        o = getattr(self, "_offsets", None)
-        if o is None or o["qo_indptr"] != off:  # the tables follow the plan: move with it
-            mb = _pad4(self.max_batch + 1)
-            qcap = _pad4(self.max_qo_tokens)
-            o = self._offsets = {"qo_indptr": off, "kv_page_indptr": off + mb,
-                                 "kv_lens": off + 2 * mb, "kv_pos": off + 3 * mb,
-                                 "q_pos": off + 4 * mb, "pages": off + 4 * mb + qcap}
-        buf[off:off + b.qo.size] = b.qo
+    def _table_offsets(self, layout: scheduler.PlanLayout) -> dict[str, int]:
+        """Word offsets of the page tables in the staging buffer (and the workspace): after the
+        packed plan of `layout`, each table's room set by the instance's maxima."""
+        off = layout.size
+        mb = _pad4(self.max_batch + 1)
+        qcap = _pad4(self.max_qo_tokens)
+        return {"qo_indptr": off, "kv_page_indptr": off + mb, "kv_lens": off + 2 * mb,
+                "kv_pos": off + 3 * mb, "q_pos": off + 4 * mb, "pages": off + 4 * mb + qcap}
+
+    def _stage(self, buf: np.ndarray, b: _Batch, o: dict[str, int]) -> None:
+        """Write the page tables at the word offsets `o` of the staging buffer `buf` (numpy:
+        the compiled planner writes the same words in `BatchPlanner.plan_and_stage`)."""
+        buf[o["qo_indptr"]:o["qo_indptr"] + b.qo.size] = b.qo
         buf[o["kv_page_indptr"]:o["kv_page_indptr"] + b.page_indptr.size] = b.page_indptr
         buf[o["kv_lens"]:o["kv_lens"] + b.kv_lens.size] = b.kv_lens
-        self._has_kv_pos, self._has_q_pos = b.kvoff is not None, b.qpos is not None
         if b.kvoff is not None:
             buf[o["kv_pos"]:o["kv_pos"] + b.kvoff.size] = b.kvoff
         if b.qpos is not None:
             buf[o["q_pos"]:o["q_pos"] + b.qpos.size] = b.qpos
         npg = int(b.page_indptr[-1]) if b.page_indptr.size else 0
         buf[o["pages"]:o["pages"] + npg] = b.pages[:npg]
-        if self.device.type != "cuda":
-            return
+
+    def _upload(self, used: int) -> None:
+        """Copy the first `used` staged words (the plan and the page tables) to the workspace
+        with one async copy (CUDA), allocating the workspace at the first plan."""
         need = self.workspace_bytes()
         if self.workspace is None or self.workspace.numel() < need:
             if self.workspace is not None:
@@ -497,7 +562,6 @@ class BatchAttention:
             self.workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
         if self.workspace.dtype != torch.uint8 or self.workspace.device != self.device:
             raise ValueError("workspace_buffer must be a uint8 tensor on the kernel's device")
-        used = o["pages"] + npg
         ints = self.workspace[:4 * self._int_words()].view(torch.int32)
         ints[:used].copy_(self._staging[:used], non_blocking=True)
         self._copy_done = torch.cuda.Event()

@@ -9,7 +9,9 @@
  *
  * Entry points:
  *   attncc_plan_pack   the whole plan, written straight into a packed int32 buffer (PlanLayout);
- *   attncc_check_batch BatchAttention.plan's input checks and KV lengths in one pass.
+ *   attncc_check_batch BatchAttention.plan's input checks and KV lengths in one pass;
+ *   attncc_plan_batch  attncc_plan_pack for a checked batch, then its page tables staged after
+ *                      the plan (the rest of BatchAttention.plan's host work).
  * The structs below are mirrored field for field by planner.py's ctypes structures.
  */
 #include <math.h>
@@ -102,6 +104,26 @@ static void request_sizes(plan_args* a, i64 g, requests* rq) {
   a->num_slots = slots;
 }
 
+/* The units of request i when it is not split (one chunk per tile, writing through): per head,
+ * its tiles. Decode requests (one tile) are most of a serving batch: for them this is a loop of
+ * two 16-byte stores per unit, where the general loop nest below spent most of its time on the
+ * control of inner loops that run once. Returns the next unit. */
+static i32* write_whole(i32* w, i32 i, i64 hk, i32 qo, i64 rows, i64 nt, i64 tile_q, i32 kv) {
+  if (nt == 1) {
+    for (i64 h = 0; h < hk; ++h, w += 8) {
+      STORE4(w, i, (i32)h, qo, 0);
+      STORE4(w + 4, (i32)rows, 0, kv, -1);
+    }
+    return w;
+  }
+  for (i64 h = 0; h < hk; ++h)
+    for (i64 t = 0; t < nt; ++t, w += 8) {
+      STORE4(w, i, (i32)h, qo, (i32)(t * tile_q));
+      STORE4(w + 4, (i32)min64(rows - t * tile_q, tile_q), 0, kv, -1);
+    }
+  return w;
+}
+
 /* Units in (request, kv_head, tile, chunk) order and the reduction map; slots are numbered
  * over the split requests' units in unit order. */
 static void write_units(const plan_args* a, i64 g, const requests* rq, i32* units,
@@ -116,21 +138,22 @@ static void write_units(const plan_args* a, i64 g, const requests* rq, i32* unit
     const i64 rows = (a->qo[i + 1] - a->qo[i]) * g;
     const i32 kv = (i32)a->kv[i], qo = (i32)a->qo[i];
     const i64 nt = rq->nt[i], nc = rq->nc[i];
-    const int split = nc > 1;
+    if (nc <= 1) {
+      w = write_whole(w, (i32)i, hk, qo, rows, nt, tile_q, kv);
+      continue;
+    }
     for (i64 h = 0; h < hk; ++h)
       for (i64 t = 0; t < nt; ++t) {
         const i32 q_start = (i32)(t * tile_q), q_rows = (i32)min64(rows - t * tile_q, tile_q);
-        if (split) {
-          i32* mo = merge_out + 5 * m;
-          mo[0] = (i32)i; mo[1] = (i32)h; mo[2] = qo; mo[3] = q_start; mo[4] = q_rows;
-          merge_indptr[m + 1] = merge_indptr[m] + (i32)nc;
-          ++m;
-        }
+        i32* mo = merge_out + 5 * m;
+        mo[0] = (i32)i; mo[1] = (i32)h; mo[2] = qo; mo[3] = q_start; mo[4] = q_rows;
+        merge_indptr[m + 1] = merge_indptr[m] + (i32)nc;
+        ++m;
         i64 ks = 0; /* 64 bits: one past the last chunk may pass 2^31 */
         for (i64 c = 0; c < nc; ++c, w += 8, ks += chunk) {
           STORE4(w, (i32)i, (i32)h, qo, q_start);
           STORE4(w + 4, q_rows, (i32)ks, c + 1 < nc ? (i32)(ks + chunk) : kv, /* min(., kv) */
-                 split ? slot++ : -1);
+                 slot++);
         }
       }
   }
@@ -230,6 +253,10 @@ static i64 enqueue_group(i64 k, i64 count, const requests* rq, const i32* assign
   const i64 c0 = (k & 1) ? nc - 1 : 0, c1 = (k & 1) ? nc : nc - 1;
   const i64 head_skip = (nt - (t1 - t0)) * nc; /* from (h, t1, 0) to (h + 1, t0, 0) */
   i64 row = rq->first[i] + t0 * nc, t = t0, c = c0;
+  if (head_skip == 0 && c1 - c0 == nc) { /* all of the request's units (decode): consecutive */
+    for (i64 j = 0; j < count; ++j) cta_units[fill[assign[pos + j]]++] = (i32)(row + j);
+    return pos + count;
+  }
   for (i64 j = 0; j < count; ++j) {
     cta_units[fill[assign[pos + j]]++] = (i32)(row + c);
     const int next_t = ++c == c1, next_h = (t + next_t) == t1;
@@ -250,11 +277,20 @@ static i64 enqueue_group(i64 k, i64 count, const requests* rq, const i32* assign
  * and the keys just loaded (taken key + st, ascending because the taken keys ascend); each unit
  * takes the lesser front. The loaded keys are then merged back, moving whichever side of them
  * is shorter (memmove). When max - min < st a run is dealt round robin instead (every CTA gets
- * one unit before any gets two, exactly as the heap would do): O(1) per unit. */
+ * one unit before any gets two, exactly as the heap would do): O(1) per unit.
+ *
+ * Idle CTAs (load 0) are kept out of the sorted keys until a run needs more of them than are
+ * left: the first units of a plan go to CTAs 0, 1, 2, ... in order (the least keys), and since
+ * runs come in descending cost their new keys are below every loaded key, so they are
+ * prepended (buf[head .. head + idle) holds the keys of CTAs 0 .. idle-1, head = P - idle).
+ * A decode batch with about as many units as CTAs is mostly this phase: O(1) per unit instead
+ * of two binary searches and a memmove per run. Its keys join the sorted ones (at the front,
+ * making head 0) once a run outgrows them. */
 typedef struct {
   i64 P, mask;
   i64* buf;   /* [2P] */
   i64 head;
+  i64 idle;   /* CTAs idle .. P-1 are idle and not in buf; P once they have joined */
   i64* fresh; /* [P]: keys loaded by the current run, ascending */
   i64* count; /* [P] units per CTA */
 } ctas;
@@ -326,6 +362,16 @@ static void merge_back(ctas* s, i64 m) {
 static void take(ctas* s, i64 st, i64 k, i32* assign) {
   const i64* key = s->buf + s->head;
   i64* f = s->fresh;
+  if (key[k - 1] - key[0] < st) { /* every loaded key is above key[k - 1]: they take key[0 .. k) */
+    for (i64 j = 0; j < k; ++j) {
+      const i64 cta = key[j] & s->mask;
+      assign[j] = (i32)cta;
+      s->count[cta] += 1;
+      f[j] = key[j] + st;
+    }
+    merge_back(s, k);
+    return;
+  }
   i64 x = 0, y = 0, nf = 0; /* next untaken key (x <= j < k <= P); live loaded keys [y, nf) */
   for (i64 j = 0; j < k; ++j) {
     const i64 least = (y < nf && f[y] < key[x]) ? f[y++] : key[x++];
@@ -338,13 +384,41 @@ static void take(ctas* s, i64 st, i64 k, i32* assign) {
   merge_back(s, x);
 }
 
+/* k units of st > 0 to the next k idle CTAs (k <= P - idle): their keys, ascending and below
+ * every loaded key (loaded by a costlier run), are prepended. */
+static void wake(ctas* s, i64 st, i64 k, i32* assign) {
+  s->head -= k;
+  i64* key = s->buf + s->head;
+  for (i64 j = 0, cta = s->idle; j < k; ++j, ++cta) {
+    assign[j] = (i32)cta;
+    s->count[cta] += 1;
+    key[j] = st + cta; /* (0 + st) << bits | cta */
+  }
+  s->idle += k;
+}
+
+/* The idle CTAs' keys (load 0, below every other) join the sorted keys at the front. */
+static void join_idle(ctas* s) {
+  const i64 n = s->P - s->idle;
+  s->head -= n; /* = 0: idle + n keys were prepended from head = P */
+  for (i64 j = 0; j < n; ++j) s->buf[s->head + j] = s->idle + j;
+  s->idle = s->P;
+}
+
 /* Assign a run of k units of equal ticks (assign[0..k) gets their CTAs). */
 static void assign_run(ctas* s, i64 st, i64 k, i32* assign) {
   if (st == 0) { /* they cost nothing: the least loaded CTA takes them all */
-    const i64 cta = s->buf[s->head] & s->mask;
+    const i64 cta = s->idle < s->P ? s->idle : s->buf[s->head] & s->mask;
     for (i64 j = 0; j < k; ++j) assign[j] = (i32)cta;
     s->count[cta] += k;
     return;
+  }
+  if (s->idle < s->P) {
+    if (k <= s->P - s->idle) {
+      wake(s, st, k, assign);
+      return;
+    }
+    join_idle(s);
   }
   while (k > 0) {
     const i64* key = s->buf + s->head;
@@ -374,11 +448,9 @@ static i64 schedule(const plan_args* a, const i64* g_count, const i64* g_ticks, 
   i64 bits = 0;
   while (((i64)1 << bits) < s->P) ++bits;
   s->mask = ((i64)1 << bits) - 1;
-  s->head = 0;
-  for (i64 c = 0; c < s->P; ++c) {
-    s->buf[c] = c; /* load 0 */
-    s->count[c] = 0;
-  }
+  s->head = s->P; /* every CTA idle: no keys yet, room for P in front */
+  s->idle = 0;
+  for (i64 c = 0; c < s->P; ++c) s->count[c] = 0;
   i64 pos = 0;
   for (i64 r = 0; r < ng;) {
     const i64 tick = groups[r].tick, start = pos;
@@ -392,10 +464,12 @@ static i64 schedule(const plan_args* a, const i64* g_count, const i64* g_ticks, 
 static void queues(const requests* rq, const i64* g_count, const group* groups, i64 ng,
                    const i32* assign, const ctas* s, i64* fill, i32* cta_indptr,
                    i32* cta_units) {
+  i64 at = 0; /* (a register, not cta_indptr[c] read back: that chained every step) */
   cta_indptr[0] = 0;
   for (i64 c = 0; c < s->P; ++c) {
-    fill[c] = cta_indptr[c];
-    cta_indptr[c + 1] = (i32)(cta_indptr[c] + s->count[c]);
+    fill[c] = at;
+    at += s->count[c];
+    cta_indptr[c + 1] = (i32)at;
   }
   for (i64 r = 0, pos = 0; r < ng; ++r)
     pos = enqueue_group(groups[r].id, g_count[groups[r].id], rq, assign, pos, fill, cta_units);
@@ -430,7 +504,7 @@ int attncc_plan_pack(plan_args* a, i32* buf, void* scratch, i64 scratch_bytes) {
   i64* fresh = keys + 2 * P;
   i64* count = fresh + P;
   i64* fill = count + P;
-  ctas s = {P, 0, keys, 0, fresh, count};
+  ctas s = {.P = P, .buf = keys, .fresh = fresh, .count = count};
   i32* assign = (i32*)(fill + P);
 
   i32* hdr = buf + a->off_header;
@@ -539,4 +613,55 @@ int attncc_check_batch(batch_args* b) {
   }
   b->max_q_len = max_q;
   return 0;
+}
+
+/* ------------------------------------------------------------------ BatchAttention.plan */
+
+/* Where BatchAttention.plan stages a batch's tables after its packed plan: int32 word offsets in
+ * the staging buffer (BatchAttention._offsets), and the buffer's size in words. */
+typedef struct {
+  i64 qo_indptr, kv_page_indptr, kv_lens, pages, size;
+} table_offsets;
+
+/* The tables of a batch attncc_check_batch passed, as the int32 words BatchAttention._stage
+ * writes: the query CSR, the page CSR and the used page ids (ragged: one "page" per request,
+ * its first token), the KV lengths. Values are cast as numpy casts them (the low 32 bits). */
+static void stage_tables(const batch_args* b, const table_offsets* o, i32* buf) {
+  const i64 batch = b->qo_size - 1;
+  i32 *qo = buf + o->qo_indptr, *indptr = buf + o->kv_page_indptr;
+  i32 *lens = buf + o->kv_lens, *pages = buf + o->pages;
+  for (i64 i = 0; i <= batch; ++i) qo[i] = (i32)b->qo[i];
+  for (i64 i = 0; i < batch; ++i) lens[i] = (i32)b->kv_lens[i];
+  if (b->ragged) {
+    for (i64 i = 0; i <= batch; ++i) indptr[i] = (i32)i;
+    for (i64 i = 0; i < batch; ++i) pages[i] = (i32)b->kvp[i];
+    return;
+  }
+  for (i64 i = 0; i <= batch; ++i) indptr[i] = (i32)b->kvp[i];
+  const i64 used = b->kvp[batch];
+  if (b->pages_int32) {
+    memcpy(pages, b->pages, (size_t)used * sizeof(i32));
+  } else {
+    const i64* p = (const i64*)b->pages;
+    for (i64 j = 0; j < used; ++j) pages[j] = (i32)p[j];
+  }
+}
+
+/* BatchAttention.plan's host work for a batch attncc_check_batch passed (b, with the KV lengths
+ * it computed), in one call: the plan packed into buf as attncc_plan_pack packs it (a: the
+ * layout and the problem; the batch is b's), then b's tables staged after it (o). Returns
+ * attncc_plan_pack's code, or 3 when the tables would not fit in the buffer (o->size words);
+ * nothing is written to buf unless it returns 0. */
+int attncc_plan_batch(plan_args* a, const batch_args* b, const table_offsets* o, i32* buf,
+                      void* scratch, i64 scratch_bytes) {
+  const i64 batch = b->qo_size - 1, pages = b->ragged ? batch : b->kvp[batch];
+  if (o->qo_indptr + batch + 1 > o->size || o->kv_page_indptr + batch + 1 > o->size ||
+      o->kv_lens + batch > o->size || o->pages + pages > o->size)
+    return 3;
+  a->batch = batch;
+  a->qo = b->qo;
+  a->kv = b->kv_lens;
+  const int code = attncc_plan_pack(a, buf, scratch, scratch_bytes);
+  if (code == 0) stage_tables(b, o, buf);
+  return code;
 }

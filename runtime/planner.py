@@ -10,12 +10,14 @@ built.
 
 - `pack_plan(out, layout, qo, kv, ...)`: the plan of a checked batch, packed into `out`.
 - `compiled_plan(qo, kv, ...)`: the plan's arrays (what `scheduler.plan(impl="c")` wraps).
-- `check_batch(...)`: BatchAttention.plan's array checks and the KV lengths; None when any
-  check fails (the caller then runs its Python checks, which raise the exact error: the C code
-  holds no messages).
+- `BatchPlanner`: BatchAttention.plan's compiled path, two C calls per plan: `check` (the
+  array checks and the KV lengths; None when any check fails, and the caller then runs its
+  Python checks, which raise the exact error: the C code holds no messages), then
+  `plan_and_stage` (the plan packed and the batch's page tables written after it).
 
-The C structs are mirrored by `_PlanArgs` / `_BatchArgs`. The scratch memory and the argument
-structs are kept per thread and reused: no call allocates scratch, and it stays in warm memory.
+The C structs are mirrored by `_PlanArgs` / `_BatchArgs` / `_Tables`. The scratch memory and
+the argument structs are reused (per thread; a BatchPlanner's per instance): no call allocates
+scratch, and it stays in warm memory.
 
 The shared library is cached in the kernel cache directory (`cache.default_cache_dir()`), keyed
 by a hash of the C source, and built atomically (temp file + rename) so concurrent processes
@@ -48,7 +50,7 @@ import numpy as np
 if TYPE_CHECKING:
     from .scheduler import PlanLayout
 
-__all__ = ["available", "compiled_plan", "pack_plan", "check_batch"]
+__all__ = ["available", "compiled_plan", "pack_plan", "BatchPlanner", "plan_problem"]
 
 _SRC = Path(__file__).with_name("planner.c")
 _LOCK = threading.Lock()
@@ -56,6 +58,12 @@ _LIB: Any = None  # None: not tried yet; False: unavailable
 _I64, _F64, _PTR = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
 _SECTIONS = ("header", "units", "cta_indptr", "cta_units", "merge_indptr", "merge_slots",
              "merge_out")  # PlanLayout.offsets, in plan_args order
+# -O3: its vectoriser (the page-id scans) and unrolling, 5-15% of a plan on the dev VM.
+# -ffp-contract=off: the costs' `a * b + c` must round as numpy's separate multiply and add do
+# (ticks are compared bit for bit); GCC fuses them into FMAs by default where the target has
+# them (aarch64, x86-64 with -march=haswell and later).
+_CFLAGS = ("-O3", "-ffp-contract=off")
+_INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 
 
 class _PlanArgs(ctypes.Structure):
@@ -83,6 +91,12 @@ class _BatchArgs(ctypes.Structure):
                 ("kv_lens", _PTR), ("max_q_len", _I64), ("max_page", _I64)]
 
 
+class _Tables(ctypes.Structure):
+    """planner.c's table_offsets."""
+
+    _fields_ = [(f, _I64) for f in ("qo_indptr", "kv_page_indptr", "kv_lens", "pages", "size")]
+
+
 def _cache_dir() -> Path:
     from .cache import default_cache_dir
 
@@ -96,14 +110,14 @@ def _build() -> Any:
     if cc is None:
         return False
     src = _SRC.read_bytes()
-    key = hashlib.sha256(src + cc.encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join([cc, *_CFLAGS]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"planner-{key}.so"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            res = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(_SRC), "-lm"],
+            res = subprocess.run([cc, *_CFLAGS, "-shared", "-fPIC", "-o", tmp, str(_SRC), "-lm"],
                                  capture_output=True, text=True, timeout=120)
             if res.returncode != 0:
                 return False
@@ -121,6 +135,9 @@ def _build() -> Any:
     lib.attncc_plan_pack.restype = ctypes.c_int
     lib.attncc_check_batch.argtypes = [ctypes.POINTER(_BatchArgs)]
     lib.attncc_check_batch.restype = ctypes.c_int
+    lib.attncc_plan_batch.argtypes = [ctypes.POINTER(_PlanArgs), ctypes.POINTER(_BatchArgs),
+                                      ctypes.POINTER(_Tables), _PTR, _PTR, _I64]
+    lib.attncc_plan_batch.restype = ctypes.c_int
     return lib
 
 
@@ -151,6 +168,20 @@ def _addr(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
+class _Work:
+    """The planner's scratch memory (attncc_plan_pack's `scratch`), grown on demand and kept."""
+
+    def __init__(self) -> None:
+        self.buf = np.empty(0, dtype=np.int64)
+        self.at = 0  # its address
+
+    def grow(self, nbytes: int) -> None:
+        """At least `nbytes` of scratch (grown by half again)."""
+        if self.buf.nbytes < nbytes:
+            self.buf = np.empty((nbytes + nbytes // 2) // 8 + 1, dtype=np.int64)
+            self.at = _addr(self.buf)
+
+
 class _Scratch(threading.local):
     """Per-thread reusable memory: the planner's scratch and int64 copies of small inputs
     (copying a few hundred ints is cheaper than asking numpy for an array's address)."""
@@ -159,17 +190,9 @@ class _Scratch(threading.local):
         self.plan_args: dict[Any, _PlanArgs] = {}
         self.last_layout: Any = None
         self.last_args = _PlanArgs()
-        self.batch_args = _BatchArgs()
-        self.work = np.empty(0, dtype=np.int64)
-        self.work_at = 0
+        self.work = _Work()
         self.ints = np.empty(0, dtype=np.int64)
         self.ints_at = 0
-
-    def grow_work(self, nbytes: int) -> None:
-        """At least `nbytes` of scratch (grown by half again)."""
-        if self.work.nbytes < nbytes:
-            self.work = np.empty((nbytes + nbytes // 2) // 8 + 1, dtype=np.int64)
-            self.work_at = _addr(self.work)
 
     def int64s(self, n: int) -> np.ndarray:
         """A reusable int64 array of at least `n` entries (its address: `ints_at`)."""
@@ -206,11 +229,11 @@ def _layout_args(layout: PlanLayout) -> _PlanArgs:
 
 def _run_pack(args: _PlanArgs, out_addr: int) -> int:
     """attncc_plan_pack with enough scratch: 0 packed, 1 the plan exceeds the layout."""
-    lib = _lib()
-    code = lib.attncc_plan_pack(args, out_addr, _SCRATCH.work_at, _SCRATCH.work.nbytes)
+    lib, work = _lib(), _SCRATCH.work
+    code = lib.attncc_plan_pack(args, out_addr, work.at, work.buf.nbytes)
     while code == 2:  # a larger batch than so far: grow the scratch and go again
-        _SCRATCH.grow_work(args.scratch_bytes)
-        code = lib.attncc_plan_pack(args, out_addr, _SCRATCH.work_at, _SCRATCH.work.nbytes)
+        work.grow(args.scratch_bytes)
+        code = lib.attncc_plan_pack(args, out_addr, work.at, work.buf.nbytes)
     return code
 
 
@@ -272,37 +295,122 @@ def compiled_plan(qo: np.ndarray, kv: np.ndarray, *, g: int, hk: int, tile_q: in
             "num_slots": slots}
 
 
-def check_batch(qo: np.ndarray, kvp: np.ndarray, pages: np.ndarray | None,
-                last: np.ndarray | None, *, page_size: int, max_batch: int, max_qo_tokens: int,
-                max_pages: int) -> tuple[np.ndarray, int, int] | None:
-    """BatchAttention.plan's checks of its arrays (1-D int64, `pages` int64 or int32; both
-    `pages` and `last` None for the ragged layout) and the KV lengths: (kv_lens int64 [batch],
-    longest query, pages (ragged: tokens) the cache must hold), or None when a check fails.
+class BatchPlanner:
+    """BatchAttention.plan's compiled path, for one BatchAttention (its maxima and KV layout).
+
+    Two C calls per plan, with the tile choice in Python between them: `check` checks the
+    batch's arrays and computes the KV lengths (attncc_check_batch), then `plan_and_stage` packs
+    the plan into the staging buffer and writes the batch's tables after it
+    (attncc_plan_batch): where the numpy path converts, copies and casts every array with numpy
+    calls of a microsecond or more each, the C code reads the arrays once more.
+
+    The argument structs are kept here with their constant fields set once. Between the two
+    calls they describe the batch of the last successful `check`: its small arrays as int64
+    copies in this planner's scratch, its page ids read in place (this object holds on to them
+    until `plan_and_stage`). So `plan_and_stage` must follow the `check` of the same batch.
+
+    Example:
+        >>> import numpy as np
+        >>> from attncc.runtime.scheduler import PlanLayout
+        >>> if available():
+        ...     bp = BatchPlanner(max_batch=4, max_qo_tokens=8, max_pages=8, ragged=False)
+        ...     qo, kv_lens, max_q, max_page = bp.check(np.array([0, 1, 3]), np.array([0, 2, 3]),
+        ...                                             np.array([4, 0, 2]), np.array([16, 5]),
+        ...                                             page_size=16)
+        ...     layout = PlanLayout(4, 8, 16, 8, 2, 16)
+        ...     problem = plan_problem(layout, num_ctas=16, alpha=1.0, beta=1.0, align=16,
+        ...                            floor=256)
+        ...     buf = np.zeros(layout.size + 32, dtype=np.int32)
+        ...     tables = dict(qo_indptr=layout.size, kv_page_indptr=layout.size + 4,
+        ...                   kv_lens=layout.size + 8, pages=layout.size + 12)
+        ...     ok = bp.plan_and_stage(problem, buf, tables)
+        ...     print(kv_lens.tolist(), max_q, max_page, ok, buf[layout.size + 12:][:3].tolist())
+        ... else:
+        ...     print([32, 5], 2, 5, True, [4, 0, 2])
+        [32, 5] 2 5 True [4, 0, 2]
     """
-    lib = _lib()
-    nq, nk = qo.size, kvp.size
-    nl = 0 if last is None else last.size
-    if not lib or nq == 0 or nq > max_batch + 1 or nk > max_batch + 1 or nl > max_batch:
-        return None  # too long for the scratch copies: the Python checks say what is wrong
-    ints = _SCRATCH.int64s(4 * max_batch + 4)  # qo, kv_indptr, kv_last_page_len, kv_lens
-    ints[:nq] = qo
-    ints[nq:nq + nk] = kvp
-    at = _SCRATCH.ints_at
-    b = _SCRATCH.batch_args
-    b.qo, b.qo_size, b.kvp, b.kvp_size = at, nq, at + 8 * nq, nk
-    if pages is None or last is None:
-        b.ragged, b.pages, b.num_pages, b.last, b.last_size = 1, None, 0, None, 0
-    else:
-        if pages.dtype not in (np.int32, np.int64) or not pages.flags.c_contiguous:
-            pages = np.ascontiguousarray(pages, dtype=np.int64)
-        ints[nq + nk:nq + nk + nl] = last
-        b.ragged, b.pages, b.num_pages = 0, _addr(pages), pages.size
-        b.pages_int32 = int(pages.dtype == np.int32)
-        b.last, b.last_size = at + 8 * (nq + nk), nl
-    lens = 3 * max_batch + 3  # kv_lens after the inputs
-    b.page_size, b.max_batch, b.max_qo_tokens, b.max_pages = (page_size, max_batch,
-                                                              max_qo_tokens, max_pages)
-    b.kv_lens = at + 8 * lens
-    if lib.attncc_check_batch(b) != 0:
-        return None
-    return ints[lens:lens + nq - 1].copy(), b.max_q_len, b.max_page
+
+    def __init__(self, *, max_batch: int, max_qo_tokens: int, max_pages: int,
+                 ragged: bool) -> None:
+        self._max_batch = max_batch
+        self.limits = (max_batch, max_qo_tokens, max_pages, ragged)  # what it checks against
+        self._b = b = _BatchArgs(max_batch=max_batch, max_qo_tokens=max_qo_tokens,
+                                 max_pages=max_pages, ragged=int(ragged))
+        # int64 scratch at fixed places (so their addresses are set once): qo, kv_indptr,
+        # kv_last_page_len, kv_lens, max_batch + 1 each
+        n = max(max_batch + 1, 0)
+        self._ints = np.empty(4 * n, dtype=np.int64)
+        self._kvp, self._last, self._lens = n, 2 * n, 3 * n
+        at = _addr(self._ints)
+        b.qo, b.kvp, b.last, b.kv_lens = at, at + 8 * n, at + 16 * n, at + 24 * n
+        self._pages: np.ndarray | None = None  # the page ids `check` let C read in place
+        self._tables = _Tables()
+        self._tables_of: tuple[Any, Any] = (None, None)  # (offsets, buffer) of _tables
+        self._buf_at = 0
+        self._work = _Work()
+
+    def check(self, qo: np.ndarray, kvp: np.ndarray, pages: np.ndarray | None,
+              last: np.ndarray | None, *, page_size: int
+              ) -> tuple[np.ndarray, np.ndarray, int, int] | None:
+        """BatchAttention.plan's checks of its arrays (1-D integer arrays, any integer dtype;
+        `pages` and `last` None for the ragged layout): (a copy of `qo` as int64, the KV
+        lengths int64 [batch], the longest query, pages (ragged: tokens) the cache must hold),
+        or None when a check fails or the compiled planner is not available."""
+        lib = _lib()
+        nq, nk = qo.size, kvp.size
+        nl = 0 if last is None else last.size
+        mb = self._max_batch
+        if not lib or nq == 0 or nq > mb + 1 or nk > mb + 1 or nl > mb:
+            return None  # too long for the scratch copies: the Python checks say what is wrong
+        ints, b = self._ints, self._b
+        ints[:nq] = qo  # (numpy casts any integer dtype, as astype(np.int64) did)
+        ints[self._kvp:self._kvp + nk] = kvp
+        b.qo_size, b.kvp_size = nq, nk
+        if pages is not None and last is not None:
+            dt = pages.dtype  # (identity: the builtin dtypes are singletons, == costs more)
+            if (dt is not _INT64 and dt is not _INT32) or not pages.flags.c_contiguous:
+                pages = np.ascontiguousarray(pages, dtype=np.int64)
+            ints[self._last:self._last + nl] = last
+            b.pages, b.num_pages, b.pages_int32 = _addr(pages), pages.size, pages.dtype is _INT32
+            b.last_size = nl
+        b.page_size = page_size
+        if lib.attncc_check_batch(b) != 0:
+            return None
+        self._pages = pages
+        lens = self._lens
+        return ints[:nq].copy(), ints[lens:lens + nq - 1].copy(), b.max_q_len, b.max_page
+
+    def plan_and_stage(self, problem: _PlanArgs, buf: np.ndarray, tables: dict[str, int]
+                       ) -> bool:
+        """Pack the plan of the batch `check` last passed into `buf` (a C-contiguous, writable
+        int32 array: the staging buffer) as `scheduler.plan_into(buf, layout, ...)` would, and
+        write the batch's tables at the word offsets `tables` (BatchAttention._offsets: the
+        query CSR, the page CSR, the KV lengths and the page ids, int32, as
+        BatchAttention._stage writes them). `problem`: `plan_problem(layout, ...)`. Returns
+        False, having written nothing, when the plan exceeds the layout or the tables do not
+        fit in `buf` (the numpy path then raises or writes)."""
+        if (tables, buf) != self._tables_of:  # (the same two objects plan after plan)
+            t = self._tables
+            t.qo_indptr, t.kv_page_indptr = tables["qo_indptr"], tables["kv_page_indptr"]
+            t.kv_lens, t.pages, t.size = tables["kv_lens"], tables["pages"], buf.size
+            self._buf_at, self._tables_of = _addr(buf), (tables, buf)
+        lib, work = _lib(), self._work
+        code = lib.attncc_plan_batch(problem, self._b, self._tables, self._buf_at, work.at,
+                                     work.buf.nbytes)
+        while code == 2:  # a larger batch than so far: grow the scratch and go again
+            work.grow(problem.scratch_bytes)
+            code = lib.attncc_plan_batch(problem, self._b, self._tables, self._buf_at, work.at,
+                                         work.buf.nbytes)
+        self._pages = None
+        return code == 0
+
+
+def plan_problem(layout: PlanLayout, *, num_ctas: int, alpha: float, beta: float, align: int,
+                 floor: int) -> _PlanArgs:
+    """The plan_args of plans with these parameters (checked as `scheduler.plan` checks them)
+    into `layout`, for `BatchPlanner.plan_and_stage`: a new struct, which the caller keeps for
+    as long as the parameters stay the same."""
+    args = _PlanArgs.from_buffer_copy(_layout_args(layout))  # the layout's fields
+    args.num_ctas, args.alpha, args.beta, args.align, args.floor = (num_ctas, alpha, beta,
+                                                                    align, floor)
+    return args

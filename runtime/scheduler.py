@@ -81,9 +81,9 @@ decode (3-4k units) 0.6-1.2 ms on a noisy 2-vCPU VM (numpy 2.4), 0.8 ms on the C
 host (numpy 2.5); prefill with 10-22k units 1.6-3.3 ms; a one-request batch 0.13 ms. The
 compiled twin (runtime/planner.c, used when a C compiler is found) computes the same plan and,
 through `plan_into`, packs it straight into the caller's buffer: at decode batch 256 with 792
-CTAs, 35-45 us for 3-3.5k units, 48-62 us for 6-7k, 150-190 us for 25-29k on that VM
-(bench/plan_time.py, which also times BatchAttention.plan end to end). The plan layout does not
-depend on how the plan is computed.
+CTAs, 15-24 us for 1-1.3k units, 18-28 us for 2-2.3k, 38-63 us for 8k on that VM
+(`bench/plan_time.py --breakdown`, which also times BatchAttention.plan end to end). The plan
+layout does not depend on how the plan is computed.
 
 Example:
     >>> p = plan([0, 1, 2, 3], [100, 1000, 5000], num_qo_heads=8, num_kv_heads=2, tile_q=16,

@@ -255,6 +255,98 @@ def test_fast_plan_path_matches_the_reference_path(layout: str,
         assert f == s, (args, kw)
 
 
+def _serving_batches(rng: np.random.Generator, ragged: bool) -> list[tuple[tuple, dict]]:
+    """Decode-sized batches, larger then smaller, page ids as int64, int32 and tensors."""
+    out = []
+    for batch in (256, 200, 3, 64):
+        lens = rng.integers(1, 3000, batch)
+        npg = -(-lens // 16)
+        qo = np.concatenate([[0], np.cumsum(np.where(rng.random(batch) < 0.8, 1, 4))])
+        kw = dict(num_qo_heads=32, num_kv_heads=int(rng.choice([4, 8, 32])), head_dim=128)
+        if ragged:
+            out.append(((qo, np.concatenate([[0], np.cumsum(lens)])), kw))
+            continue
+        pages = rng.permutation(int(npg.sum()) + 50)[:int(npg.sum()) + int(rng.integers(0, 9))]
+        pages = [pages, pages.astype(np.int32), torch.as_tensor(pages)][batch % 3]
+        out.append(((qo, np.concatenate([[0], np.cumsum(npg)]), pages,
+                     lens - (npg - 1) * 16), {**kw, "page_size": 16}))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["NHD", "ragged"])
+def test_fast_plan_path_stages_what_the_reference_path_stages(
+        layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serving-sized batches planned one after another on one instance: the compiled path
+    (plan and page tables written by planner.c) leaves the staging buffer word for word as the
+    numpy path does, the previous plans' leftovers included."""
+    from attncc.runtime import planner
+
+    if not planner.available():
+        pytest.skip("no C compiler to build the planner")
+    cases = _serving_batches(np.random.default_rng(5), layout == "ragged")
+
+    def staged(ba: BatchAttention) -> list[tuple]:
+        outcomes = []
+        for args, kw in cases:
+            ba.plan(*args, **kw)
+            outcomes.append((ba.tiles, ba.kv_lens.tolist(), ba.qo_indptr.tolist(), ba._max_page,
+                             ba._staging_np.tobytes()))
+        return outcomes
+
+    fast_ba = BatchAttention(None, kv_layout=layout, device="cpu")
+    fast = staged(fast_ba)
+    assert isinstance(fast_ba._planner, planner.BatchPlanner)  # the compiled path was taken
+    monkeypatch.setattr(planner, "_LIB", False)
+    slow_ba = BatchAttention(None, kv_layout=layout, device="cpu")
+    slow = staged(slow_ba)
+    assert slow_ba._planner is False
+    assert fast == slow
+
+
+def test_tables_that_do_not_fit_take_the_reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ragged batch with more requests than max_pages (4 words of page table) has no room
+    for its table: the compiled path writes nothing and the numpy path raises as it did."""
+    from attncc.runtime import planner
+
+    args = (np.arange(7), np.arange(7) * 5)
+    kw = dict(num_qo_heads=4, num_kv_heads=2, head_dim=128)
+    outcome = _plan_outcome("ragged", args, kw, max_pages=2)
+    assert outcome[0] == "ValueError" and "broadcast" in outcome[1]
+    monkeypatch.setattr(planner, "_LIB", False)
+    assert _plan_outcome("ragged", args, kw, max_pages=2) == outcome
+
+
+def test_a_plan_that_raises_keeps_the_last_plan() -> None:
+    """run() reads the last successful plan's layout, tiles and table offsets: a later plan()
+    that raises once the staging buffer is prepared (here: a page table that does not fit in
+    the buffer of a larger layout) leaves them as they were."""
+    ba = BatchAttention(None, kv_layout="ragged", device="cpu", max_pages=2)
+    ba.plan([0, 1, 2], [0, 5, 10], num_qo_heads=4, num_kv_heads=2, head_dim=128)
+    before = (ba.tiles, ba.layout, dict(ba._offsets), ba.kv_lens.tolist())
+    with pytest.raises(ValueError, match="broadcast"):  # 8 heads: a larger layout
+        ba.plan(np.arange(7), np.arange(7) * 5, num_qo_heads=8, num_kv_heads=2, head_dim=128)
+    assert (ba.tiles, ba.layout, ba._offsets, ba.kv_lens.tolist()) == before
+    assert ba._offsets == ba._table_offsets(ba.layout)
+
+
+def test_plan_follows_knobs_changed_between_plans() -> None:
+    """plan() keeps its tiles, layout and C arguments from one call to the next, keyed on
+    everything they depend on: a knob changed in between is honoured as by a new instance."""
+    args = ([0, 1, 2], [0, 40, 80], list(range(80)), [16, 16])
+    ba = _ba()
+    ba.plan(*args, **KW)
+    first = ba._plan.kv_chunk
+    ba.min_kv_chunk = 64
+    ba.plan(*args, **KW)
+    fresh = BatchAttention(None, device="cpu", min_kv_chunk=64)
+    fresh.plan(*args, **KW)
+    assert ba._plan.kv_chunk == fresh._plan.kv_chunk != first
+    assert ba._staging_np.tobytes() == fresh._staging_np.tobytes()
+    ba.max_batch = 1
+    with pytest.raises(ValueError, match="exceeds max_batch=1"):
+        ba.plan(*args, **KW)
+
+
 def test_lazy_plan_is_the_packed_plan() -> None:
     """`ba._plan` (computed on first use) packs to the words plan() staged."""
     ba = _ba()

@@ -120,6 +120,35 @@ def test_compiled_greedy_corner_cases(case: str) -> None:
     _assert_same(scheduler.plan(*args, **kw, impl="numpy"), scheduler.plan(*args, **kw, impl="c"))
 
 
+@needs_cc
+@pytest.mark.parametrize("hk", [4, 8, 32])
+def test_compiled_plan_equals_numpy_plan_at_serving_scale(hk: int) -> None:
+    """Decode-sized batches on a decode grid (792 CTAs): the C greedy's idle phase (units to
+    CTAs never loaded yet), the run that outgrows it, and runs taken whole or unit by unit."""
+    rng = np.random.default_rng(hk)
+    for _ in range(12):
+        batch = int(rng.integers(1, 257))
+        kv = rng.choice([rng.integers(512, 1025, batch), np.full(batch, 1024),
+                         np.minimum(rng.pareto(1.5, batch) * 700 + 16, 32768).astype(np.int64),
+                         rng.integers(0, 8192, batch) * (rng.random(batch) < 0.9)])
+        q = np.where(rng.random(batch) < 0.9, 1, rng.integers(0, 64, batch))
+        args = (np.concatenate([[0], np.cumsum(q)]), kv, 32, hk, 16, 792)
+        kw = dict(kv_chunk_align=int(rng.choice([16, 32])),
+                  min_kv_chunk=int(rng.choice([128, 256])))
+        _assert_same(scheduler.plan(*args, **kw, impl="numpy"),
+                     scheduler.plan(*args, **kw, impl="c"))
+
+
+@needs_cc
+def test_compiled_greedy_free_units_while_ctas_are_idle() -> None:
+    """Units of cost 0 when some CTAs have had nothing yet go to the first idle CTA."""
+    qo = np.arange(31)
+    kv = np.concatenate([np.full(10, 500), np.zeros(20, dtype=np.int64)])
+    args = (qo, kv, 2, 2, 16, 100)
+    kw = dict(alpha=0.0, beta=1.0, min_kv_chunk=1024)
+    _assert_same(scheduler.plan(*args, **kw, impl="numpy"), scheduler.plan(*args, **kw, impl="c"))
+
+
 def test_plan_into_names_the_exceeded_maximum_and_writes_nothing() -> None:
     layout = scheduler.PlanLayout(4, 64, 4, 4, 1, 16)
     out = np.full(layout.size, 5, dtype=np.int32)
