@@ -42,6 +42,8 @@ struct BatchParams {
     const int* q_positions;      // [total_q_tokens] query positions the hooks see, or null:
                                  // then token t of request i is kv_lens[i] - q_len_i + t
     const int* kv_pos_offset;    // [batch] added to kv positions for the hooks, or null
+    const void* tma;             // the FA3 batch kernel's q / k / v tensor maps (3 x 128 bytes,
+                                 // fa3_batch.cuh), or null for the FA2 batch kernel
     i64 q_stride_tok, q_stride_h;
     i64 o_stride_tok, o_stride_h;
     i64 kv_stride_page, kv_stride_slot, kv_stride_h;

@@ -134,18 +134,20 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (
   wg::commit();
 }
 
-// Logits of one tile in place: scale, the variant's hooks, the mask. CHECKED handles rows past
-// q_len, keys past kv_len and the mask; an interior tile with no mask to apply skips all three.
+// Logits of one tile in place: scale, the variant's hooks, the mask. Each thread holds two rows
+// (hr = 0, 1) with their own query head, query position and validity (the batch kernel fuses a
+// GQA group's heads into rows); the hooks see key position kv + kv_pos0. CHECKED handles invalid
+// rows, keys past kv_len and the mask; an interior tile with no mask to apply skips all three.
 template <typename Variant, int TKV, bool CHECKED>
 __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename Variant::Params& vp,
-                                             float qk_scale, int b, int hq, int row0, int kv0,
-                                             bool is_full, int q_len, int kv_len) {
+                                             float qk_scale, int b, const int (&hq)[2],
+                                             const int (&qi)[2], const bool (&row_ok)[2], int kv0,
+                                             int kv_len, int kv_pos0, bool is_full) {
   constexpr bool kSoftmax = Variant::use_softmax;
   const float masked = kSoftmax ? fa2::neg_inf() : 0.f;
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
-    const int qi = row0 + 8 * hr;
 #pragma unroll
     for (int j = 0; j < TKV / 8; ++j)
 #pragma unroll
@@ -153,13 +155,13 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
         const int kv = kv0 + 8 * j + 2 * (lane & 3) + e;
         float sc = s[4 * j + 2 * hr + e] * qk_scale;
         if constexpr (Variant::has_logits_transform) {
-          sc = Variant::LogitsTransform(vp, sc, b, hq, qi, kv);
+          sc = Variant::LogitsTransform(vp, sc, b, hq[hr], qi[hr], kv + kv_pos0);
           if constexpr (kSoftmax) sc *= kLog2e;
         }
         if constexpr (CHECKED) {
-          if (qi >= q_len || (unsigned)kv >= (unsigned)kv_len) sc = masked;
+          if (!row_ok[hr] || (unsigned)kv >= (unsigned)kv_len) sc = masked;
           if constexpr (Variant::has_logits_mask) {
-            if (!is_full && !Variant::LogitsMask(vp, b, hq, qi, kv)) sc = masked;
+            if (!is_full && !Variant::LogitsMask(vp, b, hq[hr], qi[hr], kv + kv_pos0)) sc = masked;
           }
         }
         s[4 * j + 2 * hr + e] = sc;
@@ -195,6 +197,28 @@ __device__ __forceinline__ void softmax_step(float (&s)[TKV / 2], float (&row_m)
   }
 }
 
+// apply_logits (CHECKED unless the tile is interior) then softmax_step: S(i) -> P(i) in place,
+// with O's rescale factors (1 for variants without softmax).
+template <typename Variant, int TKV>
+__device__ __forceinline__ void logits_softmax_step(
+    float (&s)[TKV / 2], const typename Variant::Params& vp, float qk_scale, int b,
+    const int (&hq)[2], const int (&qi)[2], const bool (&row_ok)[2], int kv0, int kv_len,
+    int kv_pos0, bool is_full, bool interior, float (&row_m)[2], float (&row_l)[2],
+    float (&corr)[2]) {
+  if (interior) {
+    apply_logits<Variant, TKV, false>(s, vp, qk_scale, b, hq, qi, row_ok, kv0, kv_len, kv_pos0,
+                                      is_full);
+  } else {
+    apply_logits<Variant, TKV, true>(s, vp, qk_scale, b, hq, qi, row_ok, kv0, kv_len, kv_pos0,
+                                     is_full);
+  }
+  if constexpr (Variant::use_softmax) {
+    softmax_step<TKV>(s, row_m, row_l, corr);
+  } else {
+    corr[0] = corr[1] = 1.f;
+  }
+}
+
 template <int D>
 __device__ __forceinline__ void rescale(float (&o)[D / 64][32], const float (&corr)[2]) {
 #pragma unroll
@@ -215,6 +239,120 @@ __device__ __forceinline__ void pack_p(fa2_u32 (&pa)[TKV / 16][4], const float (
   for (int kk = 0; kk < TKV / 16; ++kk)
 #pragma unroll
     for (int r = 0; r < 4; ++r) pa[kk][r] = fa2::pack2<DType>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+}
+
+// Where a consumer's K/V ring lives and how it is synchronized: the K and V tiles of stage st
+// at k + st * kKvTileBytes / v + ...; "full" barriers the copies complete, "empty" barriers each
+// consumer warp arrives on when it has read a stage. Tile t (counted across everything this
+// CTA ran) sits in stage t % STAGES, phase (t / STAGES) & 1.
+struct Ring {
+  fa2_u32 k, v, full, empty;
+  int tile_bytes, stages;
+  __device__ __forceinline__ void wait_full(int t) const {
+    tma::mbar_wait(full + 8 * (t % stages), (t / stages) & 1);
+  }
+  __device__ __forceinline__ void release(int t) const {  // this warp is done with tile t
+    if ((threadIdx.x & 31) == 0) tma::mbar_arrive(empty + 8 * (t % stages));
+  }
+  __device__ __forceinline__ fa2_u32 k_of(int t) const { return k + (t % stages) * tile_bytes; }
+  __device__ __forceinline__ fa2_u32 v_of(int t) const { return v + (t % stages) * tile_bytes; }
+};
+
+// One consumer warpgroup's pass over n >= 1 K/V tiles (ring tiles t0 .. t0 + n - 1) for its 64
+// query rows, accumulating O and the row statistics:
+//   prologue   S(0), its softmax, P(0)              (O is still zero: no rescale)
+//   i = 1..n-1 issue S(i) and P(i-1) V(i-1); wait for S(i) only; softmax(i) while the P V runs;
+//              wait for the P V, release tile i-1, rescale O, P(i)
+//   tail       P(n-1) V(n-1), release tile n-1
+// Callbacks: logits_softmax(s, i, corr) turns S(i) into P(i) (hooks, mask, online softmax) and
+// returns O's rescale factors; landed(i, t) runs once tile i is in shared memory, before any
+// GEMM reads it; last_s_done() runs once the last S completed (Q is free from then on).
+template <typename DType, int D, int TKV, typename LogitsSoftmax, typename Landed,
+          typename LastS>
+__device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const Ring& ring,
+                                              const Turns& turns, float (&o)[D / 64][32],
+                                              LogitsSoftmax&& logits_softmax, Landed&& landed,
+                                              LastS&& last_s_done) {
+  float s[TKV / 2];
+  fa2_u32 pa[TKV / 16][4];
+  float corr[2];
+#pragma unroll
+  for (int i = 0; i < TKV / 2; ++i) s[i] = 0.f;  // the first k-step overwrites; defined anyway
+  if (turns.me == 1) turns.pass();  // consumer 0 issues first at every issue point
+
+  ring.wait_full(t0);
+  landed(0, t0);
+  turns.wait_mine();
+  wg::fence();
+  issue_qk<D, TKV>(s, sq_w, ring.k_of(t0));
+  turns.pass();
+  wg::wait<0>();
+  wg::fence_operands(s);
+  if (n == 1) last_s_done();
+  logits_softmax(s, 0, corr);
+  pack_p<DType, TKV>(pa, s);
+
+#pragma unroll 1
+  for (int i = 1; i < n; ++i) {
+    const int t = t0 + i;
+    ring.wait_full(t);
+    landed(i, t);
+    wg::fence_operands(pa);
+    wg::fence_operands(o);
+    turns.wait_mine();
+    wg::fence();  // pa and o were written by ordinary instructions
+    issue_qk<D, TKV>(s, sq_w, ring.k_of(t));
+    issue_pv<D, TKV>(o, pa, ring.v_of(t - 1));
+    turns.pass();
+    wg::wait<1>();  // S(i) is done; P(i-1) V(i-1) may still run
+    wg::fence_operands(s);
+    if (i == n - 1) last_s_done();
+    logits_softmax(s, i, corr);
+    wg::wait<0>();
+    wg::fence_operands(o);
+    ring.release(t - 1);
+    rescale<D>(o, corr);
+    pack_p<DType, TKV>(pa, s);
+  }
+
+  wg::fence_operands(pa);
+  wg::fence_operands(o);
+  turns.wait_mine();
+  wg::fence();
+  issue_pv<D, TKV>(o, pa, ring.v_of(t0 + n - 1));
+  if (turns.me == 0) turns.pass();  // consumer 1 has no later issue point to hand back
+  wg::wait<0>();
+  wg::fence_operands(o);
+  ring.release(t0 + n - 1);
+}
+
+// Store this thread's half-row hr of O (its 2 x D/8 columns), times inv, as 16-bit pairs.
+template <typename DType, int D>
+__device__ __forceinline__ void store_row(DType* row, const float (&o)[D / 64][32], int hr,
+                                          float inv) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int blk = 0; blk < D / 64; ++blk)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int col = 64 * blk + 8 * j + 2 * (lane & 3);
+      *reinterpret_cast<fa2_u32*>(row + col) =
+          fa2::pack2<DType>(o[blk][4 * j + 2 * hr] * inv, o[blk][4 * j + 2 * hr + 1] * inv);
+    }
+}
+
+// The row's final softmax statistics: 1 / l (0 for a fully masked row) and the natural-log LSE
+// (-inf for a fully masked row). Per-thread partial sums are reduced across the quad here.
+template <bool kSoftmax>
+__device__ __forceinline__ void finish_row(float m, float l, float& inv, float& lse) {
+  inv = 1.f;
+  lse = 0.f;
+  if constexpr (kSoftmax) {
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv = l > 0.f ? 1.f / l : 0.f;
+    lse = l > 0.f ? (m + __log2f(l)) * kLn2 : fa2::neg_inf();
+  }
 }
 
 template <typename Variant, typename DType, int D, int TKV, int STAGES>
@@ -330,107 +468,33 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   const bool rows_inside = q0 + kTQ <= q_len;
   tma::mbar_wait(q_bar, 0);
 
-  // Logits hooks + mask + softmax of tile `it` (its S is in s); returns O's rescale factors.
+  const int row_hq[2] = {hq, hq}, row_qi[2] = {r_lo, r_lo + 8};
+  const bool row_ok[2] = {r_lo < q_len, r_lo + 8 < q_len};
   auto logits_softmax = [&](float (&s)[TKV / 2], int it, float (&corr)[2]) {
     bool is_full;
     const int kv0 = tiles.start(it, is_full);
     const bool interior = rows_inside && kv0 + TKV <= kv_len &&
                           (is_full || !Variant::has_logits_mask);
-    if (interior) {
-      apply_logits<Variant, TKV, false>(s, vp, qk_scale, b, hq, r_lo, kv0, is_full, q_len, kv_len);
-    } else {
-      apply_logits<Variant, TKV, true>(s, vp, qk_scale, b, hq, r_lo, kv0, is_full, q_len, kv_len);
-    }
-    if constexpr (kSoftmax) {
-      softmax_step<TKV>(s, row_m, row_l, corr);
-    } else {
-      corr[0] = corr[1] = 1.f;
-    }
+    logits_softmax_step<Variant, TKV>(s, vp, qk_scale, b, row_hq, row_qi, row_ok, kv0, kv_len, 0,
+                                      is_full, interior, row_m, row_l, corr);
   };
-  auto release = [&](int it) {  // this warp's reads of tile it's stage are complete
-    if (lane == 0) tma::mbar_arrive(empty_bar + 8 * (it % STAGES));
-  };
-
-  // Both consumers visit the same n tiles, so they have the same n + 1 issue points (S(0); S(i)
-  // with P(i-1) V(i-1); the last P V): consumer 0 goes first at each, consumer 1 passes the turn
-  // back after each but the last.
+  const Ring ring{sk, sv, full_bar, empty_bar, S::kKvTileBytes, STAGES};
+  // Both consumers visit the same tiles, so they meet at the same issue points.
   const Turns turns{wg - 1};
-  const int n = tiles.count;
-  if (n > 0) {
-    float s[TKV / 2];
-    fa2_u32 pa[TKV / 16][4];
-    float corr[2];
-#pragma unroll
-    for (int i = 0; i < TKV / 2; ++i) s[i] = 0.f;  // the first k-step overwrites; defined anyway
-    if (turns.me == 1) turns.pass();
-
-    // prologue: S(0), its softmax and P(0); O is still zero, so no rescale
-    tma::mbar_wait(full_bar, 0);
-    turns.wait_mine();
-    wg::fence();
-    issue_qk<D, TKV>(s, sq_w, sk);
-    turns.pass();
-    wg::wait<0>();
-    wg::fence_operands(s);
-    logits_softmax(s, 0, corr);
-    pack_p<DType, TKV>(pa, s);
-
-#pragma unroll 1
-    for (int it = 1; it < n; ++it) {
-      const int st = it % STAGES, prev = (it - 1) % STAGES;
-      tma::mbar_wait(full_bar + 8 * st, (it / STAGES) & 1);
-      wg::fence_operands(pa);
-      wg::fence_operands(o);
-      turns.wait_mine();
-      wg::fence();  // pa and o were written by ordinary instructions
-      issue_qk<D, TKV>(s, sq_w, sk + st * S::kKvTileBytes);
-      issue_pv<D, TKV>(o, pa, sv + prev * S::kKvTileBytes);
-      turns.pass();
-      wg::wait<1>();  // S(it) is done; P(it-1) V(it-1) may still run
-      wg::fence_operands(s);
-      logits_softmax(s, it, corr);
-      wg::wait<0>();
-      wg::fence_operands(o);
-      release(it - 1);
-      rescale<D>(o, corr);
-      pack_p<DType, TKV>(pa, s);
-    }
-
-    // epilogue of the pipeline: the last P V
-    wg::fence_operands(pa);
-    wg::fence_operands(o);
-    turns.wait_mine();
-    wg::fence();
-    issue_pv<D, TKV>(o, pa, sv + ((n - 1) % STAGES) * S::kKvTileBytes);
-    if (turns.me == 0) turns.pass();
-    wg::wait<0>();
-    wg::fence_operands(o);
-    release(n - 1);
-  }
+  if (tiles.count > 0)
+    consume_tiles<DType, D, TKV>(tiles.count, 0, sq_w, ring, turns, o, logits_softmax,
+                                 [](int, int) {}, [] {});
 
   // ---- epilogue: normalize, store bf16 pairs and the LSE ---------------------------------------
   DType* out = reinterpret_cast<DType*>(p.o);
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int qi = r_lo + 8 * hr;
-    float inv = 1.f, lse = 0.f;
-    if constexpr (kSoftmax) {
-      float l = row_l[hr];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      inv = l > 0.f ? 1.f / l : 0.f;
-      lse = l > 0.f ? (row_m[hr] + __log2f(l)) * kLn2 : fa2::neg_inf();
-    }
+    float inv, lse;
+    finish_row<kSoftmax>(row_m[hr], row_l[hr], inv, lse);
     if (qi < q_len) {
-      DType* row = out + b * p.o_stride_b + hq * p.o_stride_h + (attncc::i64)qi * p.o_stride_s;
-#pragma unroll
-      for (int blk = 0; blk < BLOCKS; ++blk)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int col = 64 * blk + 8 * j + 2 * (lane & 3);
-          *reinterpret_cast<fa2_u32*>(row + col) = fa2::pack2<DType>(
-              o[blk][4 * j + 2 * hr] * inv, o[blk][4 * j + 2 * hr + 1] * inv);
-        }
+      store_row<DType, D>(out + b * p.o_stride_b + hq * p.o_stride_h +
+                              (attncc::i64)qi * p.o_stride_s, o, hr, inv);
       if constexpr (kSoftmax) {
         if (p.lse != nullptr && (lane & 3) == 0)
           p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = lse;

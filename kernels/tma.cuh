@@ -59,6 +59,17 @@ __device__ __forceinline__ void load_2d(u32 dst, const void* tmap, u32 bar, int 
       : "memory");
 }
 
+// 3-D tiled bulk copy: the box at (c0, c1, c2), innermost coordinate first. The batch kernel
+// reads a GQA group's query heads of consecutive tokens as one box of [tokens][heads][64].
+__device__ __forceinline__ void load_3d(u32 dst, const void* tmap, u32 bar, int c0, int c1,
+                                        int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
 }  // namespace tma
 }  // namespace attncc
 

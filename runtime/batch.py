@@ -49,7 +49,9 @@ from attncc.frontend import Variant
 from attncc.ir.program import VariantIR
 
 from . import planner, scheduler
+from .fa3_batch import FA3_BATCH_STAGES, fa3_batch_maps, fa3_batch_source, fa3_unsupported
 from .gpu_flex import HEAD_DIMS, _captured, _num_sms, _spill_bytes, fa2_config, fa2_source
+from .tile_choice import Fa2Config
 
 __all__ = ["BatchAttention", "BatchTiles", "batch_attention_reference", "KV_LAYOUTS"]
 
@@ -72,13 +74,16 @@ class BatchTiles:
     ctas_per_sm: int
     num_ctas: int
     kv_warps: int = 1
+    kernel: str = "fa2"  # "fa3": kernels/fa3_batch.cuh (sm_90; runtime/fa3_batch.py)
 
 
 def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
-                       force: tuple[int, ...] | None = None) -> BatchTiles:
+                       force: tuple[int, ...] | None = None, fa3: str = "off") -> BatchTiles:
     """Tiles for a batch whose longest request has `max_fused_rows` (query tokens x GQA group);
     `force=(T_q, T_kv, stages[, kv_warps])` takes those instead (the grid still follows
-    residency).
+    residency). `fa3` ("off", "auto", "on"; the caller checked the FA3 batch kernel can run the
+    batch, runtime/fa3_batch.py): "on" takes the FA3 batch kernel's tiles (128 fused rows x 128
+    keys, one CTA per SM), "auto" does so for prefill batches (at least 128 fused rows).
 
     Decode (up to 16 fused rows) gets 16-row tiles with 2 warps splitting each 32-row KV tile:
     the memory-bound case wants many loads in flight per SM, and a 16-row tile alone is one
@@ -87,12 +92,16 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
 
     Example:
         >>> choose_batch_tiles(128, 8, 132)
-        BatchTiles(tq=16, tkv=32, stages=2, m_frags=1, ctas_per_sm=6, num_ctas=792, kv_warps=2)
+        BatchTiles(tq=16, tkv=32, stages=2, m_frags=1, ctas_per_sm=6, num_ctas=792, kv_warps=2, kernel='fa2')
         >>> choose_batch_tiles(128, 4096, 132).tq
         128
+        >>> choose_batch_tiles(128, 4096, 132, fa3="auto")
+        BatchTiles(tq=128, tkv=128, stages=3, m_frags=1, ctas_per_sm=1, num_ctas=132, kv_warps=1, kernel='fa3')
     """
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim}: the batch kernel supports {HEAD_DIMS}")
+    if fa3 == "on" or (fa3 == "auto" and force is None and max_fused_rows >= 128):
+        return BatchTiles(128, 128, FA3_BATCH_STAGES[head_dim], 1, 1, num_sms, 1, "fa3")
     tq = next((t for t in (16, 32, 64) if t >= max_fused_rows), 128 if head_dim <= 128 else 64)
     # small tiles are bandwidth-bound: 32-row KV tiles halve the shared memory per CTA so twice
     # as many CTAs (and their loads) are in flight per SM
@@ -146,9 +155,9 @@ def _page_shift(page_size: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
-                 force: tuple[int, ...] | None) -> BatchTiles:
+                 force: tuple[int, ...] | None, fa3: str) -> BatchTiles:
     """`choose_batch_tiles`, memoised: plan() runs every generation step."""
-    return choose_batch_tiles(head_dim, max_fused_rows, num_sms, force)
+    return choose_batch_tiles(head_dim, max_fused_rows, num_sms, force, fa3)
 
 
 @functools.lru_cache(maxsize=64)
@@ -219,11 +228,18 @@ class _Kernels:
         with torch.cuda.device(device):
             arch = device_arch()
         self.ir = simplify_variant(ir)
-        self.config = fa2_config(head_dim, tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
-                                 tiles.kv_warps)
-        src, name, vp_layout, bp_layout = fa2_source(
-            self.ir, head_dim=head_dim, dtype=dtype, tq=tiles.tq, tkv=tiles.tkv,
-            stages=tiles.stages, m_frags=tiles.m_frags, batch=True, kv_warps=tiles.kv_warps)
+        if tiles.kernel == "fa3":
+            gk = fa3_batch_source(self.ir, head_dim, dtype)
+            src, name = gk.source, gk.kernel_name
+            vp_layout, bp_layout = gk.params_layout, gk.attention_params_layout
+            self.config = Fa2Config(head_dim, tiles.tq, tiles.tkv, tiles.stages, 1,
+                                    gk.threads // 32, gk.threads, gk.shared_mem_bytes)
+        else:
+            self.config = fa2_config(head_dim, tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
+                                     tiles.kv_warps)
+            src, name, vp_layout, bp_layout = fa2_source(
+                self.ir, head_dim=head_dim, dtype=dtype, tq=tiles.tq, tkv=tiles.tkv,
+                stages=tiles.stages, m_frags=tiles.m_frags, batch=True, kv_warps=tiles.kv_warps)
         res, _ = cached_compile(src, arch=arch, name=f"{name}.cu", verbose=True)
         self.spill_bytes = _spill_bytes(res.log)
         self.attend = load_kernel(res.cubin, name, bp_layout, vp_layout, device=device,
@@ -240,7 +256,7 @@ def _kernels_for(ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
                  device: int) -> _Kernels:
     key = (tuple((n, h.expr) for n, h in ir.hooks.items()), ir.normalize, ir.name, ir.scalars,
            ir.tensors, head_dim, dtype, tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
-           tiles.kv_warps, device)
+           tiles.kv_warps, tiles.kernel, device)
     with _KERNELS_LOCK:
         hit = _KERNELS.get(key)
         if hit is None:
@@ -259,16 +275,20 @@ class BatchAttention:
     KV head, query tile), no KV splitting. Tuning knobs (benchmarks): `tiles=(T_q, T_kv, stages[,
     kv_warps])` overrides the heuristic's tiles, `min_kv_chunk` is the scheduler's smallest KV
     chunk (fewer, longer units: fewer pipeline restarts and partial states; default 256 tokens
-    for decode tiles, 128 otherwise).
+    for decode tiles, 128 otherwise). `kernel`: None picks the FA3 batch kernel (TMA + wgmma,
+    kernels/fa3_batch.cuh) for prefill batches it can run on an sm_90 GPU and FA2 otherwise;
+    "fa2" or "fa3" forces one (a batch "fa3" cannot run raises at plan, saying why).
     """
 
     def __init__(self, variant: Variant | None = None, workspace_buffer: torch.Tensor | None = None,
                  kv_layout: str = "NHD", *, max_batch: int = 256, max_qo_tokens: int = 16384,
                  max_pages: int = 1 << 20, balance: bool = True,
                  tiles: tuple[int, ...] | None = None, min_kv_chunk: int | None = None,
-                 device: Any = "cuda") -> None:
+                 kernel: str | None = None, device: Any = "cuda") -> None:
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={kv_layout!r}: use one of {KV_LAYOUTS}")
+        if kernel not in (None, "fa2", "fa3"):
+            raise ValueError(f"kernel={kernel!r}: use None (automatic), 'fa2' or 'fa3'")
         if variant is not None and not isinstance(variant, Variant):
             raise TypeError(f"variant must be an attncc.Variant or None, got "
                             f"{type(variant).__name__}")
@@ -277,6 +297,8 @@ class BatchAttention:
         self.max_batch, self.max_qo_tokens, self.max_pages = max_batch, max_qo_tokens, max_pages
         self.balance = balance
         self._forced_tiles = tiles
+        self.kernel = kernel
+        self._ir: VariantIR | None = None  # the traced variant (for the FA3 checks), when needed
         self.min_kv_chunk = None if min_kv_chunk is None else int(min_kv_chunk)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -299,7 +321,8 @@ class BatchAttention:
     def plan(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any = None,
              kv_last_page_len: Any = None, *, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, page_size: int = 1, q_positions: Any = None,
-             kv_position_offset: Any = None) -> None:
+             kv_position_offset: Any = None,
+             q_data_type: torch.dtype = torch.bfloat16) -> None:
         """Schedule one batch. Paged layouts: `kv_indptr` is the CSR of page ids `kv_indices`
         per request and `kv_last_page_len` the tokens used in each request's last page;
         "ragged": `kv_indptr` is the CSR of KV tokens (no indices, no page size). Host-side
@@ -309,6 +332,7 @@ class BatchAttention:
         `kv_len_i - q_len_i + t` and KV token j is position j. `q_positions` ([total query
         tokens]) overrides the first and `kv_position_offset` ([batch]) shifts the second --
         what CascadeAttention uses for a shared prefix and the suffixes after it.
+        `q_data_type` is the dtype `run` will get (the FA3 batch kernel runs bfloat16 only).
 
         Host time: with the compiled planner (runtime/planner.c) a plan is two C calls, one
         to check the arrays (`planner.BatchPlanner.check`) and one to compute the plan
@@ -324,7 +348,8 @@ class BatchAttention:
         if b is None:
             b = self._checked(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
                               num_kv_heads, head_dim, page_size, q_positions, kv_position_offset)
-        cfg = self._config(b, num_qo_heads, num_kv_heads, head_dim)
+        fa3 = self._fa3_mode(num_qo_heads // num_kv_heads, head_dim, b.page, q_data_type)
+        cfg = self._config(b, num_qo_heads, num_kv_heads, head_dim, fa3)
         tiles, layout = cfg.tiles, cfg.layout
         buf, offsets = self._staging_for(layout)
         args = (b.qo, b.kv_lens, num_qo_heads, num_kv_heads, tiles.tq, tiles.num_ctas)
@@ -458,18 +483,35 @@ class BatchAttention:
             max_pages=self.max_pages, ragged=self.kv_layout == "ragged")
         return self._planner
 
+    def _fa3_mode(self, group: int, head_dim: int, page_size: int,
+                  q_dtype: torch.dtype) -> str:
+        """choose_batch_tiles' `fa3`: "off" when the FA3 batch kernel cannot run this batch (or
+        kernel="fa2"), "on" when forced (kernel="fa3"; raises if it cannot), else "auto"."""
+        if self.kernel == "fa2" or (self.kernel is None and self._forced_tiles is not None):
+            return "off"
+        if self._ir is None:
+            self._ir = self.variant.trace()[0]
+        why = fa3_unsupported(self.device, self._ir, head_dim=head_dim, group=group,
+                              kv_layout=self.kv_layout, page_size=page_size, q_dtype=q_dtype)
+        if self.kernel == "fa3":
+            if why is not None:
+                raise ValueError(f"BatchAttention(kernel='fa3') needs {why}; use kernel=None "
+                                 f"or 'fa2'")
+            return "on"
+        return "off" if why is not None else "auto"
+
     def _config(self, b: _Batch, num_qo_heads: int, num_kv_heads: int,
-                head_dim: int) -> _Config:
+                head_dim: int, fa3: str = "off") -> _Config:
         """The tiles, layout and scheduler arguments of batch `b`: the last ones again when
         everything they depend on is the last call's (a serving loop's every step: a decode
         batch is the same shape step after step)."""
         group = num_qo_heads // num_kv_heads
         key = (head_dim, b.max_q_len * group, num_qo_heads, num_kv_heads, self.tiles,
                self._planner, self.min_kv_chunk, self.max_batch, self.max_qo_tokens,
-               self._forced_tiles)
+               self._forced_tiles, fa3)
         if self.balance and key == self._config_key and self._config_memo is not None:
             return self._config_memo
-        tiles = self._tiles_for(head_dim, b.max_q_len * group)
+        tiles = self._tiles_for(head_dim, b.max_q_len * group, fa3)
         floor = self.min_kv_chunk or (256 if tiles.tq == 16 else 128)  # H200 sweep, NOTES.md
         if not self.balance:  # one CTA per work item, each item's whole KV range in one unit
             items = num_kv_heads * int(np.sum(-(-(np.diff(b.qo) * group) // tiles.tq)))
@@ -490,12 +532,13 @@ class BatchAttention:
             self._config_key, self._config_memo = key, cfg
         return cfg
 
-    def _tiles_for(self, head_dim: int, max_fused_rows: int) -> BatchTiles:
+    def _tiles_for(self, head_dim: int, max_fused_rows: int, fa3: str = "off") -> BatchTiles:
         """`choose_batch_tiles` for this device, keeping the captured kernel's tiles when the
         new batch fits them."""
         forced = tuple(self._forced_tiles) if self._forced_tiles is not None else None
-        tiles = _batch_tiles(head_dim, max_fused_rows, _num_sms(self.device), forced)
-        if self.tiles is not None and tiles.tq != self.tiles.tq and self.tiles.tq >= tiles.tq:
+        tiles = _batch_tiles(head_dim, max_fused_rows, _num_sms(self.device), forced, fa3)
+        if self.tiles is not None and tiles.tq != self.tiles.tq and self.tiles.tq >= tiles.tq \
+                and (self.tiles.kernel == "fa2" or fa3 != "off"):
             tiles = self.tiles  # keep the captured kernel when the new batch fits its tiles
         return tiles
 
@@ -573,7 +616,9 @@ class BatchAttention:
             scale: float | None = None) -> Any:
         """Attention of the planned batch: `out [total_q, num_qo_heads, head_dim]` (and `lse
         [total_q, num_qo_heads]` float32 with `return_lse`). CUDA-graph capturable once the
-        kernels are compiled (call run once before capturing); replays use the latest plan."""
+        kernels are compiled (call run once before capturing); replays use the latest plan.
+        `q` may have more rows than the plan's `total_q` (a static buffer a graph captures
+        once): only the plan's rows are read, and `out` / `lse` have q's rows."""
         if self._plan is None or self.tiles is None or self.layout is None:
             raise RuntimeError("call plan() before run()")
         if self.device.type != "cuda":
@@ -582,14 +627,19 @@ class BatchAttention:
         k, v, strides = self._cache_views(kv_cache)
         total_q = int(self.qo_indptr[-1])
         H, D = self.num_qo_heads, self.head_dim
-        if (not isinstance(q, torch.Tensor) or q.shape != (total_q, H, D) or q.device != self.device
+        if (not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] < total_q
+                or q.shape[1:] != (H, D) or q.device != self.device
                 or q.dtype not in (torch.bfloat16, torch.float16) or q.stride(2) != 1
                 or q.data_ptr() % 16 or q.stride(0) % 8 or q.stride(1) % 8):
             raise ValueError(f"q must be a bf16/fp16 CUDA tensor [{total_q}, {H}, {D}] (the "
-                             f"planned batch) with a contiguous, 16-byte aligned head dim; got "
+                             f"planned batch; more rows are allowed) with a contiguous, 16-byte "
+                             f"aligned head dim; got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}")
         if k.dtype != q.dtype or v.dtype != q.dtype:
             raise ValueError(f"kv_cache dtype {k.dtype} != q dtype {q.dtype}")
+        if self.tiles.kernel == "fa3" and q.dtype != torch.bfloat16:
+            raise ValueError(f"this plan runs the FA3 batch kernel, which takes bfloat16; q is "
+                             f"{q.dtype}: plan with q_data_type={q.dtype} (or kernel='fa2')")
         ir, bindings = self.variant.trace()
         if not ir.use_softmax and (return_lse or lse is not None):
             raise ValueError("return_lse=True but the variant has normalize='none'")
@@ -600,10 +650,10 @@ class BatchAttention:
         elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
             raise ValueError(f"out must be a {tuple(q.shape)} {q.dtype} tensor")
         if (return_lse or lse is not None) and lse is None:
-            lse = torch.empty(total_q, H, dtype=torch.float32, device=self.device)
-        if lse is not None and (lse.shape != (total_q, H) or lse.dtype != torch.float32
+            lse = torch.empty(q.shape[0], H, dtype=torch.float32, device=self.device)
+        if lse is not None and (lse.shape != (q.shape[0], H) or lse.dtype != torch.float32
                                 or lse.stride(1) != 1):
-            raise ValueError(f"lse must be a ({total_q}, {H}) float32 tensor")
+            raise ValueError(f"lse must be a ({q.shape[0]}, {H}) float32 tensor")
         ws = self.workspace
         assert ws is not None
         base = ws.data_ptr()
@@ -633,7 +683,12 @@ class BatchAttention:
             "num_q_heads": H, "num_kv_heads": self.num_kv_heads,
             "page_size": self.page_size, "page_shift": self.page_shift,
             "sm_scale": 1.0 / math.sqrt(D) if scale is None else float(scale),
+            "tma": 0,
         }
+        if self.tiles.kernel == "fa3":
+            bp["tma"] = fa3_batch_maps(q, k, v, group=H // self.num_kv_heads,
+                                       row_stride=strides[1],
+                                       box_rows=min(self.page_size, self.tiles.tkv)).data_ptr()
         from attncc.codegen.generate import variant_param_values
 
         cap = _captured(kern.ir, bindings, self.device)

@@ -72,10 +72,12 @@ class CascadeAttention:
 
     def plan(self, qo_indptr: Any, *, prefix_indices: Any, prefix_last_page_len: int,
              suffix_indptr: Any, suffix_indices: Any, suffix_last_page_len: Any,
-             num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> None:
+             num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+             q_data_type: torch.dtype = torch.bfloat16) -> None:
         """Plan both passes. `prefix_indices`: the shared prefix's page ids (in order);
         `prefix_last_page_len`: tokens in its last page. `suffix_*`: each request's own pages,
-        as `BatchAttention.plan` takes them. Every request's queries must be suffix tokens."""
+        as `BatchAttention.plan` takes them (and `q_data_type`). Every request's queries must be
+        suffix tokens."""
         qo = _np_int(qo_indptr, "qo_indptr")
         pre = _np_int(prefix_indices, "prefix_indices")
         last = int(prefix_last_page_len)
@@ -99,7 +101,7 @@ class CascadeAttention:
         tok = np.arange(int(qo[-1])) - np.repeat(qo[:-1], q_len)
         qpos = P + s_len[req] - q_len[req] + tok
         heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     page_size=page_size)
+                     page_size=page_size, q_data_type=q_data_type)
         self.prefix.plan([0, int(qo[-1])], [0, pre.size], pre, [last if pre.size else 0],
                          q_positions=qpos, **heads)
         self.suffix.plan(qo, sptr, suffix_indices, slast, q_positions=qpos,

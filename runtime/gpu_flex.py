@@ -30,6 +30,7 @@ from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
 from .reference import _is_noop_mask, _trace_mask, validate_attention_inputs
 from .tile_choice import Fa2Config, TilePlan, choose_tiles, fa2_config
+from .tma import MapCache
 
 __all__ = ["Fa2Config", "TilePlan", "LaunchPlan", "fa2_config", "choose_tiles", "fa2_source",
            "plan_launch", "precompile", "gpu_flex_attention", "compiled_kernel_info",
@@ -171,12 +172,7 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
     return _Compiled(kl, cfg, ir, res.log)
 
 
-# q/k/v tensor maps by what they encode (address, shape, dtype of each contiguous tensor): a
-# repeated call reuses the device copy instead of encoding three maps and copying them to the
-# GPU (a host-synchronous copy) on every launch. The cache holds the maps' memory, so a launch
-# never reads a freed map.
-_FA3_MAPS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-_FA3_MAPS_SIZE = 64
+_FA3_MAPS = MapCache(64)  # the dense FA3 kernel's q/k/v maps (runtime/tma.py)
 
 
 def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -188,18 +184,10 @@ def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if not t.is_contiguous():
             raise ValueError(f"kernel_options['KERNEL']='fa3' reads {name} with TMA and needs it "
                              f"contiguous: pass {name}.contiguous()")
-    key_ = tuple((t.data_ptr(), tuple(t.shape), t.dtype, t.device) for t in (query, key, value))
-    hit = _FA3_MAPS.get(key_)
-    if hit is None:
-        D = query.shape[-1]
-        hit = torch.cat([tensor_map_2d(t.view(-1, D), 64, 64) for t in (query, key, value)])
-        with _KERNELS_LOCK:
-            _FA3_MAPS[key_] = hit
-            while len(_FA3_MAPS) > _FA3_MAPS_SIZE:
-                _FA3_MAPS.popitem(last=False)
-    else:
-        _FA3_MAPS.move_to_end(key_)
-    return hit
+    D = query.shape[-1]
+    return _FA3_MAPS.get(
+        tuple((t.data_ptr(), tuple(t.shape), t.dtype, t.device) for t in (query, key, value)),
+        lambda: torch.cat([tensor_map_2d(t.view(-1, D), 64, 64) for t in (query, key, value)]))
 
 
 def plan_forced(plan: TilePlan) -> bool:

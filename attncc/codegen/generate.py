@@ -101,6 +101,13 @@ KERNELS: dict[str, KernelSpec] = {
                            "attncc::fa2::fa2_batch", threads=0, rows_per_cta=0,
                            head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
                            entry_macro="ATTNCC_FA2_BATCH_ENTRY", batch=True),
+    # the same plans run by the FA3 pipeline (sm_90a; prefill-shaped batches, bf16)
+    "fa3batch": KernelSpec("fa3batch", ("batch_params.cuh", "fa2_common.cuh", "fa2_attend.cuh",
+                                        "fa2_batch.cuh", "wgmma.cuh", "tma.cuh",
+                                        "fa3_prefill.cuh", "fa3_batch.cuh"),
+                           "attncc::fa3::fa3_batch", threads=0, rows_per_cta=0,
+                           head_dim_multiple=64, head_dim_max=128, head_dims=(64, 128),
+                           entry_macro="ATTNCC_FA3_BATCH_ENTRY", batch=True),
 }
 
 # dtype name -> (C storage type, short name used in kernel names)
@@ -298,12 +305,12 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
         if dtype not in ("bfloat16", "float16"):
             raise CodegenError(f"dtype={dtype!r}: the {kernel!r} kernel runs bfloat16 or float16")
         if spec.batch and export:
-            raise CodegenError("the 'fa2batch' serving kernel runs from a plan made by "
-                               "attncc.BatchAttention and is not exported; export 'fa2' or "
-                               "'simple'")
-        if kernel == "fa3":
+            raise CodegenError(f"the {kernel!r} serving kernel runs from a plan made by "
+                               f"attncc.BatchAttention and is not exported; export 'fa2' or "
+                               f"'simple'")
+        if kernel in ("fa3", "fa3batch"):
             if dtype != "bfloat16":
-                raise CodegenError(f"dtype={dtype!r}: the 'fa3' kernel runs bfloat16")
+                raise CodegenError(f"dtype={dtype!r}: the {kernel!r} kernel runs bfloat16")
             tiles = tiles if tiles is not None else fa3_tiles()
             if tiles.tkv not in FA3_TKV_CHOICES or tiles != fa3_tiles(tiles.stages, tiles.tkv):
                 raise CodegenError(f"the 'fa3' kernel has 128-row tiles (two consumer "
@@ -311,9 +318,9 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
         tiles = tiles if tiles is not None else default_tiles(head_dim)
         name += tiles.suffix
         threads, rows, smem = tiles.threads, tiles.tq, tiles.smem_bytes(head_dim)
-        if kernel == "fa3":  # producer + 2 consumer warpgroups; + mbarriers and the slack that
-            threads = FA3_THREADS  # aligns tiles to 1024 bytes (kernels/fa3_prefill.cuh Smem)
-            smem += 8 * (2 * tiles.stages + 1) + 1024
+        if kernel in ("fa3", "fa3batch"):  # producer + 2 consumer warpgroups; + mbarriers
+            threads = FA3_THREADS  # and the slack that aligns tiles to 1024 bytes (Smem)
+            smem += 8 * (2 * tiles.stages + (1 if kernel == "fa3" else 2)) + 1024
         entry = (f"{spec.entry_macro}({name}, {vc.struct_name}, {DTYPES[dtype][0]}, {head_dim}, "
                  f"{tiles.tq}, {tiles.tkv}, {tiles.stages}, {tiles.m_frags}, {tiles.kv_warps})")
     elif tiles is not None:

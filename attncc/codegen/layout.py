@@ -203,6 +203,7 @@ _BATCH_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
                                    "units", "cta_indptr", "cta_units", "merge_indptr",
                                    "merge_slots", "merge_out", "num_merges", "q_positions",
                                    "kv_pos_offset")),
+    ("tma", "const void*"),
     *((n, "attncc::i64") for n in ("q_stride_tok", "q_stride_h", "o_stride_tok", "o_stride_h",
                                    "kv_stride_page", "kv_stride_slot", "kv_stride_h")),
     ("lse_stride_tok", "int"), ("num_q_heads", "int"), ("num_kv_heads", "int"),

@@ -81,18 +81,92 @@ CASES = [(layout, page, var, g, dt)
              itertools.cycle([(1, torch.bfloat16), (4, torch.float16), (8, torch.bfloat16)]))]
 
 
+@pytest.mark.parametrize("kernel", ["fa2", None], ids=["fa2", "default"])
 @pytest.mark.parametrize("lengths", [MIXED, DECODE], ids=["mixed", "decode"])
 @pytest.mark.parametrize("layout,page,var,g,dtype", CASES,
                          ids=[f"{c[0]}-p{c[1]}-{c[2]}-g{c[3]}" for c in CASES])
 def test_batch_matches_reference(layout: str, page: int, var: str, g: int, dtype: torch.dtype,
-                                 lengths: tuple[list[int], list[int]]) -> None:
+                                 lengths: tuple[list[int], list[int]], kernel: str | None) -> None:
+    """Every case with the FA2 batch kernel forced, and with the default choice (on an sm_90
+    GPU the FA3 batch kernel for the prefill-shaped cases it can run; the others repeat FA2 and
+    are skipped)."""
     hkv, d = 2, 128
     b = _batch(layout, page, lengths[0], lengths[1], hkv, g, d, dtype, seed=len(var) * 7 + g)
     variant = _variant(var, hkv * g, d)
-    ba = BatchAttention(variant, kv_layout=layout)
+    ba = BatchAttention(variant, kv_layout=layout, kernel=kernel)
+    ba.plan(b["qo"], b["kv_indptr"], b["kv_indices"], b["last"], num_qo_heads=hkv * g,
+            num_kv_heads=hkv, head_dim=d, page_size=page, q_data_type=dtype)
+    assert ba.tiles is not None
+    if kernel is None and ba.tiles.kernel == "fa2":
+        pytest.skip("the default kernel for this case is FA2, which the 'fa2' run covers")
+    _check(ba, b, variant, layout, page)
+
+
+def _plan_on_cache(ba: BatchAttention, q_lens: list[int], kv_lens: list[int], cache_pages: int,
+                   page: int, hkv: int, g: int, d: int, seed: int) -> dict[str, Any]:
+    """Plan `ba` for the lengths over random page ids of an existing NHD cache; returns the
+    arrays the reference needs."""
+    n_pages = [-(-n // page) for n in kv_lens]
+    ids = torch.randperm(cache_pages, generator=torch.Generator().manual_seed(seed))
+    indptr = torch.tensor([0] + list(itertools.accumulate(n_pages)))
+    last = torch.tensor([n - (p - 1) * page for n, p in zip(kv_lens, n_pages)])
+    qo = torch.tensor([0] + list(itertools.accumulate(q_lens)))
+    ba.plan(qo, indptr, ids[:int(indptr[-1])], last, num_qo_heads=hkv * g, num_kv_heads=hkv,
+            head_dim=d, page_size=page)
+    return dict(qo=qo, kv_indptr=indptr, kv_indices=ids[:int(indptr[-1])], last=last)
+
+
+# Prefill-shaped batches for the FA3 batch kernel (kernels/fa3_batch.cuh; sm_90 only): long
+# chunks with odd lengths (partial query tiles, partial last KV tiles, splits merged), a decode
+# row and a 1-token KV request among them.
+PREFILL = ([300, 1, 4096, 129, 1000, 17], [300, 5, 32768, 1000, 1000, 17])
+FA3_CASES = [("NHD", 16, "plain", 1, 128), ("HND", 16, "causal", 4, 128),
+             ("NHD", 64, "softcap_causal", 8, 128), ("ragged", 1, "alibi_causal", 1, 128),
+             ("HND", 128, "sliding_window", 4, 64), ("NHD", 256, "causal", 2, 64)]
+
+
+def _needs_sm90() -> None:
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FA3 batch kernel needs an sm_90 GPU")
+
+
+@pytest.mark.parametrize("layout,page,var,g,d", FA3_CASES,
+                         ids=[f"{c[0]}-p{c[1]}-{c[2]}-g{c[3]}-d{c[4]}" for c in FA3_CASES])
+def test_fa3_batch_matches_reference(layout: str, page: int, var: str, g: int, d: int) -> None:
+    _needs_sm90()
+    hkv = 2
+    b = _batch(layout, page, PREFILL[0], PREFILL[1], hkv, g, d, torch.bfloat16,
+               seed=len(var) + 3 * g + d)
+    variant = _variant(var, hkv * g, d)
+    ba = BatchAttention(variant, kv_layout=layout, kernel="fa3")
     ba.plan(b["qo"], b["kv_indptr"], b["kv_indices"], b["last"], num_qo_heads=hkv * g,
             num_kv_heads=hkv, head_dim=d, page_size=page)
+    assert ba.tiles is not None and ba.tiles.kernel == "fa3"
     _check(ba, b, variant, layout, page)
+
+
+def test_fa3_batch_is_the_prefill_default_and_bitwise_stable() -> None:
+    """On sm_90, a bf16 prefill batch without q/k/v/o transforms runs the FA3 batch kernel by
+    default (decode batches and transforms stay on FA2); 20 runs give the same bits although the
+    32K request is split across CTAs and merged."""
+    _needs_sm90()
+    b = _batch("NHD", 16, *PREFILL, 2, 1, 128, torch.bfloat16, seed=2)
+    ba = BatchAttention(_variant("causal", 2, 128), kv_layout="NHD")
+    ba.plan(b["qo"], b["kv_indptr"], b["kv_indices"], b["last"], num_qo_heads=2, num_kv_heads=2,
+            head_dim=128, page_size=16)
+    assert ba.tiles is not None and ba.tiles.kernel == "fa3"
+    assert ba._plan is not None and ba._plan.num_merges > 0
+    _check(ba, b, _variant("causal", 2, 128), "NHD", 16)
+    first = ba.run(b["q"], b["cache"]).clone()
+    for _ in range(19):
+        assert torch.equal(ba.run(b["q"], b["cache"]), first)
+    heads = dict(num_qo_heads=2, num_kv_heads=2, head_dim=128, page_size=16)
+    rope = BatchAttention(_variant("rope", 2, 128), kv_layout="NHD")
+    rope.plan(b["qo"], b["kv_indptr"], b["kv_indices"], b["last"], **heads)
+    assert rope.tiles is not None and rope.tiles.kernel == "fa2"  # query/key transforms
+    with pytest.raises(ValueError, match="kernel='fa3'"):
+        BatchAttention(_variant("rope", 2, 128), kv_layout="NHD", kernel="fa3").plan(
+            b["qo"], b["kv_indptr"], b["kv_indices"], b["last"], **heads)
 
 
 @pytest.mark.parametrize("d", [64, 256])
@@ -117,41 +191,42 @@ def test_runs_are_bitwise_equal() -> None:
         assert torch.equal(ba.run(b["q"], b["cache"]), first)
 
 
-def test_cuda_graph_replays_new_plans() -> None:
-    """run captured once, then three plans with different lengths, each replayed and checked."""
-    hkv, g, d, page = 2, 8, 128, 16
-    variant = _variant("causal", hkv * g, d)
-    batches = [([1] * 8, [4000, 17, 300, 1, 2048, 900, 64, 5]),
-               ([1] * 5, [33, 3000, 1, 777, 12000]),
-               ([1] * 8, [100] * 8)]
-    cache_pages = 2048
+# (kernel, variant, GQA group, three batches of (q_lens, kv_lens), query rows of the buffers)
+GRAPH_CASES = {
+    "decode": (None, "causal", 8, [([1] * 8, [4000, 17, 300, 1, 2048, 900, 64, 5]),
+                                   ([1] * 5, [33, 3000, 1, 777, 12000]),
+                                   ([1] * 8, [100] * 8)], 64),
+    "fa3-prefill": ("fa3", "softcap_causal", 4, [([512, 300], [4000, 300]),
+                                                 ([129, 1, 700], [129, 3000, 12000]),
+                                                 ([1000], [1000])], 1024),
+}
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES)
+def test_cuda_graph_replays_new_plans(case: str) -> None:
+    """run captured once (static q / out buffers with more rows than any plan), then three
+    plans with different lengths, each replayed and checked."""
+    kernel, var, g, batches, rows = GRAPH_CASES[case]
+    if kernel == "fa3":
+        _needs_sm90()
+    hkv, d, page, cache_pages = 2, 128, 16, 2048
+    variant = _variant(var, hkv * g, d)
     gen = torch.Generator(device="cuda").manual_seed(0)
     k = torch.randn(cache_pages, page, hkv, d, generator=gen, device="cuda").bfloat16()
     v = torch.randn(cache_pages, page, hkv, d, generator=gen, device="cuda").bfloat16()
-    q_buf = torch.randn(64, hkv * g, d, generator=gen, device="cuda").bfloat16()
+    q_buf = torch.randn(rows, hkv * g, d, generator=gen, device="cuda").bfloat16()
     out_buf = torch.empty_like(q_buf)
-    ba = BatchAttention(variant, kv_layout="NHD", max_batch=16, max_qo_tokens=64)
-
-    def plan(i: int) -> dict[str, Any]:
-        q_lens, kv_lens = batches[i]
-        n_pages = [-(-n // page) for n in kv_lens]
-        ids = torch.randperm(cache_pages, generator=torch.Generator().manual_seed(i))
-        indptr = torch.tensor([0] + list(itertools.accumulate(n_pages)))
-        last = torch.tensor([n - (p - 1) * page for n, p in zip(kv_lens, n_pages)])
-        qo = torch.tensor([0] + list(itertools.accumulate(q_lens)))
-        ba.plan(qo, indptr, ids[:int(indptr[-1])], last, num_qo_heads=hkv * g,
-                num_kv_heads=hkv, head_dim=d, page_size=page)
-        return dict(qo=qo, kv_indptr=indptr, kv_indices=ids[:int(indptr[-1])], last=last)
-
-    meta = plan(0)
-    n0 = int(meta["qo"][-1])
-    ba.run(q_buf[:n0], (k, v), out=out_buf[:n0])  # compile and load before capturing
+    ba = BatchAttention(variant, kv_layout="NHD", max_batch=16, max_qo_tokens=rows,
+                        kernel=kernel)
+    _plan_on_cache(ba, *batches[0], cache_pages, page, hkv, g, d, seed=0)
+    ba.run(q_buf, (k, v), out=out_buf)  # compile, load (and encode TMA maps) before capturing
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ba.run(q_buf[:n0], (k, v), out=out_buf[:n0])
+        ba.run(q_buf, (k, v), out=out_buf)
     for i in range(3):
-        meta = plan(i)
+        meta = _plan_on_cache(ba, *batches[i], cache_pages, page, hkv, g, d, seed=i)
+        assert ba.tiles is not None and (kernel is None or ba.tiles.kernel == kernel)
         n = int(meta["qo"][-1])
         out_buf.fill_(float("nan"))
         graph.replay()

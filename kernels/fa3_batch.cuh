@@ -1,0 +1,283 @@
+// attncc FA3 batch attention for sm_90a (serving prefill): the plan/run work units of
+// fa2_batch.cuh, run by fa3_prefill.cuh's warp-specialized TMA + wgmma pipeline.
+//
+// Self-contained: no #include. Comes after batch_params.cuh, fa2_common.cuh, fa2_attend.cuh,
+// fa2_batch.cuh (WorkUnit, query positions, the merge kernel), wgmma.cuh, tma.cuh and
+// fa3_prefill.cuh (the consumer building blocks), and before the generated Variant_<name>
+// functors' entry point (ATTNCC_FA3_BATCH_ENTRY at the bottom).
+//
+// Persistent: the grid is the plan's CTA count (one CTA per SM: 227 KB of shared memory) and CTA
+// c runs the units cta_units[cta_indptr[c] ..] one after another. A unit is (request, KV head, a
+// tile of 128 fused query rows, a KV range); its rows are a GQA group's heads of consecutive
+// tokens (fused row r = token r / g, head r % g of the group), exactly what one 3-D TMA box
+// [64 / g tokens][g heads][64 columns] lands as in shared memory, so Q needs no gather.
+//
+// Roles, as in fa3_prefill.cuh: one producer thread, two consumer warpgroups of 64 rows.
+//   The producer walks the CTA's units and, per unit, loads Q (after the consumers released the
+//   previous unit's Q: the q_empty barrier) and then each K/V tile into the ring. A tile of TKV
+//   keys of a paged cache is TKV / R boxes of R = min(page_size, TKV) rows, one per page (page
+//   sizes are powers of two >= 16, so a box never crosses a page); a ragged cache is one box.
+//   Stage and barrier phases run on across units (one tile counter), so the ring never drains
+//   between units: the next unit's first tiles load while the consumers finish the last one.
+//   The consumers run the pipelined loop of fa3_prefill.cuh per unit, then store: straight to
+//   the output when the unit covers its rows' whole KV range, else fp32 partial O and LSE to the
+//   workspace slot for the merge kernel.
+//
+// Keys past the unit's range: K rows are masked in the logits, but P = 0 does not make P V finite
+// if V holds NaN or Inf -- and the unwritten slots of a request's last page may hold anything. So
+// the rows of a partial last tile past the range are zeroed in shared memory before a P V reads
+// them, with a proxy fence so the tensor cores see the generic-proxy stores.
+//
+// TMA maps (BatchParams::tma, 128 bytes each): q as [tokens][num_q_heads][D] (box 64 x g x 64/g),
+// k and v as 2-D [rows][row_stride] views of the cache with row_stride = kv_stride_slot (box
+// R x 64). Cache element (page, slot, head, col) is view row page * rows_per_page + head_row +
+// slot, column head_col + col, where rows_per_page = kv_stride_page / kv_stride_slot and
+// (head_row, head_col) = divmod(head * kv_stride_h, kv_stride_slot): NHD, HND and ragged alike.
+#ifndef ATTNCC_FA3_BATCH_CUH
+#define ATTNCC_FA3_BATCH_CUH
+
+namespace attncc {
+namespace fa3 {
+
+template <int D, int TKV, int STAGES>
+struct BatchSmem {
+  using Base = Smem<D, TKV, STAGES>;
+  static constexpr int kQ = Base::kQ, kK = Base::kK, kV = Base::kV, kBar = Base::kBar;
+  // full[STAGES], empty[STAGES], q_full, q_empty
+  static constexpr int kBytes = kBar + 8 * (2 * STAGES + 2) + 1024;
+};
+
+// Where KV position `pos` of a request lives in the cache's 2-D view (row; the column is fixed per
+// KV head). Positions past the request's pages read its first page: those keys are masked and
+// their V rows zeroed, and the page id is always a valid one.
+struct PagedRows {
+  const int* pages;  // the request's page ids
+  int num_pages;     // how many it has
+  int page_shift;    // log2(page_size)
+  int page_mask;     // page_size - 1
+  long long rows_per_page;
+  long long head_row;
+
+  __device__ __forceinline__ int row(int pos) const {
+    int pi = pos >> page_shift;
+    pi = pi < num_pages ? pi : 0;
+    return (int)(__ldg(pages + pi) * rows_per_page + head_row) + (pos & page_mask);
+  }
+};
+
+template <typename Variant, typename DType, int D, int TKV, int STAGES>
+__device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
+                                          const typename Variant::Params& vp) {
+  static_assert(D == 64 || D == 128, "the FA3 batch kernel supports head dims 64 and 128");
+  static_assert(TKV == 128, "the FA3 batch kernel's KV tiles are 128 keys");
+  static_assert(fa2::ElemTraits<DType>::kIsBf16, "the FA3 kernel's wgmma wrappers are bf16");
+  using S = Smem<D, TKV, STAGES>;
+  using SB = BatchSmem<D, TKV, STAGES>;
+  constexpr int BLOCKS = D / 64;
+  constexpr bool kSoftmax = Variant::use_softmax;
+
+  extern __shared__ __attribute__((aligned(1024))) unsigned char attncc_fa3_smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<unsigned long long>(attncc_fa3_smem_raw) + 1023) & ~1023ull);
+  const fa2_u32 base = fa2::smem_addr(smem);
+  const fa2_u32 sq = base + SB::kQ, sk = base + SB::kK, sv = base + SB::kV;
+  const fa2_u32 full_bar = base + SB::kBar;
+  const fa2_u32 empty_bar = full_bar + 8 * STAGES;
+  const fa2_u32 q_full = full_bar + 16 * STAGES, q_empty = q_full + 8;
+  const void* tm_q = p.tma;
+  const void* tm_k = reinterpret_cast<const unsigned char*>(p.tma) + 128;
+  const void* tm_v = reinterpret_cast<const unsigned char*>(p.tma) + 256;
+
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int wg = tid >> 7, warp = (tid >> 5) & 3;
+  const int first = __ldg(p.cta_indptr + blockIdx.x);
+  const int last = __ldg(p.cta_indptr + blockIdx.x + 1);
+  const int gf = p.num_q_heads / p.num_kv_heads;
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      tma::mbar_init(full_bar + 8 * s, 1);
+      tma::mbar_init(empty_bar + 8 * s, 4 * kConsumers);
+    }
+    tma::mbar_init(q_full, 1);
+    tma::mbar_init(q_empty, 4 * kConsumers);
+    tma::fence_barrier_init();
+  }
+  __syncthreads();  // from here the roles only meet on mbarriers and named barriers
+
+  // ---- producer ------------------------------------------------------------------------------
+  if (wg == 0) {
+    wg::setmaxnreg_dec<kProducerRegs>();
+    if (tid != 0) return;
+    const long long row_stride = p.kv_stride_slot;
+    const int box_rows = min(p.page_size, TKV);  // the K/V maps' box height
+    int tile = 0;  // tiles issued by this CTA so far: stage tile % STAGES, phase tile / STAGES
+#pragma unroll 1
+    for (int ui = first; ui < last; ++ui) {
+      const fa2::WorkUnit u = fa2::load_unit(p.units, __ldg(p.cta_units + ui));
+      // Q: the 128 fused rows, as two boxes of 64 rows (one per consumer) per column block
+      if (ui > first) tma::mbar_wait(q_empty, (ui - first - 1) & 1);
+      tma::mbar_arrive_expect_tx(q_full, kConsumers * BLOCKS * kBoxBytes);
+#pragma unroll
+      for (int c = 0; c < kConsumers; ++c)
+#pragma unroll
+        for (int blk = 0; blk < BLOCKS; ++blk)
+          tma::load_3d(sq + (c * BLOCKS + blk) * kBoxBytes, tm_q, q_full, 64 * blk,
+                       u.kv_head * gf, u.qo_offset + (u.q_start + 64 * c) / gf);
+      // K/V tiles of [kv_start, kv_end)
+      const int kv_len = __ldg(p.kv_lens + u.request);
+      const long long head_off = (long long)u.kv_head * p.kv_stride_h;
+      PagedRows rows{p.kv_page_indices + __ldg(p.kv_page_indptr + u.request),
+                     (kv_len + p.page_size - 1) >> p.page_shift, p.page_shift,
+                     p.page_size - 1, p.kv_stride_page / row_stride, head_off / row_stride};
+      const int head_col = (int)(head_off % row_stride);
+      const int n = (u.kv_end - u.kv_start + TKV - 1) / TKV;
+#pragma unroll 1
+      for (int i = 0; i < n; ++i, ++tile) {
+        const int st = tile % STAGES;
+        if (tile >= STAGES) tma::mbar_wait(empty_bar + 8 * st, ((tile / STAGES) - 1) & 1);
+        const fa2_u32 full = full_bar + 8 * st;
+        tma::mbar_arrive_expect_tx(full, 2 * S::kKvTileBytes);
+        const int kv0 = u.kv_start + i * TKV;
+#pragma unroll 1
+        for (int r0 = 0; r0 < TKV; r0 += box_rows) {
+          const int row = rows.row(kv0 + r0);
+#pragma unroll
+          for (int blk = 0; blk < BLOCKS; ++blk) {
+            // rows r0.. of column block blk: box_rows rows of 128 bytes, where the swizzle
+            // (which repeats every 8 rows) puts them
+            const fa2_u32 off = st * S::kKvTileBytes + blk * S::kKvBlockBytes + r0 * 128;
+            tma::load_2d(sk + off, tm_k, full, head_col + 64 * blk, row);
+            tma::load_2d(sv + off, tm_v, full, head_col + 64 * blk, row);
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers -------------------------------------------------------------------------------
+  wg::setmaxnreg_inc<kConsumerRegs>();
+  const fa2_u32 sq_w = sq + (wg - 1) * BLOCKS * kBoxBytes;
+  const Ring ring{sk, sv, full_bar, empty_bar, S::kKvTileBytes, STAGES};
+  const Turns turns{wg - 1};
+  const float qk_scale = (kSoftmax && !Variant::has_logits_transform) ? p.sm_scale * kLog2e
+                                                                      : p.sm_scale;
+  const fa2::FastDiv gdiv(gf);
+  int tile = 0;
+#pragma unroll 1
+  for (int ui = first; ui < last; ++ui) {
+    const fa2::WorkUnit u = fa2::load_unit(p.units, __ldg(p.cta_units + ui));
+    const int q_pos0 = fa2::request_q_pos0(p, u.request);
+    const int kv_pos0 = p.kv_pos_offset != nullptr ? __ldg(p.kv_pos_offset + u.request) : 0;
+    const int kv_end = u.kv_end;
+    const int n = (kv_end - u.kv_start + TKV - 1) / TKV;
+    // this thread's two rows: fused row -> (token, query head, query position)
+    int row_hq[2], row_qi[2], row_tok[2];
+    bool row_ok[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = 64 * (wg - 1) + 16 * warp + (lane >> 2) + 8 * hr;  // row within the unit
+      const int fr = u.q_start + r;
+      row_ok[hr] = r < u.q_rows;
+      row_tok[hr] = gdiv.div(fr);
+      row_hq[hr] = u.kv_head * gf + (fr - row_tok[hr] * gf);
+      row_qi[hr] = row_ok[hr] ? fa2::query_position(p, q_pos0, u.qo_offset, row_tok[hr]) : 0;
+    }
+    const bool rows_full = u.q_rows >= kTQ;
+
+    float o[BLOCKS][32];
+#pragma unroll
+    for (int blk = 0; blk < BLOCKS; ++blk)
+#pragma unroll
+      for (int i = 0; i < 32; ++i) o[blk][i] = 0.f;
+    float row_m[2] = {fa2::neg_inf(), fa2::neg_inf()}, row_l[2] = {0.f, 0.f};
+    tma::mbar_wait(q_full, (ui - first) & 1);
+    auto logits_softmax = [&](float (&s)[TKV / 2], int it, float (&corr)[2]) {
+      const int kv0 = u.kv_start + it * TKV;
+      const bool interior = rows_full && kv0 + TKV <= kv_end && !Variant::has_logits_mask;
+      logits_softmax_step<Variant, TKV>(s, vp, qk_scale, u.request, row_hq, row_qi, row_ok, kv0,
+                                        kv_end, kv_pos0, false, interior, row_m, row_l, corr);
+    };
+    // V rows of the last tile past kv_end, zeroed after the tile landed and before this
+    // warpgroup's P V reads them. Both consumers zero them (the same zeros: a write of 0 over 0
+    // cannot change what the other reads), so neither waits for the other; each then fences its
+    // stores into the async proxy and meets its own four warps at named barrier 3 + me, because
+    // one warpgroup-wide wgmma reads every warp's stores.
+    const int tail_valid = kv_end - (u.kv_start + (n - 1) * TKV);
+    auto landed = [&](int it, int t) {
+      if (it != n - 1 || tail_valid >= TKV) return;
+      const int per_blk = (TKV - tail_valid) * 8;  // 16-byte chunks per column block
+      for (int idx = tid & 127; idx < BLOCKS * per_blk; idx += 128) {
+        const int blk = idx / per_blk, rem = idx - blk * per_blk;
+        const fa2_u32 addr = ring.v_of(t) + blk * S::kKvBlockBytes +
+                             (tail_valid + rem / 8) * 128 + (rem % 8) * 16;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+      }
+      wg::fence_proxy_async();  // the tensor cores (async proxy) must see these stores
+      asm volatile("bar.sync %0, 128;\n" ::"r"(3 + turns.me) : "memory");
+    };
+    // this warp's S wgmmas of the unit are complete: the producer may load the next unit's Q
+    auto release_q = [&] {
+      if (lane == 0) tma::mbar_arrive(q_empty);
+    };
+    if (n > 0) {
+      consume_tiles<DType, D, TKV>(n, tile, sq_w, ring, turns, o, logits_softmax, landed,
+                                   release_q);
+    } else {
+      release_q();  // nothing reads it (an empty KV range)
+    }
+    tile += n;
+
+    // ---- store: the output rows, or this unit's partial state -----------------------------
+    float* part_o = u.slot >= 0 ? p.partial_o + (attncc::i64)u.slot * kTQ * D : nullptr;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float inv, lse;
+      finish_row<kSoftmax>(row_m[hr], row_l[hr], inv, lse);
+      if (!row_ok[hr]) continue;
+      const int r = 64 * (wg - 1) + 16 * warp + (lane >> 2) + 8 * hr;
+      if (part_o != nullptr) {
+        float* dst = part_o + (attncc::i64)r * D;
+#pragma unroll
+        for (int blk = 0; blk < BLOCKS; ++blk)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const int col = 64 * blk + 8 * j + 2 * (lane & 3);
+            *reinterpret_cast<float2*>(dst + col) =
+                make_float2(o[blk][4 * j + 2 * hr] * inv, o[blk][4 * j + 2 * hr + 1] * inv);
+          }
+        if ((lane & 3) == 0) p.partial_lse[(attncc::i64)u.slot * kTQ + r] = kSoftmax ? lse : 0.f;
+      } else {
+        store_row<DType, D>(reinterpret_cast<DType*>(p.o) +
+                                (u.qo_offset + row_tok[hr]) * p.o_stride_tok +
+                                row_hq[hr] * p.o_stride_h, o, hr, inv);
+        if constexpr (kSoftmax) {
+          if (p.lse != nullptr && (lane & 3) == 0)
+            p.lse[(attncc::i64)(u.qo_offset + row_tok[hr]) * p.lse_stride_tok + row_hq[hr]] = lse;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace fa3
+}  // namespace attncc
+
+// The line codegen emits per FA3 batch kernel: the persistent attention kernel NAME (grid: the
+// plan's num_ctas; block: kThreads = 384; dynamic shared memory BatchSmem::kBytes) and the merge
+// kernel NAME_merge of fa2_batch.cuh (grid: the layout's max_merges; block: kMergeThreads).
+#define ATTNCC_FA3_BATCH_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS) \
+  extern "C" __global__ void __launch_bounds__(attncc::fa3::kThreads, 1)                           \
+      NAME(attncc::BatchParams p, VARIANT::Params vp) {                                            \
+    static_assert(TQ == attncc::fa3::kTQ && M_FRAGS == 1 && KV_WARPS == 1,                         \
+                  "the FA3 kernel has 128-row CTAs of two 64-row consumer warpgroups");            \
+    attncc::fa3::fa3_batch<VARIANT, DTYPE, HEAD_DIM, TKV, STAGES>(p, vp);                          \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(attncc::fa2::kMergeThreads, 1)                      \
+      NAME##_merge(attncc::BatchParams p, VARIANT::Params vp) {                                    \
+    attncc::fa2::fa2_merge<VARIANT, DTYPE, HEAD_DIM, TQ>(p, vp);                                   \
+  }
+
+#endif  // ATTNCC_FA3_BATCH_CUH

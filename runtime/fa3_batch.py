@@ -1,0 +1,100 @@
+"""Host side of the FA3 batch kernel (kernels/fa3_batch.cuh): when `BatchAttention` may use it,
+its generated source, and its TMA maps.
+
+The FA3 batch kernel runs the same plans as the FA2 one (units of 128 fused query rows x a KV
+range, merged by the same merge kernel) with the warp-specialized TMA + wgmma pipeline. It needs
+an sm_90 GPU, bf16, head dim 64 or 128, no query/key/value/output transforms (the hooks of
+the logits only), a GQA group that divides 64 (a 64-row box is 64 / g tokens x g heads), and KV
+pages TMA can address one box per page: power-of-two page sizes of at least 16 tokens, or a
+ragged cache.
+
+Example:
+    >>> from attncc.ir.program import VariantIR
+
+from .tma import MapCache, tensor_map_2d, tensor_map_3d
+    >>> fa3_unsupported("cpu", VariantIR(), head_dim=128, group=4, kv_layout="NHD",
+    ...                 page_size=16, q_dtype=None)
+    'a CUDA device'
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attncc.ir.program import VariantIR
+
+from .tma import MapCache, tensor_map_2d, tensor_map_3d
+
+__all__ = ["fa3_unsupported", "fa3_batch_source", "fa3_batch_maps", "FA3_BATCH_STAGES"]
+
+# K/V ring depth per head dim: the deepest that fits 227 KB next to the 128-row Q tile
+# (kernels/fa3_batch.cuh BatchSmem; 3 stages of 128 keys at D = 128, as the dense kernel).
+FA3_BATCH_STAGES = {64: 4, 128: 3}
+_TRANSFORMS = ("query_mod", "key_mod", "value_mod", "output_mod")
+
+
+def fa3_unsupported(device: Any, ir: VariantIR, *, head_dim: int, group: int, kv_layout: str,
+                    page_size: int, q_dtype: torch.dtype | None) -> str | None:
+    """What the FA3 batch kernel would need and this batch lacks (None: it can run it).
+    `q_dtype` None means not known yet (checked again at run)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return "a CUDA device"
+    if torch.cuda.get_device_capability(dev) != (9, 0):
+        return "an sm_90 (Hopper) GPU"
+    if q_dtype is not None and q_dtype != torch.bfloat16:
+        return f"bfloat16 queries (plan(q_data_type={q_dtype}))"
+    if head_dim not in FA3_BATCH_STAGES:
+        return f"head dim 64 or 128 (got {head_dim})"
+    if 64 % group:
+        return f"a GQA group that divides 64 (got {group})"
+    if kv_layout != "ragged" and (page_size < 16 or page_size & (page_size - 1)):
+        return f"a power-of-two page size >= 16 (got {page_size})"
+    hooks = [h for h in _TRANSFORMS if not ir.hook(h).is_identity]
+    if hooks:
+        return f"a variant without {'/'.join(hooks)} (the FA2 batch kernel runs those)"
+    return None
+
+
+def fa3_batch_source(ir: VariantIR, head_dim: int, dtype: str) -> Any:
+    """Codegen's `fa3batch` translation unit (attention + merge kernels) for a simplified IR.
+
+    Example:
+        >>> gk = fa3_batch_source(VariantIR(name="plain"), 128, "bfloat16")
+        >>> gk.kernel_name, gk.threads
+        ('attncc_plain_fa3batch_d128_bf16_q128_k128_s3', 384)
+    """
+    from attncc.codegen.fa2 import fa3_tiles
+    from attncc.codegen.generate import generate_source
+
+    return generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa3batch",
+                           tiles=fa3_tiles(FA3_BATCH_STAGES[head_dim], 128))
+
+
+_MAPS = MapCache(64)  # q / k / v maps of recent runs (runtime/tma.py)
+
+
+def _rows_view(t: torch.Tensor, row_stride: int) -> torch.Tensor:
+    """`t`'s memory from its first element to its last as a 2-D [rows, row_stride] view: the
+    kernel addresses cache element (page, slot, head, col) as row page * rows_per_page +
+    head_row + slot of this view (kernels/fa3_batch.cuh)."""
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    rows = -(-span // row_stride)
+    return t.as_strided((rows, row_stride), (row_stride, 1))
+
+
+def fa3_batch_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: int,
+                   row_stride: int, box_rows: int) -> torch.Tensor:
+    """The q / k / v tensor maps (384 bytes on the device) the FA3 batch kernel reads through:
+    q [tokens, heads, D] in boxes of 64 / group tokens x group heads x 64 columns; k and v as
+    [rows, row_stride] views (row_stride = the cache's token stride) in boxes of box_rows x 64."""
+    key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device) for t in (q, k, v))
+    if q.stride(2) != 1 or (q.stride(1) * 2) % 16 or (q.stride(0) * 2) % 16:
+        raise ValueError(f"the FA3 batch kernel reads q with TMA: it needs a contiguous head dim "
+                         f"and 16-byte aligned strides, got {q.stride()}; pass q.contiguous() or "
+                         f"BatchAttention(kernel='fa2')")
+    return _MAPS.get(key + (group, row_stride, box_rows), lambda: torch.cat([
+        tensor_map_3d(q, (64 // group, group, 64)),
+        tensor_map_2d(_rows_view(k, row_stride), box_rows, 64),
+        tensor_map_2d(_rows_view(v, row_stride), box_rows, 64)]))
