@@ -53,7 +53,8 @@ from .fa3_batch import FA3_BATCH_STAGES, fa3_batch_maps, fa3_batch_source, fa3_u
 from .gpu_flex import HEAD_DIMS, _captured, _num_sms, _spill_bytes, fa2_config, fa2_source
 from .tile_choice import Fa2Config
 
-__all__ = ["BatchAttention", "BatchTiles", "batch_attention_reference", "KV_LAYOUTS"]
+__all__ = ["BatchAttention", "BatchTiles", "batch_attention_reference", "clip_causal_units",
+           "KV_LAYOUTS"]
 
 KV_LAYOUTS = ("NHD", "HND", "ragged")
 _RAGGED_PAGE = 1 << 30  # a ragged request is one "page" this long (see batch_params.cuh)
@@ -299,6 +300,7 @@ class BatchAttention:
         self._forced_tiles = tiles
         self.kernel = kernel
         self._ir: VariantIR | None = None  # the traced variant (for the FA3 checks), when needed
+        self._kv_bound: int | None | bool = False  # _causal_bound's memo (False: not yet)
         self.min_kv_chunk = None if min_kv_chunk is None else int(min_kv_chunk)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -358,6 +360,9 @@ class BatchAttention:
             # scheduler.plan raises
             scheduler.plan_into(buf[:layout.size], layout, *args, **cfg.kwargs, checked=fast)
             self._stage(buf, b, offsets)
+        if b.max_q_len > 1 and self._causal_bound() is not None:
+            clip_causal_units(buf, layout, b.qo, b.kv_lens, num_qo_heads // num_kv_heads,
+                              self._causal_bound(), b.qpos, b.kvoff)
         # (only now: a plan() that raised leaves the last plan's layout and offsets for run())
         self.tiles, self.layout, self._offsets = tiles, layout, offsets
         self._plan = _LazyPlan(args, cfg.kwargs)
@@ -482,6 +487,17 @@ class BatchAttention:
             max_batch=self.max_batch, max_qo_tokens=self.max_qo_tokens,
             max_pages=self.max_pages, ragged=self.kv_layout == "ragged")
         return self._planner
+
+    def _causal_bound(self) -> int | None:
+        """attncc.ir.kv_bound.causal_bound of the variant's mask (None: no mask, or no bound
+        its structure proves); computed once."""
+        if self._kv_bound is False:
+            from attncc.ir.kv_bound import causal_bound
+            from attncc.ir.simplify import simplify_variant
+
+            mask = simplify_variant(self.variant.trace()[0]).hook("mask_mod")
+            self._kv_bound = None if mask.is_identity else causal_bound(mask.expr)
+        return self._kv_bound  # type: ignore[return-value]
 
     def _fa3_mode(self, group: int, head_dim: int, page_size: int,
                   q_dtype: torch.dtype) -> str:
@@ -743,6 +759,42 @@ class BatchAttention:
         else:
             strides = (k.stride(0), k.stride(2), k.stride(1))
         return k, v, strides
+
+
+def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndarray,
+                      kv_lens: np.ndarray, group: int, bound: int, qpos: np.ndarray | None = None,
+                      kvoff: np.ndarray | None = None) -> None:
+    """End every packed work unit's KV range where its mask keeps nothing more: a mask with
+    kv_idx <= q_idx + bound (attncc.ir.kv_bound) keeps no key past its unit's last query
+    position + bound, so a causal prefill tile stops at its diagonal instead of its request's
+    end -- about half a causal prefill's tiles, which the kernels would only mask away. A unit
+    whose range becomes empty writes an empty partial state (the merge skips it). In place, on
+    the staged plan words `buf` (the positions the hooks see: `qpos` per query token if given,
+    else kv_len - q_len + t; keys shifted by `kvoff` per request if given).
+
+    Example:
+        >>> from attncc.runtime import scheduler
+        >>> lay = scheduler.PlanLayout(4, 64, 2, 1, 1, 16)
+        >>> buf = np.zeros(lay.size, np.int32)
+        >>> qo, kv = np.array([0, 40]), np.array([40])
+        >>> scheduler.plan_into(buf, lay, qo, kv, 1, 1, 16, 2, kv_chunk_align=16, min_kv_chunk=16)
+        >>> clip_causal_units(buf, lay, qo, kv, 1, 0)
+        >>> u = buf[lay.offsets["units"]:][:8 * 3].reshape(3, 8)
+        >>> u[:, [3, 4, 5, 6]].tolist()   # q rows [start, +rows) -> keys [start, end)
+        [[0, 16, 0, 16], [16, 16, 0, 32], [32, 8, 0, 40]]
+    """
+    n = int(buf[layout.offsets["header"] + scheduler.HEADER_FIELDS.index("num_units")])
+    u = buf[layout.offsets["units"]:layout.offsets["units"] + 8 * n].reshape(n, 8)
+    req, qo_off, q_start, q_rows = u[:, 0], u[:, 2], u[:, 3], u[:, 4]
+    first_tok, last_tok = q_start // group, (q_start + q_rows - 1) // group
+    if qpos is None:
+        q_max = kv_lens[req] - (qo[req + 1] - qo[req]) + last_tok
+    else:  # the largest given position among each unit's tokens
+        q_max = np.array([qpos[o + f:o + t + 1].max() for o, f, t in
+                          zip(qo_off.tolist(), first_tok.tolist(), last_tok.tolist())],
+                         dtype=np.int64).reshape(-1)
+    limit = q_max + bound + 1 - (kvoff[req] if kvoff is not None else 0)
+    u[:, 6] = np.clip(limit, u[:, 5], u[:, 6])
 
 
 def _pad4(n: int) -> int:

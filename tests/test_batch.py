@@ -355,3 +355,97 @@ def test_lazy_plan_is_the_packed_plan() -> None:
     staged = ba._staging_np[:ba.layout.size]
     assert ba._plan.pack(ba.layout).tobytes() == staged.tobytes()
     assert ba._plan.num_merges == ba.layout.unpack(staged)["num_merges"]
+
+
+def test_causal_clipped_plan_executes_to_exact_causal_attention() -> None:
+    """clip_causal_units ends each unit at its last query's diagonal; running the clipped plan
+    on the CPU in fp64 (units in queue order, partials, then the merge map) still gives exact
+    causal attention, with fewer key positions computed."""
+    import math
+
+    from attncc.runtime.batch import clip_causal_units
+    from attncc.runtime.merge import merge_states
+    from attncc.runtime.scheduler import WRITE_THROUGH, PlanLayout, plan_into
+
+    gen = torch.Generator().manual_seed(3)
+    lq = np.array([40, 1, 200, 17, 64])
+    kv = np.array([40, 900, 700, 17, 300])       # prefill chunks: queries are the last tokens
+    hq, hk, d, tq = 4, 2, 8, 16
+    g = hq // hk
+    qo, kv_ptr = np.concatenate([[0], np.cumsum(lq)]), np.concatenate([[0], np.cumsum(kv)])
+    lay = PlanLayout(8, int(qo[-1]), 96, hq, hk, tq)
+    buf = np.zeros(lay.size, dtype=np.int32)
+    plan_into(buf, lay, qo, kv, hq, hk, tq, 96, kv_chunk_align=16, min_kv_chunk=16)
+    before = lay.unpack(buf)["units"].copy()
+    clip_causal_units(buf, lay, qo, kv, g, 0)
+    p = lay.unpack(buf)
+    u = p["units"]
+    assert p["num_merges"] > 0 and (u["kv_end"] < before["kv_end"]).any()
+    assert (u["kv_end"] - u["kv_start"]).sum() < (before["kv_end"] - before["kv_start"]).sum()
+
+    q = torch.randn(int(qo[-1]), hq, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(int(kv_ptr[-1]), hk, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(int(kv_ptr[-1]), hk, d, generator=gen, dtype=torch.float64)
+    scale = 1 / math.sqrt(d)
+
+    def unit_state(x: Any) -> tuple[torch.Tensor, torch.Tensor, Any, Any]:
+        r = torch.arange(int(x["q_start"]), int(x["q_start"] + x["q_rows"]))
+        tok, head = int(x["qo_offset"]) + r // g, int(x["kv_head"]) * g + r % g
+        req = int(x["request"])
+        pos = int(kv[req] - lq[req]) + r // g                       # query positions
+        keys = torch.arange(int(x["kv_start"]), int(x["kv_end"]))
+        s = (q[tok, head] @ k[kv_ptr[req] + keys, int(x["kv_head"])].T) * scale
+        s = s.masked_fill(keys[None, :] > pos[:, None], -math.inf)
+        lse = torch.logsumexp(s, 1) if s.shape[1] else torch.full((len(r),), -math.inf,
+                                                                   dtype=torch.float64)
+        w = torch.where(torch.isinf(lse)[:, None], torch.zeros_like(s), torch.exp(s - lse[:, None]))
+        return w @ v[kv_ptr[req] + keys, int(x["kv_head"])], lse, tok, head
+
+    out = torch.full((q.shape[0], hq, d), math.nan, dtype=torch.float64)
+    ws_o = torch.full((p["num_partial_slots"], tq, d), math.nan, dtype=torch.float64)
+    ws_lse = torch.full((p["num_partial_slots"], tq), math.nan, dtype=torch.float64)
+    for c in range(p["num_ctas"]):
+        for i in p["cta_units"][p["cta_indptr"][c]:p["cta_indptr"][c + 1]]:
+            x = u[i]
+            o, lse, tok, head = unit_state(x)
+            if x["slot"] == WRITE_THROUGH:
+                out[tok, head] = o
+            else:
+                ws_o[x["slot"], :len(tok)], ws_lse[x["slot"], :len(tok)] = o, lse
+    for m in range(p["num_merges"]):
+        t = p["merge_out"][m]
+        slots = torch.from_numpy(
+            p["merge_slots"][p["merge_indptr"][m]:p["merge_indptr"][m + 1]].astype(np.int64))
+        n = int(t["q_rows"])
+        o, _ = merge_states(ws_o[slots, :n], ws_lse[slots, :n])
+        r = torch.arange(int(t["q_start"]), int(t["q_start"]) + n)
+        out[int(t["qo_offset"]) + r // g, int(t["kv_head"]) * g + r % g] = o
+    for b in range(len(lq)):
+        qs = q[qo[b]:qo[b + 1]].transpose(0, 1)
+        ks = k[kv_ptr[b]:kv_ptr[b + 1]].repeat_interleave(g, dim=1).transpose(0, 1)
+        vs = v[kv_ptr[b]:kv_ptr[b + 1]].repeat_interleave(g, dim=1).transpose(0, 1)
+        s = qs @ ks.transpose(1, 2) * scale
+        pos = torch.arange(int(kv[b] - lq[b]), int(kv[b]))
+        s = s.masked_fill(torch.arange(int(kv[b]))[None, None, :] > pos[None, :, None], -math.inf)
+        ref = (torch.softmax(s, -1) @ vs).transpose(0, 1)
+        assert torch.allclose(out[qo[b]:qo[b + 1]], ref, atol=1e-10), b
+
+
+def test_causal_variants_clip_their_plans_others_do_not() -> None:
+    """plan() clips units only for masks with a proven bound, and not for decode batches."""
+    def units(variant: Any, lq: list[int]) -> np.ndarray:
+        ba = BatchAttention(variant, kv_layout="NHD", device="cpu")
+        n_pages = [-(-n // 16) for n in (900, 300)]
+        ba.plan(np.concatenate([[0], np.cumsum(lq)]), np.concatenate([[0], np.cumsum(n_pages)]),
+                np.arange(sum(n_pages)), [900 - 16 * 56, 300 - 16 * 18], num_qo_heads=4,
+                num_kv_heads=2, head_dim=128, page_size=16)
+        assert ba.layout is not None
+        return ba.layout.unpack(ba._staging_np)["units"].copy()
+
+    causal = attncc.Variant(mask_mod=lambda b, h, q, kv: q >= kv)
+    prefix = attncc.Variant(mask_mod=lambda b, h, q, kv: (kv < 100) | (q >= kv))
+    full = units(None, [500, 300])
+    assert (units(prefix, [500, 300])["kv_end"] == full["kv_end"]).all()
+    clipped = units(causal, [500, 300])
+    assert (clipped["kv_end"] <= full["kv_end"]).all() and (clipped["kv_end"] < full["kv_end"]).any()
+    assert (units(causal, [1, 1])["kv_end"] == units(None, [1, 1])["kv_end"]).all()

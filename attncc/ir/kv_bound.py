@@ -1,0 +1,83 @@
+"""A provable upper bound on the keys a mask can keep, relative to the query: kv_idx <= q_idx + c.
+
+A causal mask keeps no key after its query, so a query tile never needs the keys past its last
+row's position; a serving plan can end each unit's KV range there instead of at the request's
+end (half the work of a causal prefill). `causal_bound(mask)` finds the smallest such c the
+mask's structure proves, or None:
+
+- a comparison of `q_idx` and `kv_idx` that are linear with unit coefficients and integer
+  constants (`q_idx >= kv_idx`, `kv_idx < q_idx + 4`, `q_idx - kv_idx >= 0`, `kv_idx == q_idx`);
+- `a & b`: the tighter of the bounds the two sides have (one side is enough);
+- `a | b`: the looser, only when both sides have one;
+- anything else: None (no bound is claimed).
+
+Example:
+    >>> from attncc.ir.nodes import var, param, I32
+    >>> q, kv = var("q_idx"), var("kv_idx")
+    >>> causal_bound(q >= kv), causal_bound(kv < q), causal_bound((q >= kv) & (q - kv <= 256))
+    (0, -1, 0)
+    >>> causal_bound((kv < param("prefix", I32)) | (q >= kv)) is None   # prefix-LM: no bound
+    True
+"""
+from __future__ import annotations
+
+from .nodes import Node, const_value
+
+__all__ = ["causal_bound"]
+
+_Linear = tuple[int, int, int]  # (coefficient of q_idx, of kv_idx, constant)
+
+
+def _linear(n: Node) -> _Linear | None:
+    """`n` as a*q_idx + b*kv_idx + c with integer a, b, c, or None."""
+    if n.op == "var":
+        return {"q_idx": (1, 0, 0), "kv_idx": (0, 1, 0)}.get(n.attr)
+    if n.op == "const":
+        v = const_value(n)
+        return (0, 0, int(v)) if isinstance(v, int) and not isinstance(v, bool) else None
+    if n.op == "neg":
+        x = _linear(n.args[0])
+        return None if x is None else (-x[0], -x[1], -x[2])
+    if n.op in ("add", "sub"):
+        a, b = _linear(n.args[0]), _linear(n.args[1])
+        if a is None or b is None:
+            return None
+        s = 1 if n.op == "add" else -1
+        return (a[0] + s * b[0], a[1] + s * b[1], a[2] + s * b[2])
+    return None
+
+
+def _compare_bound(op: str, lhs: Node, rhs: Node) -> int | None:
+    """The c of `lhs op rhs  =>  kv_idx <= q_idx + c`, when the comparison is
+    alpha * (q_idx - kv_idx) + k  op  0 with alpha = +-1."""
+    a, b = _linear(lhs), _linear(rhs)
+    if a is None or b is None:
+        return None
+    cq, ckv, k = a[0] - b[0], a[1] - b[1], a[2] - b[2]
+    if cq != -ckv or cq not in (1, -1):
+        return None
+    if cq == -1:  # -(q - kv) + k op 0  <=>  (q - kv) - k  flipped op  0
+        op = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}[op]
+        k = -k
+    # now (q - kv) + k op 0, i.e. q - kv op -k
+    if op == "ge":
+        return k          # kv <= q + k
+    if op == "gt":
+        return k - 1      # kv <  q + k
+    if op == "eq":
+        return k          # kv == q + k
+    return None           # le / lt / ne bound kv from below or not at all
+
+
+def causal_bound(mask: Node) -> int | None:
+    """The smallest c with mask(b, h, q_idx, kv_idx) => kv_idx <= q_idx + c that the mask's
+    structure proves (see the module docstring), or None."""
+    if mask.op in ("ge", "gt", "le", "lt", "eq", "ne"):
+        return _compare_bound(mask.op, mask.args[0], mask.args[1])
+    if mask.op == "and":
+        got = [c for c in (causal_bound(a) for a in mask.args) if c is not None]
+        return min(got) if got else None
+    if mask.op == "or":
+        got = [causal_bound(a) for a in mask.args]
+        return None if any(c is None for c in got) else max(got)  # type: ignore[type-var]
+    return None

@@ -1,0 +1,88 @@
+"""attncc.ir.kv_bound.causal_bound: the bound it claims holds on every (q, kv) the mask keeps,
+and it is tight for the plain comparisons; masks it cannot bound get None."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from attncc.ir.evaluator import evaluate
+from attncc.ir.kv_bound import causal_bound
+from attncc.ir.nodes import I32, Node, binary, const, load, param, var
+from attncc.ir.simplify import simplify_variant
+from examples.gym import GYM
+
+q, kv = var("q_idx"), var("kv_idx")
+N = 48
+
+
+def _kept(mask: Node) -> torch.Tensor:
+    """mask over an N x N grid of (q_idx, kv_idx) (b = h = 0, prefix = 5, doc ids in runs)."""
+    qi = torch.arange(N).view(N, 1).expand(N, N)
+    ki = torch.arange(N).view(1, N).expand(N, N)
+    docs = torch.arange(N).view(1, N) // 7
+    env = {"q_idx": qi, "kv_idx": ki, "b": 0, "h": 0}
+    out = evaluate(mask, env, tensors={"doc_ids": docs}, params={"prefix": 5})
+    return out.expand(N, N).bool()
+
+
+def _check(mask: Node, c: int | None, tight: bool = False) -> None:
+    assert causal_bound(mask) == c
+    if c is None:
+        return
+    kept = _kept(mask)
+    qi, ki = torch.nonzero(kept, as_tuple=True)
+    assert bool((ki <= qi + c).all()), f"kept a key past q + {c}"
+    if tight:
+        assert bool((ki == qi + c).any()), "the bound is not reached"
+
+
+@pytest.mark.parametrize("op,c", [("ge", 0), ("gt", -1), ("eq", 0)])
+@pytest.mark.parametrize("shift", [-3, 0, 4])
+def test_comparisons_both_ways_round(op: str, c: int, shift: int) -> None:
+    """q_idx + shift op kv_idx and its mirrored spelling give kv <= q + shift + c, reached."""
+    lhs = q + const(shift) if shift else q
+    mirrored = {"ge": "le", "gt": "lt", "eq": "eq"}[op]
+    _check(binary(op, lhs, kv), shift + c, tight=True)
+    _check(binary(mirrored, kv, lhs), shift + c, tight=True)
+    _check(binary(op, lhs - kv, const(0)), shift + c, tight=True)
+
+
+def test_lower_bounds_and_other_shapes_claim_nothing() -> None:
+    for m in (kv >= q, q <= kv, q - kv < 3, binary("floordiv", q, const(2)) >= kv,
+              q >= kv * 2, binary("ne", kv, q), q * 2 >= kv * 2):
+        _check(m, None)
+
+
+def test_and_or() -> None:
+    window = (q >= kv) & (q - kv <= 8)
+    _check(window, 0, tight=True)
+    _check((q >= kv + 2) & (kv >= q - 9), -2, tight=True)      # kv <= q - 2
+    _check((q > kv) | binary("eq", kv, q + 3), 3, tight=True)
+    _check((kv < param("prefix", I32)) | (q >= kv), None)       # prefix-LM keeps later keys
+    same_doc = binary("eq", load("doc_ids", (var("b"), q), I32), load("doc_ids", (var("b"), kv), I32))
+    _check(same_doc & (q >= kv), 0, tight=True)                 # document-causal
+    _check(same_doc, None)
+
+
+@pytest.mark.parametrize("name", sorted(GYM))
+def test_gym_masks(name: str) -> None:
+    """Every AttentionGym mask: the claimed bound holds on the grid; the causal ones get 0."""
+    ir = simplify_variant(GYM[name](1, 4, N, 64).trace()[0])
+    m = ir.hook("mask_mod")
+    if m.is_identity:
+        return
+    c = causal_bound(m.expr)
+    if name in ("causal", "sliding_window", "document_causal", "alibi_causal",
+                "softcap_causal"):
+        assert c == 0
+    if c is not None:
+        tensors = {k: v for k, v in itertools.chain(GYM[name](1, 4, N, 64).trace()[1].tensors
+                                                     .items())}
+        qi = torch.arange(N).view(N, 1).expand(N, N)
+        ki = torch.arange(N).view(1, N).expand(N, N)
+        kept = evaluate(m.expr, {"q_idx": qi, "kv_idx": ki, "b": 0, "h": 0}, tensors=tensors,
+                        params=dict(GYM[name](1, 4, N, 64).trace()[1].scalars)).expand(N, N)
+        i, j = torch.nonzero(kept.bool(), as_tuple=True)
+        assert bool((j <= i + c).all())
