@@ -49,6 +49,7 @@ from attncc.frontend import Variant
 from attncc.ir.program import VariantIR
 
 from . import planner, scheduler
+from .lpt import lpt_schedule
 from .fa3_batch import FA3_BATCH_STAGES, fa3_batch_maps, fa3_batch_source, fa3_unsupported
 from .gpu_flex import HEAD_DIMS, _captured, _num_sms, _spill_bytes, fa2_config, fa2_source
 from .tile_choice import Fa2Config
@@ -768,7 +769,8 @@ def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndar
     kv_idx <= q_idx + bound (attncc.ir.kv_bound) keeps no key past its unit's last query
     position + bound, so a causal prefill tile stops at its diagonal instead of its request's
     end -- about half a causal prefill's tiles, which the kernels would only mask away. A unit
-    whose range becomes empty writes an empty partial state (the merge skips it). In place, on
+    whose range becomes empty writes an empty partial state (the merge skips it). The CTA
+    queues are then rebalanced (longest first) on the clipped costs. In place, on
     the staged plan words `buf` (the positions the hooks see: `qpos` per query token if given,
     else kv_len - q_len + t; keys shifted by `kvoff` per request if given).
 
@@ -794,7 +796,19 @@ def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndar
                           zip(qo_off.tolist(), first_tok.tolist(), last_tok.tolist())],
                          dtype=np.int64).reshape(-1)
     limit = q_max + bound + 1 - (kvoff[req] if kvoff is not None else 0)
+    before = int((u[:, 6] - u[:, 5]).sum())
     u[:, 6] = np.clip(limit, u[:, 5], u[:, 6])
+    # The CTA queues were balanced on the unclipped costs, and the clipped units of a causal
+    # prefill range from empty to whole: balance them again (same cost rule as the scheduler,
+    # alpha = beta = 1) unless clipping removed under a tenth of the keys (a mixed step with
+    # one short prefill chunk: not worth the host time). Merges sum their slots in the plan's
+    # order, whatever CTA ran them, so the output bits do not depend on the new queues.
+    if 10 * (before - int((u[:, 6] - u[:, 5]).sum())) < before:
+        return
+    ctas = int(buf[layout.offsets["header"] + scheduler.HEADER_FIELDS.index("num_ctas")])
+    indptr, order = lpt_schedule(u[:, 4].astype(np.int64) + (u[:, 6] - u[:, 5]), ctas)
+    buf[layout.offsets["cta_indptr"]:layout.offsets["cta_indptr"] + ctas + 1] = indptr
+    buf[layout.offsets["cta_units"]:layout.offsets["cta_units"] + n] = order
 
 
 def _pad4(n: int) -> int:
