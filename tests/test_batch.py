@@ -449,3 +449,36 @@ def test_causal_variants_clip_their_plans_others_do_not() -> None:
     clipped = units(causal, [500, 300])
     assert (clipped["kv_end"] <= full["kv_end"]).all() and (clipped["kv_end"] < full["kv_end"]).any()
     assert (units(causal, [1, 1])["kv_end"] == units(None, [1, 1])["kv_end"]).all()
+
+
+@pytest.mark.parametrize("lq,kv,hkv", [([1] * 40, [700] * 40, 8), ([300, 1, 2000], [300, 9, 5000], 2),
+                                       ([1] * 3, [1, 2, 3], 4)])
+def test_used_ranges_carry_everything_the_kernels_read(lq: list[int], kv: list[int],
+                                                       hkv: int) -> None:
+    """run() uploads only `used_ranges` of the staged plan: a workspace that got just those
+    words (the rest left as garbage) unpacks to the same plan and page tables."""
+    from attncc.runtime.batch import used_ranges
+
+    ba = BatchAttention(attncc.Variant(mask_mod=lambda b, h, q, k: q >= k), kv_layout="NHD",
+                        device="cpu")
+    n_pages = [-(-n // 16) for n in kv]
+    ba.plan(np.concatenate([[0], np.cumsum(lq)]), np.concatenate([[0], np.cumsum(n_pages)]),
+            np.arange(sum(n_pages)), [n - 16 * (p - 1) for n, p in zip(kv, n_pages)],
+            num_qo_heads=4 * hkv, num_kv_heads=hkv, head_dim=128, page_size=16)
+    assert ba.layout is not None
+    buf, o = ba._staging_np, ba._offsets
+    end = o["pages"] + sum(n_pages)
+    dev = np.full(end, -7, dtype=np.int32)
+    ranges = used_ranges(buf, ba.layout, o["qo_indptr"], end)
+    for w0, w1 in ranges:
+        dev[w0:w1] = buf[w0:w1]
+    want, got = ba.layout.unpack(buf), ba.layout.unpack(dev)
+    for key, val in want.items():
+        if isinstance(val, int):
+            assert got[key] == val, key
+        else:
+            assert val.tobytes() == got[key].tobytes(), key
+    for name, count in (("qo_indptr", len(lq) + 1), ("kv_page_indptr", len(lq) + 1),
+                        ("kv_lens", len(lq)), ("pages", sum(n_pages))):
+        assert np.array_equal(dev[o[name]:o[name] + count], buf[o[name]:o[name] + count]), name
+    assert sum(w1 - w0 for w0, w1 in ranges) < end  # less than the whole region
