@@ -70,7 +70,6 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp) {
   static_assert(D == 64 || D == 128, "the FA3 batch kernel supports head dims 64 and 128");
   static_assert(TKV == 128, "the FA3 batch kernel's KV tiles are 128 keys");
-  static_assert(fa2::ElemTraits<DType>::kIsBf16, "the FA3 kernel's wgmma wrappers are bf16");
   using S = Smem<D, TKV, STAGES>;
   using SB = BatchSmem<D, TKV, STAGES>;
   constexpr int BLOCKS = D / 64;

@@ -30,8 +30,8 @@
 //
 // Supported: head dims 64 and 128, score_mod / mask_mod hooks (LogitsTransform / LogitsMask),
 // FlexAttention BlockMask lists (128-row query blocks, block_kv a multiple of TKV), GQA (one
-// query head per CTA), bf16. The launcher keeps query/key/value/output transforms on the FA2
-// template.
+// query head per CTA), bf16 and fp16. The launcher keeps query/key/value/output transforms on
+// the FA2 template.
 //
 // Layouts: every tile is stored 128B-swizzled in 64-column blocks (wgmma.cuh), which is exactly
 // what a TMA box of [64 rows][64 elements] with the 128-byte swizzle writes; a column block of a
@@ -64,7 +64,7 @@ using fa2::fa2_u32;
 constexpr int kConsumers = 2;          // consumer warpgroups, 64 query rows each
 constexpr int kTQ = 64 * kConsumers;    // query rows per CTA
 constexpr int kThreads = 128 * (1 + kConsumers);
-constexpr int kBoxBytes = 64 * 128;     // one TMA box: [64 rows][64 bf16], 128B-swizzled
+constexpr int kBoxBytes = 64 * 128;     // one TMA box: [64 rows][64 16-bit], 128B-swizzled
 // registers per thread after setmaxnreg: 24 x 128 + 240 x 256 <= 64K, one CTA per SM
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
@@ -102,17 +102,18 @@ struct Turns {
 
 // Issue S = Q K^T for one K tile (D/16 k-steps, each a 32-byte step inside a 64-column block;
 // the K operand's TKV rows are 8-row swizzle atoms 1024 bytes apart) and commit it as a group.
-template <int D, int TKV>
+template <typename DType, int D, int TKV>
 __device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], fa2_u32 sq_w, fa2_u32 sk_tile) {
+  constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const fa2_u32 inner = (ks & 3) * 32;
     const wg::u64 a = wg::make_desc(sq_w + (ks >> 2) * 64 * 128 + inner, 16, 1024);
     const wg::u64 k = wg::make_desc(sk_tile + (ks >> 2) * TKV * 128 + inner, 16, 1024);
     if constexpr (TKV == 128) {
-      wg::mma_ss_m64n128k16_bf16(s, a, k, ks > 0);
+      wg::mma_ss_m64n128k16<F16>(s, a, k, ks > 0);
     } else {
-      wg::mma_ss_m64n64k16_bf16<0>(s, a, k, ks > 0);
+      wg::mma_ss_m64n64k16<0, F16>(s, a, k, ks > 0);
     }
   }
   wg::commit();
@@ -120,15 +121,16 @@ __device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], fa2_u32 sq_w, fa2_
 
 // Issue O += P V for one V tile (P's A fragment for k-step kk is S's columns 16kk..16kk+15; V
 // rows 16kk.. of column block blk are N-major, 8-row groups SBO = 1024 bytes apart) and commit.
-template <int D, int TKV>
+template <typename DType, int D, int TKV>
 __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (&pa)[TKV / 16][4],
                                          fa2_u32 sv_tile) {
+  constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
 #pragma unroll
   for (int blk = 0; blk < D / 64; ++blk)
 #pragma unroll
     for (int kk = 0; kk < TKV / 16; ++kk) {
       const fa2_u32 vaddr = sv_tile + blk * TKV * 128 + kk * 16 * 128;
-      wg::mma_rs_m64n64k16_bf16<1>(o[blk], pa[kk],
+      wg::mma_rs_m64n64k16<1, F16>(o[blk], pa[kk],
                                    wg::make_desc(vaddr, ATTNCC_FA3_V_LBO, ATTNCC_FA3_V_SBO), 1);
     }
   wg::commit();
@@ -232,7 +234,7 @@ __device__ __forceinline__ void rescale(float (&o)[D / 64][32], const float (&co
       }
 }
 
-// P as bf16 A fragments: k-step kk takes S's columns 16kk .. 16kk+15 (mma.sync's A layout).
+// P as 16-bit A fragments: k-step kk takes S's columns 16kk .. 16kk+15 (mma.sync's A layout).
 template <typename DType, int TKV>
 __device__ __forceinline__ void pack_p(fa2_u32 (&pa)[TKV / 16][4], const float (&s)[TKV / 2]) {
 #pragma unroll
@@ -284,7 +286,7 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
   landed(0, t0);
   turns.wait_mine();
   wg::fence();
-  issue_qk<D, TKV>(s, sq_w, ring.k_of(t0));
+  issue_qk<DType, D, TKV>(s, sq_w, ring.k_of(t0));
   turns.pass();
   wg::wait<0>();
   wg::fence_operands(s);
@@ -301,8 +303,8 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
     wg::fence_operands(o);
     turns.wait_mine();
     wg::fence();  // pa and o were written by ordinary instructions
-    issue_qk<D, TKV>(s, sq_w, ring.k_of(t));
-    issue_pv<D, TKV>(o, pa, ring.v_of(t - 1));
+    issue_qk<DType, D, TKV>(s, sq_w, ring.k_of(t));
+    issue_pv<DType, D, TKV>(o, pa, ring.v_of(t - 1));
     turns.pass();
     wg::wait<1>();  // S(i) is done; P(i-1) V(i-1) may still run
     wg::fence_operands(s);
@@ -319,7 +321,7 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
   wg::fence_operands(o);
   turns.wait_mine();
   wg::fence();
-  issue_pv<D, TKV>(o, pa, ring.v_of(t0 + n - 1));
+  issue_pv<DType, D, TKV>(o, pa, ring.v_of(t0 + n - 1));
   if (turns.me == 0) turns.pass();  // consumer 1 has no later issue point to hand back
   wg::wait<0>();
   wg::fence_operands(o);
@@ -360,7 +362,6 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
                                             const typename Variant::Params& vp) {
   static_assert(D == 64 || D == 128 || D == 256, "the FA3 kernel supports head dims 64, 128, 256");
   static_assert(TKV == 64 || TKV == 128, "the FA3 kernel's KV tiles are 64 or 128 keys");
-  static_assert(fa2::ElemTraits<DType>::kIsBf16, "the FA3 kernel's wgmma wrappers are bf16");
   using S = Smem<D, TKV, STAGES>;
   constexpr int BLOCKS = D / 64;     // 64-column blocks per tile
   constexpr bool kSoftmax = Variant::use_softmax;
@@ -485,7 +486,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     consume_tiles<DType, D, TKV>(tiles.count, 0, sq_w, ring, turns, o, logits_softmax,
                                  [](int, int) {}, [] {});
 
-  // ---- epilogue: normalize, store bf16 pairs and the LSE ---------------------------------------
+  // ---- epilogue: normalize, store 16-bit pairs and the LSE -------------------------------------
   DType* out = reinterpret_cast<DType*>(p.o);
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {

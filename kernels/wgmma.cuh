@@ -70,57 +70,68 @@ __device__ __forceinline__ void wait() {
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
   "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 
+// Each wrapper below is one asm statement per input type: T is "bf16" or "f16" (the PTX type
+// of both operands; F16 picks it), spliced into the instruction's string literal.
+
 // D[64x64] (+)= A[64x16] (shared, K-major) * B[16x64] (shared; K-major, or N-major when
-// TRANS_B), bf16 in, fp32 accumulate. accumulate = 0 overwrites D.
-template <int TRANS_B>
-__device__ __forceinline__ void mma_ss_m64n64k16_bf16(float (&d)[32], u64 desc_a, u64 desc_b,
-                                                      int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " ATTNCC_WG_D32_LIST
-      ", %32, %33, p, 1, 1, 0, %35;\n}\n"
-      : ATTNCC_WG_D32
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B));
+// TRANS_B), bf16 (or fp16 with F16) in, fp32 accumulate. accumulate = 0 overwrites D.
+#define ATTNCC_WG_SS_N64(T)                                                                \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " " ATTNCC_WG_D32_LIST \
+               ", %32, %33, p, 1, 1, 0, %35;\n}\n"                                          \
+               : ATTNCC_WG_D32                                                               \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B))
+template <int TRANS_B, bool F16 = false>
+__device__ __forceinline__ void mma_ss_m64n64k16(float (&d)[32], u64 desc_a, u64 desc_b,
+                                                 int accumulate) {
+  if constexpr (F16) ATTNCC_WG_SS_N64("f16"); else ATTNCC_WG_SS_N64("bf16");
 }
 
 // D[64x64] (+)= A[64x16] (registers, mma.sync A-fragment layout per warp) * B[16x64] (shared).
-template <int TRANS_B>
-__device__ __forceinline__ void mma_rs_m64n64k16_bf16(float (&d)[32], const fa2::fa2_u32 (&a)[4],
-                                                      u64 desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " ATTNCC_WG_D32_LIST
-      ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-      : ATTNCC_WG_D32
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate),
-        "n"(TRANS_B));
+#define ATTNCC_WG_RS_N64(T)                                                                \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " " ATTNCC_WG_D32_LIST \
+               ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                            \
+               : ATTNCC_WG_D32                                                               \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate),   \
+                 "n"(TRANS_B))
+template <int TRANS_B, bool F16 = false>
+__device__ __forceinline__ void mma_rs_m64n64k16(float (&d)[32], const fa2::fa2_u32 (&a)[4],
+                                                 u64 desc_b, int accumulate) {
+  if constexpr (F16) ATTNCC_WG_RS_N64("f16"); else ATTNCC_WG_RS_N64("bf16");
 }
 
+#define ATTNCC_WG_D64                                                                     \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),    \
+      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),          \
+      "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),       \
+      "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),       \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),       \
+      "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),       \
+      "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),       \
+      "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),       \
+      "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]),       \
+      "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]),       \
+      "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define ATTNCC_WG_D64_LIST                                                                \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
+  "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "  \
+  "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "  \
+  "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
 // D[64x128] (+)= A[64x16] (shared, K-major) * B[16x128] (shared, K-major): the S = Q K^T of a
-// 128-key tile, 64 fp32 accumulators per thread (the m64nN layout of mma_ss_m64n64k16_bf16,
-// over 16 8-column blocks).
-__device__ __forceinline__ void mma_ss_m64n128k16_bf16(float (&d)[64], u64 desc_a, u64 desc_b,
-                                                       int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
-      "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
-      "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-      ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-      "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-      "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-      "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
-      "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-      "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
-      "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
-      "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+// 128-key tile, 64 fp32 accumulators per thread (the m64nN layout of mma_ss_m64n64k16, over
+// 16 8-column blocks).
+#define ATTNCC_WG_SS_N128(T)                                                               \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " " ATTNCC_WG_D64_LIST \
+               ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                            \
+               : ATTNCC_WG_D64                                                               \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+template <bool F16 = false>
+__device__ __forceinline__ void mma_ss_m64n128k16(float (&d)[64], u64 desc_a, u64 desc_b,
+                                                  int accumulate) {
+  if constexpr (F16) ATTNCC_WG_SS_N128("f16"); else ATTNCC_WG_SS_N128("bf16");
 }
 
 // Warp-specialized kernels hand registers from the producer to the consumers: every warp of a
@@ -156,6 +167,11 @@ __device__ __forceinline__ void fence_operands(T (&r)[M][N]) {
 
 #undef ATTNCC_WG_D32
 #undef ATTNCC_WG_D32_LIST
+#undef ATTNCC_WG_D64
+#undef ATTNCC_WG_D64_LIST
+#undef ATTNCC_WG_SS_N64
+#undef ATTNCC_WG_RS_N64
+#undef ATTNCC_WG_SS_N128
 
 }  // namespace wg
 }  // namespace attncc

@@ -336,7 +336,7 @@ class BatchAttention:
         `kv_len_i - q_len_i + t` and KV token j is position j. `q_positions` ([total query
         tokens]) overrides the first and `kv_position_offset` ([batch]) shifts the second --
         what CascadeAttention uses for a shared prefix and the suffixes after it.
-        `q_data_type` is the dtype `run` will get (the FA3 batch kernel runs bfloat16 only).
+        `q_data_type` is the dtype `run` will get.
 
         Host time: with the compiled planner (runtime/planner.c) a plan is two C calls, one
         to check the arrays (`planner.BatchPlanner.check`) and one to compute the plan
@@ -665,9 +665,6 @@ class BatchAttention:
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}")
         if k.dtype != q.dtype or v.dtype != q.dtype:
             raise ValueError(f"kv_cache dtype {k.dtype} != q dtype {q.dtype}")
-        if self.tiles.kernel == "fa3" and q.dtype != torch.bfloat16:
-            raise ValueError(f"this plan runs the FA3 batch kernel, which takes bfloat16; q is "
-                             f"{q.dtype}: plan with q_data_type={q.dtype} (or kernel='fa2')")
         ir, bindings = self.variant.trace()
         if not ir.use_softmax and (return_lse or lse is not None):
             raise ValueError("return_lse=True but the variant has normalize='none'")

@@ -3,7 +3,7 @@ its generated source, and its TMA maps.
 
 The FA3 batch kernel runs the same plans as the FA2 one (units of 128 fused query rows x a KV
 range, merged by the same merge kernel) with the warp-specialized TMA + wgmma pipeline. It needs
-an sm_90 GPU, bf16, head dim 64 or 128, no query/key/value/output transforms (the hooks of
+an sm_90 GPU, bf16 or fp16, head dim 64 or 128, no query/key/value/output transforms (the hooks of
 the logits only), a GQA group that divides 64 (a 64-row box is 64 / g tokens x g heads), and KV
 pages TMA can address one box per page: power-of-two page sizes of at least 16 tokens, or a
 ragged cache.
@@ -43,8 +43,8 @@ def fa3_unsupported(device: Any, ir: VariantIR, *, head_dim: int, group: int, kv
         return "a CUDA device"
     if torch.cuda.get_device_capability(dev) != (9, 0):
         return "an sm_90 (Hopper) GPU"
-    if q_dtype is not None and q_dtype != torch.bfloat16:
-        return f"bfloat16 queries (plan(q_data_type={q_dtype}))"
+    if q_dtype is not None and q_dtype not in (torch.bfloat16, torch.float16):
+        return f"bf16 or fp16 queries (plan(q_data_type={q_dtype}))"
     if head_dim not in FA3_BATCH_STAGES:
         return f"head dim 64 or 128 (got {head_dim})"
     if 64 % group:

@@ -159,10 +159,9 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
                          f"is {arch}")
     transforms = [h for h in ("query_mod", "key_mod", "value_mod", "output_mod")
                   if not ir.hook(h).is_identity]
-    if transforms or dtype != "bfloat16":
-        raise ValueError(f"kernel_options['KERNEL']='fa3' runs bfloat16 score/mask variants; "
-                         f"this call has dtype {dtype} and {transforms or 'no'} transforms -- "
-                         f"drop KERNEL to use the FA2 template")
+    if transforms:
+        raise ValueError(f"kernel_options['KERNEL']='fa3' runs score/mask variants; this call "
+                         f"has {transforms} transforms -- drop KERNEL to use the FA2 template")
     gk = _fa3_generated(ir, head_dim, dtype, plan)
     res, _ = cached_compile(gk.source, arch=arch, name=f"{gk.kernel_name}.cu", verbose=True)
     kl = load_kernel(res.cubin, gk.kernel_name, gk.attention_params_layout, gk.params_layout,
@@ -469,9 +468,8 @@ class LaunchPlan:
 def _fa3_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: VariantIR,
             device: int) -> bool:
     """What the FA3 kernel needs beyond the shape (tile_choice checks that): an sm_90 GPU,
-    bf16, q/k/v contiguous (TMA reads them as [rows, head_dim]) and no q/k/v/o transforms."""
+    q/k/v contiguous (TMA reads them as [rows, head_dim]) and no q/k/v/o transforms."""
     return (torch.cuda.get_device_capability(device) == (9, 0)
-            and query.dtype == torch.bfloat16
             and all(t.is_contiguous() for t in (query, key, value))
             and all(ir.hook(h).is_identity
                     for h in ("query_mod", "key_mod", "value_mod", "output_mod")))

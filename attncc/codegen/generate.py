@@ -309,8 +309,6 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
                                f"attncc.BatchAttention and is not exported; export 'fa2' or "
                                f"'simple'")
         if kernel in ("fa3", "fa3batch"):
-            if dtype != "bfloat16":
-                raise CodegenError(f"dtype={dtype!r}: the {kernel!r} kernel runs bfloat16")
             tiles = tiles if tiles is not None else fa3_tiles()
             if tiles.tkv not in FA3_TKV_CHOICES or tiles != fa3_tiles(tiles.stages, tiles.tkv):
                 raise CodegenError(f"the 'fa3' kernel has 128-row tiles (two consumer "

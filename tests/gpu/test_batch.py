@@ -120,9 +120,12 @@ def _plan_on_cache(ba: BatchAttention, q_lens: list[int], kv_lens: list[int], ca
 # chunks with odd lengths (partial query tiles, partial last KV tiles, splits merged), a decode
 # row and a 1-token KV request among them.
 PREFILL = ([300, 1, 4096, 129, 1000, 17], [300, 5, 32768, 1000, 1000, 17])
-FA3_CASES = [("NHD", 16, "plain", 1, 128), ("HND", 16, "causal", 4, 128),
-             ("NHD", 64, "softcap_causal", 8, 128), ("ragged", 1, "alibi_causal", 1, 128),
-             ("HND", 128, "sliding_window", 4, 64), ("NHD", 256, "causal", 2, 64)]
+FA3_CASES = [("NHD", 16, "plain", 1, 128, torch.bfloat16),
+             ("HND", 16, "causal", 4, 128, torch.float16),
+             ("NHD", 64, "softcap_causal", 8, 128, torch.bfloat16),
+             ("ragged", 1, "alibi_causal", 1, 128, torch.bfloat16),
+             ("HND", 128, "sliding_window", 4, 64, torch.float16),
+             ("NHD", 256, "causal", 2, 64, torch.bfloat16)]
 
 
 def _needs_sm90() -> None:
@@ -130,17 +133,18 @@ def _needs_sm90() -> None:
         pytest.skip("the FA3 batch kernel needs an sm_90 GPU")
 
 
-@pytest.mark.parametrize("layout,page,var,g,d", FA3_CASES,
-                         ids=[f"{c[0]}-p{c[1]}-{c[2]}-g{c[3]}-d{c[4]}" for c in FA3_CASES])
-def test_fa3_batch_matches_reference(layout: str, page: int, var: str, g: int, d: int) -> None:
+@pytest.mark.parametrize("layout,page,var,g,d,dtype", FA3_CASES,
+                         ids=[f"{c[0]}-p{c[1]}-{c[2]}-g{c[3]}-d{c[4]}-{str(c[5])[6:]}"
+                              for c in FA3_CASES])
+def test_fa3_batch_matches_reference(layout: str, page: int, var: str, g: int, d: int,
+                                     dtype: torch.dtype) -> None:
     _needs_sm90()
     hkv = 2
-    b = _batch(layout, page, PREFILL[0], PREFILL[1], hkv, g, d, torch.bfloat16,
-               seed=len(var) + 3 * g + d)
+    b = _batch(layout, page, PREFILL[0], PREFILL[1], hkv, g, d, dtype, seed=len(var) + 3 * g + d)
     variant = _variant(var, hkv * g, d)
     ba = BatchAttention(variant, kv_layout=layout, kernel="fa3")
     ba.plan(b["qo"], b["kv_indptr"], b["kv_indices"], b["last"], num_qo_heads=hkv * g,
-            num_kv_heads=hkv, head_dim=d, page_size=page)
+            num_kv_heads=hkv, head_dim=d, page_size=page, q_data_type=dtype)
     assert ba.tiles is not None and ba.tiles.kernel == "fa3"
     _check(ba, b, variant, layout, page)
 

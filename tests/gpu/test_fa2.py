@@ -151,7 +151,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # The matrix runs twice: with the FA2 template forced, and with the default pick, which on an
-# sm_90 GPU is the FA3 template wherever it applies (bf16, >= 128 query rows, no q/k/v/o
+# sm_90 GPU is the FA3 template wherever it applies (>= 128 query rows, no q/k/v/o
 # transforms, 128-row block-mask blocks); the default run skips the cases it would give to FA2.
 KERNELS = {"fa2": {"KERNEL": "fa2"}, "default": None}
 

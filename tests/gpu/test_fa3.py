@@ -33,7 +33,7 @@ def test_fa3_default_stages_fill_shared_memory() -> None:
 
 
 def test_fa3_is_picked_where_it_fits() -> None:
-    """fa3_ok (sm_90, bf16, contiguous, no transforms) makes FA3 the default for >= 128 query
+    """fa3_ok (sm_90, contiguous, no transforms) makes FA3 the default for >= 128 query
     rows whose block mask has 128-row / 128-key blocks; FA2 runs everything else, and
     kernel_options KERNEL or BLOCK_M keep their meaning."""
     def pick(**kw: Any) -> str:
@@ -124,6 +124,19 @@ def test_fa3_matches_reference(name: str, d: int, s: int, g: int, tkv: int, rng:
     q, k, v = rng.qkv(2, 2 * g, s, d, Hkv=2, dtype=torch.bfloat16, device="cuda")
     ir, bind = GYM[name](2, 2 * g, s, d).trace()
     _check(q, k, v, ir, bind, None, g, tkv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,d,s,g", [("softcap_causal", 128, 1000, 4), ("alibi_causal", 64, 300, 1),
+                                        ("noop", 256, 129, 1)])
+def test_fa3_fp16(name: str, d: int, s: int, g: int, rng: Any) -> None:
+    """fp16 inputs run the same kernel with f16 wgmma; the default pick takes them too."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FA3 kernel needs an sm_90 GPU")
+    q, k, v = rng.qkv(2, 2 * g, s, d, Hkv=2, dtype=torch.float16, device="cuda")
+    ir, bind = GYM[name](2, 2 * g, s, d).trace()
+    _check(q, k, v, ir, bind, None, g, 128 if d <= 128 else 64)
+    assert gpu_flex.plan_launch(q, k, v, ir, bind, enable_gqa=g > 1).tiles.kernel == "fa3"
 
 
 @pytest.mark.gpu

@@ -72,7 +72,7 @@ extern "C" __global__ void __launch_bounds__(128) wg_ss(ProbeArgs p, Unused) {
   for (int ks = 0; ks < p.k / 16; ++ks) {
     // k-step ks: column block ks / 4 (64 elements each), 32 bytes per 16 elements inside it
     const unsigned off = (ks >> 2) * 64 * 128 + (ks & 3) * 32;
-    attncc::wg::mma_ss_m64n64k16_bf16<0>(
+    attncc::wg::mma_ss_m64n64k16<0>(
         d, attncc::wg::make_desc(probe::smem_u32(sa) + off, 16, 1024),
         attncc::wg::make_desc(probe::smem_u32(sb) + off, 16, 1024), ks > 0);
   }
@@ -104,7 +104,7 @@ extern "C" __global__ void __launch_bounds__(128) wg_rs_v(ProbeArgs p, Unused) {
     // k-step ks covers V rows 16ks .. 16ks+15: 16 rows of 128 bytes further. The A registers
     // were just written by ordinary instructions: fence before the wgmma reads them.
     attncc::wg::fence();
-    attncc::wg::mma_rs_m64n64k16_bf16<1>(
+    attncc::wg::mma_rs_m64n64k16<1>(
         d, a, attncc::wg::make_desc(probe::smem_u32(sv) + ks * 2048, p.lbo, p.sbo), ks > 0);
   }
   attncc::wg::commit();
