@@ -303,6 +303,7 @@ class BatchAttention:
         self.kernel = kernel
         self._ir: VariantIR | None = None  # the traced variant (for the FA3 checks), when needed
         self._kv_bound: int | None | bool = False  # _causal_bound's memo (False: not yet)
+        self._fa3_why: dict[tuple, str | None] = {}  # _fa3_mode's memo of fa3_unsupported
         self.min_kv_chunk = None if min_kv_chunk is None else int(min_kv_chunk)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -507,10 +508,14 @@ class BatchAttention:
         kernel="fa2"), "on" when forced (kernel="fa3"; raises if it cannot), else "auto"."""
         if self.kernel == "fa2" or (self.kernel is None and self._forced_tiles is not None):
             return "off"
-        if self._ir is None:
-            self._ir = self.variant.trace()[0]
-        why = fa3_unsupported(self.device, self._ir, head_dim=head_dim, group=group,
-                              kv_layout=self.kv_layout, page_size=page_size, q_dtype=q_dtype)
+        key = (group, head_dim, page_size, q_dtype)  # memoised: plan() runs every step
+        why = self._fa3_why.get(key, False)
+        if why is False:
+            if self._ir is None:
+                self._ir = self.variant.trace()[0]
+            why = self._fa3_why[key] = fa3_unsupported(
+                self.device, self._ir, head_dim=head_dim, group=group, kv_layout=self.kv_layout,
+                page_size=page_size, q_dtype=q_dtype)
         if self.kernel == "fa3":
             if why is not None:
                 raise ValueError(f"BatchAttention(kernel='fa3') needs {why}; use kernel=None "
