@@ -350,6 +350,8 @@ class BatchAttention:
             b = self._checked_fast(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                    num_qo_heads, num_kv_heads, head_dim, page_size)
         fast = b is not None
+        if fast and self.kv_layout == "ragged":  # (the compiled check does not count these)
+            _check_ragged_table(b.pages.size, self.max_pages)
         if b is None:
             b = self._checked(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
                               num_kv_heads, head_dim, page_size, q_positions, kv_position_offset)
@@ -439,6 +441,7 @@ class BatchAttention:
             if kv_indices is not None or kv_last_page_len is not None:
                 raise ValueError("kv_layout='ragged' takes no kv_indices / kv_last_page_len: "
                                  "kv_indptr is the CSR of KV tokens")
+            _check_ragged_table(batch, self.max_pages)
             kv_lens = np.diff(kvp)
             pages = kvp[:-1]                      # one "page" per request: its first token
             page_indptr = np.arange(batch + 1)
@@ -773,6 +776,14 @@ class BatchAttention:
         else:
             strides = (k.stride(0), k.stride(2), k.stride(1))
         return k, v, strides
+
+
+def _check_ragged_table(requests: int, max_pages: int) -> None:
+    """A ragged batch's page table holds one entry per request (its first KV token)."""
+    if requests > max_pages:
+        raise ValueError(f"a ragged batch takes one page-table entry per request: {requests} "
+                         f"requests exceed max_pages={max_pages}; construct "
+                         f"BatchAttention(max_pages=...) with room for them")
 
 
 def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndarray,

@@ -303,15 +303,15 @@ def test_fast_plan_path_stages_what_the_reference_path_stages(
     assert fast == slow
 
 
-def test_tables_that_do_not_fit_take_the_reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ragged batch with more requests than max_pages (4 words of page table) has no room
-    for its table: the compiled path writes nothing and the numpy path raises as it did."""
+def test_ragged_tables_that_do_not_fit_raise_before_staging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ragged batch with more requests than max_pages has no room for its table (one entry per
+    request): the compiled and the numpy path raise the same error before staging anything."""
     from attncc.runtime import planner
 
     args = (np.arange(7), np.arange(7) * 5)
     kw = dict(num_qo_heads=4, num_kv_heads=2, head_dim=128)
     outcome = _plan_outcome("ragged", args, kw, max_pages=2)
-    assert outcome[0] == "ValueError" and "broadcast" in outcome[1]
+    assert outcome[0] == "ValueError" and "6 requests exceed max_pages=2" in outcome[1]
     monkeypatch.setattr(planner, "_LIB", False)
     assert _plan_outcome("ragged", args, kw, max_pages=2) == outcome
 
@@ -323,7 +323,7 @@ def test_a_plan_that_raises_keeps_the_last_plan() -> None:
     ba = BatchAttention(None, kv_layout="ragged", device="cpu", max_pages=2)
     ba.plan([0, 1, 2], [0, 5, 10], num_qo_heads=4, num_kv_heads=2, head_dim=128)
     before = (ba.tiles, ba.layout, dict(ba._offsets), ba.kv_lens.tolist())
-    with pytest.raises(ValueError, match="broadcast"):  # 8 heads: a larger layout
+    with pytest.raises(ValueError, match="exceed max_pages"):  # and 8 heads: a larger layout
         ba.plan(np.arange(7), np.arange(7) * 5, num_qo_heads=8, num_kv_heads=2, head_dim=128)
     assert (ba.tiles, ba.layout, ba._offsets, ba.kv_lens.tolist()) == before
     assert ba._offsets == ba._table_offsets(ba.layout)
