@@ -51,7 +51,7 @@ from attncc.ir.program import VariantIR
 from . import planner, scheduler
 from .launcher import _driver, driver_check
 from .lpt import lpt_schedule
-from .fa3_batch import FA3_BATCH_STAGES, fa3_batch_maps, fa3_batch_source, fa3_unsupported
+from .fa3_batch import fa3_batch_maps, fa3_batch_source, fa3_batch_tiles, fa3_unsupported
 from .gpu_flex import HEAD_DIMS, _captured, _num_sms, _spill_bytes, fa2_config, fa2_source
 from .tile_choice import Fa2Config
 
@@ -104,7 +104,8 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim}: the batch kernel supports {HEAD_DIMS}")
     if fa3 == "on" or (fa3 == "auto" and force is None and max_fused_rows >= 128):
-        return BatchTiles(128, 128, FA3_BATCH_STAGES[head_dim], 1, 1, num_sms, 1, "fa3")
+        t = fa3_batch_tiles(head_dim)
+        return BatchTiles(t.tq, t.tkv, t.stages, 1, 1, num_sms, 1, "fa3")
     tq = next((t for t in (16, 32, 64) if t >= max_fused_rows), 128 if head_dim <= 128 else 64)
     # small tiles are bandwidth-bound: 32-row KV tiles halve the shared memory per CTA so twice
     # as many CTAs (and their loads) are in flight per SM

@@ -10,8 +10,6 @@ ragged cache.
 
 Example:
     >>> from attncc.ir.program import VariantIR
-
-from .tma import MapCache, tensor_map_2d, tensor_map_3d
     >>> fa3_unsupported("cpu", VariantIR(), head_dim=128, group=4, kv_layout="NHD",
     ...                 page_size=16, q_dtype=None)
     'a CUDA device'
@@ -24,13 +22,15 @@ import torch
 
 from attncc.ir.program import VariantIR
 
+from attncc.codegen.fa2 import Fa2Tiles, fa3_tiles
+
+from .tile_choice import fa3_stages
 from .tma import MapCache, tensor_map_2d, tensor_map_3d
 
-__all__ = ["fa3_unsupported", "fa3_batch_source", "fa3_batch_maps", "FA3_BATCH_STAGES"]
+__all__ = ["fa3_unsupported", "fa3_batch_source", "fa3_batch_maps", "fa3_batch_tiles",
+           "FA3_BATCH_HEAD_DIMS"]
 
-# K/V ring depth per head dim: the deepest that fits 227 KB next to the 128-row Q tile
-# (kernels/fa3_batch.cuh BatchSmem; 3 stages of 128 keys at D = 128, as the dense kernel).
-FA3_BATCH_STAGES = {64: 4, 128: 3}
+FA3_BATCH_HEAD_DIMS = (64, 128)
 _TRANSFORMS = ("query_mod", "key_mod", "value_mod", "output_mod")
 
 
@@ -45,7 +45,7 @@ def fa3_unsupported(device: Any, ir: VariantIR, *, head_dim: int, group: int, kv
         return "an sm_90 (Hopper) GPU"
     if q_dtype is not None and q_dtype not in (torch.bfloat16, torch.float16):
         return f"bf16 or fp16 queries (plan(q_data_type={q_dtype}))"
-    if head_dim not in FA3_BATCH_STAGES:
+    if head_dim not in FA3_BATCH_HEAD_DIMS:
         return f"head dim 64 or 128 (got {head_dim})"
     if 64 % group:
         return f"a GQA group that divides 64 (got {group})"
@@ -57,6 +57,17 @@ def fa3_unsupported(device: Any, ir: VariantIR, *, head_dim: int, group: int, kv
     return None
 
 
+def fa3_batch_tiles(head_dim: int) -> Fa2Tiles:
+    """The FA3 batch kernel's tiles: 128 fused query rows x 128 keys, the deepest K/V ring its
+    shared memory allows (kernels/fa3_batch.cuh BatchSmem).
+
+    Example:
+        >>> fa3_batch_tiles(128)
+        Fa2Tiles(tq=128, tkv=128, stages=3, m_frags=1, kv_warps=1)
+    """
+    return fa3_tiles(fa3_stages(head_dim, 128, batch=True), 128)
+
+
 def fa3_batch_source(ir: VariantIR, head_dim: int, dtype: str) -> Any:
     """Codegen's `fa3batch` translation unit (attention + merge kernels) for a simplified IR.
 
@@ -65,11 +76,10 @@ def fa3_batch_source(ir: VariantIR, head_dim: int, dtype: str) -> Any:
         >>> gk.kernel_name, gk.threads
         ('attncc_plain_fa3batch_d128_bf16_q128_k128_s3', 384)
     """
-    from attncc.codegen.fa2 import fa3_tiles
     from attncc.codegen.generate import generate_source
 
     return generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa3batch",
-                           tiles=fa3_tiles(FA3_BATCH_STAGES[head_dim], 128))
+                           tiles=fa3_batch_tiles(head_dim))
 
 
 _MAPS = MapCache(64)  # q / k / v maps of recent runs (runtime/tma.py)

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from attncc.codegen.fa2 import FA2_HEAD_DIMS as HEAD_DIMS
-from attncc.codegen.fa2 import FA3_TKV_CHOICES, Fa2Tiles, TKV_CHOICES, TQ_CHOICES, fa3_tiles
+from attncc.codegen.fa2 import (FA3_TKV_CHOICES, Fa2Tiles, TKV_CHOICES, TQ_CHOICES,
+                                fa3_smem_bytes, fa3_tiles)
 
-__all__ = ["Fa2Config", "TilePlan", "fa2_config", "choose_tiles", "HEAD_DIMS"]
+__all__ = ["Fa2Config", "TilePlan", "fa2_config", "choose_tiles", "fa3_stages", "HEAD_DIMS"]
 
 # T_kv per (head_dim, T_q): the largest KV tile that compiles without register spills
 # (ptxas report, sm_90a, every hook combination; bench/NOTES.md has the table).
@@ -93,16 +94,18 @@ class TilePlan:
     kernel: str = field(default="fa2", repr=False)  # kernel_options KERNEL: "fa2" or "fa3"
 
 
-def _fa3_stages(head_dim: int, tkv: int) -> int:
-    """The deepest K/V ring (at most 4 stages) whose shared memory fits one CTA: 3 stages of
-    128 keys beat 2 by 10-28% at head dim 128 (bench/NOTES.md, 2026-11-30 night)."""
-    fits = [s for s in (4, 3, 2) if _fa3_smem(head_dim, tkv, s) <= SMEM_PER_CTA]
+def fa3_stages(head_dim: int, tkv: int, batch: bool = False) -> int:
+    """The deepest K/V ring (at most 4 stages) whose shared memory fits one CTA, for the dense
+    FA3 kernel or (`batch`) the FA3 batch kernel: 3 stages of 128 keys beat 2 by 10-28% at head
+    dim 128 (bench/NOTES.md, 2026-11-30 night).
+
+    Example:
+        >>> fa3_stages(64, 128), fa3_stages(128, 128), fa3_stages(256, 64), fa3_stages(128, 128, True)
+        (4, 3, 2, 3)
+    """
+    fits = [s for s in (4, 3, 2)
+            if fa3_smem_bytes(head_dim, fa3_tiles(s, tkv), batch) <= SMEM_PER_CTA]
     return fits[0] if fits else 1
-
-
-def _fa3_smem(head_dim: int, tkv: int, stages: int) -> int:
-    """kernels/fa3_prefill.cuh Smem::kBytes: Q, the ring, 2 * stages + 1 mbarriers, 1 KB slack."""
-    return fa3_tiles(stages, tkv).smem_bytes(head_dim) + 8 * (2 * stages + 1) + 1024
 
 
 def _fa3_plan(head_dim: int, block_q: int | None, block_kv: int | None,
@@ -120,9 +123,9 @@ def _fa3_plan(head_dim: int, block_q: int | None, block_kv: int | None,
         raise ValueError(f"kernel_options['KERNEL']='fa3' needs block mask blocks of 128 "
                          f"query rows (or a multiple) and a multiple of {tkv} keys (BLOCK_N), "
                          f"got BLOCK_SIZE={(block_q, block_kv)}")
-    stages = opts.get("num_stages") or _fa3_stages(head_dim, tkv)
+    stages = opts.get("num_stages") or fa3_stages(head_dim, tkv)
     t = fa3_tiles(stages, tkv)  # CodegenError (a ValueError) for a bad stage count
-    smem = _fa3_smem(head_dim, tkv, stages)
+    smem = fa3_smem_bytes(head_dim, t)
     if smem > SMEM_PER_CTA:
         raise ValueError(f"kernel_options num_stages={stages}: the FA3 kernel's Q tile and "
                          f"{stages} K/V stages of {tkv} keys need {smem // 1024} KB of shared "

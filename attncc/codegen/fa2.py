@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from .errors import CodegenError
 
-__all__ = ["Fa2Tiles", "default_tiles", "fa3_tiles", "FA2_HEAD_DIMS", "TQ_CHOICES",
+__all__ = ["Fa2Tiles", "default_tiles", "fa3_tiles", "fa3_smem_bytes", "FA2_HEAD_DIMS",
+           "TQ_CHOICES",
            "TKV_CHOICES", "FA3_TKV_CHOICES"]
 
 FA2_HEAD_DIMS = (64, 128, 256)
@@ -96,3 +97,15 @@ def fa3_tiles(stages: int = 2, tkv: int = 128) -> Fa2Tiles:
     if tkv not in FA3_TKV_CHOICES:
         raise CodegenError(f"the FA3 kernel's KV tiles are {FA3_TKV_CHOICES} keys, not {tkv}")
     return Fa2Tiles(128, tkv, stages, 1)
+
+
+def fa3_smem_bytes(head_dim: int, tiles: Fa2Tiles, batch: bool = False) -> int:
+    """Dynamic shared memory of an FA3 kernel (kernels/fa3_prefill.cuh Smem, fa3_batch.cuh
+    BatchSmem): the Q tile and the K/V ring, 2 * stages mbarriers plus Q's one (two with
+    `batch`: full and empty), and 1 KB of slack that aligns the tiles to 1024 bytes.
+
+    Example:
+        >>> fa3_smem_bytes(128, fa3_tiles(3)), fa3_smem_bytes(128, fa3_tiles(3), batch=True)
+        (230456, 230464)
+    """
+    return tiles.smem_bytes(head_dim) + 8 * (2 * tiles.stages + (2 if batch else 1)) + 1024

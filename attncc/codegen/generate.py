@@ -32,7 +32,7 @@ import jinja2
 from ..ir.program import HOOK_ORDER, VariantIR
 from .errors import CodegenError
 from .hooks import EMITTERS, HookCode
-from .fa2 import FA2_HEAD_DIMS, FA3_TKV_CHOICES, Fa2Tiles, default_tiles, fa3_tiles
+from .fa2 import FA2_HEAD_DIMS, FA3_TKV_CHOICES, Fa2Tiles, default_tiles, fa3_smem_bytes, fa3_tiles
 from .layout import (ATTENTION_PARAMS, BATCH_PARAMS, StructLayout, c_identifier,
                      variant_params_layout)
 
@@ -101,7 +101,7 @@ KERNELS: dict[str, KernelSpec] = {
                            "attncc::fa2::fa2_batch", threads=0, rows_per_cta=0,
                            head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
                            entry_macro="ATTNCC_FA2_BATCH_ENTRY", batch=True),
-    # the same plans run by the FA3 pipeline (sm_90a; prefill-shaped batches, bf16)
+    # the same plans run by the FA3 pipeline (sm_90a; prefill-shaped batches)
     "fa3batch": KernelSpec("fa3batch", ("batch_params.cuh", "fa2_common.cuh", "fa2_attend.cuh",
                                         "fa2_batch.cuh", "wgmma.cuh", "tma.cuh",
                                         "fa3_prefill.cuh", "fa3_batch.cuh"),
@@ -316,9 +316,9 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
         tiles = tiles if tiles is not None else default_tiles(head_dim)
         name += tiles.suffix
         threads, rows, smem = tiles.threads, tiles.tq, tiles.smem_bytes(head_dim)
-        if kernel in ("fa3", "fa3batch"):  # producer + 2 consumer warpgroups; + mbarriers
-            threads = FA3_THREADS  # and the slack that aligns tiles to 1024 bytes (Smem)
-            smem += 8 * (2 * tiles.stages + (1 if kernel == "fa3" else 2)) + 1024
+        if kernel in ("fa3", "fa3batch"):  # producer + 2 consumer warpgroups
+            threads = FA3_THREADS
+            smem = fa3_smem_bytes(head_dim, tiles, batch=kernel == "fa3batch")
         entry = (f"{spec.entry_macro}({name}, {vc.struct_name}, {DTYPES[dtype][0]}, {head_dim}, "
                  f"{tiles.tq}, {tiles.tkv}, {tiles.stages}, {tiles.m_frags}, {tiles.kv_warps})")
     elif tiles is not None:
