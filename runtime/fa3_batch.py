@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from attncc.ir.program import VariantIR
-
 from attncc.codegen.fa2 import Fa2Tiles, fa3_tiles
+from attncc.ir.analysis import active_transforms
+from attncc.ir.program import VariantIR
 
 from .tile_choice import fa3_stages
 from .tma import MapCache, tensor_map_2d, tensor_map_3d
@@ -31,7 +31,6 @@ __all__ = ["fa3_unsupported", "fa3_batch_source", "fa3_batch_maps", "fa3_batch_t
            "FA3_BATCH_HEAD_DIMS"]
 
 FA3_BATCH_HEAD_DIMS = (64, 128)
-_TRANSFORMS = ("query_mod", "key_mod", "value_mod", "output_mod")
 
 
 def fa3_unsupported(device: Any, ir: VariantIR, *, head_dim: int, group: int, kv_layout: str,
@@ -51,7 +50,7 @@ def fa3_unsupported(device: Any, ir: VariantIR, *, head_dim: int, group: int, kv
         return f"a GQA group that divides 64 (got {group})"
     if kv_layout != "ragged" and (page_size < 16 or page_size & (page_size - 1)):
         return f"a power-of-two page size >= 16 (got {page_size})"
-    hooks = [h for h in _TRANSFORMS if not ir.hook(h).is_identity]
+    hooks = active_transforms(ir)
     if hooks:
         return f"a variant without {'/'.join(hooks)} (the FA2 batch kernel runs those)"
     return None
