@@ -302,7 +302,7 @@ class BatchAttention:
         self.balance = balance
         self._forced_tiles = tiles
         self.kernel = kernel
-        self._ir: VariantIR | None = None  # the traced variant (for the FA3 checks), when needed
+        self._ir: VariantIR | None = None  # _variant_ir's memo
         self._kv_bound: int | None | bool = False  # _causal_bound's memo (False: not yet)
         self._fa3_why: dict[tuple, str | None] = {}  # _fa3_mode's memo of fa3_unsupported
         self.min_kv_chunk = None if min_kv_chunk is None else int(min_kv_chunk)
@@ -351,8 +351,6 @@ class BatchAttention:
             b = self._checked_fast(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                    num_qo_heads, num_kv_heads, head_dim, page_size)
         fast = b is not None
-        if fast and self.kv_layout == "ragged":  # (the compiled check does not count these)
-            _check_ragged_table(b.pages.size, self.max_pages)
         if b is None:
             b = self._checked(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
                               num_kv_heads, head_dim, page_size, q_positions, kv_position_offset)
@@ -366,9 +364,10 @@ class BatchAttention:
             # scheduler.plan raises
             scheduler.plan_into(buf[:layout.size], layout, *args, **cfg.kwargs, checked=fast)
             self._stage(buf, b, offsets)
-        if b.max_q_len > 1 and self._causal_bound() is not None:
-            clip_causal_units(buf, layout, b.qo, b.kv_lens, num_qo_heads // num_kv_heads,
-                              self._causal_bound(), b.qpos, b.kvoff)
+        bound = self._causal_bound() if b.max_q_len > 1 else None
+        if bound is not None:
+            clip_causal_units(buf, layout, b.qo, b.kv_lens, num_qo_heads // num_kv_heads, bound,
+                              b.qpos, b.kvoff)
         # (only now: a plan() that raised leaves the last plan's layout and offsets for run())
         self.tiles, self.layout, self._offsets = tiles, layout, offsets
         self._plan = _LazyPlan(args, cfg.kwargs)
@@ -409,7 +408,8 @@ class BatchAttention:
         if checked is None:
             return None
         qo, kv_lens, max_q_len, max_page = checked
-        if ragged:  # one "page" per request: its first token
+        if ragged:  # one "page" per request: its first token (the C check does not count these)
+            _check_ragged_table(qo.size - 1, self.max_pages)
             return _Batch(qo, kv_lens, np.arange(qo.size), kvp[:-1], _RAGGED_PAGE, 30, max_page,
                           max_q_len)
         assert pages is not None
@@ -495,6 +495,13 @@ class BatchAttention:
             max_pages=self.max_pages, ragged=self.kv_layout == "ragged")
         return self._planner
 
+    def _variant_ir(self) -> VariantIR:
+        """The variant's traced IR, for plan()'s checks (traced once; run() traces again for the
+        captured values of that call)."""
+        if self._ir is None:
+            self._ir = self.variant.trace()[0]
+        return self._ir
+
     def _causal_bound(self) -> int | None:
         """attncc.ir.kv_bound.causal_bound of the variant's mask (None: no mask, or no bound
         its structure proves); computed once."""
@@ -502,7 +509,7 @@ class BatchAttention:
             from attncc.ir.kv_bound import causal_bound
             from attncc.ir.simplify import simplify_variant
 
-            mask = simplify_variant(self.variant.trace()[0]).hook("mask_mod")
+            mask = simplify_variant(self._variant_ir()).hook("mask_mod")
             self._kv_bound = None if mask.is_identity else causal_bound(mask.expr)
         return self._kv_bound  # type: ignore[return-value]
 
@@ -515,10 +522,8 @@ class BatchAttention:
         key = (group, head_dim, page_size, q_dtype)  # memoised: plan() runs every step
         why = self._fa3_why.get(key, False)
         if why is False:
-            if self._ir is None:
-                self._ir = self.variant.trace()[0]
             why = self._fa3_why[key] = fa3_unsupported(
-                self.device, self._ir, head_dim=head_dim, group=group, kv_layout=self.kv_layout,
+                self.device, self._variant_ir(), head_dim=head_dim, group=group, kv_layout=self.kv_layout,
                 page_size=page_size, q_dtype=q_dtype)
         if self.kernel == "fa3":
             if why is not None:
@@ -810,30 +815,29 @@ def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndar
         >>> u[:, [3, 4, 5, 6]].tolist()   # q rows [start, +rows) -> keys [start, end)
         [[0, 16, 0, 16], [16, 16, 0, 32], [32, 8, 0, 40]]
     """
-    n = int(buf[layout.offsets["header"] + scheduler.HEADER_FIELDS.index("num_units")])
-    u = buf[layout.offsets["units"]:layout.offsets["units"] + 8 * n].reshape(n, 8)
-    req, qo_off, q_start, q_rows = u[:, 0], u[:, 2], u[:, 3], u[:, 4]
-    first_tok, last_tok = q_start // group, (q_start + q_rows - 1) // group
+    p = layout.unpack(buf)  # views: the writes below land in `buf`
+    u = p["units"]
+    req, q_start = u["request"], u["q_start"]
+    first_tok, last_tok = q_start // group, (q_start + u["q_rows"] - 1) // group
     if qpos is None:
         q_max = kv_lens[req] - (qo[req + 1] - qo[req]) + last_tok
     else:  # the largest given position among each unit's tokens
         q_max = np.array([qpos[o + f:o + t + 1].max() for o, f, t in
-                          zip(qo_off.tolist(), first_tok.tolist(), last_tok.tolist())],
+                          zip(u["qo_offset"].tolist(), first_tok.tolist(), last_tok.tolist())],
                          dtype=np.int64).reshape(-1)
     limit = q_max + bound + 1 - (kvoff[req] if kvoff is not None else 0)
-    before = int((u[:, 6] - u[:, 5]).sum())
-    u[:, 6] = np.clip(limit, u[:, 5], u[:, 6])
+    before = int((u["kv_end"] - u["kv_start"]).sum())
+    u["kv_end"] = np.clip(limit, u["kv_start"], u["kv_end"])
+    keys = u["kv_end"] - u["kv_start"]
     # The CTA queues were balanced on the unclipped costs, and the clipped units of a causal
     # prefill range from empty to whole: balance them again (same cost rule as the scheduler,
     # alpha = beta = 1) unless clipping removed under a tenth of the keys (a mixed step with
     # one short prefill chunk: not worth the host time). Merges sum their slots in the plan's
     # order, whatever CTA ran them, so the output bits do not depend on the new queues.
-    if 10 * (before - int((u[:, 6] - u[:, 5]).sum())) < before:
+    if 10 * (before - int(keys.sum())) < before:
         return
-    ctas = int(buf[layout.offsets["header"] + scheduler.HEADER_FIELDS.index("num_ctas")])
-    indptr, order = lpt_schedule(u[:, 4].astype(np.int64) + (u[:, 6] - u[:, 5]), ctas)
-    buf[layout.offsets["cta_indptr"]:layout.offsets["cta_indptr"] + ctas + 1] = indptr
-    buf[layout.offsets["cta_units"]:layout.offsets["cta_units"] + n] = order
+    p["cta_indptr"][:], p["cta_units"][:] = lpt_schedule(
+        u["q_rows"].astype(np.int64) + keys, p["num_ctas"])
 
 
 def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end: int,
@@ -850,14 +854,10 @@ def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end:
         >>> used_ranges(buf, lay, lay.size, lay.size + 10, gap=0)[:3]   # header, 3 units, ...
         [(0, 16), (16, 40), (80, 83)]
     """
-    h = {f: int(buf[layout.offsets["header"] + i])
-         for i, f in enumerate(scheduler.HEADER_FIELDS)}
-    n, m = h["num_units"], h["num_merges"]
-    off = layout.offsets
-    spans = [(off["header"], len(scheduler.HEADER_FIELDS)), (off["units"], 8 * n),
-             (off["cta_indptr"], h["num_ctas"] + 1), (off["cta_units"], n),
-             (off["merge_indptr"], m + 1), (off["merge_slots"], h["num_partial_slots"]),
-             (off["merge_out"], 5 * m), (tables, end - tables)]
+    h0 = layout.offsets["header"]
+    header = dict(zip(scheduler.HEADER_FIELDS, buf[h0:h0 + len(scheduler.HEADER_FIELDS)].tolist()))
+    spans = [(layout.offsets[name], words)
+             for name, words in layout.used_words(header).items()] + [(tables, end - tables)]
     out: list[tuple[int, int]] = []
     for start, count in sorted(spans):
         if count <= 0:

@@ -229,6 +229,21 @@ class PlanLayout:
                 raise ValueError(f"plan has {what} {value} > PlanLayout.{limit} = "
                                  f"{getattr(self, limit)}")
 
+    def used_words(self, header: dict[str, int]) -> dict[str, int]:
+        """Words each section of a packed plan with these header counts uses (the rest of its
+        room, sized for the maxima, holds nothing).
+
+        Example:
+            >>> h = dict(num_units=3, num_ctas=2, num_merges=1, num_partial_slots=2)
+            >>> PlanLayout(4, 64, 2, 1, 1, 16).used_words(h)["units"]
+            24
+        """
+        n, m = header["num_units"], header["num_merges"]
+        return {"header": len(HEADER_FIELDS), "units": n * len(WORK_UNIT_DTYPE.names),
+                "cta_indptr": header["num_ctas"] + 1, "cta_units": n, "merge_indptr": m + 1,
+                "merge_slots": header["num_partial_slots"],
+                "merge_out": m * len(MERGE_TARGET_DTYPE.names)}
+
     def unpack(self, buf: np.ndarray) -> dict[str, Any]:
         """Read a packed plan back: header fields as ints, sections as views trimmed to use.
 
@@ -245,14 +260,11 @@ class PlanLayout:
         out: dict[str, Any] = {k: int(v) for k, v in zip(HEADER_FIELDS, buf[:len(HEADER_FIELDS)])}
         if out["magic"] != PLAN_MAGIC or out["version"] != PLAN_VERSION:
             raise ValueError("buf does not hold a packed plan (bad magic or version)")
-        off, n, m = self.offsets, out["num_units"], out["num_merges"]
-        nw, nm = len(WORK_UNIT_DTYPE.names), len(MERGE_TARGET_DTYPE.names)
-        out["units"] = buf[off["units"]: off["units"] + n * nw].view(WORK_UNIT_DTYPE)
-        out["cta_indptr"] = buf[off["cta_indptr"]: off["cta_indptr"] + out["num_ctas"] + 1]
-        out["cta_units"] = buf[off["cta_units"]: off["cta_units"] + n]
-        out["merge_indptr"] = buf[off["merge_indptr"]: off["merge_indptr"] + m + 1]
-        out["merge_slots"] = buf[off["merge_slots"]: off["merge_slots"] + out["num_partial_slots"]]
-        out["merge_out"] = buf[off["merge_out"]: off["merge_out"] + m * nm].view(MERGE_TARGET_DTYPE)
+        used = self.used_words(out)
+        for name in list(used)[1:]:  # the sections after the header, as views of `buf`
+            out[name] = buf[self.offsets[name]: self.offsets[name] + used[name]]
+        out["units"] = out["units"].view(WORK_UNIT_DTYPE)
+        out["merge_out"] = out["merge_out"].view(MERGE_TARGET_DTYPE)
         return out
 
 
