@@ -73,7 +73,6 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 template <int D, int TKV, int STAGES>
 struct Smem {
-  static constexpr int kQBlockBytes = 64 * 128;    // a consumer's 64 Q rows, one column block
   static constexpr int kKvBlockBytes = TKV * 128;  // TKV rows of K (or V), one column block
   static constexpr int kKvTileBytes = kKvBlockBytes * (D / 64);
   static constexpr int kQ = 0;                     // [consumer][column block]
@@ -108,7 +107,7 @@ __device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], fa2_u32 sq_w, fa2_
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const fa2_u32 inner = (ks & 3) * 32;
-    const wg::u64 a = wg::make_desc(sq_w + (ks >> 2) * 64 * 128 + inner, 16, 1024);
+    const wg::u64 a = wg::make_desc(sq_w + (ks >> 2) * kBoxBytes + inner, 16, 1024);
     const wg::u64 k = wg::make_desc(sk_tile + (ks >> 2) * TKV * 128 + inner, 16, 1024);
     if constexpr (TKV == 128) {
       wg::mma_ss_m64n128k16<F16>(s, a, k, ks > 0);
