@@ -2,8 +2,6 @@
 and it is tight for the plain comparisons; masks it cannot bound get None."""
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -17,13 +15,15 @@ q, kv = var("q_idx"), var("kv_idx")
 N = 48
 
 
-def _kept(mask: Node) -> torch.Tensor:
-    """mask over an N x N grid of (q_idx, kv_idx) (b = h = 0, prefix = 5, doc ids in runs)."""
+def _kept(mask: Node, tensors: dict | None = None, params: dict | None = None) -> torch.Tensor:
+    """mask over an N x N grid of (q_idx, kv_idx), b = h = 0 (by default: prefix = 5, doc ids
+    in runs of 7)."""
     qi = torch.arange(N).view(N, 1).expand(N, N)
     ki = torch.arange(N).view(1, N).expand(N, N)
-    docs = torch.arange(N).view(1, N) // 7
+    if tensors is None:
+        tensors = {"doc_ids": torch.arange(N).view(1, N) // 7}
     env = {"q_idx": qi, "kv_idx": ki, "b": 0, "h": 0}
-    out = evaluate(mask, env, tensors={"doc_ids": docs}, params={"prefix": 5})
+    out = evaluate(mask, env, tensors=tensors, params={"prefix": 5} if params is None else params)
     return out.expand(N, N).bool()
 
 
@@ -69,8 +69,8 @@ def test_and_or() -> None:
 @pytest.mark.parametrize("name", sorted(GYM))
 def test_gym_masks(name: str) -> None:
     """Every AttentionGym mask: the claimed bound holds on the grid; the causal ones get 0."""
-    ir = simplify_variant(GYM[name](1, 4, N, 64).trace()[0])
-    m = ir.hook("mask_mod")
+    traced, bind = GYM[name](1, 4, N, 64).trace()
+    m = simplify_variant(traced).hook("mask_mod")
     if m.is_identity:
         return
     c = causal_bound(m.expr)
@@ -78,11 +78,6 @@ def test_gym_masks(name: str) -> None:
                 "softcap_causal"):
         assert c == 0
     if c is not None:
-        tensors = {k: v for k, v in itertools.chain(GYM[name](1, 4, N, 64).trace()[1].tensors
-                                                     .items())}
-        qi = torch.arange(N).view(N, 1).expand(N, N)
-        ki = torch.arange(N).view(1, N).expand(N, N)
-        kept = evaluate(m.expr, {"q_idx": qi, "kv_idx": ki, "b": 0, "h": 0}, tensors=tensors,
-                        params=dict(GYM[name](1, 4, N, 64).trace()[1].scalars)).expand(N, N)
-        i, j = torch.nonzero(kept.bool(), as_tuple=True)
+        i, j = torch.nonzero(_kept(m.expr, dict(bind.tensors), dict(bind.scalars)),
+                             as_tuple=True)
         assert bool((j <= i + c).all())
