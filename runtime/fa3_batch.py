@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from attncc.codegen.fa2 import Fa2Tiles, fa3_tiles
-from attncc.ir.analysis import active_transforms
 from attncc.ir.program import VariantIR
 
 from .tile_choice import fa3_stages
@@ -50,7 +49,7 @@ def fa3_unsupported(device: Any, ir: VariantIR, *, head_dim: int, group: int, kv
         return f"a GQA group that divides 64 (got {group})"
     if kv_layout != "ragged" and (page_size < 16 or page_size & (page_size - 1)):
         return f"a power-of-two page size >= 16 (got {page_size})"
-    hooks = active_transforms(ir)
+    hooks = ir.active_transforms()
     if hooks:
         return f"a variant without {'/'.join(hooks)} (the FA2 batch kernel runs those)"
     return None

@@ -26,7 +26,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from attncc.codegen.fa2 import FA2_HEAD_DIMS as HEAD_DIMS
 from attncc.codegen.fa2 import Fa2Tiles, fa3_tiles
-from attncc.ir.analysis import active_transforms
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
 from .reference import _is_noop_mask, _trace_mask, validate_attention_inputs
@@ -158,7 +157,7 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
     if not arch.startswith("sm_90"):
         raise ValueError(f"kernel_options['KERNEL']='fa3' needs an sm_90 (Hopper) GPU; this one "
                          f"is {arch}")
-    transforms = active_transforms(ir)
+    transforms = ir.active_transforms()
     if transforms:
         raise ValueError(f"kernel_options['KERNEL']='fa3' runs score/mask variants; this call "
                          f"has {transforms} transforms -- drop KERNEL to use the FA2 template")
@@ -471,7 +470,7 @@ def _fa3_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: Var
     q/k/v contiguous (TMA reads them as [rows, head_dim]) and no q/k/v/o transforms."""
     return (torch.cuda.get_device_capability(device) == (9, 0)
             and all(t.is_contiguous() for t in (query, key, value))
-            and not active_transforms(ir))
+            and not ir.active_transforms())
 
 
 def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: VariantIR,

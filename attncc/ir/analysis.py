@@ -22,26 +22,10 @@ from ..errors import TraceError
 from .evaluator import EvalError, evaluate
 from .nodes import Node, free_vars, walk
 from .printer import format_expr
-from .program import HOOK_ORDER, HOOK_SIGNATURES, VariantIR, identity_expr
+from .program import HOOK_ORDER, HOOK_SIGNATURES, TRANSFORM_HOOKS, VariantIR, identity_expr
 from .simplify import simplify_variant
 
-__all__ = ["VariantInfo", "active_transforms", "analyze", "check_vector_indices", "reads"]
-
-TRANSFORM_HOOKS = ("query_mod", "key_mod", "value_mod", "output_mod")
-
-
-def active_transforms(ir: VariantIR) -> list[str]:
-    """The query/key/value/output hooks of `ir` that are not identities (in TRANSFORM_HOOKS
-    order): what a kernel without transforms (the FA3 ones) cannot run.
-
-    Example:
-        >>> from attncc.ir.nodes import var, vec
-        >>> from attncc.ir.program import Hook, VariantIR
-        >>> active_transforms(VariantIR()), active_transforms(
-        ...     VariantIR(hooks={"key_mod": Hook("key_mod", vec("k", var("d")) * 2.0)}))
-        ([], ['key_mod'])
-    """
-    return [h for h in TRANSFORM_HOOKS if not ir.hook(h).is_identity]
+__all__ = ["VariantInfo", "analyze", "check_vector_indices", "reads"]
 
 
 def reads(expr: Node) -> frozenset[str]:

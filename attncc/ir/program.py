@@ -30,6 +30,8 @@ HOOK_SIGNATURES: dict[str, tuple[DType, tuple[str, ...], str | None]] = {
     "output_mod": (F32, ("b", "h", "q_idx", "d"), "o"),
 }
 HOOK_ORDER = tuple(HOOK_SIGNATURES)
+# The hooks that transform a head vector (q, k, v before attention; o after it).
+TRANSFORM_HOOKS = ("query_mod", "key_mod", "value_mod", "output_mod")
 
 
 def identity_expr(hook: str) -> Node:
@@ -103,6 +105,18 @@ class VariantIR:
         hooks = {n: replace(self.hook(n), expr=e) for n, e in exprs.items()}
         merged = {**self.hooks, **hooks}
         return replace(self, hooks={n: merged[n] for n in HOOK_ORDER if n in merged})
+
+    def active_transforms(self) -> list[str]:
+        """The query/key/value/output hooks that are not identities (in TRANSFORM_HOOKS order):
+        what a kernel without transforms (the FA3 ones) cannot run.
+
+        Example:
+            >>> from attncc.ir.nodes import var, vec
+            >>> VariantIR().active_transforms(), VariantIR(
+            ...     hooks={"key_mod": Hook("key_mod", vec("k", var("d")) * 2.0)}).active_transforms()
+            ([], ['key_mod'])
+        """
+        return [h for h in TRANSFORM_HOOKS if not self.hook(h).is_identity]
 
     @property
     def use_softmax(self) -> bool:
