@@ -28,6 +28,11 @@
 // the rows of a partial last tile past the range are zeroed in shared memory before a P V reads
 // them, with a proxy fence so the tensor cores see the generic-proxy stores.
 //
+// Variant hooks: all of fa3_prefill.cuh's, applied the same way (Q per unit once it landed, K/V
+// per tile split between the consumers, O staged in the Q tile -- which then is released to the
+// producer only after the store). A split unit's partial O is stored untransformed: the merge
+// kernel applies the output transform to the merged rows.
+//
 // TMA maps (BatchParams::tma, 128 bytes each): q as [tokens][num_q_heads][D] (box 64 x g x 64/g),
 // k and v as 2-D [rows][row_stride] views of the cache with row_stride = kv_stride_slot (box
 // R x 64). Cache element (page, slot, head, col) is view row page * rows_per_page + head_row +
@@ -193,6 +198,17 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
       for (int i = 0; i < 32; ++i) o[blk][i] = 0.f;
     float row_m[2] = {fa2::neg_inf(), fa2::neg_inf()}, row_l[2] = {0.f, 0.f};
     tma::mbar_wait(q_full, (ui - first) & 1);
+    // row r of this warpgroup's 64: its query head and position, and whether it is a real row
+    auto row_at = [&](int r, int& h, int& qi) {
+      const int ru = 64 * (wg - 1) + r;
+      if (ru >= u.q_rows) return false;
+      const int fr = u.q_start + ru, tok = gdiv.div(fr);
+      h = u.kv_head * gf + (fr - tok * gf);
+      qi = fa2::query_position(p, q_pos0, u.qo_offset, tok);
+      return true;
+    };
+    if constexpr (Variant::has_query_transform)
+      transform_q<Variant, DType, D>(vp, sq_w, u.request, turns.me, row_at);
     auto logits_softmax = [&](float (&s)[TKV / 2], int it, float (&corr)[2]) {
       const int kv0 = u.kv_start + it * TKV;
       const bool interior = rows_full && kv0 + TKV <= kv_end && !Variant::has_logits_mask;
@@ -204,37 +220,61 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     // cannot change what the other reads), so neither waits for the other; each then fences its
     // stores into the async proxy and meets its own four warps at named barrier 3 + me, because
     // one warpgroup-wide wgmma reads every warp's stores.
+    // A key/value transform first rewrites the tile's rows inside the range, split between the
+    // consumers, who then both need the other's rows: they meet on consumers_sync instead.
+    constexpr bool kKvTransform = Variant::has_key_transform || Variant::has_value_transform;
     const int tail_valid = kv_end - (u.kv_start + (n - 1) * TKV);
     auto landed = [&](int it, int t) {
-      if (it != n - 1 || tail_valid >= TKV) return;
-      const int per_blk = (TKV - tail_valid) * 8;  // 16-byte chunks per column block
-      for (int idx = tid & 127; idx < BLOCKS * per_blk; idx += 128) {
-        const int blk = idx / per_blk, rem = idx - blk * per_blk;
-        const fa2_u32 addr = ring.v_of(t) + blk * S::kKvBlockBytes +
-                             (tail_valid + rem / 8) * 128 + (rem % 8) * 16;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+      const bool tail = it == n - 1 && tail_valid < TKV;
+      if constexpr (kKvTransform)
+        transform_kv<Variant, DType, D, TKV>(vp, ring.k_of(t), ring.v_of(t), turns.me, u.request,
+                                             u.kv_head, u.kv_start + it * TKV, kv_end, kv_pos0);
+      if (tail) {
+        const int per_blk = (TKV - tail_valid) * 8;  // 16-byte chunks per column block
+        for (int idx = tid & 127; idx < BLOCKS * per_blk; idx += 128) {
+          const int blk = idx / per_blk, rem = idx - blk * per_blk;
+          const fa2_u32 addr = ring.v_of(t) + blk * S::kKvBlockBytes +
+                               (tail_valid + rem / 8) * 128 + (rem % 8) * 16;
+          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0)
+                       : "memory");
+        }
       }
-      wg::fence_proxy_async();  // the tensor cores (async proxy) must see these stores
-      asm volatile("bar.sync %0, 128;\n" ::"r"(3 + turns.me) : "memory");
+      if (kKvTransform || tail) wg::fence_proxy_async();  // the tensor cores must see the stores
+      if constexpr (kKvTransform) {
+        consumers_sync();
+      } else if (tail) {
+        warpgroup_sync(turns.me);
+      }
     };
-    // this warp's S wgmmas of the unit are complete: the producer may load the next unit's Q
+    // this warp's S wgmmas of the unit are complete: the producer may load the next unit's Q --
+    // unless the output transform will stage O in the Q tile, which then waits for the store
     auto release_q = [&] {
       if (lane == 0) tma::mbar_arrive(q_empty);
     };
+    auto last_s_done = [&] {
+      if constexpr (!Variant::has_output_transform) release_q();
+    };
     if (n > 0) {
       consume_tiles<DType, D, TKV>(n, tile, sq_w, ring, turns, o, logits_softmax, landed,
-                                   release_q);
+                                   last_s_done);
     } else {
-      release_q();  // nothing reads it (an empty KV range)
+      last_s_done();  // nothing reads it (an empty KV range)
     }
     tile += n;
 
     // ---- store: the output rows, or this unit's partial state -----------------------------
+    // (a split unit's partial state stays untransformed: the merge kernel applies the output
+    // transform to the combined rows)
     float* part_o = u.slot >= 0 ? p.partial_o + (attncc::i64)u.slot * kTQ * D : nullptr;
+    float inv_r[2], lse_r[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) finish_row<kSoftmax>(row_m[hr], row_l[hr], inv_r[hr], lse_r[hr]);
+    if constexpr (Variant::has_output_transform) {
+      if (part_o == nullptr) transform_o<Variant, DType, D>(o, inv_r, vp, sq_w, u.request, row_at);
+    }
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      float inv, lse;
-      finish_row<kSoftmax>(row_m[hr], row_l[hr], inv, lse);
+      const float inv = inv_r[hr], lse = lse_r[hr];
       if (!row_ok[hr]) continue;
       const int r = 64 * (wg - 1) + 16 * warp + (lane >> 2) + 8 * hr;
       if (part_o != nullptr) {
@@ -257,6 +297,13 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
             p.lse[(attncc::i64)(u.qo_offset + row_tok[hr]) * p.lse_stride_tok + row_hq[hr]] = lse;
         }
       }
+    }
+    if constexpr (Variant::has_output_transform) {
+      // this warp is done with its staged rows; order its generic-proxy accesses before the
+      // next Q's TMA (async proxy) writes over them
+      wg::fence_proxy_async();
+      __syncwarp();
+      release_q();
     }
   }
 }

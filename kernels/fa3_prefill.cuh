@@ -28,10 +28,12 @@
 // Grid order: blockIdx.x walks (batch, head), blockIdx.y the query blocks from the last one, so
 // the first wave holds every head's longest causal tiles and the grid ends together (LPT).
 //
-// Supported: head dims 64 and 128, score_mod / mask_mod hooks (LogitsTransform / LogitsMask),
-// FlexAttention BlockMask lists (128-row query blocks, block_kv a multiple of TKV), GQA (one
-// query head per CTA), bf16 and fp16. The launcher keeps query/key/value/output transforms on
-// the FA2 template.
+// Supported: head dims 64, 128 and 256, every variant hook: score_mod / mask_mod (LogitsTransform
+// / LogitsMask) in registers; query, key and value transforms in place on the landed shared-memory
+// tiles (Q once per CTA by its warpgroup; each K/V tile split between the two consumers, which
+// then meet on a named barrier -- so ping-pong loses some overlap on such variants); the output
+// transform on O staged through the consumer's Q tile. FlexAttention BlockMask lists (128-row
+// query blocks, block_kv a multiple of TKV), GQA (one query head per CTA), bf16 and fp16.
 //
 // Layouts: every tile is stored 128B-swizzled in 64-column blocks (wgmma.cuh), which is exactly
 // what a TMA box of [64 rows][64 elements] with the 128-byte swizzle writes; a column block of a
@@ -240,6 +242,149 @@ __device__ __forceinline__ void pack_p(fa2_u32 (&pa)[TKV / 16][4], const float (
   for (int kk = 0; kk < TKV / 16; ++kk)
 #pragma unroll
     for (int r = 0; r < 4; ++r) pa[kk][r] = fa2::pack2<DType>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+}
+
+// ---- row transforms (query/key/value/output hooks) on 128B-swizzled tiles ----------------------
+// The hooks see a whole head vector (RoPE reads element (d + D/2) % D), so a tile row is
+// transformed in place by one warp: every lane reads its D/32 results first, then writes. The
+// tiles are the TMA/wgmma layout (wgmma.cuh's sw128_offset, ROWS rows per column block); the
+// writes are generic-proxy stores, so whoever wrote must fence.proxy.async before a barrier that
+// precedes the wgmma (async proxy) reading the tile.
+__device__ __forceinline__ fa2_u16 lds_u16(fa2_u32 addr) {
+  fa2_u16 v;
+  asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void sts_u16(fa2_u32 addr, fa2_u16 v) {
+  asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(v) : "memory");
+}
+
+// Row `row` of a swizzled tile at shared address `tile`, as the transforms' `Vec`.
+template <typename DType, int ROWS>
+struct SwRow {
+  fa2_u32 tile;
+  int row;
+  __device__ __forceinline__ float operator[](int d) const {
+    return fa2::elem_to_float<DType>(lds_u16(tile + wg::sw128_offset(row, d, ROWS)));
+  }
+};
+
+// f(row_view, d) -> float applied to every element of the row, by one warp.
+template <typename DType, int D, int ROWS, typename F>
+__device__ __forceinline__ void transform_sw_row(fa2_u32 tile, int row, F&& f) {
+  static_assert(D % 32 == 0, "head dim must be a multiple of 32");
+  const int lane = threadIdx.x & 31;
+  const SwRow<DType, ROWS> view{tile, row};
+  float vals[D / 32];
+#pragma unroll
+  for (int j = 0; j < D / 32; ++j) vals[j] = f(view, lane + 32 * j);
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < D / 32; ++j)
+    sts_u16(tile + wg::sw128_offset(row, lane + 32 * j, ROWS), fa2::float_to_elem<DType>(vals[j]));
+  __syncwarp();
+}
+
+// Named barriers of the consumers (0 is __syncthreads; 1 and 2 are the ping-pong turns): one
+// warpgroup's own four warps, after its warps wrote a tile one wgmma reads whole ...
+__device__ __forceinline__ void warpgroup_sync(int me) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(3 + me) : "memory");
+}
+// ... and both consumer warpgroups, after they split a K/V tile's transform between them.
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 5, 256;\n" ::: "memory");
+}
+
+// hook(row_view, hq, qi, d) on this warp's 16 rows (16 * warp ..) of a warpgroup's 64-row tile,
+// skipping the rows row_at(r, hq, qi) says are not real queries.
+template <typename DType, int D, typename RowAt, typename Hook>
+__device__ __forceinline__ void transform_warp_rows(fa2_u32 tile, RowAt&& row_at, Hook&& hook) {
+  const int warp = (threadIdx.x >> 5) & 3;
+#pragma unroll 1
+  for (int r = 16 * warp; r < 16 * warp + 16; ++r) {
+    int hq, qi;
+    if (!row_at(r, hq, qi)) continue;
+    transform_sw_row<DType, D, 64>(tile, r, [&](const SwRow<DType, 64>& v, int d) {
+      return hook(v, hq, qi, d);
+    });
+  }
+}
+
+// QueryTransform on a consumer's 64 Q rows (its tile at sq_w), each warp 16 of them; row_at(r,
+// hq, qi) says whether row r is a real query and gives its head and position. Ends with the
+// fence and warpgroup barrier that publish the rows to the S wgmma.
+template <typename Variant, typename DType, int D, typename RowAt>
+__device__ __forceinline__ void transform_q(const typename Variant::Params& vp, fa2_u32 sq_w,
+                                            int b, int me, RowAt&& row_at) {
+  transform_warp_rows<DType, D>(sq_w, row_at, [&](const SwRow<DType, 64>& q, int hq, int qi,
+                                                  int d) {
+    return Variant::QueryTransform(vp, q, b, hq, qi, d);
+  });
+  wg::fence_proxy_async();
+  warpgroup_sync(me);
+}
+
+// KeyTransform / ValueTransform on a landed K/V tile (keys kv0 .. kv0 + TKV - 1; the hooks see
+// kv + kv_pos0): consumer `me` takes half of the rows, keys at or past kv_end are left alone
+// (masked; the batch kernel zeroes those V rows). The caller fences and syncs the consumers.
+template <typename Variant, typename DType, int D, int TKV>
+__device__ __forceinline__ void transform_kv(const typename Variant::Params& vp, fa2_u32 k_tile,
+                                             fa2_u32 v_tile, int me, int b, int h_kv, int kv0,
+                                             int kv_end, int kv_pos0) {
+  const int warp = (threadIdx.x >> 5) & 3;
+#pragma unroll 1
+  for (int r = me * (TKV / 2) + warp; r < (me + 1) * (TKV / 2); r += 4) {
+    const int kv = kv0 + r;
+    if (kv >= kv_end) break;
+    if constexpr (Variant::has_key_transform)
+      transform_sw_row<DType, D, TKV>(k_tile, r, [&](const SwRow<DType, TKV>& k, int d) {
+        return Variant::KeyTransform(vp, k, b, h_kv, kv + kv_pos0, d);
+      });
+    if constexpr (Variant::has_value_transform)
+      transform_sw_row<DType, D, TKV>(v_tile, r, [&](const SwRow<DType, TKV>& v, int d) {
+        return Variant::ValueTransform(vp, v, b, h_kv, kv + kv_pos0, d);
+      });
+  }
+}
+
+// f(hr, blk, i, smem_addr) for each of this thread's accumulator elements of O: half-row hr,
+// o[blk][i], and the element's address in a 64-row swizzled tile at `tile`.
+template <int D, typename F>
+__device__ __forceinline__ void for_each_acc(fa2_u32 tile, F&& f) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const int r0 = 16 * warp + (lane >> 2);
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+    for (int blk = 0; blk < D / 64; ++blk)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          f(hr, blk, 4 * j + 2 * hr + e,
+            tile + wg::sw128_offset(r0 + 8 * hr, 64 * blk + 8 * j + 2 * (lane & 3) + e, 64));
+}
+
+// OutputTransform on this warp's 16 rows of O (accumulator layout): O * inv is staged, rounded to
+// DType as the FA2 kernels do, in the warpgroup's 64-row swizzled tile `stage`, transformed row
+// by row, and read back into o; inv becomes 1. row_at(r, hq, qi) as for transform_q, with r the
+// row within the warpgroup. Only this warp touches its rows: __syncwarp orders it all.
+template <typename Variant, typename DType, int D, typename RowAt>
+__device__ __forceinline__ void transform_o(float (&o)[D / 64][32], float (&inv)[2],
+                                            const typename Variant::Params& vp, fa2_u32 stage,
+                                            int b, RowAt&& row_at) {
+  for_each_acc<D>(stage, [&](int hr, int blk, int i, fa2_u32 addr) {
+    sts_u16(addr, fa2::float_to_elem<DType>(o[blk][i] * inv[hr]));
+  });
+  __syncwarp();
+  transform_warp_rows<DType, D>(stage, row_at, [&](const SwRow<DType, 64>& v, int hq, int qi,
+                                                   int d) {
+    return Variant::OutputTransform(vp, v, b, hq, qi, d);
+  });
+  for_each_acc<D>(stage, [&](int, int blk, int i, fa2_u32 addr) {
+    o[blk][i] = fa2::elem_to_float<DType>(lds_u16(addr));
+  });
+  inv[0] = inv[1] = 1.f;
 }
 
 // Where a consumer's K/V ring lives and how it is synchronized: the K and V tiles of stage st
@@ -467,6 +612,14 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   // every row of the CTA is a real query: tiles inside kv_len need no bounds checks
   const bool rows_inside = q0 + kTQ <= q_len;
   tma::mbar_wait(q_bar, 0);
+  // row r of this warpgroup's 64: its query head and position, and whether it is a real query
+  auto row_at = [&](int r, int& h, int& qi) {
+    h = hq;
+    qi = q0 + 64 * (wg - 1) + r;
+    return qi < q_len;
+  };
+  if constexpr (Variant::has_query_transform)
+    transform_q<Variant, DType, D>(vp, sq_w, b, wg - 1, row_at);
 
   const int row_hq[2] = {hq, hq}, row_qi[2] = {r_lo, r_lo + 8};
   const bool row_ok[2] = {r_lo < q_len, r_lo + 8 < q_len};
@@ -481,23 +634,38 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   const Ring ring{sk, sv, full_bar, empty_bar, S::kKvTileBytes, STAGES};
   // Both consumers visit the same tiles, so they meet at the same issue points.
   const Turns turns{wg - 1};
+  // A key/value transform rewrites each landed tile in place before any GEMM reads it, the two
+  // consumers taking half of its rows each (both read the whole tile).
+  auto landed = [&](int it, int t) {
+    if constexpr (Variant::has_key_transform || Variant::has_value_transform) {
+      bool is_full;
+      const int kv0 = tiles.start(it, is_full);
+      transform_kv<Variant, DType, D, TKV>(vp, ring.k_of(t), ring.v_of(t), wg - 1, b, h_kv, kv0,
+                                           kv_len, 0);
+      wg::fence_proxy_async();  // the wgmmas (async proxy) must see these stores
+      consumers_sync();
+    }
+  };
   if (tiles.count > 0)
-    consume_tiles<DType, D, TKV>(tiles.count, 0, sq_w, ring, turns, o, logits_softmax,
-                                 [](int, int) {}, [] {});
+    consume_tiles<DType, D, TKV>(tiles.count, 0, sq_w, ring, turns, o, logits_softmax, landed,
+                                 [] {});
 
-  // ---- epilogue: normalize, store 16-bit pairs and the LSE -------------------------------------
+  // ---- epilogue: normalize (output transform through the free Q tile), store O and the LSE ----
   DType* out = reinterpret_cast<DType*>(p.o);
+  float inv[2], lse[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) finish_row<kSoftmax>(row_m[hr], row_l[hr], inv[hr], lse[hr]);
+  if constexpr (Variant::has_output_transform)
+    transform_o<Variant, DType, D>(o, inv, vp, sq_w, b, row_at);
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int qi = r_lo + 8 * hr;
-    float inv, lse;
-    finish_row<kSoftmax>(row_m[hr], row_l[hr], inv, lse);
     if (qi < q_len) {
       store_row<DType, D>(out + b * p.o_stride_b + hq * p.o_stride_h +
-                              (attncc::i64)qi * p.o_stride_s, o, hr, inv);
+                              (attncc::i64)qi * p.o_stride_s, o, hr, inv[hr]);
       if constexpr (kSoftmax) {
         if (p.lse != nullptr && (lane & 3) == 0)
-          p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = lse;
+          p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = lse[hr];
       }
     }
   }

@@ -26,9 +26,15 @@ namespace wg {
 typedef unsigned long long u64;
 
 // Byte offset of element (row, col) in a 128B-swizzled tile with `rows` rows (see the top).
+// Unsigned on purpose: NVRTC 12.9 and 13 miscompile the signed-int spelling of this formula when
+// the column is 8j + 2*(lane & 3) + 1 -- an odd column assembled from disjoint bits, as an
+// accumulator's second element is. The PTX XORed the whole column, not its chunk (col >> 3),
+// into the row's swizzle bits, so such elements landed in the wrong 16-byte chunk
+// (tests/test_codegen.py pins the PTX; bench/NOTES.md has the story).
 __device__ __forceinline__ unsigned sw128_offset(int row, int col, int rows) {
-  const int blk = col >> 6, c = col & 63;
-  return (unsigned)(blk * rows * 128 + row * 128 + ((((c >> 3) ^ (row & 7))) << 4) + ((c & 7) << 1));
+  const unsigned c = (unsigned)col, r = (unsigned)row;
+  const unsigned chunk = (c >> 3) & 7u;  // 16-byte chunk within the 128-byte row
+  return (c >> 6) * (unsigned)rows * 128u + r * 128u + ((chunk ^ (r & 7u)) << 4) + ((c & 7u) << 1);
 }
 
 // Matrix descriptor: start address, leading / stride byte offsets (all in 16-byte units, 14 bits

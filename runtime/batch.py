@@ -523,7 +523,7 @@ class BatchAttention:
         why = self._fa3_why.get(key, False)
         if why is False:
             why = self._fa3_why[key] = fa3_unsupported(
-                self.device, self._variant_ir(), head_dim=head_dim, group=group, kv_layout=self.kv_layout,
+                self.device, head_dim=head_dim, group=group, kv_layout=self.kv_layout,
                 page_size=page_size, q_dtype=q_dtype)
         if self.kernel == "fa3":
             if why is not None:

@@ -3,14 +3,12 @@ its generated source, and its TMA maps.
 
 The FA3 batch kernel runs the same plans as the FA2 one (units of 128 fused query rows x a KV
 range, merged by the same merge kernel) with the warp-specialized TMA + wgmma pipeline. It needs
-an sm_90 GPU, bf16 or fp16, head dim 64 or 128, no query/key/value/output transforms (the hooks of
-the logits only), a GQA group that divides 64 (a 64-row box is 64 / g tokens x g heads), and KV
+an sm_90 GPU, bf16 or fp16, head dim 64 or 128 (every variant hook runs on it), a GQA group that divides 64 (a 64-row box is 64 / g tokens x g heads), and KV
 pages TMA can address one box per page: power-of-two page sizes of at least 16 tokens, or a
 ragged cache.
 
 Example:
-    >>> from attncc.ir.program import VariantIR
-    >>> fa3_unsupported("cpu", VariantIR(), head_dim=128, group=4, kv_layout="NHD",
+    >>> fa3_unsupported("cpu", head_dim=128, group=4, kv_layout="NHD",
     ...                 page_size=16, q_dtype=None)
     'a CUDA device'
 """
@@ -32,7 +30,7 @@ __all__ = ["fa3_unsupported", "fa3_batch_source", "fa3_batch_maps", "fa3_batch_t
 FA3_BATCH_HEAD_DIMS = (64, 128)
 
 
-def fa3_unsupported(device: Any, ir: VariantIR, *, head_dim: int, group: int, kv_layout: str,
+def fa3_unsupported(device: Any, *, head_dim: int, group: int, kv_layout: str,
                     page_size: int, q_dtype: torch.dtype | None) -> str | None:
     """What the FA3 batch kernel would need and this batch lacks (None: it can run it).
     `q_dtype` None means not known yet (checked again at run)."""
@@ -49,9 +47,6 @@ def fa3_unsupported(device: Any, ir: VariantIR, *, head_dim: int, group: int, kv
         return f"a GQA group that divides 64 (got {group})"
     if kv_layout != "ragged" and (page_size < 16 or page_size & (page_size - 1)):
         return f"a power-of-two page size >= 16 (got {page_size})"
-    hooks = ir.active_transforms()
-    if hooks:
-        return f"a variant without {'/'.join(hooks)} (the FA2 batch kernel runs those)"
     return None
 
 

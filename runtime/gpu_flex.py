@@ -157,10 +157,6 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
     if not arch.startswith("sm_90"):
         raise ValueError(f"kernel_options['KERNEL']='fa3' needs an sm_90 (Hopper) GPU; this one "
                          f"is {arch}")
-    transforms = ir.active_transforms()
-    if transforms:
-        raise ValueError(f"kernel_options['KERNEL']='fa3' runs score/mask variants; this call "
-                         f"has {transforms} transforms -- drop KERNEL to use the FA2 template")
     gk = _fa3_generated(ir, head_dim, dtype, plan)
     res, _ = cached_compile(gk.source, arch=arch, name=f"{gk.kernel_name}.cu", verbose=True)
     kl = load_kernel(res.cubin, gk.kernel_name, gk.attention_params_layout, gk.params_layout,
@@ -464,13 +460,11 @@ class LaunchPlan:
     mask_tensors: Mapping[str, Any] = field(default_factory=dict)
 
 
-def _fa3_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: VariantIR,
-            device: int) -> bool:
-    """What the FA3 kernel needs beyond the shape (tile_choice checks that): an sm_90 GPU,
-    q/k/v contiguous (TMA reads them as [rows, head_dim]) and no q/k/v/o transforms."""
+def _fa3_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, device: int) -> bool:
+    """What the FA3 kernel needs beyond the shape (tile_choice checks that): an sm_90 GPU and
+    q/k/v contiguous (TMA reads them as [rows, head_dim]). Every variant hook runs on it."""
     return (torch.cuda.get_device_capability(device) == (9, 0)
-            and all(t.is_contiguous() for t in (query, key, value))
-            and not ir.active_transforms())
+            and all(t.is_contiguous() for t in (query, key, value)))
 
 
 def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: VariantIR,
@@ -507,7 +501,7 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
                          block_kv=margs.block_kv if margs else None,
                          mask_head_uniform=margs.head_uniform if margs else True,
                          kernel_options=kernel_options,
-                         fa3_ok=_fa3_ok(query, key, value, ir, dev_index))
+                         fa3_ok=_fa3_ok(query, key, value, dev_index))
     if Hq // tiles.gf > 65535 or B > 65535:
         raise ValueError(f"batch {B} x heads {Hq}: the GPU kernel's grid allows at most 65535 "
                          f"head slots and 65535 batches")

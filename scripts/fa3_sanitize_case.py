@@ -4,11 +4,16 @@ reference, so a clean sanitizer log comes from a launch that also computed the r
     compute-sanitizer --tool memcheck python scripts/fa3_sanitize_case.py
     compute-sanitizer --tool racecheck python scripts/fa3_sanitize_case.py
 
-The case has odd lengths (a partial last query block and a partial last KV tile), GQA 2, a
-causal block mask (partial and full blocks) and a softcap score_mod, at head dims 64 and 128.
+Dense FA3 (kernels/fa3_prefill.cuh): odd lengths (a partial last query block and a partial last
+KV tile), GQA 2, a causal block mask (partial and full blocks) and a softcap score_mod, at head
+dims 64 and 128; then RoPE (query/key transforms) and value/output transforms at head dim 64.
+FA3 batch (kernels/fa3_batch.cuh): a paged (page 16) and a ragged batch of odd-length prefill
+chunks with a long request split across CTAs (so the merge kernel runs), causal, RoPE and
+value/output variants.
 """
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -18,8 +23,66 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import attncc  # noqa: E402
 from attncc.runtime import gpu_flex  # noqa: E402
+from attncc.runtime.batch import BatchAttention, batch_attention_reference  # noqa: E402
 from attncc.runtime.reference import attention_reference  # noqa: E402
 from examples.gym import GYM, causal  # noqa: E402
+
+
+def _value_output(d: int) -> attncc.Variant:
+    return attncc.Variant(value_mod=lambda v, b, h, kv, i: v[i] - 0.5 * v[(i + 1) % d],
+                          output_mod=lambda o, b, h, q, i: 2.0 * o[i] + o[d - 1 - i],
+                          name="value_output")
+
+
+def dense_transforms() -> None:
+    d, S, Hq, Hkv = 64, 200, 4, 2
+    for name, variant in (("rope", GYM["rope"](1, Hq, S, d)), ("value_output", _value_output(d))):
+        q = torch.randn(1, Hq, S, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, Hkv, S, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        ir, bind = variant.trace()
+        out = torch.full_like(q, float("nan"))
+        gpu_flex.gpu_flex_attention(q, k, v, ir, bind, enable_gqa=True,
+                                    kernel_options={"KERNEL": "fa3"}, out=out)
+        torch.cuda.synchronize()
+        ref, _ = attention_reference(q, k, v, ir, bind, enable_gqa=True)
+        err = float((out.double() - ref).norm() / ref.norm())
+        assert not torch.isnan(out).any() and err < 2e-2, (name, err)
+        print(f"dense {name} d={d}: FA3 rel err {err:.1e}")
+
+
+def batch() -> None:
+    d, Hkv, g, page = 64, 2, 2, 16
+    q_lens, kv_lens = [130, 1, 70], [1500, 5, 70]
+    qo = torch.tensor([0, *itertools.accumulate(q_lens)])
+    q = torch.randn(int(qo[-1]), Hkv * g, d, device="cuda", dtype=torch.bfloat16)
+    for layout in ("NHD", "ragged"):
+        if layout == "ragged":
+            kv_indptr = torch.tensor([0, *itertools.accumulate(kv_lens)])
+            k, v = (torch.randn(sum(kv_lens), Hkv, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+            ids = last = None
+        else:
+            n_pages = [-(-n // page) for n in kv_lens]
+            kv_indptr = torch.tensor([0, n_pages[0], n_pages[0] + n_pages[1], sum(n_pages)])
+            ids = torch.randperm(sum(n_pages) + 4)[:sum(n_pages)]
+            last = torch.tensor([n - (p - 1) * page for n, p in zip(kv_lens, n_pages)])
+            k, v = (torch.randn(sum(n_pages) + 4, page, Hkv, d, device="cuda",
+                                dtype=torch.bfloat16) for _ in "kv")
+        for name, variant in (("causal", GYM["causal"](1, Hkv * g, 4096, d)),
+                              ("rope", GYM["rope"](1, Hkv * g, 4096, d)),
+                              ("value_output", _value_output(d))):
+            ba = BatchAttention(variant, kv_layout=layout, kernel="fa3")
+            ba.plan(qo, kv_indptr, ids, last, num_qo_heads=Hkv * g, num_kv_heads=Hkv,
+                    head_dim=d, page_size=page if layout != "ragged" else 1)
+            out = torch.full_like(q, float("nan"))
+            ba.run(q, (k, v), out=out)
+            torch.cuda.synchronize()
+            ref, _ = batch_attention_reference(q, (k, v), qo, kv_indptr, ids, last,
+                                               kv_layout=layout, page_size=page
+                                               if layout != "ragged" else 1, variant=variant)
+            err = float((out.double() - ref).norm() / ref.norm())
+            assert not torch.isnan(out).any() and err < 2e-2, (layout, name, err)
+            merges = ba._plan.num_merges if ba._plan is not None else 0
+            print(f"batch {layout} {name}: FA3 rel err {err:.1e} ({merges} merged rows)")
 
 
 def main() -> None:
@@ -38,6 +101,8 @@ def main() -> None:
         err = float((out.double() - ref).norm() / ref.norm())
         assert not torch.isnan(out).any() and err < 2e-2, (d, err)
         print(f"d={d}: FA3 rel err {err:.1e}")
+    dense_transforms()
+    batch()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,10 @@ DECODE = ([1] * 12, [1, 5, 16, 17, 100, 511, 1024, 1500, 2048, 3000, 4095, 8192]
 def _variant(name: str, hq: int, d: int) -> attncc.Variant | None:
     if name == "plain":
         return None
+    if name == "value_output":  # the value and output hooks, reading other vector elements
+        return attncc.Variant(value_mod=lambda v, b, h, kv, i: v[i] - 0.5 * v[(i + 1) % d],
+                              output_mod=lambda o, b, h, q, i: 2.0 * o[i] + o[d - 1 - i],
+                              name="value_output")
     return GYM[name](1, hq, 4096, d, seed=5)
 
 
@@ -125,7 +129,12 @@ FA3_CASES = [("NHD", 16, "plain", 1, 128, torch.bfloat16),
              ("NHD", 64, "softcap_causal", 8, 128, torch.bfloat16),
              ("ragged", 1, "alibi_causal", 1, 128, torch.bfloat16),
              ("HND", 128, "sliding_window", 4, 64, torch.float16),
-             ("NHD", 256, "causal", 2, 64, torch.bfloat16)]
+             ("NHD", 256, "causal", 2, 64, torch.bfloat16),
+             # transforms: Q per unit, K/V per tile in shared memory, O staged (split units
+             # leave it to the merge kernel)
+             ("NHD", 16, "rope", 4, 128, torch.bfloat16),
+             ("ragged", 1, "value_output", 2, 128, torch.float16),
+             ("HND", 64, "value_output", 8, 64, torch.bfloat16)]
 
 
 def _needs_sm90() -> None:
@@ -150,9 +159,9 @@ def test_fa3_batch_matches_reference(layout: str, page: int, var: str, g: int, d
 
 
 def test_fa3_batch_is_the_prefill_default_and_bitwise_stable() -> None:
-    """On sm_90, a bf16 prefill batch without q/k/v/o transforms runs the FA3 batch kernel by
-    default (decode batches and transforms stay on FA2); 20 runs give the same bits although the
-    32K request is split across CTAs and merged."""
+    """On sm_90, a bf16 prefill batch runs the FA3 batch kernel by default (decode batches stay
+    on FA2), transform variants too; 20 runs give the same bits although the 32K request is
+    split across CTAs and merged."""
     _needs_sm90()
     b = _batch("NHD", 16, *PREFILL, 2, 1, 128, torch.bfloat16, seed=2)
     ba = BatchAttention(_variant("causal", 2, 128), kv_layout="NHD")
@@ -167,10 +176,12 @@ def test_fa3_batch_is_the_prefill_default_and_bitwise_stable() -> None:
     heads = dict(num_qo_heads=2, num_kv_heads=2, head_dim=128, page_size=16)
     rope = BatchAttention(_variant("rope", 2, 128), kv_layout="NHD")
     rope.plan(b["qo"], b["kv_indptr"], b["kv_indices"], b["last"], **heads)
-    assert rope.tiles is not None and rope.tiles.kernel == "fa2"  # query/key transforms
-    with pytest.raises(ValueError, match="kernel='fa3'"):
+    assert rope.tiles is not None and rope.tiles.kernel == "fa3"  # query/key transforms too
+    _check(rope, b, _variant("rope", 2, 128), "NHD", 16)
+    with pytest.raises(ValueError, match=r"kernel='fa3'\) needs bf16 or fp16 queries"):
         BatchAttention(_variant("rope", 2, 128), kv_layout="NHD", kernel="fa3").plan(
-            b["qo"], b["kv_indptr"], b["kv_indices"], b["last"], **heads)
+            b["qo"], b["kv_indptr"], b["kv_indices"], b["last"], **heads,
+            q_data_type=torch.float32)
 
 
 @pytest.mark.parametrize("d", [64, 256])

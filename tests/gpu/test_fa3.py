@@ -16,11 +16,26 @@ from attncc.runtime.gpu_flex import choose_tiles
 from examples.gym import GYM, causal, sliding_window
 
 FA3 = {"KERNEL": "fa3"}
+
+
+def _value_output(B: int, H: int, S: int, D: int, seed: int = 0) -> attncc.Variant:
+    """value_mod and output_mod reading other elements of the vector, plus a score_mod."""
+    return attncc.Variant(value_mod=lambda v, b, h, kv, d: v[d] - 0.5 * v[(d + 1) % D],
+                          output_mod=lambda o, b, h, q, d: 2.0 * o[d] + o[D - 1 - d],
+                          score_mod=lambda s, b, h, q, kv: s * 1.5, name="value_output")
+
+
+VARIANTS = {**GYM, "value_output": _value_output}
 CASES = [(v, d, s, g, n) for (v, d, n), s, g in zip(
     itertools.product(("noop", "causal", "softcap_causal", "alibi_causal"), (64, 128), (64, 128)),
     itertools.cycle((1, 17, 300, 1000, 4096, 129)), itertools.cycle((1, 4, 1)))] + [
     ("noop", 256, 1000, 4, 64), ("softcap_causal", 256, 4096, 1, 64),
-    ("alibi_causal", 256, 129, 1, 64)]
+    ("alibi_causal", 256, 129, 1, 64)] + [
+    # query/key/value/output transforms, rewritten in shared memory (odd lengths: rows and keys
+    # past the end are skipped)
+    ("rope", 128, 1000, 4, 128), ("rope", 64, 129, 1, 128), ("rope_interleaved", 128, 300, 1, 64),
+    ("value_output", 128, 1000, 1, 128), ("value_output", 64, 17, 4, 128),
+    ("rope", 256, 300, 1, 64), ("value_output", 256, 129, 1, 64)]
 
 
 def test_fa3_default_stages_fill_shared_memory() -> None:
@@ -33,7 +48,7 @@ def test_fa3_default_stages_fill_shared_memory() -> None:
 
 
 def test_fa3_is_picked_where_it_fits() -> None:
-    """fa3_ok (sm_90, contiguous, no transforms) makes FA3 the default for >= 128 query
+    """fa3_ok (sm_90, contiguous inputs) makes FA3 the default for >= 128 query
     rows whose block mask has 128-row / 128-key blocks; FA2 runs everything else, and
     kernel_options KERNEL or BLOCK_M keep their meaning."""
     def pick(**kw: Any) -> str:
@@ -79,7 +94,11 @@ def test_fa3_option_checks() -> None:
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("name,d,tkv,stages", [("causal", 128, 128, 2), ("softcap_causal", 64, 128, 2),
                                               ("alibi_causal", 128, 64, 2),
-                                              ("softcap_causal", 128, 128, 3)])
+                                              ("softcap_causal", 128, 128, 3),
+                                              ("rope", 128, 128, 3), ("rope", 64, 128, 4),
+                                              ("value_output", 128, 128, 3),
+                                              ("value_output", 256, 64, 2),
+                                              ("rope", 256, 64, 2)])
 def test_fa3_compiles_without_spills(name: str, d: int, tkv: int, stages: int) -> None:
     """Zero spills, and the software pipeline intact: ptxas did not serialize the wgmmas (it
     does, with a "Potential Performance Loss" warning, when registers an in-flight wgmma uses
@@ -89,7 +108,7 @@ def test_fa3_compiles_without_spills(name: str, d: int, tkv: int, stages: int) -
     from attncc.ir.simplify import simplify_variant
     from attncc.runtime.nvrtc import compile_cuda
 
-    ir = simplify_variant(GYM[name](1, 8, 1024, d).trace()[0])
+    ir = simplify_variant(VARIANTS[name](1, 8, 1024, d).trace()[0])
     gk = generate_source(ir, head_dim=d, dtype="bfloat16", kernel="fa3",
                          tiles=fa3_tiles(stages, tkv))
     res = compile_cuda(gk.source, arch="sm_90a", verbose=True)
@@ -122,7 +141,7 @@ def test_fa3_matches_reference(name: str, d: int, s: int, g: int, tkv: int, rng:
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the FA3 prototype needs an sm_90 GPU")
     q, k, v = rng.qkv(2, 2 * g, s, d, Hkv=2, dtype=torch.bfloat16, device="cuda")
-    ir, bind = GYM[name](2, 2 * g, s, d).trace()
+    ir, bind = VARIANTS[name](2, 2 * g, s, d).trace()
     _check(q, k, v, ir, bind, None, g, tkv)
 
 
@@ -137,6 +156,19 @@ def test_fa3_fp16(name: str, d: int, s: int, g: int, rng: Any) -> None:
     ir, bind = GYM[name](2, 2 * g, s, d).trace()
     _check(q, k, v, ir, bind, None, g, 128 if d <= 128 else 64)
     assert gpu_flex.plan_launch(q, k, v, ir, bind, enable_gqa=g > 1).tiles.kernel == "fa3"
+
+
+@pytest.mark.gpu
+def test_fa3_default_takes_transforms(rng: Any) -> None:
+    """Transform variants run FA3 by default (q/k/v/o hooks at every head dim)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FA3 kernel needs an sm_90 GPU")
+    for d in (64, 128, 256):
+        q, k, v = rng.qkv(1, 2, 256, d, dtype=torch.bfloat16, device="cuda")
+        ir, bind = VARIANTS["rope"](1, 2, 256, d).trace()
+        assert gpu_flex.plan_launch(q, k, v, ir, bind).tiles.kernel == "fa3", d
+        ir, bind = VARIANTS["value_output"](1, 2, 256, d).trace()
+        assert gpu_flex.plan_launch(q, k, v, ir, bind).tiles.kernel == "fa3", d
 
 
 @pytest.mark.gpu

@@ -111,7 +111,30 @@ extern "C" __global__ void __launch_bounds__(128) wg_rs_v(ProbeArgs p, Unused) {
   attncc::wg::wait<0>();
   probe::store(p.d, d);
 }
+
+// Offsets of a 64-row accumulator's elements in the swizzled layout, spelled exactly as the FA3
+// epilogue stages O (kernels/fa3_prefill.cuh transform_o): the unrolled odd columns
+// 8j + 2*(lane & 3) + 1 are the pattern NVRTC once miscompiled (kernels/wgmma.cuh).
+extern "C" __global__ void __launch_bounds__(128) sw_offsets(ProbeArgs p, Unused) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int r0 = 16 * warp + (lane >> 2);
+  int* out = reinterpret_cast<int*>(p.d) + threadIdx.x * 32;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        out[16 * hr + 2 * j + e] =
+            (int)attncc::wg::sw128_offset(r0 + 8 * hr, 8 * j + 2 * (lane & 3) + e, 64);
+}
 """
+
+
+def sw128_offset(row: int, col: int, rows: int) -> int:
+    """The 128-byte swizzle in Python (kernels/wgmma.cuh's top comment)."""
+    return (col // 64) * rows * 128 + row * 128 + ((((col % 64) >> 3) ^ (row % 8)) << 4) \
+        + (col % 8) * 2
 
 
 def probe_source() -> str:
@@ -132,7 +155,7 @@ def test_wgmma_probes_compile_for_sm90a() -> None:
     from attncc.runtime.nvrtc import compile_cuda
 
     res = compile_cuda(probe_source(), arch="sm_90a", verbose=True)
-    assert "wg_ss" in res.log and "wg_rs_v" in res.log
+    assert "wg_ss" in res.log and "wg_rs_v" in res.log and "sw_offsets" in res.log
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +164,7 @@ def kernels() -> dict:
     from attncc.runtime.nvrtc import compile_cuda
 
     res = compile_cuda(probe_source(), arch="sm_90a")
-    return {n: load_kernel(res.cubin, n, ARGS, UNUSED) for n in ("wg_ss", "wg_rs_v")}
+    return {n: load_kernel(res.cubin, n, ARGS, UNUSED) for n in ("wg_ss", "wg_rs_v", "sw_offsets")}
 
 
 def _run(kl, a: torch.Tensor, b: torch.Tensor, k: int, lbo: int = 0, sbo: int = 0
@@ -187,3 +210,19 @@ def test_wgmma_rs_nmajor_b_descriptor_probe(kernels: dict) -> None:
                 ok.append((lbo, sbo))
     print(f"\nN-major B (V) descriptors that match torch, (LBO, SBO) bytes: {ok}")
     assert ok == [(lbo, 1024) for lbo in (16, 128, 1024, 2048, 8192)], ok
+
+
+@pytest.mark.gpu
+def test_sw128_offsets_of_accumulator_elements(kernels: dict) -> None:
+    """Every accumulator element's swizzled offset, computed on the GPU the way the FA3 epilogue
+    stages O, equals the formula (the signed spelling NVRTC miscompiled put the odd columns in
+    the wrong 16-byte chunk)."""
+    got = torch.full((128 * 32,), -1, dtype=torch.int32, device="cuda")
+    vals = {"a": 0, "b": 0, "d": got.data_ptr(), "k": 0, "lbo": 0, "sbo": 0}
+    kl = kernels["sw_offsets"]
+    kl.launch((1, 1, 1), (128, 1, 1), 0, kl.ap.flatten(vals), kl.vp.flatten({"x": 0}),
+              stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    want = [sw128_offset(16 * (t >> 5) + ((t & 31) >> 2) + 8 * hr, 8 * j + 2 * (t & 3) + e, 64)
+            for t in range(128) for hr in range(2) for j in range(8) for e in range(2)]
+    assert got.cpu().tolist() == want

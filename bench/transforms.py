@@ -1,0 +1,148 @@
+"""Transform-variant benchmark: RoPE inside attention (query_mod + key_mod, causal) on FA3 and FA2,
+against what a FlexAttention or SDPA user does instead -- rotate q and k with PyTorch ops, then
+call the attention -- all in one process on the same inputs (bf16, H=16, D=128, B*S=16384).
+
+TFLOP/s count 4*D FLOPs per unmasked (query, key) pair (causal: half of S^2), as
+bench/prefill.py does; the rotate-then-attend cells include the rotation's time, because that is
+the work the in-kernel transform replaces. Every cell is checked against the FA2 output.
+
+    python bench/transforms.py --out bench/results/transforms-h200.json
+    python bench/transforms.py --report bench/results/transforms-h200.json   # table (CPU ok)
+
+Example:
+    >>> rotate_half_tables(8, 4)[0].shape
+    torch.Size([4, 8])
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.prefill import HEAD_DIM, HEADS, TOKENS, _compiled_flex, _meta, _rel_err  # noqa: E402
+
+IMPLS = ("attncc_fa3", "attncc_fa2", "flex_rotated", "sdpa_cudnn_rotated")
+SEQ_LENS = (2048, 8192)
+
+
+def rotate_half_tables(D: int, S: int, base: float = 10000.0) -> tuple[Any, Any]:
+    """cos and sin [S, D] of examples.gym.rope's half-rotated layout (pair i, i + D/2)."""
+    import torch
+
+    i = torch.arange(D) % (D // 2)
+    theta = torch.arange(S)[:, None].double() * torch.exp(-math.log(base) * (2 * i) / D)
+    return theta.cos().float(), theta.sin().float()
+
+
+def _rotate(x: Any, cos: Any, sin: Any) -> Any:
+    """x * cos + rotate_half(x) * sin in fp32, back to x's dtype (what attncc's hook computes)."""
+    import torch
+
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rot * sin).to(x.dtype)
+
+
+def cells(S: int) -> dict[str, Callable[[], Any]]:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import attncc
+    from examples.gym import causal, rope
+
+    B = TOKENS // S
+    g = torch.Generator(device="cuda").manual_seed(S)
+    q, k, v = (torch.randn(B, HEADS, S, HEAD_DIM, generator=g, device="cuda",
+                           dtype=torch.bfloat16) for _ in range(3))
+    variant = attncc.Variant(query_mod=rope(HEAD_DIM).query_mod, key_mod=rope(HEAD_DIM).key_mod,
+                             name="rope")
+    bm = attncc.create_block_mask(causal, None, None, S, S, device="cuda")
+    tbm = create_block_mask(causal, None, None, S, S, device="cuda")
+    cos, sin = (t.cuda() for t in rotate_half_tables(HEAD_DIM, S))
+    flex = _compiled_flex(flex_attention)
+
+    def sdpa() -> Any:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v,
+                                                  is_causal=True)
+    return {
+        "attncc_fa3": lambda: attncc.flex_attention(q, k, v, score_mod=variant, block_mask=bm,
+                                                    kernel_options={"KERNEL": "fa3"}),
+        "attncc_fa2": lambda: attncc.flex_attention(q, k, v, score_mod=variant, block_mask=bm,
+                                                    kernel_options={"KERNEL": "fa2"}),
+        "flex_rotated": lambda: flex(_rotate(q, cos, sin), _rotate(k, cos, sin), v,
+                                     block_mask=tbm),
+        "sdpa_cudnn_rotated": sdpa,
+    }
+
+
+def run(seq_lens: tuple[int, ...]) -> list[dict[str, Any]]:
+    import torch
+    from triton.testing import do_bench
+
+    results = []
+    for S in seq_lens:
+        fns = cells(S)
+        ref = fns["attncc_fa2"]()
+        for impl in IMPLS:
+            try:
+                out = fns[impl]()
+                torch.cuda.synchronize()
+                ms = do_bench(fns[impl], warmup=25, rep=100, return_mode="median")
+            except Exception as e:  # reported, not fatal
+                results.append({"S": S, "impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
+                print(f"S={S} {impl}: {results[-1]['error']}")
+                continue
+            flops = 4 * HEAD_DIM * (S * S / 2.0) * HEADS * (TOKENS // S)
+            rec = {"S": S, "variant": "rope_causal", "impl": impl, "ms": ms,
+                   "tflops": flops / ms / 1e9, "rel_err_vs_fa2": _rel_err(out, ref)}
+            results.append(rec)
+            print(f"S={S} {impl:20s} {ms:7.3f} ms {rec['tflops']:6.1f} TFLOP/s "
+                  f"err {rec['rel_err_vs_fa2']:.1e}")
+    return results
+
+
+def report(data: dict[str, Any]) -> str:
+    """Markdown table: TFLOP/s per implementation and S, and attncc FA3's ratio to each."""
+    rows = [r for r in data["results"] if "tflops" in r]
+    seqs = sorted({r["S"] for r in rows})
+    get = {(r["impl"], r["S"]): r["tflops"] for r in rows}
+    lines = ["| impl | " + " | ".join(f"S={s}" for s in seqs) + " |",
+             "|---|" + "---|" * len(seqs)]
+    for impl in IMPLS:
+        cells_ = []
+        for s in seqs:
+            t, mine = get.get((impl, s)), get.get(("attncc_fa3", s))
+            cells_.append("-" if t is None else f"{t:.0f}" + (
+                f" (FA3 {mine / t:.2f}x)" if mine and impl != "attncc_fa3" else ""))
+        lines.append(f"| {impl} | " + " | ".join(cells_) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--S", type=int, nargs="+", default=list(SEQ_LENS))
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--report", type=Path, default=None, help="print the table of a JSON")
+    args = ap.parse_args()
+    if args.report:
+        print(report(json.loads(args.report.read_text())))
+        return
+    data = {"meta": _meta(), "results": run(tuple(args.S))}
+    print(report(data))
+    if args.out:
+        args.out.write_text(json.dumps(data, indent=1))
+        args.out.with_suffix(".md").write_text(report(data) + "\n")
+
+
+if __name__ == "__main__":
+    main()
