@@ -5,8 +5,9 @@
 - `plan(...)` (host, once per generation step) turns the batch's lengths into a load-balanced
   plan (`attncc.runtime.scheduler.plan`: work units of (request, KV head, query tile, KV chunk)
   assigned longest-first to a fixed grid of CTAs, plus the merge map of split KV ranges), packs
-  it with the batch's page tables into a pinned host buffer and copies that to fixed offsets of
-  the workspace with ONE asynchronous copy.
+  it with the batch's page tables into a pinned host buffer (two halves that plans take in
+  turn) and copies the words in use to fixed offsets of the workspace with a few asynchronous
+  copies.
 - `run(q, kv_cache)` launches the persistent FA2 kernel over the plan and the merge kernel
   (kernels/fa2_batch.cuh). Every pointer and both grid sizes are fixed by the workspace, so
   `run` can be captured once in a CUDA graph and replayed after new `plan` calls.
@@ -40,7 +41,7 @@ import functools
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -268,6 +269,48 @@ def _kernels_for(ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
         return hit
 
 
+class _Uploader:
+    """plan()'s copies to the workspace on one CUDA device: the driver's async copy, the
+    current stream (looked up each plan by its raw handle -- the caller may switch streams --
+    with torch's Stream object kept while the handle stays the same) and one reusable event per
+    staging half, recorded after that half's copies and waited on before the half is written
+    again. Made at the first upload (the compiler half imports without CUDA).
+
+    Copies of consecutive plans on one stream land in order; when the stream changes, `copy`
+    first waits for the last plan's copies, so an older plan's words never land last."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.index = device.index or 0
+        self.memcpy = _driver().cuMemcpyHtoDAsync
+        self.current_stream = torch.cuda.current_stream
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (CUDA builds of torch)
+        self.raw_stream = raw or (lambda i: self.current_stream(i).cuda_stream)
+        self.events = (torch.cuda.Event(), torch.cuda.Event())
+        self.pending = [False, False]  # per half: its copies may still be reading it
+        self._stream: tuple[int, Any] = (-1, None)  # (raw handle, torch.cuda.Stream)
+
+    def copy(self, dst: int, src: int, half: int, ranges: list[tuple[int, int]]) -> None:
+        """Copy int32 words `[w0, w1)` of each range from host `src` (staging half `half`) to
+        device `dst` on the current stream, then record the half's event there."""
+        raw = self.raw_stream(self.index)
+        if raw != self._stream[0]:  # another stream than the last plan's (rare):
+            self.wait(1 - half)  # its copies land first, as on one stream
+            self._stream = (raw, self.current_stream(self.index))
+        memcpy = self.memcpy
+        for w0, w1 in ranges:
+            driver_check(memcpy(dst + 4 * w0, src + 4 * w0, 4 * (w1 - w0), raw),
+                         "cuMemcpyHtoDAsync")
+        self.events[half].record(self._stream[1])
+        self.pending[half] = True
+
+    def wait(self, half: int) -> None:
+        """Block until the copies from staging half `half` have read it (none pending: no
+        call)."""
+        if self.pending[half]:
+            self.events[half].synchronize()
+            self.pending[half] = False
+
+
 class BatchAttention:
     """Plan/run attention for a serving batch (see the module docstring).
 
@@ -312,12 +355,19 @@ class BatchAttention:
         self.workspace = workspace_buffer
         self.tiles: BatchTiles | None = None
         self.layout: scheduler.PlanLayout | None = None
-        self._staging: torch.Tensor | None = None
-        self._staging_np = np.zeros(0, dtype=np.int32)  # numpy view of _staging
+        # Staging: one pinned buffer in two halves that plans take in turn, so a plan waits
+        # only for the copy of the plan before last (long done in a serving loop), never for
+        # the copy the last plan just issued (_staging_for)
+        self._staging: torch.Tensor | None = None  # both halves
+        self._halves: tuple[np.ndarray, ...] = ()  # numpy views of the two halves
+        self._halves_at: tuple[int, ...] = ()  # and their addresses
+        self._half = 1  # the half the current plan staged (the next plan takes the other)
+        self._staging_np = np.zeros(0, dtype=np.int32)  # the current plan's half
         self._staging_layout: scheduler.PlanLayout | None = None  # and its table offsets:
         self._staging_offsets: dict[str, int] = {}  # _staging_for's memo
         self._offsets: dict[str, int] = {}  # word offsets of the current plan's page tables
-        self._copy_done: torch.cuda.Event | None = None
+        self._uploader: _Uploader | None = None  # copies and their events (the first upload)
+        self._ws_checked: tuple = (None, None, 0, 0)  # _workspace_for's memo
         self._plan: _LazyPlan | None = None  # the typed plan, computed when looked at
         self._planner: planner.BatchPlanner | None | bool = None  # None: not made yet
         self._config_key: tuple | None = None  # _config's memo: the last key and its _Config
@@ -343,8 +393,10 @@ class BatchAttention:
         Host time: with the compiled planner (runtime/planner.c) a plan is two C calls, one
         to check the arrays (`planner.BatchPlanner.check`) and one to compute the plan
         straight into the pinned staging buffer and write the page tables after it
-        (`BatchPlanner.plan_and_stage`); bench/plan_time.py measures it. Without a C compiler
-        the same words come from numpy (`scheduler.plan_into` and `_stage`).
+        (`BatchPlanner.plan_and_stage`); on CUDA then a few async copies of the used words and
+        an event record (`_upload`). bench/plan_time.py measures it (`--phases`: step by step).
+        Without a C compiler the same words come from numpy (`scheduler.plan_into` and
+        `_stage`).
         """
         b = None
         if q_positions is None and kv_position_offset is None:
@@ -357,7 +409,7 @@ class BatchAttention:
         fa3 = self._fa3_mode(num_qo_heads // num_kv_heads, head_dim, b.page, q_data_type)
         cfg = self._config(b, num_qo_heads, num_kv_heads, head_dim, fa3)
         tiles, layout = cfg.tiles, cfg.layout
-        buf, offsets = self._staging_for(layout)
+        half, buf, offsets = self._staging_for(layout)
         args = (b.qo, b.kv_lens, num_qo_heads, num_kv_heads, tiles.tq, tiles.num_ctas)
         if not (fast and self._planner.plan_and_stage(cfg.problem, buf, offsets)):
             # the numpy path, or a plan the layout cannot hold: the same words, or the error
@@ -370,6 +422,7 @@ class BatchAttention:
                               b.qpos, b.kvoff)
         # (only now: a plan() that raised leaves the last plan's layout and offsets for run())
         self.tiles, self.layout, self._offsets = tiles, layout, offsets
+        self._half, self._staging_np = half, buf
         self._plan = _LazyPlan(args, cfg.kwargs)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size, self.page_shift, self._max_page = b.page, b.shift, b.max_page
@@ -588,21 +641,27 @@ class BatchAttention:
         mb = self.max_batch + 1
         return lay.size + 4 * _pad4(mb) + _pad4(self.max_qo_tokens) + _pad4(self.max_pages)
 
-    def _staging_for(self, layout: scheduler.PlanLayout) -> tuple[np.ndarray, dict[str, int]]:
-        """The pinned staging buffer (a numpy view), large enough for `layout`, and the word
-        offsets of the page tables after `layout`'s plan; waits until the previous plan's copy
-        has read the buffer."""
+    def _staging_for(self, layout: scheduler.PlanLayout
+                     ) -> tuple[int, np.ndarray, dict[str, int]]:
+        """The half of the pinned staging buffer the next plan writes (its index and a numpy
+        view; each half large enough for `layout`) and the word offsets of the page tables
+        after `layout`'s plan. Plans take the halves in turn, so this waits only until the copy
+        of the plan before last has read the half, not for the last plan's copy."""
         if layout is not self._staging_layout:  # (the same layout step after step: no sizes)
             words = self._int_words(layout)
-            if self._staging is None or self._staging.numel() < words:
-                self._staging = torch.zeros(words, dtype=torch.int32,
-                                            pin_memory=self.device.type == "cuda")
-                self._staging_np = self._staging.numpy()
-                self._copy_done = None  # nothing reads the new buffer yet
+            if not self._halves or self._halves[0].size < words:
+                if self._uploader is not None:  # copies still reading the old buffer finish
+                    self._uploader.wait(0)
+                    self._uploader.wait(1)
+                self._staging = st = torch.zeros(2 * words, dtype=torch.int32,
+                                                 pin_memory=self.device.type == "cuda")
+                self._halves = (st[:words].numpy(), st[words:].numpy())
+                self._halves_at = (st.data_ptr(), st.data_ptr() + 4 * words)
             self._staging_layout, self._staging_offsets = layout, self._table_offsets(layout)
-        if self._copy_done is not None:
-            self._copy_done.synchronize()  # the previous plan's copy has read the buffer
-        return self._staging_np, self._staging_offsets
+        half = 1 - self._half
+        if self._uploader is not None:
+            self._uploader.wait(half)  # the copy of the plan before last has read this half
+        return half, self._halves[half], self._staging_offsets
 
     def _table_offsets(self, layout: scheduler.PlanLayout) -> dict[str, int]:
         """Word offsets of the page tables in the staging buffer (and the workspace): after the
@@ -627,30 +686,39 @@ class BatchAttention:
         buf[o["pages"]:o["pages"] + npg] = b.pages[:npg]
 
     def _upload(self, used: int) -> None:
-        """Copy the staged plan and page tables to the workspace (CUDA), allocating the
+        """Copy the current plan's staged words to the workspace (CUDA), allocating the
         workspace at the first plan. Only the words this plan uses: the plan's sections sit at
         fixed offsets sized for the instance's maxima (a captured graph's kernels read them
         there), and copying the whole region -- 1.5 MB at Hkv 32 and batch 256 -- would cost
-        ~60 us of copy on the stream before every run, and as much host time when the next
-        plan waits for it. `used_ranges` lists the used words; each range is one async copy."""
+        ~60 us of copy on the stream before every run. `used_ranges` lists the used words
+        (neighbouring sections joined: a few copies per plan), each range one async copy on
+        the current stream, then the half's event is recorded for `_staging_for`."""
+        ws, lay = self._workspace_for(used), self.layout
+        assert lay is not None
+        if self._uploader is None:
+            self._uploader = _Uploader(self.device)
+        self._uploader.copy(ws.data_ptr(), self._halves_at[self._half], self._half,
+                            used_ranges(self._staging_np, lay, self._offsets["qo_indptr"], used))
+
+    def _workspace_for(self, used: int) -> torch.Tensor:
+        """The workspace, allocated at the first plan, checked to hold the current layout's
+        plan, tables and partials; not checked again while the workspace, layout and head dim
+        are the last check's and the `used` words lie within the int32 words it checked."""
+        ws, lay = self.workspace, self.layout
+        last = self._ws_checked
+        if ws is not None and ws is last[0] and lay is last[1] and self.head_dim == last[2] \
+                and used <= last[3]:
+            return ws
         need = self.workspace_bytes()
-        if self.workspace is None or self.workspace.numel() < need:
-            if self.workspace is not None:
-                raise ValueError(f"workspace_buffer has {self.workspace.numel()} bytes; this "
-                                 f"layout needs {need} (BatchAttention.workspace_bytes())")
-            self.workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
-        if self.workspace.dtype != torch.uint8 or self.workspace.device != self.device:
+        if ws is None or ws.numel() < need:
+            if ws is not None:
+                raise ValueError(f"workspace_buffer has {ws.numel()} bytes; this layout "
+                                 f"needs {need} (BatchAttention.workspace_bytes())")
+            ws = self.workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
+        if ws.dtype != torch.uint8 or ws.device != self.device:
             raise ValueError("workspace_buffer must be a uint8 tensor on the kernel's device")
-        assert self._staging is not None and self.layout is not None
-        stream = torch.cuda.current_stream(self.device)
-        d = _driver()
-        dst, src = self.workspace.data_ptr(), self._staging.data_ptr()
-        for w0, w1 in used_ranges(self._staging_np, self.layout, self._offsets["qo_indptr"],
-                                  used):
-            driver_check(d.cuMemcpyHtoDAsync(dst + 4 * w0, src + 4 * w0, 4 * (w1 - w0),
-                                             stream.cuda_stream), "cuMemcpyHtoDAsync")
-        self._copy_done = torch.cuda.Event()
-        self._copy_done.record(stream)
+        self._ws_checked = (ws, lay, self.head_dim, self._int_words())
+        return ws
 
     # ------------------------------------------------------------------------------ run
     def run(self, q: torch.Tensor, kv_cache: Any, *, out: torch.Tensor | None = None,
@@ -840,11 +908,49 @@ def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndar
         u["q_rows"].astype(np.int64) + keys, p["num_ctas"])
 
 
+UPLOAD_GAP = 16384
+"""`used_ranges`' default: int32 words (64 KB) of unused room that one copy may carry between two
+used ranges rather than issuing another copy. Each cuMemcpyHtoDAsync costs the host a few
+microseconds and the copy engine a fixed start-up; 64 KB of extra copy costs the engine about as
+much (~2-3 us over PCIe) and the host nothing. At batch 256 this leaves 2-4 copies per plan."""
+
+
+def coalesce_ranges(ranges: Iterable[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    """Half-open ranges `[start, end)`, sorted, with the empty ones dropped and those that
+    overlap or lie less than `gap` apart joined into one.
+
+    Example:
+        >>> coalesce_ranges([(80, 83), (0, 16), (16, 40), (90, 90), (100, 120)], gap=10)
+        [(0, 40), (80, 83), (100, 120)]
+        >>> coalesce_ranges([(80, 83), (0, 16), (16, 40), (100, 120)], gap=50)
+        [(0, 120)]
+    """
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if end <= start:
+            continue
+        if out and start - out[-1][1] < gap:
+            if end > out[-1][1]:
+                out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
+
+
 def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end: int,
-                gap: int = 4096) -> list[tuple[int, int]]:
+                gap: int = UPLOAD_GAP) -> list[tuple[int, int]]:
     """The word ranges of a staged plan that hold data: each section of the packed plan up to
-    its used length (from the header's counts), then the page tables `[tables, end)`. Ranges
-    less than `gap` words apart are joined (one copy is cheaper than two small ones).
+    its used length (from the header's counts), then the page tables `[tables, end)`, joined
+    by `coalesce_ranges` where less than `gap` words apart.
+
+    Copying the unused words in a gap is harmless: the kernels (kernels/fa2_batch.cuh,
+    fa3_batch.cuh and their merge kernel) read only used words. The attention grid is
+    layout.max_ctas CTAs, which is the plan's num_ctas (BatchAttention sizes the layout by it),
+    and CTA c reads cta_indptr[c], [c + 1], then cta_units in [0, num_units) and the units
+    those name; merge CTA m returns unless m < num_merges (the header) and then reads
+    merge_out[m], merge_indptr[m], [m + 1] and merge_slots below num_partial_slots; the page
+    tables are read per planned request (tests/test_batch.py,
+    test_used_ranges_carry_everything_the_kernels_read, fills the gaps with garbage).
 
     Example:
         >>> from attncc.runtime import scheduler
@@ -853,20 +959,16 @@ def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end:
         >>> scheduler.plan_into(buf, lay, np.array([0, 40]), np.array([40]), 1, 1, 16, 2)
         >>> used_ranges(buf, lay, lay.size, lay.size + 10, gap=0)[:3]   # header, 3 units, ...
         [(0, 16), (16, 40), (80, 83)]
+        >>> len(used_ranges(buf, lay, lay.size, lay.size + 10))        # one copy
+        1
     """
-    h0 = layout.offsets["header"]
-    header = dict(zip(scheduler.HEADER_FIELDS, buf[h0:h0 + len(scheduler.HEADER_FIELDS)].tolist()))
-    spans = [(layout.offsets[name], words)
-             for name, words in layout.used_words(header).items()] + [(tables, end - tables)]
-    out: list[tuple[int, int]] = []
-    for start, count in sorted(spans):
-        if count <= 0:
-            continue
-        if out and start - out[-1][1] < gap:
-            out[-1] = (out[-1][0], max(out[-1][1], start + count))
-        else:
-            out.append((start, start + count))
-    return out
+    off = layout.offsets
+    h0 = off["header"]
+    header = dict(zip(scheduler.HEADER_FIELDS,
+                      buf[h0:h0 + len(scheduler.HEADER_FIELDS)].tolist()))
+    spans = [(off[k], off[k] + w) for k, w in layout.used_words(header).items()]
+    spans.append((tables, end))
+    return coalesce_ranges(spans, gap)
 
 
 def _pad4(n: int) -> int:

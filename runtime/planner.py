@@ -345,8 +345,11 @@ class BatchPlanner:
         b.qo, b.kvp, b.last, b.kv_lens = at, at + 8 * n, at + 16 * n, at + 24 * n
         self._pages: np.ndarray | None = None  # the page ids `check` let C read in place
         self._tables = _Tables()
-        self._tables_of: tuple[Any, Any] = (None, None)  # (offsets, buffer) of _tables
-        self._buf_at = 0
+        self._tables_of: Any = None  # the offsets dict `_tables` holds
+        # id -> (buffer, address) of the last buffers staged into (BatchAttention takes the
+        # two halves of its staging buffer in turn); the entry holds the buffer, so its id
+        # stays its own
+        self._buf_at: dict[int, tuple[np.ndarray, int]] = {}
         self._work = _Work()
 
     def check(self, qo: np.ndarray, kvp: np.ndarray, pages: np.ndarray | None,
@@ -389,18 +392,21 @@ class BatchPlanner:
         BatchAttention._stage writes them). `problem`: `plan_problem(layout, ...)`. Returns
         False, having written nothing, when the plan exceeds the layout or the tables do not
         fit in `buf` (the numpy path then raises or writes)."""
-        if (tables, buf) != self._tables_of:  # (the same two objects plan after plan)
-            t = self._tables
+        t = self._tables
+        if tables is not self._tables_of or buf.size != t.size:  # (the same plan after plan)
             t.qo_indptr, t.kv_page_indptr = tables["qo_indptr"], tables["kv_page_indptr"]
             t.kv_lens, t.pages, t.size = tables["kv_lens"], tables["pages"], buf.size
-            self._buf_at, self._tables_of = _addr(buf), (tables, buf)
+            self._tables_of = tables
+        hit = self._buf_at.get(id(buf))
+        if hit is None or hit[0] is not buf:
+            if len(self._buf_at) >= 2:
+                self._buf_at.clear()
+            hit = self._buf_at[id(buf)] = (buf, _addr(buf))
         lib, work = _lib(), self._work
-        code = lib.attncc_plan_batch(problem, self._b, self._tables, self._buf_at, work.at,
-                                     work.buf.nbytes)
+        code = lib.attncc_plan_batch(problem, self._b, t, hit[1], work.at, work.buf.nbytes)
         while code == 2:  # a larger batch than so far: grow the scratch and go again
             work.grow(problem.scratch_bytes)
-            code = lib.attncc_plan_batch(problem, self._b, self._tables, self._buf_at, work.at,
-                                         work.buf.nbytes)
+            code = lib.attncc_plan_batch(problem, self._b, t, hit[1], work.at, work.buf.nbytes)
         self._pages = None
         return code == 0
 

@@ -347,6 +347,113 @@ def test_plan_follows_knobs_changed_between_plans() -> None:
         ba.plan(*args, **KW)
 
 
+def test_plans_alternate_staging_halves() -> None:
+    """plan() stages into the two halves of its pinned buffer in turn: each plan waits only for
+    the copies out of the half it writes (those of the plan before last), leaves the last
+    plan's half as it was, and `_staging_np` holds the current plan's words, the same bytes a
+    fresh instance stages."""
+    from attncc.runtime.batch import used_ranges
+
+    waits: list[int] = []
+    copies: list[tuple] = []
+
+    class Uploader:  # stands in for the CUDA copies: records the waits and copies asked for
+        def wait(self, half: int) -> None:
+            waits.append(half)
+
+        def copy(self, dst: int, src: int, half: int, ranges: list) -> None:
+            copies.append((src, half, ranges))
+
+    a = ([0, 1, 3], [0, 40, 41], list(range(41)), [16, 3])
+    b = ([0, 2, 3], [0, 10, 30], list(range(30)), [5, 16])
+    ba = _ba()
+    ba.plan(*a, **KW)
+    ba._uploader = Uploader()  # type: ignore[assignment]
+    first = ba._staging_np.copy()
+    ba.plan(*b, **KW)
+    assert ba._staging_np is ba._halves[1] and ba._halves[0].tobytes() == first.tobytes()
+    ba.workspace = torch.empty(ba.workspace_bytes(), dtype=torch.uint8)  # (what CUDA plans do:)
+    end = ba._offsets["pages"] + 30
+    ba._upload(end)
+    assert copies == [(ba._staging_np.ctypes.data, 1,
+                       used_ranges(ba._staging_np, ba.layout, ba._offsets["qo_indptr"], end))]
+    fresh = _ba()
+    fresh.plan(*b, **KW)
+    assert ba._staging_np.tobytes() == fresh._staging_np.tobytes() != first.tobytes()
+    assert ba._plan.num_units == fresh._plan.num_units
+    ba.plan(*a, **KW)
+    assert ba._staging_np is ba._halves[0] and ba._staging_np.tobytes() == first.tobytes()
+    assert waits == [1, 0]
+
+
+def test_uploader_copies_each_range_then_records_the_half() -> None:
+    """_Uploader (plan()'s CUDA side, here with stand-ins for the driver, the stream and the
+    events): one checked async copy per range at the range's byte offsets on the current
+    stream, then that half's event is recorded; `wait` synchronizes a half's event once per
+    copy and not at all before one."""
+    from attncc.runtime.batch import _Uploader
+    from attncc.runtime.launcher import LaunchError
+
+    log: list[tuple] = []
+
+    class Event:
+        def __init__(self, half: int) -> None:
+            self.half = half
+
+        def record(self, stream: Any) -> None:
+            log.append(("record", self.half, stream))
+
+        def synchronize(self) -> None:
+            log.append(("sync", self.half))
+
+    up = _Uploader.__new__(_Uploader)  # (no CUDA here: the fields __init__ would set)
+    up.index, up.pending, up.events = 0, [False, False], (Event(0), Event(1))
+    up.raw_stream = lambda i: 77
+    up._stream = (77, "stream")
+    up.memcpy = lambda dst, src, n, stream: (log.append(("copy", dst, src, n, stream)) or (0,))
+    up.wait(0)
+    up.copy(1000, 5000, 1, [(0, 16), (100, 140)])
+    assert log == [("copy", 1000, 5000, 64, 77), ("copy", 1400, 5400, 160, 77),
+                   ("record", 1, "stream")]
+    for half in (0, 1, 1):
+        up.wait(half)
+    assert log[3:] == [("sync", 1)]
+    up.copy(1000, 5000, 1, [])
+    up.raw_stream, up.current_stream = (lambda i: 78), (lambda i: "stream 78")
+    up.copy(1000, 5000, 0, [])  # another stream: the last plan's copies are waited for first
+    assert log[4:] == [("record", 1, "stream"), ("sync", 1), ("record", 0, "stream 78")]
+    up.memcpy = lambda *args: (1,)  # CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(LaunchError, match="cuMemcpyHtoDAsync"):
+        up.copy(1000, 5000, 0, [(0, 16)])
+
+
+def test_coalesce_ranges() -> None:
+    """Sorted, empty ranges dropped, overlapping ones and those under `gap` apart joined."""
+    from attncc.runtime.batch import coalesce_ranges
+
+    assert coalesce_ranges([], 10) == []
+    assert coalesce_ranges([(5, 5), (7, 3)], 10) == []
+    assert coalesce_ranges([(0, 10), (20, 30)], 10) == [(0, 10), (20, 30)]   # 10 apart: kept
+    assert coalesce_ranges([(0, 10), (19, 30)], 10) == [(0, 30)]
+    assert coalesce_ranges([(0, 50), (10, 20), (60, 70)], 0) == [(0, 50), (60, 70)]
+    assert coalesce_ranges([(30, 40), (0, 10), (5, 35)], 0) == [(0, 40)]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        starts = rng.integers(0, 1000, 8)
+        spans = [(int(s), int(s + w)) for s, w in zip(starts, rng.integers(0, 50, 8))]
+        gap = int(rng.integers(0, 100))
+        got = coalesce_ranges(spans, gap)
+        covered = np.zeros(1100, bool)
+        for s0, s1 in spans:
+            covered[s0:s1] = True
+        joined = np.zeros(1100, bool)
+        for s0, s1 in got:
+            joined[s0:s1] = True
+        assert not (covered & ~joined).any()              # every word of every range
+        assert all(got[i + 1][0] - got[i][1] >= gap for i in range(len(got) - 1))
+        assert all(covered[s0] and covered[s1 - 1] for s0, s1 in got)   # no stray ends
+
+
 def test_lazy_plan_is_the_packed_plan() -> None:
     """`ba._plan` (computed on first use) packs to the words plan() staged."""
     ba = _ba()
@@ -455,8 +562,10 @@ def test_causal_variants_clip_their_plans_others_do_not() -> None:
                                        ([1] * 3, [1, 2, 3], 4)])
 def test_used_ranges_carry_everything_the_kernels_read(lq: list[int], kv: list[int],
                                                        hkv: int) -> None:
-    """run() uploads only `used_ranges` of the staged plan: a workspace that got just those
-    words (the rest left as garbage) unpacks to the same plan and page tables."""
+    """run() uploads only `used_ranges` of the staged plan: a workspace that got just the used
+    words (gap=0; the rest left as garbage) unpacks to the same plan and page tables, and the
+    merges read no slot past the used ones. The default ranges (neighbours joined) cover the
+    used words in fewer copies."""
     from attncc.runtime.batch import used_ranges
 
     ba = BatchAttention(attncc.Variant(mask_mod=lambda b, h, q, k: q >= k), kv_layout="NHD",
@@ -469,7 +578,7 @@ def test_used_ranges_carry_everything_the_kernels_read(lq: list[int], kv: list[i
     buf, o = ba._staging_np, ba._offsets
     end = o["pages"] + sum(n_pages)
     dev = np.full(end, -7, dtype=np.int32)
-    ranges = used_ranges(buf, ba.layout, o["qo_indptr"], end)
+    ranges = used_ranges(buf, ba.layout, o["qo_indptr"], end, gap=0)
     for w0, w1 in ranges:
         dev[w0:w1] = buf[w0:w1]
     want, got = ba.layout.unpack(buf), ba.layout.unpack(dev)
@@ -482,3 +591,8 @@ def test_used_ranges_carry_everything_the_kernels_read(lq: list[int], kv: list[i
                         ("kv_lens", len(lq)), ("pages", sum(n_pages))):
         assert np.array_equal(dev[o[name]:o[name] + count], buf[o[name]:o[name] + count]), name
     assert sum(w1 - w0 for w0, w1 in ranges) < end  # less than the whole region
+    assert want["merge_indptr"][-1] == want["num_partial_slots"]
+    assert want["num_ctas"] == ba.layout.max_ctas  # the grid: every CTA's bounds are used words
+    joined = used_ranges(buf, ba.layout, o["qo_indptr"], end)
+    assert len(joined) <= 4 and all(any(j0 <= w0 and w1 <= j1 for j0, j1 in joined)
+                                    for w0, w1 in ranges)

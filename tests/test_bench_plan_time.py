@@ -1,0 +1,22 @@
+"""bench/plan_time.py's step timings of plan() (`--phases`) run without CUDA: the upload steps
+are skipped, the others are timed and add up to at most the plan() call."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+
+def test_phases_on_the_cpu() -> None:
+    from plan_time import phase_report, phases
+
+    from attncc.runtime import batch
+
+    used_ranges = batch.used_ranges
+    got = phases(16, 4, "uniform", "cpu", runs=5)
+    assert batch.used_ranges is used_ranges  # the timer wrapped it only while it ran
+    assert len(got["plan"]) == 5 and "upload" not in got and set(got["copies"]) == {0}
+    for name in ("check", "config", "staging"):
+        assert all(0 < t <= p for t, p in zip(got[name], got["plan"])), name
+    assert "staging" in phase_report("cell", got)
