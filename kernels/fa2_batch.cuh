@@ -5,8 +5,8 @@
 // fa2_attend.cuh, and before the generated Variant_<name> functors' entry point
 // (ATTNCC_FA2_BATCH_ENTRY at the bottom).
 //
-// The plan (attncc.runtime.scheduler.plan) is made on the host and copied to the workspace with
-// one asynchronous copy. The attention kernel's grid is fixed (k x #SMs): CTA c runs the work
+// The plan (attncc.runtime.scheduler.plan) is made on the host and copied to fixed offsets of the
+// workspace with a few asynchronous copies (the words in use). The attention kernel's grid is fixed (k x #SMs): CTA c runs the work
 // units cta_units[cta_indptr[c] .. cta_indptr[c+1]) one after another. A unit is (request, KV
 // head, a tile of up to TQ fused query rows, a KV range). A unit that covers its rows' whole KV
 // range writes the output directly; the units of a split range write fp32 partial states to the
