@@ -6,14 +6,14 @@
 // (ATTNCC_FA2_BATCH_ENTRY at the bottom).
 //
 // The plan (attncc.runtime.scheduler.plan) is made on the host and copied to fixed offsets of the
-// workspace with a few asynchronous copies (the words in use). The attention kernel's grid is fixed (k x #SMs): CTA c runs the work
-// units cta_units[cta_indptr[c] .. cta_indptr[c+1]) one after another. A unit is (request, KV
-// head, a tile of up to TQ fused query rows, a KV range). A unit that covers its rows' whole KV
-// range writes the output directly; the units of a split range write fp32 partial states to the
-// workspace, and the merge kernel combines them -- in the plan's fixed order, so the same lengths
-// give bitwise the same output -- then applies the OutputTransform. Because every pointer and both
-// grid sizes are fixed, the pair of launches can be captured once in a CUDA graph and replayed
-// with new plans.
+// workspace with a few asynchronous copies (the words in use). The attention kernel's grid is
+// fixed (k x #SMs): CTA c runs the work units cta_units[cta_indptr[c] .. cta_indptr[c+1]) one
+// after another. A unit is (request, KV head, a tile of up to TQ fused query rows, a KV range).
+// A unit that covers its rows' whole KV range writes the output directly; the units of a split
+// range write fp32 partial states to the workspace, and the merge kernel combines them -- in the
+// plan's fixed order, so the same lengths give bitwise the same output -- then applies the
+// OutputTransform. Because every pointer and both grid sizes are fixed, the pair of launches can be
+// captured once in a CUDA graph and replayed with new plans.
 //
 // Query positions: token t of a request with q_len queries and kv_len keys is query position
 // kv_len - q_len + t (the queries are the last q_len tokens of the sequence), which is what the

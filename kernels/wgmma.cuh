@@ -30,7 +30,8 @@ typedef unsigned long long u64;
 // the column is 8j + 2*(lane & 3) + 1 -- an odd column assembled from disjoint bits, as an
 // accumulator's second element is. The PTX XORed the whole column, not its chunk (col >> 3),
 // into the row's swizzle bits, so such elements landed in the wrong 16-byte chunk
-// (tests/test_codegen.py pins the PTX; bench/NOTES.md has the story).
+// (tests/gpu/test_wgmma.py checks every accumulator offset on the GPU; bench/NOTES.md has the
+// story).
 __device__ __forceinline__ unsigned sw128_offset(int row, int col, int rows) {
   const unsigned c = (unsigned)col, r = (unsigned)row;
   const unsigned chunk = (c >> 3) & 7u;  // 16-byte chunk within the 128-byte row

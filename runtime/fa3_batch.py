@@ -3,9 +3,9 @@ its generated source, and its TMA maps.
 
 The FA3 batch kernel runs the same plans as the FA2 one (units of 128 fused query rows x a KV
 range, merged by the same merge kernel) with the warp-specialized TMA + wgmma pipeline. It needs
-an sm_90 GPU, bf16 or fp16, head dim 64 or 128 (every variant hook runs on it), a GQA group that divides 64 (a 64-row box is 64 / g tokens x g heads), and KV
-pages TMA can address one box per page: power-of-two page sizes of at least 16 tokens, or a
-ragged cache.
+an sm_90 GPU, bf16 or fp16, head dim 64 or 128 (every variant hook runs on it), a GQA group
+that divides 64 (a 64-row box is 64 / g tokens x g heads), and KV pages TMA can address one box
+per page: power-of-two page sizes of at least 16 tokens, or a ragged cache.
 
 Example:
     >>> fa3_unsupported("cpu", head_dim=128, group=4, kv_layout="NHD",

@@ -144,8 +144,9 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
 
     `group` = num_q_heads / num_kv_heads; `heads` = num_q_heads. kernel_options may force
     BLOCK_M (T_q), BLOCK_N (T_kv) and num_stages; an impossible choice raises ValueError.
-    `fa3_ok` (the caller checked an sm_90 GPU and contiguous inputs) picks the FA3 kernel for at least 128 query rows when the block mask's blocks
-    suit it and kernel_options name no KERNEL or BLOCK_M; FA2 otherwise.
+    `fa3_ok` (the caller checked an sm_90 GPU and contiguous inputs) picks the FA3 kernel for
+    at least 128 query rows when the block mask's blocks suit it and kernel_options name no
+    KERNEL or BLOCK_M; FA2 otherwise.
 
     Example:
         >>> choose_tiles(64, q_len=17, kv_len=17, group=4, heads=8, batch=1)

@@ -58,7 +58,8 @@ def batch() -> None:
     for layout in ("NHD", "ragged"):
         if layout == "ragged":
             kv_indptr = torch.tensor([0, *itertools.accumulate(kv_lens)])
-            k, v = (torch.randn(sum(kv_lens), Hkv, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+            k, v = (torch.randn(sum(kv_lens), Hkv, d, device="cuda", dtype=torch.bfloat16)
+                    for _ in "kv")
             ids = last = None
         else:
             n_pages = [-(-n // page) for n in kv_lens]

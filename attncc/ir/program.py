@@ -106,18 +106,6 @@ class VariantIR:
         merged = {**self.hooks, **hooks}
         return replace(self, hooks={n: merged[n] for n in HOOK_ORDER if n in merged})
 
-    def active_transforms(self) -> list[str]:
-        """The query/key/value/output hooks that are not identities (in TRANSFORM_HOOKS order):
-        what a kernel without transforms (the FA3 ones) cannot run.
-
-        Example:
-            >>> from attncc.ir.nodes import var, vec
-            >>> VariantIR().active_transforms(), VariantIR(
-            ...     hooks={"key_mod": Hook("key_mod", vec("k", var("d")) * 2.0)}).active_transforms()
-            ([], ['key_mod'])
-        """
-        return [h for h in TRANSFORM_HOOKS if not self.hook(h).is_identity]
-
     @property
     def use_softmax(self) -> bool:
         return self.normalize == "softmax"
