@@ -2,12 +2,16 @@
 against what a FlexAttention or SDPA user does instead -- rotate q and k with PyTorch ops, then
 call the attention -- all in one process on the same inputs (bf16, H=16, D=128, B*S=16384).
 
+attncc runs the key_mod two ways: hoisted into the K/V pre-pass (the default: once per key,
+runtime/kv_prepass.py) and per tile inside the kernel (`*_in_kernel`,
+kernel_options HOIST_KV_TRANSFORMS=False); `attncc_fa3_causal` (no RoPE at all) is the ceiling.
+
 TFLOP/s count 4*D FLOPs per unmasked (query, key) pair (causal: half of S^2), as
 bench/prefill.py does; the rotate-then-attend cells include the rotation's time, because that is
 the work the in-kernel transform replaces. Every cell is checked against the FA2 output.
 
     python bench/transforms.py --out bench/results/transforms-h200.json
-    python bench/transforms.py --report bench/results/transforms-h200.json   # table (CPU ok)
+    python bench/transforms.py --report bench/results/transforms-h200.json   # table + PNG
 
 Example:
     >>> rotate_half_tables(8, 4)[0].shape
@@ -27,7 +31,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.prefill import HEAD_DIM, HEADS, TOKENS, _compiled_flex, _meta, _rel_err  # noqa: E402
 
-IMPLS = ("attncc_fa3", "attncc_fa2", "flex_rotated", "sdpa_cudnn_rotated")
+IMPLS = ("attncc_fa3", "attncc_fa3_in_kernel", "attncc_fa2", "attncc_fa2_in_kernel",
+         "flex_rotated", "sdpa_cudnn_rotated", "attncc_fa3_causal")
+_OPTIONS = {"attncc_fa3": {"KERNEL": "fa3"},
+            "attncc_fa3_in_kernel": {"KERNEL": "fa3", "HOIST_KV_TRANSFORMS": False},
+            "attncc_fa2": {"KERNEL": "fa2"},
+            "attncc_fa2_in_kernel": {"KERNEL": "fa2", "HOIST_KV_TRANSFORMS": False}}
 SEQ_LENS = (2048, 8192)
 
 
@@ -74,11 +83,14 @@ def cells(S: int) -> dict[str, Callable[[], Any]]:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v,
                                                   is_causal=True)
+
+    def attncc_cell(opts: dict[str, Any]) -> Callable[[], Any]:
+        return lambda: attncc.flex_attention(q, k, v, score_mod=variant, block_mask=bm,
+                                             kernel_options=opts)
     return {
-        "attncc_fa3": lambda: attncc.flex_attention(q, k, v, score_mod=variant, block_mask=bm,
-                                                    kernel_options={"KERNEL": "fa3"}),
-        "attncc_fa2": lambda: attncc.flex_attention(q, k, v, score_mod=variant, block_mask=bm,
-                                                    kernel_options={"KERNEL": "fa2"}),
+        **{impl: attncc_cell(opts) for impl, opts in _OPTIONS.items()},
+        "attncc_fa3_causal": lambda: attncc.flex_attention(q, k, v, block_mask=bm,
+                                                           kernel_options={"KERNEL": "fa3"}),
         "flex_rotated": lambda: flex(_rotate(q, cos, sin), _rotate(k, cos, sin), v,
                                      block_mask=tbm),
         "sdpa_cudnn_rotated": sdpa,
@@ -103,7 +115,8 @@ def run(seq_lens: tuple[int, ...]) -> list[dict[str, Any]]:
                 print(f"S={S} {impl}: {results[-1]['error']}")
                 continue
             flops = 4 * HEAD_DIM * (S * S / 2.0) * HEADS * (TOKENS // S)
-            rec = {"S": S, "variant": "rope_causal", "impl": impl, "ms": ms,
+            rec = {"S": S, "variant": "causal" if impl == "attncc_fa3_causal" else "rope_causal",
+                   "impl": impl, "ms": ms,
                    "tflops": flops / ms / 1e9, "rel_err_vs_fa2": _rel_err(out, ref)}
             results.append(rec)
             print(f"S={S} {impl:20s} {ms:7.3f} ms {rec['tflops']:6.1f} TFLOP/s "
@@ -128,6 +141,30 @@ def report(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(data: dict[str, Any], path: Path) -> None:
+    """TFLOP/s per implementation, one group of bars per S."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in data["results"] if "tflops" in r]
+    seqs = sorted({r["S"] for r in rows})
+    get = {(r["impl"], r["S"]): r["tflops"] for r in rows}
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    width = 0.8 / len(IMPLS)
+    for i, impl in enumerate(IMPLS):
+        xs = [j + i * width for j in range(len(seqs))]
+        ax.bar(xs, [get.get((impl, s), 0.0) for s in seqs], width, label=impl)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(seqs))], [f"S={s}" for s in seqs])
+    ax.set_ylabel("TFLOP/s")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(f"RoPE + causal, {data['meta'].get('gpu', '?')}, bf16, H=16, D=128", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--S", type=int, nargs="+", default=list(SEQ_LENS))
@@ -135,13 +172,16 @@ def main() -> None:
     ap.add_argument("--report", type=Path, default=None, help="print the table of a JSON")
     args = ap.parse_args()
     if args.report:
-        print(report(json.loads(args.report.read_text())))
+        data = json.loads(args.report.read_text())
+        plot(data, args.report.with_suffix(".png"))
+        print(report(data))
         return
     data = {"meta": _meta(), "results": run(tuple(args.S))}
     print(report(data))
     if args.out:
         args.out.write_text(json.dumps(data, indent=1))
         args.out.with_suffix(".md").write_text(report(data) + "\n")
+        plot(data, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

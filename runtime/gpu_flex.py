@@ -458,6 +458,32 @@ class LaunchPlan:
     # captures of the block mask's mask_mod under their renamed names (see _merge_mask)
     mask_scalars: Mapping[str, Any] = field(default_factory=dict)
     mask_tensors: Mapping[str, Any] = field(default_factory=dict)
+    # the variant's key_mod / value_mod, hoisted out of `ir` into the K/V pre-pass
+    # (runtime/kv_prepass.py), or None when the attention kernel applies them itself
+    prepass: VariantIR | None = None
+
+
+def _hoist_kv(ir: VariantIR, tiles: TilePlan, *, q_len: int, num_q_heads: int,
+              num_kv_heads: int, kernel_options: Mapping[str, Any] | None
+              ) -> tuple[VariantIR | None, VariantIR]:
+    """`(prepass, attention variant)`: key/value transforms move to the pre-pass when the grid
+    loads each K/V row at least twice (attncc.ir.hoist.kv_loads_per_row), or as
+    kernel_options['HOIST_KV_TRANSFORMS'] says."""
+    from attncc.ir.hoist import has_kv_transforms, kv_loads_per_row, split_kv_transforms
+
+    if not has_kv_transforms(ir):
+        return None, ir
+    want = (kernel_options or {}).get("HOIST_KV_TRANSFORMS")
+    if want is None:
+        want = kv_loads_per_row(q_len=q_len, num_q_heads=num_q_heads,
+                                num_kv_heads=num_kv_heads, rows_per_cta=tiles.tq,
+                                head_fusion=tiles.gf) >= 2
+    if not want:
+        return None, ir
+    from attncc.ir.simplify import simplify_variant
+
+    pre, rest = split_kv_transforms(simplify_variant(ir))
+    return pre, rest
 
 
 def _fa3_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, device: int) -> bool:
@@ -505,8 +531,10 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
     if Hq // tiles.gf > 65535 or B > 65535:
         raise ValueError(f"batch {B} x heads {Hq}: the GPU kernel's grid allows at most 65535 "
                          f"head slots and 65535 batches")
+    pre, ir = _hoist_kv(ir, tiles, q_len=Sq, num_q_heads=Hq, num_kv_heads=Hkv,
+                        kernel_options=kernel_options)
     dtype = "bfloat16" if query.dtype == torch.bfloat16 else "float16"
-    return LaunchPlan(ir, bindings, tiles, margs, dtype, D, dev_index, mscal, mtens)
+    return LaunchPlan(ir, bindings, tiles, margs, dtype, D, dev_index, mscal, mtens, pre)
 
 
 def _compile_job(job: tuple[str, str, str]) -> str:
@@ -551,6 +579,12 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
                                          stages=pl.tiles.stages, m_frags=pl.tiles.m_frags,
                                          fast_math=pl.tiles.fast_math)
         jobs[src] = (src, arch, f"{name}.cu")
+        if pl.prepass is not None:
+            from .kv_prepass import prepass_source
+
+            gk = prepass_source(pl.prepass, head_dim=pl.head_dim, dtype=pl.dtype,
+                                fast_math=pl.tiles.fast_math)
+            jobs[gk.source] = (gk.source, arch, f"{gk.kernel_name}.cu")
     workers = max_workers or min(len(jobs), os.cpu_count() or 1)
     if workers <= 1:
         for job in jobs.values():
@@ -570,6 +604,16 @@ class _CallEntry:
     plan: LaunchPlan
     kernel: _Compiled
     block_mask: Any  # held so its id cannot be reused while cached; compared by identity
+    prepass: Any = None  # the K/V pre-pass's KernelLauncher when plan.prepass is set
+
+
+def _prepass_for(pl: LaunchPlan) -> Any:
+    from .kv_prepass import prepass_kernel
+
+    if pl.prepass is None:
+        return None
+    return prepass_kernel(pl.prepass, head_dim=pl.head_dim, dtype=pl.dtype,
+                          fast_math=pl.tiles.fast_math, device=pl.device)
 
 
 _CALLS: "OrderedDict[tuple, _CallEntry]" = OrderedDict()
@@ -630,7 +674,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         pl = plan_launch(query, key, value, ir, bindings, block_mask=block_mask,
                          enable_gqa=enable_gqa, kernel_options=kernel_options)
         entry = _CallEntry(pl, _kernel_for(pl.ir, pl.head_dim, pl.dtype, pl.tiles, pl.device),
-                           block_mask)
+                           block_mask, _prepass_for(pl))
         if pl.mask is None or not pl.mask.derived:  # derived lists would go stale if cached
             with _KERNELS_LOCK:
                 _CALLS[ckey] = entry
@@ -663,6 +707,11 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                              f"with a contiguous last dim")
     if out.numel() == 0:
         return out, lse
+    if entry.prepass is not None:  # key/value transforms once per row, before attention
+        from .kv_prepass import run_prepass
+
+        key, value = run_prepass(entry.prepass, pl.prepass, key, value,
+                                 _captured(pl.prepass, bindings, device))
 
     kl, cfg = kern.launcher, kern.config
     if pl.tiles.kernel == "fa3":  # (batch x head, query blocks): kernels/fa3_prefill.cuh

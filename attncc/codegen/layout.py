@@ -212,6 +212,18 @@ _BATCH_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
 
 BATCH_PARAMS: StructLayout = struct_layout("attncc::BatchParams", _BATCH_PARAMS_MEMBERS)
 
+# Mirrors kernels/kv_transform.cuh's KvTransformParams (the key/value pre-pass's argument): the
+# K/V tensors read and the transformed copies written, [batch, kv heads, kv_len, head_dim] each
+# with element strides and a contiguous head dim.
+_KV_TRANSFORM_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
+    ("k", "const void*"), ("v", "const void*"), ("k_out", "void*"), ("v_out", "void*"),
+    *((f"{t}_stride_{d}", "attncc::i64") for t in ("k", "v", "k_out", "v_out") for d in "bhs"),
+    ("batch", "int"), ("num_kv_heads", "int"), ("kv_len", "int"),
+)
+
+KV_TRANSFORM_PARAMS: StructLayout = struct_layout("attncc::KvTransformParams",
+                                                  _KV_TRANSFORM_PARAMS_MEMBERS)
+
 # ----------------------------------------------------------------------------- C names
 
 _CPP_KEYWORDS = frozenset("""

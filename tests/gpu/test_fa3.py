@@ -30,9 +30,11 @@ CASES = [(v, d, s, g, n) for (v, d, n), s, g in zip(
     itertools.product(("noop", "causal", "softcap_causal", "alibi_causal"), (64, 128), (64, 128)),
     itertools.cycle((1, 17, 300, 1000, 4096, 129)), itertools.cycle((1, 4, 1)))] + [
     ("noop", 256, 1000, 4, 64), ("softcap_causal", 256, 4096, 1, 64),
-    ("alibi_causal", 256, 129, 1, 64)] + [
-    # query/key/value/output transforms, rewritten in shared memory (odd lengths: rows and keys
-    # past the end are skipped)
+    ("alibi_causal", 256, 129, 1, 64)]
+# query/key/value/output transforms (odd lengths: rows and keys past the end are skipped), each
+# run with key/value transforms applied per tile in shared memory and hoisted into the K/V
+# pre-pass (runtime/kv_prepass.py)
+TRANSFORM_CASES = [
     ("rope", 128, 1000, 4, 128), ("rope", 64, 129, 1, 128), ("rope_interleaved", 128, 300, 1, 64),
     ("value_output", 128, 1000, 1, 128), ("value_output", 64, 17, 4, 128),
     ("rope", 256, 300, 1, 64), ("value_output", 256, 129, 1, 64)]
@@ -118,14 +120,14 @@ def test_fa3_compiles_without_spills(name: str, d: int, tkv: int, stages: int) -
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: Any, bind: Any, bm: Any,
-           g: int, tkv: int = 128) -> None:
+           g: int, tkv: int = 128, **options: Any) -> None:
     from attncc.runtime.reference import attention_reference
 
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
     gpu_flex.gpu_flex_attention(q, k, v, ir, bind, block_mask=bm, enable_gqa=g > 1,
-                                return_lse=True, kernel_options={**FA3, "BLOCK_N": tkv}, out=out,
-                                lse_out=lse)
+                                return_lse=True, kernel_options={**FA3, "BLOCK_N": tkv, **options},
+                                out=out, lse_out=lse)
     torch.cuda.synchronize()
     ref, ref_lse = attention_reference(q, k, v, ir, bind, block_mask=bm, enable_gqa=g > 1)
     assert not torch.isnan(out).any()
@@ -143,6 +145,46 @@ def test_fa3_matches_reference(name: str, d: int, s: int, g: int, tkv: int, rng:
     q, k, v = rng.qkv(2, 2 * g, s, d, Hkv=2, dtype=torch.bfloat16, device="cuda")
     ir, bind = VARIANTS[name](2, 2 * g, s, d).trace()
     _check(q, k, v, ir, bind, None, g, tkv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hoist", [False, True], ids=["in_kernel", "prepass"])
+@pytest.mark.parametrize("name,d,s,g,tkv", TRANSFORM_CASES,
+                         ids=[f"{c[0]}-d{c[1]}-s{c[2]}-g{c[3]}-k{c[4]}" for c in TRANSFORM_CASES])
+def test_fa3_transforms_match_reference(name: str, d: int, s: int, g: int, tkv: int, hoist: bool,
+                                        rng: Any) -> None:
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FA3 kernel needs an sm_90 GPU")
+    q, k, v = rng.qkv(2, 2 * g, s, d, Hkv=2, dtype=torch.bfloat16, device="cuda")
+    ir, bind = VARIANTS[name](2, 2 * g, s, d).trace()
+    pl = gpu_flex.plan_launch(q, k, v, ir, bind, enable_gqa=g > 1,
+                              kernel_options={**FA3, "HOIST_KV_TRANSFORMS": hoist})
+    assert (pl.prepass is not None) == hoist
+    _check(q, k, v, ir, bind, None, g, tkv, HOIST_KV_TRANSFORMS=hoist)
+
+
+@pytest.mark.gpu
+def test_prepass_leaves_inputs_alone_and_is_chosen_by_reuse(rng: Any) -> None:
+    """The pre-pass writes copies (k/v unchanged, strided inputs fine) and is picked by default
+    only when the grid loads each K/V row at least twice."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FA3 kernel needs an sm_90 GPU")
+    d = 128
+    ir, bind = VARIANTS["rope"](1, 4, 512, d).trace()
+    q, k, v = rng.qkv(1, 4, 512, d, Hkv=2, dtype=torch.bfloat16, device="cuda")
+    k_strided = torch.empty(1, 512, 2, d, dtype=k.dtype, device="cuda").transpose(1, 2)
+    k_strided.copy_(k)
+    before = k_strided.clone()
+    assert gpu_flex.plan_launch(q, k_strided, v, ir, bind, enable_gqa=True).prepass is not None
+    out, _ = gpu_flex.gpu_flex_attention(q, k_strided, v, ir, bind, enable_gqa=True)
+    ref, _ = gpu_flex.gpu_flex_attention(q, k, v, ir, bind, enable_gqa=True,
+                                         kernel_options={"HOIST_KV_TRANSFORMS": False})
+    torch.cuda.synchronize()
+    assert torch.equal(k_strided, before)
+    assert float((out.double() - ref.double()).norm() / ref.double().norm()) < 1e-2
+    q1 = q[:, :2, :1]  # one query row per head, no GQA sharing: each K row is loaded once
+    k1, v1 = k[:, :2], v[:, :2]
+    assert gpu_flex.plan_launch(q1, k1, v1, ir, bind).prepass is None
 
 
 @pytest.mark.gpu
