@@ -2,9 +2,10 @@
 against what a FlexAttention or SDPA user does instead -- rotate q and k with PyTorch ops, then
 call the attention -- all in one process on the same inputs (bf16, H=16, D=128, B*S=16384).
 
-attncc runs the key_mod two ways: hoisted into the K/V pre-pass (the default: once per key,
-runtime/kv_prepass.py) and per tile inside the kernel (`*_in_kernel`,
-kernel_options HOIST_KV_TRANSFORMS=False); `attncc_fa3_causal` (no RoPE at all) is the ceiling.
+attncc runs the hooks three ways: both in the pre-pass (the default here: once per row,
+runtime/prepass.py), only key_mod there (`*_kv_prepass`, kernel_options PREPASS="kv"), and both
+inside the attention kernel (`*_in_kernel`, PREPASS="none"); `attncc_fa3_causal` (no RoPE at
+all) is the ceiling.
 
 TFLOP/s count 4*D FLOPs per unmasked (query, key) pair (causal: half of S^2), as
 bench/prefill.py does; the rotate-then-attend cells include the rotation's time, because that is
@@ -31,12 +32,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench.prefill import HEAD_DIM, HEADS, TOKENS, _compiled_flex, _meta, _rel_err  # noqa: E402
 
-IMPLS = ("attncc_fa3", "attncc_fa3_in_kernel", "attncc_fa2", "attncc_fa2_in_kernel",
-         "flex_rotated", "sdpa_cudnn_rotated", "attncc_fa3_causal")
+IMPLS = ("attncc_fa3", "attncc_fa3_kv_prepass", "attncc_fa3_in_kernel", "attncc_fa2",
+         "attncc_fa2_in_kernel", "flex_rotated", "sdpa_cudnn_rotated", "attncc_fa3_causal")
 _OPTIONS = {"attncc_fa3": {"KERNEL": "fa3"},
-            "attncc_fa3_in_kernel": {"KERNEL": "fa3", "HOIST_KV_TRANSFORMS": False},
+            "attncc_fa3_kv_prepass": {"KERNEL": "fa3", "PREPASS": "kv"},
+            "attncc_fa3_in_kernel": {"KERNEL": "fa3", "PREPASS": "none"},
             "attncc_fa2": {"KERNEL": "fa2"},
-            "attncc_fa2_in_kernel": {"KERNEL": "fa2", "HOIST_KV_TRANSFORMS": False}}
+            "attncc_fa2_in_kernel": {"KERNEL": "fa2", "PREPASS": "none"}}
 SEQ_LENS = (2048, 8192)
 
 
@@ -97,7 +99,25 @@ def cells(S: int) -> dict[str, Callable[[], Any]]:
     }
 
 
-def run(seq_lens: tuple[int, ...]) -> list[dict[str, Any]]:
+def kernel_times(fn: Callable[[], Any], label: str, reps: int = 20) -> None:
+    """Print the GPU time per call of each kernel `fn` launches (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    for ev in prof.key_averages():
+        if ev.device_type == torch.autograd.DeviceType.CUDA or getattr(ev, "device_time", 0):
+            us = getattr(ev, "device_time_total", 0.0) / reps
+            if us > 0:
+                print(f"  {label}: {ev.key[:60]:60s} {us:8.1f} us/call")
+
+
+def run(seq_lens: tuple[int, ...], profile: bool = False) -> list[dict[str, Any]]:
     import torch
     from triton.testing import do_bench
 
@@ -115,12 +135,16 @@ def run(seq_lens: tuple[int, ...]) -> list[dict[str, Any]]:
                 print(f"S={S} {impl}: {results[-1]['error']}")
                 continue
             flops = 4 * HEAD_DIM * (S * S / 2.0) * HEADS * (TOKENS // S)
-            rec = {"S": S, "variant": "causal" if impl == "attncc_fa3_causal" else "rope_causal",
-                   "impl": impl, "ms": ms,
-                   "tflops": flops / ms / 1e9, "rel_err_vs_fa2": _rel_err(out, ref)}
+            ceiling = impl == "attncc_fa3_causal"  # no RoPE: not comparable to the others
+            rec = {"S": S, "variant": "causal" if ceiling else "rope_causal", "impl": impl,
+                   "ms": ms, "tflops": flops / ms / 1e9,
+                   "rel_err_vs_fa2": None if ceiling else _rel_err(out, ref)}
             results.append(rec)
-            print(f"S={S} {impl:20s} {ms:7.3f} ms {rec['tflops']:6.1f} TFLOP/s "
-                  f"err {rec['rel_err_vs_fa2']:.1e}")
+            err = "" if ceiling else f" err {rec['rel_err_vs_fa2']:.1e}"
+            print(f"S={S} {impl:20s} {ms:7.3f} ms {rec['tflops']:6.1f} TFLOP/s{err}")
+        if profile:
+            for impl in ("attncc_fa3", "attncc_fa3_kv_prepass"):
+                kernel_times(fns[impl], f"S={S} {impl}")
     return results
 
 
@@ -170,13 +194,15 @@ def main() -> None:
     ap.add_argument("--S", type=int, nargs="+", default=list(SEQ_LENS))
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--report", type=Path, default=None, help="print the table of a JSON")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the kernel times of attncc_fa3 (pre-pass vs attention)")
     args = ap.parse_args()
     if args.report:
         data = json.loads(args.report.read_text())
         plot(data, args.report.with_suffix(".png"))
         print(report(data))
         return
-    data = {"meta": _meta(), "results": run(tuple(args.S))}
+    data = {"meta": _meta(), "results": run(tuple(args.S), args.profile)}
     print(report(data))
     if args.out:
         args.out.write_text(json.dumps(data, indent=1))

@@ -119,18 +119,15 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-
 // multi-instruction accurate libm versions, which would make the SFU -- not the tensor cores --
 // the bound of an attention loop (softcap pays a tanh per logit on top of softmax's ex2). Errors
 // (PTX ISA): ex2.approx ~2 ulp, lg2.approx ~2^-22 absolute, tanh.approx ~2^-11 relative,
-// rcp.approx ~1 ulp; all far below bf16/fp16 output precision. Denormals flush to zero.
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
+// div.approx ~2 ulp for 2^-126 <= |divisor| <= 2^126 (0 beyond); all far below bf16/fp16
+// output precision. They are spelled with CUDA's intrinsics (exp2f is ex2.approx, __log2f,
+// __fdividef, __sinf, __cosf), not inline asm, where one exists: the compiler knows intrinsics
+// have no side effects and hoists them out of loops -- RoPE's per-lane frequency
+// exp(-2i log(base) / D) is then computed once per warp in the transform pre-pass, not per row
+// (asm statements stayed in the loop; bench/NOTES.md). tanh.approx has no intrinsic.
+__device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
 __device__ __forceinline__ float fast_exp(float x) { return fast_exp2(x * 1.4426950408889634f); }
-__device__ __forceinline__ float fast_log2(float x) {
-    float y;
-    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
+__device__ __forceinline__ float fast_log2(float x) { return __log2f(x); }
 __device__ __forceinline__ float fast_log(float x) { return fast_log2(x) * 0.6931471805599453f; }
 __device__ __forceinline__ float fast_tanh(float x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
@@ -145,12 +142,31 @@ __device__ __forceinline__ float fast_tanh(float x) {
 __device__ __forceinline__ float fast_sigmoid(float x) { return 0.5f * fast_tanh(0.5f * x) + 0.5f; }
 // a * (1/b): when b is loop-invariant (a captured scalar such as softcap's cap) the compiler
 // hoists the reciprocal out of the kernel's loop, leaving one multiply per logit.
-__device__ __forceinline__ float fast_rcp(float x) {
-    float y;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
+__device__ __forceinline__ float fast_rcp(float x) { return __fdividef(1.0f, x); }
 __device__ __forceinline__ float fast_div(float a, float b) { return a * fast_rcp(b); }
+// sin / cos: sin.approx and cos.approx are accurate (2^-21.4 absolute) only on [-pi, pi] and do
+// no range reduction of their own, while RoPE angles reach thousands of radians. So reduce first:
+// r = x - 2*pi*k, k = rint(x / 2pi), with 2*pi split into three floats (c1 has 8 significant
+// bits, so k * c1 is exact for |k| < 2^16; each FMA rounds once): |error of r| < 6e-7. With the
+// MUFU op the result is within 1e-6 of sin(x) for |x| <= 1e5 (a 100K-token RoPE); beyond that
+// (and for NaN / inf) libm's sinf / cosf. Six instructions instead of libm's ~40 per call, and
+// sin and cos of one angle share the reduction.
+__device__ __forceinline__ float reduce_2pi(float x) {
+    const float k = rintf(x * 0x1.45f306p-3f);  // x / (2 pi)
+    float r = fmaf(-k, 6.28125f, x);
+    r = fmaf(-k, 0x1.fb5444p-10f, r);
+    return fmaf(-k, 0x1.68c234p-37f, r);
+}
+// libm's versions out of line: their rarely taken Payne-Hanek reduction (a local array) then does
+// not cost the hot path registers or spills
+__device__ __noinline__ float libm_sin(float x) { return sinf(x); }
+__device__ __noinline__ float libm_cos(float x) { return cosf(x); }
+__device__ __forceinline__ float fast_sin(float x) {
+    return fabsf(x) <= 1.0e5f ? __sinf(reduce_2pi(x)) : libm_sin(x);
+}
+__device__ __forceinline__ float fast_cos(float x) {
+    return fabsf(x) <= 1.0e5f ? __cosf(reduce_2pi(x)) : libm_cos(x);
+}
 __device__ __forceinline__ float rsqrt(float x) { return rsqrtf(x); }
 __device__ __forceinline__ float exp2(float x) { return exp2f(x); }
 __device__ __forceinline__ float log2(float x) { return log2f(x); }

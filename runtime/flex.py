@@ -46,9 +46,9 @@ from .reference import attention_reference, validate_attention_inputs
 # kernel_options keys attncc understands: the compiled kernel's tile shape (query rows, kv
 # columns, pipeline stages, warps per CTA), two promises FlexAttention also accepts, and
 # FAST_MATH (attncc's: False compiles the hooks with exact libm math instead of one-instruction
-# approximations), HOIST_KV_TRANSFORMS (attncc's: True / False forces key_mod and value_mod into a
-# pre-pass over K/V or into the attention kernel; by default they are hoisted when the grid loads
-# each K/V row twice or more, runtime/kv_prepass.py). The exact reference path ignores them. Anything else is an error rather than a
+# approximations), PREPASS (attncc's: "none", "kv" or "qkv" runs those transforms once per row in
+# a pre-pass instead of inside the attention kernel; "auto", the default, see
+# runtime/prepass.choose_prepass). The exact reference path ignores them. Anything else is an error rather than a
 # silent no-op.
 SUPPORTED_KERNEL_OPTIONS: dict[str, type] = {
     "BLOCK_M": int,
@@ -59,7 +59,7 @@ SUPPORTED_KERNEL_OPTIONS: dict[str, type] = {
     "KERNEL": str,
     "ROWS_GUARANTEED_SAFE": bool,
     "BLOCKS_ARE_CONTIGUOUS": bool,
-    "HOIST_KV_TRANSFORMS": bool,
+    "PREPASS": str,
 }
 
 _warned_no_gpu_kernel = False

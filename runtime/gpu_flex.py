@@ -458,32 +458,28 @@ class LaunchPlan:
     # captures of the block mask's mask_mod under their renamed names (see _merge_mask)
     mask_scalars: Mapping[str, Any] = field(default_factory=dict)
     mask_tensors: Mapping[str, Any] = field(default_factory=dict)
-    # the variant's key_mod / value_mod, hoisted out of `ir` into the K/V pre-pass
-    # (runtime/kv_prepass.py), or None when the attention kernel applies them itself
+    # the variant's query/key/value transforms hoisted out of `ir` into the pre-pass
+    # (runtime/prepass.py), or None when the attention kernel applies them itself
     prepass: VariantIR | None = None
 
 
-def _hoist_kv(ir: VariantIR, tiles: TilePlan, *, q_len: int, num_q_heads: int,
-              num_kv_heads: int, kernel_options: Mapping[str, Any] | None
-              ) -> tuple[VariantIR | None, VariantIR]:
-    """`(prepass, attention variant)`: key/value transforms move to the pre-pass when the grid
-    loads each K/V row at least twice (attncc.ir.hoist.kv_loads_per_row), or as
-    kernel_options['HOIST_KV_TRANSFORMS'] says."""
-    from attncc.ir.hoist import has_kv_transforms, kv_loads_per_row, split_kv_transforms
+def _hoist(ir: VariantIR, tiles: TilePlan, *, q_len: int, num_q_heads: int, num_kv_heads: int,
+           kernel_options: Mapping[str, Any] | None) -> tuple[VariantIR | None, VariantIR]:
+    """`(prepass, attention variant)` for this launch (runtime/prepass.choose_prepass)."""
+    from attncc.ir.hoist import split_transforms, transforms_in
 
-    if not has_kv_transforms(ir):
+    from .prepass import choose_prepass
+
+    if not transforms_in(ir):
         return None, ir
-    want = (kernel_options or {}).get("HOIST_KV_TRANSFORMS")
-    if want is None:
-        want = kv_loads_per_row(q_len=q_len, num_q_heads=num_q_heads,
-                                num_kv_heads=num_kv_heads, rows_per_cta=tiles.tq,
-                                head_fusion=tiles.gf) >= 2
-    if not want:
+    hooks = choose_prepass(ir, option=(kernel_options or {}).get("PREPASS"), q_len=q_len,
+                           num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                           rows_per_cta=tiles.tq, head_fusion=tiles.gf)
+    if not hooks:
         return None, ir
     from attncc.ir.simplify import simplify_variant
 
-    pre, rest = split_kv_transforms(simplify_variant(ir))
-    return pre, rest
+    return split_transforms(simplify_variant(ir), hooks)
 
 
 def _fa3_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, device: int) -> bool:
@@ -531,8 +527,8 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
     if Hq // tiles.gf > 65535 or B > 65535:
         raise ValueError(f"batch {B} x heads {Hq}: the GPU kernel's grid allows at most 65535 "
                          f"head slots and 65535 batches")
-    pre, ir = _hoist_kv(ir, tiles, q_len=Sq, num_q_heads=Hq, num_kv_heads=Hkv,
-                        kernel_options=kernel_options)
+    pre, ir = _hoist(ir, tiles, q_len=Sq, num_q_heads=Hq, num_kv_heads=Hkv,
+                     kernel_options=kernel_options)
     dtype = "bfloat16" if query.dtype == torch.bfloat16 else "float16"
     return LaunchPlan(ir, bindings, tiles, margs, dtype, D, dev_index, mscal, mtens, pre)
 
@@ -580,7 +576,7 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
                                          fast_math=pl.tiles.fast_math)
         jobs[src] = (src, arch, f"{name}.cu")
         if pl.prepass is not None:
-            from .kv_prepass import prepass_source
+            from .prepass import prepass_source
 
             gk = prepass_source(pl.prepass, head_dim=pl.head_dim, dtype=pl.dtype,
                                 fast_math=pl.tiles.fast_math)
@@ -604,11 +600,11 @@ class _CallEntry:
     plan: LaunchPlan
     kernel: _Compiled
     block_mask: Any  # held so its id cannot be reused while cached; compared by identity
-    prepass: Any = None  # the K/V pre-pass's KernelLauncher when plan.prepass is set
+    prepass: Any = None  # the pre-pass's KernelLauncher when plan.prepass is set
 
 
 def _prepass_for(pl: LaunchPlan) -> Any:
-    from .kv_prepass import prepass_kernel
+    from .prepass import prepass_kernel
 
     if pl.prepass is None:
         return None
@@ -707,11 +703,11 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                              f"with a contiguous last dim")
     if out.numel() == 0:
         return out, lse
-    if entry.prepass is not None:  # key/value transforms once per row, before attention
-        from .kv_prepass import run_prepass
+    if entry.prepass is not None:  # q/k/v transforms once per row, before attention
+        from .prepass import run_prepass
 
-        key, value = run_prepass(entry.prepass, pl.prepass, key, value,
-                                 _captured(pl.prepass, bindings, device))
+        query, key, value = run_prepass(entry.prepass, pl.prepass, query, key, value,
+                                        _captured(pl.prepass, bindings, device))
 
     kl, cfg = kern.launcher, kern.config
     if pl.tiles.kernel == "fa3":  # (batch x head, query blocks): kernels/fa3_prefill.cuh

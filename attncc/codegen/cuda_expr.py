@@ -41,11 +41,13 @@ _INFIX = {"add": ("+", _ADD), "sub": ("-", _ADD), "mul": ("*", _MUL), "div": ("/
 _FLOAT_CALLS = {"exp": "expf", "exp2": "exp2f", "log": "logf", "log2": "log2f", "tanh": "tanhf",
                 "sigmoid": "attncc::sigmoid", "sqrt": "sqrtf", "rsqrt": "rsqrtf", "sin": "sinf",
                 "cos": "cosf", "floor": "floorf", "abs": "fabsf"}
-# fast_math=True: one-MUFU approximations (attncc_types.cuh documents each error bound). sin /
-# cos stay exact: sin.approx has no range reduction, and RoPE angles reach thousands of radians.
+# fast_math=True: one-MUFU approximations (attncc_types.cuh documents each error bound); sin /
+# cos reduce the angle to [-pi, pi] first (sin.approx has no range reduction, and RoPE angles
+# reach thousands of radians), within 1e-6 absolute up to |x| = 1e5, libm beyond.
 _FAST_FLOAT_CALLS = {**_FLOAT_CALLS, "exp": "attncc::fast_exp", "exp2": "attncc::fast_exp2",
                      "tanh": "attncc::fast_tanh", "sigmoid": "attncc::fast_sigmoid",
-                     "log": "attncc::fast_log", "log2": "attncc::fast_log2"}
+                     "log": "attncc::fast_log", "log2": "attncc::fast_log2",
+                     "sin": "attncc::fast_sin", "cos": "attncc::fast_cos"}
 _INT_CALLS = {"abs": "attncc::absi"}
 _BINARY_CALLS = {("floordiv", F32): "attncc::floordiv", ("floordiv", I32): "attncc::floordiv",
                  ("mod", F32): "attncc::pymod", ("mod", I32): "attncc::pymod",

@@ -33,7 +33,7 @@ from ..ir.program import HOOK_ORDER, VariantIR
 from .errors import CodegenError
 from .hooks import EMITTERS, HookCode
 from .fa2 import FA2_HEAD_DIMS, FA3_TKV_CHOICES, Fa2Tiles, default_tiles, fa3_smem_bytes, fa3_tiles
-from .layout import (ATTENTION_PARAMS, BATCH_PARAMS, KV_TRANSFORM_PARAMS, StructLayout,
+from .layout import (ATTENTION_PARAMS, BATCH_PARAMS, PREPASS_PARAMS, StructLayout,
                      c_identifier, variant_params_layout)
 
 __all__ = ["KernelSpec", "KERNELS", "DTYPES", "VariantCode", "GeneratedKernel",
@@ -58,14 +58,14 @@ class KernelSpec:
     head_dims: tuple[int, ...] = ()  # if set: exactly these head dims
     entry_macro: str = ""  # tiled templates: the macro that defines the entry point(s)
     batch: bool = False  # first argument attncc::BatchParams (serving kernel + merge kernel)
-    kv_prepass: bool = False  # first argument attncc::KvTransformParams (attncc.ir.hoist)
+    prepass: bool = False  # first argument attncc::PrepassParams (attncc.ir.hoist)
 
     @property
     def first_arg(self) -> StructLayout:
         """The layout of the kernel's first argument (the second is the VariantParams)."""
         if self.batch:
             return BATCH_PARAMS
-        return KV_TRANSFORM_PARAMS if self.kv_prepass else ATTENTION_PARAMS
+        return PREPASS_PARAMS if self.prepass else ATTENTION_PARAMS
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise CodegenError unless the template supports `head_dim`.
@@ -116,11 +116,11 @@ KERNELS: dict[str, KernelSpec] = {
                            "attncc::fa3::fa3_batch", threads=0, rows_per_cta=0,
                            head_dim_multiple=64, head_dim_max=128, head_dims=(64, 128),
                            entry_macro="ATTNCC_FA3_BATCH_ENTRY", batch=True),
-    # a variant's KeyTransform / ValueTransform applied once per K/V row before attention
-    # (kernels/kv_transform.cuh; attncc.ir.hoist splits the hooks off); 8 rows per CTA
-    "kvtransform": KernelSpec("kvtransform", ("kv_transform.cuh",), "attncc::kvt::kv_transform",
-                              threads=256, rows_per_cta=8, head_dim_multiple=64,
-                              head_dim_max=256, kv_prepass=True),
+    # a variant's Query/Key/ValueTransform applied once per q/k/v row before attention
+    # (kernels/prepass.cuh; attncc.ir.hoist splits the hooks off); 8 warps of 16 rows per CTA
+    "prepass": KernelSpec("prepass", ("prepass.cuh",), "attncc::prepass::prepass",
+                          threads=256, rows_per_cta=128, head_dim_multiple=64,
+                          head_dim_max=256, prepass=True),
 }
 
 # dtype name -> (C storage type, short name used in kernel names)
@@ -336,7 +336,7 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
                  f"{tiles.tq}, {tiles.tkv}, {tiles.stages}, {tiles.m_frags}, {tiles.kv_warps})")
     elif tiles is not None:
         raise CodegenError(f"tiles are for the 'fa2' / 'fa2batch' kernels, not {kernel!r}")
-    if spec.kv_prepass:
+    if spec.prepass:
         if dtype not in ("bfloat16", "float16"):
             raise CodegenError(f"dtype={dtype!r}: the {kernel!r} pre-pass transforms bfloat16 or "
                                f"float16 K/V for the FA2/FA3 kernels")

@@ -212,17 +212,19 @@ _BATCH_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
 
 BATCH_PARAMS: StructLayout = struct_layout("attncc::BatchParams", _BATCH_PARAMS_MEMBERS)
 
-# Mirrors kernels/kv_transform.cuh's KvTransformParams (the key/value pre-pass's argument): the
-# K/V tensors read and the transformed copies written, [batch, kv heads, kv_len, head_dim] each
-# with element strides and a contiguous head dim.
-_KV_TRANSFORM_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
-    ("k", "const void*"), ("v", "const void*"), ("k_out", "void*"), ("v_out", "void*"),
-    *((f"{t}_stride_{d}", "attncc::i64") for t in ("k", "v", "k_out", "v_out") for d in "bhs"),
-    ("batch", "int"), ("num_kv_heads", "int"), ("kv_len", "int"),
+# Mirrors kernels/prepass.cuh's PrepassParams (the q/k/v transform pre-pass's argument): the
+# tensors read and the transformed copies written, [batch, heads, len, head_dim] each with
+# element strides and a contiguous head dim, and each tensor's number of warp tasks.
+_PREPASS_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
+    ("q", "const void*"), ("k", "const void*"), ("v", "const void*"),
+    ("q_out", "void*"), ("k_out", "void*"), ("v_out", "void*"),
+    *((f"{t}_stride_{d}", "attncc::i64") for t in ("q", "k", "v", "q_out", "k_out", "v_out")
+      for d in "bhs"),
+    *((n, "int") for n in ("batch", "num_q_heads", "num_kv_heads", "q_len", "kv_len", "warps_q",
+                           "warps_k", "warps_v")),
 )
 
-KV_TRANSFORM_PARAMS: StructLayout = struct_layout("attncc::KvTransformParams",
-                                                  _KV_TRANSFORM_PARAMS_MEMBERS)
+PREPASS_PARAMS: StructLayout = struct_layout("attncc::PrepassParams", _PREPASS_PARAMS_MEMBERS)
 
 # ----------------------------------------------------------------------------- C names
 

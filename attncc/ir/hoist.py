@@ -1,15 +1,16 @@
-"""Hoisting key/value transforms out of attention: one variant becomes a pre-pass and the rest.
+"""Hoisting transforms out of attention: one variant becomes a pre-pass and the rest.
 
-`key_mod` and `value_mod` read only the key/value row and its position (`k`, `b`, `h` = the KV
-head, `kv_idx`, `d`) and captured values -- nothing of the query. Inside an attention kernel they
-still run once per query block that loads the tile (S_q / T_q times per key, times the query heads
-sharing the KV head), so a RoPE on keys costs more than the attention. Split off, they run once
-per K/V row in a pre-pass (kernels/kv_transform.cuh) that writes transformed copies, and the
-attention runs with identity key/value hooks on those copies. Both paths round the transformed
-row to the storage type before the GEMMs, so the results agree.
+`query_mod`, `key_mod` and `value_mod` read only their own row and its position (`q`/`k`/`v`,
+`b`, `h`, `q_idx`/`kv_idx`, `d`) and captured values -- never the other side of attention.
+Inside an attention kernel the key/value ones still run once per query block that loads the
+tile (S_q / T_q times per key, times the query heads sharing the KV head), so a RoPE on keys
+costs more than the attention; the query one runs once per row but on the CTA's critical path.
+Split off, they run once per row in a pre-pass (kernels/prepass.cuh) that writes transformed
+copies, and the attention runs with identity hooks on those copies. Both paths round the
+transformed row to the storage type before the GEMMs, so the results agree.
 
-`split_kv_transforms` is a pure function of the IR; whether hoisting pays (the pre-pass reads and
-writes K/V once more) is the runtime's choice: `kv_loads_per_row`.
+`split_transforms` is a pure function of the IR; whether hoisting pays (the pre-pass reads and
+writes the tensor once more) is the runtime's choice, with `kv_loads_per_row`.
 
 Example:
     >>> from attncc.ir.nodes import var, vec
@@ -17,30 +18,32 @@ Example:
     >>> ir = VariantIR(hooks={"key_mod": Hook("key_mod", vec("k", var("d")) * 2.0),
     ...                       "mask_mod": Hook("mask_mod", var("q_idx") >= var("kv_idx"))},
     ...                name="double_k")
-    >>> pre, rest = split_kv_transforms(ir)
+    >>> pre, rest = split_transforms(ir, KV_HOOKS)
     >>> sorted(pre.hooks), sorted(rest.hooks), pre.name
-    (['key_mod'], ['mask_mod'], 'double_k_kv')
-    >>> split_kv_transforms(rest)[0] is None
+    (['key_mod'], ['mask_mod'], 'double_k_pre')
+    >>> split_transforms(rest, PREPASS_HOOKS)[0] is None
     True
 """
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Iterable
 
 from .nodes import walk
 from .program import VariantIR
 
 KV_HOOKS = ("key_mod", "value_mod")
+PREPASS_HOOKS = ("query_mod", "key_mod", "value_mod")  # the hooks a pre-pass can run
 
 
-def has_kv_transforms(ir: VariantIR) -> bool:
-    """Whether `ir` has a key_mod or value_mod that is not its identity.
+def transforms_in(ir: VariantIR, hooks: Iterable[str] = PREPASS_HOOKS) -> tuple[str, ...]:
+    """Which of `hooks` `ir` has as something other than its identity.
 
     Example:
-        >>> has_kv_transforms(VariantIR())
-        False
+        >>> transforms_in(VariantIR())
+        ()
     """
-    return any(not ir.hook(h).is_identity for h in KV_HOOKS)
+    return tuple(h for h in hooks if not ir.hook(h).is_identity)
 
 
 def _keep_captures(ir: VariantIR) -> VariantIR:
@@ -51,21 +54,25 @@ def _keep_captures(ir: VariantIR) -> VariantIR:
                    tensors=tuple(t for t in ir.tensors if ("load", t.name) in used))
 
 
-def split_kv_transforms(ir: VariantIR) -> tuple[VariantIR | None, VariantIR]:
-    """`(prepass, attention)`: the variant's non-identity key/value hooks alone (named
-    `<name>_kv`, normalize unchanged, only the captures they read), and the variant without
-    them. `(None, ir)` when there is nothing to hoist.
+def split_transforms(ir: VariantIR, hooks: Iterable[str]) -> tuple[VariantIR | None, VariantIR]:
+    """`(prepass, attention)`: the variant's non-identity hooks among `hooks` (a subset of
+    PREPASS_HOOKS) alone, named `<name>_pre`, normalize unchanged, with only the captures they
+    read; and the variant without them. `(None, ir)` when there is nothing to move.
 
     Example:
-        >>> split_kv_transforms(VariantIR(name="plain"))
+        >>> split_transforms(VariantIR(name="plain"), KV_HOOKS)
         (None, VariantIR(hooks={}, normalize='softmax', name='plain', scalars=(), tensors=()))
     """
-    moved = {n: h for n, h in ir.hooks.items() if n in KV_HOOKS and not h.is_identity}
+    wanted = set(hooks)
+    if not wanted <= set(PREPASS_HOOKS):
+        raise ValueError(f"only {', '.join(PREPASS_HOOKS)} can run in a pre-pass, not "
+                         f"{', '.join(sorted(wanted - set(PREPASS_HOOKS)))}")
+    moved = {n: h for n, h in ir.hooks.items() if n in wanted and not h.is_identity}
     if not moved:
         return None, ir
-    pre = _keep_captures(replace(ir, hooks=moved, name=f"{ir.name}_kv"))
+    pre = _keep_captures(replace(ir, hooks=moved, name=f"{ir.name}_pre"))
     rest = _keep_captures(replace(ir, hooks={n: h for n, h in ir.hooks.items()
-                                             if n not in KV_HOOKS}))
+                                             if n not in moved}))
     return pre, rest
 
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import attncc
-from attncc.ir.hoist import has_kv_transforms
+from attncc.ir.hoist import transforms_in
 from attncc.ir.program import VariantIR
 from attncc.runtime import gpu_flex
 from attncc.runtime.gpu_flex import choose_tiles, fa2_config, fa2_source
@@ -153,11 +153,11 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 # The matrix runs with the FA2 template forced, and with the default pick, which on an sm_90 GPU
 # is the FA3 template wherever it applies (>= 128 query rows, 128-row block-mask blocks); the
-# default run skips the cases it would give to FA2. Both hoist key/value transforms into the K/V
-# pre-pass when the grid loads each row twice or more; "fa2_in_kernel" runs the variants that
-# have such transforms with FA2 applying them per tile (the pre-pass forced off).
+# default run skips the cases it would give to FA2. Both move query/key/value transforms into the
+# pre-pass when the grid loads each K/V row twice or more; "fa2_in_kernel" runs the variants that
+# have such transforms with FA2 applying them itself (the pre-pass forced off).
 KERNELS = {"fa2": {"KERNEL": "fa2"}, "default": None,
-           "fa2_in_kernel": {"KERNEL": "fa2", "HOIST_KV_TRANSFORMS": False}}
+           "fa2_in_kernel": {"KERNEL": "fa2", "PREPASS": "none"}}
 
 
 @pytest.fixture(scope="module")
@@ -185,8 +185,8 @@ def test_fa2_matches_reference(case: Case, kernel: str, warm_cache: None) -> Non
     variant, bm = _variant_and_mask(case)
     ir, bind = variant.trace()
     opts = KERNELS[kernel]
-    if kernel == "fa2_in_kernel" and not has_kv_transforms(ir):
-        pytest.skip("no key/value transform: the 'fa2' run covers this case")
+    if kernel == "fa2_in_kernel" and not transforms_in(ir):
+        pytest.skip("no query/key/value transform: the 'fa2' run covers this case")
     if opts is None and gpu_flex.plan_launch(q, k, v, ir, bind, block_mask=bm,
                                              enable_gqa=case.group > 1).tiles.kernel == "fa2":
         pytest.skip("the default kernel for this case is FA2, which the 'fa2' run covers")

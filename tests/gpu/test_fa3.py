@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import attncc
+from attncc.ir.hoist import KV_HOOKS, PREPASS_HOOKS
 from attncc.runtime import gpu_flex
 from attncc.runtime.gpu_flex import choose_tiles
 from examples.gym import GYM, causal, sliding_window
@@ -32,8 +33,8 @@ CASES = [(v, d, s, g, n) for (v, d, n), s, g in zip(
     ("noop", 256, 1000, 4, 64), ("softcap_causal", 256, 4096, 1, 64),
     ("alibi_causal", 256, 129, 1, 64)]
 # query/key/value/output transforms (odd lengths: rows and keys past the end are skipped), each
-# run with key/value transforms applied per tile in shared memory and hoisted into the K/V
-# pre-pass (runtime/kv_prepass.py)
+# run with the transforms applied in shared memory by the attention kernel, with the key/value
+# ones and with all of them in the pre-pass (runtime/prepass.py)
 TRANSFORM_CASES = [
     ("rope", 128, 1000, 4, 128), ("rope", 64, 129, 1, 128), ("rope_interleaved", 128, 300, 1, 64),
     ("value_output", 128, 1000, 1, 128), ("value_output", 64, 17, 4, 128),
@@ -148,24 +149,26 @@ def test_fa3_matches_reference(name: str, d: int, s: int, g: int, tkv: int, rng:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hoist", [False, True], ids=["in_kernel", "prepass"])
+@pytest.mark.parametrize("prepass", ["none", "kv", "qkv"])
 @pytest.mark.parametrize("name,d,s,g,tkv", TRANSFORM_CASES,
                          ids=[f"{c[0]}-d{c[1]}-s{c[2]}-g{c[3]}-k{c[4]}" for c in TRANSFORM_CASES])
-def test_fa3_transforms_match_reference(name: str, d: int, s: int, g: int, tkv: int, hoist: bool,
+def test_fa3_transforms_match_reference(name: str, d: int, s: int, g: int, tkv: int, prepass: str,
                                         rng: Any) -> None:
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the FA3 kernel needs an sm_90 GPU")
     q, k, v = rng.qkv(2, 2 * g, s, d, Hkv=2, dtype=torch.bfloat16, device="cuda")
     ir, bind = VARIANTS[name](2, 2 * g, s, d).trace()
     pl = gpu_flex.plan_launch(q, k, v, ir, bind, enable_gqa=g > 1,
-                              kernel_options={**FA3, "HOIST_KV_TRANSFORMS": hoist})
-    assert (pl.prepass is not None) == hoist
-    _check(q, k, v, ir, bind, None, g, tkv, HOIST_KV_TRANSFORMS=hoist)
+                              kernel_options={**FA3, "PREPASS": prepass})
+    moved = sorted(pl.prepass.hooks) if pl.prepass is not None else []
+    assert moved == sorted(h for h in ir.hooks if h in {"none": (), "kv": KV_HOOKS,
+                                                        "qkv": PREPASS_HOOKS}[prepass])
+    _check(q, k, v, ir, bind, None, g, tkv, PREPASS=prepass)
 
 
 @pytest.mark.gpu
 def test_prepass_leaves_inputs_alone_and_is_chosen_by_reuse(rng: Any) -> None:
-    """The pre-pass writes copies (k/v unchanged, strided inputs fine) and is picked by default
+    """The pre-pass writes copies (q/k unchanged, strided inputs fine) and is picked by default
     only when the grid loads each K/V row at least twice."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the FA3 kernel needs an sm_90 GPU")
@@ -178,7 +181,7 @@ def test_prepass_leaves_inputs_alone_and_is_chosen_by_reuse(rng: Any) -> None:
     assert gpu_flex.plan_launch(q, k_strided, v, ir, bind, enable_gqa=True).prepass is not None
     out, _ = gpu_flex.gpu_flex_attention(q, k_strided, v, ir, bind, enable_gqa=True)
     ref, _ = gpu_flex.gpu_flex_attention(q, k, v, ir, bind, enable_gqa=True,
-                                         kernel_options={"HOIST_KV_TRANSFORMS": False})
+                                         kernel_options={"PREPASS": "none"})
     torch.cuda.synchronize()
     assert torch.equal(k_strided, before)
     assert float((out.double() - ref.double()).norm() / ref.double().norm()) < 1e-2
