@@ -153,7 +153,12 @@ def report(data: dict[str, Any]) -> str:
     rows = [r for r in data["results"] if "tflops" in r]
     seqs = sorted({r["S"] for r in rows})
     get = {(r["impl"], r["S"]): r["tflops"] for r in rows}
-    lines = ["| impl | " + " | ".join(f"S={s}" for s in seqs) + " |",
+    m = data.get("meta", {})
+    lines = [f"{m.get('gpu', '?')}, torch {m.get('torch', '?')}, triton {m.get('triton', '?')}, "
+             f"attncc {str(m.get('attncc_commit', '?'))[:10]}, {str(m.get('date', '?'))[:10]}; "
+             f"RoPE (query_mod + key_mod) + causal, bf16, H=16, D=128, B*S=16384; TFLOP/s "
+             f"(causal counts half); ratios are attncc_fa3 / that row.", "",
+             "| impl | " + " | ".join(f"S={s}" for s in seqs) + " |",
              "|---|" + "---|" * len(seqs)]
     for impl in IMPLS:
         cells_ = []
