@@ -44,14 +44,6 @@
 namespace attncc {
 namespace fa3 {
 
-template <int D, int TKV, int STAGES>
-struct BatchSmem {
-  using Base = Smem<D, TKV, STAGES>;
-  static constexpr int kQ = Base::kQ, kK = Base::kK, kV = Base::kV, kBar = Base::kBar;
-  // full[STAGES], empty[STAGES], q_full, q_empty
-  static constexpr int kBytes = kBar + 8 * (2 * STAGES + 2) + 1024;
-};
-
 // Where KV position `pos` of a request lives in the cache's 2-D view (row; the column is fixed per
 // KV head). Positions past the request's pages read its first page: those keys are masked and
 // their V rows zeroed, and the page id is always a valid one.
@@ -76,7 +68,6 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
   static_assert(D == 64 || D == 128, "the FA3 batch kernel supports head dims 64 and 128");
   static_assert(TKV == 128, "the FA3 batch kernel's KV tiles are 128 keys");
   using S = Smem<D, TKV, STAGES>;
-  using SB = BatchSmem<D, TKV, STAGES>;
   constexpr int BLOCKS = D / 64;
   constexpr bool kSoftmax = Variant::use_softmax;
 
@@ -84,8 +75,8 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<unsigned long long>(attncc_fa3_smem_raw) + 1023) & ~1023ull);
   const fa2_u32 base = fa2::smem_addr(smem);
-  const fa2_u32 sq = base + SB::kQ, sk = base + SB::kK, sv = base + SB::kV;
-  const fa2_u32 full_bar = base + SB::kBar;
+  const fa2_u32 sq = base + S::kQ, sk = base + S::kK, sv = base + S::kV;
+  const fa2_u32 full_bar = base + S::kBar;
   const fa2_u32 empty_bar = full_bar + 8 * STAGES;
   const fa2_u32 q_full = full_bar + 16 * STAGES, q_empty = q_full + 8;
   const void* tm_q = p.tma;
@@ -312,7 +303,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
 }  // namespace attncc
 
 // The line codegen emits per FA3 batch kernel: the persistent attention kernel NAME (grid: the
-// plan's num_ctas; block: kThreads = 384; dynamic shared memory BatchSmem::kBytes) and the merge
+// plan's num_ctas; block: kThreads = 384; dynamic shared memory Smem::kBytes) and the merge
 // kernel NAME_merge of fa2_batch.cuh (grid: the layout's max_merges; block: kMergeThreads).
 #define ATTNCC_FA3_BATCH_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS) \
   extern "C" __global__ void __launch_bounds__(attncc::fa3::kThreads, 1)                           \

@@ -1,12 +1,13 @@
 // attncc FA3 prefill for sm_90a: TMA loads completed on mbarriers, wgmma tensor-core math, and
-// warp specialization (issue 5; see bench/NOTES.md). Opt-in: kernel_options={"KERNEL": "fa3"}.
+// warp specialization (issue 5; see bench/NOTES.md). The default on sm_90 where it applies.
 // Self-contained: no #include. Comes after attncc_types.cuh, attention_params.cuh,
 // fa2_common.cuh, wgmma.cuh and tma.cuh, and before the generated Variant_<name> functors' entry
 // point (ATTNCC_FA3_ENTRY at the bottom).
 //
-// Roles. A CTA owns 128 query rows of one (batch, query head) and has three warpgroups:
-//   producer (warpgroup 0): one thread issues TMA bulk copies -- the CTA's Q tile once, then each
-//     K/V tile into a STAGES-deep ring. Stage s has a "full" mbarrier the copy engine completes
+// Roles. A work item is 128 query rows of one (batch, query head); a CTA runs items one after
+// another (persistent, below) with three warpgroups:
+//   producer (warpgroup 0): one thread issues TMA bulk copies -- each item's Q tile, then its
+//     K/V tiles into a STAGES-deep ring. Stage s has a "full" mbarrier the copy engine completes
 //     with the tile's bytes, and an "empty" mbarrier the consumers arrive on when they are done
 //     reading it; the producer waits for "empty" before refilling. No CTA-wide barrier in the loop.
 //     It keeps 24 registers (setmaxnreg) and hands the rest to the consumers (240).
@@ -25,15 +26,17 @@
 //
 // Tiles: 128 query rows x TKV keys, TKV = 64 or 128 (S is one m64nTKVk16 wgmma per 16-wide
 // k-step; 128 halves the waits and fences per FLOP but needs twice the shared memory per stage).
-// Grid order: blockIdx.x walks (batch, head), blockIdx.y the query blocks from the last one, so
-// the first wave holds every head's longest causal tiles and the grid ends together (LPT).
+// Persistent grid: at most one CTA per SM; CTA c runs items c, c + grid, ... of a list ordered
+// longest first (query blocks from the last one, then (batch, head)), so every round of the
+// stride holds equally long causal tiles and the CTAs end together (LPT). The next item's Q and
+// first K/V tiles load while the consumers finish the current one's last GEMM and store it.
 //
 // Supported: head dims 64, 128 and 256, every variant hook: score_mod / mask_mod (LogitsTransform
 // / LogitsMask) in registers; query, key and value transforms in place on the landed shared-memory
-// tiles (Q once per CTA by its warpgroup; each K/V tile split between the two consumers, which
+// tiles (Q once per item by its warpgroup; each K/V tile split between the two consumers, which
 // then meet on a named barrier -- so ping-pong loses some overlap on such variants); the output
 // transform on O staged through the consumer's Q tile. FlexAttention BlockMask lists (128-row
-// query blocks, block_kv a multiple of TKV), GQA (one query head per CTA), bf16 and fp16.
+// query blocks, block_kv a multiple of TKV), GQA (one query head per item), bf16 and fp16.
 //
 // Layouts: every tile is stored 128B-swizzled in 64-column blocks (wgmma.cuh), which is exactly
 // what a TMA box of [64 rows][64 elements] with the 128-byte swizzle writes; a column block of a
@@ -80,8 +83,9 @@ struct Smem {
   static constexpr int kQ = 0;                     // [consumer][column block]
   static constexpr int kK = kQ + kConsumers * 64 * 2 * D;
   static constexpr int kV = kK + STAGES * kKvTileBytes;
-  static constexpr int kBar = kV + STAGES * kKvTileBytes;  // full[STAGES], empty[STAGES], q
-  static constexpr int kBytes = kBar + 8 * (2 * STAGES + 1) + 1024;  // + alignment slack
+  // full[STAGES], empty[STAGES], q_full, q_empty
+  static constexpr int kBar = kV + STAGES * kKvTileBytes;
+  static constexpr int kBytes = kBar + 8 * (2 * STAGES + 2) + 1024;  // + alignment slack
 };
 
 // Ping-pong turns of the two consumer warpgroups: consumer c waits on named barrier 1 + c (0 is
@@ -366,13 +370,14 @@ __device__ __forceinline__ void for_each_acc(fa2_u32 tile, F&& f) {
 }
 
 // OutputTransform on this warp's 16 rows of O (accumulator layout): O * inv is staged, rounded to
-// DType as the FA2 kernels do, in the warpgroup's 64-row swizzled tile `stage`, transformed row
-// by row, and read back into o; inv becomes 1. row_at(r, hq, qi) as for transform_q, with r the
-// row within the warpgroup. Only this warp touches its rows: __syncwarp orders it all.
+// DType as the FA2 kernels do, in the warpgroup's 64-row swizzled tile `stage` and transformed
+// there row by row. row_at(r, hq, qi) as for transform_q, with r the row within the warpgroup.
+// Only this warp touches its rows: __syncwarp orders it all.
 template <typename Variant, typename DType, int D, typename RowAt>
-__device__ __forceinline__ void transform_o(float (&o)[D / 64][32], float (&inv)[2],
-                                            const typename Variant::Params& vp, fa2_u32 stage,
-                                            int b, RowAt&& row_at) {
+__device__ __forceinline__ void stage_transform_o(const float (&o)[D / 64][32],
+                                                  const float (&inv)[2],
+                                                  const typename Variant::Params& vp,
+                                                  fa2_u32 stage, int b, RowAt&& row_at) {
   for_each_acc<D>(stage, [&](int hr, int blk, int i, fa2_u32 addr) {
     sts_u16(addr, fa2::float_to_elem<DType>(o[blk][i] * inv[hr]));
   });
@@ -381,6 +386,36 @@ __device__ __forceinline__ void transform_o(float (&o)[D / 64][32], float (&inv)
                                                    int d) {
     return Variant::OutputTransform(vp, v, b, hq, qi, d);
   });
+}
+
+// This warp's transformed rows (stage_transform_o) straight from the staging tile to global
+// memory, 16 bytes per lane: row_ptr(r) is the output row of warpgroup row r (null: not a real
+// query). O's registers are dead by then, which keeps the D = 256 epilogue free of spills.
+template <typename DType, int D, typename RowPtr>
+__device__ __forceinline__ void store_staged_rows(fa2_u32 stage, RowPtr&& row_ptr) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+#pragma unroll 1
+  for (int r = 16 * warp; r < 16 * warp + 16; ++r) {
+    DType* row = row_ptr(r);
+    if (row == nullptr) continue;
+#pragma unroll
+    for (int c = lane; c < kChunks; c += 32) {
+      uint4 v;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "r"(stage + wg::sw128_offset(r, 8 * c, 64)) : "memory");
+      *reinterpret_cast<uint4*>(row + 8 * c) = v;
+    }
+  }
+}
+
+// stage_transform_o, then the rows read back into o (accumulator layout); inv becomes 1.
+template <typename Variant, typename DType, int D, typename RowAt>
+__device__ __forceinline__ void transform_o(float (&o)[D / 64][32], float (&inv)[2],
+                                            const typename Variant::Params& vp, fa2_u32 stage,
+                                            int b, RowAt&& row_at) {
+  stage_transform_o<Variant, DType, D>(o, inv, vp, stage, b, row_at);
   for_each_acc<D>(stage, [&](int, int blk, int i, fa2_u32 addr) {
     o[blk][i] = fa2::elem_to_float<DType>(lds_u16(addr));
   });
@@ -501,6 +536,56 @@ __device__ __forceinline__ void finish_row(float m, float l, float& inv, float& 
   }
 }
 
+// One work item of the dense kernel: a 128-row query tile of one (batch, head). Items are
+// numbered longest first: item w is query block nqb - 1 - w / (B * Hq) of head slot w % (B * Hq),
+// so each round of the grid's static stride holds tiles of (almost) the same causal length.
+struct DenseItem {
+  int b, hq, h_kv, q0;
+};
+
+__device__ __forceinline__ DenseItem dense_item(const attncc::AttentionParams& p, int w, int nqb) {
+  const int heads = p.batch * p.num_q_heads;
+  const int slot = w % heads, qb = nqb - 1 - w / heads;
+  const int hq = slot % p.num_q_heads;
+  return {slot / p.num_q_heads, hq, hq / (p.num_q_heads / p.num_kv_heads), qb * kTQ};
+}
+
+// The item's K/V tiles: every tile of [0, kv_len), or the block mask's lists for its query block.
+template <int TKV>
+__device__ __forceinline__ fa2::TileList item_tiles(const attncc::AttentionParams& p,
+                                                    const DenseItem& it) {
+  fa2::TileList tiles;
+  if (p.kv_num_blocks == nullptr) {
+    tiles = fa2::TileList{nullptr, nullptr, (p.kv_len + TKV - 1) / TKV, 0, 1, TKV, TKV, 0};
+    tiles.count = tiles.n_partial;
+    return tiles;
+  }
+  const int qb = it.q0 / p.block_q;
+  const attncc::i64 nb = it.b * p.bm_stride_b + it.hq * p.bm_stride_h + qb;
+  const attncc::i64 ix = it.b * p.bi_stride_b + it.hq * p.bi_stride_h + qb * p.bi_stride_q;
+  tiles.partial = p.kv_indices + ix;
+  tiles.n_partial = __ldg(p.kv_num_blocks + nb);
+  tiles.full = p.full_kv_num_blocks != nullptr ? p.full_kv_indices + ix : nullptr;
+  tiles.n_full = p.full_kv_num_blocks != nullptr ? __ldg(p.full_kv_num_blocks + nb) : 0;
+  tiles.sub = p.block_kv / TKV;
+  tiles.block_kv = p.block_kv;
+  tiles.tile = TKV;
+  tiles.count = (tiles.n_partial + tiles.n_full) * tiles.sub;
+  return tiles;
+}
+
+// Whether the dense kernel is persistent at head dim D: at D = 256 the consumers' 240 registers
+// hold 128 O accumulators and have none left for the item loop's state (sliding-window and
+// prefix-LM masks spilled 8 bytes), so there each CTA runs one item (grid = the items).
+// runtime/gpu_flex.py mirrors this (FA3_PERSISTENT_HEAD_DIMS).
+template <int D>
+constexpr bool kPersistentHeadDim = D <= 128;
+
+// Persistent (D <= 128): the grid is at most one CTA per SM (the ring takes the shared memory)
+// and CTA c runs items c, c + gridDim.x, ... The producer loads the next item's Q as soon as both consumers
+// issued their last S GEMM of the current one (q_empty), and its K/V tiles flow into the ring
+// (stage phases run on across items) while the consumers finish the last P V and store O -- the
+// cold start and the epilogue of a tile no longer leave the tensor cores idle.
 template <typename Variant, typename DType, int D, int TKV, int STAGES>
 __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
                                             const typename Variant::Params& vp) {
@@ -518,7 +603,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   const fa2_u32 sq = base + S::kQ, sk = base + S::kK, sv = base + S::kV;
   const fa2_u32 full_bar = base + S::kBar;               // + 8*s: stage s landed
   const fa2_u32 empty_bar = full_bar + 8 * STAGES;       // + 8*s: stage s read by every consumer
-  const fa2_u32 q_bar = full_bar + 16 * STAGES;
+  const fa2_u32 q_full = full_bar + 16 * STAGES, q_empty = q_full + 8;
   const void* tm_q = p.tma;
   const void* tm_k = reinterpret_cast<const unsigned char*>(p.tma) + 128;
   const void* tm_v = reinterpret_cast<const unsigned char*>(p.tma) + 256;
@@ -526,30 +611,9 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   const int tid = threadIdx.x, lane = tid & 31;
   const int wg = tid >> 7;               // 0: producer, 1..kConsumers: consumers
   const int warp = (tid >> 5) & 3;       // warp within its warpgroup
-  const int hq = blockIdx.x % p.num_q_heads, b = blockIdx.x / p.num_q_heads;
-  const int h_kv = hq / (p.num_q_heads / p.num_kv_heads);
-  const int q0 = (gridDim.y - 1 - blockIdx.y) * kTQ;  // longest (causal) tiles first
   const int q_len = p.q_len, kv_len = p.kv_len;
-  const int q_row0 = (b * p.num_q_heads + hq) * q_len + q0;   // tensor-map row of query q0
-  const int kv_row0 = (b * p.num_kv_heads + h_kv) * kv_len;   // tensor-map row of key 0
-
-  fa2::TileList tiles;
-  if (p.kv_num_blocks == nullptr) {
-    tiles = fa2::TileList{nullptr, nullptr, (kv_len + TKV - 1) / TKV, 0, 1, TKV, TKV, 0};
-    tiles.count = tiles.n_partial;
-  } else {
-    const int qb = q0 / p.block_q;
-    const attncc::i64 nb = b * p.bm_stride_b + hq * p.bm_stride_h + qb;
-    const attncc::i64 ix = b * p.bi_stride_b + hq * p.bi_stride_h + qb * p.bi_stride_q;
-    tiles.partial = p.kv_indices + ix;
-    tiles.n_partial = __ldg(p.kv_num_blocks + nb);
-    tiles.full = p.full_kv_num_blocks != nullptr ? p.full_kv_indices + ix : nullptr;
-    tiles.n_full = p.full_kv_num_blocks != nullptr ? __ldg(p.full_kv_num_blocks + nb) : 0;
-    tiles.sub = p.block_kv / TKV;
-    tiles.block_kv = p.block_kv;
-    tiles.tile = TKV;
-    tiles.count = (tiles.n_partial + tiles.n_full) * tiles.sub;
-  }
+  const int nqb = (q_len + kTQ - 1) / kTQ;
+  const int num_items = p.batch * p.num_q_heads * nqb;
 
   if (tid == 0) {
 #pragma unroll
@@ -557,7 +621,8 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
       tma::mbar_init(full_bar + 8 * s, 1);                  // the producer's expect_tx arrival
       tma::mbar_init(empty_bar + 8 * s, 4 * kConsumers);    // one arrival per consumer warp
     }
-    tma::mbar_init(q_bar, 1);
+    tma::mbar_init(q_full, 1);
+    tma::mbar_init(q_empty, 4 * kConsumers);
     tma::fence_barrier_init();
   }
   __syncthreads();  // the last CTA-wide barrier: from here the roles only meet on mbarriers
@@ -565,20 +630,30 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   // ---- producer: one thread; the other producer threads have nothing to do ------------------
   if (wg == 0) {
     wg::setmaxnreg_dec<kProducerRegs>();
-    if (tid == 0) {
-      tma::mbar_arrive_expect_tx(q_bar, kConsumers * BLOCKS * kBoxBytes);
+    if (tid != 0) return;
+    int tile = 0;  // tiles issued by this CTA so far: stage tile % STAGES, phase tile / STAGES
+    int k = 0;     // items run by this CTA so far
+#pragma unroll 1
+    for (int w = blockIdx.x; w < num_items; w += gridDim.x, ++k) {
+      const DenseItem it = dense_item(p, w, nqb);
+      const fa2::TileList tiles = item_tiles<TKV>(p, it);
+      const int q_row0 = (it.b * p.num_q_heads + it.hq) * q_len + it.q0;  // map row of q0
+      const int kv_row0 = (it.b * p.num_kv_heads + it.h_kv) * kv_len;   // map row of key 0
+      // Q of this item once both consumers are done with the last one's
+      if (k > 0) tma::mbar_wait(q_empty, (k - 1) & 1);
+      tma::mbar_arrive_expect_tx(q_full, kConsumers * BLOCKS * kBoxBytes);
 #pragma unroll
-      for (int w = 0; w < kConsumers; ++w)
+      for (int c = 0; c < kConsumers; ++c)
 #pragma unroll
         for (int blk = 0; blk < BLOCKS; ++blk)
-          tma::load_2d(sq + (w * BLOCKS + blk) * kBoxBytes, tm_q, q_bar, 64 * blk,
-                       q_row0 + 64 * w);
+          tma::load_2d(sq + (c * BLOCKS + blk) * kBoxBytes, tm_q, q_full, 64 * blk,
+                       q_row0 + 64 * c);
 #pragma unroll 1
-      for (int i = 0; i < tiles.count; ++i) {
-        const int st = i % STAGES;
-        // refill stage st once every consumer warp released its previous tile (i - STAGES):
-        // that was phase (i / STAGES - 1) of the stage's empty barrier
-        if (i >= STAGES) tma::mbar_wait(empty_bar + 8 * st, ((i / STAGES) - 1) & 1);
+      for (int i = 0; i < tiles.count; ++i, ++tile) {
+        const int st = tile % STAGES;
+        // refill stage st once every consumer warp released its previous tile (tile - STAGES):
+        // that was phase (tile / STAGES - 1) of the stage's empty barrier
+        if (tile >= STAGES) tma::mbar_wait(empty_bar + 8 * st, ((tile / STAGES) - 1) & 1);
         bool f;
         const int kv0 = tiles.start(i, f);
         const fa2_u32 full = full_bar + 8 * st;
@@ -596,87 +671,129 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     return;
   }
 
-  // ---- consumers: warpgroup wg owns query rows [q0 + 64 (wg - 1), +64) -------------------------
+  // ---- consumers: warpgroup wg owns query rows [q0 + 64 (wg - 1), +64) of each item ----------
   wg::setmaxnreg_inc<kConsumerRegs>();
   const fa2_u32 sq_w = sq + (wg - 1) * BLOCKS * kBoxBytes;
-  float o[BLOCKS][32];
-#pragma unroll
-  for (int blk = 0; blk < BLOCKS; ++blk)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) o[blk][i] = 0.f;
-  float row_m[2] = {fa2::neg_inf(), fa2::neg_inf()}, row_l[2] = {0.f, 0.f};
   const float qk_scale = (kSoftmax && !Variant::has_logits_transform) ? p.sm_scale * kLog2e
                                                                       : p.sm_scale;
-  // query position of this thread's first row
-  const int r_lo = q0 + 64 * (wg - 1) + 16 * warp + (lane >> 2);
-  // every row of the CTA is a real query: tiles inside kv_len need no bounds checks
-  const bool rows_inside = q0 + kTQ <= q_len;
-  tma::mbar_wait(q_bar, 0);
-  // row r of this warpgroup's 64: its query head and position, and whether it is a real query
-  auto row_at = [&](int r, int& h, int& qi) {
-    h = hq;
-    qi = q0 + 64 * (wg - 1) + r;
-    return qi < q_len;
-  };
-  if constexpr (Variant::has_query_transform)
-    transform_q<Variant, DType, D>(vp, sq_w, b, wg - 1, row_at);
-
-  const int row_hq[2] = {hq, hq}, row_qi[2] = {r_lo, r_lo + 8};
-  const bool row_ok[2] = {r_lo < q_len, r_lo + 8 < q_len};
-  auto logits_softmax = [&](float (&s)[TKV / 2], int it, float (&corr)[2]) {
-    bool is_full;
-    const int kv0 = tiles.start(it, is_full);
-    const bool interior = rows_inside && kv0 + TKV <= kv_len &&
-                          (is_full || !Variant::has_logits_mask);
-    logits_softmax_step<Variant, TKV>(s, vp, qk_scale, b, row_hq, row_qi, row_ok, kv0, kv_len, 0,
-                                      is_full, interior, row_m, row_l, corr);
-  };
   const Ring ring{sk, sv, full_bar, empty_bar, S::kKvTileBytes, STAGES};
   // Both consumers visit the same tiles, so they meet at the same issue points.
   const Turns turns{wg - 1};
-  // A key/value transform rewrites each landed tile in place before any GEMM reads it, the two
-  // consumers taking half of its rows each (both read the whole tile).
-  auto landed = [&](int it, int t) {
-    if constexpr (Variant::has_key_transform || Variant::has_value_transform) {
-      bool is_full;
-      const int kv0 = tiles.start(it, is_full);
-      transform_kv<Variant, DType, D, TKV>(vp, ring.k_of(t), ring.v_of(t), wg - 1, b, h_kv, kv0,
-                                           kv_len, 0);
-      wg::fence_proxy_async();  // the wgmmas (async proxy) must see these stores
-      consumers_sync();
-    }
-  };
-  if (tiles.count > 0)
-    consume_tiles<DType, D, TKV>(tiles.count, 0, sq_w, ring, turns, o, logits_softmax, landed,
-                                 [] {});
-
-  // ---- epilogue: normalize (output transform through the free Q tile), store O and the LSE ----
   DType* out = reinterpret_cast<DType*>(p.o);
-  float inv[2], lse[2];
+  int tile = 0;
+  // item w, the k-th of this CTA, its K/V tiles from ring tile `tile` on
+  auto run_item = [&](int w, int k) {
+    const DenseItem it = dense_item(p, w, nqb);
+    const fa2::TileList tiles = item_tiles<TKV>(p, it);
+    const int b = it.b, hq = it.hq, q0 = it.q0;
+    float o[BLOCKS][32];
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) finish_row<kSoftmax>(row_m[hr], row_l[hr], inv[hr], lse[hr]);
-  if constexpr (Variant::has_output_transform)
-    transform_o<Variant, DType, D>(o, inv, vp, sq_w, b, row_at);
+    for (int blk = 0; blk < BLOCKS; ++blk)
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int qi = r_lo + 8 * hr;
-    if (qi < q_len) {
-      store_row<DType, D>(out + b * p.o_stride_b + hq * p.o_stride_h +
-                              (attncc::i64)qi * p.o_stride_s, o, hr, inv[hr]);
-      if constexpr (kSoftmax) {
-        if (p.lse != nullptr && (lane & 3) == 0)
-          p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = lse[hr];
+      for (int i = 0; i < 32; ++i) o[blk][i] = 0.f;
+    float row_m[2] = {fa2::neg_inf(), fa2::neg_inf()}, row_l[2] = {0.f, 0.f};
+    // query position of this thread's first row
+    const int r_lo = q0 + 64 * (wg - 1) + 16 * warp + (lane >> 2);
+    // every row of the tile is a real query: tiles inside kv_len need no bounds checks
+    const bool rows_inside = q0 + kTQ <= q_len;
+    tma::mbar_wait(q_full, k & 1);
+    // row r of this warpgroup's 64: its query head and position, and whether it is a real query
+    auto row_at = [&](int r, int& h, int& qi) {
+      h = hq;
+      qi = q0 + 64 * (wg - 1) + r;
+      return qi < q_len;
+    };
+    if constexpr (Variant::has_query_transform)
+      transform_q<Variant, DType, D>(vp, sq_w, b, wg - 1, row_at);
+
+    const int row_hq[2] = {hq, hq}, row_qi[2] = {r_lo, r_lo + 8};
+    const bool row_ok[2] = {r_lo < q_len, r_lo + 8 < q_len};
+    auto logits_softmax = [&](float (&s)[TKV / 2], int i, float (&corr)[2]) {
+      bool is_full;
+      const int kv0 = tiles.start(i, is_full);
+      const bool interior = rows_inside && kv0 + TKV <= kv_len &&
+                            (is_full || !Variant::has_logits_mask);
+      logits_softmax_step<Variant, TKV>(s, vp, qk_scale, b, row_hq, row_qi, row_ok, kv0, kv_len,
+                                        0, is_full, interior, row_m, row_l, corr);
+    };
+    // A key/value transform rewrites each landed tile in place before any GEMM reads it, the two
+    // consumers taking half of its rows each (both read the whole tile).
+    auto landed = [&](int i, int t) {
+      if constexpr (Variant::has_key_transform || Variant::has_value_transform) {
+        bool is_full;
+        const int kv0 = tiles.start(i, is_full);
+        transform_kv<Variant, DType, D, TKV>(vp, ring.k_of(t), ring.v_of(t), wg - 1, b, it.h_kv,
+                                             kv0, kv_len, 0);
+        wg::fence_proxy_async();  // the wgmmas (async proxy) must see these stores
+        consumers_sync();
+      }
+    };
+    // this warp's S wgmmas of the item are complete: the producer may load the next item's Q --
+    // unless the output transform will stage O in the Q tile, which then waits for the store.
+    // (A CTA of one item has no next Q.)
+    auto release_q = [&] {
+      if constexpr (kPersistentHeadDim<D>)
+        if (lane == 0) tma::mbar_arrive(q_empty);
+    };
+    auto last_s_done = [&] {
+      if constexpr (!Variant::has_output_transform) release_q();
+    };
+    if (tiles.count > 0) {
+      consume_tiles<DType, D, TKV>(tiles.count, tile, sq_w, ring, turns, o, logits_softmax,
+                                   landed, last_s_done);
+    } else {
+      last_s_done();  // nothing reads it (the block mask left this query block no keys)
+    }
+    tile += tiles.count;
+
+    // ---- epilogue: normalize (output transform through the Q tile), store O and the LSE ------
+    float inv[2], lse[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) finish_row<kSoftmax>(row_m[hr], row_l[hr], inv[hr], lse[hr]);
+    DType* const out_bh = out + b * p.o_stride_b + hq * p.o_stride_h;
+    if constexpr (Variant::has_output_transform) {
+      stage_transform_o<Variant, DType, D>(o, inv, vp, sq_w, b, row_at);
+      store_staged_rows<DType, D>(sq_w, [&](int r) -> DType* {
+        const int qi = q0 + 64 * (wg - 1) + r;
+        return qi < q_len ? out_bh + (attncc::i64)qi * p.o_stride_s : nullptr;
+      });
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int qi = r_lo + 8 * hr;
+      if (qi < q_len) {
+        if constexpr (!Variant::has_output_transform)
+          store_row<DType, D>(out_bh + (attncc::i64)qi * p.o_stride_s, o, hr, inv[hr]);
+        if constexpr (kSoftmax) {
+          if (p.lse != nullptr && (lane & 3) == 0)
+            p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = lse[hr];
+        }
       }
     }
+    if constexpr (Variant::has_output_transform) {
+      // this warp is done with its staged rows; order its generic-proxy accesses before the
+      // next Q's TMA (async proxy) writes over them
+      wg::fence_proxy_async();
+      __syncwarp();
+      release_q();
+    }
+  };
+  if constexpr (kPersistentHeadDim<D>) {
+    int k = 0;
+#pragma unroll 1
+    for (int w = blockIdx.x; w < num_items; w += gridDim.x, ++k) run_item(w, k);
+  } else {
+    run_item(blockIdx.x, 0);  // one item per CTA: the grid has num_items CTAs
   }
 }
 
 }  // namespace fa3
 }  // namespace attncc
 
-// Grid (num_q_heads * batch, ceil(q_len / 128)), block kThreads (384), dynamic shared memory
-// attncc::fa3::Smem<HEAD_DIM, TKV, STAGES>::kBytes; AttentionParams::tma points at the q/k/v
-// maps.
+// Grid (min(#SMs, items): persistent; items = batch * num_q_heads * ceil(q_len / 128), and
+// grid = items at head dim 256, see kPersistentHeadDim), block kThreads (384),
+// dynamic shared memory attncc::fa3::Smem<HEAD_DIM, TKV, STAGES>::kBytes; AttentionParams::tma
+// points at the q/k/v maps.
 #define ATTNCC_FA3_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)       \
   extern "C" __global__ void __launch_bounds__(attncc::fa3::kThreads, 1)                           \
       NAME(attncc::AttentionParams p, VARIANT::Params vp) {                                        \

@@ -52,13 +52,13 @@ def fa3_unsupported(device: Any, *, head_dim: int, group: int, kv_layout: str,
 
 def fa3_batch_tiles(head_dim: int) -> Fa2Tiles:
     """The FA3 batch kernel's tiles: 128 fused query rows x 128 keys, the deepest K/V ring its
-    shared memory allows (kernels/fa3_batch.cuh BatchSmem).
+    shared memory allows (kernels/fa3_prefill.cuh Smem).
 
     Example:
         >>> fa3_batch_tiles(128)
         Fa2Tiles(tq=128, tkv=128, stages=3, m_frags=1, kv_warps=1)
     """
-    return fa3_tiles(fa3_stages(head_dim, 128, batch=True), 128)
+    return fa3_tiles(fa3_stages(head_dim, 128), 128)
 
 
 def fa3_batch_source(ir: VariantIR, head_dim: int, dtype: str) -> Any:

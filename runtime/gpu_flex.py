@@ -166,7 +166,10 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
     return _Compiled(kl, cfg, ir, res.log)
 
 
-_FA3_MAPS = MapCache(64)  # the dense FA3 kernel's q/k/v maps (runtime/tma.py)
+_FA3_MAPS = MapCache(64)
+# head dims at which the dense FA3 kernel is persistent (kernels/fa3_prefill.cuh
+# kPersistentHeadDim): its grid is then at most one CTA per SM, else one CTA per 128-row item
+FA3_PERSISTENT_HEAD_DIMS = (64, 128)  # the dense FA3 kernel's q/k/v maps (runtime/tma.py)
 
 
 def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -710,8 +713,10 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                                         _captured(pl.prepass, bindings, device))
 
     kl, cfg = kern.launcher, kern.config
-    if pl.tiles.kernel == "fa3":  # (batch x head, query blocks): kernels/fa3_prefill.cuh
-        grid = (B * Hq, -(-Sq // cfg.tq), 1)
+    if pl.tiles.kernel == "fa3":  # kernels/fa3_prefill.cuh: one CTA per item, or persistent
+        items = B * Hq * -(-Sq // cfg.tq)
+        persistent = D in FA3_PERSISTENT_HEAD_DIMS
+        grid = (min(items, _num_sms(pl.device)) if persistent else items, 1, 1)
     else:
         grid = (-(-(Sq * pl.tiles.gf) // cfg.tq), Hq // pl.tiles.gf, B)
     maps = _fa3_tensor_maps(query, key, value) if pl.tiles.kernel == "fa3" else None

@@ -94,17 +94,17 @@ class TilePlan:
     kernel: str = field(default="fa2", repr=False)  # kernel_options KERNEL: "fa2" or "fa3"
 
 
-def fa3_stages(head_dim: int, tkv: int, batch: bool = False) -> int:
+def fa3_stages(head_dim: int, tkv: int) -> int:
     """The deepest K/V ring (at most 4 stages) whose shared memory fits one CTA, for the dense
-    FA3 kernel or (`batch`) the FA3 batch kernel: 3 stages of 128 keys beat 2 by 10-28% at head
+    and the batch FA3 kernel (the same layout): 3 stages of 128 keys beat 2 by 10-28% at head
     dim 128 (bench/NOTES.md, 2026-11-30 night).
 
     Example:
-        >>> fa3_stages(64, 128), fa3_stages(128, 128), fa3_stages(256, 64), fa3_stages(128, 128, True)
-        (4, 3, 2, 3)
+        >>> fa3_stages(64, 128), fa3_stages(128, 128), fa3_stages(256, 64)
+        (4, 3, 2)
     """
     fits = [s for s in (4, 3, 2)
-            if fa3_smem_bytes(head_dim, fa3_tiles(s, tkv), batch) <= SMEM_PER_CTA]
+            if fa3_smem_bytes(head_dim, fa3_tiles(s, tkv)) <= SMEM_PER_CTA]
     return fits[0] if fits else 1
 
 

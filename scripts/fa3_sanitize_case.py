@@ -4,9 +4,11 @@ reference, so a clean sanitizer log comes from a launch that also computed the r
     compute-sanitizer --tool memcheck python scripts/fa3_sanitize_case.py
     compute-sanitizer --tool racecheck python scripts/fa3_sanitize_case.py
 
-Dense FA3 (kernels/fa3_prefill.cuh): odd lengths (a partial last query block and a partial last
-KV tile), GQA 2, a causal block mask (partial and full blocks) and a softcap score_mod, at head
-dims 64 and 128; then RoPE (query/key transforms) and value/output transforms at head dim 64.
+Dense FA3 (kernels/fa3_prefill.cuh, persistent): odd lengths (a partial last query block and a
+partial last KV tile), GQA 2, a causal block mask (partial and full blocks) and a softcap
+score_mod, at head dims 64 and 128, with more 128-row items than SMs so CTAs run several; then
+RoPE (query/key transforms) and value/output transforms at head dim 64, in the kernel and in the
+transform pre-pass (kernels/prepass.cuh).
 FA3 batch (kernels/fa3_batch.cuh): a paged (page 16) and a ragged batch of odd-length prefill
 chunks with a long request split across CTAs (so the merge kernel runs), causal, RoPE and
 value/output variants.
@@ -35,19 +37,22 @@ def _value_output(d: int) -> attncc.Variant:
 
 
 def dense_transforms() -> None:
-    d, S, Hq, Hkv = 64, 200, 4, 2
-    for name, variant in (("rope", GYM["rope"](1, Hq, S, d)), ("value_output", _value_output(d))):
-        q = torch.randn(1, Hq, S, d, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(1, Hkv, S, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    d, S, Hq, Hkv = 64, 200, 72, 36  # 2 x 72 x 2 = 288 items: CTAs run two or three
+    for (name, variant), prepass in itertools.product(
+            (("rope", GYM["rope"](2, Hq, S, d)), ("value_output", _value_output(d))),
+            ("none", "qkv")):
+        q = torch.randn(2, Hq, S, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, Hkv, S, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
         ir, bind = variant.trace()
         out = torch.full_like(q, float("nan"))
         gpu_flex.gpu_flex_attention(q, k, v, ir, bind, enable_gqa=True,
-                                    kernel_options={"KERNEL": "fa3"}, out=out)
+                                    kernel_options={"KERNEL": "fa3", "PREPASS": prepass},
+                                    out=out)
         torch.cuda.synchronize()
         ref, _ = attention_reference(q, k, v, ir, bind, enable_gqa=True)
         err = float((out.double() - ref).norm() / ref.norm())
         assert not torch.isnan(out).any() and err < 2e-2, (name, err)
-        print(f"dense {name} d={d}: FA3 rel err {err:.1e}")
+        print(f"dense {name} d={d} prepass={prepass}: FA3 rel err {err:.1e}")
 
 
 def batch() -> None:
@@ -89,9 +94,9 @@ def batch() -> None:
 def main() -> None:
     torch.manual_seed(0)
     for d in (64, 128):
-        S, Hq, Hkv = 300, 4, 2
-        q = torch.randn(1, Hq, S, d, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(1, Hkv, S, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        S, Hq, Hkv = 300, 72, 36  # 2 x 72 x 3 = 432 items on at most 132 persistent CTAs
+        q = torch.randn(2, Hq, S, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, Hkv, S, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
         bm = attncc.create_block_mask(causal, None, None, S, S, device="cuda")
         ir, bind = attncc.Variant(score_mod=GYM["softcap"](1, Hq, S, d).score_mod).trace()
         out = torch.full_like(q, float("nan"))

@@ -501,7 +501,8 @@ def test_fa3_translation_unit() -> None:
     ir = VariantIR(name="plain")
     gk = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3")
     assert gk.block == (384, 1, 1)
-    assert gk.shared_mem_bytes == 2 * 128 * (128 + 2 * 2 * 128) + 8 * 5 + 1024
+    # the ring's 2 stages x (full, empty) mbarriers, then q_full and q_empty
+    assert gk.shared_mem_bytes == 2 * 128 * (128 + 2 * 2 * 128) + 8 * 6 + 1024
     assert "ATTNCC_FA3_ENTRY(attncc_plain_fa3_d128_bf16_q128_k128_s2, " in gk.source
     gk = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3",
                          tiles=Fa2Tiles(128, 64, 2, 1))

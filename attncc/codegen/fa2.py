@@ -99,13 +99,13 @@ def fa3_tiles(stages: int = 2, tkv: int = 128) -> Fa2Tiles:
     return Fa2Tiles(128, tkv, stages, 1)
 
 
-def fa3_smem_bytes(head_dim: int, tiles: Fa2Tiles, batch: bool = False) -> int:
-    """Dynamic shared memory of an FA3 kernel (kernels/fa3_prefill.cuh Smem, fa3_batch.cuh
-    BatchSmem): the Q tile and the K/V ring, 2 * stages mbarriers plus Q's one (two with
-    `batch`: full and empty), and 1 KB of slack that aligns the tiles to 1024 bytes.
+def fa3_smem_bytes(head_dim: int, tiles: Fa2Tiles) -> int:
+    """Dynamic shared memory of an FA3 kernel, dense or batch (kernels/fa3_prefill.cuh Smem):
+    the Q tile and the K/V ring, 2 * stages mbarriers plus Q's two (full and empty: both kernels
+    are persistent), and 1 KB of slack that aligns the tiles to 1024 bytes.
 
     Example:
-        >>> fa3_smem_bytes(128, fa3_tiles(3)), fa3_smem_bytes(128, fa3_tiles(3), batch=True)
-        (230456, 230464)
+        >>> fa3_smem_bytes(128, fa3_tiles(3)), fa3_smem_bytes(64, fa3_tiles(4))
+        (230464, 148560)
     """
-    return tiles.smem_bytes(head_dim) + 8 * (2 * tiles.stages + (2 if batch else 1)) + 1024
+    return tiles.smem_bytes(head_dim) + 8 * (2 * tiles.stages + 2) + 1024

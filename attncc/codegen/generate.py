@@ -331,7 +331,7 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
         threads, rows, smem = tiles.threads, tiles.tq, tiles.smem_bytes(head_dim)
         if kernel in ("fa3", "fa3batch"):  # producer + 2 consumer warpgroups
             threads = FA3_THREADS
-            smem = fa3_smem_bytes(head_dim, tiles, batch=kernel == "fa3batch")
+            smem = fa3_smem_bytes(head_dim, tiles)
         entry = (f"{spec.entry_macro}({name}, {vc.struct_name}, {DTYPES[dtype][0]}, {head_dim}, "
                  f"{tiles.tq}, {tiles.tkv}, {tiles.stages}, {tiles.m_frags}, {tiles.kv_warps})")
     elif tiles is not None:
