@@ -26,9 +26,9 @@
 //
 // Tiles: 128 query rows x TKV keys, TKV = 64 or 128 (S is one m64nTKVk16 wgmma per 16-wide
 // k-step; 128 halves the waits and fences per FLOP but needs twice the shared memory per stage).
-// Persistent grid: at most one CTA per SM; CTA c runs items c, c + grid, ... of a list ordered
-// longest first (query blocks from the last one, then (batch, head)), so every round of the
-// stride holds equally long causal tiles and the CTAs end together (LPT). The next item's Q and
+// Persistent grid: at most one CTA per SM; each CTA runs one item per round of a list ordered
+// longest first (query blocks from the last one, then (batch, head)), rounds dealt in snake
+// order, so causal totals stay level and the CTAs end together (LPT). The next item's Q and
 // first K/V tiles load while the consumers finish the current one's last GEMM and store it.
 //
 // Supported: head dims 64, 128 and 256, every variant hook: score_mod / mask_mod (LogitsTransform
@@ -538,7 +538,7 @@ __device__ __forceinline__ void finish_row(float m, float l, float& inv, float& 
 
 // One work item of the dense kernel: a 128-row query tile of one (batch, head). Items are
 // numbered longest first: item w is query block nqb - 1 - w / (B * Hq) of head slot w % (B * Hq),
-// so each round of the grid's static stride holds tiles of (almost) the same causal length.
+// so each round of the persistent grid holds tiles of (almost) the same causal length.
 struct DenseItem {
   int b, hq, h_kv, q0;
 };
@@ -581,8 +581,19 @@ __device__ __forceinline__ fa2::TileList item_tiles(const attncc::AttentionParam
 template <int D>
 constexpr bool kPersistentHeadDim = D <= 128;
 
+// The k-th item of this CTA in a persistent grid, or -1 when there is none: round k of the grid
+// hands out items k * grid .. (k + 1) * grid - 1 (the longest first), going left to right in even
+// rounds and right to left in odd ones, so the CTA that got a round's longest item gets the next
+// round's shortest and causal totals stay level (a plain stride made CTA 0 the last to finish:
+// causal lost 5-10% at S = 8192, bench/NOTES.md).
+__device__ __forceinline__ int snake_item(int k, int num_items) {
+  const int c = (k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int w = k * gridDim.x + c;
+  return w < num_items ? w : -1;
+}
+
 // Persistent (D <= 128): the grid is at most one CTA per SM (the ring takes the shared memory)
-// and CTA c runs items c, c + gridDim.x, ... The producer loads the next item's Q as soon as both consumers
+// and CTA c runs one item of each round (snake_item). The producer loads the next item's Q as soon as both consumers
 // issued their last S GEMM of the current one (q_empty), and its K/V tiles flow into the ring
 // (stage phases run on across items) while the consumers finish the last P V and store O -- the
 // cold start and the epilogue of a tile no longer leave the tensor cores idle.
@@ -632,9 +643,10 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     wg::setmaxnreg_dec<kProducerRegs>();
     if (tid != 0) return;
     int tile = 0;  // tiles issued by this CTA so far: stage tile % STAGES, phase tile / STAGES
-    int k = 0;     // items run by this CTA so far
 #pragma unroll 1
-    for (int w = blockIdx.x; w < num_items; w += gridDim.x, ++k) {
+    for (int k = 0;; ++k) {  // k: items run by this CTA so far
+      const int w = snake_item(k, num_items);
+      if (w < 0) break;
       const DenseItem it = dense_item(p, w, nqb);
       const fa2::TileList tiles = item_tiles<TKV>(p, it);
       const int q_row0 = (it.b * p.num_q_heads + it.hq) * q_len + it.q0;  // map row of q0
@@ -779,9 +791,12 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     }
   };
   if constexpr (kPersistentHeadDim<D>) {
-    int k = 0;
 #pragma unroll 1
-    for (int w = blockIdx.x; w < num_items; w += gridDim.x, ++k) run_item(w, k);
+    for (int k = 0;; ++k) {
+      const int w = snake_item(k, num_items);
+      if (w < 0) break;
+      run_item(w, k);
+    }
   } else {
     run_item(blockIdx.x, 0);  // one item per CTA: the grid has num_items CTAs
   }

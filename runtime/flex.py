@@ -48,7 +48,8 @@ from .reference import attention_reference, validate_attention_inputs
 # FAST_MATH (attncc's: False compiles the hooks with exact libm math instead of one-instruction
 # approximations), PREPASS (attncc's: "none", "kv" or "qkv" runs those transforms once per row in
 # a pre-pass instead of inside the attention kernel; "auto", the default, see
-# runtime/prepass.choose_prepass). The exact reference path ignores them. Anything else is an error rather than a
+# runtime/prepass.choose_prepass), PERSISTENT (attncc's, FA3: False launches one CTA per 128-row
+# tile instead of at most one per SM). The exact reference path ignores them. Anything else is an error rather than a
 # silent no-op.
 SUPPORTED_KERNEL_OPTIONS: dict[str, type] = {
     "BLOCK_M": int,
@@ -60,6 +61,7 @@ SUPPORTED_KERNEL_OPTIONS: dict[str, type] = {
     "ROWS_GUARANTEED_SAFE": bool,
     "BLOCKS_ARE_CONTIGUOUS": bool,
     "PREPASS": str,
+    "PERSISTENT": bool,
 }
 
 _warned_no_gpu_kernel = False

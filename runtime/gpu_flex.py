@@ -715,7 +715,8 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     kl, cfg = kern.launcher, kern.config
     if pl.tiles.kernel == "fa3":  # kernels/fa3_prefill.cuh: one CTA per item, or persistent
         items = B * Hq * -(-Sq // cfg.tq)
-        persistent = D in FA3_PERSISTENT_HEAD_DIMS
+        persistent = D in FA3_PERSISTENT_HEAD_DIMS and (kernel_options or {}).get("PERSISTENT",
+                                                                                  True)
         grid = (min(items, _num_sms(pl.device)) if persistent else items, 1, 1)
     else:
         grid = (-(-(Sq * pl.tiles.gf) // cfg.tq), Hq // pl.tiles.gf, B)
