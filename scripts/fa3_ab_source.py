@@ -1,0 +1,92 @@
+"""Time the dense FA3 kernel built from another revision of kernels/fa3_prefill.cuh against the
+current one: same process, same inputs, interleaved (this machine's run-to-run spread is ~5%, so
+figures from different runs cannot separate small changes).
+
+The other revision is read from a file (e.g. `git show REV:kernels/fa3_prefill.cuh > old.cuh`).
+A revision from before the persistent kernel (a 2-D grid of (batch x head, query block)) is
+rewritten to take its block from a 1-D grid in the same order, and launched one CTA per tile
+(kernel_options PERSISTENT=False); the current kernel runs as attncc runs it by default.
+
+    python scripts/fa3_ab_source.py old.cuh --S 2048 8192 16384 --variants full causal
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+_GRID_2D = ("const int hq = blockIdx.x % p.num_q_heads, b = blockIdx.x / p.num_q_heads;",
+            "const int q0 = (gridDim.y - 1 - blockIdx.y) * kTQ;")
+_GRID_1D = ("const int bh_ = blockIdx.x % (p.batch * p.num_q_heads);\n"
+            "  const int qb_ = blockIdx.x / (p.batch * p.num_q_heads);\n"
+            "  const int hq = bh_ % p.num_q_heads, b = bh_ / p.num_q_heads;",
+            "const int q0 = ((p.q_len + kTQ - 1) / kTQ - 1 - qb_) * kTQ;")
+
+
+def one_d_grid(text: str) -> str:
+    """`text` with a 2-D (batch x head, query block) grid read from a 1-D grid of the same order
+    (unchanged if it has no 2-D grid)."""
+    if _GRID_2D[0] not in text:
+        return text
+    for old, new in zip(_GRID_2D, _GRID_1D):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text
+
+
+def main() -> None:
+    import torch
+    from triton.testing import do_bench
+
+    import attncc
+    import attncc.kernels as shipped
+    from attncc.runtime import gpu_flex
+    from examples.gym import causal
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("old", type=Path)
+    ap.add_argument("--S", type=int, nargs="+", default=[2048, 8192, 16384])
+    ap.add_argument("--variants", nargs="+", default=["full", "causal"])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    old_text = one_d_grid(args.old.read_text())
+    read_template = shipped.read_template
+
+    def build(old: bool) -> None:
+        shipped.read_template = (lambda name: old_text if name == "fa3_prefill.cuh"
+                                 else read_template(name)) if old else read_template
+        gpu_flex._KERNELS.clear()
+        gpu_flex._CALLS.clear()
+
+    H, D, tokens = 16, 128, 16384
+    for S in args.S:
+        B = tokens // S
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
+        for variant in args.variants:
+            bm = attncc.create_block_mask(causal, None, None, S, S, device="cuda") \
+                if variant == "causal" else None
+            flops = 4 * D * B * H * S * S * (0.5 if variant == "causal" else 1.0)
+            best: dict[str, float] = {}
+            outs: dict[str, Any] = {}
+            for _ in range(args.rounds):
+                for name, old, opts in (("current", False, {"KERNEL": "fa3"}),
+                                        ("old", True, {"KERNEL": "fa3", "PERSISTENT": False})):
+                    build(old)
+                    fn = (lambda o=opts: attncc.flex_attention(q, k, v, block_mask=bm,
+                                                               kernel_options=o))
+                    outs[name] = fn()
+                    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                    best[name] = max(best.get(name, 0.0), flops / ms / 1e9)
+            build(False)
+            diff = float((outs["current"].float() - outs["old"].float()).abs().max())
+            print(f"{variant:7s} S={S:5d}: current {best['current']:6.1f}  old {best['old']:6.1f}"
+                  f"  ratio {best['current'] / best['old']:.3f}  max|diff| {diff:.1e}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
