@@ -39,9 +39,6 @@ struct AttentionParams {
     // FA3 template only: three TMA tensor maps (q, k, v; 128 bytes each, 64-byte aligned) in
     // global memory, describing q/k/v as [rows, head_dim] matrices. Null for other templates.
     const void* tma;
-    // FA3 template only: a zeroed int the persistent CTAs take work items from (atomicAdd); null
-    // launches one CTA per item instead.
-    int* tile_counter;
 };
 
 }  // namespace attncc

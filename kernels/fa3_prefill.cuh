@@ -10,7 +10,7 @@
 //     K/V tiles into a STAGES-deep ring. Stage s has a "full" mbarrier the copy engine completes
 //     with the tile's bytes, and an "empty" mbarrier the consumers arrive on when they are done
 //     reading it; the producer waits for "empty" before refilling. No CTA-wide barrier in the loop.
-//     It keeps 32 registers (setmaxnreg) and hands the rest to the consumers (240).
+//     It keeps 24 registers (setmaxnreg) and hands the rest to the consumers (240).
 //   consumers (warpgroups 1 and 2): each owns 64 of the rows and runs the online-softmax loop
 //     with wgmma: S = Q K^T (both operands in shared memory, K-major), logits hooks and softmax
 //     in registers (exp2 domain), O += P V (P from registers, V N-major in shared memory).
@@ -70,9 +70,8 @@ constexpr int kConsumers = 2;          // consumer warpgroups, 64 query rows eac
 constexpr int kTQ = 64 * kConsumers;    // query rows per CTA
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kBoxBytes = 64 * 128;     // one TMA box: [64 rows][64 16-bit], 128B-swizzled
-// registers per thread after setmaxnreg: 32 x 128 + 240 x 256 = 64K, one CTA per SM. The
-// producer's 32 (not the minimum 24) hold the persistent item loop's state without spills.
-constexpr int kProducerRegs = 32;
+// registers per thread after setmaxnreg: 24 x 128 + 240 x 256 <= 64K, one CTA per SM
+constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -86,8 +85,7 @@ struct Smem {
   static constexpr int kV = kK + STAGES * kKvTileBytes;
   // full[STAGES], empty[STAGES], q_full, q_empty
   static constexpr int kBar = kV + STAGES * kKvTileBytes;
-  static constexpr int kItem = kBar + 8 * (2 * STAGES + 2);  // the dense kernel's next item
-  static constexpr int kBytes = kItem + 8 + 1024;  // + alignment slack
+  static constexpr int kBytes = kBar + 8 * (2 * STAGES + 2) + 1024;  // + alignment slack
 };
 
 // Ping-pong turns of the two consumer warpgroups: consumer c waits on named barrier 1 + c (0 is
@@ -583,21 +581,19 @@ __device__ __forceinline__ fa2::TileList item_tiles(const attncc::AttentionParam
 template <int D>
 constexpr bool kPersistentHeadDim = D <= 128;
 
-// This CTA's next work item (its k-th), or -1 when there is none. Persistent (a tile counter):
-// items are taken in list order, longest first, by whichever CTA is free -- greedy LPT, so the
-// CTAs end together (a static stride left causal totals uneven and lost 5-10% at S = 8192; a
-// static snake order still lost 3% on long full attention to CTAs drifting apart,
-// bench/NOTES.md). Without a counter the grid has one CTA per item.
-template <bool kPersistent>
-__device__ __forceinline__ int next_item(const attncc::AttentionParams& p, int k, int num_items) {
-  const int w = kPersistent && p.tile_counter != nullptr ? atomicAdd(p.tile_counter, 1)
-                                                         : (k == 0 ? (int)blockIdx.x : num_items);
+// The k-th item of this CTA in a persistent grid, or -1 when there is none: round k of the grid
+// hands out items k * grid .. (k + 1) * grid - 1 (the longest first), going left to right in even
+// rounds and right to left in odd ones, so the CTA that got a round's longest item gets the next
+// round's shortest and causal totals stay level (a plain stride made CTA 0 the last to finish:
+// causal lost 5-10% at S = 8192, bench/NOTES.md).
+__device__ __forceinline__ int snake_item(int k, int num_items) {
+  const int c = (k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int w = k * gridDim.x + c;
   return w < num_items ? w : -1;
 }
 
-// Persistent (D <= 128): the grid is at most one CTA per SM (the ring takes the shared memory).
-// The producer takes each item (next_item) and posts its index in shared memory before it
-// arrives on q_full; the consumers read it once Q landed. The producer loads the next item's Q as soon as both consumers
+// Persistent (D <= 128): the grid is at most one CTA per SM (the ring takes the shared memory)
+// and CTA c runs one item of each round (snake_item). The producer loads the next item's Q as soon as both consumers
 // issued their last S GEMM of the current one (q_empty), and its K/V tiles flow into the ring
 // (stage phases run on across items) while the consumers finish the last P V and store O -- the
 // cold start and the epilogue of a tile no longer leave the tensor cores idle.
@@ -619,7 +615,6 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   const fa2_u32 full_bar = base + S::kBar;               // + 8*s: stage s landed
   const fa2_u32 empty_bar = full_bar + 8 * STAGES;       // + 8*s: stage s read by every consumer
   const fa2_u32 q_full = full_bar + 16 * STAGES, q_empty = q_full + 8;
-  volatile int* item_slot = reinterpret_cast<volatile int*>(smem + S::kItem);
   const void* tm_q = p.tma;
   const void* tm_k = reinterpret_cast<const unsigned char*>(p.tma) + 128;
   const void* tm_v = reinterpret_cast<const unsigned char*>(p.tma) + 256;
@@ -648,32 +643,23 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     wg::setmaxnreg_dec<kProducerRegs>();
     if (tid != 0) return;
     int tile = 0;  // tiles issued by this CTA so far: stage tile % STAGES, phase tile / STAGES
-    int w = next_item<kPersistentHeadDim<D>>(p, 0, num_items);
 #pragma unroll 1
     for (int k = 0;; ++k) {  // k: items run by this CTA so far
-      if (k > 0) {
-        if constexpr (!kPersistentHeadDim<D>) break;  // one item per CTA, no q_empty arrivals
-        // the consumers are done with the last item's Q (and read its index): post this one
-        tma::mbar_wait(q_empty, (k - 1) & 1);
-      }
-      *item_slot = w;
-      if (w < 0) {  // no more work: wake the consumers to read -1 (an arrival without bytes)
-        tma::mbar_arrive(q_full);
-        break;
-      }
+      const int w = snake_item(k, num_items);
+      if (w < 0) break;
       const DenseItem it = dense_item(p, w, nqb);
       const fa2::TileList tiles = item_tiles<TKV>(p, it);
       const int q_row0 = (it.b * p.num_q_heads + it.hq) * q_len + it.q0;  // map row of q0
       const int kv_row0 = (it.b * p.num_kv_heads + it.h_kv) * kv_len;   // map row of key 0
-      tma::mbar_arrive_expect_tx(q_full, kConsumers * BLOCKS * kBoxBytes);  // releases the slot
+      // Q of this item once both consumers are done with the last one's
+      if (k > 0) tma::mbar_wait(q_empty, (k - 1) & 1);
+      tma::mbar_arrive_expect_tx(q_full, kConsumers * BLOCKS * kBoxBytes);
 #pragma unroll
       for (int c = 0; c < kConsumers; ++c)
 #pragma unroll
         for (int blk = 0; blk < BLOCKS; ++blk)
           tma::load_2d(sq + (c * BLOCKS + blk) * kBoxBytes, tm_q, q_full, 64 * blk,
                        q_row0 + 64 * c);
-      // the atomic's latency hides behind the K/V loads
-      const int w_next = next_item<kPersistentHeadDim<D>>(p, k + 1, num_items);
 #pragma unroll 1
       for (int i = 0; i < tiles.count; ++i, ++tile) {
         const int st = tile % STAGES;
@@ -693,7 +679,6 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
             tma::load_2d(sv + off, tm_v, full, 64 * blk, kv_row0 + kv0 + 64 * h);
           }
       }
-      w = w_next;
     }
     return;
   }
@@ -723,7 +708,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     const int r_lo = q0 + 64 * (wg - 1) + 16 * warp + (lane >> 2);
     // every row of the tile is a real query: tiles inside kv_len need no bounds checks
     const bool rows_inside = q0 + kTQ <= q_len;
-    if constexpr (!kPersistentHeadDim<D>) tma::mbar_wait(q_full, 0);  // (persistent: waited)
+    tma::mbar_wait(q_full, k & 1);
     // row r of this warpgroup's 64: its query head and position, and whether it is a real query
     auto row_at = [&](int r, int& h, int& qi) {
       h = hq;
@@ -808,8 +793,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   if constexpr (kPersistentHeadDim<D>) {
 #pragma unroll 1
     for (int k = 0;; ++k) {
-      tma::mbar_wait(q_full, k & 1);  // Q landed, or the producer posted -1
-      const int w = *item_slot;
+      const int w = snake_item(k, num_items);
       if (w < 0) break;
       run_item(w, k);
     }

@@ -718,12 +718,8 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         persistent = D in FA3_PERSISTENT_HEAD_DIMS and (kernel_options or {}).get("PERSISTENT",
                                                                                   True)
         grid = (min(items, _num_sms(pl.device)) if persistent else items, 1, 1)
-        # the persistent CTAs take items from this counter (a fresh zero per launch, so it is
-        # stream- and graph-safe; the zeroing is one tiny fill kernel)
-        counter = torch.zeros(1, dtype=torch.int32, device=device) if persistent else None
     else:
         grid = (-(-(Sq * pl.tiles.gf) // cfg.tq), Hq // pl.tiles.gf, B)
-        counter = None
     maps = _fa3_tensor_maps(query, key, value) if pl.tiles.kernel == "fa3" else None
     ap = {
         "q": query.data_ptr(), "k": key.data_ptr(), "v": value.data_ptr(), "o": out.data_ptr(),
@@ -742,7 +738,6 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         "bm_stride_b": 0, "bm_stride_h": 0, "bi_stride_b": 0, "bi_stride_h": 0,
         "bi_stride_q": 0, "block_q": 0, "block_kv": 0,
         "tma": maps.data_ptr() if maps is not None else 0,
-        "tile_counter": counter.data_ptr() if counter is not None else 0,
     }
     m = pl.mask
     if m is not None:
