@@ -21,12 +21,13 @@ the upload steps are skipped): `phases` wraps this instance's steps in perf_coun
 per plan() over `--runs` calls; indented steps are part of the step above them, and `other`
 is plan() minus the top-level steps (argument handling, bookkeeping, the timers themselves).
 
-`--breakdown` adds the two C calls plan() makes with the compiled planner, timed from Python:
-`check` (`BatchPlanner.check`: the input checks, one pass over the page ids) and `check+stage`
-(that and `BatchPlanner.plan_and_stage`: the schedule, the packed plan and the page tables
-written to the staging buffer), so plan() minus `check+stage` is the Python around them (tile
-choice, bookkeeping). Also `scheduler.plan_into` alone (schedule + pack, what the numpy path
-of plan() calls) and the typed path, `scheduler.plan(...).pack(layout)`.
+`--breakdown` adds the C call plan() makes with the compiled planner, timed from Python:
+`check+stage` (`BatchPlanner.plan`: the input checks, the schedule, the packed plan and the page
+tables written to the staging buffer, the page ids checked and copied in one pass), so plan()
+minus `check+stage` is the Python around it (argument handling, bookkeeping); and `check`
+(`BatchPlanner.check`: the input checks alone). Also `scheduler.plan_into` alone (schedule +
+pack, what the numpy path of plan() calls) and the typed path,
+`scheduler.plan(...).pack(layout)`.
 
 The batches are bench/decode.py's `make_batch`.
 """
@@ -78,14 +79,17 @@ def cell_timers(batch: int, hkv: int, dist: str, breakdown: bool, device: str = 
             "tkv": ba.tiles.tkv, "kv_chunk": ba._plan.kv_chunk}
     timers: dict[str, Callable[[], Any]] = {"plan": lambda: ba.plan(*args, **plan_kw)}
     if breakdown and isinstance(ba._planner, planner.BatchPlanner):
-        bp, cfg, buf, offsets = ba._planner, ba._config_memo, ba._staging_np, ba._offsets
-        assert cfg is not None and cfg.problem is not None
+        bp, memo, buf, offsets = ba._planner, ba._last_config, ba._staging_np, ba._offsets
+        assert memo is not None and memo[2].problem is not None
+        page_size = plan_kw["page_size"]
 
-        def check() -> Any:
-            return bp.check(*args, page_size=plan_kw["page_size"])
+        def check_and_stage() -> Any:
+            code, checked = bp.plan(*args, page_size, memo[2].problem, memo[1], buf, offsets)
+            assert code == planner.STAGED
+            return checked
 
-        timers["check"] = check
-        timers["check+stage"] = lambda: check() and bp.plan_and_stage(cfg.problem, buf, offsets)
+        timers["check"] = lambda: bp.check(*args, page_size=page_size)
+        timers["check+stage"] = check_and_stage
     if breakdown:
         lay, out = ba.layout, np.zeros(ba.layout.size, dtype=np.int32)
         sched = (ba.qo_indptr, ba.kv_lens, HQ, hkv, ba.tiles.tq, ba.tiles.num_ctas)
@@ -152,10 +156,14 @@ class _Clock:
         return timed
 
 
-# (step, depth): plan()'s steps in call order; a deeper step is part of the one above it
-PHASES = (("check", 0), ("check (C)", 1), ("config", 0), ("staging", 0), ("wait copy N-2", 1),
-          ("plan+stage (C)", 0), ("upload", 0), ("used_ranges", 1), ("cuMemcpyHtoDAsync", 1),
-          ("event record", 1))
+# (step, depth): plan()'s steps in call order; a deeper step is part of the one above it.
+# A plan whose tiles are the last plan's (every step of a decode loop) is the fast path's one
+# C call; other plans are checked there ("check (C)") and staged by `_stage_plan` ("new tiles
+# / numpy", also the whole of the numpy path), the used words listed by C or by used_ranges.
+PHASES = (("fast path", 0), ("staging", 1), ("wait copy N-2", 2), ("check+plan+stage (C)", 1),
+          ("check (C)", 1), ("new tiles / numpy", 0), ("config", 1), ("plan+stage (C)", 1),
+          ("upload", 0), ("used ranges (C list)", 1), ("used_ranges", 1),
+          ("cuMemcpyHtoDAsync", 1), ("event record", 1))
 
 
 def phases(batch: int, hkv: int, dist: str, device: str, runs: int) -> dict[str, list[float]]:
@@ -171,13 +179,17 @@ def phases(batch: int, hkv: int, dist: str, device: str, runs: int) -> dict[str,
 
     plan()  # (CUDA: both staging halves and their events in use)
     clock = _Clock()
-    ba._checked_fast = clock.wrap("check", ba._checked_fast)
+    ba._checked_fast = clock.wrap("fast path", ba._checked_fast)
+    ba._stage_plan = clock.wrap("new tiles / numpy", ba._stage_plan)
     ba._config = clock.wrap("config", ba._config)
     ba._staging_for = clock.wrap("staging", ba._staging_for)
     ba._upload = clock.wrap("upload", ba._upload)
     if ba._planner:
-        ba._planner.check = clock.wrap("check (C)", ba._planner.check)
-        ba._planner.plan_and_stage = clock.wrap("plan+stage (C)", ba._planner.plan_and_stage)
+        bp = ba._planner
+        bp.plan = clock.wrap("check+plan+stage (C)", bp.plan)
+        bp.check = clock.wrap("check (C)", bp.check)
+        bp.plan_and_stage = clock.wrap("plan+stage (C)", bp.plan_and_stage)
+        bp.used_ranges = clock.wrap("used ranges (C list)", bp.used_ranges)
     copies = [0]
     up = ba._uploader
     if up is not None:

@@ -153,6 +153,21 @@ def _is_int(x: Any) -> bool:
     return type(x) is int or (isinstance(x, (int, np.integer)) and not isinstance(x, bool))
 
 
+def _plain_scalars(num_qo_heads: Any, num_kv_heads: Any, head_dim: Any, page_size: Any,
+                   ragged: bool, kv_indices: Any, kv_last_page_len: Any) -> bool:
+    """Whether plan()'s scalar arguments are what the compiled path takes as they are: int
+    heads that divide, a supported head dim, a positive int page size (paged layouts), and the
+    layout's arrays given (paged) or left out (ragged). Anything else goes to the reference
+    checks, which raise (or convert) as they always have."""
+    if type(num_qo_heads) is not int or type(num_kv_heads) is not int \
+            or type(head_dim) is not int:  # (the cheap test first: plan() runs every step)
+        if not (_is_int(num_qo_heads) and _is_int(num_kv_heads) and _is_int(head_dim)):
+            return False
+    return (num_kv_heads > 0 and num_qo_heads % num_kv_heads == 0 and head_dim in HEAD_DIMS
+            and (ragged or (isinstance(page_size, int) and page_size >= 1))
+            and (kv_indices is None) == ragged and (kv_last_page_len is None) == ragged)
+
+
 def _page_shift(page_size: int) -> int:
     """log2(page_size) for the kernel's page arithmetic, -1 when not a power of two."""
     return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
@@ -198,6 +213,11 @@ class _Config:
     layout: scheduler.PlanLayout
     kwargs: dict            # scheduler.plan's kv_chunk_align / min_kv_chunk
     problem: Any = None     # planner.plan_problem(...) when the compiled planner is in use
+
+
+_Staged = tuple[_Config, int, np.ndarray, dict, bool]
+"""A staged plan: its config, the staging half, that half's numpy view, the table offsets, and
+whether planner.c staged it (and so listed the used words)."""
 
 
 class _LazyPlan:
@@ -370,8 +390,8 @@ class BatchAttention:
         self._ws_checked: tuple = (None, None, 0, 0)  # _workspace_for's memo
         self._plan: _LazyPlan | None = None  # the typed plan, computed when looked at
         self._planner: planner.BatchPlanner | None | bool = None  # None: not made yet
-        self._config_key: tuple | None = None  # _config's memo: the last key and its _Config
-        self._config_memo: _Config | None = None
+        # _config's memo: (_config_key, longest query, _Config) of the last config
+        self._last_config: tuple[tuple, int, _Config] | None = None
 
     # ------------------------------------------------------------------------------ plan
     def plan(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any = None,
@@ -390,32 +410,29 @@ class BatchAttention:
         what CascadeAttention uses for a shared prefix and the suffixes after it.
         `q_data_type` is the dtype `run` will get.
 
-        Host time: with the compiled planner (runtime/planner.c) a plan is two C calls, one
-        to check the arrays (`planner.BatchPlanner.check`) and one to compute the plan
-        straight into the pinned staging buffer and write the page tables after it
-        (`BatchPlanner.plan_and_stage`); on CUDA then a few async copies of the used words and
-        an event record (`_upload`). bench/plan_time.py measures it (`--phases`: step by step).
-        Without a C compiler the same words come from numpy (`scheduler.plan_into` and
-        `_stage`).
+        Host time: with the compiled planner (runtime/planner.c) a plan whose tiles are the
+        last plan's (a serving loop's every step) is one C call,
+        `planner.BatchPlanner.plan`: it checks the arrays, computes the plan straight into the
+        pinned staging buffer, writes the page tables after it and lists the used words; other
+        plans check first and stage after choosing their tiles (`BatchPlanner.plan_and_stage`).
+        On CUDA then a few async copies of the used words and an event record (`_upload`).
+        bench/plan_time.py measures it (`--phases`: step by step). Without a C compiler the
+        same words come from numpy (`scheduler.plan_into` and `_stage`).
         """
-        b = None
+        b, staged = None, None
         if q_positions is None and kv_position_offset is None:
-            b = self._checked_fast(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-                                   num_qo_heads, num_kv_heads, head_dim, page_size)
+            b, staged = self._checked_fast(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                           num_qo_heads, num_kv_heads, head_dim, page_size,
+                                           q_data_type)
         fast = b is not None
         if b is None:
             b = self._checked(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
                               num_kv_heads, head_dim, page_size, q_positions, kv_position_offset)
-        fa3 = self._fa3_mode(num_qo_heads // num_kv_heads, head_dim, b.page, q_data_type)
-        cfg = self._config(b, num_qo_heads, num_kv_heads, head_dim, fa3)
+        if staged is None:
+            staged = self._stage_plan(b, fast, num_qo_heads, num_kv_heads, head_dim,
+                                      q_data_type)
+        cfg, half, buf, offsets, c_staged = staged
         tiles, layout = cfg.tiles, cfg.layout
-        half, buf, offsets = self._staging_for(layout)
-        args = (b.qo, b.kv_lens, num_qo_heads, num_kv_heads, tiles.tq, tiles.num_ctas)
-        if not (fast and self._planner.plan_and_stage(cfg.problem, buf, offsets)):
-            # the numpy path, or a plan the layout cannot hold: the same words, or the error
-            # scheduler.plan raises
-            scheduler.plan_into(buf[:layout.size], layout, *args, **cfg.kwargs, checked=fast)
-            self._stage(buf, b, offsets)
         bound = self._causal_bound() if b.max_q_len > 1 else None
         if bound is not None:
             clip_causal_units(buf, layout, b.qo, b.kv_lens, num_qo_heads // num_kv_heads, bound,
@@ -423,51 +440,86 @@ class BatchAttention:
         # (only now: a plan() that raised leaves the last plan's layout and offsets for run())
         self.tiles, self.layout, self._offsets = tiles, layout, offsets
         self._half, self._staging_np = half, buf
-        self._plan = _LazyPlan(args, cfg.kwargs)
+        self._plan = _LazyPlan((b.qo, b.kv_lens, num_qo_heads, num_kv_heads, tiles.tq,
+                                tiles.num_ctas), cfg.kwargs)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size, self.page_shift, self._max_page = b.page, b.shift, b.max_page
         self.qo_indptr, self.kv_lens = b.qo, b.kv_lens
         self._has_kv_pos, self._has_q_pos = b.kvoff is not None, b.qpos is not None
         if self.device.type == "cuda":
-            self._upload(offsets["pages"] + int(b.page_indptr[-1]))
+            if c_staged:  # planner.c listed the used words
+                self._upload(*self._planner.used_ranges()[::-1])
+            else:
+                self._upload(offsets["pages"] + int(b.page_indptr[-1]))
 
     def _checked_fast(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any,
                       kv_last_page_len: Any, num_qo_heads: Any, num_kv_heads: Any,
-                      head_dim: Any, page_size: Any) -> _Batch | None:
-        """The batch, checked by the compiled planner in one pass, or None when that cannot
-        vouch for it (no C compiler, an unusual argument, a failed check): `_checked` then runs
-        the reference checks, which raise naming the argument. Never raises itself, so which
-        error a bad call gets does not depend on the path."""
+                      head_dim: Any, page_size: Any, q_dtype: Any
+                      ) -> tuple[_Batch | None, _Staged | None]:
+        """The batch checked by the compiled planner in one pass and, when it needs the last
+        plan's tiles, staged by the same C call: (batch, what `_stage_plan` returns); (batch,
+        None) when the batch is checked but not staged (other tiles, or a plan its layout
+        cannot hold); (None, None) when the compiled planner cannot vouch for the batch (no C
+        compiler, an unusual argument, a failed check): `_checked` then runs the reference
+        checks, which raise naming the argument. Never raises itself, so which error a bad
+        call gets does not depend on the path."""
         ragged = self.kv_layout == "ragged"
-        plain = (_is_int(num_qo_heads) and _is_int(num_kv_heads) and num_kv_heads > 0
-                 and num_qo_heads % num_kv_heads == 0 and _is_int(head_dim)
-                 and head_dim in HEAD_DIMS
-                 and (ragged or (isinstance(page_size, int) and page_size >= 1))
-                 and (kv_indices is None) == ragged and (kv_last_page_len is None) == ragged)
-        bp = self._planner
-        if bp is None or (bp and bp.limits != (self.max_batch, self.max_qo_tokens,
-                                               self.max_pages, ragged)):
-            bp = self._make_planner()  # the first plan (or maxima changed since)
-        if not plain or not bp:
-            return None
+        if not _plain_scalars(num_qo_heads, num_kv_heads, head_dim, page_size, ragged,
+                              kv_indices, kv_last_page_len):
+            return None, None
+        page = _RAGGED_PAGE if ragged else page_size
+        memo, bp = self._last_config, self._planner
+        if memo is None or memo[0] != self._config_key(num_qo_heads, num_kv_heads, head_dim,
+                                                       page, q_dtype):
+            memo = None  # (a hit vouches for the planner too: the key holds it and its limits)
+            if bp is None or (bp and bp.limits != (self.max_batch, self.max_qo_tokens,
+                                                   self.max_pages, ragged)):
+                bp = self._make_planner()  # the first plan (or maxima changed since)
+        if not bp:
+            return None, None
         try:
             qo = _int_array(qo_indptr, "qo_indptr")
             kvp = _int_array(kv_indptr, "kv_indptr")
             pages = None if ragged else _int_array(kv_indices, "kv_indices")
             last = None if ragged else _int_array(kv_last_page_len, "kv_last_page_len")
         except ValueError:
-            return None
-        checked = bp.check(qo, kvp, pages, last, page_size=1 if ragged else page_size)
+            return None, None
+        ps = 1 if ragged else page_size
+        staged = None
+        if memo is not None:  # the last plan's tiles, if the batch's longest query is the same
+            cfg = memo[2]
+            half, buf, offsets = self._staging_for(cfg.layout)
+            code, checked = bp.plan(qo, kvp, pages, last, ps, cfg.problem, memo[1], buf,
+                                    offsets)
+            if code == planner.STAGED:
+                staged = (cfg, half, buf, offsets, True)
+        else:
+            checked = bp.check(qo, kvp, pages, last, page_size=ps)
         if checked is None:
-            return None
+            return None, None
         qo, kv_lens, max_q_len, max_page = checked
-        if ragged:  # one "page" per request: its first token (the C check does not count these)
-            _check_ragged_table(qo.size - 1, self.max_pages)
+        if ragged:  # one "page" per request: its first token
             return _Batch(qo, kv_lens, np.arange(qo.size), kvp[:-1], _RAGGED_PAGE, 30, max_page,
-                          max_q_len)
-        assert pages is not None
+                          max_q_len), staged
         return _Batch(qo, kv_lens, kvp, pages, page_size, _page_shift(page_size), max_page,
-                      max_q_len)
+                      max_q_len), staged
+
+    def _stage_plan(self, b: _Batch, fast: bool, num_qo_heads: int, num_kv_heads: int,
+                    head_dim: int, q_dtype: Any) -> _Staged:
+        """Batch `b`'s config, and its plan and tables written to the next staging half: by the
+        compiled planner when its checks passed `b` (`fast`), else -- or when the layout cannot
+        hold the plan -- with numpy (the same words, or the error scheduler.plan raises).
+        Returns (config, staging half, its numpy view, table offsets, whether planner.c
+        staged it)."""
+        cfg = self._config(b, num_qo_heads, num_kv_heads, head_dim, q_dtype)
+        tiles, layout = cfg.tiles, cfg.layout
+        half, buf, offsets = self._staging_for(layout)
+        if fast and self._planner.plan_and_stage(cfg.problem, buf, offsets):
+            return cfg, half, buf, offsets, True
+        scheduler.plan_into(buf[:layout.size], layout, b.qo, b.kv_lens, num_qo_heads,
+                            num_kv_heads, tiles.tq, tiles.num_ctas, **cfg.kwargs, checked=fast)
+        self._stage(buf, b, offsets)
+        return cfg, half, buf, offsets, False
 
     def _checked(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any,
                  num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -545,7 +597,7 @@ class BatchAttention:
         can use it, kept after)."""
         self._planner = planner.available() and planner.BatchPlanner(
             max_batch=self.max_batch, max_qo_tokens=self.max_qo_tokens,
-            max_pages=self.max_pages, ragged=self.kv_layout == "ragged")
+            max_pages=self.max_pages, ragged=self.kv_layout == "ragged", upload_gap=UPLOAD_GAP)
         return self._planner
 
     def _variant_ir(self) -> VariantIR:
@@ -585,17 +637,25 @@ class BatchAttention:
             return "on"
         return "off" if why is not None else "auto"
 
-    def _config(self, b: _Batch, num_qo_heads: int, num_kv_heads: int,
-                head_dim: int, fa3: str = "off") -> _Config:
+    def _config_key(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page: int,
+                    q_dtype: Any) -> tuple:
+        """What a plan's config depends on besides its batch's longest query: the arguments
+        and every knob `_config` reads (a knob changed between plans is honoured)."""
+        return (head_dim, num_qo_heads, num_kv_heads, page, q_dtype, self.kernel, self.tiles,
+                self._planner, self.min_kv_chunk, self.max_batch, self.max_qo_tokens,
+                self.max_pages, self.kv_layout, self._forced_tiles, self.balance)
+
+    def _config(self, b: _Batch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                q_dtype: Any) -> _Config:
         """The tiles, layout and scheduler arguments of batch `b`: the last ones again when
         everything they depend on is the last call's (a serving loop's every step: a decode
         batch is the same shape step after step)."""
+        key = self._config_key(num_qo_heads, num_kv_heads, head_dim, b.page, q_dtype)
+        memo = self._last_config
+        if memo is not None and memo[0] == key and memo[1] == b.max_q_len:
+            return memo[2]
         group = num_qo_heads // num_kv_heads
-        key = (head_dim, b.max_q_len * group, num_qo_heads, num_kv_heads, self.tiles,
-               self._planner, self.min_kv_chunk, self.max_batch, self.max_qo_tokens,
-               self._forced_tiles, fa3)
-        if self.balance and key == self._config_key and self._config_memo is not None:
-            return self._config_memo
+        fa3 = self._fa3_mode(group, head_dim, b.page, q_dtype)
         tiles = self._tiles_for(head_dim, b.max_q_len * group, fa3)
         floor = self.min_kv_chunk or (256 if tiles.tq == 16 else 128)  # H200 sweep, NOTES.md
         if not self.balance:  # one CTA per work item, each item's whole KV range in one unit
@@ -614,7 +674,7 @@ class BatchAttention:
                                            align=align, floor=floor)
         cfg = _Config(tiles, layout, kwargs, problem)
         if self.balance:  # (without it the grid depends on the whole batch: nothing to keep)
-            self._config_key, self._config_memo = key, cfg
+            self._last_config = (key, b.max_q_len, cfg)
         return cfg
 
     def _tiles_for(self, head_dim: int, max_fused_rows: int, fa3: str = "off") -> BatchTiles:
@@ -685,20 +745,22 @@ class BatchAttention:
         npg = int(b.page_indptr[-1]) if b.page_indptr.size else 0
         buf[o["pages"]:o["pages"] + npg] = b.pages[:npg]
 
-    def _upload(self, used: int) -> None:
+    def _upload(self, used: int, ranges: list[tuple[int, int]] | None = None) -> None:
         """Copy the current plan's staged words to the workspace (CUDA), allocating the
-        workspace at the first plan. Only the words this plan uses: the plan's sections sit at
-        fixed offsets sized for the instance's maxima (a captured graph's kernels read them
-        there), and copying the whole region -- 1.5 MB at Hkv 32 and batch 256 -- would cost
-        ~60 us of copy on the stream before every run. `used_ranges` lists the used words
-        (neighbouring sections joined: a few copies per plan), each range one async copy on
-        the current stream, then the half's event is recorded for `_staging_for`."""
+        workspace at the first plan. Only the words this plan uses (`used`: one past the last):
+        the plan's sections sit at fixed offsets sized for the instance's maxima (a captured
+        graph's kernels read them there), and copying the whole region -- 1.5 MB at Hkv 32 and
+        batch 256 -- would cost ~60 us of copy on the stream before every run. `ranges` (the
+        compiled planner's list) or else `used_ranges` lists the used words (neighbouring
+        sections joined: a few copies per plan), each range one async copy on the current
+        stream, then the half's event is recorded for `_staging_for`."""
         ws, lay = self._workspace_for(used), self.layout
         assert lay is not None
+        if ranges is None:
+            ranges = used_ranges(self._staging_np, lay, self._offsets["qo_indptr"], used)
         if self._uploader is None:
             self._uploader = _Uploader(self.device)
-        self._uploader.copy(ws.data_ptr(), self._halves_at[self._half], self._half,
-                            used_ranges(self._staging_np, lay, self._offsets["qo_indptr"], used))
+        self._uploader.copy(ws.data_ptr(), self._halves_at[self._half], self._half, ranges)
 
     def _workspace_for(self, used: int) -> torch.Tensor:
         """The workspace, allocated at the first plan, checked to hold the current layout's

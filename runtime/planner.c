@@ -11,7 +11,9 @@
  *   attncc_plan_pack   the whole plan, written straight into a packed int32 buffer (PlanLayout);
  *   attncc_check_batch BatchAttention.plan's input checks and KV lengths in one pass;
  *   attncc_plan_batch  attncc_plan_pack for a checked batch, then its page tables staged after
- *                      the plan (the rest of BatchAttention.plan's host work).
+ *                      the plan and the staging buffer's used word ranges listed;
+ *   attncc_plan_staged both in one call (BatchAttention.plan's host work when its tiles are the
+ *                      last plan's), the page ids checked and staged in one pass.
  * The structs below are mirrored field for field by planner.py's ctypes structures.
  */
 #include <math.h>
@@ -104,18 +106,32 @@ static void request_sizes(plan_args* a, i64 g, requests* rq) {
   a->num_slots = slots;
 }
 
-/* The units of request i when it is not split (one chunk per tile, writing through): per head,
- * its tiles. Decode requests (one tile) are most of a serving batch: for them this is a loop of
- * two 16-byte stores per unit, where the general loop nest below spent most of its time on the
- * control of inner loops that run once. Returns the next unit. */
-static i32* write_whole(i32* w, i32 i, i64 hk, i32 qo, i64 rows, i64 nt, i64 tile_q, i32 kv) {
-  if (nt == 1) {
-    for (i64 h = 0; h < hk; ++h, w += 8) {
-      STORE4(w, i, (i32)h, qo, 0);
-      STORE4(w + 4, (i32)rows, 0, kv, -1);
-    }
-    return w;
+/* The units of a one-tile request i that is not split (a decode request: most of a serving
+ * batch), one per head: (i, h, qo, 0 | rows, 0, kv, -1). The second half is the same for every
+ * head and the first steps by one in h, so where the compiler has vector types a unit is two
+ * 16-byte stores and a vector add (built from scalars, the halves took ~1.7x as long: 8192
+ * units, decode at Hkv 32, ~13 -> ~7.5 us on the dev VM). Returns the next unit. */
+static i32* write_heads(i32* w, i32 i, i64 hk, i32 qo, i32 rows, i32 kv) {
+#if defined(__GNUC__)
+  quad first = {i, 0, qo, 0};
+  const quad step = {0, 1, 0, 0}, second = {rows, 0, kv, -1};
+  for (i64 h = 0; h < hk; ++h, w += 8, first += step) {
+    memcpy(w, &first, sizeof first);
+    memcpy(w + 4, &second, sizeof second);
   }
+#else
+  for (i64 h = 0; h < hk; ++h, w += 8) {
+    STORE4(w, i, (i32)h, qo, 0);
+    STORE4(w + 4, rows, 0, kv, -1);
+  }
+#endif
+  return w;
+}
+
+/* The units of request i when it is not split (one chunk per tile, writing through): per head,
+ * its tiles; write_heads when it has one tile. Returns the next unit. */
+static i32* write_whole(i32* w, i32 i, i64 hk, i32 qo, i64 rows, i64 nt, i64 tile_q, i32 kv) {
+  if (nt == 1) return write_heads(w, i, hk, qo, (i32)rows, kv);
   for (i64 h = 0; h < hk; ++h)
     for (i64 t = 0; t < nt; ++t, w += 8) {
       STORE4(w, i, (i32)h, qo, (i32)(t * tile_q));
@@ -337,7 +353,9 @@ static void deal(ctas* s, i64 st, i64 k, i32* assign) {
   s->head += r;
 }
 
-/* Merge the m loaded keys s->fresh[0 .. m) back into the m keys taken from the front. */
+/* Merge the m loaded keys s->fresh[0 .. m) back into the m keys taken from the front. (The
+ * merge steps branch: a branch-free step, bound by its load-compare-advance chain, measured
+ * slower on decode batches, whose loaded keys mostly come in long stretches.) */
 static void merge_back(ctas* s, i64 m) {
   const i64 P = s->P, n = P - m; /* the untaken keys: rest[0 .. n) */
   const i64* f = s->fresh;
@@ -540,6 +558,7 @@ typedef struct {
   const i64* last; /* paged layouts: kv_last_page_len */
   i64 last_size;
   i64 ragged, page_size, max_batch, max_qo_tokens, max_pages;
+  i64 expect_max_q; /* attncc_plan_staged: the longest query its problem's tiles are for */
   /* out */
   i64* kv_lens; /* [qo_size - 1] */
   i64 max_q_len, max_page;
@@ -552,40 +571,9 @@ static int is_indptr(const i64* a, i64 size) {
   return 1;
 }
 
-/* 1 when every page id is >= 0 (an OR of all: the sign bit); *max_used: 1 + the largest of
- * the first `used` ids, 0 if none. Branch-free, four independent maxima (the loop is bound by
- * the compare-and-move chain, not by memory). */
-#define CHECK_PAGES(T)                                                       \
-  do {                                                                       \
-    const T* p = (const T*)b->pages;                                         \
-    i64 any = 0, h0 = -1, h1 = -1, h2 = -1, h3 = -1, j = 0;                  \
-    for (; j + 4 <= used; j += 4) {                                          \
-      const i64 v0 = p[j], v1 = p[j + 1], v2 = p[j + 2], v3 = p[j + 3];      \
-      any |= v0 | v1 | v2 | v3;                                              \
-      h0 = max64(h0, v0);                                                    \
-      h1 = max64(h1, v1);                                                    \
-      h2 = max64(h2, v2);                                                    \
-      h3 = max64(h3, v3);                                                    \
-    }                                                                        \
-    for (; j < used; ++j) {                                                  \
-      any |= p[j];                                                           \
-      h0 = max64(h0, p[j]);                                                  \
-    }                                                                        \
-    for (; j < b->num_pages; ++j) any |= p[j];                               \
-    *max_used = max64(max64(h0, h1), max64(h2, h3)) + 1;                     \
-    return any >= 0;                                                         \
-  } while (0)
-
-static int check_pages(const batch_args* b, i64 used, i64* max_used) {
-  if (b->pages_int32) CHECK_PAGES(i32);
-  CHECK_PAGES(i64);
-}
-
-/* Every check BatchAttention.plan makes on these arrays (index pointers, sizes, maxima, page
- * ids, last-page lengths, query tokens <= KV tokens, the packed plan's int32 range), and the KV
- * lengths. Returns 0 when all pass; else a nonzero code, and the caller runs the Python checks,
- * which raise the exact error (this function holds no messages). */
-int attncc_check_batch(batch_args* b) {
+/* Every check of attncc_check_batch but the page ids', and the KV lengths and the longest
+ * query. Returns 0 when all pass. */
+static int check_lengths(batch_args* b) {
   const i64 batch = b->qo_size - 1;
   if (!is_indptr(b->qo, b->qo_size) || !is_indptr(b->kvp, b->kvp_size)) return 1;
   if (b->kvp_size != b->qo_size || batch > b->max_batch || b->qo[batch] > b->max_qo_tokens)
@@ -593,12 +581,13 @@ int attncc_check_batch(batch_args* b) {
   const i64 i32_max = 2147483647;
   if (b->qo[batch] > i32_max) return 3;
   if (b->ragged) {
+    if (batch > b->max_pages) return 4; /* one page-table entry per request */
     for (i64 i = 0; i < batch; ++i) b->kv_lens[i] = b->kvp[i + 1] - b->kvp[i];
-    b->max_page = b->kvp[batch];
   } else {
-    const i64 used = b->kvp[batch], ps = b->page_size;
-    if (b->num_pages < used || b->num_pages > b->max_pages || b->last_size != batch) return 4;
-    if (ps < 1 || ps > i32_max || !check_pages(b, used, &b->max_page)) return 5;
+    const i64 ps = b->page_size;
+    if (b->num_pages < b->kvp[batch] || b->num_pages > b->max_pages || b->last_size != batch)
+      return 4;
+    if (ps < 1 || ps > i32_max) return 5;
     for (i64 i = 0; i < batch; ++i) {
       const i64 np = b->kvp[i + 1] - b->kvp[i], last = b->last[i];
       if (last < 0 || last > ps || (np > 0 && last == 0) || np > i32_max) return 6;
@@ -615,18 +604,159 @@ int attncc_check_batch(batch_args* b) {
   return 0;
 }
 
+/* The page-id pass over T ids (see scan_pages): branch-free, four independent maxima (the loop
+ * is bound by the compare-and-move chain, not by memory). */
+#define SCAN_PAGES(T)                                                        \
+  do {                                                                       \
+    const T* p = (const T*)b->pages;                                         \
+    i64 any = 0, h0 = -1, h1 = -1, h2 = -1, h3 = -1, j = 0;                  \
+    for (; j + 4 <= used; j += 4) {                                          \
+      const i64 v0 = p[j], v1 = p[j + 1], v2 = p[j + 2], v3 = p[j + 3];      \
+      any |= v0 | v1 | v2 | v3;                                              \
+      h0 = max64(h0, v0);                                                    \
+      h1 = max64(h1, v1);                                                    \
+      h2 = max64(h2, v2);                                                    \
+      h3 = max64(h3, v3);                                                    \
+      if (out) STORE4(out + j, (i32)v0, (i32)v1, (i32)v2, (i32)v3);          \
+    }                                                                        \
+    for (; j < used; ++j) {                                                  \
+      any |= p[j];                                                           \
+      h0 = max64(h0, p[j]);                                                  \
+      if (out) out[j] = (i32)p[j];                                           \
+    }                                                                        \
+    for (; j < b->num_pages; ++j) any |= p[j];                               \
+    const i64 top = max64(max64(h0, h1), max64(h2, h3));                     \
+    if (any < 0 || top == INT64_MAX) return 0; /* (Python counts INT64_MAX + 1) */ \
+    b->max_page = top + 1;                                                   \
+    return 1;                                                                \
+  } while (0)
+
+/* int64 page ids staged with AVX2 where the CPU has it (x86-64, GCC or Clang: the function
+ * alone is compiled for AVX2 and called only after the CPU says it runs it; planner.py builds
+ * without it, -DATTNCC_NO_AVX2, if the compiler refuses). Vectorised, the pass over the ids
+ * takes about 60% of the scalar one's time (16K ids on the dev VM: ~6 -> ~3.5 us); with
+ * SSE2 alone, what the file is compiled for, the vectorised pass was no faster. */
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(ATTNCC_NO_AVX2)
+#define SCAN_AVX2 1
+/* SCAN_PAGES(i64) for ids that all lie in [0, 2^31) (as a sane batch's do): their largest low
+ * 32 bits is then the largest id, and that maximum vectorises. Returns 0, having set nothing
+ * (but maybe copied the used ids), when some id lies outside: the caller's scalar pass then
+ * decides (a negative id fails; larger ones need the 64-bit maximum). */
+__attribute__((target("avx2"))) static int scan_pages_avx2(const i64* p, i64 used, i64 total,
+                                                          i32* out, i64* max_page) {
+  uint64_t bits = 0;
+  i32 top = -1;
+  if (out)
+    for (i64 j = 0; j < used; ++j) {
+      const i32 u = (i32)p[j];
+      bits |= (uint64_t)p[j];
+      top = u > top ? u : top;
+      out[j] = u;
+    }
+  else
+    for (i64 j = 0; j < used; ++j) {
+      const i32 u = (i32)p[j];
+      bits |= (uint64_t)p[j];
+      top = u > top ? u : top;
+    }
+  for (i64 j = used; j < total; ++j) bits |= (uint64_t)p[j];
+  if (bits >> 31) return 0;
+  *max_page = (i64)top + 1;
+  return 1;
+}
+#else
+#define SCAN_AVX2 0
+#endif
+
+/* The page ids (paged layouts): 1 when every one is >= 0 (an OR of all: the sign bit), with
+ * b->max_page = 1 + the largest of the used ones (the first kvp[batch]; 0 if none); the used
+ * ones are copied to `out` as int32 (their low 32 bits, as numpy casts) in the same pass unless
+ * out is NULL. Ragged: b->max_page is the tokens the cache must hold. */
+static int scan_pages(batch_args* b, i32* out) {
+  const i64 used = b->kvp[b->qo_size - 1];
+  if (b->ragged) {
+    b->max_page = used;
+    return 1;
+  }
+  if (b->pages_int32) SCAN_PAGES(i32);
+#if SCAN_AVX2
+  if (__builtin_cpu_supports("avx2") &&
+      scan_pages_avx2((const i64*)b->pages, used, b->num_pages, out, &b->max_page))
+    return 1;
+#endif
+  SCAN_PAGES(i64);
+}
+
+/* Every check BatchAttention.plan makes on these arrays (index pointers, sizes, maxima, page
+ * ids, last-page lengths, query tokens <= KV tokens, the packed plan's int32 range, the ragged
+ * page table's room), and the KV lengths. Returns 0 when all pass; else a nonzero code, and the
+ * caller runs the Python checks, which raise the exact error (this function holds no
+ * messages). */
+int attncc_check_batch(batch_args* b) {
+  const int code = check_lengths(b);
+  return code ? code : scan_pages(b, NULL) ? 0 : 8;
+}
+
 /* ------------------------------------------------------------------ BatchAttention.plan */
 
 /* Where BatchAttention.plan stages a batch's tables after its packed plan: int32 word offsets in
- * the staging buffer (BatchAttention._offsets), and the buffer's size in words. */
+ * the staging buffer (BatchAttention._offsets), and the buffer's size in words; and the word
+ * ranges of the staging buffer a staged plan uses (what batch.used_ranges computes). */
 typedef struct {
   i64 qo_indptr, kv_page_indptr, kv_lens, pages, size;
+  i64 gap;        /* in: used ranges less than this many words apart are joined */
+  i64 end;        /* out: one past the last used word (the last page id) */
+  i64 num_ranges; /* out: ranges[2r] .. ranges[2r + 1], r < num_ranges, ascending */
+  i64 ranges[16];
 } table_offsets;
+
+/* The used words of a staged plan as batch.used_ranges lists them: each section of the packed
+ * plan up to its used length (the header's counts), then the tables [qo_indptr, end); sorted,
+ * the empty ones dropped and those less than o->gap words apart joined (coalesce_ranges). */
+static void used_ranges(const plan_args* a, table_offsets* o) {
+  const i64 n = a->num_units, m = a->num_merges;
+  i64 span[8][2] = {{a->off_header, 16},          {a->off_units, 8 * n},
+                    {a->off_cta_indptr, a->num_ctas + 1}, {a->off_cta_units, n},
+                    {a->off_merge_indptr, m + 1}, {a->off_merge_slots, a->num_slots},
+                    {a->off_merge_out, 5 * m},    {o->qo_indptr, 0}};
+  for (int k = 0; k < 7; ++k) span[k][1] += span[k][0]; /* (offset, words) -> [start, end) */
+  span[7][1] = o->end;
+  for (int k = 1; k < 8; ++k) /* sorted by (start, end), as Python sorts the tuples */
+    for (int j = k; j > 0 && (span[j][0] < span[j - 1][0] ||
+                              (span[j][0] == span[j - 1][0] && span[j][1] < span[j - 1][1]));
+         --j) {
+      const i64 s0 = span[j][0], s1 = span[j][1];
+      span[j][0] = span[j - 1][0], span[j][1] = span[j - 1][1];
+      span[j - 1][0] = s0, span[j - 1][1] = s1;
+    }
+  i64 r = 0;
+  for (int k = 0; k < 8; ++k) {
+    const i64 start = span[k][0], end = span[k][1];
+    if (end <= start) continue;
+    if (r > 0 && start - o->ranges[2 * r - 1] < o->gap) {
+      if (end > o->ranges[2 * r - 1]) o->ranges[2 * r - 1] = end;
+    } else {
+      o->ranges[2 * r] = start;
+      o->ranges[2 * r + 1] = end;
+      ++r;
+    }
+  }
+  o->num_ranges = r;
+}
+
+/* Whether the tables of batch b fit in the staging buffer at o's offsets. */
+static int tables_fit(const batch_args* b, const table_offsets* o) {
+  const i64 batch = b->qo_size - 1, pages = b->ragged ? batch : b->kvp[batch];
+  return o->qo_indptr + batch + 1 <= o->size && o->kv_page_indptr + batch + 1 <= o->size &&
+         o->kv_lens + batch <= o->size && o->pages + pages <= o->size;
+}
 
 /* The tables of a batch attncc_check_batch passed, as the int32 words BatchAttention._stage
  * writes: the query CSR, the page CSR and the used page ids (ragged: one "page" per request,
- * its first token), the KV lengths. Values are cast as numpy casts them (the low 32 bits). */
-static void stage_tables(const batch_args* b, const table_offsets* o, i32* buf) {
+ * its first token; paged: unless scan_pages copied them, `pages_staged`), the KV lengths.
+ * Values are cast as numpy casts them (the low 32 bits). */
+static void stage_tables(const batch_args* b, const table_offsets* o, i32* buf,
+                         int pages_staged) {
   const i64 batch = b->qo_size - 1;
   i32 *qo = buf + o->qo_indptr, *indptr = buf + o->kv_page_indptr;
   i32 *lens = buf + o->kv_lens, *pages = buf + o->pages;
@@ -638,6 +768,7 @@ static void stage_tables(const batch_args* b, const table_offsets* o, i32* buf) 
     return;
   }
   for (i64 i = 0; i <= batch; ++i) indptr[i] = (i32)b->kvp[i];
+  if (pages_staged) return;
   const i64 used = b->kvp[batch];
   if (b->pages_int32) {
     memcpy(pages, b->pages, (size_t)used * sizeof(i32));
@@ -647,21 +778,46 @@ static void stage_tables(const batch_args* b, const table_offsets* o, i32* buf) 
   }
 }
 
-/* BatchAttention.plan's host work for a batch attncc_check_batch passed (b, with the KV lengths
- * it computed), in one call: the plan packed into buf as attncc_plan_pack packs it (a: the
- * layout and the problem; the batch is b's), then b's tables staged after it (o). Returns
- * attncc_plan_pack's code, or 3 when the tables would not fit in the buffer (o->size words);
- * nothing is written to buf unless it returns 0. */
-int attncc_plan_batch(plan_args* a, const batch_args* b, const table_offsets* o, i32* buf,
-                      void* scratch, i64 scratch_bytes) {
-  const i64 batch = b->qo_size - 1, pages = b->ragged ? batch : b->kvp[batch];
-  if (o->qo_indptr + batch + 1 > o->size || o->kv_page_indptr + batch + 1 > o->size ||
-      o->kv_lens + batch > o->size || o->pages + pages > o->size)
-    return 3;
+/* The plan of checked batch b packed into buf (attncc_plan_pack), and when that succeeds b's
+ * tables staged after it (o; they fit) and the used word ranges listed. */
+static int plan_checked(plan_args* a, const batch_args* b, table_offsets* o, i32* buf,
+                        void* scratch, i64 scratch_bytes, int pages_staged) {
+  const i64 batch = b->qo_size - 1;
   a->batch = batch;
   a->qo = b->qo;
   a->kv = b->kv_lens;
   const int code = attncc_plan_pack(a, buf, scratch, scratch_bytes);
-  if (code == 0) stage_tables(b, o, buf);
+  if (code == 0) {
+    stage_tables(b, o, buf, pages_staged);
+    o->end = o->pages + (b->ragged ? batch : b->kvp[batch]);
+    used_ranges(a, o);
+  }
   return code;
+}
+
+/* BatchAttention.plan's host work for a batch attncc_check_batch passed (b, with the KV lengths
+ * it computed), in one call: the plan packed into buf as attncc_plan_pack packs it (a: the
+ * layout and the problem; the batch is b's), then b's tables staged after it and the used
+ * word ranges listed (o). Returns attncc_plan_pack's code, or 3 when the tables would not fit
+ * in the buffer (o->size words); nothing is written to buf unless it returns 0. */
+int attncc_plan_batch(plan_args* a, const batch_args* b, table_offsets* o, i32* buf,
+                      void* scratch, i64 scratch_bytes) {
+  return tables_fit(b, o) ? plan_checked(a, b, o, buf, scratch, scratch_bytes, 0) : 3;
+}
+
+/* BatchAttention.plan's whole host work in one call, reading the inputs once where it can: the
+ * checks of attncc_check_batch, then, when the batch's longest query is b->expect_max_q (the
+ * one a's tiles were chosen for: a serving loop's every step), attncc_plan_batch's plan and
+ * tables, the page ids copied to buf by the pass that checks them. Returns attncc_plan_batch's
+ * codes (0: staged), 4 when the checks pass but the longest query is another (b->max_q_len:
+ * choose the tiles, then attncc_plan_batch), 5 when a check fails (the caller's checks name
+ * it). On a nonzero code buf holds no plan, though its page table words may have been
+ * written. */
+int attncc_plan_staged(plan_args* a, batch_args* b, table_offsets* o, i32* buf, void* scratch,
+                       i64 scratch_bytes) {
+  if (check_lengths(b) != 0) return 5;
+  const int same_tiles = b->max_q_len == b->expect_max_q, fit = same_tiles && tables_fit(b, o);
+  if (!scan_pages(b, fit ? buf + o->pages : NULL)) return 5;
+  if (!same_tiles) return 4;
+  return fit ? plan_checked(a, b, o, buf, scratch, scratch_bytes, 1) : 3;
 }

@@ -10,10 +10,12 @@ built.
 
 - `pack_plan(out, layout, qo, kv, ...)`: the plan of a checked batch, packed into `out`.
 - `compiled_plan(qo, kv, ...)`: the plan's arrays (what `scheduler.plan(impl="c")` wraps).
-- `BatchPlanner`: BatchAttention.plan's compiled path, two C calls per plan: `check` (the
-  array checks and the KV lengths; None when any check fails, and the caller then runs its
-  Python checks, which raise the exact error: the C code holds no messages), then
-  `plan_and_stage` (the plan packed and the batch's page tables written after it).
+- `BatchPlanner`: BatchAttention.plan's compiled path, one C call per plan in a serving loop:
+  `plan` (the array checks, the KV lengths, the plan packed, the batch's page tables written
+  after it and the staging buffer's used word ranges listed; `INVALID` when any check fails,
+  and the caller then runs its Python checks, which raise the exact error: the C code holds no
+  messages). When the batch needs other tiles than the last plan's, `plan` only checks
+  (`RETILE`) and `plan_and_stage` stages the plan with the new tiles.
 
 The C structs are mirrored by `_PlanArgs` / `_BatchArgs` / `_Tables`. The scratch memory and
 the argument structs are reused (per thread; a BatchPlanner's per instance): no call allocates
@@ -50,7 +52,8 @@ import numpy as np
 if TYPE_CHECKING:
     from .scheduler import PlanLayout
 
-__all__ = ["available", "compiled_plan", "pack_plan", "BatchPlanner", "plan_problem"]
+__all__ = ["available", "compiled_plan", "pack_plan", "BatchPlanner", "plan_problem",
+           "STAGED", "TOO_BIG", "NO_ROOM", "RETILE", "INVALID"]
 
 _SRC = Path(__file__).with_name("planner.c")
 _LOCK = threading.Lock()
@@ -87,14 +90,15 @@ class _BatchArgs(ctypes.Structure):
                 ("pages", _PTR), ("num_pages", _I64), ("pages_int32", _I64),
                 ("last", _PTR), ("last_size", _I64)] + [
                 (f, _I64) for f in ("ragged", "page_size", "max_batch", "max_qo_tokens",
-                                    "max_pages")] + [
+                                    "max_pages", "expect_max_q")] + [
                 ("kv_lens", _PTR), ("max_q_len", _I64), ("max_page", _I64)]
 
 
 class _Tables(ctypes.Structure):
     """planner.c's table_offsets."""
 
-    _fields_ = [(f, _I64) for f in ("qo_indptr", "kv_page_indptr", "kv_lens", "pages", "size")]
+    _fields_ = [(f, _I64) for f in ("qo_indptr", "kv_page_indptr", "kv_lens", "pages", "size",
+                                    "gap", "end", "num_ranges")] + [("ranges", _I64 * 16)]
 
 
 def _cache_dir() -> Path:
@@ -117,9 +121,14 @@ def _build() -> Any:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            res = subprocess.run([cc, *_CFLAGS, "-shared", "-fPIC", "-o", tmp, str(_SRC), "-lm"],
-                                 capture_output=True, text=True, timeout=120)
-            if res.returncode != 0:
+            # (without the AVX2 page-id pass when the compiler refuses its target attribute)
+            for extra in ((), ("-DATTNCC_NO_AVX2",)):
+                res = subprocess.run([cc, *_CFLAGS, *extra, "-shared", "-fPIC", "-o", tmp,
+                                      str(_SRC), "-lm"], capture_output=True, text=True,
+                                     timeout=120)
+                if res.returncode == 0:
+                    break
+            else:
                 return False
             os.replace(tmp, out)
         except (OSError, subprocess.SubprocessError):
@@ -135,9 +144,11 @@ def _build() -> Any:
     lib.attncc_plan_pack.restype = ctypes.c_int
     lib.attncc_check_batch.argtypes = [ctypes.POINTER(_BatchArgs)]
     lib.attncc_check_batch.restype = ctypes.c_int
-    lib.attncc_plan_batch.argtypes = [ctypes.POINTER(_PlanArgs), ctypes.POINTER(_BatchArgs),
-                                      ctypes.POINTER(_Tables), _PTR, _PTR, _I64]
-    lib.attncc_plan_batch.restype = ctypes.c_int
+    for name in ("attncc_plan_batch", "attncc_plan_staged"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.POINTER(_PlanArgs), ctypes.POINTER(_BatchArgs),
+                       ctypes.POINTER(_Tables), _PTR, _PTR, _I64]
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -295,28 +306,39 @@ def compiled_plan(qo: np.ndarray, kv: np.ndarray, *, g: int, hk: int, tile_q: in
             "num_slots": slots}
 
 
+STAGED, TOO_BIG, NO_ROOM, RETILE, INVALID = 0, 1, 3, 4, 5
+"""`BatchPlanner.plan`'s outcomes (attncc_plan_staged's return codes; 2, more scratch, never
+comes back): the plan and tables staged; the plan exceeds the layout; the tables exceed the
+buffer; checked, but the tiles must be chosen again; a check failed."""
+
+
 class BatchPlanner:
     """BatchAttention.plan's compiled path, for one BatchAttention (its maxima and KV layout).
 
-    Two C calls per plan, with the tile choice in Python between them: `check` checks the
-    batch's arrays and computes the KV lengths (attncc_check_batch), then `plan_and_stage` packs
-    the plan into the staging buffer and writes the batch's tables after it
-    (attncc_plan_batch): where the numpy path converts, copies and casts every array with numpy
-    calls of a microsecond or more each, the C code reads the arrays once more.
+    One C call per plan in a serving loop: `plan` checks the batch's arrays, computes the KV
+    lengths and, when the batch's longest query is the one the last plan's tiles were chosen
+    for, packs the plan into the staging buffer and writes the batch's tables after it, the
+    page ids checked and copied in one pass (attncc_plan_staged). Where the numpy path
+    converts, copies and casts every array with numpy calls of a microsecond or more each, the
+    C code reads each array once. When the tiles must be chosen again (`RETILE`), `checked`
+    gives the batch and `plan_and_stage` stages it with the new tiles (attncc_plan_batch).
+    `check` runs the checks alone. Both staging calls list the staging buffer's used words
+    (`used_ranges`), joining ranges less than `upload_gap` words apart (batch.UPLOAD_GAP).
 
-    The argument structs are kept here with their constant fields set once. Between the two
-    calls they describe the batch of the last successful `check`: its small arrays as int64
-    copies in this planner's scratch, its page ids read in place (this object holds on to them
-    until `plan_and_stage`). So `plan_and_stage` must follow the `check` of the same batch.
+    The argument structs are kept here with their constant fields set once. Between calls they
+    describe the batch of the last `plan` or `check` whose checks passed: its small arrays as
+    int64 copies in this planner's scratch, its page ids read in place (this object holds on to
+    them until `plan_and_stage`). So `plan_and_stage` must follow the `plan` or `check` of the
+    same batch.
 
     Example:
         >>> import numpy as np
         >>> from attncc.runtime.scheduler import PlanLayout
         >>> if available():
         ...     bp = BatchPlanner(max_batch=4, max_qo_tokens=8, max_pages=8, ragged=False)
-        ...     qo, kv_lens, max_q, max_page = bp.check(np.array([0, 1, 3]), np.array([0, 2, 3]),
-        ...                                             np.array([4, 0, 2]), np.array([16, 5]),
-        ...                                             page_size=16)
+        ...     arrays = (np.array([0, 1, 3]), np.array([0, 2, 3]), np.array([4, 0, 2]),
+        ...               np.array([16, 5]))
+        ...     qo, kv_lens, max_q, max_page = bp.check(*arrays, page_size=16)
         ...     layout = PlanLayout(4, 8, 16, 8, 2, 16)
         ...     problem = plan_problem(layout, num_ctas=16, alpha=1.0, beta=1.0, align=16,
         ...                            floor=256)
@@ -324,18 +346,20 @@ class BatchPlanner:
         ...     tables = dict(qo_indptr=layout.size, kv_page_indptr=layout.size + 4,
         ...                   kv_lens=layout.size + 8, pages=layout.size + 12)
         ...     ok = bp.plan_and_stage(problem, buf, tables)
-        ...     print(kv_lens.tolist(), max_q, max_page, ok, buf[layout.size + 12:][:3].tolist())
+        ...     again, _ = bp.plan(*arrays, 16, problem, max_q, buf, tables)  # one call
+        ...     print(kv_lens.tolist(), max_q, max_page, ok, again == STAGED,
+        ...           buf[layout.size + 12:][:3].tolist())
         ... else:
-        ...     print([32, 5], 2, 5, True, [4, 0, 2])
-        [32, 5] 2 5 True [4, 0, 2]
+        ...     print([32, 5], 2, 5, True, True, [4, 0, 2])
+        [32, 5] 2 5 True True [4, 0, 2]
     """
 
     def __init__(self, *, max_batch: int, max_qo_tokens: int, max_pages: int,
-                 ragged: bool) -> None:
+                 ragged: bool, upload_gap: int = 0) -> None:
         self._max_batch = max_batch
         self.limits = (max_batch, max_qo_tokens, max_pages, ragged)  # what it checks against
         self._b = b = _BatchArgs(max_batch=max_batch, max_qo_tokens=max_qo_tokens,
-                                 max_pages=max_pages, ragged=int(ragged))
+                                 max_pages=max_pages, ragged=int(ragged), expect_max_q=-1)
         # int64 scratch at fixed places (so their addresses are set once): qo, kv_indptr,
         # kv_last_page_len, kv_lens, max_batch + 1 each
         n = max(max_batch + 1, 0)
@@ -343,8 +367,8 @@ class BatchPlanner:
         self._kvp, self._last, self._lens = n, 2 * n, 3 * n
         at = _addr(self._ints)
         b.qo, b.kvp, b.last, b.kv_lens = at, at + 8 * n, at + 16 * n, at + 24 * n
-        self._pages: np.ndarray | None = None  # the page ids `check` let C read in place
-        self._tables = _Tables()
+        self._pages: np.ndarray | None = None  # the page ids C reads in place
+        self._tables = _Tables(gap=upload_gap)
         self._tables_of: Any = None  # the offsets dict `_tables` holds
         # id -> (buffer, address) of the last buffers staged into (BatchAttention takes the
         # two halves of its staging buffer in turn); the entry holds the buffer, so its id
@@ -352,19 +376,56 @@ class BatchPlanner:
         self._buf_at: dict[int, tuple[np.ndarray, int]] = {}
         self._work = _Work()
 
+    def plan(self, qo: np.ndarray, kvp: np.ndarray, pages: np.ndarray | None,
+             last: np.ndarray | None, page_size: int, problem: _PlanArgs, max_q_len: int,
+             buf: np.ndarray, tables: dict[str, int]
+             ) -> tuple[int, tuple[np.ndarray, np.ndarray, int, int] | None]:
+        """BatchAttention.plan's host work in one C call: `check`'s checks of the arrays, then,
+        when the batch's longest query is `max_q_len` (the one `problem`'s tiles were chosen
+        for), what `plan_and_stage(problem, buf, tables)` stages. Returns (outcome, what
+        `checked()` returns, or None for `INVALID`). Outcomes: `STAGED`; `RETILE` (checked,
+        with another longest query: choose its tiles and call `plan_and_stage`); `INVALID` (a
+        check failed, or the compiled planner cannot take the arrays: the Python checks say
+        what is wrong); `TOO_BIG` or `NO_ROOM` (the layout or `buf` cannot hold the plan: the
+        numpy path raises or writes). On any but `STAGED`, `buf` holds no plan (its page table
+        words may have been written)."""
+        if not self._load(qo, kvp, pages, last, page_size):
+            return INVALID, None
+        self._b.expect_max_q = max_q_len
+        code = self._run(_lib().attncc_plan_staged, problem, buf, tables)
+        if code == STAGED or code == INVALID:  # (else plan_and_stage may read them)
+            self._pages = None
+        return code, None if code == INVALID else self.checked()
+
     def check(self, qo: np.ndarray, kvp: np.ndarray, pages: np.ndarray | None,
               last: np.ndarray | None, *, page_size: int
               ) -> tuple[np.ndarray, np.ndarray, int, int] | None:
         """BatchAttention.plan's checks of its arrays (1-D integer arrays, any integer dtype;
-        `pages` and `last` None for the ragged layout): (a copy of `qo` as int64, the KV
-        lengths int64 [batch], the longest query, pages (ragged: tokens) the cache must hold),
-        or None when a check fails or the compiled planner is not available."""
-        lib = _lib()
+        `pages` and `last` None for the ragged layout): what `checked()` returns, or None when
+        a check fails or the compiled planner is not available."""
+        if not self._load(qo, kvp, pages, last, page_size) or _lib().attncc_check_batch(
+                self._b) != 0:
+            self._pages = None
+            return None
+        return self.checked()
+
+    def checked(self) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """The batch whose checks last passed: (a copy of its `qo` as int64, the KV lengths
+        int64 [batch], the longest query, pages (ragged: tokens) the cache must hold)."""
+        ints, b, nq = self._ints, self._b, self._b.qo_size
+        lens = self._lens
+        return ints[:nq].copy(), ints[lens:lens + nq - 1].copy(), b.max_q_len, b.max_page
+
+    def _load(self, qo: np.ndarray, kvp: np.ndarray, pages: np.ndarray | None,
+              last: np.ndarray | None, page_size: int) -> bool:
+        """Point the batch struct at these arrays (small ones copied to int64 scratch, page ids
+        int32 or int64 read in place); False when C cannot take them (no compiler, too long
+        for the scratch: the Python checks say what is wrong)."""
         nq, nk = qo.size, kvp.size
         nl = 0 if last is None else last.size
         mb = self._max_batch
-        if not lib or nq == 0 or nq > mb + 1 or nk > mb + 1 or nl > mb:
-            return None  # too long for the scratch copies: the Python checks say what is wrong
+        if not _lib() or nq == 0 or nq > mb + 1 or nk > mb + 1 or nl > mb:
+            return False
         ints, b = self._ints, self._b
         ints[:nq] = qo  # (numpy casts any integer dtype, as astype(np.int64) did)
         ints[self._kvp:self._kvp + nk] = kvp
@@ -377,21 +438,24 @@ class BatchPlanner:
             b.pages, b.num_pages, b.pages_int32 = _addr(pages), pages.size, pages.dtype is _INT32
             b.last_size = nl
         b.page_size = page_size
-        if lib.attncc_check_batch(b) != 0:
-            return None
         self._pages = pages
-        lens = self._lens
-        return ints[:nq].copy(), ints[lens:lens + nq - 1].copy(), b.max_q_len, b.max_page
+        return True
 
     def plan_and_stage(self, problem: _PlanArgs, buf: np.ndarray, tables: dict[str, int]
                        ) -> bool:
-        """Pack the plan of the batch `check` last passed into `buf` (a C-contiguous, writable
-        int32 array: the staging buffer) as `scheduler.plan_into(buf, layout, ...)` would, and
-        write the batch's tables at the word offsets `tables` (BatchAttention._offsets: the
-        query CSR, the page CSR, the KV lengths and the page ids, int32, as
-        BatchAttention._stage writes them). `problem`: `plan_problem(layout, ...)`. Returns
-        False, having written nothing, when the plan exceeds the layout or the tables do not
-        fit in `buf` (the numpy path then raises or writes)."""
+        """Pack the plan of the batch whose checks last passed into `buf` (a C-contiguous,
+        writable int32 array: the staging buffer) as `scheduler.plan_into(buf, layout, ...)`
+        would, and write the batch's tables at the word offsets `tables`
+        (BatchAttention._offsets: the query CSR, the page CSR, the KV lengths and the page ids,
+        int32, as BatchAttention._stage writes them). `problem`: `plan_problem(layout, ...)`.
+        Returns False, having written nothing, when the plan exceeds the layout or the tables
+        do not fit in `buf` (the numpy path then raises or writes)."""
+        code = self._run(_lib().attncc_plan_batch, problem, buf, tables)
+        self._pages = None
+        return code == STAGED
+
+    def _run(self, fn: Any, problem: _PlanArgs, buf: np.ndarray, tables: dict[str, int]) -> int:
+        """fn(problem, batch, tables, buf, scratch) with enough scratch: its return code."""
         t = self._tables
         if tables is not self._tables_of or buf.size != t.size:  # (the same plan after plan)
             t.qo_indptr, t.kv_page_indptr = tables["qo_indptr"], tables["kv_page_indptr"]
@@ -402,13 +466,20 @@ class BatchPlanner:
             if len(self._buf_at) >= 2:
                 self._buf_at.clear()
             hit = self._buf_at[id(buf)] = (buf, _addr(buf))
-        lib, work = _lib(), self._work
-        code = lib.attncc_plan_batch(problem, self._b, t, hit[1], work.at, work.buf.nbytes)
+        work = self._work
+        code = fn(problem, self._b, t, hit[1], work.at, work.buf.nbytes)
         while code == 2:  # a larger batch than so far: grow the scratch and go again
             work.grow(problem.scratch_bytes)
-            code = lib.attncc_plan_batch(problem, self._b, t, hit[1], work.at, work.buf.nbytes)
-        self._pages = None
-        return code == 0
+            code = fn(problem, self._b, t, hit[1], work.at, work.buf.nbytes)
+        return code
+
+    def used_ranges(self) -> tuple[list[tuple[int, int]], int]:
+        """The word ranges of the staging buffer that the last staged plan uses, as
+        `batch.used_ranges(buf, layout, tables["qo_indptr"], end, gap=upload_gap)` lists them
+        (computed by the C call that staged it), and `end`: one past its last page id."""
+        t = self._tables
+        flat = iter(t.ranges[:2 * t.num_ranges])
+        return list(zip(flat, flat)), t.end
 
 
 def plan_problem(layout: PlanLayout, *, num_ctas: int, alpha: float, beta: float, align: int,

@@ -174,9 +174,18 @@ def test_cascade_plan_positions_and_checks() -> None:
 
 
 # ------------------------------------------------------------------------------ fast plan path
-def _plan_outcome(layout: str, args: tuple, kw: dict, **ctor: Any) -> tuple:
-    """What plan() does with these arguments: the error it raises, or what it staged."""
+def _plan_outcome(layout: str, args: tuple, kw: dict, warm: int = 0, **ctor: Any) -> tuple:
+    """What plan() does with these arguments: the error it raises, or what it staged. `warm`:
+    plan a small valid batch with the same keyword arguments that many times first (twice and
+    more: the compiled path then checks and stages the batch in its one call, with the warm
+    batch's tiles; errors of the warm plans are ignored)."""
     ba = BatchAttention(None, kv_layout=layout, device="cpu", **ctor)
+    small = ([0, 1], [0, 3]) if layout == "ragged" else ([0, 1], [0, 1], [2], [1])
+    for _ in range(warm):
+        try:
+            ba.plan(*small, **kw)
+        except Exception:  # noqa: BLE001 -- an invalid kw: the plan below raises as well
+            pass
     try:
         ba.plan(*args, **kw)
     except Exception as e:  # noqa: BLE001 -- the exception itself is the outcome
@@ -235,6 +244,22 @@ def _random_plan_args(rng: np.random.Generator, layout: str) -> tuple[tuple, dic
     return (qo, kvp, pages, last), kw
 
 
+def _spy_one_call(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The outcomes of `BatchPlanner.plan` (the one C call that checks and stages a batch with
+    the last plan's tiles) while the test runs, in call order."""
+    from attncc.runtime import planner
+
+    one_call, codes = planner.BatchPlanner.plan, []
+
+    def plan(self: Any, *args: Any) -> Any:
+        out = one_call(self, *args)
+        codes.append(out[0])
+        return out
+
+    monkeypatch.setattr(planner.BatchPlanner, "plan", plan)
+    return codes
+
+
 @pytest.mark.parametrize("layout", ["NHD", "ragged"])
 def test_fast_plan_path_matches_the_reference_path(layout: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -247,10 +272,12 @@ def test_fast_plan_path_matches_the_reference_path(layout: str,
     rng = np.random.default_rng(11)
     cases = [_random_plan_args(rng, layout) for _ in range(150)]
     ctor = dict(max_batch=10, max_qo_tokens=40, max_pages=2000)
-    fast = [_plan_outcome(layout, a, kw, **ctor) for a, kw in cases]
+    one_call = _spy_one_call(monkeypatch)
+    fast = [[_plan_outcome(layout, a, kw, warm, **ctor) for warm in (0, 3)] for a, kw in cases]
+    assert {planner.STAGED, planner.RETILE, planner.INVALID} <= set(one_call)
     monkeypatch.setattr(planner, "_LIB", False)
-    slow = [_plan_outcome(layout, a, kw, **ctor) for a, kw in cases]
-    assert sum(o[0] == "ok" for o in fast) > 20 and sum(o[0] != "ok" for o in fast) > 20
+    slow = [[_plan_outcome(layout, a, kw, warm, **ctor) for warm in (0, 3)] for a, kw in cases]
+    assert sum(o[0][0] == "ok" for o in fast) > 20 and sum(o[0][0] != "ok" for o in fast) > 20
     for (args, kw), f, s in zip(cases, fast, slow):
         assert f == s, (args, kw)
 
@@ -276,9 +303,10 @@ def _serving_batches(rng: np.random.Generator, ragged: bool) -> list[tuple[tuple
 @pytest.mark.parametrize("layout", ["NHD", "ragged"])
 def test_fast_plan_path_stages_what_the_reference_path_stages(
         layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Serving-sized batches planned one after another on one instance: the compiled path
-    (plan and page tables written by planner.c) leaves the staging buffer word for word as the
-    numpy path does, the previous plans' leftovers included."""
+    """Serving-sized batches planned one after another on one instance, each three times (the
+    third, with the tiles of the second, is one C call): the compiled path (plan and page tables
+    written by planner.c) leaves the staging buffer word for word as the numpy path does, the
+    previous plans' leftovers included."""
     from attncc.runtime import planner
 
     if not planner.available():
@@ -288,14 +316,17 @@ def test_fast_plan_path_stages_what_the_reference_path_stages(
     def staged(ba: BatchAttention) -> list[tuple]:
         outcomes = []
         for args, kw in cases:
-            ba.plan(*args, **kw)
-            outcomes.append((ba.tiles, ba.kv_lens.tolist(), ba.qo_indptr.tolist(), ba._max_page,
-                             ba._staging_np.tobytes()))
+            for _ in range(3):
+                ba.plan(*args, **kw)
+                outcomes.append((ba.tiles, ba.kv_lens.tolist(), ba.qo_indptr.tolist(),
+                                 ba._max_page, ba._staging_np.tobytes()))
         return outcomes
 
+    codes = _spy_one_call(monkeypatch)
     fast_ba = BatchAttention(None, kv_layout=layout, device="cpu")
     fast = staged(fast_ba)
     assert isinstance(fast_ba._planner, planner.BatchPlanner)  # the compiled path was taken
+    assert codes.count(planner.STAGED) >= len(cases)  # and its one call staged plans
     monkeypatch.setattr(planner, "_LIB", False)
     slow_ba = BatchAttention(None, kv_layout=layout, device="cpu")
     slow = staged(slow_ba)
@@ -384,6 +415,43 @@ def test_plans_alternate_staging_halves() -> None:
     ba.plan(*a, **KW)
     assert ba._staging_np is ba._halves[0] and ba._staging_np.tobytes() == first.tobytes()
     assert waits == [1, 0]
+
+
+def test_cuda_plans_upload_the_ranges_planner_c_listed() -> None:
+    """plan() on CUDA (here with stand-ins for the device, the workspace and the copies) hands
+    `_upload` the used word ranges the compiled planner listed when it staged the plan -- the
+    ranges `used_ranges` lists from the staging buffer -- and the numpy path's own."""
+    import types
+
+    from attncc.runtime import planner
+    from attncc.runtime.batch import used_ranges
+
+    copies: list[tuple] = []
+
+    class Uploader:  # records the copies asked for
+        def wait(self, half: int) -> None:
+            pass
+
+        def copy(self, dst: int, src: int, half: int, ranges: list) -> None:
+            copies.append((half, ranges))
+
+    a = ([0, 1, 3], [0, 40, 41], list(range(41)), [16, 3])
+    ba = _ba()
+    for _ in range(3):  # (on the CPU: staging unpinned, the tiles chosen and kept)
+        ba.plan(*a, **KW)
+    ws = torch.empty(1, dtype=torch.uint8)
+    ba._workspace_for = lambda used: ws  # type: ignore[method-assign]
+    ba._uploader, ba.device = Uploader(), types.SimpleNamespace(type="cuda")  # type: ignore
+    listed: list[tuple] = []  # what the compiled planner listed, when it staged the plan
+    if ba._planner:
+        c_ranges = ba._planner.used_ranges
+        ba._planner.used_ranges = lambda: listed.append(c_ranges()) or listed[-1]
+    for args in (a, ([0, 2, 3], [0, 10, 30], list(range(30)), [5, 16]), a):
+        ba.plan(*args, **KW)
+        end = ba._offsets["pages"] + args[1][-1]
+        want = used_ranges(ba._staging_np, ba.layout, ba._offsets["qo_indptr"], end)
+        assert copies[-1] == (ba._half, want)
+    assert len(copies) == 3 and len(listed) == (3 if planner.available() else 0)
 
 
 def test_uploader_copies_each_range_then_records_the_half() -> None:
@@ -596,3 +664,56 @@ def test_used_ranges_carry_everything_the_kernels_read(lq: list[int], kv: list[i
     joined = used_ranges(buf, ba.layout, o["qo_indptr"], end)
     assert len(joined) <= 4 and all(any(j0 <= w0 and w1 <= j1 for j0, j1 in joined)
                                     for w0, w1 in ranges)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "ragged"])
+@pytest.mark.parametrize("gap", [0, 1, 100, 16384, 1 << 40])
+def test_compiled_used_ranges_are_the_python_used_ranges(layout: str, gap: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled planner lists the used words of the plan it staged (what _upload copies)
+    exactly as `used_ranges`, the reference, lists them from the staging buffer: serving-sized
+    and small random batches, a causal variant (whose clipped units keep the plan's counts)."""
+    from attncc.runtime import batch as batch_mod, planner
+
+    if not planner.available():
+        pytest.skip("no C compiler to build the planner")
+    monkeypatch.setattr(batch_mod, "UPLOAD_GAP", gap)  # the gap the planner is made with
+    rng = np.random.default_rng(gap % 1000)
+    cases = _serving_batches(rng, layout == "ragged")
+    cases += [_random_plan_args(rng, layout) for _ in range(80)]
+    cases = [c for c in cases if _plan_outcome(layout, *c)[0] == "ok"]
+    assert len(cases) > 20
+    for variant in (None, attncc.Variant(mask_mod=causal)):
+        ba = BatchAttention(variant, kv_layout=layout, device="cpu")
+        for args, kw in cases:
+            ba.plan(*args, **kw)
+            o = ba._offsets
+            end = o["pages"] + (len(args[0]) - 1 if layout == "ragged" else int(args[1][-1]))
+            want = batch_mod.used_ranges(ba._staging_np, ba.layout, o["qo_indptr"], end, gap)
+            assert ba._planner.used_ranges() == (want, end)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_page_id_scan_edges_match_the_reference_path(dtype: type,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled planner checks and stages the page ids in one pass (vectorised while every
+    id is below 2**31): ids at and past 2**31 - 1, a negative id among the used ones or in the
+    unused tail, and no used ids at all plan (or raise) exactly as on the numpy path."""
+    from attncc.runtime import planner
+
+    if not planner.available():
+        pytest.skip("no C compiler to build the planner")
+    big = np.iinfo(dtype).max
+    used = np.arange(40, dtype=dtype) * 3
+    cases = [used, np.concatenate([used, [-1]]), np.concatenate([used[:-1], [-5]]),
+             np.concatenate([used[:-1], [big]]), np.concatenate([used[:7], [big - 1], used[8:]])]
+    if dtype == np.int64:
+        cases.append(np.concatenate([used[:3], [2**31 + 7], used[4:]]))
+    kvp, last = [0, 19, 40], [16, 3]
+    batches = [(qo, ind, pages, last) for pages in cases
+               for qo, ind in (([0, 1, 2], kvp), ([0, 0, 0], [0, 0, 0]))]  # (no used id)
+    outcomes = [[_plan_outcome("NHD", b, KW, warm) for warm in (0, 3)] for b in batches]
+    monkeypatch.setattr(planner, "_LIB", False)
+    for b, got in zip(batches, outcomes):
+        assert got == [_plan_outcome("NHD", b, KW, warm) for warm in (0, 3)], b
+    assert sum(o[0][0] == "ok" for o in outcomes) >= 6

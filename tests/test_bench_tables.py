@@ -35,6 +35,7 @@ def test_paged_prefill_table_ratio() -> None:
 
     rec = [{"impl": "dense", "S": 2048, "hkv": 4, "variant": "full", "tflops": 500.0},
            {"impl": "paged_fa3", "S": 2048, "hkv": 4, "variant": "full", "tflops": 450.0},
-           {"impl": "paged_fa2", "S": 2048, "hkv": 4, "variant": "full", "error": "x"}]
+           {"impl": "paged_fa2", "S": 2048, "hkv": 4, "variant": "full", "error": "x"},
+           {"impl": "ragged_fa3", "S": 2048, "hkv": 4, "variant": "full", "tflops": 530.0}]
     text = table({"meta": META, "results": rec})
-    assert "| full | 2048 | 4 | 500 | 450 | - | 0.90 |" in text
+    assert "| full | 2048 | 4 | 500 | 450 | - | 530 | 0.90 |" in text
