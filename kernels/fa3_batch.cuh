@@ -89,17 +89,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
   const int last = __ldg(p.cta_indptr + blockIdx.x + 1);
   const int gf = p.num_q_heads / p.num_kv_heads;
 
-  if (tid == 0) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      tma::mbar_init(full_bar + 8 * s, 1);
-      tma::mbar_init(empty_bar + 8 * s, 4 * kConsumers);
-    }
-    tma::mbar_init(q_full, 1);
-    tma::mbar_init(q_empty, 4 * kConsumers);
-    tma::fence_barrier_init();
-  }
-  __syncthreads();  // from here the roles only meet on mbarriers and named barriers
+  init_barriers<STAGES>(full_bar, empty_bar, q_full, q_empty);
 
   // ---- producer ------------------------------------------------------------------------------
   if (wg == 0) {
@@ -237,14 +227,8 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
         warpgroup_sync(turns.me);
       }
     };
-    // this warp's S wgmmas of the unit are complete: the producer may load the next unit's Q --
-    // unless the output transform will stage O in the Q tile, which then waits for the store
-    auto release_q = [&] {
-      if (lane == 0) tma::mbar_arrive(q_empty);
-    };
-    auto last_s_done = [&] {
-      if constexpr (!Variant::has_output_transform) release_q();
-    };
+    const QRelease<Variant, true> q_release{q_empty};
+    auto last_s_done = [&] { q_release.last_s_done(); };
     if (n > 0) {
       consume_tiles<DType, D, TKV>(n, tile, sq_w, ring, turns, o, logits_softmax, landed,
                                    last_s_done);
@@ -289,13 +273,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
         }
       }
     }
-    if constexpr (Variant::has_output_transform) {
-      // this warp is done with its staged rows; order its generic-proxy accesses before the
-      // next Q's TMA (async proxy) writes over them
-      wg::fence_proxy_async();
-      __syncwarp();
-      release_q();
-    }
+    q_release.stored();
   }
 }
 

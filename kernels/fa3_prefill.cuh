@@ -439,6 +439,49 @@ struct Ring {
   __device__ __forceinline__ fa2_u32 v_of(int t) const { return v + (t % stages) * tile_bytes; }
 };
 
+// The mbarriers of the K/V ring (full[s]: the producer's expect_tx arrival; empty[s]: one
+// arrival per consumer warp) and of the Q tile (q_full and q_empty alike), initialized by thread 0
+// and published by the CTA's last __syncthreads: from there the roles only meet on mbarriers and
+// named barriers.
+template <int STAGES>
+__device__ __forceinline__ void init_barriers(fa2_u32 full_bar, fa2_u32 empty_bar,
+                                              fa2_u32 q_full, fa2_u32 q_empty) {
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      tma::mbar_init(full_bar + 8 * s, 1);
+      tma::mbar_init(empty_bar + 8 * s, 4 * kConsumers);
+    }
+    tma::mbar_init(q_full, 1);
+    tma::mbar_init(q_empty, 4 * kConsumers);
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+}
+
+// When a consumer warp hands its Q tile back to the producer (q_empty) for the next work item:
+// once its last S GEMM of the item completed -- or, when the output transform stages O in the Q
+// tile, once that store is done, fenced because the next Q's TMA (async proxy) writes over the
+// warp's generic-proxy accesses. kNext false: the CTA runs one item, there is no next Q.
+template <typename Variant, bool kNext>
+struct QRelease {
+  fa2_u32 q_empty;
+  __device__ __forceinline__ void release() const {
+    if constexpr (kNext)
+      if ((threadIdx.x & 31) == 0) tma::mbar_arrive(q_empty);
+  }
+  __device__ __forceinline__ void last_s_done() const {
+    if constexpr (!Variant::has_output_transform) release();
+  }
+  __device__ __forceinline__ void stored() const {
+    if constexpr (Variant::has_output_transform) {
+      wg::fence_proxy_async();
+      __syncwarp();
+      release();
+    }
+  }
+};
+
 // One consumer warpgroup's pass over n >= 1 K/V tiles (ring tiles t0 .. t0 + n - 1) for its 64
 // query rows, accumulating O and the row statistics:
 //   prologue   S(0), its softmax, P(0)              (O is still zero: no rescale)
@@ -593,8 +636,9 @@ __device__ __forceinline__ int snake_item(int k, int num_items) {
 }
 
 // Persistent (D <= 128): the grid is at most one CTA per SM (the ring takes the shared memory)
-// and CTA c runs one item of each round (snake_item). The producer loads the next item's Q as soon as both consumers
-// issued their last S GEMM of the current one (q_empty), and its K/V tiles flow into the ring
+// and CTA c runs one item of each round (snake_item). The producer loads the next item's Q as
+// soon as both consumers issued their last S GEMM of the current one (q_empty), and its K/V
+// tiles flow into the ring
 // (stage phases run on across items) while the consumers finish the last P V and store O -- the
 // cold start and the epilogue of a tile no longer leave the tensor cores idle.
 template <typename Variant, typename DType, int D, int TKV, int STAGES>
@@ -626,17 +670,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   const int nqb = (q_len + kTQ - 1) / kTQ;
   const int num_items = p.batch * p.num_q_heads * nqb;
 
-  if (tid == 0) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      tma::mbar_init(full_bar + 8 * s, 1);                  // the producer's expect_tx arrival
-      tma::mbar_init(empty_bar + 8 * s, 4 * kConsumers);    // one arrival per consumer warp
-    }
-    tma::mbar_init(q_full, 1);
-    tma::mbar_init(q_empty, 4 * kConsumers);
-    tma::fence_barrier_init();
-  }
-  __syncthreads();  // the last CTA-wide barrier: from here the roles only meet on mbarriers
+  init_barriers<STAGES>(full_bar, empty_bar, q_full, q_empty);
 
   // ---- producer: one thread; the other producer threads have nothing to do ------------------
   if (wg == 0) {
@@ -740,16 +774,8 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
         consumers_sync();
       }
     };
-    // this warp's S wgmmas of the item are complete: the producer may load the next item's Q --
-    // unless the output transform will stage O in the Q tile, which then waits for the store.
-    // (A CTA of one item has no next Q.)
-    auto release_q = [&] {
-      if constexpr (kPersistentHeadDim<D>)
-        if (lane == 0) tma::mbar_arrive(q_empty);
-    };
-    auto last_s_done = [&] {
-      if constexpr (!Variant::has_output_transform) release_q();
-    };
+    const QRelease<Variant, kPersistentHeadDim<D>> q_release{q_empty};
+    auto last_s_done = [&] { q_release.last_s_done(); };
     if (tiles.count > 0) {
       consume_tiles<DType, D, TKV>(tiles.count, tile, sq_w, ring, turns, o, logits_softmax,
                                    landed, last_s_done);
@@ -766,8 +792,8 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     if constexpr (Variant::has_output_transform) {
       stage_transform_o<Variant, DType, D>(o, inv, vp, sq_w, b, row_at);
       store_staged_rows<DType, D>(sq_w, [&](int r) -> DType* {
-        const int qi = q0 + 64 * (wg - 1) + r;
-        return qi < q_len ? out_bh + (attncc::i64)qi * p.o_stride_s : nullptr;
+        int h, qi;
+        return row_at(r, h, qi) ? out_bh + (attncc::i64)qi * p.o_stride_s : nullptr;
       });
     }
 #pragma unroll
@@ -782,13 +808,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
         }
       }
     }
-    if constexpr (Variant::has_output_transform) {
-      // this warp is done with its staged rows; order its generic-proxy accesses before the
-      // next Q's TMA (async proxy) writes over them
-      wg::fence_proxy_async();
-      __syncwarp();
-      release_q();
-    }
+    q_release.stored();
   };
   if constexpr (kPersistentHeadDim<D>) {
 #pragma unroll 1

@@ -166,10 +166,10 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
     return _Compiled(kl, cfg, ir, res.log)
 
 
-_FA3_MAPS = MapCache(64)
+_FA3_MAPS = MapCache(64)  # the dense FA3 kernel's q/k/v maps (runtime/tma.py)
 # head dims at which the dense FA3 kernel is persistent (kernels/fa3_prefill.cuh
 # kPersistentHeadDim): its grid is then at most one CTA per SM, else one CTA per 128-row item
-FA3_PERSISTENT_HEAD_DIMS = (64, 128)  # the dense FA3 kernel's q/k/v maps (runtime/tma.py)
+FA3_PERSISTENT_HEAD_DIMS = (64, 128)
 
 
 def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
