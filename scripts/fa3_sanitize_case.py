@@ -2,7 +2,10 @@
 reference, so a clean sanitizer log comes from a launch that also computed the right thing.
 
     compute-sanitizer --tool memcheck python scripts/fa3_sanitize_case.py
-    compute-sanitizer --tool racecheck python scripts/fa3_sanitize_case.py
+    compute-sanitizer --tool racecheck python scripts/fa3_sanitize_case.py dense64
+
+Arguments pick parts (default: all): dense64, dense128, transforms, batch. Racecheck instruments
+every shared-memory access, so the whole script takes minutes under it; one part does not.
 
 Dense FA3 (kernels/fa3_prefill.cuh, persistent): odd lengths (a partial last query block and a
 partial last KV tile), GQA 2, a causal block mask (partial and full blocks) and a softcap
@@ -91,24 +94,34 @@ def batch() -> None:
             print(f"batch {layout} {name}: FA3 rel err {err:.1e} ({merges} merged rows)")
 
 
+def dense(d: int) -> None:
+    S, Hq, Hkv = 300, 72, 36  # 2 x 72 x 3 = 432 items on at most 132 persistent CTAs
+    q = torch.randn(2, Hq, S, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, Hkv, S, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    bm = attncc.create_block_mask(causal, None, None, S, S, device="cuda")
+    ir, bind = attncc.Variant(score_mod=GYM["softcap"](1, Hq, S, d).score_mod).trace()
+    out = torch.full_like(q, float("nan"))
+    gpu_flex.gpu_flex_attention(q, k, v, ir, bind, block_mask=bm, enable_gqa=True,
+                                kernel_options={"KERNEL": "fa3"}, out=out)
+    torch.cuda.synchronize()
+    ref, _ = attention_reference(q, k, v, ir, bind, block_mask=bm, enable_gqa=True)
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert not torch.isnan(out).any() and err < 2e-2, (d, err)
+    print(f"d={d}: FA3 rel err {err:.1e}")
+
+
+PARTS = {"dense64": lambda: dense(64), "dense128": lambda: dense(128),
+         "transforms": dense_transforms, "batch": batch}
+
+
 def main() -> None:
     torch.manual_seed(0)
-    for d in (64, 128):
-        S, Hq, Hkv = 300, 72, 36  # 2 x 72 x 3 = 432 items on at most 132 persistent CTAs
-        q = torch.randn(2, Hq, S, d, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(2, Hkv, S, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
-        bm = attncc.create_block_mask(causal, None, None, S, S, device="cuda")
-        ir, bind = attncc.Variant(score_mod=GYM["softcap"](1, Hq, S, d).score_mod).trace()
-        out = torch.full_like(q, float("nan"))
-        gpu_flex.gpu_flex_attention(q, k, v, ir, bind, block_mask=bm, enable_gqa=True,
-                                    kernel_options={"KERNEL": "fa3"}, out=out)
-        torch.cuda.synchronize()
-        ref, _ = attention_reference(q, k, v, ir, bind, block_mask=bm, enable_gqa=True)
-        err = float((out.double() - ref).norm() / ref.norm())
-        assert not torch.isnan(out).any() and err < 2e-2, (d, err)
-        print(f"d={d}: FA3 rel err {err:.1e}")
-    dense_transforms()
-    batch()
+    chosen = sys.argv[1:] or list(PARTS)
+    unknown = [part for part in chosen if part not in PARTS]
+    if unknown:
+        raise SystemExit(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
+    for part in chosen:
+        PARTS[part]()
 
 
 if __name__ == "__main__":

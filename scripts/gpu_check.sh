@@ -4,7 +4,7 @@
 # a temp dir elsewhere).
 #
 #   scripts/gpu_check.sh                 # tests + benchmark
-#   scripts/gpu_check.sh tests           # GPU tests only:  pytest -m gpu tests/gpu
+#   scripts/gpu_check.sh tests [ARGS]    # GPU tests only: pytest -m gpu tests/gpu, in SHARDS processes
 #   scripts/gpu_check.sh bench [ARGS]    # bench/prefill.py only (ARGS go to it)
 #   scripts/gpu_check.sh decode [ARGS]   # bench/decode.py only (ARGS go to it)
 #   scripts/gpu_check.sh shared_prefix   # bench/shared_prefix.py (cascade vs single format)
@@ -34,10 +34,20 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 
 status=0
 if [[ "$MODE" == "all" || "$MODE" == "tests" ]]; then
-    # the whole correctness product of the FA2 issue (~1,500 cases, ~2 min on the H200)
-    ATTNCC_FULL_MATRIX=1 python3 -m pytest -m gpu tests/gpu -q -rs -rP -p no:cacheprovider --tb=short --durations=10 \
-        2>&1 | tee "$OUT/pytest.log"
-    status=${PIPESTATUS[0]}
+    # the whole correctness product (~4,500 cases). Mostly NVRTC compile time, so SHARDS pytest
+    # processes (default 4) share the GPU and the CPU cores; one log per shard, then a summary.
+    SHARDS="${SHARDS:-4}"
+    pids=()
+    for ((i = 0; i < SHARDS; i++)); do
+        ATTNCC_TEST_SHARD="$i/$SHARDS" ATTNCC_FULL_MATRIX=1 python3 -m pytest -m gpu tests/gpu -q -rs \
+            -p no:cacheprovider --tb=short --durations=5 "${@:2}" >"$OUT/pytest-shard$i.log" 2>&1 &
+        pids+=($!)
+    done
+    for ((i = 0; i < SHARDS; i++)); do
+        wait "${pids[$i]}" || status=1
+        echo "shard $i/$SHARDS: $(tail -1 "$OUT/pytest-shard$i.log")" | tee -a "$OUT/pytest.log"
+    done
+    grep -h "^FAILED\|^ERROR" "$OUT"/pytest-shard*.log | tee -a "$OUT/pytest.log"
     # the NVRTC checks of tests/gpu (no GPU needed; also run in CI)
     python3 -m pytest -m "nvrtc and not gpu" tests/gpu -q -p no:cacheprovider --tb=short \
         2>&1 | tail -3 | tee -a "$OUT/pytest.log"

@@ -3,6 +3,8 @@
 - `@pytest.mark.gpu`: skipped when torch sees no CUDA device.
 - `@pytest.mark.nvrtc`: skipped when NVRTC (cuda-bindings) cannot be loaded.
   (`requires_gpu` / `requires_nvrtc` below are the same marks under descriptive names.)
+- `ATTNCC_TEST_SHARD=i/n` keeps every n-th collected test starting at the i-th (0-based), so n
+  pytest processes can share one machine (scripts/gpu_check.sh runs the GPU matrix that way).
 - `rng` fixture: `rng.randn(*shape)` gives fresh random tensors from a generator seeded by the
   test's id, so every test is deterministic and independent of test order.
 """
@@ -47,6 +49,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     no_nvrtc = pytest.mark.skip(reason="needs NVRTC from cuda-bindings, which cannot load here")
     has_gpu = torch.cuda.is_available()
+    shard = os.environ.get("ATTNCC_TEST_SHARD")
+    if shard:
+        index, count = (int(part) for part in shard.split("/"))
+        if not 0 <= index < count:
+            raise pytest.UsageError(f"ATTNCC_TEST_SHARD={shard!r}: want i/n with 0 <= i < n")
+        config.hook.pytest_deselected(
+            items=[item for position, item in enumerate(items) if position % count != index])
+        items[:] = [item for position, item in enumerate(items) if position % count == index]
     for item in items:
         if item.get_closest_marker("gpu") and not has_gpu:
             item.add_marker(no_gpu)
