@@ -96,6 +96,11 @@ def fa3_tiles(stages: int = 2, tkv: int = 128) -> Fa2Tiles:
     """
     if tkv not in FA3_TKV_CHOICES:
         raise CodegenError(f"the FA3 kernel's KV tiles are {FA3_TKV_CHOICES} keys, not {tkv}")
+    if not 2 <= stages <= 4:
+        # a consumer releases K/V tile i only after the P V of tile i, which it issues together
+        # with S(i+1): with one stage tile i+1 could never land (the kernel would hang)
+        raise CodegenError(f"the FA3 kernel's K/V ring needs 2 to 4 stages, not {stages}: a "
+                           f"stage is released one iteration after it is read")
     return Fa2Tiles(128, tkv, stages, 1)
 
 

@@ -89,6 +89,14 @@ def test_fa3_option_checks() -> None:
     with pytest.raises(ValueError, match="more than the 227 KB"):
         choose_tiles(128, q_len=5, kv_len=5, group=1, heads=1, batch=1,
                      kernel_options={**FA3, "num_stages": 4})
+    with pytest.raises(ValueError, match="needs 2 to 4 stages, not 1"):
+        choose_tiles(64, q_len=500, kv_len=500, group=1, heads=1, batch=1,
+                     kernel_options={**FA3, "num_stages": 1})
+    # without KERNEL, one stage is an FA2 choice (a one-stage FA3 ring would deadlock: a stage
+    # is released one iteration after it is read)
+    plan = choose_tiles(64, q_len=300, kv_len=300, group=1, heads=4, batch=1, fa3_ok=True,
+                        kernel_options={"num_stages": 1})
+    assert (plan.kernel, plan.stages) == ("fa2", 1)
     with pytest.raises(ValueError, match="'fa2' \\(default\\) or 'fa3'"):
         choose_tiles(64, q_len=5, kv_len=5, group=1, heads=1, batch=1,
                      kernel_options={"KERNEL": "fa4"})
