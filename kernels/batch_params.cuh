@@ -13,6 +13,7 @@
 //             A ragged (contiguous) cache is the same with one "page" per request: page id = the
 //             request's first token, page_size = 2^30, kv_stride_page = kv_stride_slot.
 //   partial_o / partial_lse   workspace: slot s holds TQ rows of fp32 O [TQ, D] and LSE [TQ].
+//   merge_count               workspace: one arrival counter per split item (zeroed once).
 //   plan      the packed plan (attncc.runtime.scheduler): units, per-CTA queues, merge map.
 #ifndef ATTNCC_BATCH_PARAMS_CUH
 #define ATTNCC_BATCH_PARAMS_CUH
@@ -34,14 +35,18 @@ struct BatchParams {
     const int* units;            // [num_units][8]: WORK_UNIT_DTYPE of attncc.runtime.scheduler
     const int* cta_indptr;       // [num_ctas + 1]: CTA c runs cta_units[cta_indptr[c] ..]
     const int* cta_units;
-    const int* merge_indptr;     // [num_merges + 1] over merge_slots
-    const int* merge_slots;
+    const int* merge_indptr;     // [num_merges + 1]: split item m's parts are partial slots
+                                 // merge_indptr[m] .. merge_indptr[m + 1] (ascending kv start)
+    const int* slot_merge;       // [num_partial_slots]: each slot's split item
     const int* merge_out;        // [num_merges][5]: MERGE_TARGET_DTYPE
     const int* num_merges;       // device-side count (the plan header), so a captured graph
                                  // replays with any plan
     const int* q_positions;      // [total_q_tokens] query positions the hooks see, or null:
                                  // then token t of request i is kv_lens[i] - q_len_i + t
     const int* kv_pos_offset;    // [batch] added to kv positions for the hooks, or null
+    int* merge_count;            // [max_merges] workspace: parts of each split item written so
+                                 // far (0 between launches; the FA2 batch kernel's last part
+                                 // merges and puts it back to 0)
     const void* tma;             // the FA3 batch kernel's q / k / v tensor maps (3 x 128 bytes,
                                  // fa3_batch.cuh), or null for the FA2 batch kernel
     i64 q_stride_tok, q_stride_h;

@@ -11,7 +11,7 @@
 //     O += P V (P re-packed from the S accumulators to bf16/fp16 A fragments in registers);
 //   O /= l, staged through shared memory (re-using the Q tile), OutputTransform, 16-byte
 //   coalesced stores; LSE (natural log) per row.  Or, for a split unit, fp32 O and LSE to a
-//   workspace slot for the merge kernel.
+//   workspace slot, to be merged (fa2_batch.cuh).
 //
 // Fused rows: head-group fusion stacks the gf query heads that share a KV head into the row
 // dimension (fused row = token * gf + head_in_group), so each K/V tile read serves the group.
@@ -505,8 +505,8 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
 
   if constexpr (Work::kMaySplit) {
     // A unit that covers only part of its rows' KV range writes its partial state -- normalized O
-    // in fp32 and the LSE, tile rows [0, TQ) of its workspace slot -- for the merge kernel, which
-    // combines the parts in a fixed order and applies the OutputTransform.
+    // in fp32 and the LSE, tile rows [0, TQ) of its workspace slot -- for the merge (fa2_batch.cuh),
+    // which combines the parts in a fixed order and applies the OutputTransform.
     float* po = w.partial_o();
     if (po != nullptr) {
       float* pl = w.partial_lse();

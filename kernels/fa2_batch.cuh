@@ -1,5 +1,5 @@
 // attncc persistent batch attention (serving): ragged queries, paged or ragged KV caches, a
-// load-balanced plan of work units, and the merge kernel for KV ranges split across CTAs.
+// load-balanced plan of work units, and the merge of KV ranges split across CTAs.
 //
 // Self-contained: no #include. Comes after attncc_types.cuh, batch_params.cuh, fa2_common.cuh and
 // fa2_attend.cuh, and before the generated Variant_<name> functors' entry point
@@ -10,10 +10,10 @@
 // fixed (k x #SMs): CTA c runs the work units cta_units[cta_indptr[c] .. cta_indptr[c+1]) one
 // after another. A unit is (request, KV head, a tile of up to TQ fused query rows, a KV range).
 // A unit that covers its rows' whole KV range writes the output directly; the units of a split
-// range write fp32 partial states to the workspace, and the merge kernel combines them -- in the
-// plan's fixed order, so the same lengths give bitwise the same output -- then applies the
-// OutputTransform. Because every pointer and both grid sizes are fixed, the pair of launches can be
-// captured once in a CUDA graph and replayed with new plans.
+// range write fp32 partial states to the workspace, and the CTA that writes an item's last part
+// combines them -- in the plan's fixed order, so the same lengths give bitwise the same output --
+// then applies the OutputTransform. Because every pointer and the grid size are fixed, the launch
+// can be captured once in a CUDA graph and replayed with new plans.
 //
 // Query positions: token t of a request with q_len queries and kv_len keys is query position
 // kv_len - q_len + t (the queries are the last q_len tokens of the sequence), which is what the
@@ -154,12 +154,186 @@ struct BatchWork {
   }
 };
 
+// ---------------------------------------------------------------------------------------------
+// Merge of a split work item's partial states, combined with the attention composition operator
+// -- LSE = log sum exp(LSE_s), O = sum exp(LSE_s - LSE) O_s -- summing the slots in the plan's
+// order (ascending KV start), so the result does not depend on which CTA finished first or which
+// CTA merges. No-softmax variants just add the parts.
+//
+// Who merges: in the FA2 batch kernel, the CTA whose partial completes an item (a per-item
+// arrival counter in the workspace, merge_if_last below) -- no second launch, and a decode step
+// is one kernel. The FA3 batch kernel keeps a merge kernel (fa2_merge: one CTA per split item).
+//
+// The partials were just written and sit in L2, so a row's merge is bound by load latency, not
+// bandwidth: a long request split into many chunks must not walk its slots one dependent load at
+// a time. The lanes first read up to 32 slots' LSEs at once (max and sum by shuffles) and stage
+// the slots' weights in shared memory; then every lane owns D/32 columns and sums the slots'
+// rows kMergeUnroll at a time, so that many independent loads are in flight per lane. Partials
+// are read with ld.global.cg (L2): another SM wrote them during this launch, and L1 is not
+// coherent across SMs.
+// ---------------------------------------------------------------------------------------------
+struct MergeKernel {
+  static constexpr int kThreads = 512;  // the merge kernel: 16 warps, one row each at a time
+};
+constexpr int kMergeChunk = 128;        // slots whose weights a warp stages at once
+constexpr int kMergeUnroll = 8;         // slot rows summed per step (independent loads)
+
+struct FloatRow {  // a staged output row, as the OutputTransform's `Vec`
+  const float* row;
+  __device__ __forceinline__ float operator[](int d) const { return row[d]; }
+};
+
+// One split work item: where its merged rows go, and its partials (slots s0 .. s1).
+struct MergeItem {
+  int request, kv_head, qo_offset, q_start, q_rows, s0, s1;
+};
+
+// Shared-memory scratch of one merging warp: a staged output row and a chunk of slot weights.
+template <int D>
+struct MergeScratch {
+  float row[D];
+  float wts[kMergeChunk];
+};
+
+// Merge fused row r of `it` with one warp and write it (OutputTransform applied) and its LSE.
+template <typename Variant, typename DType, int D, int TQ>
+__device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
+                                          const typename Variant::Params& vp, const MergeItem& it,
+                                          int r, int lane, MergeScratch<D>& scratch) {
+  constexpr int COLS = D / 32;  // consecutive columns per lane: 2, 4 or 8 floats
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr bool kSoftmax = Variant::use_softmax;
+  auto lse_of = [&](int s) -> float {
+    return __ldcg(p.partial_lse + (attncc::i64)s * TQ + r);
+  };
+  // the row's LSE over all slots: max, then the sum of 2^((l - max) log2 e), 32 slots per step
+  float mx = neg_inf(), wsum = 0.f;
+  if constexpr (kSoftmax) {
+    for (int s = it.s0 + lane; s < it.s1; s += 32) mx = fmaxf(mx, lse_of(s));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    for (int s = it.s0 + lane; s < it.s1; s += 32)
+      wsum += mx == neg_inf() ? 0.f : fast_exp2((lse_of(s) - mx) * kLog2e);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  float acc[COLS];
+#pragma unroll
+  for (int c = 0; c < COLS; ++c) acc[c] = 0.f;
+#pragma unroll 1
+  for (int c0 = it.s0; c0 < it.s1; c0 += kMergeChunk) {
+    const int n = min(kMergeChunk, it.s1 - c0);
+    __syncwarp();  // the previous chunk's weights are consumed
+    for (int i = lane; i < n; i += 32)
+      scratch.wts[i] = !kSoftmax ? 1.f
+                                 : mx == neg_inf() ? 0.f
+                                                   : fast_exp2((lse_of(c0 + i) - mx) * kLog2e) * inv;
+    __syncwarp();
+    // slots in plan order, one accumulator per column: the sum is the same on every run
+#pragma unroll kMergeUnroll
+    for (int i = 0; i < n; ++i) {
+      const float* src = p.partial_o + ((attncc::i64)(c0 + i) * TQ + r) * D + lane * COLS;
+      const float w = scratch.wts[i];
+#pragma unroll
+      for (int c = 0; c < COLS; c += 2) {
+        const float2 v = __ldcg(reinterpret_cast<const float2*>(src + c));
+        acc[c] += w * v.x;
+        acc[c + 1] += w * v.y;
+      }
+    }
+  }
+  const float lse = kSoftmax && wsum > 0.f ? mx + __logf(wsum) : (kSoftmax ? neg_inf() : 0.f);
+#pragma unroll
+  for (int c = 0; c < COLS; ++c) scratch.row[lane * COLS + c] = acc[c];
+  __syncwarp();
+  const int gf = p.num_q_heads / p.num_kv_heads;
+  const int fr = it.q_start + r;
+  const int tok = fr / gf;
+  const int hq = it.kv_head * gf + (fr - tok * gf);
+  const int q_pos = query_position(p, request_q_pos0(p, it.request), it.qo_offset, tok);
+  DType* out = reinterpret_cast<DType*>(p.o) + (it.qo_offset + tok) * p.o_stride_tok +
+               hq * p.o_stride_h;
+  float vals[D / 32];
+#pragma unroll
+  for (int j = 0; j < D / 32; ++j) {
+    const int d = lane + 32 * j;
+    if constexpr (Variant::has_output_transform) {
+      vals[j] = Variant::OutputTransform(vp, FloatRow{scratch.row}, it.request, hq, q_pos, d);
+    } else {
+      vals[j] = scratch.row[d];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < D / 32; ++j)
+    reinterpret_cast<fa2_u16*>(out)[lane + 32 * j] = float_to_elem<DType>(vals[j]);
+  if constexpr (kSoftmax) {
+    if (p.lse != nullptr && lane == 0)
+      p.lse[(attncc::i64)(it.qo_offset + tok) * p.lse_stride_tok + hq] = lse;
+  }
+  __syncwarp();  // the scratch is reused for the warp's next row
+}
+
+// The merge kernel (FA3 batch): CTA m merges split item m, one warp per row at a time.
+template <typename Variant, typename DType, int HEAD_DIM, int TQ>
+__device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
+                                          const typename Variant::Params& vp) {
+  constexpr int WARPS = MergeKernel::kThreads / 32;
+  __shared__ MergeScratch<HEAD_DIM> scratch[WARPS];
+  const int m = blockIdx.x;
+  if (m >= __ldg(p.num_merges)) return;  // the grid is sized for the largest plan
+  const int* t = p.merge_out + 5 * m;
+  const MergeItem it{__ldg(t), __ldg(t + 1), __ldg(t + 2), __ldg(t + 3), __ldg(t + 4),
+                     __ldg(p.merge_indptr + m), __ldg(p.merge_indptr + m + 1)};
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll 1
+  for (int r = warp; r < it.q_rows; r += WARPS)
+    merge_row<Variant, DType, HEAD_DIM, TQ>(p, vp, it, r, lane, scratch[warp]);
+}
+
+// After a split unit of the FA2 batch kernel wrote its partial state: count the part in the
+// item's arrival counter; the CTA that brings the count to the item's number of parts merges the
+// item with its warps (scratch: the K/V stage memory, free between units) and puts the counter
+// back to 0, so the next launch -- a CUDA-graph replay with another plan -- starts from zero.
+// Release/acquire: every thread fences its partial stores before the barrier and thread 0's
+// atomic; the merging CTA fences after it, before any thread reads another CTA's partials.
+template <typename Variant, typename DType, int D, int TQ, int NT>
+__device__ __forceinline__ void merge_if_last(const attncc::BatchParams& p,
+                                              const typename Variant::Params& vp,
+                                              const WorkUnit& u, unsigned char* smem) {
+  __shared__ int merging;  // the item this CTA merges, or -1
+  __shared__ int parts_end;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int m = __ldg(p.slot_merge + u.slot);
+    const int s0 = __ldg(p.merge_indptr + m), s1 = __ldg(p.merge_indptr + m + 1);
+    const bool last = atomicAdd(p.merge_count + m, 1) == s1 - s0 - 1;
+    if (last) p.merge_count[m] = 0;  // every part arrived: nobody else touches it this launch
+    __threadfence();
+    merging = last ? s0 : -1;
+    parts_end = s1;
+  }
+  __syncthreads();
+  const int s0 = merging;
+  if (s0 < 0) return;
+  const MergeItem it{u.request, u.kv_head, u.qo_offset, u.q_start, u.q_rows, s0, parts_end};
+  auto* scratch = reinterpret_cast<MergeScratch<D>*>(smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll 1
+  for (int r = warp; r < u.q_rows; r += NT / 32)
+    merge_row<Variant, DType, D, TQ>(p, vp, it, r, lane, scratch[warp]);
+}
+
 // The persistent attention kernel: this CTA's queue of work units, in order.
 template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,
           int M_FRAGS, int KV_WARPS>
 __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp) {
   using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>;
+  static_assert(Cfg::kThreads / 32 * sizeof(MergeScratch<HEAD_DIM>) <= Cfg::kSmemBytes,
+                "every warp's merge scratch fits in the kernel's shared memory");
+  extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa2_smem[];
   const int first = __ldg(p.cta_indptr + blockIdx.x);
   const int last = __ldg(p.cta_indptr + blockIdx.x + 1);
 #pragma unroll 1
@@ -168,131 +342,8 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
     __syncthreads();  // the previous unit's epilogue is done with shared memory
     const BatchWork<DType, HEAD_DIM, TQ, TKV, Cfg::kThreads> w(p, u);
     fa2_attend<Variant, DType, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(w, vp, p.sm_scale);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Merge: one CTA per split work item, one warp per fused row at a time (16 warps). The partial states are
-// combined with the attention composition operator -- LSE = log sum exp(LSE_s), O = sum
-// exp(LSE_s - LSE) O_s -- summing the slots in the plan's order (ascending KV start), so the
-// result does not depend on which CTA finished first. No-softmax variants just add the parts.
-//
-// The partials were just written and sit in L2, so the merge is bound by load latency, not
-// bandwidth: a long request split into many chunks must not walk its slots one dependent load at
-// a time. The lanes first read up to 32 slots' LSEs at once (max and sum by shuffles) and stage
-// the slots' weights in shared memory; then every lane owns D/32 columns and sums the slots'
-// rows kMergeUnroll at a time, so that many independent loads are in flight per lane.
-// ---------------------------------------------------------------------------------------------
-// 16 warps: a decode tile's 16 rows are merged at once (a long request's rows each walk many
-// slots, so rows, not columns, are the parallelism). attncc.runtime.batch.MERGE_THREADS mirrors it.
-constexpr int kMergeThreads = 512;
-constexpr int kMergeChunk = 128;  // slots whose weights are staged at once (per warp)
-constexpr int kMergeUnroll = 8;
-
-struct FloatRow {  // a staged output row, as the OutputTransform's `Vec`
-  const float* row;
-  __device__ __forceinline__ float operator[](int d) const { return row[d]; }
-};
-
-template <typename Variant, typename DType, int HEAD_DIM, int TQ>
-__device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
-                                          const typename Variant::Params& vp) {
-  constexpr int D = HEAD_DIM;
-  constexpr int COLS = D / 32;  // consecutive columns per lane: 2, 4 or 8 floats
-  constexpr int WARPS = kMergeThreads / 32;
-  constexpr float kLog2e = 1.4426950408889634f;
-  constexpr bool kSoftmax = Variant::use_softmax;
-  __shared__ float rows_buf[WARPS][D];
-  __shared__ float wts[WARPS][kMergeChunk];
-  __shared__ int slots[WARPS][kMergeChunk];
-  const int m = blockIdx.x;
-  if (m >= __ldg(p.num_merges)) return;  // the grid is sized for the largest plan
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int* t = p.merge_out + 5 * m;
-  const int request = __ldg(t), kv_head = __ldg(t + 1), qo_offset = __ldg(t + 2);
-  const int q_start = __ldg(t + 3), q_rows = __ldg(t + 4);
-  const int s0 = __ldg(p.merge_indptr + m), s1 = __ldg(p.merge_indptr + m + 1);
-  const int gf = p.num_q_heads / p.num_kv_heads;
-  const int head0 = kv_head * gf;
-  const int q_pos0 = request_q_pos0(p, request);
-  float* buf = rows_buf[warp];
-  auto lse_of = [&](int s, int r) -> float {
-    return p.partial_lse[(attncc::i64)__ldg(p.merge_slots + s) * TQ + r];
-  };
-
-#pragma unroll 1
-  for (int r = warp; r < q_rows; r += WARPS) {
-    // the row's LSE over all slots: max, then the sum of 2^((l - max) log2 e), 32 slots per step
-    float mx = neg_inf(), wsum = 0.f;
-    if constexpr (kSoftmax) {
-      for (int s = s0 + lane; s < s1; s += 32) mx = fmaxf(mx, lse_of(s, r));
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      for (int s = s0 + lane; s < s1; s += 32)
-        wsum += mx == neg_inf() ? 0.f : fast_exp2((lse_of(s, r) - mx) * kLog2e);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
-    }
-    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-    float acc[COLS];
-#pragma unroll
-    for (int c = 0; c < COLS; ++c) acc[c] = 0.f;
-#pragma unroll 1
-    for (int c0 = s0; c0 < s1; c0 += kMergeChunk) {
-      const int n = min(kMergeChunk, s1 - c0);
-      __syncwarp();  // the previous chunk's weights are consumed
-      for (int i = lane; i < n; i += 32) {
-        const int slot = __ldg(p.merge_slots + c0 + i);
-        slots[warp][i] = slot;
-        if constexpr (kSoftmax) {
-          const float l = p.partial_lse[(attncc::i64)slot * TQ + r];
-          wts[warp][i] = mx == neg_inf() ? 0.f : fast_exp2((l - mx) * kLog2e) * inv;
-        } else {
-          wts[warp][i] = 1.f;
-        }
-      }
-      __syncwarp();
-      // slots in plan order, one accumulator per column: the sum is the same on every run
-#pragma unroll kMergeUnroll
-      for (int i = 0; i < n; ++i) {
-        const float* src = p.partial_o + ((attncc::i64)slots[warp][i] * TQ + r) * D + lane * COLS;
-        const float w = wts[warp][i];
-#pragma unroll
-        for (int c = 0; c < COLS; c += 2) {
-          const float2 v = *reinterpret_cast<const float2*>(src + c);
-          acc[c] += w * v.x;
-          acc[c + 1] += w * v.y;
-        }
-      }
-    }
-    const float lse = kSoftmax && wsum > 0.f ? mx + __logf(wsum) : (kSoftmax ? neg_inf() : 0.f);
-#pragma unroll
-    for (int c = 0; c < COLS; ++c) buf[lane * COLS + c] = acc[c];
-    __syncwarp();
-    const int fr = q_start + r;
-    const int tok = fr / gf;
-    const int hq = head0 + (fr - tok * gf);
-    const int q_pos = query_position(p, q_pos0, qo_offset, tok);
-    DType* out = reinterpret_cast<DType*>(p.o) + (qo_offset + tok) * p.o_stride_tok +
-                 hq * p.o_stride_h;
-    float vals[D / 32];
-#pragma unroll
-    for (int j = 0; j < D / 32; ++j) {
-      const int d = lane + 32 * j;
-      if constexpr (Variant::has_output_transform) {
-        vals[j] = Variant::OutputTransform(vp, FloatRow{buf}, request, hq, q_pos, d);
-      } else {
-        vals[j] = buf[d];
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < D / 32; ++j)
-      reinterpret_cast<fa2_u16*>(out)[lane + 32 * j] = float_to_elem<DType>(vals[j]);
-    if constexpr (kSoftmax) {
-      if (p.lse != nullptr && lane == 0)
-        p.lse[(attncc::i64)(qo_offset + tok) * p.lse_stride_tok + hq] = lse;
-    }
-    __syncwarp();  // the row buffer is reused for the warp's next row
+    if (u.slot >= 0)
+      merge_if_last<Variant, DType, HEAD_DIM, TQ, Cfg::kThreads>(p, vp, u, attncc_fa2_smem);
   }
 }
 
@@ -300,16 +351,12 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
 }  // namespace attncc
 
 // The line codegen emits per batch kernel: the persistent attention kernel NAME (grid: the plan's
-// num_ctas; block: Config::kThreads; dynamic shared memory: Config::kSmemBytes) and its merge
-// kernel NAME_merge (grid: the layout's max_merges; block: kMergeThreads; static shared memory).
+// num_ctas; block: Config::kThreads; dynamic shared memory: Config::kSmemBytes), which also
+// merges split items (merge_if_last: no merge kernel).
 #define ATTNCC_FA2_BATCH_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS) \
   extern "C" __global__ void ATTNCC_FA2_LAUNCH_BOUNDS(HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)\
       NAME(attncc::BatchParams p, VARIANT::Params vp) {                                            \
     attncc::fa2::fa2_batch<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(p, vp);   \
-  }                                                                                                \
-  extern "C" __global__ void __launch_bounds__(attncc::fa2::kMergeThreads, 1)                      \
-      NAME##_merge(attncc::BatchParams p, VARIANT::Params vp) {                                    \
-    attncc::fa2::fa2_merge<VARIANT, DTYPE, HEAD_DIM, TQ>(p, vp);                                   \
   }
 
 #endif  // ATTNCC_FA2_BATCH_CUH

@@ -8,9 +8,10 @@
   it with the batch's page tables into a pinned host buffer (two halves that plans take in
   turn) and copies the words in use to fixed offsets of the workspace with a few asynchronous
   copies.
-- `run(q, kv_cache)` launches the persistent FA2 kernel over the plan and the merge kernel
-  (kernels/fa2_batch.cuh). Every pointer and both grid sizes are fixed by the workspace, so
-  `run` can be captured once in a CUDA graph and replayed after new `plan` calls.
+- `run(q, kv_cache)` launches the persistent FA2 kernel over the plan (kernels/fa2_batch.cuh;
+  the CTA that writes a split item's last part merges it), or the FA3 batch kernel and its merge
+  kernel. Every pointer and grid size is fixed by the workspace, so `run` can be captured once
+  in a CUDA graph and replayed after new `plan` calls.
 
 Layouts (FlashInfer's names): `q`, `out` are `[total_q_tokens, num_qo_heads, head_dim]` with request
 i owning tokens `qo_indptr[i] .. qo_indptr[i+1]`. KV caches:
@@ -62,7 +63,7 @@ __all__ = ["BatchAttention", "BatchTiles", "batch_attention_reference", "clip_ca
 KV_LAYOUTS = ("NHD", "HND", "ragged")
 _RAGGED_PAGE = 1 << 30  # a ragged request is one "page" this long (see batch_params.cuh)
 _INT = np.int32
-MERGE_THREADS = 512  # kernels/fa2_batch.cuh kMergeThreads: one warp per row of a 16-row tile
+MERGE_THREADS = 512  # kernels/fa2_batch.cuh MergeKernel::kThreads (the FA3 batch kernel's merge)
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,8 @@ class _LazyPlan:
 
 
 class _Kernels:
-    """The compiled batch kernel and its merge kernel for one (variant, head dim, dtype, tiles)."""
+    """The compiled batch kernel (and, for FA3, its merge kernel) for one (variant, head dim,
+    dtype, tiles)."""
 
     def __init__(self, ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
                  device: int) -> None:
@@ -269,8 +271,9 @@ class _Kernels:
         self.spill_bytes = _spill_bytes(res.log)
         self.attend = load_kernel(res.cubin, name, bp_layout, vp_layout, device=device,
                                   dynamic_smem=self.config.smem_bytes)
+        # the FA3 batch kernel's split items are merged by a second kernel; FA2's by its last part
         self.merge = load_kernel(res.cubin, name + "_merge", bp_layout, vp_layout,
-                                 device=device)
+                                 device=device) if tiles.kernel == "fa3" else None
 
 
 _KERNELS: dict[tuple, _Kernels] = {}
@@ -699,7 +702,8 @@ class BatchAttention:
         lay = layout if layout is not None else self.layout
         assert lay is not None
         mb = self.max_batch + 1
-        return lay.size + 4 * _pad4(mb) + _pad4(self.max_qo_tokens) + _pad4(self.max_pages)
+        return (lay.size + 4 * _pad4(mb) + _pad4(self.max_qo_tokens) + _pad4(self.max_pages)
+                + _pad4(lay.max_merges))
 
     def _staging_for(self, layout: scheduler.PlanLayout
                      ) -> tuple[int, np.ndarray, dict[str, int]]:
@@ -729,8 +733,10 @@ class BatchAttention:
         off = layout.size
         mb = _pad4(self.max_batch + 1)
         qcap = _pad4(self.max_qo_tokens)
+        pages = off + 4 * mb + qcap
         return {"qo_indptr": off, "kv_page_indptr": off + mb, "kv_lens": off + 2 * mb,
-                "kv_pos": off + 3 * mb, "q_pos": off + 4 * mb, "pages": off + 4 * mb + qcap}
+                "kv_pos": off + 3 * mb, "q_pos": off + 4 * mb, "pages": pages,
+                "merge_count": pages + _pad4(self.max_pages)}  # never staged: see _workspace_for
 
     def _stage(self, buf: np.ndarray, b: _Batch, o: dict[str, int]) -> None:
         """Write the page tables at the word offsets `o` of the staging buffer `buf` (numpy:
@@ -779,6 +785,10 @@ class BatchAttention:
             ws = self.workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
         if ws.dtype != torch.uint8 or ws.device != self.device:
             raise ValueError("workspace_buffer must be a uint8 tensor on the kernel's device")
+        # The split items' arrival counters (kernels/fa2_batch.cuh merge_if_last) start at 0; each
+        # launch leaves them at 0. Zeroed on the stream, after any run still reading the region.
+        count_at = 4 * self._table_offsets(lay)["merge_count"]
+        ws[count_at: count_at + 4 * lay.max_merges].zero_()
         self._ws_checked = (ws, lay, self.head_dim, self._int_words())
         return ws
 
@@ -842,7 +852,8 @@ class BatchAttention:
             "kv_pos_offset": base + 4 * o["kv_pos"] if self._has_kv_pos else 0,
             "units": base + 4 * sec["units"], "cta_indptr": base + 4 * sec["cta_indptr"],
             "cta_units": base + 4 * sec["cta_units"], "merge_indptr": base + 4 * sec["merge_indptr"],
-            "merge_slots": base + 4 * sec["merge_slots"], "merge_out": base + 4 * sec["merge_out"],
+            "slot_merge": base + 4 * sec["slot_merge"], "merge_out": base + 4 * sec["merge_out"],
+            "merge_count": base + 4 * o["merge_count"],
             "num_merges": base + 4 * (sec["header"]
                                       + scheduler.HEADER_FIELDS.index("num_merges")),
             "q_stride_tok": q.stride(0), "q_stride_h": q.stride(1),
@@ -866,7 +877,7 @@ class BatchAttention:
         cfg = kern.config
         kern.attend.launch((lay.max_ctas, 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
                            kern.attend.ap.flatten(bp), kern.attend.vp.flatten(vp), stream=stream)
-        if lay.max_merges:
+        if lay.max_merges and kern.merge is not None:  # FA3; the FA2 kernel merges in place
             kern.merge.launch((lay.max_merges, 1, 1), (MERGE_THREADS, 1, 1), 0,
                               kern.merge.ap.flatten(bp),
                               kern.merge.vp.flatten(vp), stream=stream)
@@ -1006,11 +1017,12 @@ def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end:
     by `coalesce_ranges` where less than `gap` words apart.
 
     Copying the unused words in a gap is harmless: the kernels (kernels/fa2_batch.cuh,
-    fa3_batch.cuh and their merge kernel) read only used words. The attention grid is
+    fa3_batch.cuh and the merge) read only used words. The attention grid is
     layout.max_ctas CTAs, which is the plan's num_ctas (BatchAttention sizes the layout by it),
     and CTA c reads cta_indptr[c], [c + 1], then cta_units in [0, num_units) and the units
-    those name; merge CTA m returns unless m < num_merges (the header) and then reads
-    merge_out[m], merge_indptr[m], [m + 1] and merge_slots below num_partial_slots; the page
+    those name (a split unit's slot_merge[slot] and that item's merge_indptr pair); merge CTA m
+    returns unless m < num_merges (the header) and then reads merge_out[m], merge_indptr[m],
+    [m + 1]; the page
     tables are read per planned request (tests/test_batch.py,
     test_used_ranges_carry_everything_the_kernels_read, fills the gaps with garbage).
 

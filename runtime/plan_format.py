@@ -145,7 +145,7 @@ class PlanLayout:
 
     Sections (int32, each at a multiple of 4): ``header`` (`HEADER_FIELDS`), ``units``
     (``max_units * 8``, `WORK_UNIT_DTYPE` rows), ``cta_indptr`` (``max_ctas + 1``),
-    ``cta_units`` (``max_units``), ``merge_indptr`` (``max_merges + 1``), ``merge_slots``
+    ``cta_units`` (``max_units``), ``merge_indptr`` (``max_merges + 1``), ``slot_merge``
     (``max_partial_slots``), ``merge_out`` (``max_merges * 5``, `MERGE_TARGET_DTYPE` rows).
 
     Example:
@@ -191,7 +191,7 @@ class PlanLayout:
             "cta_indptr": p + 1,
             "cta_units": derived["max_units"],
             "merge_indptr": derived["max_merges"] + 1,
-            "merge_slots": derived["max_partial_slots"],
+            "slot_merge": derived["max_partial_slots"],
             "merge_out": derived["max_merges"] * len(MERGE_TARGET_DTYPE.names),
         }
         offsets, pos = {}, 0
@@ -241,7 +241,7 @@ class PlanLayout:
         n, m = header["num_units"], header["num_merges"]
         return {"header": len(HEADER_FIELDS), "units": n * len(WORK_UNIT_DTYPE.names),
                 "cta_indptr": header["num_ctas"] + 1, "cta_units": n, "merge_indptr": m + 1,
-                "merge_slots": header["num_partial_slots"],
+                "slot_merge": header["num_partial_slots"],
                 "merge_out": m * len(MERGE_TARGET_DTYPE.names)}
 
     def unpack(self, buf: np.ndarray) -> dict[str, Any]:

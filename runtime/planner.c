@@ -58,7 +58,7 @@ typedef struct {
   double alpha, beta;
   /* in: the PlanLayout (maxima, int32 size, section offsets) and the header's constants */
   i64 max_batch, max_qo_tokens, max_ctas, max_units, max_merges, max_slots, layout_size;
-  i64 off_header, off_units, off_cta_indptr, off_cta_units, off_merge_indptr, off_merge_slots,
+  i64 off_header, off_units, off_cta_indptr, off_cta_units, off_merge_indptr, off_slot_merge,
       off_merge_out;
   i64 magic, version;
   /* out */
@@ -141,7 +141,7 @@ static i32* write_whole(i32* w, i32 i, i64 hk, i32 qo, i64 rows, i64 nt, i64 til
 }
 
 /* Units in (request, kv_head, tile, chunk) order and the reduction map; slots are numbered
- * over the split requests' units in unit order. */
+ * over the split requests' units in unit order (so one split item's slots are consecutive). */
 static void write_units(const plan_args* a, i64 g, const requests* rq, i32* units,
                         i32* merge_indptr, i32* merge_out) {
   const i64 hk = a->num_kv_heads, tile_q = a->tile_q;
@@ -534,8 +534,9 @@ int attncc_plan_pack(plan_args* a, i32* buf, void* scratch, i64 scratch_bytes) {
   i32* merge_indptr = buf + a->off_merge_indptr;
   write_units(a, g, &rq, buf + a->off_units, merge_indptr, buf + a->off_merge_out);
   for (i64 j = m + 1; j <= a->max_merges; ++j) merge_indptr[j] = (i32)slots;
-  i32* merge_slots = buf + a->off_merge_slots;
-  for (i64 j = 0; j < slots; ++j) merge_slots[j] = (i32)j;
+  i32* slot_merge = buf + a->off_slot_merge; /* each slot's split item */
+  for (i64 j = 0; j < m; ++j)
+    for (i32 s = merge_indptr[j]; s < merge_indptr[j + 1]; ++s) slot_merge[s] = (i32)j;
 
   group_ticks(a, g, &rq, g_count, g_ticks);
   const i64 ng = schedule(a, g_count, g_ticks, groups, tmp, assign, &s);
@@ -717,7 +718,7 @@ static void used_ranges(const plan_args* a, table_offsets* o) {
   const i64 n = a->num_units, m = a->num_merges;
   i64 span[8][2] = {{a->off_header, 16},          {a->off_units, 8 * n},
                     {a->off_cta_indptr, a->num_ctas + 1}, {a->off_cta_units, n},
-                    {a->off_merge_indptr, m + 1}, {a->off_merge_slots, a->num_slots},
+                    {a->off_merge_indptr, m + 1}, {a->off_slot_merge, a->num_slots},
                     {a->off_merge_out, 5 * m},    {o->qo_indptr, 0}};
   for (int k = 0; k < 7; ++k) span[k][1] += span[k][0]; /* (offset, words) -> [start, end) */
   span[7][1] = o->end;

@@ -59,7 +59,7 @@ _SRC = Path(__file__).with_name("planner.c")
 _LOCK = threading.Lock()
 _LIB: Any = None  # None: not tried yet; False: unavailable
 _I64, _F64, _PTR = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
-_SECTIONS = ("header", "units", "cta_indptr", "cta_units", "merge_indptr", "merge_slots",
+_SECTIONS = ("header", "units", "cta_indptr", "cta_units", "merge_indptr", "slot_merge",
              "merge_out")  # PlanLayout.offsets, in plan_args order
 # -O3: its vectoriser (the page-id scans) and unrolling, 5-15% of a plan on the dev VM.
 # -ffp-contract=off: the costs' `a * b + c` must round as numpy's separate multiply and add do

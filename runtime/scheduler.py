@@ -59,7 +59,8 @@ Outputs and reduction
 A work item with one unit writes its rows straight to the output (*write-through*, ``slot = -1``).
 The units of a split work item write a partial ``(O, LSE)`` to workspace *slots*, numbered in unit
 order, so the slots of one item are consecutive and ascending in kv start. The reduction map
-(CSR ``merge_indptr`` / ``merge_slots``, one ``merge_out`` target per split item) lists them in
+(CSR ``merge_indptr`` over the slots, one ``merge_out`` target per split item, and ``slot_merge``,
+each slot's split item, so the CTA that writes an item's last partial can merge it) lists them in
 that fixed order; merging in that order (`attncc.runtime.merge.merge_states`) makes results
 bitwise reproducible for the same lengths.
 
@@ -225,8 +226,9 @@ class Plan:
         units: `WORK_UNIT_DTYPE` ``[num_units]``, ordered by (request, kv_head, tile, kv chunk).
         cta_indptr: int32 ``[num_ctas+1]``, CSR of the per-CTA queues in ``cta_units``.
         cta_units: int32 ``[num_units]``, unit indices, each CTA's queue in execution order.
-        merge_indptr: int32 ``[num_merges+1]``, CSR of the reduction map over ``merge_slots``.
-        merge_slots: int32 ``[num_partial_slots]``, workspace slots to merge, ascending kv start.
+        merge_indptr: int32 ``[num_merges+1]``: split item m's partials are the workspace slots
+            ``merge_indptr[m] .. merge_indptr[m+1]``, ascending in kv start.
+        slot_merge: int32 ``[num_partial_slots]``: the split item (merge) each slot belongs to.
         merge_out: `MERGE_TARGET_DTYPE` ``[num_merges]``, where each merged result goes.
         num_partial_slots: workspace slots used (each ``tile_q`` rows of O plus ``tile_q`` LSE).
 
@@ -234,8 +236,8 @@ class Plan:
         >>> p = plan([0, 2], [300], num_qo_heads=4, num_kv_heads=2, tile_q=16, num_ctas=4)
         >>> p.kv_chunk, p.units[["kv_head", "q_rows", "kv_start", "kv_end", "slot"]].tolist()
         (160, [(0, 4, 0, 160, 0), (0, 4, 160, 300, 1), (1, 4, 0, 160, 2), (1, 4, 160, 300, 3)])
-        >>> p.merge_indptr.tolist(), p.merge_slots.tolist(), p.merge_out["kv_head"].tolist()
-        ([0, 2, 4], [0, 1, 2, 3], [0, 1])
+        >>> p.merge_indptr.tolist(), p.slot_merge.tolist(), p.merge_out["kv_head"].tolist()
+        ([0, 2, 4], [0, 0, 1, 1], [0, 1])
     """
 
     batch_size: int
@@ -253,7 +255,7 @@ class Plan:
     cta_indptr: np.ndarray
     cta_units: np.ndarray
     merge_indptr: np.ndarray
-    merge_slots: np.ndarray
+    slot_merge: np.ndarray
     merge_out: np.ndarray
     num_partial_slots: int
 
@@ -323,7 +325,7 @@ class Plan:
         o = off["merge_indptr"]
         buf[o: o + self.num_merges + 1] = self.merge_indptr
         buf[o + self.num_merges + 1: o + layout.max_merges + 1] = self.num_partial_slots
-        buf[off["merge_slots"]: off["merge_slots"] + self.num_partial_slots] = self.merge_slots
+        buf[off["slot_merge"]: off["slot_merge"] + self.num_partial_slots] = self.slot_merge
         m = self.num_merges * len(MERGE_TARGET_DTYPE.names)
         buf[off["merge_out"]: off["merge_out"] + m] = self.merge_out.view(np.int32).reshape(-1)
         return buf
@@ -377,7 +379,7 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
                 units=_frozen(r["units"].view(WORK_UNIT_DTYPE).reshape(-1)),
                 cta_indptr=_frozen(r["cta_indptr"]), cta_units=_frozen(r["cta_units"]),
                 merge_indptr=_frozen(r["merge_indptr"]),
-                merge_slots=_frozen(np.arange(r["num_slots"], dtype=np.int32)),
+                slot_merge=_frozen(_slot_merge(r["merge_indptr"])),
                 merge_out=_frozen(r["merge_out"].view(MERGE_TARGET_DTYPE).reshape(-1)),
                 num_partial_slots=r["num_slots"])
         if impl == "c":
@@ -412,9 +414,14 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
         qo_indptr=_frozen(qo.astype(np.int32)), kv_lens=_frozen(kv.astype(np.int32)),
         units=_frozen(units), cta_indptr=_frozen(cta_indptr), cta_units=_frozen(cta_units),
         merge_indptr=_frozen(merge_indptr),
-        merge_slots=_frozen(np.arange(num_slots, dtype=np.int32)),
+        slot_merge=_frozen(_slot_merge(merge_indptr)),
         merge_out=_frozen(merge_out), num_partial_slots=num_slots,
     )
+
+
+def _slot_merge(merge_indptr: np.ndarray) -> np.ndarray:
+    """Each partial slot's split item: m repeated merge_indptr[m+1] - merge_indptr[m] times."""
+    return np.repeat(np.arange(merge_indptr.size - 1, dtype=np.int32), np.diff(merge_indptr))
 
 
 def plan_into(out: np.ndarray, layout: PlanLayout, qo_indptr: Any, kv_lens: Any,

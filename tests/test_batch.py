@@ -147,7 +147,8 @@ def test_batch_kernels_compile(name: str, tq: int, head_dim: int) -> None:
                                        m_frags=tiles.m_frags, batch=True)
     assert layout.name == "attncc::BatchParams" and "static_assert(sizeof(attncc::BatchParams)" in src
     res = compile_cuda(src, arch="sm_90a", verbose=True)
-    assert f"{kname}_merge" in res.log and kname in res.log
+    # one kernel: split KV ranges are merged by the CTA that writes the last part
+    assert kname in res.log and f"{kname}_merge" not in res.log and "warning" not in res.log
     if tiles.m_frags == 1:
         spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.log)
         assert spills and all(a == "0" and b == "0" for a, b in spills), res.log
@@ -589,8 +590,8 @@ def test_causal_clipped_plan_executes_to_exact_causal_attention() -> None:
                 ws_o[x["slot"], :len(tok)], ws_lse[x["slot"], :len(tok)] = o, lse
     for m in range(p["num_merges"]):
         t = p["merge_out"][m]
-        slots = torch.from_numpy(
-            p["merge_slots"][p["merge_indptr"][m]:p["merge_indptr"][m + 1]].astype(np.int64))
+        slots = torch.arange(int(p["merge_indptr"][m]), int(p["merge_indptr"][m + 1]))
+        assert (p["slot_merge"][slots.numpy()] == m).all()
         n = int(t["q_rows"])
         o, _ = merge_states(ws_o[slots, :n], ws_lse[slots, :n])
         r = torch.arange(int(t["q_start"]), int(t["q_start"]) + n)
