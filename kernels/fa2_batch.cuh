@@ -162,21 +162,22 @@ struct BatchWork {
 //
 // Who merges: in the FA2 batch kernel, the CTA whose partial completes an item (a per-item
 // arrival counter in the workspace, merge_if_last below) -- no second launch, and a decode step
-// is one kernel. The FA3 batch kernel keeps a merge kernel (fa2_merge: one CTA per split item).
+// is one kernel. The FA3 batch kernel keeps a merge kernel (fa2_merge: one CTA per split item),
+// described here.
 //
 // The partials were just written and sit in L2, so a row's merge is bound by load latency, not
 // bandwidth: a long request split into many chunks must not walk its slots one dependent load at
 // a time. The lanes first read up to 32 slots' LSEs at once (max and sum by shuffles) and stage
 // the slots' weights in shared memory; then every lane owns D/32 columns and sums the slots'
-// rows kMergeUnroll at a time, so that many independent loads are in flight per lane. Partials
+// rows MergeKernel::kUnroll at a time, so that many independent loads are in flight per lane. Partials
 // are read with ld.global.cg (L2): another SM wrote them during this launch, and L1 is not
 // coherent across SMs.
 // ---------------------------------------------------------------------------------------------
 struct MergeKernel {
-  static constexpr int kThreads = 512;  // the merge kernel: 16 warps, one row each at a time
+  static constexpr int kThreads = 512;  // 16 warps, one row each at a time
+  static constexpr int kChunk = 128;    // slots whose weights a warp stages at once
+  static constexpr int kUnroll = 8;     // slot rows summed per step (independent loads)
 };
-constexpr int kMergeChunk = 128;        // slots whose weights a warp stages at once
-constexpr int kMergeUnroll = 8;         // slot rows summed per step (independent loads)
 
 struct FloatRow {  // a staged output row, as the OutputTransform's `Vec`
   const float* row;
@@ -192,7 +193,7 @@ struct MergeItem {
 template <int D>
 struct MergeScratch {
   float row[D];
-  float wts[kMergeChunk];
+  float wts[MergeKernel::kChunk];
 };
 
 // Merge fused row r of `it` with one warp and write it (OutputTransform applied) and its LSE.
@@ -222,8 +223,8 @@ __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
 #pragma unroll
   for (int c = 0; c < COLS; ++c) acc[c] = 0.f;
 #pragma unroll 1
-  for (int c0 = it.s0; c0 < it.s1; c0 += kMergeChunk) {
-    const int n = min(kMergeChunk, it.s1 - c0);
+  for (int c0 = it.s0; c0 < it.s1; c0 += MergeKernel::kChunk) {
+    const int n = min(MergeKernel::kChunk, it.s1 - c0);
     __syncwarp();  // the previous chunk's weights are consumed
     for (int i = lane; i < n; i += 32)
       scratch.wts[i] = !kSoftmax ? 1.f
@@ -231,7 +232,7 @@ __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
                                                    : fast_exp2((lse_of(c0 + i) - mx) * kLog2e) * inv;
     __syncwarp();
     // slots in plan order, one accumulator per column: the sum is the same on every run
-#pragma unroll kMergeUnroll
+#pragma unroll MergeKernel::kUnroll
     for (int i = 0; i < n; ++i) {
       const float* src = p.partial_o + ((attncc::i64)(c0 + i) * TQ + r) * D + lane * COLS;
       const float w = scratch.wts[i];
@@ -293,16 +294,26 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
 
 // After a split unit of the FA2 batch kernel wrote its partial state: count the part in the
 // item's arrival counter; the CTA that brings the count to the item's number of parts merges the
-// item with its warps (scratch: the K/V stage memory, free between units) and puts the counter
-// back to 0, so the next launch -- a CUDA-graph replay with another plan -- starts from zero.
-// Release/acquire: every thread fences its partial stores before the barrier and thread 0's
-// atomic; the merging CTA fences after it, before any thread reads another CTA's partials.
+// item and puts the counter back to 0, so the next launch -- a CUDA-graph replay with another
+// plan -- starts from zero. Release/acquire: every thread fences its partial stores before the
+// barrier and thread 0's atomic; the merging CTA's thread 0 fences after it, before the barrier
+// that lets every thread read other CTAs' partials.
+//
+// The merge spreads the item over all the CTA's threads, one (row, 4 columns) element at a time:
+// each element walks the parts in plan order with an online combine (running max, rescaled sum),
+// so its loads of every part are independent and in flight together. (A warp per row, as in the
+// merge kernel, left a decode CTA's two warps walking 8 rows' dependent loads one row at a time:
+// +11 us on a 30 us step.) Merged rows are staged in shared memory -- the K/V stage memory, free
+// between units -- so the OutputTransform sees whole rows, then stored.
 template <typename Variant, typename DType, int D, int TQ, int NT>
 __device__ __forceinline__ void merge_if_last(const attncc::BatchParams& p,
                                               const typename Variant::Params& vp,
                                               const WorkUnit& u, unsigned char* smem) {
-  __shared__ int merging;  // the item this CTA merges, or -1
-  __shared__ int parts_end;
+  constexpr int C4 = D / 4;  // float4 column groups per row
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kLn2 = 0.6931471805599453f;
+  constexpr bool kSoftmax = Variant::use_softmax;
+  __shared__ int merge_first, merge_end;  // the item's parts, or merge_first = -1: not ours
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -311,18 +322,72 @@ __device__ __forceinline__ void merge_if_last(const attncc::BatchParams& p,
     const bool last = atomicAdd(p.merge_count + m, 1) == s1 - s0 - 1;
     if (last) p.merge_count[m] = 0;  // every part arrived: nobody else touches it this launch
     __threadfence();
-    merging = last ? s0 : -1;
-    parts_end = s1;
+    merge_first = last ? s0 : -1;
+    merge_end = s1;
   }
   __syncthreads();
-  const int s0 = merging;
+  const int s0 = merge_first, s1 = merge_end;
   if (s0 < 0) return;
-  const MergeItem it{u.request, u.kv_head, u.qo_offset, u.q_start, u.q_rows, s0, parts_end};
-  auto* scratch = reinterpret_cast<MergeScratch<D>*>(smem);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  float* rows = reinterpret_cast<float*>(smem);  // [TQ][D] merged, normalized rows
+  float* lses = rows + TQ * D;                    // [TQ]
 #pragma unroll 1
-  for (int r = warp; r < u.q_rows; r += NT / 32)
-    merge_row<Variant, DType, D, TQ>(p, vp, it, r, lane, scratch[warp]);
+  for (int e = threadIdx.x; e < u.q_rows * C4; e += NT) {
+    const int r = e / C4, c = (e % C4) * 4;
+    float mx = neg_inf(), sum = 0.f;  // log2 domain
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int s = s0; s < s1; ++s) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(
+          p.partial_o + ((attncc::i64)s * TQ + r) * D + c));
+      float a = 1.f, b = 1.f;  // weights of the sum so far and of this part
+      if constexpr (kSoftmax) {
+        const float l2 = __ldcg(p.partial_lse + (attncc::i64)s * TQ + r) * kLog2e;
+        if (l2 == neg_inf()) continue;  // an empty part (its range was masked out)
+        const float m_new = fmaxf(mx, l2);
+        a = fast_exp2(mx - m_new);  // 0 while nothing was summed (mx = -inf)
+        b = fast_exp2(l2 - m_new);
+        mx = m_new;
+        sum = sum * a + b;
+      }
+      acc.x = acc.x * a + v.x * b;
+      acc.y = acc.y * a + v.y * b;
+      acc.z = acc.z * a + v.z * b;
+      acc.w = acc.w * a + v.w * b;
+    }
+    const float inv = !kSoftmax ? 1.f : sum > 0.f ? 1.f / sum : 0.f;
+    *reinterpret_cast<float4*>(rows + r * D + c) =
+        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    if (c == 0) lses[r] = !kSoftmax ? 0.f : sum > 0.f ? (mx + __log2f(sum)) * kLn2 : neg_inf();
+  }
+  __syncthreads();
+
+  const int gf = p.num_q_heads / p.num_kv_heads;
+#pragma unroll 1
+  for (int e = threadIdx.x; e < u.q_rows * D; e += NT) {
+    const int r = e / D, d = e % D;
+    const int fr = u.q_start + r;
+    const int tok = fr / gf;
+    const int hq = u.kv_head * gf + (fr - tok * gf);
+    float val = rows[e];
+    if constexpr (Variant::has_output_transform) {
+      const int q_pos = query_position(p, request_q_pos0(p, u.request), u.qo_offset, tok);
+      val = Variant::OutputTransform(vp, FloatRow{rows + r * D}, u.request, hq, q_pos, d);
+    }
+    DType* out = reinterpret_cast<DType*>(p.o) + (u.qo_offset + tok) * p.o_stride_tok +
+                 hq * p.o_stride_h;
+    reinterpret_cast<fa2_u16*>(out)[d] = float_to_elem<DType>(val);
+  }
+  if constexpr (kSoftmax) {
+    if (p.lse != nullptr) {
+      for (int r = threadIdx.x; r < u.q_rows; r += NT) {
+        const int fr = u.q_start + r;
+        const int tok = fr / gf;
+        const int hq = u.kv_head * gf + (fr - tok * gf);
+        p.lse[(attncc::i64)(u.qo_offset + tok) * p.lse_stride_tok + hq] = lses[r];
+      }
+    }
+  }
 }
 
 // The persistent attention kernel: this CTA's queue of work units, in order.
@@ -331,8 +396,8 @@ template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int S
 __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp) {
   using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>;
-  static_assert(Cfg::kThreads / 32 * sizeof(MergeScratch<HEAD_DIM>) <= Cfg::kSmemBytes,
-                "every warp's merge scratch fits in the kernel's shared memory");
+  static_assert(4 * (TQ * HEAD_DIM + TQ) <= Cfg::kSmemBytes,
+                "a merged tile (fp32 rows and LSEs) fits in the kernel's shared memory");
   extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa2_smem[];
   const int first = __ldg(p.cta_indptr + blockIdx.x);
   const int last = __ldg(p.cta_indptr + blockIdx.x + 1);
