@@ -160,9 +160,9 @@ struct BatchWork {
 // order (ascending KV start), so the result does not depend on which CTA finished first or which
 // CTA merges. No-softmax variants just add the parts.
 //
-// Who merges: in the FA2 batch kernel, the CTA whose partial completes an item (a per-item
-// arrival counter in the workspace, merge_if_last below) -- no second launch, and a decode step
-// is one kernel. The FA3 batch kernel keeps a merge kernel (fa2_merge: one CTA per split item),
+// Who merges: for small items (merged_in_place), the FA2 batch kernel's CTA whose partial
+// completes the item (a per-item arrival counter in the workspace, merge_if_last below); the
+// others -- and every split item of the FA3 batch kernel -- the merge kernel (fa2_merge),
 // described here.
 //
 // The partials were just written and sit in L2, so a row's merge is bound by load latency, not
@@ -177,7 +177,19 @@ struct MergeKernel {
   static constexpr int kThreads = 512;  // 16 warps, one row each at a time
   static constexpr int kChunk = 128;    // slots whose weights a warp stages at once
   static constexpr int kUnroll = 8;     // slot rows summed per step (independent loads)
+  static constexpr int kInPlaceLoads = 8;  // see merged_in_place
 };
+
+// Which split items the FA2 batch kernel (NT threads per CTA) merges in place: those whose merge
+// is at most kInPlaceLoads float4 loads per thread; the merge kernel takes the rest (and every
+// item of the FA3 batch kernel: NT = 0). On the H200 the in-place merge saved 6 us of a 94 us MHA
+// step (one row per item), was even at GQA-8 rows x 4 parts (16 loads per thread) and lost
+// 5-10 us on skewed batches, whose long requests have 10-30 parts: 64 threads walk them where the
+// merge kernel has 512.
+template <int D, int NT>
+__device__ __forceinline__ bool merged_in_place(int q_rows, int parts) {
+  return NT > 0 && parts * q_rows * (D / 4) <= MergeKernel::kInPlaceLoads * NT;
+}
 
 struct FloatRow {  // a staged output row, as the OutputTransform's `Vec`
   const float* row;
@@ -275,25 +287,30 @@ __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
   __syncwarp();  // the scratch is reused for the warp's next row
 }
 
-// The merge kernel (FA3 batch): CTA m merges split item m, one warp per row at a time.
-template <typename Variant, typename DType, int HEAD_DIM, int TQ>
+// The merge kernel: a fixed grid (at most one CTA per SM) walks the split items, m = blockIdx.x,
+// + gridDim.x, ..., up to the plan's num_merges; each item's rows one warp at a time. Items the
+// attention kernel merged in place (merged_in_place with its NT) are skipped.
+template <typename Variant, typename DType, int HEAD_DIM, int TQ, int NT>
 __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp) {
   constexpr int WARPS = MergeKernel::kThreads / 32;
   __shared__ MergeScratch<HEAD_DIM> scratch[WARPS];
-  const int m = blockIdx.x;
-  if (m >= __ldg(p.num_merges)) return;  // the grid is sized for the largest plan
-  const int* t = p.merge_out + 5 * m;
-  const MergeItem it{__ldg(t), __ldg(t + 1), __ldg(t + 2), __ldg(t + 3), __ldg(t + 4),
-                     __ldg(p.merge_indptr + m), __ldg(p.merge_indptr + m + 1)};
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int num_merges = __ldg(p.num_merges);
 #pragma unroll 1
-  for (int r = warp; r < it.q_rows; r += WARPS)
-    merge_row<Variant, DType, HEAD_DIM, TQ>(p, vp, it, r, lane, scratch[warp]);
+  for (int m = blockIdx.x; m < num_merges; m += gridDim.x) {
+    const int* t = p.merge_out + 5 * m;
+    const MergeItem it{__ldg(t), __ldg(t + 1), __ldg(t + 2), __ldg(t + 3), __ldg(t + 4),
+                       __ldg(p.merge_indptr + m), __ldg(p.merge_indptr + m + 1)};
+    if (merged_in_place<HEAD_DIM, NT>(it.q_rows, it.s1 - it.s0)) continue;
+#pragma unroll 1
+    for (int r = warp; r < it.q_rows; r += WARPS)
+      merge_row<Variant, DType, HEAD_DIM, TQ>(p, vp, it, r, lane, scratch[warp]);
+  }
 }
 
-// After a split unit of the FA2 batch kernel wrote its partial state: count the part in the
-// item's arrival counter; the CTA that brings the count to the item's number of parts merges the
+// After a split unit of the FA2 batch kernel wrote its partial state, if its item is merged in
+// place: count the part in the item's arrival counter; the CTA that brings the count to the item's number of parts merges the
 // item and puts the counter back to 0, so the next launch -- a CUDA-graph replay with another
 // plan -- starts from zero. Release/acquire: every thread fences its partial stores before the
 // barrier and thread 0's atomic; the merging CTA's thread 0 fences after it, before the barrier
@@ -313,21 +330,20 @@ __device__ __forceinline__ void merge_if_last(const attncc::BatchParams& p,
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
   constexpr bool kSoftmax = Variant::use_softmax;
-  __shared__ int merge_first, merge_end;  // the item's parts, or merge_first = -1: not ours
+  __shared__ bool merging;  // this CTA wrote the item's last part
+  const int m = __ldg(p.slot_merge + u.slot);
+  const int s0 = __ldg(p.merge_indptr + m), s1 = __ldg(p.merge_indptr + m + 1);
+  if (!merged_in_place<D, NT>(u.q_rows, s1 - s0)) return;  // the merge kernel's (CTA-uniform)
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    const int m = __ldg(p.slot_merge + u.slot);
-    const int s0 = __ldg(p.merge_indptr + m), s1 = __ldg(p.merge_indptr + m + 1);
     const bool last = atomicAdd(p.merge_count + m, 1) == s1 - s0 - 1;
     if (last) p.merge_count[m] = 0;  // every part arrived: nobody else touches it this launch
     __threadfence();
-    merge_first = last ? s0 : -1;
-    merge_end = s1;
+    merging = last;
   }
   __syncthreads();
-  const int s0 = merge_first, s1 = merge_end;
-  if (s0 < 0) return;
+  if (!merging) return;
 
   float* rows = reinterpret_cast<float*>(smem);  // [TQ][D] merged, normalized rows
   float* lses = rows + TQ * D;                    // [TQ]
@@ -416,12 +432,18 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
 }  // namespace attncc
 
 // The line codegen emits per batch kernel: the persistent attention kernel NAME (grid: the plan's
-// num_ctas; block: Config::kThreads; dynamic shared memory: Config::kSmemBytes), which also
-// merges split items (merge_if_last: no merge kernel).
+// num_ctas; block: Config::kThreads; dynamic shared memory: Config::kSmemBytes), which merges
+// small split items itself, and the merge kernel NAME_merge for the others (grid: at most one
+// CTA per SM; block: MergeKernel::kThreads; static shared memory).
 #define ATTNCC_FA2_BATCH_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS) \
   extern "C" __global__ void ATTNCC_FA2_LAUNCH_BOUNDS(HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)\
       NAME(attncc::BatchParams p, VARIANT::Params vp) {                                            \
     attncc::fa2::fa2_batch<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(p, vp);   \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(attncc::fa2::MergeKernel::kThreads, 1)              \
+      NAME##_merge(attncc::BatchParams p, VARIANT::Params vp) {                                    \
+    attncc::fa2::fa2_merge<VARIANT, DTYPE, HEAD_DIM, TQ,                                           \
+        attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kThreads>(p, vp);       \
   }
 
 #endif  // ATTNCC_FA2_BATCH_CUH

@@ -282,7 +282,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
 
 // The line codegen emits per FA3 batch kernel: the persistent attention kernel NAME (grid: the
 // plan's num_ctas; block: kThreads = 384; dynamic shared memory Smem::kBytes) and the merge
-// kernel NAME_merge of fa2_batch.cuh (grid: the layout's max_merges; block: MergeKernel::kThreads).
+// kernel NAME_merge of fa2_batch.cuh (grid: at most one CTA per SM; block: MergeKernel::kThreads).
 #define ATTNCC_FA3_BATCH_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS) \
   extern "C" __global__ void __launch_bounds__(attncc::fa3::kThreads, 1)                           \
       NAME(attncc::BatchParams p, VARIANT::Params vp) {                                            \
@@ -292,7 +292,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
   }                                                                                                \
   extern "C" __global__ void __launch_bounds__(attncc::fa2::MergeKernel::kThreads, 1)              \
       NAME##_merge(attncc::BatchParams p, VARIANT::Params vp) {                                    \
-    attncc::fa2::fa2_merge<VARIANT, DTYPE, HEAD_DIM, TQ>(p, vp);                                   \
+    attncc::fa2::fa2_merge<VARIANT, DTYPE, HEAD_DIM, TQ, 0>(p, vp);                                \
   }
 
 #endif  // ATTNCC_FA3_BATCH_CUH

@@ -8,10 +8,10 @@
   it with the batch's page tables into a pinned host buffer (two halves that plans take in
   turn) and copies the words in use to fixed offsets of the workspace with a few asynchronous
   copies.
-- `run(q, kv_cache)` launches the persistent FA2 kernel over the plan (kernels/fa2_batch.cuh;
-  the CTA that writes a split item's last part merges it), or the FA3 batch kernel and its merge
-  kernel. Every pointer and grid size is fixed by the workspace, so `run` can be captured once
-  in a CUDA graph and replayed after new `plan` calls.
+- `run(q, kv_cache)` launches the persistent FA2 (or FA3) kernel over the plan and the merge
+  kernel (kernels/fa2_batch.cuh; the FA2 kernel merges small split items itself: the CTA that
+  writes an item's last part). Every pointer and both grid sizes are fixed by the workspace, so
+  `run` can be captured once in a CUDA graph and replayed after new `plan` calls.
 
 Layouts (FlashInfer's names): `q`, `out` are `[total_q_tokens, num_qo_heads, head_dim]` with request
 i owning tokens `qo_indptr[i] .. qo_indptr[i+1]`. KV caches:
@@ -241,8 +241,7 @@ class _LazyPlan:
 
 
 class _Kernels:
-    """The compiled batch kernel (and, for FA3, its merge kernel) for one (variant, head dim,
-    dtype, tiles)."""
+    """The compiled batch kernel and its merge kernel for one (variant, head dim, dtype, tiles)."""
 
     def __init__(self, ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
                  device: int) -> None:
@@ -271,9 +270,8 @@ class _Kernels:
         self.spill_bytes = _spill_bytes(res.log)
         self.attend = load_kernel(res.cubin, name, bp_layout, vp_layout, device=device,
                                   dynamic_smem=self.config.smem_bytes)
-        # the FA3 batch kernel's split items are merged by a second kernel; FA2's by its last part
         self.merge = load_kernel(res.cubin, name + "_merge", bp_layout, vp_layout,
-                                 device=device) if tiles.kernel == "fa3" else None
+                                 device=device)
 
 
 _KERNELS: dict[tuple, _Kernels] = {}
@@ -877,8 +875,9 @@ class BatchAttention:
         cfg = kern.config
         kern.attend.launch((lay.max_ctas, 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
                            kern.attend.ap.flatten(bp), kern.attend.vp.flatten(vp), stream=stream)
-        if lay.max_merges and kern.merge is not None:  # FA3; the FA2 kernel merges in place
-            kern.merge.launch((lay.max_merges, 1, 1), (MERGE_THREADS, 1, 1), 0,
+        if lay.max_merges:  # the split items the attention kernel did not merge in place
+            grid = min(lay.max_merges, _num_sms(self.device))
+            kern.merge.launch((grid, 1, 1), (MERGE_THREADS, 1, 1), 0,
                               kern.merge.ap.flatten(bp),
                               kern.merge.vp.flatten(vp), stream=stream)
         return (out, lse) if return_lse else out
@@ -1020,9 +1019,9 @@ def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end:
     fa3_batch.cuh and the merge) read only used words. The attention grid is
     layout.max_ctas CTAs, which is the plan's num_ctas (BatchAttention sizes the layout by it),
     and CTA c reads cta_indptr[c], [c + 1], then cta_units in [0, num_units) and the units
-    those name (a split unit's slot_merge[slot] and that item's merge_indptr pair); merge CTA m
-    returns unless m < num_merges (the header) and then reads merge_out[m], merge_indptr[m],
-    [m + 1]; the page
+    those name (a split unit's slot_merge[slot] and that item's merge_indptr pair); the merge
+    kernel's CTAs read merge_out[m], merge_indptr[m], [m + 1] for m < num_merges (the header)
+    only; the page
     tables are read per planned request (tests/test_batch.py,
     test_used_ranges_carry_everything_the_kernels_read, fills the gaps with garbage).
 

@@ -47,8 +47,8 @@ def fa2_source(ir: VariantIR, *, head_dim: int, dtype: str, tq: int, tkv: int,
                kv_warps: int = 1) -> tuple[str, str, Any, Any]:
     """(source, kernel_name, params_layout, first_argument_layout) of an FA2 kernel for `ir`:
     codegen's `kernel="fa2"` translation unit (first argument AttentionParams) or, with
-    `batch=True`, `kernel="fa2batch"`: the persistent serving kernel, which also merges split
-    KV ranges (first argument BatchParams).
+    `batch=True`, `kernel="fa2batch"`: the persistent serving kernel plus its merge kernel
+    `<kernel_name>_merge` (first argument BatchParams).
 
     Example:
         >>> src, name, _, _ = fa2_source(VariantIR(name="plain"), head_dim=64, dtype="bfloat16",
