@@ -10,10 +10,11 @@
 // fixed (k x #SMs): CTA c runs the work units cta_units[cta_indptr[c] .. cta_indptr[c+1]) one
 // after another. A unit is (request, KV head, a tile of up to TQ fused query rows, a KV range).
 // A unit that covers its rows' whole KV range writes the output directly; the units of a split
-// range write fp32 partial states to the workspace, and the CTA that writes an item's last part
-// combines them -- in the plan's fixed order, so the same lengths give bitwise the same output --
-// then applies the OutputTransform. Because every pointer and the grid size are fixed, the launch
-// can be captured once in a CUDA graph and replayed with new plans.
+// range write fp32 partial states to the workspace, and the CTA that writes a small item's last
+// part, or else the merge kernel, combines them -- in the plan's fixed order, so the same lengths
+// give bitwise the same output -- then applies the OutputTransform. Because every pointer and both
+// grid sizes are fixed, the pair of launches can be captured once in a CUDA graph and replayed
+// with new plans.
 //
 // Query positions: token t of a request with q_len queries and kv_len keys is query position
 // kv_len - q_len + t (the queries are the last q_len tokens of the sequence), which is what the
@@ -169,9 +170,9 @@ struct BatchWork {
 // bandwidth: a long request split into many chunks must not walk its slots one dependent load at
 // a time. The lanes first read up to 32 slots' LSEs at once (max and sum by shuffles) and stage
 // the slots' weights in shared memory; then every lane owns D/32 columns and sums the slots'
-// rows MergeKernel::kUnroll at a time, so that many independent loads are in flight per lane. Partials
-// are read with ld.global.cg (L2): another SM wrote them during this launch, and L1 is not
-// coherent across SMs.
+// rows MergeKernel::kUnroll at a time, so that many independent loads are in flight per lane.
+// Partials are read with ld.global.cg (L2): another SM wrote them during this launch, and L1 is
+// not coherent across SMs.
 // ---------------------------------------------------------------------------------------------
 struct MergeKernel {
   static constexpr int kThreads = 512;  // 16 warps, one row each at a time
@@ -238,10 +239,12 @@ __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
   for (int c0 = it.s0; c0 < it.s1; c0 += MergeKernel::kChunk) {
     const int n = min(MergeKernel::kChunk, it.s1 - c0);
     __syncwarp();  // the previous chunk's weights are consumed
-    for (int i = lane; i < n; i += 32)
-      scratch.wts[i] = !kSoftmax ? 1.f
-                                 : mx == neg_inf() ? 0.f
-                                                   : fast_exp2((lse_of(c0 + i) - mx) * kLog2e) * inv;
+    for (int i = lane; i < n; i += 32) {
+      float w = 1.f;
+      if constexpr (kSoftmax)
+        w = mx == neg_inf() ? 0.f : fast_exp2((lse_of(c0 + i) - mx) * kLog2e) * inv;
+      scratch.wts[i] = w;
+    }
     __syncwarp();
     // slots in plan order, one accumulator per column: the sum is the same on every run
 #pragma unroll MergeKernel::kUnroll
@@ -327,11 +330,11 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
 }
 
 // After a split unit of the FA2 batch kernel wrote its partial state, if its item is merged in
-// place: count the part in the item's arrival counter; the CTA that brings the count to the item's number of parts merges the
-// item and puts the counter back to 0, so the next launch -- a CUDA-graph replay with another
-// plan -- starts from zero. Release/acquire: every thread fences its partial stores before the
-// barrier and thread 0's atomic; the merging CTA's thread 0 fences after it, before the barrier
-// that lets every thread read other CTAs' partials.
+// place: count the part in the item's arrival counter; the CTA that brings the count to the
+// item's number of parts merges the item and puts the counter back to 0, so the next launch -- a
+// CUDA-graph replay with another plan -- starts from zero. Release/acquire: every thread fences
+// its partial stores before the barrier and thread 0's atomic; the merging CTA's thread 0 fences
+// after it, before the barrier that lets every thread read other CTAs' partials.
 //
 // The merge spreads the item over all the CTA's threads, one (row, 4 columns) element at a time:
 // each element walks the parts in plan order with an online combine (running max, rescaled sum),
