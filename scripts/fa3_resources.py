@@ -7,6 +7,7 @@ PATH (the H200 image has it under /usr/local/cuda/bin) -- counts HGMMA (wgmma), 
 with --out).
 
     python scripts/fa3_resources.py --out $OUT/fa3-resources.json
+    python scripts/fa3_resources.py --all      # every AttentionGym variant
 """
 from __future__ import annotations
 
@@ -68,8 +69,13 @@ def report(variant: str, head_dim: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--all", action="store_true",
+                    help="every AttentionGym variant, not only the benchmarked five")
     args = ap.parse_args()
-    recs = [report(v, d) for v in VARIANTS for d in (64, 128, 256)]
+    if args.all:
+        from examples.gym import GYM
+    variants = tuple(GYM) if args.all else VARIANTS
+    recs = [report(v, d) for v in variants for d in (64, 128, 256)]
     cols = ["variant", "head_dim", "tkv", "stages", "registers", "spill_bytes", "smem_bytes",
             "HGMMA", "USETMAXREG", "UTMALDG"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
