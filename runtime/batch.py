@@ -1021,8 +1021,7 @@ def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end:
     and CTA c reads cta_indptr[c], [c + 1], then cta_units in [0, num_units) and the units
     those name (a split unit's slot_merge[slot] and that item's merge_indptr pair); the merge
     kernel's CTAs read merge_out[m], merge_indptr[m], [m + 1] for m < num_merges (the header)
-    only; the page
-    tables are read per planned request (tests/test_batch.py,
+    only; the page tables are read per planned request (tests/test_batch.py,
     test_used_ranges_carry_everything_the_kernels_read, fills the gaps with garbage).
 
     Example:

@@ -59,7 +59,7 @@ HEADER_FIELDS = (
 """The int32 header at offset 0 of a packed plan, in this order."""
 
 PLAN_MAGIC = 0x4E4C5041  # b"APLN" little endian
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: the section after merge_indptr is slot_merge (was the identity merge_slots)
 _ALIGN = 4  # every packed section starts at a multiple of 4 int32 (16 bytes)
 _INT32_MAX = 2**31 - 1
 
