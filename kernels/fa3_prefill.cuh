@@ -10,7 +10,7 @@
 //     K/V tiles into a STAGES-deep ring. Stage s has a "full" mbarrier the copy engine completes
 //     with the tile's bytes, and an "empty" mbarrier the consumers arrive on when they are done
 //     reading it; the producer waits for "empty" before refilling. No CTA-wide barrier in the loop.
-//     It keeps 24 registers (setmaxnreg) and hands the rest to the consumers (240).
+//     It keeps 24 registers (setmaxnreg) and hands the rest to the consumers (240; see below).
 //   consumers (warpgroups 1 and 2): each owns 64 of the rows and runs the online-softmax loop
 //     with wgmma: S = Q K^T (both operands in shared memory, K-major), logits hooks and softmax
 //     in registers (exp2 domain), O += P V (P from registers, V N-major in shared memory).
@@ -70,9 +70,16 @@ constexpr int kConsumers = 2;          // consumer warpgroups, 64 query rows eac
 constexpr int kTQ = 64 * kConsumers;    // query rows per CTA
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kBoxBytes = 64 * 128;     // one TMA box: [64 rows][64 16-bit], 128B-swizzled
-// registers per thread after setmaxnreg: 24 x 128 + 240 x 256 <= 64K, one CTA per SM
+// Registers per thread after setmaxnreg. The warpgroups trade registers within the CTA's pool,
+// which is what the launch allocated: one CTA per SM, 65536 / 384 rounded down to a multiple of
+// 8 = 168 per thread, 64,512 in all -- not the SM's 64K. setmaxnreg.inc blocks until the pool
+// has the registers, so asking for more than it holds hangs the consumers forever (a producer
+// at 32: 32 x 128 + 240 x 256 = 65,536 > 64,512 -- the hang of the reverted counter scheduler).
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
+static_assert(kProducerRegs * 128 + kConsumers * 128 * kConsumerRegs <=
+                  65536 / kThreads / 8 * 8 * kThreads,
+              "setmaxnreg would ask for more registers than the CTA's pool holds: a hang");
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
