@@ -7,7 +7,11 @@ the attention must read (K and V of every request once, plus q and o), its fract
 copy's bandwidth measured in the same process (GPU time of a CUDA-graph replay; the eager
 figure, which includes the host path, is kept as `bw_fraction_eager`), plan() host time, the
 host time of one run() call, and the no-scheduler ablation
-(`attncc_noschedule`: one CTA per (request, KV head), no KV split).
+(`attncc_noschedule`: one CTA per (request, KV head), no KV split). `read_floor` is a plain
+`x.sum()` of a contiguous tensor of the same bytes, timed the same way: what just reading them
+costs in this harness (at small batches it is well under the copy bandwidth, partly because
+do_bench's L2 flush -- a 256 MB `zero_()` -- leaves dirty lines the next kernel writes back;
+bench/results/decode-breakdown-h200.md).
 
 FlexAttention and SDPA get the same KV in a padded [B, Hkv, max_len, D] cache with a length mask
 (FlexAttention: a BlockMask from `kv_idx < len[b]`; SDPA: a boolean attn_mask). `flex_paged` is
@@ -40,7 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 HQ, D, PAGE = 32, 128, 16
 BATCHES, HKVS, DISTS = (16, 64, 256), (32, 8, 4), ("constant", "uniform", "skewed")
-IMPLS = ("attncc", "attncc_noschedule", "flex", "flex_paged", "sdpa_mask")
+IMPLS = ("attncc", "attncc_noschedule", "flex", "flex_paged", "sdpa_mask", "read_floor")
 
 
 def kv_lengths(dist: str, batch: int, seed: int = 0) -> np.ndarray:
@@ -223,6 +227,12 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
                 else:
                     ref = res.float()
                 record(impl, ms, **extra)
+            elif impl == "read_floor":  # the same bytes, read once by a reduction
+                x = torch.empty(int(kv_bytes) // 2, dtype=torch.bfloat16, device="cuda")
+                x.normal_(generator=g)
+                t = time_call(lambda: x.sum(dtype=torch.float32))
+                record(impl, t.get("ms_graph", t["ms_eager"]), **t)
+                del x
             else:  # the comparisons: a call returning [batch, Hq, 1, D]
                 torch._dynamo.config.cache_size_limit = 256
                 if impl == "flex_paged":
@@ -255,7 +265,8 @@ def table(doc: dict[str, Any]) -> str:
              f"{m['date'][:10]}; decode, bf16, Hq={HQ}, D={D}, page {PAGE}; copy bandwidth "
              f"{m['copy_tb_s']:.2f} TB/s. Cells: fraction of copy bandwidth (TB/s).", "",
              "| batch | Hkv | dist | attncc | no scheduler | flex | flex paged | sdpa+mask "
-             "| attncc / best flex | plan us |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| read floor | attncc / best flex | plan us |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r["batch"], r["hkv"], r["dist"]) for r in res},
                   key=lambda k: (k[0], -k[1], DISTS.index(k[2])))
     for b, h, dist in keys:
@@ -292,7 +303,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         for i, impl in enumerate(IMPLS):
             ys = [next((r["bw_fraction"] for r in res if r["impl"] == impl and r["hkv"] == h
                         and (r["batch"], r["dist"]) == c), 0.0) for c in cells]
-            ax.bar(x + (i - (len(IMPLS) - 1) / 2) * 0.16, ys, 0.16, label=impl)
+            w = 0.8 / len(IMPLS)
+            ax.bar(x + (i - (len(IMPLS) - 1) / 2) * w, ys, w, label=impl)
         ax.set_xticks(x, [f"B{b}\n{d[:4]}" for b, d in cells], fontsize=7)
         ax.set_title(f"Hkv={h}")
         ax.set_ylim(0, 1.05)
