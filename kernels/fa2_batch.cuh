@@ -399,6 +399,8 @@ __device__ __forceinline__ void merge_if_last(const attncc::BatchParams& p,
   __syncthreads();
 
   const int gf = p.num_q_heads / p.num_kv_heads;
+  int q_pos0 = 0;  // the request's first query position (loads), once for all its elements
+  if constexpr (Variant::has_output_transform) q_pos0 = request_q_pos0(p, u.request);
 #pragma unroll 1
   for (int e = threadIdx.x; e < u.q_rows * D; e += NT) {
     const int r = e / D, d = e % D;
@@ -407,7 +409,7 @@ __device__ __forceinline__ void merge_if_last(const attncc::BatchParams& p,
     const int hq = u.kv_head * gf + (fr - tok * gf);
     float val = rows[e];
     if constexpr (Variant::has_output_transform) {
-      const int q_pos = query_position(p, request_q_pos0(p, u.request), u.qo_offset, tok);
+      const int q_pos = query_position(p, q_pos0, u.qo_offset, tok);
       val = Variant::OutputTransform(vp, FloatRow{rows + r * D}, u.request, hq, q_pos, d);
     }
     DType* out = reinterpret_cast<DType*>(p.o) + (u.qo_offset + tok) * p.o_stride_tok +
