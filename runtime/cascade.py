@@ -9,7 +9,8 @@ request. Cascade attention splits the work into two BatchAttention passes:
    them (the seed's large-B_r block row);
 2. each request's own suffix pages (block rows of one request, as in a normal batch);
 
-and merges the two attention states with the composition operator (`merge_pair`). No KV data
+and merges the two attention states with the composition operator (one launch of
+`merge_state_cuda`, or `merge_pair` where the states do not fit that kernel). No KV data
 moves: both passes read the same paged cache through different page lists. The hooks see true
 positions in both passes: query token t of request i is position `P + s_i - q_i + t` (P prefix
 tokens, s_i suffix tokens, q_i queries: the queries are the last tokens of prefix + suffix), and
@@ -38,6 +39,7 @@ from attncc.frontend import Variant
 
 from .batch import BatchAttention, _np_int
 from .merge import merge_pair
+from .merge_kernel import fits_kernel, merge_state_cuda
 
 __all__ = ["CascadeAttention"]
 
@@ -110,14 +112,19 @@ class CascadeAttention:
 
     def run(self, q: torch.Tensor, kv_cache: Any, *, return_lse: bool = False) -> Any:
         """`out [total_q, num_qo_heads, head_dim]` in q's dtype (and the merged lse)."""
+        if not self._softmax and return_lse:
+            raise ValueError("return_lse=True but the variant has normalize='none'")
         if self._softmax:
             o1, l1 = self.prefix.run(q, kv_cache, return_lse=True)
             o2, l2 = self.suffix.run(q, kv_cache, return_lse=True)
-            o, lse = merge_pair(o1.float(), l1, o2.float(), l2)
-            out = o.to(q.dtype)
+        else:
+            o1, l1 = self.prefix.run(q, kv_cache), None
+            o2, l2 = self.suffix.run(q, kv_cache), None
+        if fits_kernel(o1, l1, o2, l2):  # one launch (a dozen elementwise ops otherwise)
+            out, lse = merge_state_cuda(o1, l1, o2, l2, want_lse=return_lse)
             return (out, lse) if return_lse else out
-        if return_lse:
-            raise ValueError("return_lse=True but the variant has normalize='none'")
-        o1 = self.prefix.run(q, kv_cache)
-        o2 = self.suffix.run(q, kv_cache)
-        return (o1.float() + o2.float()).to(q.dtype)
+        if not self._softmax:
+            return (o1.float() + o2.float()).to(q.dtype)
+        o, lse = merge_pair(o1.float(), l1, o2.float(), l2)
+        out = o.to(q.dtype)
+        return (out, lse) if return_lse else out

@@ -261,7 +261,8 @@ class KernelLauncher:
 
     `launch(grid, block, smem, ap_flat, vp_flat, stream=None)` packs the two flat tuples (see
     `StructPacker.flatten`) and launches on `stream` (an int CUstream handle; None = torch's
-    current stream for the device). Thread-safe: packing and launching happen under a lock, since
+    current stream for the device). A kernel with one argument struct has `params_layout=None`
+    (`vp` is then None and `vp_flat` is ignored). Thread-safe: packing and launching happen under a lock, since
     the argument buffers are shared (the driver copies them during cuLaunchKernel).
     """
 
@@ -287,8 +288,10 @@ class KernelLauncher:
         if dynamic_smem:
             self.set_dynamic_smem(dynamic_smem)
         self.ap = StructPacker(attention_layout)
-        self.vp = StructPacker(params_layout)
-        self._args = (ctypes.c_void_p * 2)(self.ap.address, self.vp.address)
+        # a kernel of one argument struct (the merge-state kernel) has no VariantParams
+        self.vp = StructPacker(params_layout) if params_layout is not None else None
+        addrs = (self.ap.address,) if self.vp is None else (self.ap.address, self.vp.address)
+        self._args = (ctypes.c_void_p * len(addrs))(*addrs)
         self._args_addr = ctypes.addressof(self._args)
         self._lock = threading.Lock()
         self._streams: dict[int, Any] = {}
@@ -331,7 +334,8 @@ class KernelLauncher:
             self.set_dynamic_smem(smem)
         with self._lock:
             self.ap.pack_values_fast(ap_flat)
-            self.vp.pack_values_fast(vp_flat)
+            if self.vp is not None:
+                self.vp.pack_values_fast(vp_flat)
             err, = _driver().cuLaunchKernel(self.function, grid[0], grid[1], grid[2], block[0],
                                             block[1], block[2], smem, self._stream(stream),
                                             self._args_addr, 0)

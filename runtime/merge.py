@@ -51,7 +51,8 @@ def merge_state(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
     """Merge two attention states over disjoint KV ranges: ``(o [..., D], lse [...])``.
 
     ``o_*`` is ``[..., D]``, ``lse_*`` is ``[...]`` (natural log). Computes in the promoted
-    dtype of the inputs. A ``-inf`` lse marks an empty state: its ``o`` is ignored (even if
+    dtype of the inputs; CUDA states that fit `runtime/merge_kernel.py`'s kernel (one storage
+    type, contiguous, float32 lse, head dim a multiple of 8) merge in one launch, in float32. A ``-inf`` lse marks an empty state: its ``o`` is ignored (even if
     it is nan); two empty states give ``o = 0``, ``lse = -inf``.
 
     Example:
@@ -68,6 +69,11 @@ def merge_state(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
     _check(o_b, lse_b, "merge_state(o_b, lse_b)")
     if o_a.shape != o_b.shape:
         raise ValueError(f"merge_state: o_a {tuple(o_a.shape)} and o_b {tuple(o_b.shape)} differ")
+    if o_a.is_cuda:
+        from .merge_kernel import fits_kernel, merge_state_cuda
+
+        if fits_kernel(o_a, lse_a, o_b, lse_b):  # one launch, float32 math
+            return merge_state_cuda(o_a, lse_a, o_b, lse_b)  # type: ignore[return-value]
     return merge_pair(o_a, lse_a, o_b, lse_b)
 
 

@@ -226,6 +226,16 @@ _PREPASS_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
 
 PREPASS_PARAMS: StructLayout = struct_layout("attncc::PrepassParams", _PREPASS_PARAMS_MEMBERS)
 
+# Mirrors kernels/merge_state.cuh's MergeStateParams (two attention states merged into one).
+_MERGE_STATE_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
+    ("o_a", "const void*"), ("lse_a", "const float*"), ("o_b", "const void*"),
+    ("lse_b", "const float*"), ("o_out", "void*"), ("lse_out", "float*"),
+    ("rows", "attncc::i64"), ("head_dim", "int"), ("softmax", "int"),
+)
+
+MERGE_STATE_PARAMS: StructLayout = struct_layout("attncc::MergeStateParams",
+                                                 _MERGE_STATE_PARAMS_MEMBERS)
+
 # ----------------------------------------------------------------------------- C names
 
 _CPP_KEYWORDS = frozenset("""

@@ -272,7 +272,7 @@ def test_invalid_input_raises_before_launch() -> None:
 
 @pytest.mark.parametrize("var,page,g", [("causal", 16, 4), ("alibi_causal", 16, 1),
                                         ("softcap_causal", 1, 8), ("rope", 64, 4),
-                                        ("plain", 16, 1)])
+                                        ("plain", 16, 1), ("sigmoid", 16, 2)])
 def test_cascade_equals_single_format(var: str, page: int, g: int) -> None:
     """Shared prefix + suffixes, merged, == one BatchAttention over prefix+suffix page lists."""
     from attncc.runtime.cascade import CascadeAttention
