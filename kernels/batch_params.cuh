@@ -14,7 +14,6 @@
 //             request's first token, page_size = 2^30, kv_stride_page = kv_stride_slot.
 //   partial_o / partial_lse   workspace: slot s holds TQ rows of fp32 O [TQ, D] and LSE [TQ].
 //   merge_count               workspace: one arrival counter per split item (zeroed once).
-//   work_counter              workspace: the shared unit counter of the FA2 batch kernel.
 //   plan      the packed plan (attncc.runtime.scheduler): units, per-CTA queues, merge map.
 #ifndef ATTNCC_BATCH_PARAMS_CUH
 #define ATTNCC_BATCH_PARAMS_CUH
@@ -35,9 +34,7 @@ struct BatchParams {
     const int* kv_lens;          // [batch]
     const int* units;            // [num_units][8]: WORK_UNIT_DTYPE of attncc.runtime.scheduler
     const int* cta_indptr;       // [num_ctas + 1]: CTA c runs cta_units[cta_indptr[c] ..]
-    const int* cta_units;        // [2 * num_units]: the per-CTA queues (FA3 batch kernel), then
-                                 // unit_order: every unit in greedy order (FA2 batch kernel)
-    const int* num_units;        // device-side count (the plan header)
+    const int* cta_units;
     const int* merge_indptr;     // [num_merges + 1]: split item m's parts are partial slots
                                  // merge_indptr[m] .. merge_indptr[m + 1] (ascending kv start)
     const int* slot_merge;       // [num_partial_slots]: each slot's split item
@@ -50,8 +47,6 @@ struct BatchParams {
     int* merge_count;            // [max_merges] workspace: parts of each split item written so
                                  // far (0 between launches; the FA2 batch kernel's last part
                                  // merges and puts it back to 0)
-    int* work_counter;           // [2] workspace: the FA2 batch kernel's next unit_order index
-                                 // and its CTAs done (0 between launches: the last CTA resets)
     const void* tma;             // the FA3 batch kernel's q / k / v tensor maps (3 x 128 bytes,
                                  // fa3_batch.cuh), or null for the FA2 batch kernel
     i64 q_stride_tok, q_stride_h;

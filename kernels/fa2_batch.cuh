@@ -7,9 +7,8 @@
 //
 // The plan (attncc.runtime.scheduler.plan) is made on the host and copied to fixed offsets of the
 // workspace with a few asynchronous copies (the words in use). The attention kernel's grid is
-// fixed (k x #SMs): its CTAs take the work units one at a time from a shared counter, in the
-// plan's greedy order (fa2_batch below says why not the per-CTA queues). A unit is (request, KV
-// head, a tile of up to TQ fused query rows, a KV range).
+// fixed (k x #SMs): CTA c runs the work units cta_units[cta_indptr[c] .. cta_indptr[c+1]) one
+// after another. A unit is (request, KV head, a tile of up to TQ fused query rows, a KV range).
 // A unit that covers its rows' whole KV range writes the output directly; the units of a split
 // range write fp32 partial states to the workspace, and the CTA that writes a small item's last
 // part, or else the merge kernel, combines them -- in the plan's fixed order, so the same lengths
@@ -429,19 +428,7 @@ __device__ __forceinline__ void merge_if_last(const attncc::BatchParams& p,
   }
 }
 
-// The persistent attention kernel. Its CTAs take work units from one shared counter, in the
-// plan's greedy order (unit_order: longest first), rather than each running the queue the
-// planner gave it. Why: the planner balances the queues' *costs*, but a decode unit's time
-// depends on where its CTA sits -- the 3-6 CTAs of one SM share its load bandwidth, and a CTA
-// whose queue is one unit shorter than its neighbours' leaves its SM with fewer loads in flight
-// for the last round (measured on the H200: 2048 equal units on 792 CTAs ran at 0.84 of copy
-// bandwidth with static queues, 0.93 launched one CTA per unit). Taking the next unit when free
-// is the hardware block scheduler's balance with the planner's order. Thread 0 fetches the next
-// index while the CTA works on the current one, so the atomic's latency is hidden. The result
-// does not depend on which CTA runs a unit (a unit's output or partial slot is fixed by the
-// plan, and merges read parts in slot order), so runs stay bitwise equal.
-// The counter must be 0 at launch: the last CTA to finish puts it back (work_counter[1] counts
-// finished CTAs), so a CUDA-graph replay finds it at 0 without a reset launch.
+// The persistent attention kernel: this CTA's queue of work units, in order.
 template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,
           int M_FRAGS, int KV_WARPS>
 __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
@@ -450,33 +437,16 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
   static_assert(4 * (TQ * HEAD_DIM + TQ) <= Cfg::kSmemBytes,
                 "a merged tile (fp32 rows and LSEs) fits in the kernel's shared memory");
   extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa2_smem[];
-  __shared__ int next_index;
-  const int num_units = __ldg(p.num_units);
-  const int* unit_order = p.cta_units + num_units;  // the plan's second half of cta_units
-  if (threadIdx.x == 0) next_index = atomicAdd(p.work_counter, 1);
-  __syncthreads();
-  int i = next_index;
+  const int first = __ldg(p.cta_indptr + blockIdx.x);
+  const int last = __ldg(p.cta_indptr + blockIdx.x + 1);
 #pragma unroll 1
-  while (i < num_units) {
-    const WorkUnit u = load_unit(p.units, __ldg(unit_order + i));
-    int fetched = 0;
-    if (threadIdx.x == 0) fetched = atomicAdd(p.work_counter, 1);  // the next unit, early
+  for (int i = first; i < last; ++i) {
+    const WorkUnit u = load_unit(p.units, __ldg(p.cta_units + i));
+    __syncthreads();  // the previous unit's epilogue is done with shared memory
     const BatchWork<DType, HEAD_DIM, TQ, TKV, Cfg::kThreads> w(p, u);
     fa2_attend<Variant, DType, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(w, vp, p.sm_scale);
     if (u.slot >= 0)
       merge_if_last<Variant, DType, HEAD_DIM, TQ, Cfg::kThreads>(p, vp, u, attncc_fa2_smem);
-    __syncthreads();  // this unit's epilogue is done with shared memory; next_index was read
-    if (threadIdx.x == 0) next_index = fetched;
-    __syncthreads();
-    i = next_index;
-  }
-  if (threadIdx.x == 0) {
-    __threadfence();  // this CTA's last fetch is ordered before its arrival below
-    if (atomicAdd(p.work_counter + 1, 1) == (int)gridDim.x - 1) {
-      // every CTA has made its last fetch: ready for the next launch
-      atomicExch(p.work_counter, 0);
-      atomicExch(p.work_counter + 1, 0);
-    }
   }
 }
 

@@ -701,7 +701,7 @@ class BatchAttention:
         assert lay is not None
         mb = self.max_batch + 1
         return (lay.size + 4 * _pad4(mb) + _pad4(self.max_qo_tokens) + _pad4(self.max_pages)
-                + _pad4(lay.max_merges) + 4)  # + the work counter (4 words: alignment)
+                + _pad4(lay.max_merges))
 
     def _staging_for(self, layout: scheduler.PlanLayout
                      ) -> tuple[int, np.ndarray, dict[str, int]]:
@@ -734,9 +734,7 @@ class BatchAttention:
         pages = off + 4 * mb + qcap
         return {"qo_indptr": off, "kv_page_indptr": off + mb, "kv_lens": off + 2 * mb,
                 "kv_pos": off + 3 * mb, "q_pos": off + 4 * mb, "pages": pages,
-                # never staged: counters the kernels keep at 0 between launches (_workspace_for)
-                "merge_count": pages + _pad4(self.max_pages),
-                "work_counter": pages + _pad4(self.max_pages) + _pad4(layout.max_merges)}
+                "merge_count": pages + _pad4(self.max_pages)}  # never staged: see _workspace_for
 
     def _stage(self, buf: np.ndarray, b: _Batch, o: dict[str, int]) -> None:
         """Write the page tables at the word offsets `o` of the staging buffer `buf` (numpy:
@@ -785,11 +783,10 @@ class BatchAttention:
             ws = self.workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
         if ws.dtype != torch.uint8 or ws.device != self.device:
             raise ValueError("workspace_buffer must be a uint8 tensor on the kernel's device")
-        # The split items' arrival counters (kernels/fa2_batch.cuh merge_if_last) and the unit
-        # counter (fa2_batch) start at 0; each launch leaves them at 0. Zeroed on the stream,
-        # after any run still reading the region.
+        # The split items' arrival counters (kernels/fa2_batch.cuh merge_if_last) start at 0; each
+        # launch leaves them at 0. Zeroed on the stream, after any run still reading the region.
         count_at = 4 * self._table_offsets(lay)["merge_count"]
-        ws[count_at: count_at + 4 * (_pad4(lay.max_merges) + 4)].zero_()
+        ws[count_at: count_at + 4 * lay.max_merges].zero_()
         self._ws_checked = (ws, lay, self.head_dim, self._int_words())
         return ws
 
@@ -855,10 +852,8 @@ class BatchAttention:
             "cta_units": base + 4 * sec["cta_units"], "merge_indptr": base + 4 * sec["merge_indptr"],
             "slot_merge": base + 4 * sec["slot_merge"], "merge_out": base + 4 * sec["merge_out"],
             "merge_count": base + 4 * o["merge_count"],
-            "work_counter": base + 4 * o["work_counter"],
             "num_merges": base + 4 * (sec["header"]
                                       + scheduler.HEADER_FIELDS.index("num_merges")),
-            "num_units": base + 4 * (sec["header"] + scheduler.HEADER_FIELDS.index("num_units")),
             "q_stride_tok": q.stride(0), "q_stride_h": q.stride(1),
             "o_stride_tok": out.stride(0), "o_stride_h": out.stride(1),
             "kv_stride_page": strides[0], "kv_stride_slot": strides[1], "kv_stride_h": strides[2],
@@ -1023,10 +1018,8 @@ def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end:
     Copying the unused words in a gap is harmless: the kernels (kernels/fa2_batch.cuh,
     fa3_batch.cuh and the merge) read only used words. The attention grid is
     layout.max_ctas CTAs, which is the plan's num_ctas (BatchAttention sizes the layout by it),
-    and the FA3 batch kernel's CTA c reads cta_indptr[c], [c + 1], then cta_units in
-    [0, num_units), the FA2 batch kernel's CTAs unit_order (cta_units in [num_units,
-    2 num_units)), and both the units those name (a split unit's slot_merge[slot] and that
-    item's merge_indptr pair); the merge
+    and CTA c reads cta_indptr[c], [c + 1], then cta_units in [0, num_units) and the units
+    those name (a split unit's slot_merge[slot] and that item's merge_indptr pair); the merge
     kernel's CTAs read merge_out[m], merge_indptr[m], [m + 1] for m < num_merges (the header)
     only; the page tables are read per planned request (tests/test_batch.py,
     test_used_ranges_carry_everything_the_kernels_read, fills the gaps with garbage).

@@ -59,7 +59,7 @@ HEADER_FIELDS = (
 """The int32 header at offset 0 of a packed plan, in this order."""
 
 PLAN_MAGIC = 0x4E4C5041  # b"APLN" little endian
-PLAN_VERSION = 3  # 2: slot_merge after merge_indptr (was the identity merge_slots); 3: unit_order
+PLAN_VERSION = 2  # 2: the section after merge_indptr is slot_merge (was the identity merge_slots)
 _ALIGN = 4  # every packed section starts at a multiple of 4 int32 (16 bytes)
 _INT32_MAX = 2**31 - 1
 
@@ -145,18 +145,14 @@ class PlanLayout:
 
     Sections (int32, each at a multiple of 4): ``header`` (`HEADER_FIELDS`), ``units``
     (``max_units * 8``, `WORK_UNIT_DTYPE` rows), ``cta_indptr`` (``max_ctas + 1``),
-    ``cta_units`` (``2 * max_units``: the per-CTA queues in words ``[0, num_units)``, then
-    ``unit_order`` in ``[num_units, 2 * num_units)`` -- every unit once, in the scheduler's
-    greedy order, longest first: the order in which a kernel that takes units from one shared
-    counter hands them out; one section, so one copy uploads both), ``merge_indptr``
-    (``max_merges + 1``), ``slot_merge``
+    ``cta_units`` (``max_units``), ``merge_indptr`` (``max_merges + 1``), ``slot_merge``
     (``max_partial_slots``), ``merge_out`` (``max_merges * 5``, `MERGE_TARGET_DTYPE` rows).
 
     Example:
         >>> layout = PlanLayout(max_batch=256, max_qo_tokens=8192, max_ctas=264,
         ...                     num_qo_heads=32, num_kv_heads=8, tile_q=64)
         >>> layout.max_units, layout.max_partial_slots, layout.size
-        (8223, 4222, 99408)
+        (8223, 4222, 91184)
         >>> layout.offsets["units"], layout.offsets["cta_indptr"]
         (16, 65800)
     """
@@ -193,7 +189,7 @@ class PlanLayout:
             "header": len(HEADER_FIELDS),
             "units": derived["max_units"] * len(WORK_UNIT_DTYPE.names),
             "cta_indptr": p + 1,
-            "cta_units": 2 * derived["max_units"],
+            "cta_units": derived["max_units"],
             "merge_indptr": derived["max_merges"] + 1,
             "slot_merge": derived["max_partial_slots"],
             "merge_out": derived["max_merges"] * len(MERGE_TARGET_DTYPE.names),
@@ -244,7 +240,7 @@ class PlanLayout:
         """
         n, m = header["num_units"], header["num_merges"]
         return {"header": len(HEADER_FIELDS), "units": n * len(WORK_UNIT_DTYPE.names),
-                "cta_indptr": header["num_ctas"] + 1, "cta_units": 2 * n, "merge_indptr": m + 1,
+                "cta_indptr": header["num_ctas"] + 1, "cta_units": n, "merge_indptr": m + 1,
                 "slot_merge": header["num_partial_slots"],
                 "merge_out": m * len(MERGE_TARGET_DTYPE.names)}
 
@@ -268,8 +264,6 @@ class PlanLayout:
         for name in list(used)[1:]:  # the sections after the header, as views of `buf`
             out[name] = buf[self.offsets[name]: self.offsets[name] + used[name]]
         out["units"] = out["units"].view(WORK_UNIT_DTYPE)
-        queues = out["cta_units"]
-        out["cta_units"], out["unit_order"] = queues[:out["num_units"]], queues[out["num_units"]:]
         out["merge_out"] = out["merge_out"].view(MERGE_TARGET_DTYPE)
         return out
 

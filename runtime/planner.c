@@ -59,7 +59,7 @@ typedef struct {
   /* in: the PlanLayout (maxima, int32 size, section offsets) and the header's constants */
   i64 max_batch, max_qo_tokens, max_ctas, max_units, max_merges, max_slots, layout_size;
   i64 off_header, off_units, off_cta_indptr, off_cta_units, off_merge_indptr, off_slot_merge,
-      off_merge_out; /* cta_units: the queues [0, n), then unit_order [n, 2n) */
+      off_merge_out;
   i64 magic, version;
   /* out */
   i64 chunk, num_units, num_merges, num_slots, scratch_bytes;
@@ -258,27 +258,23 @@ static void sort_groups(group* g, i64 n, group* tmp) {
 }
 
 /* Append the units of cost group k, in unit order, to their CTAs' queues: the CTA of the unit
- * at greedy position pos is assign[pos]; order[pos] gets the unit. Returns the next position. The group's units are
+ * at greedy position pos is assign[pos]. Returns the next position. The group's units are
  * tiles [t0, t1) x chunks [c0, c1) of each head; one loop walks them, its counters wrapping
  * without branches (a short inner loop per (head, tile) would mispredict its exit: chunk counts
  * change from group to group). */
 static i64 enqueue_group(i64 k, i64 count, const requests* rq, const i32* assign, i64 pos,
-                         i64* fill, i32* cta_units, i32* order) {
+                         i64* fill, i32* cta_units) {
   const i64 i = k >> 2, nt = rq->nt[i], nc = rq->nc[i];
   const i64 t0 = (k & 2) ? nt - 1 : 0, t1 = (k & 2) ? nt : nt - 1;
   const i64 c0 = (k & 1) ? nc - 1 : 0, c1 = (k & 1) ? nc : nc - 1;
   const i64 head_skip = (nt - (t1 - t0)) * nc; /* from (h, t1, 0) to (h + 1, t0, 0) */
   i64 row = rq->first[i] + t0 * nc, t = t0, c = c0;
   if (head_skip == 0 && c1 - c0 == nc) { /* all of the request's units (decode): consecutive */
-    for (i64 j = 0; j < count; ++j) {
-      cta_units[fill[assign[pos + j]]++] = (i32)(row + j);
-      order[pos + j] = (i32)(row + j);
-    }
+    for (i64 j = 0; j < count; ++j) cta_units[fill[assign[pos + j]]++] = (i32)(row + j);
     return pos + count;
   }
   for (i64 j = 0; j < count; ++j) {
     cta_units[fill[assign[pos + j]]++] = (i32)(row + c);
-    order[pos + j] = (i32)(row + c);
     const int next_t = ++c == c1, next_h = (t + next_t) == t1;
     c = next_t ? c0 : c;
     row += (next_t ? nc : 0) + (next_h ? head_skip : 0);
@@ -482,11 +478,10 @@ static i64 schedule(const plan_args* a, const i64* g_count, const i64* g_ticks, 
   return ng;
 }
 
-/* Per-CTA queues in assignment order (a stable counting sort by CTA), and every unit in greedy
- * order (unit_order). fill: [P]. */
+/* Per-CTA queues in assignment order (a stable counting sort by CTA). fill: [P]. */
 static void queues(const requests* rq, const i64* g_count, const group* groups, i64 ng,
                    const i32* assign, const ctas* s, i64* fill, i32* cta_indptr,
-                   i32* cta_units, i32* order) {
+                   i32* cta_units) {
   i64 at = 0; /* (a register, not cta_indptr[c] read back: that chained every step) */
   cta_indptr[0] = 0;
   for (i64 c = 0; c < s->P; ++c) {
@@ -495,8 +490,7 @@ static void queues(const requests* rq, const i64* g_count, const group* groups, 
     cta_indptr[c + 1] = (i32)at;
   }
   for (i64 r = 0, pos = 0; r < ng; ++r)
-    pos = enqueue_group(groups[r].id, g_count[groups[r].id], rq, assign, pos, fill, cta_units,
-                        order);
+    pos = enqueue_group(groups[r].id, g_count[groups[r].id], rq, assign, pos, fill, cta_units);
 }
 
 /* The plan of a->batch, packed into buf as Plan.pack(layout, out=buf) writes it: the header,
@@ -547,8 +541,7 @@ int attncc_plan_pack(plan_args* a, i32* buf, void* scratch, i64 scratch_bytes) {
   group_ticks(a, g, &rq, g_count, g_ticks);
   const i64 ng = schedule(a, g_count, g_ticks, groups, tmp, assign, &s);
   i32* cta_indptr = buf + a->off_cta_indptr;
-  queues(&rq, g_count, groups, ng, assign, &s, fill, cta_indptr, buf + a->off_cta_units,
-         buf + a->off_cta_units + n);
+  queues(&rq, g_count, groups, ng, assign, &s, fill, cta_indptr, buf + a->off_cta_units);
   for (i64 c = P + 1; c <= a->max_ctas; ++c) cta_indptr[c] = (i32)n;
   return 0;
 }
@@ -724,7 +717,7 @@ typedef struct {
 static void used_ranges(const plan_args* a, table_offsets* o) {
   const i64 n = a->num_units, m = a->num_merges;
   i64 span[8][2] = {{a->off_header, 16},          {a->off_units, 8 * n},
-                    {a->off_cta_indptr, a->num_ctas + 1}, {a->off_cta_units, 2 * n},
+                    {a->off_cta_indptr, a->num_ctas + 1}, {a->off_cta_units, n},
                     {a->off_merge_indptr, m + 1}, {a->off_slot_merge, a->num_slots},
                     {a->off_merge_out, 5 * m},    {o->qo_indptr, 0}};
   for (int k = 0; k < 7; ++k) span[k][1] += span[k][0]; /* (offset, words) -> [start, end) */

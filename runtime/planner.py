@@ -277,7 +277,7 @@ def compiled_plan(qo: np.ndarray, kv: np.ndarray, *, g: int, hk: int, tile_q: in
                   ) -> dict[str, Any]:
     """The plan's arrays from the C planner. Inputs must already be validated (the scheduler
     does that): `qo` int64 [batch+1], `kv` int64 [batch]. Keys: chunk, units ([n, 8] int32),
-    cta_indptr, cta_units, unit_order, merge_indptr, merge_out ([m, 5] int32), num_slots.
+    cta_indptr, cta_units, merge_indptr, merge_out ([m, 5] int32), num_slots.
     """
     lib = _lib()
     if not lib:
@@ -290,7 +290,7 @@ def compiled_plan(qo: np.ndarray, kv: np.ndarray, *, g: int, hk: int, tile_q: in
     _run_pack(args, 0)  # every maximum 0: returns 1 with the plan's sizes
     chunk, n, m, slots = args.chunk, args.num_units, args.num_merges, args.num_slots
     # a layout with exactly these sizes, sections back to back
-    lengths = (16, 8 * n, num_ctas + 1, 2 * n, m + 1, slots, 5 * m)
+    lengths = (16, 8 * n, num_ctas + 1, n, m + 1, slots, 5 * m)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     buf = np.empty(offsets[-1], dtype=np.int32)
     args.max_batch, args.max_qo_tokens, args.max_ctas = kv.size, int(qo[-1]), num_ctas
@@ -301,8 +301,7 @@ def compiled_plan(qo: np.ndarray, kv: np.ndarray, *, g: int, hk: int, tile_q: in
     assert code == 0, code
     sec = {s: buf[offsets[i]:offsets[i + 1]] for i, s in enumerate(_SECTIONS)}
     return {"chunk": chunk, "units": sec["units"].reshape(n, 8),
-            "cta_indptr": sec["cta_indptr"], "cta_units": sec["cta_units"][:n],
-            "unit_order": sec["cta_units"][n:],
+            "cta_indptr": sec["cta_indptr"], "cta_units": sec["cta_units"],
             "merge_indptr": sec["merge_indptr"], "merge_out": sec["merge_out"].reshape(m, 5),
             "num_slots": slots}
 

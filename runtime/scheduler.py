@@ -226,9 +226,6 @@ class Plan:
         units: `WORK_UNIT_DTYPE` ``[num_units]``, ordered by (request, kv_head, tile, kv chunk).
         cta_indptr: int32 ``[num_ctas+1]``, CSR of the per-CTA queues in ``cta_units``.
         cta_units: int32 ``[num_units]``, unit indices, each CTA's queue in execution order.
-        unit_order: int32 ``[num_units]``, every unit index once in the greedy order the queues
-            were filled in (cost descending): a kernel that hands units out from one shared
-            counter (kernels/fa2_batch.cuh) takes them in this order.
         merge_indptr: int32 ``[num_merges+1]``: split item m's partials are the workspace slots
             ``merge_indptr[m] .. merge_indptr[m+1]``, ascending in kv start.
         slot_merge: int32 ``[num_partial_slots]``: the split item (merge) each slot belongs to.
@@ -257,7 +254,6 @@ class Plan:
     units: np.ndarray
     cta_indptr: np.ndarray
     cta_units: np.ndarray
-    unit_order: np.ndarray
     merge_indptr: np.ndarray
     slot_merge: np.ndarray
     merge_out: np.ndarray
@@ -326,7 +322,6 @@ class Plan:
         buf[o: o + self.num_ctas + 1] = self.cta_indptr
         buf[o + self.num_ctas + 1: o + layout.max_ctas + 1] = n
         buf[off["cta_units"]: off["cta_units"] + n] = self.cta_units
-        buf[off["cta_units"] + n: off["cta_units"] + 2 * n] = self.unit_order
         o = off["merge_indptr"]
         buf[o: o + self.num_merges + 1] = self.merge_indptr
         buf[o + self.num_merges + 1: o + layout.max_merges + 1] = self.num_partial_slots
@@ -383,7 +378,6 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
                 kv_lens=_frozen(kv.astype(np.int32)),
                 units=_frozen(r["units"].view(WORK_UNIT_DTYPE).reshape(-1)),
                 cta_indptr=_frozen(r["cta_indptr"]), cta_units=_frozen(r["cta_units"]),
-                unit_order=_frozen(r["unit_order"]),
                 merge_indptr=_frozen(r["merge_indptr"]),
                 slot_merge=_frozen(_slot_merge(r["merge_indptr"])),
                 merge_out=_frozen(r["merge_out"].view(MERGE_TARGET_DTYPE).reshape(-1)),
@@ -419,7 +413,7 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
         tile_q=tile_q, num_ctas=num_ctas, kv_chunk=chunk, alpha=alpha, beta=beta,
         qo_indptr=_frozen(qo.astype(np.int32)), kv_lens=_frozen(kv.astype(np.int32)),
         units=_frozen(units), cta_indptr=_frozen(cta_indptr), cta_units=_frozen(cta_units),
-        unit_order=_frozen(order.astype(np.int32)), merge_indptr=_frozen(merge_indptr),
+        merge_indptr=_frozen(merge_indptr),
         slot_merge=_frozen(_slot_merge(merge_indptr)),
         merge_out=_frozen(merge_out), num_partial_slots=num_slots,
     )

@@ -10,8 +10,8 @@ from attncc.runtime import planner, scheduler
 
 needs_cc = pytest.mark.skipif(not planner.available(), reason="no C compiler to build the planner")
 
-FIELDS = ("units", "cta_indptr", "cta_units", "unit_order", "merge_indptr", "slot_merge",
-          "merge_out", "qo_indptr", "kv_lens")
+FIELDS = ("units", "cta_indptr", "cta_units", "merge_indptr", "slot_merge", "merge_out",
+          "qo_indptr", "kv_lens")
 
 
 def _assert_same(a: scheduler.Plan, b: scheduler.Plan) -> None:

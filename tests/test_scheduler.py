@@ -252,23 +252,6 @@ def test_plan_assignment_is_the_heap_lpt(seed: int) -> None:
     assert np.array_equal(p.cta_indptr, indptr_ref) and np.array_equal(p.cta_units, units_ref)
 
 
-@pytest.mark.parametrize("seed", range(0, len(PROBLEMS), 3))
-def test_unit_order_is_the_greedy_order(seed: int) -> None:
-    """unit_order lists every unit once, longest (most ticks) first, ties by cost group then unit
-    index -- the order the LPT filled the queues in, so each CTA's queue is a subsequence."""
-    p = plan(**PROBLEMS[seed])
-    order = p.unit_order
-    assert order.dtype == np.int32 and np.array_equal(np.sort(order), np.arange(p.num_units))
-    ticks, groups = plan_ticks(p)[order], unit_groups(p)[order]
-    key = np.lexsort((order, groups, -ticks))  # ticks descending, then group, then unit
-    assert np.array_equal(key, np.arange(order.size))
-    rank = np.empty(p.num_units, np.int64)
-    rank[order] = np.arange(p.num_units)
-    for c in range(p.num_ctas):
-        queue = p.cta_units[p.cta_indptr[c]:p.cta_indptr[c + 1]]
-        assert np.all(np.diff(rank[queue]) > 0)
-
-
 @pytest.mark.parametrize("seed", range(len(PROBLEMS)))
 def test_load_balance_bound(seed: int) -> None:
     p = plan(**PROBLEMS[seed])
@@ -438,7 +421,6 @@ def test_pack_roundtrip_and_fixed_offsets() -> None:
         assert header["layout_size"] == layout.size and header["total_qo_tokens"] == lq.sum()
         assert header["group_size"] == 4 and header["num_ctas"] == num_ctas
         assert np.array_equal(d["units"], p.units) and np.array_equal(d["cta_units"], p.cta_units)
-        assert np.array_equal(d["unit_order"], p.unit_order)
         assert np.array_equal(d["cta_indptr"], p.cta_indptr)
         assert np.array_equal(d["merge_indptr"], p.merge_indptr)
         assert np.array_equal(d["slot_merge"], p.slot_merge)
