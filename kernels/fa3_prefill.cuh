@@ -117,6 +117,10 @@ struct Turns {
 template <typename DType, int D, int TKV>
 __device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], fa2_u32 sq_w, fa2_u32 sk_tile) {
   constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
+  // Opaque to the optimizer: Q's D/16 64-bit descriptors are rebuilt from sq_w at each tile (a
+  // few integer ops) rather than hoisted out of the tile loop, where they pinned D/8 registers
+  // across it and were what ptxas spilled first (D = 256: 32 registers).
+  asm volatile("" : "+r"(sq_w));
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const fa2_u32 inner = (ks & 3) * 32;
@@ -152,6 +156,9 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (
 // (hr = 0, 1) with their own query head, query position and validity (the batch kernel fuses a
 // GQA group's heads into rows); the hooks see key position kv + kv_pos0. CHECKED handles invalid
 // rows, keys past kv_len and the mask; an interior tile with no mask to apply skips all three.
+// Hooks only ever see real positions: a key past kv_len is given to them as kv_len - 1 and an
+// invalid row as query position 0, so a hook that indexes a captured tensor by position (a
+// document id table) never reads past it; those logits are masked anyway.
 template <typename Variant, int TKV, bool CHECKED>
 __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename Variant::Params& vp,
                                              float qk_scale, int b, const int (&hq)[2],
@@ -160,26 +167,47 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
   constexpr bool kSoftmax = Variant::use_softmax;
   const float masked = kSoftmax ? fa2::neg_inf() : 0.f;
   const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-#pragma unroll
-    for (int j = 0; j < TKV / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int kv = kv0 + 8 * j + 2 * (lane & 3) + e;
-        float sc = s[4 * j + 2 * hr + e] * qk_scale;
-        if constexpr (Variant::has_logits_transform) {
-          sc = Variant::LogitsTransform(vp, sc, b, hq[hr], qi[hr], kv + kv_pos0);
-          if constexpr (kSoftmax) sc *= kLog2e;
-        }
-        if constexpr (CHECKED) {
-          if (!row_ok[hr] || (unsigned)kv >= (unsigned)kv_len) sc = masked;
-          if constexpr (Variant::has_logits_mask) {
-            if (!is_full && !Variant::LogitsMask(vp, b, hq[hr], qi[hr], kv + kv_pos0)) sc = masked;
-          }
-        }
-        s[4 * j + 2 * hr + e] = sc;
+  auto logit = [&](int j, int e, int hr) {
+    const int kv = kv0 + 8 * j + 2 * (lane & 3) + e;
+    const int kv_hook = (CHECKED ? min(kv, kv_len - 1) : kv) + kv_pos0;
+    const int q_hook = (CHECKED && !row_ok[hr]) ? 0 : qi[hr];
+    float sc = s[4 * j + 2 * hr + e] * qk_scale;
+    if constexpr (Variant::has_logits_transform) {
+      sc = Variant::LogitsTransform(vp, sc, b, hq[hr], q_hook, kv_hook);
+      if constexpr (kSoftmax) sc *= kLog2e;
+    }
+    if constexpr (CHECKED) {
+      if (!row_ok[hr] || (unsigned)kv >= (unsigned)kv_len) sc = masked;
+      if constexpr (Variant::has_logits_mask) {
+        // The mask is evaluated whether or not the tile is full (it is then ignored): behind the
+        // is_full branch, each element's loads sat in a block of their own and were not shared
+        // (document_causal loaded its row's and its key's doc id once per element, 128 loads a
+        // tile, and spilled); unconditional, a key's loads serve both rows.
+        const bool keep = Variant::LogitsMask(vp, b, hq[hr], q_hook, kv_hook);
+        if (!is_full && !keep) sc = masked;
       }
+    }
+    s[4 * j + 2 * hr + e] = sc;
+  };
+  if constexpr (Variant::has_logits_transform) {
+    // Column-outer, in four chunks of TKV / 4 keys with a __syncwarp (which memory accesses do
+    // not cross) between them: a score_mod's per-element loads (relative_bias: 64 a tile) are
+    // then in flight a chunk at a time, not all at once next to S, P and O.
+#pragma unroll
+    for (int j = 0; j < TKV / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) logit(j, e, hr);
+      if ((j + 1) % (TKV / 32) == 0 && j + 1 < TKV / 8) __syncwarp();
+    }
+  } else {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+      for (int j = 0; j < TKV / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) logit(j, e, hr);
   }
 }
 

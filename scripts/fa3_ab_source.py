@@ -5,7 +5,9 @@ figures from different runs cannot separate small changes).
 The other revision is read from a file (e.g. `git show REV:kernels/fa3_prefill.cuh > old.cuh`).
 A revision from before the persistent kernel (a 2-D grid of (batch x head, query block)) is
 rewritten to take its block from a 1-D grid in the same order, and launched one CTA per tile
-(kernel_options PERSISTENT=False); the current kernel runs as attncc runs it by default.
+(kernel_options PERSISTENT=False); a persistent revision runs as it is. The current kernel runs
+as attncc runs it by default. Variants and inputs are bench/prefill.py's (B*S = 16384, H = 16,
+D = 128, bf16); figures are the best of `--rounds` interleaved medians, in TFLOP/s.
 
     python scripts/fa3_ab_source.py old.cuh --S 2048 8192 16384 --variants full causal
 """
@@ -39,21 +41,24 @@ def one_d_grid(text: str) -> str:
 
 
 def main() -> None:
-    import torch
     from triton.testing import do_bench
 
-    import attncc
     import attncc.kernels as shipped
     from attncc.runtime import gpu_flex
-    from examples.gym import causal
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from prefill import HEAD_DIM, HEADS, VARIANTS, Bench, pairs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("old", type=Path)
     ap.add_argument("--S", type=int, nargs="+", default=[2048, 8192, 16384])
-    ap.add_argument("--variants", nargs="+", default=["full", "causal"])
+    ap.add_argument("--variants", nargs="+", default=["full", "causal"], choices=VARIANTS)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    old_text = one_d_grid(args.old.read_text())
+    raw = args.old.read_text()
+    old_text = one_d_grid(raw)
+    # a revision with the 2-D grid predates the persistent kernel: one CTA per tile
+    old_opts = {"KERNEL": "fa3"} if old_text == raw else {"KERNEL": "fa3", "PERSISTENT": False}
     read_template = shipped.read_template
 
     def build(old: bool) -> None:
@@ -62,30 +67,25 @@ def main() -> None:
         gpu_flex._KERNELS.clear()
         gpu_flex._CALLS.clear()
 
-    H, D, tokens = 16, 128, 16384
     for S in args.S:
-        B = tokens // S
-        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
+        bench = Bench(S)
         for variant in args.variants:
-            bm = attncc.create_block_mask(causal, None, None, S, S, device="cuda") \
-                if variant == "causal" else None
-            flops = 4 * D * B * H * S * S * (0.5 if variant == "causal" else 1.0)
+            flops = 4 * HEAD_DIM * bench.B * HEADS * pairs(variant, S)
             best: dict[str, float] = {}
             outs: dict[str, Any] = {}
             for _ in range(args.rounds):
                 for name, old, opts in (("current", False, {"KERNEL": "fa3"}),
-                                        ("old", True, {"KERNEL": "fa3", "PERSISTENT": False})):
+                                        ("old", True, old_opts)):
                     build(old)
-                    fn = (lambda o=opts: attncc.flex_attention(q, k, v, block_mask=bm,
-                                                               kernel_options=o))
+                    fn = bench.fn("attncc", variant, kernel_options=opts)
                     outs[name] = fn()
                     ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
                     best[name] = max(best.get(name, 0.0), flops / ms / 1e9)
             build(False)
             diff = float((outs["current"].float() - outs["old"].float()).abs().max())
-            print(f"{variant:7s} S={S:5d}: current {best['current']:6.1f}  old {best['old']:6.1f}"
-                  f"  ratio {best['current'] / best['old']:.3f}  max|diff| {diff:.1e}",
-                  flush=True)
+            print(f"{variant:15s} S={S:5d}: current {best['current']:6.1f}  old "
+                  f"{best['old']:6.1f}  ratio {best['current'] / best['old']:.3f}  "
+                  f"max|diff| {diff:.1e}", flush=True)
 
 
 if __name__ == "__main__":
