@@ -45,6 +45,23 @@ def host_us(fn: Callable[[], Any], calls: int = 50) -> float:
     return us
 
 
+def spin_gpu(seconds: float = 0.3) -> None:
+    """Keep the GPU busy with bf16 matmuls for about `seconds`. Call it before the first timed
+    call after the GPU idled (e.g. while the host compiled FlexAttention): its clocks drop when
+    idle, and triton's 25 ms warm-up does not always bring them back before the measurement
+    (2026-12-01, bench/decode.py: two identical attncc plans in one cell measured 0.84 and 0.92
+    of copy bandwidth, the first one timed right after the previous cell's compiles)."""
+    import torch
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize()
+
+
 def graph_of(fn: Callable[[], Any]) -> Any:
     """`fn` captured in a CUDA graph (after warm-up on a side stream); raises if it cannot be."""
     import torch

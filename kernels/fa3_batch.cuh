@@ -230,8 +230,8 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     const QRelease<Variant, true> q_release{q_empty};
     auto last_s_done = [&] { q_release.last_s_done(); };
     if (n > 0) {
-      consume_tiles<DType, D, TKV>(n, tile, sq_w, ring, turns, o, logits_softmax, landed,
-                                   last_s_done);
+      consume_tiles<DType, D, TKV, rebuild_q<Variant>()>(n, tile, sq_w, ring, turns, o,
+                                                        logits_softmax, landed, last_s_done);
     } else {
       last_s_done();  // nothing reads it (an empty KV range)
     }

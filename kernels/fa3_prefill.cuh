@@ -114,13 +114,15 @@ struct Turns {
 
 // Issue S = Q K^T for one K tile (D/16 k-steps, each a 32-byte step inside a 64-column block;
 // the K operand's TKV rows are 8-row swizzle atoms 1024 bytes apart) and commit it as a group.
-template <typename DType, int D, int TKV>
+// kRebuildQ: make sq_w opaque to the optimizer, so that Q's D/16 64-bit descriptors are rebuilt
+// at each tile (a few integer ops) rather than hoisted out of the tile loop, where they pin D/8
+// registers across it. Measured on the H200 (bench/NOTES.md, 2026-12-01): +10 % for the sliding
+// window and what ptxas spilled first in the low-pressure cases, but -1..-7 % for variants with a
+// score_mod, whose hooks then find fewer free registers; consume_tiles' caller decides.
+template <typename DType, int D, int TKV, bool kRebuildQ>
 __device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], fa2_u32 sq_w, fa2_u32 sk_tile) {
   constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
-  // Opaque to the optimizer: Q's D/16 64-bit descriptors are rebuilt from sq_w at each tile (a
-  // few integer ops) rather than hoisted out of the tile loop, where they pinned D/8 registers
-  // across it and were what ptxas spilled first (D = 256: 32 registers).
-  asm volatile("" : "+r"(sq_w));
+  if constexpr (kRebuildQ) asm volatile("" : "+r"(sq_w));
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const fa2_u32 inner = (ks & 3) * 32;
@@ -152,62 +154,107 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (
   wg::commit();
 }
 
+// ATTNCC_FA3_LOW_PRESSURE: the runtime compiles each FA3 kernel as it is first and, only if ptxas
+// spills, again with this defined to 1 (runtime/gpu_flex.py compile_fa3). The low-pressure form
+// (Q descriptors rebuilt per tile, the mask evaluated unconditionally, a score_mod's logits
+// key-outer) takes document_causal and relative_bias to 0 spills, but as the only form it cost
+// softcap/alibi + causal 2-7 % at S = 2048 (H200 A/B, bench/NOTES.md 2026-12-01).
+#ifndef ATTNCC_FA3_LOW_PRESSURE
+#define ATTNCC_FA3_LOW_PRESSURE 0
+#endif
+
+// issue_qk's kRebuildQ for a variant: on without a score_mod, and in the low-pressure form.
+template <typename Variant>
+__device__ __forceinline__ constexpr bool rebuild_q() {
+  return !Variant::has_logits_transform || ATTNCC_FA3_LOW_PRESSURE;
+}
+
 // Logits of one tile in place: scale, the variant's hooks, the mask. Each thread holds two rows
 // (hr = 0, 1) with their own query head, query position and validity (the batch kernel fuses a
 // GQA group's heads into rows); the hooks see key position kv + kv_pos0. CHECKED handles invalid
 // rows, keys past kv_len and the mask; an interior tile with no mask to apply skips all three.
-// Hooks only ever see real positions: a key past kv_len is given to them as kv_len - 1 and an
-// invalid row as query position 0, so a hook that indexes a captured tensor by position (a
-// document id table) never reads past it; those logits are masked anyway.
+// A variant whose hooks index a captured tensor by position (a document-id table:
+// Variant::loads_at_positions) sees only real positions there: a key past kv_len as kv_len - 1,
+// an invalid row as query position 0 -- their logits are masked anyway, and the loads stay
+// inside the tensor.
 template <typename Variant, int TKV, bool CHECKED>
 __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename Variant::Params& vp,
                                              float qk_scale, int b, const int (&hq)[2],
                                              const int (&qi)[2], const bool (&row_ok)[2], int kv0,
                                              int kv_len, int kv_pos0, bool is_full) {
   constexpr bool kSoftmax = Variant::use_softmax;
+  constexpr bool kClamp = CHECKED && Variant::loads_at_positions;
   const float masked = kSoftmax ? fa2::neg_inf() : 0.f;
   const int lane = threadIdx.x & 31;
-  auto logit = [&](int j, int e, int hr) {
-    const int kv = kv0 + 8 * j + 2 * (lane & 3) + e;
-    const int kv_hook = (CHECKED ? min(kv, kv_len - 1) : kv) + kv_pos0;
-    const int q_hook = (CHECKED && !row_ok[hr]) ? 0 : qi[hr];
-    float sc = s[4 * j + 2 * hr + e] * qk_scale;
-    if constexpr (Variant::has_logits_transform) {
-      sc = Variant::LogitsTransform(vp, sc, b, hq[hr], q_hook, kv_hook);
-      if constexpr (kSoftmax) sc *= kLog2e;
-    }
-    if constexpr (CHECKED) {
-      if (!row_ok[hr] || (unsigned)kv >= (unsigned)kv_len) sc = masked;
-      if constexpr (Variant::has_logits_mask) {
-        // The mask is evaluated whether or not the tile is full (it is then ignored): behind the
-        // is_full branch, each element's loads sat in a block of their own and were not shared
-        // (document_causal loaded its row's and its key's doc id once per element, 128 loads a
-        // tile, and spilled); unconditional, a key's loads serve both rows.
-        const bool keep = Variant::LogitsMask(vp, b, hq[hr], q_hook, kv_hook);
-        if (!is_full && !keep) sc = masked;
+  if constexpr (ATTNCC_FA3_LOW_PRESSURE) {
+    // The low-pressure form (see ATTNCC_FA3_LOW_PRESSURE). Its element code differs in one
+    // place: the mask is evaluated whether or not the tile is full (then ignored) -- behind the
+    // is_full branch each element's loads sat in a block of their own and were not shared
+    // (document_causal loaded its row's and its key's doc id once per element, 128 loads a
+    // tile); unconditional, a key's loads serve both rows. (Written as a lambda: the same code
+    // as one flattened loop spilled 20-88 bytes again, NVRTC 12.9.)
+    auto logit = [&](int j, int e, int hr) {
+      const int kv = kv0 + 8 * j + 2 * (lane & 3) + e;
+      const int kv_hook = (kClamp ? min(kv, kv_len - 1) : kv) + kv_pos0;
+      const int q_hook = (kClamp && !row_ok[hr]) ? 0 : qi[hr];
+      float sc = s[4 * j + 2 * hr + e] * qk_scale;
+      if constexpr (Variant::has_logits_transform) {
+        sc = Variant::LogitsTransform(vp, sc, b, hq[hr], q_hook, kv_hook);
+        if constexpr (kSoftmax) sc *= kLog2e;
       }
-    }
-    s[4 * j + 2 * hr + e] = sc;
-  };
-  if constexpr (Variant::has_logits_transform) {
-    // Column-outer, in four chunks of TKV / 4 keys with a __syncwarp (which memory accesses do
-    // not cross) between them: a score_mod's per-element loads (relative_bias: 64 a tile) are
-    // then in flight a chunk at a time, not all at once next to S, P and O.
+      if constexpr (CHECKED) {
+        if (!row_ok[hr] || (unsigned)kv >= (unsigned)kv_len) sc = masked;
+        if constexpr (Variant::has_logits_mask) {
+          const bool keep = Variant::LogitsMask(vp, b, hq[hr], q_hook, kv_hook);
+          if (!is_full && !keep) sc = masked;
+        }
+      }
+      s[4 * j + 2 * hr + e] = sc;
+    };
+    if constexpr (Variant::has_logits_transform) {
+      // Key-outer, in four chunks of TKV / 4 keys with a __syncwarp (which memory accesses do
+      // not cross) between them: a score_mod's per-element loads (relative_bias: 64 a tile)
+      // are then in flight a chunk at a time, not all at once next to S, P and O.
 #pragma unroll
-    for (int j = 0; j < TKV / 8; ++j) {
+      for (int j = 0; j < TKV / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e)
+        for (int e = 0; e < 2; ++e)
 #pragma unroll
-        for (int hr = 0; hr < 2; ++hr) logit(j, e, hr);
-      if ((j + 1) % (TKV / 32) == 0 && j + 1 < TKV / 8) __syncwarp();
+          for (int hr = 0; hr < 2; ++hr) logit(j, e, hr);
+        if ((j + 1) % (TKV / 32) == 0 && j + 1 < TKV / 8) __syncwarp();
+      }
+    } else {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int j = 0; j < TKV / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) logit(j, e, hr);
     }
   } else {
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr)
+    for (int hr = 0; hr < 2; ++hr) {
 #pragma unroll
       for (int j = 0; j < TKV / 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) logit(j, e, hr);
+        for (int e = 0; e < 2; ++e) {
+          const int kv = kv0 + 8 * j + 2 * (lane & 3) + e;
+          const int kv_hook = (kClamp ? min(kv, kv_len - 1) : kv) + kv_pos0;
+          const int q_hook = (kClamp && !row_ok[hr]) ? 0 : qi[hr];
+          float sc = s[4 * j + 2 * hr + e] * qk_scale;
+          if constexpr (Variant::has_logits_transform) {
+            sc = Variant::LogitsTransform(vp, sc, b, hq[hr], q_hook, kv_hook);
+            if constexpr (kSoftmax) sc *= kLog2e;
+          }
+          if constexpr (CHECKED) {
+            if (!row_ok[hr] || (unsigned)kv >= (unsigned)kv_len) sc = masked;
+            if constexpr (Variant::has_logits_mask) {
+              if (!is_full && !Variant::LogitsMask(vp, b, hq[hr], q_hook, kv_hook)) sc = masked;
+            }
+          }
+          s[4 * j + 2 * hr + e] = sc;
+        }
+    }
   }
 }
 
@@ -526,8 +573,8 @@ struct QRelease {
 // Callbacks: logits_softmax(s, i, corr) turns S(i) into P(i) (hooks, mask, online softmax) and
 // returns O's rescale factors; landed(i, t) runs once tile i is in shared memory, before any
 // GEMM reads it; last_s_done() runs once the last S completed (Q is free from then on).
-template <typename DType, int D, int TKV, typename LogitsSoftmax, typename Landed,
-          typename LastS>
+template <typename DType, int D, int TKV, bool kRebuildQ, typename LogitsSoftmax,
+          typename Landed, typename LastS>
 __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const Ring& ring,
                                               const Turns& turns, float (&o)[D / 64][32],
                                               LogitsSoftmax&& logits_softmax, Landed&& landed,
@@ -543,7 +590,7 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
   landed(0, t0);
   turns.wait_mine();
   wg::fence();
-  issue_qk<DType, D, TKV>(s, sq_w, ring.k_of(t0));
+  issue_qk<DType, D, TKV, kRebuildQ>(s, sq_w, ring.k_of(t0));
   turns.pass();
   wg::wait<0>();
   wg::fence_operands(s);
@@ -560,7 +607,7 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
     wg::fence_operands(o);
     turns.wait_mine();
     wg::fence();  // pa and o were written by ordinary instructions
-    issue_qk<DType, D, TKV>(s, sq_w, ring.k_of(t));
+    issue_qk<DType, D, TKV, kRebuildQ>(s, sq_w, ring.k_of(t));
     issue_pv<DType, D, TKV>(o, pa, ring.v_of(t - 1));
     turns.pass();
     wg::wait<1>();  // S(i) is done; P(i-1) V(i-1) may still run
@@ -812,8 +859,8 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     const QRelease<Variant, kPersistentHeadDim<D>> q_release{q_empty};
     auto last_s_done = [&] { q_release.last_s_done(); };
     if (tiles.count > 0) {
-      consume_tiles<DType, D, TKV>(tiles.count, tile, sq_w, ring, turns, o, logits_softmax,
-                                   landed, last_s_done);
+      consume_tiles<DType, D, TKV, rebuild_q<Variant>()>(tiles.count, tile, sq_w, ring, turns, o,
+                                                        logits_softmax, landed, last_s_done);
     } else {
       last_s_done();  // nothing reads it (the block mask left this query block no keys)
     }

@@ -54,7 +54,8 @@ from . import planner, scheduler
 from .launcher import _driver, driver_check
 from .lpt import lpt_schedule
 from .fa3_batch import fa3_batch_maps, fa3_batch_source, fa3_batch_tiles, fa3_unsupported
-from .gpu_flex import HEAD_DIMS, _captured, _num_sms, _spill_bytes, fa2_config, fa2_source
+from .gpu_flex import (HEAD_DIMS, _captured, _num_sms, _spill_bytes, compile_fa3, fa2_config,
+                       fa2_source)
 from .tile_choice import Fa2Config
 
 __all__ = ["BatchAttention", "BatchTiles", "batch_attention_reference", "clip_causal_units",
@@ -266,7 +267,10 @@ class _Kernels:
             src, name, vp_layout, bp_layout = fa2_source(
                 self.ir, head_dim=head_dim, dtype=dtype, tq=tiles.tq, tkv=tiles.tkv,
                 stages=tiles.stages, m_frags=tiles.m_frags, batch=True, kv_warps=tiles.kv_warps)
-        res, _ = cached_compile(src, arch=arch, name=f"{name}.cu", verbose=True)
+        if tiles.kernel == "fa3":
+            res, _ = compile_fa3(src, arch=arch, name=f"{name}.cu")
+        else:
+            res, _ = cached_compile(src, arch=arch, name=f"{name}.cu", verbose=True)
         self.spill_bytes = _spill_bytes(res.log)
         self.attend = load_kernel(res.cubin, name, bp_layout, vp_layout, device=device,
                                   dynamic_smem=self.config.smem_bytes)

@@ -151,14 +151,13 @@ def _fa3_generated(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan) -> 
 def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: str,
                 device: int) -> _Compiled:
     """Compile and load the FA3 kernel (kernels/fa3_prefill.cuh) for a checked plan."""
-    from .cache import cached_compile
     from .launcher import load_kernel
 
     if not arch.startswith("sm_90"):
         raise ValueError(f"kernel_options['KERNEL']='fa3' needs an sm_90 (Hopper) GPU; this one "
                          f"is {arch}")
     gk = _fa3_generated(ir, head_dim, dtype, plan)
-    res, _ = cached_compile(gk.source, arch=arch, name=f"{gk.kernel_name}.cu", verbose=True)
+    res, _ = compile_fa3(gk.source, arch=arch, name=f"{gk.kernel_name}.cu")
     kl = load_kernel(res.cubin, gk.kernel_name, gk.attention_params_layout, gk.params_layout,
                      device=device, dynamic_smem=gk.shared_mem_bytes)
     cfg = Fa2Config(head_dim, plan.tq, plan.tkv, plan.stages, 1, gk.threads // 32, gk.threads,
@@ -198,6 +197,33 @@ def _spill_bytes(log: str) -> int:
 
     return sum(int(a) + int(b) for a, b in
                re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log))
+
+
+FA3_LOW_PRESSURE = "#define ATTNCC_FA3_LOW_PRESSURE 1\n"
+"""Prepended to an FA3 translation unit (dense or batch) whose first compile spilled: the
+kernels' other way to evaluate a tile's logits (kernels/fa3_prefill.cuh), fewer registers for
+more instructions."""
+
+
+def compile_fa3(source: str, *, arch: str, name: str) -> tuple[Any, bool]:
+    """Compile an FA3 translation unit (through the kernel cache) as it is and, if ptxas
+    spills, again with `FA3_LOW_PRESSURE`; returns (the NvrtcResult used, whether it is the
+    low-pressure one). The second compile is kept only if it spills less.
+
+    Example (compiling needs NVRTC):
+        >>> from attncc.runtime.nvrtc import available
+        >>> FA3_LOW_PRESSURE.startswith("#define ATTNCC_FA3_LOW_PRESSURE")
+        True
+    """
+    from .cache import cached_compile
+
+    res, _ = cached_compile(source, arch=arch, name=name, verbose=True)
+    if _spill_bytes(res.log) == 0:
+        return res, False
+    low, _ = cached_compile(FA3_LOW_PRESSURE + source, arch=arch, name=name, verbose=True)
+    if _spill_bytes(low.log) < _spill_bytes(res.log):
+        return low, True
+    return res, False
 
 
 # --------------------------------------------------------------------------------- validation
@@ -536,11 +562,14 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
     return LaunchPlan(ir, bindings, tiles, margs, dtype, D, dev_index, mscal, mtens, pre)
 
 
-def _compile_job(job: tuple[str, str, str]) -> str:
+def _compile_job(job: tuple[str, str, str, bool]) -> str:
     from .cache import cached_compile
 
-    source, arch, name = job
-    cached_compile(source, arch=arch, name=name, verbose=True)
+    source, arch, name, fa3 = job
+    if fa3:  # and its low-pressure form, if the first spills
+        compile_fa3(source, arch=arch, name=name)
+    else:
+        cached_compile(source, arch=arch, name=name, verbose=True)
     return name
 
 
@@ -565,7 +594,7 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
 
     from .nvrtc import device_arch
 
-    jobs: dict[str, tuple[str, str, str]] = {}
+    jobs: dict[str, tuple[str, str, str, bool]] = {}
     for pl in plans:
         with torch.cuda.device(pl.device):
             arch = device_arch()
@@ -577,13 +606,13 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
                                          dtype=pl.dtype, tq=pl.tiles.tq, tkv=pl.tiles.tkv,
                                          stages=pl.tiles.stages, m_frags=pl.tiles.m_frags,
                                          fast_math=pl.tiles.fast_math)
-        jobs[src] = (src, arch, f"{name}.cu")
+        jobs[src] = (src, arch, f"{name}.cu", pl.tiles.kernel == "fa3")
         if pl.prepass is not None:
             from .prepass import prepass_source
 
             gk = prepass_source(pl.prepass, head_dim=pl.head_dim, dtype=pl.dtype,
                                 fast_math=pl.tiles.fast_math)
-            jobs[gk.source] = (gk.source, arch, f"{gk.kernel_name}.cu")
+            jobs[gk.source] = (gk.source, arch, f"{gk.kernel_name}.cu", False)
     workers = max_workers or min(len(jobs), os.cpu_count() or 1)
     if workers <= 1:
         for job in jobs.values():

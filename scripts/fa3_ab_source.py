@@ -50,20 +50,25 @@ def main() -> None:
     from prefill import HEAD_DIM, HEADS, VARIANTS, Bench, pairs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("old", type=Path)
+    ap.add_argument("old", type=Path, nargs="+", help="one or more revisions, each timed "
+                    "against the current kernel")
     ap.add_argument("--S", type=int, nargs="+", default=[2048, 8192, 16384])
     ap.add_argument("--variants", nargs="+", default=["full", "causal"], choices=VARIANTS)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    raw = args.old.read_text()
-    old_text = one_d_grid(raw)
-    # a revision with the 2-D grid predates the persistent kernel: one CTA per tile
-    old_opts = {"KERNEL": "fa3"} if old_text == raw else {"KERNEL": "fa3", "PERSISTENT": False}
     read_template = shipped.read_template
+    # name -> (kernel text or None for the current one, kernel_options)
+    builds: dict[str, tuple[str | None, dict[str, Any]]] = {"current": (None, {"KERNEL": "fa3"})}
+    for path in args.old:
+        raw = path.read_text()
+        text = one_d_grid(raw)
+        # a revision with the 2-D grid predates the persistent kernel: one CTA per tile
+        opts = {"KERNEL": "fa3"} if text == raw else {"KERNEL": "fa3", "PERSISTENT": False}
+        builds[path.stem] = (text, opts)
 
-    def build(old: bool) -> None:
-        shipped.read_template = (lambda name: old_text if name == "fa3_prefill.cuh"
-                                 else read_template(name)) if old else read_template
+    def build(text: str | None) -> None:
+        shipped.read_template = (lambda name: text if name == "fa3_prefill.cuh"
+                                 else read_template(name)) if text is not None else read_template
         gpu_flex._KERNELS.clear()
         gpu_flex._CALLS.clear()
 
@@ -74,18 +79,18 @@ def main() -> None:
             best: dict[str, float] = {}
             outs: dict[str, Any] = {}
             for _ in range(args.rounds):
-                for name, old, opts in (("current", False, {"KERNEL": "fa3"}),
-                                        ("old", True, old_opts)):
-                    build(old)
+                for name, (text, opts) in builds.items():
+                    build(text)
                     fn = bench.fn("attncc", variant, kernel_options=opts)
                     outs[name] = fn()
                     ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
                     best[name] = max(best.get(name, 0.0), flops / ms / 1e9)
-            build(False)
-            diff = float((outs["current"].float() - outs["old"].float()).abs().max())
-            print(f"{variant:15s} S={S:5d}: current {best['current']:6.1f}  old "
-                  f"{best['old']:6.1f}  ratio {best['current'] / best['old']:.3f}  "
-                  f"max|diff| {diff:.1e}", flush=True)
+            build(None)
+            others = "  ".join(
+                f"{name} {best[name]:6.1f} (current/{name} {best['current'] / best[name]:.3f}, "
+                f"max|diff| {float((outs['current'].float() - outs[name].float()).abs().max()):.1e})"
+                for name in builds if name != "current")
+            print(f"{variant:15s} S={S:5d}: current {best['current']:6.1f}  {others}", flush=True)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,9 @@ class VariantCode:
     tensor_fields: Mapping[str, str]  # captured tensor -> C member base name
     scalar_fields: Mapping[str, str]  # captured scalar -> C member name
     hooks: tuple[HookCode, ...]
+    # the score or mask hook reads a captured tensor at an index computed from q_idx / kv_idx
+    # (a document-id table): the kernels must then give those hooks only real positions
+    loads_at_positions: bool = False
 
     @property
     def text(self) -> str:
@@ -236,6 +239,27 @@ def render(template: str, **context: Any) -> str:
     return _env().get_template(template).render(**context)
 
 
+def loads_at_positions(ir: VariantIR) -> bool:
+    """Whether the score_mod or mask_mod of `ir` loads from a captured tensor at an index that
+    depends on q_idx or kv_idx (then a kernel must not evaluate it at positions past the
+    sequence: the load would read past the tensor).
+
+    Example:
+        >>> from examples.gym import GYM
+        >>> [loads_at_positions(GYM[n](1, 4, 64, 64).trace()[0])
+        ...  for n in ("alibi_causal", "document_causal")]
+        [False, True]
+    """
+    from ..ir.nodes import free_vars, walk
+
+    for name in ("score_mod", "mask_mod"):
+        if name in ir.hooks:
+            for n in walk(ir.hook(name).expr):
+                if n.op == "load" and any({"q_idx", "kv_idx"} & free_vars(i) for i in n.args):
+                    return True
+    return False
+
+
 def generate_variant(ir: VariantIR, *, fast_math: bool = False) -> VariantCode:
     """The VariantParams_<name> and Variant_<name> structs for `ir` (`fast_math`: hooks use
     hardware approximations of exp/log/tanh/sigmoid and reciprocal multiplies, see
@@ -269,7 +293,7 @@ def generate_variant(ir: VariantIR, *, fast_math: bool = False) -> VariantCode:
                      params_struct="", variant_struct="", normalize=ir.normalize,
                      use_softmax=ir.use_softmax, **flags, params_layout=pl.layout,
                      tensor_fields=dict(pl.tensor_fields), scalar_fields=dict(pl.scalar_fields),
-                     hooks=hooks)
+                     hooks=hooks, loads_at_positions=loads_at_positions(ir))
     # One template renders both structs (so they read as one unit); split at the blank line.
     params_text, _, variant_text = render("variant.cuh.j2", v=vc, hooks=hooks).partition("\n\n")
     return replace(vc, params_struct=params_text + "\n", variant_struct=variant_text)
