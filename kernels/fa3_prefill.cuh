@@ -186,13 +186,34 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
   constexpr bool kClamp = CHECKED && Variant::loads_at_positions;
   const float masked = kSoftmax ? fa2::neg_inf() : 0.f;
   const int lane = threadIdx.x & 31;
-  if constexpr (ATTNCC_FA3_LOW_PRESSURE) {
-    // The low-pressure form (see ATTNCC_FA3_LOW_PRESSURE). Its element code differs in one
-    // place: the mask is evaluated whether or not the tile is full (then ignored) -- behind the
-    // is_full branch each element's loads sat in a block of their own and were not shared
-    // (document_causal loaded its row's and its key's doc id once per element, 128 loads a
-    // tile); unconditional, a key's loads serve both rows. (Written as a lambda: the same code
-    // as one flattened loop spilled 20-88 bytes again, NVRTC 12.9.)
+  // Two ways to write the same loop, each where the H200 measured it faster (bench/NOTES.md,
+  // 2026-12-01; ptxas schedules and allocates them differently): a variant with a score_mod
+  // runs the plain nested loop below (the lambda cost softcap / alibi + causal up to 7 % at
+  // S = 2048); mask-only variants, and every variant's low-pressure form, run the lambda (the
+  // sliding window +10 %).
+  if constexpr (Variant::has_logits_transform && !ATTNCC_FA3_LOW_PRESSURE) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+#pragma unroll
+      for (int j = 0; j < TKV / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int kv = kv0 + 8 * j + 2 * (lane & 3) + e;
+          const int kv_hook = (kClamp ? min(kv, kv_len - 1) : kv) + kv_pos0;
+          const int q_hook = (kClamp && !row_ok[hr]) ? 0 : qi[hr];
+          float sc = Variant::LogitsTransform(vp, s[4 * j + 2 * hr + e] * qk_scale, b, hq[hr],
+                                              q_hook, kv_hook);
+          if constexpr (kSoftmax) sc *= kLog2e;
+          if constexpr (CHECKED) {
+            if (!row_ok[hr] || (unsigned)kv >= (unsigned)kv_len) sc = masked;
+            if constexpr (Variant::has_logits_mask) {
+              if (!is_full && !Variant::LogitsMask(vp, b, hq[hr], q_hook, kv_hook)) sc = masked;
+            }
+          }
+          s[4 * j + 2 * hr + e] = sc;
+        }
+    }
+  } else {
     auto logit = [&](int j, int e, int hr) {
       const int kv = kv0 + 8 * j + 2 * (lane & 3) + e;
       const int kv_hook = (kClamp ? min(kv, kv_len - 1) : kv) + kv_pos0;
@@ -205,16 +226,25 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
       if constexpr (CHECKED) {
         if (!row_ok[hr] || (unsigned)kv >= (unsigned)kv_len) sc = masked;
         if constexpr (Variant::has_logits_mask) {
-          const bool keep = Variant::LogitsMask(vp, b, hq[hr], q_hook, kv_hook);
-          if (!is_full && !keep) sc = masked;
+          if constexpr (ATTNCC_FA3_LOW_PRESSURE) {
+            // evaluated whether or not the tile is full (then ignored): behind the is_full
+            // branch each element's loads sat in a block of their own and were not shared
+            // (document_causal loaded its row's and its key's doc id once per element, 128
+            // loads a tile, and spilled); unconditional, a key's loads serve both rows
+            const bool keep = Variant::LogitsMask(vp, b, hq[hr], q_hook, kv_hook);
+            if (!is_full && !keep) sc = masked;
+          } else {
+            if (!is_full && !Variant::LogitsMask(vp, b, hq[hr], q_hook, kv_hook)) sc = masked;
+          }
         }
       }
       s[4 * j + 2 * hr + e] = sc;
     };
     if constexpr (Variant::has_logits_transform) {
-      // Key-outer, in four chunks of TKV / 4 keys with a __syncwarp (which memory accesses do
-      // not cross) between them: a score_mod's per-element loads (relative_bias: 64 a tile)
-      // are then in flight a chunk at a time, not all at once next to S, P and O.
+      // (low-pressure form) key-outer, in four chunks of TKV / 4 keys with a __syncwarp (which
+      // memory accesses do not cross) between them: a score_mod's per-element loads
+      // (relative_bias: 64 a tile) are then in flight a chunk at a time, not all at once next
+      // to S, P and O
 #pragma unroll
       for (int j = 0; j < TKV / 8; ++j) {
 #pragma unroll
@@ -230,30 +260,6 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
         for (int j = 0; j < TKV / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) logit(j, e, hr);
-    }
-  } else {
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-#pragma unroll
-      for (int j = 0; j < TKV / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int kv = kv0 + 8 * j + 2 * (lane & 3) + e;
-          const int kv_hook = (kClamp ? min(kv, kv_len - 1) : kv) + kv_pos0;
-          const int q_hook = (kClamp && !row_ok[hr]) ? 0 : qi[hr];
-          float sc = s[4 * j + 2 * hr + e] * qk_scale;
-          if constexpr (Variant::has_logits_transform) {
-            sc = Variant::LogitsTransform(vp, sc, b, hq[hr], q_hook, kv_hook);
-            if constexpr (kSoftmax) sc *= kLog2e;
-          }
-          if constexpr (CHECKED) {
-            if (!row_ok[hr] || (unsigned)kv >= (unsigned)kv_len) sc = masked;
-            if constexpr (Variant::has_logits_mask) {
-              if (!is_full && !Variant::LogitsMask(vp, b, hq[hr], q_hook, kv_hook)) sc = masked;
-            }
-          }
-          s[4 * j + 2 * hr + e] = sc;
-        }
     }
   }
 }
