@@ -116,9 +116,10 @@ struct Turns {
 // the K operand's TKV rows are 8-row swizzle atoms 1024 bytes apart) and commit it as a group.
 // kRebuildQ: make sq_w opaque to the optimizer, so that Q's D/16 64-bit descriptors are rebuilt
 // at each tile (a few integer ops) rather than hoisted out of the tile loop, where they pin D/8
-// registers across it. Measured on the H200 (bench/NOTES.md, 2026-12-01): +10 % for the sliding
-// window and what ptxas spilled first in the low-pressure cases, but -1..-7 % for variants with a
-// score_mod, whose hooks then find fewer free registers; consume_tiles' caller decides.
+// registers across it and were what ptxas spilled first. On the H200 (bench/NOTES.md,
+// 2026-12-01) it cost variants with a score_mod 1-7 %, so rebuild_q() turns it on for mask-only
+// variants (measured with apply_logits' lambda loop: sliding window +10 %) and in the
+// low-pressure form only.
 template <typename DType, int D, int TKV, bool kRebuildQ>
 __device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], fa2_u32 sq_w, fa2_u32 sk_tile) {
   constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;

@@ -262,8 +262,9 @@ class KernelLauncher:
     `launch(grid, block, smem, ap_flat, vp_flat, stream=None)` packs the two flat tuples (see
     `StructPacker.flatten`) and launches on `stream` (an int CUstream handle; None = torch's
     current stream for the device). A kernel with one argument struct has `params_layout=None`
-    (`vp` is then None and `vp_flat` is ignored). Thread-safe: packing and launching happen under a lock, since
-    the argument buffers are shared (the driver copies them during cuLaunchKernel).
+    (`vp` is then None and `vp_flat` is ignored). Thread-safe: packing and launching happen under
+    a lock, since the argument buffers are shared (the driver copies them during
+    cuLaunchKernel).
     """
 
     def __init__(self, cubin: bytes, kernel_name: str, attention_layout: Any, params_layout: Any,

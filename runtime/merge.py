@@ -52,8 +52,9 @@ def merge_state(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
 
     ``o_*`` is ``[..., D]``, ``lse_*`` is ``[...]`` (natural log). Computes in the promoted
     dtype of the inputs; CUDA states that fit `runtime/merge_kernel.py`'s kernel (one storage
-    type, contiguous, float32 lse, head dim a multiple of 8) merge in one launch, in float32. A ``-inf`` lse marks an empty state: its ``o`` is ignored (even if
-    it is nan); two empty states give ``o = 0``, ``lse = -inf``.
+    type, contiguous, float32 lse, head dim a multiple of 8) merge in one launch, in float32.
+    A ``-inf`` lse marks an empty state: its ``o`` is ignored (even if it is nan); two empty
+    states give ``o = 0``, ``lse = -inf``.
 
     Example:
         >>> import torch

@@ -86,10 +86,12 @@ def main() -> None:
                     ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
                     best[name] = max(best.get(name, 0.0), flops / ms / 1e9)
             build(None)
+            def diff(name: str) -> float:
+                return float((outs["current"].float() - outs[name].float()).abs().max())
+
             others = "  ".join(
                 f"{name} {best[name]:6.1f} (current/{name} {best['current'] / best[name]:.3f}, "
-                f"max|diff| {float((outs['current'].float() - outs[name].float()).abs().max()):.1e})"
-                for name in builds if name != "current")
+                f"max|diff| {diff(name):.1e})" for name in builds if name != "current")
             print(f"{variant:15s} S={S:5d}: current {best['current']:6.1f}  {others}", flush=True)
 
 
