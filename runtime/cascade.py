@@ -10,7 +10,7 @@ request. Cascade attention splits the work into two BatchAttention passes:
 2. each request's own suffix pages (block rows of one request, as in a normal batch);
 
 and merges the two attention states with the composition operator (one launch of
-`merge_state_cuda`, or `merge_pair` where the states do not fit that kernel). No KV data
+`merge_fitting_states`, or `merge_pair` where the states do not fit that kernel). No KV data
 moves: both passes read the same paged cache through different page lists. The hooks see true
 positions in both passes: query token t of request i is position `P + s_i - q_i + t` (P prefix
 tokens, s_i suffix tokens, q_i queries: the queries are the last tokens of prefix + suffix), and
@@ -39,7 +39,7 @@ from attncc.frontend import Variant
 
 from .batch import BatchAttention, _np_int
 from .merge import merge_pair
-from .merge_kernel import fits_kernel, merge_state_cuda
+from .merge_kernel import fits_kernel, merge_fitting_states
 
 __all__ = ["CascadeAttention"]
 
@@ -121,7 +121,7 @@ class CascadeAttention:
             o1, l1 = self.prefix.run(q, kv_cache), None
             o2, l2 = self.suffix.run(q, kv_cache), None
         if fits_kernel(o1, l1, o2, l2):  # one launch (a dozen elementwise ops otherwise)
-            out, lse = merge_state_cuda(o1, l1, o2, l2, want_lse=return_lse)
+            out, lse = merge_fitting_states(o1, l1, o2, l2, want_lse=return_lse)
             return (out, lse) if return_lse else out
         if not self._softmax:
             return (o1.float() + o2.float()).to(q.dtype)

@@ -71,10 +71,10 @@ def merge_state(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
     if o_a.shape != o_b.shape:
         raise ValueError(f"merge_state: o_a {tuple(o_a.shape)} and o_b {tuple(o_b.shape)} differ")
     if o_a.is_cuda:
-        from .merge_kernel import fits_kernel, merge_state_cuda
+        from .merge_kernel import fits_kernel, merge_fitting_states
 
         if fits_kernel(o_a, lse_a, o_b, lse_b):  # one launch, float32 math
-            return merge_state_cuda(o_a, lse_a, o_b, lse_b)  # type: ignore[return-value]
+            return merge_fitting_states(o_a, lse_a, o_b, lse_b)  # type: ignore[return-value]
     return merge_pair(o_a, lse_a, o_b, lse_b)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["fits_kernel", "merge_state_cuda"]
+__all__ = ["fits_kernel", "merge_fitting_states", "merge_state_cuda"]
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _THREADS = 256  # kernels/merge_state.cuh merge::kThreads
@@ -112,6 +112,32 @@ def merge_state_cuda(o_a: torch.Tensor, lse_a: torch.Tensor | None, o_b: torch.T
                                     and lse_out.dtype == torch.float32):
         raise ValueError(f"merge_state_cuda: lse_out must be a contiguous float32 tensor of "
                          f"shape {tuple(o_a.shape[:-1])}")
+    return _launch(o_a, lse_a, o_b, lse_b, out, lse_out)
+
+
+def merge_fitting_states(o_a: torch.Tensor, lse_a: torch.Tensor | None, o_b: torch.Tensor,
+                         lse_b: torch.Tensor | None, *, want_lse: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`merge_state_cuda` into new tensors, for a caller that has just checked `fits_kernel`
+    (and gives both lse or neither): the checks are not run again.
+
+    Example:
+        >>> import torch
+        >>> if torch.cuda.is_available():  # doctest: +SKIP
+        ...     o = torch.randn(2, 4, 128, device="cuda", dtype=torch.bfloat16)
+        ...     m, _ = merge_fitting_states(o, None, o, None)      # m == 2 o
+    """
+    lse_out = None
+    if lse_a is not None and want_lse:
+        lse_out = torch.empty(o_a.shape[:-1], dtype=torch.float32, device=o_a.device)
+    return _launch(o_a, lse_a, o_b, lse_b, torch.empty_like(o_a), lse_out)
+
+
+def _launch(o_a: torch.Tensor, lse_a: torch.Tensor | None, o_b: torch.Tensor,
+            lse_b: torch.Tensor | None, out: torch.Tensor, lse_out: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kernel on checked states and outputs, on the current stream."""
+    softmax = lse_a is not None
     head_dim = o_a.shape[-1]
     rows = o_a.numel() // head_dim if head_dim else 0
     if rows == 0:
