@@ -39,6 +39,9 @@ struct AttentionParams {
     // FA3 template only: three TMA tensor maps (q, k, v; 128 bytes each, 64-byte aligned) in
     // global memory, describing q/k/v as [rows, head_dim] matrices. Null for other templates.
     const void* tma;
+    // FA3 template only: the dynamic item order's counter (one int, zero at launch; the runtime
+    // hands each launch a fresh one). Null for other templates.
+    int* item_counter;
 };
 
 }  // namespace attncc

@@ -27,9 +27,11 @@
 // Tiles: 128 query rows x TKV keys, TKV = 64 or 128 (S is one m64nTKVk16 wgmma per 16-wide
 // k-step; 128 halves the waits and fences per FLOP but needs twice the shared memory per stage).
 // Persistent grid: at most one CTA per SM; each CTA runs one item per round of a list ordered
-// longest first (query blocks from the last one, then (batch, head)), rounds dealt in snake
-// order, so causal totals stay level and the CTAs end together (LPT). The next item's Q and
-// first K/V tiles load while the consumers finish the current one's last GEMM and store it.
+// longest first (query blocks from the last one, then (batch, head); without a block mask, in
+// sections of heads whose K/V fit in L2, so a round's tiles share their loads there), rounds
+// dealt in snake order, so causal totals stay level and the CTAs end together (LPT). The next
+// item's Q and first K/V tiles load while the consumers finish the current one's last GEMM and
+// store it.
 //
 // Supported: head dims 64, 128 and 256, every variant hook: score_mod / mask_mod (LogitsTransform
 // / LogitsMask) in registers; query, key and value transforms in place on the landed shared-memory
@@ -92,7 +94,9 @@ struct Smem {
   static constexpr int kV = kK + STAGES * kKvTileBytes;
   // full[STAGES], empty[STAGES], q_full, q_empty
   static constexpr int kBar = kV + STAGES * kKvTileBytes;
-  static constexpr int kBytes = kBar + 8 * (2 * STAGES + 2) + 1024;  // + alignment slack
+  // the dense kernel's current work item, as the producer publishes it with its Q (int4)
+  static constexpr int kItem = kBar + 8 * (2 * STAGES + 2);
+  static constexpr int kBytes = kItem + 16 + 1024;  // + alignment slack
 };
 
 // Ping-pong turns of the two consumer warpgroups: consumer c waits on named barrier 1 + c (0 is
@@ -668,18 +672,54 @@ __device__ __forceinline__ void finish_row(float m, float l, float& inv, float& 
   }
 }
 
-// One work item of the dense kernel: a 128-row query tile of one (batch, head). Items are
-// numbered longest first: item w is query block nqb - 1 - w / (B * Hq) of head slot w % (B * Hq),
-// so each round of the persistent grid holds tiles of (almost) the same causal length.
+// One work item of the dense kernel: a 128-row query tile of one (batch, head).
 struct DenseItem {
   int b, hq, h_kv, q0;
 };
 
+// Items are numbered in sections of heads whose K and V together fit in this much of the L2
+// (50 MB on the H100 / H200): within a section, query blocks from the last one, then head. The
+// CTAs then run many query blocks of a few heads at a time, which read the same K/V tiles at
+// about the same time, so most tile loads hit in L2. Numbered over all heads at once, a round at
+// S = 2048 (8 x 16 heads) read 128 heads' K/V once each -- about 128 MB a round from HBM, which
+// made the kernel memory-bound there (bench/NOTES.md, 2026-12-01). The sections need the dynamic
+// order below when item lengths differ (a block mask): with snake rounds they broke the rounds'
+// balance (causal -4 % at S = 16384), so then there is one section. 0: no sections.
+#ifndef ATTNCC_FA3_L2_SECTION_BYTES
+#define ATTNCC_FA3_L2_SECTION_BYTES (24 << 20)
+#endif
+
+// ATTNCC_FA3_DYNAMIC (the default): instead of snake rounds, a CTA's first item is blockIdx.x
+// and every later one the next unclaimed item of the list, from a counter in global memory (a
+// fresh zero for each launch: AttentionParams::item_counter), so the CTA that finishes first
+// takes the next longest item whatever the lengths, and the L2 sections apply with a block mask
+// too. Same process on the H200, against snake rounds over all heads: full +11 % at S = 2048
+// and 4096, causal +10 % and sliding window +9 % at 2048, +0-2 % at 16384.
+#ifndef ATTNCC_FA3_DYNAMIC
+#define ATTNCC_FA3_DYNAMIC 1
+#endif
+
+// Item w of B * Hq * nqb: section w / (sec * nqb) holds head slots [s0, s0 + n) (sec slots,
+// fewer in the last one; a slot is b * Hq + hq, whole GQA groups), and within it item r is query
+// block nqb - 1 - r / n of slot s0 + r % n -- so each round of the persistent grid holds tiles of
+// (almost) the same causal length, and the shortest come last.
+template <int D>
 __device__ __forceinline__ DenseItem dense_item(const attncc::AttentionParams& p, int w, int nqb) {
   const int heads = p.batch * p.num_q_heads;
-  const int slot = w % heads, qb = nqb - 1 - w / heads;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  int sec = heads;
+  if (ATTNCC_FA3_L2_SECTION_BYTES > 0 && (p.kv_num_blocks == nullptr || ATTNCC_FA3_DYNAMIC)) {
+    // in KiB and 32 bits (a 64-bit division is a call): K and V of one KV head, 16-bit
+    const unsigned kv_head_kib = max(1u, ((unsigned)p.kv_len >> 2) * (D / 64));
+    const unsigned kv_heads = max(1u, (unsigned)(ATTNCC_FA3_L2_SECTION_BYTES >> 10) / kv_head_kib);
+    sec = (int)min((unsigned)heads, kv_heads * group);
+  }
+  const int s0 = w / (sec * nqb) * sec;
+  const int n = min(sec, heads - s0);
+  const int r = w - s0 * nqb;
+  const int slot = s0 + r % n, qb = nqb - 1 - r / n;
   const int hq = slot % p.num_q_heads;
-  return {slot / p.num_q_heads, hq, hq / (p.num_q_heads / p.num_kv_heads), qb * kTQ};
+  return {slot / p.num_q_heads, hq, hq / group, qb * kTQ};
 }
 
 // The item's K/V tiles: every tile of [0, kv_len), or the block mask's lists for its query block.
@@ -724,6 +764,25 @@ __device__ __forceinline__ int snake_item(int k, int num_items) {
   return w < num_items ? w : -1;
 }
 
+// The k-th item of this CTA (the producer asks once per item), or -1 when there is none;
+// `counter` (AttentionParams::item_counter) is zero at launch.
+__device__ __forceinline__ int next_item(int k, int num_items, int* counter) {
+  if constexpr (!ATTNCC_FA3_DYNAMIC) {
+    return snake_item(k, num_items);
+  } else {
+    const int w = k == 0 ? (int)blockIdx.x : (int)gridDim.x + atomicAdd(counter, 1);
+    return w < num_items ? w : -1;
+  }
+}
+
+// The item slot in shared memory: the producer writes it before the q_full arrival that
+// releases it (mbarrier arrive has release semantics, the consumers' wait acquire), and only
+// after q_empty says both consumers have read the previous one.
+__device__ __forceinline__ void publish_item(fa2_u32 slot, const DenseItem& it) {
+  asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "r"(it.b), "r"(it.hq),
+               "r"(it.h_kv), "r"(it.q0) : "memory");
+}
+
 // Persistent (D <= 128): the grid is at most one CTA per SM (the ring takes the shared memory)
 // and CTA c runs one item of each round (snake_item). The producer loads the next item's Q as
 // soon as both consumers issued their last S GEMM of the current one (q_empty), and its K/V
@@ -748,6 +807,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   const fa2_u32 full_bar = base + S::kBar;               // + 8*s: stage s landed
   const fa2_u32 empty_bar = full_bar + 8 * STAGES;       // + 8*s: stage s read by every consumer
   const fa2_u32 q_full = full_bar + 16 * STAGES, q_empty = q_full + 8;
+  const fa2_u32 item_slot = base + S::kItem;
   const void* tm_q = p.tma;
   const void* tm_k = reinterpret_cast<const unsigned char*>(p.tma) + 128;
   const void* tm_v = reinterpret_cast<const unsigned char*>(p.tma) + 256;
@@ -768,14 +828,22 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     int tile = 0;  // tiles issued by this CTA so far: stage tile % STAGES, phase tile / STAGES
 #pragma unroll 1
     for (int k = 0;; ++k) {  // k: items run by this CTA so far
-      const int w = snake_item(k, num_items);
-      if (w < 0) break;
-      const DenseItem it = dense_item(p, w, nqb);
+      // one item per CTA at D = 256: its consumers never hand Q back, and stop by themselves
+      if (!kPersistentHeadDim<D> && k > 0) break;
+      const int w = next_item(k, num_items, p.item_counter);
+      // Q of this item (and the item in item_slot) once both consumers are done with the last
+      // one's: they read the slot before they release Q
+      if (k > 0) tma::mbar_wait(q_empty, (k - 1) & 1);
+      if (w < 0) {  // no more items: an arrival without bytes wakes the consumers to stop
+        publish_item(item_slot, DenseItem{-1, 0, 0, 0});
+        tma::mbar_arrive(q_full);
+        break;
+      }
+      const DenseItem it = dense_item<D>(p, w, nqb);
       const fa2::TileList tiles = item_tiles<TKV>(p, it);
       const int q_row0 = (it.b * p.num_q_heads + it.hq) * q_len + it.q0;  // map row of q0
       const int kv_row0 = (it.b * p.num_kv_heads + it.h_kv) * kv_len;   // map row of key 0
-      // Q of this item once both consumers are done with the last one's
-      if (k > 0) tma::mbar_wait(q_empty, (k - 1) & 1);
+      publish_item(item_slot, it);  // released to the consumers by the q_full arrival
       tma::mbar_arrive_expect_tx(q_full, kConsumers * BLOCKS * kBoxBytes);
 #pragma unroll
       for (int c = 0; c < kConsumers; ++c)
@@ -816,9 +884,8 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   const Turns turns{wg - 1};
   DType* out = reinterpret_cast<DType*>(p.o);
   int tile = 0;
-  // item w, the k-th of this CTA, its K/V tiles from ring tile `tile` on
-  auto run_item = [&](int w, int k) {
-    const DenseItem it = dense_item(p, w, nqb);
+  // the CTA's k-th item `it` (its Q has landed), its K/V tiles from ring tile `tile` on
+  auto run_item = [&](const DenseItem& it) {
     const fa2::TileList tiles = item_tiles<TKV>(p, it);
     const int b = it.b, hq = it.hq, q0 = it.q0;
     float o[BLOCKS][32];
@@ -831,7 +898,6 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     const int r_lo = q0 + 64 * (wg - 1) + 16 * warp + (lane >> 2);
     // every row of the tile is a real query: tiles inside kv_len need no bounds checks
     const bool rows_inside = q0 + kTQ <= q_len;
-    tma::mbar_wait(q_full, k & 1);
     // row r of this warpgroup's 64: its query head and position, and whether it is a real query
     auto row_at = [&](int r, int& h, int& qi) {
       h = hq;
@@ -899,15 +965,17 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     }
     q_release.stored();
   };
-  if constexpr (kPersistentHeadDim<D>) {
+  // The producer picks the items (the consumers keep no scheduling state in their registers)
+  // and publishes each in item_slot with its Q; b < 0 means there are no more.
 #pragma unroll 1
-    for (int k = 0;; ++k) {
-      const int w = snake_item(k, num_items);
-      if (w < 0) break;
-      run_item(w, k);
-    }
-  } else {
-    run_item(blockIdx.x, 0);  // one item per CTA: the grid has num_items CTAs
+  for (int k = 0;; ++k) {
+    tma::mbar_wait(q_full, k & 1);
+    // a plain load, not asm volatile, so the optimizer may place it (which kept document_causal
+    // D = 128's low-pressure form spill-free); it stays below the wait, whose asm clobbers memory
+    const DenseItem it = *reinterpret_cast<const DenseItem*>(smem + S::kItem);
+    if (it.b < 0) break;
+    run_item(it);
+    if (!kPersistentHeadDim<D>) break;  // one item per CTA: the grid has num_items CTAs
   }
 }
 

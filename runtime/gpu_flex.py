@@ -750,6 +750,10 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     else:
         grid = (-(-(Sq * pl.tiles.gf) // cfg.tq), Hq // pl.tiles.gf, B)
     maps = _fa3_tensor_maps(query, key, value) if pl.tiles.kernel == "fa3" else None
+    # the FA3 kernel's dynamic item order claims items from this counter: zero, one per launch
+    # (a memset on the stream; in a CUDA graph, a memset node) so no two launches share one
+    counter = (torch.zeros(1, dtype=torch.int32, device=query.device)
+               if pl.tiles.kernel == "fa3" else None)
     ap = {
         "q": query.data_ptr(), "k": key.data_ptr(), "v": value.data_ptr(), "o": out.data_ptr(),
         "lse": lse.data_ptr() if lse is not None else 0,
@@ -767,6 +771,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         "bm_stride_b": 0, "bm_stride_h": 0, "bi_stride_b": 0, "bi_stride_h": 0,
         "bi_stride_q": 0, "block_q": 0, "block_kv": 0,
         "tma": maps.data_ptr() if maps is not None else 0,
+        "item_counter": counter.data_ptr() if counter is not None else 0,
     }
     m = pl.mask
     if m is not None:

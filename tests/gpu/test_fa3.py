@@ -183,6 +183,59 @@ def test_fa3_matches_reference(name: str, d: int, s: int, g: int, tkv: int, rng:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,d", [(16, 16, 128), (16, 16, 64), (24, 8, 128)])
+def test_fa3_l2_sections_cover_every_item(hq: int, hkv: int, d: int) -> None:
+    """Long keys (8192: 2-4 MiB of K and V per KV head) split the heads into several L2
+    sections of the item order (ATTNCC_FA3_L2_SECTION_BYTES, 24 MiB), the last one partial: every
+    (head, query block) is still run exactly once (poisoned output and LSE fully written)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FA3 kernel needs an sm_90 GPU")
+    q = torch.randn(1, hq, 300, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, hkv, 8192, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    ir, bind = VARIANTS["softcap"](1, hq, 8192, d).trace()
+    _check(q, k, v, ir, bind, None, hq // hkv)
+
+
+@pytest.mark.gpu
+def test_fa3_dynamic_order_repeats_bitwise_and_in_graphs(rng: Any) -> None:
+    """The dynamic item order claims items from a counter that is a fresh zero for every
+    launch (a memset node inside a CUDA graph): eager launches and graph replays of a causal
+    case with ~9 items per CTA give bitwise the same output, which matches the reference."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FA3 kernel needs an sm_90 GPU")
+    q, k, v = rng.qkv(2, 72, 1000, 64, Hkv=36, dtype=torch.bfloat16, device="cuda")
+    ir, bind = VARIANTS["causal"](2, 72, 1000, 64).trace()
+    bm = attncc.create_block_mask(causal, None, None, 1000, 1000, device="cuda")
+    out = torch.full_like(q, float("nan"))
+
+    def step() -> None:
+        gpu_flex.gpu_flex_attention(q, k, v, ir, bind, block_mask=bm, enable_gqa=True,
+                                    kernel_options=FA3, out=out)
+    step()
+    torch.cuda.synchronize()
+    first = out.clone()
+    _check(q, k, v, ir, bind, bm, 2)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        step()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up off the default stream, as torch.cuda.graph asks
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("prepass", ["none", "kv", "qkv"])
 @pytest.mark.parametrize("name,d,s,g,tkv", TRANSFORM_CASES,
                          ids=[f"{c[0]}-d{c[1]}-s{c[2]}-g{c[3]}-k{c[4]}" for c in TRANSFORM_CASES])
