@@ -8,7 +8,9 @@
 // The plan (attncc.runtime.scheduler.plan) is made on the host and copied to fixed offsets of the
 // workspace with a few asynchronous copies (the words in use). The attention kernel's grid is
 // fixed (k x #SMs): CTA c runs the work units cta_units[cta_indptr[c] .. cta_indptr[c+1]) one
-// after another. A unit is (request, KV head, a tile of up to TQ fused query rows, a KV range).
+// after another. A unit is (request, KV heads kv_head .. kv_head + kv_heads - 1, a tile of up to
+// TQ fused query rows, a KV range); its heads run one after another, each as a one-head unit
+// would (only write-through units of one-tile requests cover several heads: decode rows).
 // A unit that covers its rows' whole KV range writes the output directly; the units of a split
 // range write fp32 partial states to the workspace, and the CTA that writes a small item's last
 // part, or else the merge kernel, combines them -- in the plan's fixed order, so the same lengths
@@ -26,15 +28,22 @@
 namespace attncc {
 namespace fa2 {
 
-// One work unit, as attncc.runtime.scheduler.WORK_UNIT_DTYPE lays it out (8 int32).
+// One work unit, as attncc.runtime.scheduler.WORK_UNIT_DTYPE lays it out (8 int32): KV heads
+// kv_head .. kv_head + kv_heads - 1 (kv_heads is 1 for a split unit, slot >= 0). The request's
+// first query token is qo_indptr[request] (unit_qo_offset).
 struct WorkUnit {
-  int request, kv_head, qo_offset, q_start, q_rows, kv_start, kv_end, slot;
+  int request, kv_head, kv_heads, q_start, q_rows, kv_start, kv_end, slot;
 };
 
 __device__ __forceinline__ WorkUnit load_unit(const int* units, int u) {
   const int4 a = __ldg(reinterpret_cast<const int4*>(units) + 2 * u);
   const int4 c = __ldg(reinterpret_cast<const int4*>(units) + 2 * u + 1);
   return WorkUnit{a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+}
+
+__device__ __forceinline__ int unit_qo_offset(const attncc::BatchParams& p,
+                                              const WorkUnit& u) {
+  return __ldg(p.qo_indptr + u.request);
 }
 
 // Query positions the hooks see. By default the queries are the request's last tokens: token t
@@ -65,12 +74,15 @@ struct BatchWork {
   int kv_start, qo_offset, slot, kv_pos0;
   const int* pages;  // this request's page ids
 
-  __device__ __forceinline__ BatchWork(const attncc::BatchParams& params, const WorkUnit& u)
+  // Head `kv_head` of unit u (one of its kv_heads), whose request's first query token is
+  // `qo_off`.
+  __device__ __forceinline__ BatchWork(const attncc::BatchParams& params, const WorkUnit& u,
+                                       int kv_head, int qo_off)
       : p(params) {
     b = u.request;
     gf = p.num_q_heads / p.num_kv_heads;
-    h_kv = u.kv_head;
-    head0 = u.kv_head * gf;
+    h_kv = kv_head;
+    head0 = kv_head * gf;
     row0 = u.q_start;
     rows = u.q_start + u.q_rows;
     q_pos0 = request_q_pos0(p, b);
@@ -78,7 +90,7 @@ struct BatchWork {
     kv_start = u.kv_start;
     kv_len = u.kv_end;  // positions past the unit's range do not exist for it
     count = (u.kv_end - u.kv_start + TKV - 1) / TKV;
-    qo_offset = u.qo_offset;
+    qo_offset = qo_off;
     slot = u.slot;
     pages = p.kv_page_indices + __ldg(p.kv_page_indptr + b);
   }
@@ -399,6 +411,7 @@ __device__ __forceinline__ void merge_if_last(const attncc::BatchParams& p,
   __syncthreads();
 
   const int gf = p.num_q_heads / p.num_kv_heads;
+  const int qo_offset = unit_qo_offset(p, u);  // (a split unit has one KV head: u.kv_head)
   int q_pos0 = 0;  // the request's first query position (loads), once for all its elements
   if constexpr (Variant::has_output_transform) q_pos0 = request_q_pos0(p, u.request);
 #pragma unroll 1
@@ -409,10 +422,10 @@ __device__ __forceinline__ void merge_if_last(const attncc::BatchParams& p,
     const int hq = u.kv_head * gf + (fr - tok * gf);
     float val = rows[e];
     if constexpr (Variant::has_output_transform) {
-      const int q_pos = query_position(p, q_pos0, u.qo_offset, tok);
+      const int q_pos = query_position(p, q_pos0, qo_offset, tok);
       val = Variant::OutputTransform(vp, FloatRow{rows + r * D}, u.request, hq, q_pos, d);
     }
-    DType* out = reinterpret_cast<DType*>(p.o) + (u.qo_offset + tok) * p.o_stride_tok +
+    DType* out = reinterpret_cast<DType*>(p.o) + (qo_offset + tok) * p.o_stride_tok +
                  hq * p.o_stride_h;
     reinterpret_cast<fa2_u16*>(out)[d] = float_to_elem<DType>(val);
   }
@@ -422,13 +435,14 @@ __device__ __forceinline__ void merge_if_last(const attncc::BatchParams& p,
         const int fr = u.q_start + r;
         const int tok = fr / gf;
         const int hq = u.kv_head * gf + (fr - tok * gf);
-        p.lse[(attncc::i64)(u.qo_offset + tok) * p.lse_stride_tok + hq] = lses[r];
+        p.lse[(attncc::i64)(qo_offset + tok) * p.lse_stride_tok + hq] = lses[r];
       }
     }
   }
 }
 
-// The persistent attention kernel: this CTA's queue of work units, in order.
+// The persistent attention kernel: this CTA's queue of work units, in order, and each unit's
+// KV heads in order.
 template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,
           int M_FRAGS, int KV_WARPS>
 __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
@@ -442,9 +456,13 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
 #pragma unroll 1
   for (int i = first; i < last; ++i) {
     const WorkUnit u = load_unit(p.units, __ldg(p.cta_units + i));
-    __syncthreads();  // the previous unit's epilogue is done with shared memory
-    const BatchWork<DType, HEAD_DIM, TQ, TKV, Cfg::kThreads> w(p, u);
-    fa2_attend<Variant, DType, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(w, vp, p.sm_scale);
+    const int qo_offset = unit_qo_offset(p, u);
+#pragma unroll 1
+    for (int h = u.kv_head; h < u.kv_head + u.kv_heads; ++h) {
+      __syncthreads();  // the previous head's (unit's) epilogue is done with shared memory
+      const BatchWork<DType, HEAD_DIM, TQ, TKV, Cfg::kThreads> w(p, u, h, qo_offset);
+      fa2_attend<Variant, DType, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(w, vp, p.sm_scale);
+    }
     if (u.slot >= 0)
       merge_if_last<Variant, DType, HEAD_DIM, TQ, Cfg::kThreads>(p, vp, u, attncc_fa2_smem);
   }

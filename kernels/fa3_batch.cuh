@@ -8,9 +8,11 @@
 //
 // Persistent: the grid is the plan's CTA count (one CTA per SM: 227 KB of shared memory) and CTA
 // c runs the units cta_units[cta_indptr[c] ..] one after another. A unit is (request, KV head, a
-// tile of 128 fused query rows, a KV range); its rows are a GQA group's heads of consecutive
-// tokens (fused row r = token r / g, head r % g of the group), exactly what one 3-D TMA box
-// [64 / g tokens][g heads][64 columns] lands as in shared memory, so Q needs no gather.
+// tile of 128 fused query rows, a KV range) -- one KV head: BatchAttention plans FA3 batches
+// with scheduler.plan(head_span=False), so u.kv_heads is 1 and is not read here. Its rows are a
+// GQA group's heads of consecutive tokens (fused row r = token r / g, head r % g of the group),
+// exactly what one 3-D TMA box [64 / g tokens][g heads][64 columns] lands as in shared memory,
+// so Q needs no gather.
 //
 // Roles, as in fa3_prefill.cuh: one producer thread, two consumer warpgroups of 64 rows.
 //   The producer walks the CTA's units and, per unit, loads Q (after the consumers released the
@@ -101,6 +103,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
 #pragma unroll 1
     for (int ui = first; ui < last; ++ui) {
       const fa2::WorkUnit u = fa2::load_unit(p.units, __ldg(p.cta_units + ui));
+      const int qo_offset = fa2::unit_qo_offset(p, u);
       // Q: the 128 fused rows, as two boxes of 64 rows (one per consumer) per column block
       if (ui > first) tma::mbar_wait(q_empty, (ui - first - 1) & 1);
       tma::mbar_arrive_expect_tx(q_full, kConsumers * BLOCKS * kBoxBytes);
@@ -109,7 +112,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
 #pragma unroll
         for (int blk = 0; blk < BLOCKS; ++blk)
           tma::load_3d(sq + (c * BLOCKS + blk) * kBoxBytes, tm_q, q_full, 64 * blk,
-                       u.kv_head * gf, u.qo_offset + (u.q_start + 64 * c) / gf);
+                       u.kv_head * gf, qo_offset + (u.q_start + 64 * c) / gf);
       // K/V tiles of [kv_start, kv_end)
       const int kv_len = __ldg(p.kv_lens + u.request);
       const long long head_off = (long long)u.kv_head * p.kv_stride_h;
@@ -154,6 +157,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
 #pragma unroll 1
   for (int ui = first; ui < last; ++ui) {
     const fa2::WorkUnit u = fa2::load_unit(p.units, __ldg(p.cta_units + ui));
+    const int qo_offset = fa2::unit_qo_offset(p, u);
     const int q_pos0 = fa2::request_q_pos0(p, u.request);
     const int kv_pos0 = p.kv_pos_offset != nullptr ? __ldg(p.kv_pos_offset + u.request) : 0;
     const int kv_end = u.kv_end;
@@ -168,7 +172,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
       row_ok[hr] = r < u.q_rows;
       row_tok[hr] = gdiv.div(fr);
       row_hq[hr] = u.kv_head * gf + (fr - row_tok[hr] * gf);
-      row_qi[hr] = row_ok[hr] ? fa2::query_position(p, q_pos0, u.qo_offset, row_tok[hr]) : 0;
+      row_qi[hr] = row_ok[hr] ? fa2::query_position(p, q_pos0, qo_offset, row_tok[hr]) : 0;
     }
     const bool rows_full = u.q_rows >= kTQ;
 
@@ -185,7 +189,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
       if (ru >= u.q_rows) return false;
       const int fr = u.q_start + ru, tok = gdiv.div(fr);
       h = u.kv_head * gf + (fr - tok * gf);
-      qi = fa2::query_position(p, q_pos0, u.qo_offset, tok);
+      qi = fa2::query_position(p, q_pos0, qo_offset, tok);
       return true;
     };
     if constexpr (Variant::has_query_transform)
@@ -265,11 +269,11 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
         if ((lane & 3) == 0) p.partial_lse[(attncc::i64)u.slot * kTQ + r] = kSoftmax ? lse : 0.f;
       } else {
         store_row<DType, D>(reinterpret_cast<DType*>(p.o) +
-                                (u.qo_offset + row_tok[hr]) * p.o_stride_tok +
+                                (qo_offset + row_tok[hr]) * p.o_stride_tok +
                                 row_hq[hr] * p.o_stride_h, o, hr, inv);
         if constexpr (kSoftmax) {
           if (p.lse != nullptr && (lane & 3) == 0)
-            p.lse[(attncc::i64)(u.qo_offset + row_tok[hr]) * p.lse_stride_tok + row_hq[hr]] = lse;
+            p.lse[(attncc::i64)(qo_offset + row_tok[hr]) * p.lse_stride_tok + row_hq[hr]] = lse;
         }
       }
     }

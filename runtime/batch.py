@@ -213,7 +213,7 @@ class _Config:
 
     tiles: BatchTiles
     layout: scheduler.PlanLayout
-    kwargs: dict            # scheduler.plan's kv_chunk_align / min_kv_chunk
+    kwargs: dict            # scheduler.plan's kv_chunk_align / min_kv_chunk / head_span
     problem: Any = None     # planner.plan_problem(...) when the compiled planner is in use
 
 
@@ -669,14 +669,16 @@ class BatchAttention:
             floor = max(int(b.kv_lens.max(initial=0)), 1)
         layout = _plan_layout(self.max_batch, self.max_qo_tokens, tiles.num_ctas, num_qo_heads,
                               num_kv_heads, tiles.tq)
-        kwargs = dict(kv_chunk_align=tiles.tkv, min_kv_chunk=floor)
+        # the FA3 batch kernel runs one KV head per unit (kernels/fa3_batch.cuh)
+        span = tiles.kernel != "fa3"
+        kwargs = dict(kv_chunk_align=tiles.tkv, min_kv_chunk=floor, head_span=span)
         problem = None
         if self._planner:
             # scheduler.plan's checks of these (the same errors as plan_into would raise)
             _, tq, ctas, alpha, beta, align, floor = scheduler._checked_params(
                 num_qo_heads, num_kv_heads, tiles.tq, tiles.num_ctas, 1.0, 1.0, tiles.tkv, floor)
             problem = planner.plan_problem(layout, num_ctas=ctas, alpha=alpha, beta=beta,
-                                           align=align, floor=floor)
+                                           align=align, floor=floor, head_span=span)
         cfg = _Config(tiles, layout, kwargs, problem)
         if self.balance:  # (without it the grid depends on the whole batch: nothing to keep)
             self._last_config = (key, b.max_q_len, cfg)
@@ -967,21 +969,23 @@ def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndar
         q_max = kv_lens[req] - (qo[req + 1] - qo[req]) + last_tok
     else:  # the largest given position among each unit's tokens
         q_max = np.array([qpos[o + f:o + t + 1].max() for o, f, t in
-                          zip(u["qo_offset"].tolist(), first_tok.tolist(), last_tok.tolist())],
+                          zip(qo[req].tolist(), first_tok.tolist(), last_tok.tolist())],
                          dtype=np.int64).reshape(-1)
     limit = q_max + bound + 1 - (kvoff[req] if kvoff is not None else 0)
-    before = int((u["kv_end"] - u["kv_start"]).sum())
+    heads = u["kv_heads"].astype(np.int64)
+    before = int(((u["kv_end"] - u["kv_start"]) * heads).sum())
     u["kv_end"] = np.clip(limit, u["kv_start"], u["kv_end"])
     keys = u["kv_end"] - u["kv_start"]
     # The CTA queues were balanced on the unclipped costs, and the clipped units of a causal
     # prefill range from empty to whole: balance them again (same cost rule as the scheduler,
-    # alpha = beta = 1) unless clipping removed under a tenth of the keys (a mixed step with
-    # one short prefill chunk: not worth the host time). Merges sum their slots in the plan's
-    # order, whatever CTA ran them, so the output bits do not depend on the new queues.
-    if 10 * (before - int(keys.sum())) < before:
+    # alpha = beta = 1, times the unit's KV heads) unless clipping removed under a tenth of the
+    # keys (a mixed step with one short prefill chunk: not worth the host time). Merges sum
+    # their slots in the plan's order, whatever CTA ran them, so the output bits do not depend
+    # on the new queues. (A unit's heads share its rows and KV range: one clip fits them all.)
+    if 10 * (before - int((keys * heads).sum())) < before:
         return
     p["cta_indptr"][:], p["cta_units"][:] = lpt_schedule(
-        u["q_rows"].astype(np.int64) + keys, p["num_ctas"])
+        (u["q_rows"].astype(np.int64) + keys) * heads, p["num_ctas"])
 
 
 UPLOAD_GAP = 16384

@@ -32,15 +32,19 @@ WRITE_THROUGH = -1
 
 WORK_UNIT_DTYPE = np.dtype([
     ("request", np.int32),    # request index in the batch
-    ("kv_head", np.int32),    # KV head; query heads kv_head*g .. kv_head*g + g-1
-    ("qo_offset", np.int32),  # qo_indptr[request]: the request's first query token (absolute)
+    ("kv_head", np.int32),    # first KV head; query heads kv_head*g .. kv_head*g + g-1
+    ("kv_heads", np.int32),   # KV heads kv_head .. kv_head + kv_heads - 1, run one after another
     ("q_start", np.int32),    # first fused row of the tile within the request (multiple of tile_q)
     ("q_rows", np.int32),     # fused rows in the tile, 1..tile_q
     ("kv_start", np.int32),   # first KV token of the chunk (within the request)
     ("kv_end", np.int32),     # one past the last KV token of the chunk
     ("slot", np.int32),       # workspace slot of the partial (O, LSE), or WRITE_THROUGH (-1)
 ])
-"""One work unit: 8 int32 (32 bytes, two 16-byte vector loads on the GPU)."""
+"""One work unit: 8 int32 (32 bytes, two 16-byte vector loads on the GPU). A unit covers
+``kv_heads >= 1`` consecutive KV heads with the same rows and KV range (each head's rows as
+described for ``kv_head``); only write-through units of one-tile requests cover more than one
+(see attncc.runtime.scheduler, "Head spans"). The request's first query token is
+``qo_indptr[request]``, which the kernels read from the batch's tables."""
 
 MERGE_TARGET_DTYPE = np.dtype([
     ("request", np.int32),    # request index
@@ -49,7 +53,8 @@ MERGE_TARGET_DTYPE = np.dtype([
     ("q_start", np.int32),    # first fused row of the tile within the request
     ("q_rows", np.int32),     # fused rows of the tile
 ])
-"""Where the merged result of one split work item goes (fused rows, as in `WORK_UNIT_DTYPE`)."""
+"""Where the merged result of one split work item goes (fused rows, as in `WORK_UNIT_DTYPE`; a
+split item is one KV head)."""
 
 HEADER_FIELDS = (
     "magic", "version", "batch_size", "num_units", "num_ctas", "num_merges",
@@ -59,7 +64,7 @@ HEADER_FIELDS = (
 """The int32 header at offset 0 of a packed plan, in this order."""
 
 PLAN_MAGIC = 0x4E4C5041  # b"APLN" little endian
-PLAN_VERSION = 2  # 2: the section after merge_indptr is slot_merge (was the identity merge_slots)
+PLAN_VERSION = 3  # 3: units carry kv_heads (was qo_offset); 2: slot_merge after merge_indptr
 _ALIGN = 4  # every packed section starts at a multiple of 4 int32 (16 bytes)
 _INT32_MAX = 2**31 - 1
 

@@ -55,6 +55,7 @@ typedef struct {
   const i64* kv; /* [batch] KV lengths, 0 .. 2^31 - 1 */
   /* in: the problem (tile_q a power of two: scheduler.TILE_Q_CHOICES) */
   i64 num_qo_heads, num_kv_heads, tile_q, num_ctas, align, floor_;
+  i64 head_span; /* nonzero: units of one-tile, unsplit requests may cover several KV heads */
   double alpha, beta;
   /* in: the PlanLayout (maxima, int32 size, section offsets) and the header's constants */
   i64 max_batch, max_qo_tokens, max_ctas, max_units, max_merges, max_slots, layout_size;
@@ -70,11 +71,40 @@ typedef struct {
   i64* nt;    /* [batch] query tiles */
   i64* nc;    /* [batch] KV chunks (0 without a query tile) */
   i64* first; /* [batch] first unit */
+  i64* span;  /* [batch] KV heads per unit (scheduler._head_spans) */
+  i64* divs;  /* [num_kv_heads] its divisors above 1, descending, then 0 */
+  double total; /* the plan's total cost (scheduler.plan's `total`) */
 } requests;
 
-/* The KV chunk (scheduler.kv_chunk_size), every request's tiles, chunks and first unit, and the
- * plan's sizes (a->chunk, num_units, num_merges, num_slots). Tiles are a shift (tile_q is a
- * power of two), chunks one 32-bit division (lengths and chunk are below 2^31). */
+/* Every request's head span (scheduler._head_spans, the same float operations): the largest
+ * divisor s of num_kv_heads with s * c_i <= total / (2 P) for a one-tile, one-chunk request,
+ * c_i = alpha * rows + beta * kv its one-head cost; 1 otherwise. */
+static void head_spans(const plan_args* a, i64 g, requests* rq) {
+  const i64 hk = a->num_kv_heads;
+  i64 nd = 0;
+  for (i64 d = hk; d > 1 && a->head_span; --d)
+    if (hk % d == 0) rq->divs[nd++] = d;
+  rq->divs[nd] = 0;
+  const double limit = rq->total / (2.0 * (double)a->num_ctas);
+  for (i64 i = 0; i < a->batch; ++i) {
+    i64 s = 1;
+    if (rq->nt[i] == 1 && rq->nc[i] == 1) {
+      const double c = a->alpha * (double)((a->qo[i + 1] - a->qo[i]) * g) +
+                       a->beta * (double)a->kv[i];
+      for (const i64* d = rq->divs; *d; ++d)
+        if ((double)*d * c <= limit) {
+          s = *d;
+          break;
+        }
+    }
+    rq->span[i] = s;
+  }
+}
+
+/* The KV chunk (scheduler.kv_chunk_size), every request's tiles, chunks, head span and first
+ * unit, the plan's total cost and its sizes (a->chunk, num_units, num_merges, num_slots). Tiles
+ * are a shift (tile_q is a power of two), chunks one 32-bit division (lengths and chunk are
+ * below 2^31). */
 static void request_sizes(plan_args* a, i64 g, requests* rq) {
   const i64 batch = a->batch, hk = a->num_kv_heads, tile_q = a->tile_q, align = a->align;
   int shift = 0;
@@ -88,13 +118,20 @@ static void request_sizes(plan_args* a, i64 g, requests* rq) {
   const i64 chunk = min64(ceil_div(max64(raw, a->floor_), align) * align,
                           (i64)2147483647 / align * align);
   const uint32_t c32 = (uint32_t)chunk;
-  i64 units = 0, merges = 0, slots = 0;
+  i64 rows_nc = 0;
   for (i64 i = 0; i < batch; ++i) {
     const i64 nt = rq->nt[i];
     const i64 nc = nt > 0 ? max64(((uint32_t)a->kv[i] + c32 - 1) / c32, 1) : 0;
     rq->nc[i] = nc;
+    rows_nc += (a->qo[i + 1] - a->qo[i]) * g * nc;
+  }
+  rq->total = (double)hk * (a->alpha * (double)rows_nc + a->beta * (double)work);
+  head_spans(a, g, rq);
+  i64 units = 0, merges = 0, slots = 0;
+  for (i64 i = 0; i < batch; ++i) {
+    const i64 nt = rq->nt[i], nc = rq->nc[i];
     rq->first[i] = units;
-    units += hk * nt * nc;
+    units += hk / rq->span[i] * nt * nc;
     if (nc > 1) {
       merges += hk * nt;
       slots += hk * nt * nc;
@@ -107,21 +144,21 @@ static void request_sizes(plan_args* a, i64 g, requests* rq) {
 }
 
 /* The units of a one-tile request i that is not split (a decode request: most of a serving
- * batch), one per head: (i, h, qo, 0 | rows, 0, kv, -1). The second half is the same for every
- * head and the first steps by one in h, so where the compiler has vector types a unit is two
- * 16-byte stores and a vector add (built from scalars, the halves took ~1.7x as long: 8192
- * units, decode at Hkv 32, ~13 -> ~7.5 us on the dev VM). Returns the next unit. */
-static i32* write_heads(i32* w, i32 i, i64 hk, i32 qo, i32 rows, i32 kv) {
+ * batch), one per span of s heads: (i, h, s, 0 | rows, 0, kv, -1). The second half is the same
+ * for every unit and the first steps by s in h, so where the compiler has vector types a unit
+ * is two 16-byte stores and a vector add (built from scalars, the halves took ~1.7x as long:
+ * 8192 units, decode at Hkv 32, ~13 -> ~7.5 us on the dev VM). Returns the next unit. */
+static i32* write_heads(i32* w, i32 i, i64 hk, i32 s, i32 rows, i32 kv) {
 #if defined(__GNUC__)
-  quad first = {i, 0, qo, 0};
-  const quad step = {0, 1, 0, 0}, second = {rows, 0, kv, -1};
-  for (i64 h = 0; h < hk; ++h, w += 8, first += step) {
+  quad first = {i, 0, s, 0};
+  const quad step = {0, s, 0, 0}, second = {rows, 0, kv, -1};
+  for (i64 h = 0; h < hk; h += s, w += 8, first += step) {
     memcpy(w, &first, sizeof first);
     memcpy(w + 4, &second, sizeof second);
   }
 #else
-  for (i64 h = 0; h < hk; ++h, w += 8) {
-    STORE4(w, i, (i32)h, qo, 0);
+  for (i64 h = 0; h < hk; h += s, w += 8) {
+    STORE4(w, i, (i32)h, s, 0);
     STORE4(w + 4, rows, 0, kv, -1);
   }
 #endif
@@ -129,12 +166,12 @@ static i32* write_heads(i32* w, i32 i, i64 hk, i32 qo, i32 rows, i32 kv) {
 }
 
 /* The units of request i when it is not split (one chunk per tile, writing through): per head,
- * its tiles; write_heads when it has one tile. Returns the next unit. */
-static i32* write_whole(i32* w, i32 i, i64 hk, i32 qo, i64 rows, i64 nt, i64 tile_q, i32 kv) {
-  if (nt == 1) return write_heads(w, i, hk, qo, (i32)rows, kv);
+ * its tiles; write_heads (span s) when it has one tile. Returns the next unit. */
+static i32* write_whole(i32* w, i32 i, i64 hk, i32 s, i64 rows, i64 nt, i64 tile_q, i32 kv) {
+  if (nt == 1) return write_heads(w, i, hk, s, (i32)rows, kv);
   for (i64 h = 0; h < hk; ++h)
     for (i64 t = 0; t < nt; ++t, w += 8) {
-      STORE4(w, i, (i32)h, qo, (i32)(t * tile_q));
+      STORE4(w, i, (i32)h, 1, (i32)(t * tile_q));
       STORE4(w + 4, (i32)min64(rows - t * tile_q, tile_q), 0, kv, -1);
     }
   return w;
@@ -155,7 +192,7 @@ static void write_units(const plan_args* a, i64 g, const requests* rq, i32* unit
     const i32 kv = (i32)a->kv[i], qo = (i32)a->qo[i];
     const i64 nt = rq->nt[i], nc = rq->nc[i];
     if (nc <= 1) {
-      w = write_whole(w, (i32)i, hk, qo, rows, nt, tile_q, kv);
+      w = write_whole(w, (i32)i, hk, (i32)rq->span[i], rows, nt, tile_q, kv);
       continue;
     }
     for (i64 h = 0; h < hk; ++h)
@@ -167,7 +204,7 @@ static void write_units(const plan_args* a, i64 g, const requests* rq, i32* unit
         ++m;
         i64 ks = 0; /* 64 bits: one past the last chunk may pass 2^31 */
         for (i64 c = 0; c < nc; ++c, w += 8, ks += chunk) {
-          STORE4(w, (i32)i, (i32)h, qo, q_start);
+          STORE4(w, (i32)i, (i32)h, 1, q_start);
           STORE4(w + 4, q_rows, (i32)ks, c + 1 < nc ? (i32)(ks + chunk) : kv, /* min(., kv) */
                  slot++);
         }
@@ -186,13 +223,7 @@ static i64 round_even(double x) {
  * (P * total)), as scheduler._group_ticks / cost_ticks compute them. */
 static void group_ticks(const plan_args* a, i64 g, const requests* rq, i64* count, i64* ticks) {
   const i64 hk = a->num_kv_heads, tile_q = a->tile_q, chunk = a->chunk;
-  const double alpha = a->alpha, beta = a->beta;
-  i64 rows_nc = 0, nt_kv = 0;
-  for (i64 i = 0; i < a->batch; ++i) {
-    rows_nc += (a->qo[i + 1] - a->qo[i]) * g * rq->nc[i];
-    nt_kv += rq->nt[i] * a->kv[i];
-  }
-  const double total = (double)hk * (alpha * (double)rows_nc + beta * (double)nt_kv);
+  const double alpha = a->alpha, beta = a->beta, total = rq->total;
   const double scale = total > 0.0 ? 2305843009213693952.0 / ((double)a->num_ctas * total) : 0.0;
   for (i64 i = 0; i < a->batch; ++i) {
     const i64 rows = (a->qo[i + 1] - a->qo[i]) * g, nt = rq->nt[i], nc = rq->nc[i];
@@ -201,7 +232,7 @@ static void group_ticks(const plan_args* a, i64 g, const requests* rq, i64* coun
     cnt[0] = full_t * full_c * heads;
     cnt[1] = full_t * heads;
     cnt[2] = full_c * heads;
-    cnt[3] = heads;
+    cnt[3] = heads / rq->span[i]; /* a span of s heads: hk / s units of s heads' cost */
     const double last_rows = alpha * (double)(rows - full_t * tile_q);
     const double last_len = beta * (double)(a->kv[i] - full_c * chunk);
     double cost[4];
@@ -209,6 +240,7 @@ static void group_ticks(const plan_args* a, i64 g, const requests* rq, i64* coun
     cost[1] = alpha * (double)tile_q + last_len;
     cost[2] = last_rows + beta * (double)chunk;
     cost[3] = last_rows + last_len;
+    if (rq->span[i] > 1) cost[3] *= (double)rq->span[i];
     for (int k = 0; k < 4; ++k) {
       const double cst = cnt[k] == 0 ? 0.0 : cost[k];
       ticks[4 * i + k] = total > 0.0 ? round_even(cst * scale) : 0;
@@ -501,12 +533,13 @@ static void queues(const requests* rq, const i64* g_count, const group* groups, 
 int attncc_plan_pack(plan_args* a, i32* buf, void* scratch, i64 scratch_bytes) {
   const i64 batch = a->batch, P = a->num_ctas, hk = a->num_kv_heads;
   const i64 g = a->num_qo_heads / hk;
-  /* scratch: int64 [3 batch] requests, [8 batch] group counts and ticks, [16 batch] groups
-   * and their sort buffer, [5P] CTAs; then int32 [n] the CTA of each greedy position */
-  a->scratch_bytes = 8 * (27 * batch + 5 * P);
+  /* scratch: int64 [4 batch] requests, [8 batch] group counts and ticks, [16 batch] groups
+   * and their sort buffer, [5P] CTAs, [hk + 1] divisors; then int32 [n] the CTA of each
+   * greedy position */
+  a->scratch_bytes = 8 * (28 * batch + 5 * P + hk + 1);
   if (a->scratch_bytes > scratch_bytes) return 2;
   i64* w = (i64*)scratch;
-  requests rq = {w, w + batch, w + 2 * batch};
+  requests rq = {w, w + batch, w + 2 * batch, w + 3 * batch, w + 28 * batch + 5 * P, 0.0};
   request_sizes(a, g, &rq);
   const i64 n = a->num_units, m = a->num_merges, slots = a->num_slots;
   if (batch > a->max_batch || a->qo[batch] > a->max_qo_tokens || P > a->max_ctas ||
@@ -514,7 +547,7 @@ int attncc_plan_pack(plan_args* a, i32* buf, void* scratch, i64 scratch_bytes) {
     return 1;
   a->scratch_bytes += 4 * n;
   if (a->scratch_bytes > scratch_bytes) return 2;
-  i64* g_count = w + 3 * batch;
+  i64* g_count = w + 4 * batch;
   i64* g_ticks = g_count + 4 * batch;
   group* groups = (group*)(g_ticks + 4 * batch);
   group* tmp = groups + 4 * batch;
@@ -523,7 +556,7 @@ int attncc_plan_pack(plan_args* a, i32* buf, void* scratch, i64 scratch_bytes) {
   i64* count = fresh + P;
   i64* fill = count + P;
   ctas s = {.P = P, .buf = keys, .fresh = fresh, .count = count};
-  i32* assign = (i32*)(fill + P);
+  i32* assign = (i32*)(fill + P + hk + 1); /* (after the divisors) */
 
   i32* hdr = buf + a->off_header;
   const i32 header[16] = {(i32)a->magic, (i32)a->version, (i32)batch, (i32)n, (i32)P, (i32)m,

@@ -74,7 +74,7 @@ class _PlanArgs(ctypes.Structure):
 
     _fields_ = ([("batch", _I64), ("qo", _PTR), ("kv", _PTR)]
                 + [(f, _I64) for f in ("num_qo_heads", "num_kv_heads", "tile_q", "num_ctas",
-                                       "align", "floor")]
+                                       "align", "floor", "head_span")]
                 + [("alpha", _F64), ("beta", _F64)]
                 + [(f, _I64) for f in ("max_batch", "max_qo_tokens", "max_ctas", "max_units",
                                        "max_merges", "max_slots", "layout_size")]
@@ -249,8 +249,8 @@ def _run_pack(args: _PlanArgs, out_addr: int) -> int:
 
 
 def pack_plan(out: np.ndarray, layout: PlanLayout, qo: np.ndarray, kv: np.ndarray, *,
-              num_ctas: int, alpha: float, beta: float, align: int, floor: int
-              ) -> tuple[int, int, int, int] | None:
+              num_ctas: int, alpha: float, beta: float, align: int, floor: int,
+              head_span: bool = True) -> tuple[int, int, int, int] | None:
     """Plan the batch and pack it into `out` as `Plan.pack(layout, out=out)` would (the same
     int32 words; words Plan.pack leaves alone are left alone). Inputs must already be checked
     as `scheduler.plan` checks them: `qo` [batch+1] CSR from 0, `kv` [batch] in 0..2**31-1
@@ -267,14 +267,15 @@ def pack_plan(out: np.ndarray, layout: PlanLayout, qo: np.ndarray, kv: np.ndarra
     args.batch, args.qo, args.kv = nk, _SCRATCH.ints_at, _SCRATCH.ints_at + 8 * nq
     args.num_ctas, args.alpha, args.beta, args.align, args.floor = (num_ctas, alpha, beta,
                                                                     align, floor)
+    args.head_span = int(head_span)
     if _run_pack(args, _addr(out)) == 1:
         return None
     return args.chunk, args.num_units, args.num_merges, args.num_slots
 
 
 def compiled_plan(qo: np.ndarray, kv: np.ndarray, *, g: int, hk: int, tile_q: int,
-                  num_ctas: int, alpha: float, beta: float, align: int, floor: int
-                  ) -> dict[str, Any]:
+                  num_ctas: int, alpha: float, beta: float, align: int, floor: int,
+                  head_span: bool = True) -> dict[str, Any]:
     """The plan's arrays from the C planner. Inputs must already be validated (the scheduler
     does that): `qo` int64 [batch+1], `kv` int64 [batch]. Keys: chunk, units ([n, 8] int32),
     cta_indptr, cta_units, merge_indptr, merge_out ([m, 5] int32), num_slots.
@@ -286,7 +287,7 @@ def compiled_plan(qo: np.ndarray, kv: np.ndarray, *, g: int, hk: int, tile_q: in
     kv = np.ascontiguousarray(kv, dtype=np.int64)
     args = _PlanArgs(batch=kv.size, qo=_addr(qo), kv=_addr(kv), num_qo_heads=g * hk,
                      num_kv_heads=hk, tile_q=tile_q, num_ctas=num_ctas, align=align,
-                     floor=floor, alpha=alpha, beta=beta)
+                     floor=floor, alpha=alpha, beta=beta, head_span=int(head_span))
     _run_pack(args, 0)  # every maximum 0: returns 1 with the plan's sizes
     chunk, n, m, slots = args.chunk, args.num_units, args.num_merges, args.num_slots
     # a layout with exactly these sizes, sections back to back
@@ -483,11 +484,12 @@ class BatchPlanner:
 
 
 def plan_problem(layout: PlanLayout, *, num_ctas: int, alpha: float, beta: float, align: int,
-                 floor: int) -> _PlanArgs:
+                 floor: int, head_span: bool = True) -> _PlanArgs:
     """The plan_args of plans with these parameters (checked as `scheduler.plan` checks them)
     into `layout`, for `BatchPlanner.plan_and_stage`: a new struct, which the caller keeps for
     as long as the parameters stay the same."""
     args = _PlanArgs.from_buffer_copy(_layout_args(layout))  # the layout's fields
     args.num_ctas, args.alpha, args.beta, args.align, args.floor = (num_ctas, alpha, beta,
                                                                     align, floor)
+    args.head_span = int(head_span)
     return args

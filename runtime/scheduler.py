@@ -35,6 +35,31 @@ most ``L_kv`` tokens; each chunk is a *work unit* with cost ``alpha * q_rows + b
 A work item with ``l_kv = 0`` still gets one unit with an empty KV range: it must write its
 output (0) and LSE (-inf). Requests with ``l_q = 0`` get no unit at all.
 
+Head spans
+----------
+A work item of a request with one query tile per KV head whose KV range is not split (a decode
+or speculative-decode row: ``ceil(l_q * g / tile_q) == 1`` and ``l_kv <= L_kv``) may share its
+unit with the items of the next KV heads: the unit's ``kv_heads`` consecutive heads (its *span*)
+run one after another on one CTA, with the same rows and KV range. Request ``i``'s span is the
+largest divisor ``s`` of ``num_kv_heads`` with
+
+    s * c_i <= total_cost / (2 * num_ctas),    c_i = alpha * l_q[i] * g + beta * l_kv[i]
+
+(``c_i`` is one head's cost, ``total_cost`` that of the whole plan: a spanned unit costs at most
+half a CTA's mean load; ``s = 1`` when no divisor above 1 qualifies); every other item keeps
+``kv_heads = 1``, and so does every split unit. The unit costs ``s * c_i`` in the assignment.
+Rationale: every unit is part of the host's per-plan work (written, assigned, uploaded: at
+decode batch 256 with 32 KV heads the 8,192 one-head units were most of a ~60 us plan), and the
+list-scheduling bound below (``max load <= mean + max unit cost``) stays as tight as the chunk
+already makes it (a split unit costs up to ``L_kv``, about the mean load). Measured LPT makespan
+/ mean CTA load on bench/decode.py's batches (792 CTAs, Hq 32, page 16), one-head units -> spans:
+batch 256 x Hkv 32: constant 1.063 -> 1.160 (8,192 -> 2,048 units), uniform 1.043 -> 1.083
+(8,192 -> 2,184), Zipf 1.018 -> 1.058 (8,320 -> 1,956); per SM (6 CTAs each) 1.015 / 1.032 /
+1.002 -> 1.031 / 1.062 / 1.042. Batches 16 and 64 and Hkv 4 and 8 are unchanged but for batch 256
+x Hkv 8 Zipf (2,336 -> 1,652 units, 1.047 -> 1.056). A bound of the mean load instead of half of
+it spans more (about 1,100 units) but costs 1.24-1.55; a quarter keeps 3,300-4,400 units.
+``plan(head_span=False)`` keeps one head per unit (the FA3 batch kernel runs one head per unit).
+
 Assignment (longest processing time first)
 ------------------------------------------
 Each unit in turn goes to the least loaded CTA (ties: lowest CTA index), exactly as a min-heap
@@ -71,8 +96,8 @@ a split item has ``l_kv > L``, and the split items' KV sum is at most ``H * S <=
 the number of split items is ``W_split <= H*P - 1``; the number of partial slots is
 ``sum ceil(l_kv / L) < H*S/L + W_split <= H*P + W_split``, hence
 ``num_partial_slots <= H*P + min(W_split, H*P - 1) - 1 <= 2*H*P - 2``: independent of the batch.
-Units number at most ``W + H*P - 1`` (``W`` = work items). `PlanLayout` derives all its sizes
-from these bounds; `workspace_bytes` sizes the partial-(O, LSE) workspace from them.
+Units number at most ``W + H*P - 1`` (``W`` = work items; head spans only lower it).
+`PlanLayout` derives all its sizes from these bounds; `workspace_bytes` sizes the partial-(O, LSE) workspace from them.
 
 Host time
 ---------
@@ -90,9 +115,9 @@ Example:
     >>> p = plan([0, 1, 2, 3], [100, 1000, 5000], num_qo_heads=8, num_kv_heads=2, tile_q=16,
     ...          num_ctas=8)
     >>> p.kv_chunk, p.num_units, p.num_merges, p.num_partial_slots
-    (1536, 12, 2, 8)
-    >>> [round(x) for x in simulate(p)]
-    [1540, 1540, 1540, 1540, 1540, 1540, 1504, 1504]
+    (1536, 11, 2, 8)
+    >>> [round(x) for x in simulate(p)]      # request 0: one unit of both heads (cost 2 x 104)
+    [1540, 1540, 1540, 1540, 1540, 1540, 1608, 1400]
 """
 from __future__ import annotations
 
@@ -223,7 +248,8 @@ class Plan:
         alpha, beta: the cost coefficients (per fused query row, per KV token).
         qo_indptr: int32 ``[batch+1]``, the query CSR the plan was made for.
         kv_lens: int32 ``[batch]``, the KV length of each request.
-        units: `WORK_UNIT_DTYPE` ``[num_units]``, ordered by (request, kv_head, tile, kv chunk).
+        units: `WORK_UNIT_DTYPE` ``[num_units]``, ordered by (request, kv_head, tile, kv chunk);
+            a unit covers ``kv_heads`` heads from ``kv_head`` (see "Head spans").
         cta_indptr: int32 ``[num_ctas+1]``, CSR of the per-CTA queues in ``cta_units``.
         cta_units: int32 ``[num_units]``, unit indices, each CTA's queue in execution order.
         merge_indptr: int32 ``[num_merges+1]``: split item m's partials are the workspace slots
@@ -236,6 +262,9 @@ class Plan:
         >>> p = plan([0, 2], [300], num_qo_heads=4, num_kv_heads=2, tile_q=16, num_ctas=4)
         >>> p.kv_chunk, p.units[["kv_head", "q_rows", "kv_start", "kv_end", "slot"]].tolist()
         (160, [(0, 4, 0, 160, 0), (0, 4, 160, 300, 1), (1, 4, 0, 160, 2), (1, 4, 160, 300, 3)])
+        >>> d = plan([0, 1, 2], [100, 100], 4, 4, 16, num_ctas=2)   # decode rows: head spans
+        >>> d.units[["request", "kv_head", "kv_heads"]].tolist(), d.unit_costs().tolist()
+        ([(0, 0, 2), (0, 2, 2), (1, 0, 2), (1, 2, 2)], [202.0, 202.0, 202.0, 202.0])
         >>> p.merge_indptr.tolist(), p.slot_merge.tolist(), p.merge_out["kv_head"].tolist()
         ([0, 2, 4], [0, 0, 1, 1], [0, 1])
     """
@@ -270,7 +299,7 @@ class Plan:
         return int(self.merge_out.size)
 
     def unit_costs(self) -> np.ndarray:
-        """float64 ``[num_units]``: ``alpha * q_rows + beta * (kv_end - kv_start)``.
+        """float64 ``[num_units]``: ``(alpha * q_rows + beta * (kv_end - kv_start)) * kv_heads``.
 
         Example:
             >>> p = plan([0, 1], [40], 2, 1, 16, 1, alpha=2.0, beta=0.5)
@@ -279,7 +308,7 @@ class Plan:
         """
         u = self.units
         kv_len = (u["kv_end"] - u["kv_start"]).astype(np.float64)
-        return self.alpha * u["q_rows"] + self.beta * kv_len
+        return (self.alpha * u["q_rows"] + self.beta * kv_len) * u["kv_heads"]
 
     def pack(self, layout: "PlanLayout", out: np.ndarray | None = None) -> np.ndarray:
         """Flatten the plan into one int32 buffer laid out by ``layout`` (fixed offsets).
@@ -333,7 +362,7 @@ class Plan:
 
 def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, tile_q: int,
          num_ctas: int, *, alpha: float = 1.0, beta: float = 1.0, kv_chunk_align: int = 16,
-         min_kv_chunk: int = 128, impl: str = "auto") -> Plan:
+         min_kv_chunk: int = 128, head_span: bool = True, impl: str = "auto") -> Plan:
     """Schedule one batch (Algorithm 1, see the module docstring).
 
     Args:
@@ -345,6 +374,8 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
         alpha, beta: unit cost = ``alpha * q_rows + beta * kv_tokens``.
         kv_chunk_align: chunk lengths are multiples of this (use the page size).
         min_kv_chunk: floor of the chunk length (rounded up to ``kv_chunk_align``).
+        head_span: let a unit of a one-tile, unsplit request cover several KV heads (module
+            docstring, "Head spans"); False: one KV head per unit.
         impl: "numpy", "c" (the compiled twin in runtime/planner.c: the same plan, tens of
             microseconds instead of a millisecond at batch 256; `plan_into` skips the typed
             arrays too) or "auto" (C when a C compiler is available).
@@ -353,11 +384,11 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
         >>> p = plan([0, 1, 1, 2], [4096, 50, 0], num_qo_heads=32, num_kv_heads=4, tile_q=16,
         ...          num_ctas=16)
         >>> p.kv_chunk, p.num_units, p.num_merges
-        (1024, 20, 4)
+        (1024, 17, 4)
         >>> p.cta_indptr.tolist()
-        [0, 2, 4, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
-        >>> p.units[-1].tolist()     # request 2 has no KV: an empty write-through unit
-        (2, 3, 1, 0, 8, 0, 0, -1)
+        [0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
+        >>> p.units[-1].tolist()     # request 2 has no KV: one empty write-through unit, 4 heads
+        (2, 0, 4, 0, 8, 0, 0, -1)
     """
     qo, kv = _checked_lengths(qo_indptr, kv_lens)
     batch = qo.size - 1
@@ -370,7 +401,8 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
     if impl != "numpy":
         if planner.available():
             r = planner.compiled_plan(qo, kv, g=g, hk=hk, tile_q=tile_q, num_ctas=num_ctas,
-                                      alpha=alpha, beta=beta, align=align, floor=floor)
+                                      alpha=alpha, beta=beta, align=align, floor=floor,
+                                      head_span=bool(head_span))
             return Plan(
                 batch_size=batch, num_qo_heads=int(num_qo_heads), num_kv_heads=hk,
                 group_size=g, tile_q=tile_q, num_ctas=num_ctas, kv_chunk=r["chunk"],
@@ -392,20 +424,24 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
     chunk = kv_chunk_size(int(ntiles @ kv) * hk, num_ctas, floor, align)
     chunk = min(chunk, _INT32_MAX // align * align)  # only absurd sizes: stays a packed int32
     nchunks = np.where(ntiles > 0, np.maximum(_ceil_div(kv, chunk), 1), 0)
+    total = hk * (alpha * float(rows @ nchunks) + beta * float(ntiles @ kv))
+    span = _head_spans(rows, kv, ntiles, nchunks, hk, alpha, beta, total, num_ctas, head_span)
 
-    table, unit_group, split_first, split_nc = _expand_units(qo, kv, rows, ntiles, nchunks, hk,
-                                                             tile_q, chunk)
+    table, unit_group, split_first, split_nc = _expand_units(kv, rows, ntiles, nchunks, span,
+                                                             hk, tile_q, chunk)
     units = table.view(WORK_UNIT_DTYPE).reshape(-1)
-    # reduction map: one entry per split work item, its slots consecutive in unit order
-    n_fields = len(MERGE_TARGET_DTYPE.names)  # the first fields of a work unit
+    # reduction map: one entry per split work item, its slots consecutive in unit order; the
+    # first fields of a work unit, the third the request's first query token
+    n_fields = len(MERGE_TARGET_DTYPE.names)
     merge_out = np.ascontiguousarray(table[split_first, :n_fields])
+    merge_out[:, 2] = qo[merge_out[:, 0]]
     merge_out = merge_out.view(MERGE_TARGET_DTYPE).reshape(-1)
     merge_indptr = np.zeros(split_first.size + 1, dtype=np.int32)
     np.cumsum(split_nc, out=merge_indptr[1:])
     num_slots = int(merge_indptr[-1])
 
-    g_count, g_ticks = _group_ticks(rows, ntiles, nchunks, kv, hk, tile_q, chunk, alpha, beta,
-                                    num_ctas)
+    g_count, g_ticks = _group_ticks(rows, ntiles, nchunks, kv, span, hk, tile_q, chunk, alpha,
+                                    beta, num_ctas, total)
     order, c_sorted, run_ends = _greedy_order_groups(unit_group, g_count, g_ticks)
     cta_indptr, cta_units = _queues(order, _lpt_sorted(c_sorted, run_ends, num_ctas), num_ctas)
     return Plan(
@@ -427,7 +463,7 @@ def _slot_merge(merge_indptr: np.ndarray) -> np.ndarray:
 def plan_into(out: np.ndarray, layout: PlanLayout, qo_indptr: Any, kv_lens: Any,
               num_qo_heads: int, num_kv_heads: int, tile_q: int, num_ctas: int, *,
               alpha: float = 1.0, beta: float = 1.0, kv_chunk_align: int = 16,
-              min_kv_chunk: int = 128, checked: bool = False) -> None:
+              min_kv_chunk: int = 128, head_span: bool = True, checked: bool = False) -> None:
     """``plan(...).pack(layout, out=out)`` in one step: the same int32 words, and the same
     errors. With the compiled planner the plan is computed straight into ``out`` (no `Plan`
     object, no intermediate arrays): tens of microseconds where plan + pack take a millisecond.
@@ -458,48 +494,84 @@ def plan_into(out: np.ndarray, layout: PlanLayout, qo_indptr: Any, kv_lens: Any,
                                                          layout.num_kv_heads, layout.tile_q))
     if fits and planner.available() and planner.pack_plan(
             out, layout, qo, kv, num_ctas=num_ctas, alpha=alpha, beta=beta, align=align,
-            floor=floor) is not None:
+            floor=floor, head_span=bool(head_span)) is not None:
         return
     # no compiler, or the plan does not fit: Plan.pack writes it or names what does not fit
     plan(qo, kv, num_qo_heads, num_kv_heads, tile_q, num_ctas, alpha=alpha, beta=beta,
-         kv_chunk_align=align, min_kv_chunk=floor).pack(layout, out=out)
+         kv_chunk_align=align, min_kv_chunk=floor, head_span=head_span).pack(layout, out=out)
 
 
 _BUILD_DTYPE = np.dtype(WORK_UNIT_DTYPE.descr + [("first", np.int32)])
 """`WORK_UNIT_DTYPE` plus scratch: a work item's first unit (used while expanding units)."""
 
 
-def _expand_units(qo: np.ndarray, kv: np.ndarray, rows: np.ndarray, ntiles: np.ndarray,
-                  nchunks: np.ndarray, hk: int, tile_q: int, chunk: int
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n >= 1``, ascending.
+
+    Example:
+        >>> _divisors(12)
+        [1, 2, 3, 4, 6, 12]
+    """
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _head_spans(rows: np.ndarray, kv: np.ndarray, ntiles: np.ndarray, nchunks: np.ndarray,
+                hk: int, alpha: float, beta: float, total: float, num_ctas: int,
+                enabled: bool = True) -> np.ndarray:
+    """Each request's head span, int64 ``[batch]`` (module docstring, "Head spans"): the largest
+    divisor ``s`` of ``hk`` with ``s * c_i <= total / (2 * num_ctas)`` for a one-tile request
+    whose KV range is one chunk, else 1. (planner.c computes the same, float op for float op.)
+
+    Example:
+        >>> _head_spans(np.array([1, 1, 40]), np.array([100, 900, 100]), np.array([1, 1, 3]),
+        ...             np.array([1, 1, 1]), 8, 1.0, 1.0, 8000.0, 4).tolist()
+        [8, 1, 1]
+    """
+    span = np.ones(rows.size, dtype=np.int64)
+    if not enabled or hk == 1:
+        return span
+    one = (ntiles == 1) & (nchunks == 1)
+    cost = alpha * rows + beta * kv  # (alpha * rows) + (beta * kv): as _group_ticks' last group
+    limit = total / (2.0 * num_ctas)
+    for d in _divisors(hk)[1:]:
+        span[one & (d * cost <= limit)] = d
+    return span
+
+
+def _expand_units(kv: np.ndarray, rows: np.ndarray, ntiles: np.ndarray, nchunks: np.ndarray,
+                  span: np.ndarray, hk: int, tile_q: int, chunk: int
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """All work units in (request, kv_head, tile, chunk) order.
 
     Returns ``(table, unit_group, split_first, split_nc)``: the units as a contiguous int32
     ``[n, 8]`` table (the `WORK_UNIT_DTYPE` fields in order), each unit's cost group
     (``4 * request + 2 * last_tile + last_chunk``, see `_group_ticks`), and for each split
-    work item its first unit and its number of chunks.
+    work item its first unit and its number of chunks. A request with span ``s > 1`` (one tile,
+    one chunk) has ``hk / s`` units of ``s`` heads.
 
     Work items are built once, then (when some request is split) repeated per chunk in one
     call; until the per-chunk fields are filled in, ``kv_start`` holds the item's group base,
     ``kv_end`` the KV length and ``slot`` the request's slot offset (first slot minus first
     unit: a split request's units take consecutive slots).
     """
-    per_req = ntiles * hk                            # work items per request
+    per_req = ntiles * (hk // span)                  # work items (units of s heads) per request
     req = np.repeat(np.arange(ntiles.size, dtype=np.int64), per_req)
     j = np.arange(req.size, dtype=np.int64) - (np.cumsum(per_req) - per_req)[req]
     req_rows = rows[req]
+    req_span = span[req]
     if ntiles.max(initial=0) <= 1:                   # one tile per request and head: decode
-        head, q_start = j, np.zeros_like(j)
-    else:
+        head, q_start = j * req_span, np.zeros_like(j)
+    else:                                            # (a request of several tiles has span 1)
         nt = ntiles[req]
         head = j // nt
         q_start = (j - head * nt) * tile_q
+        head *= req_span
     group_base = 4 * req + 2 * (q_start + tile_q >= req_rows)
     any_split = bool(nchunks.max(initial=0) > 1)
     items = np.empty(req.size, dtype=_BUILD_DTYPE if any_split else WORK_UNIT_DTYPE)
     items["request"] = req
     items["kv_head"] = head
-    items["qo_offset"] = qo[req]
+    items["kv_heads"] = req_span
     items["q_start"] = q_start
     items["q_rows"] = np.minimum(req_rows - q_start, tile_q)
     if not any_split:                                # every work item is one unit
@@ -537,13 +609,15 @@ def _expand_units(qo: np.ndarray, kv: np.ndarray, rows: np.ndarray, ntiles: np.n
 
 
 def _group_ticks(rows: np.ndarray, ntiles: np.ndarray, nchunks: np.ndarray, kv: np.ndarray,
-                 hk: int, tile_q: int, chunk: int, alpha: float, beta: float,
-                 num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
+                 span: np.ndarray, hk: int, tile_q: int, chunk: int, alpha: float, beta: float,
+                 num_ctas: int, total: float) -> tuple[np.ndarray, np.ndarray]:
     """Unit count and tick cost of each cost group, int64 ``[4 * batch]``.
 
     Request ``i``'s units fall in four groups ``4*i + 2*a + b``: ``a`` = last query tile
-    (``tile_q`` rows otherwise), ``b`` = last KV chunk (``chunk`` tokens otherwise). The total
-    cost is ``num_kv_heads * sum_i (alpha * rows_i * nchunks_i + beta * ntiles_i * kv_i)``.
+    (``tile_q`` rows otherwise), ``b`` = last KV chunk (``chunk`` tokens otherwise). ``total``
+    is the plan's cost, ``num_kv_heads * sum_i (alpha * rows_i * nchunks_i + beta * ntiles_i *
+    kv_i)``. A request of span ``s > 1`` has only the last group: ``hk / s`` units of ``s``
+    heads' cost.
     """
     batch = rows.size
     full_t, full_c = ntiles - 1, nchunks - 1          # full tiles / chunks (-1 if inactive)
@@ -560,10 +634,12 @@ def _group_ticks(rows: np.ndarray, ntiles: np.ndarray, nchunks: np.ndarray, kv: 
     cost[:, 1] = alpha * tile_q + last_len
     cost[:, 2] = last_rows + beta * chunk
     cost[:, 3] = last_rows + last_len
+    if span.max(initial=1) > 1:
+        count[:, 3] //= span
+        cost[:, 3] *= span
     count = count.reshape(-1)
     cost = cost.reshape(-1)
     cost[count == 0] = 0.0
-    total = hk * (alpha * float(rows @ nchunks) + beta * float(ntiles @ kv))
     return count, cost_ticks(cost, num_ctas, total)
 
 
@@ -585,7 +661,7 @@ def _greedy_order_groups(unit_group: np.ndarray, g_count: np.ndarray, g_ticks: n
 def simulate(plan: Plan, costs: Sequence[float] | None = None) -> list[float]:
     """Each CTA's total cost, by walking the queues in pure Python (a reference, not fast).
 
-    ``costs[u]`` is unit ``u``'s cost; by default ``alpha * q_rows + beta * kv_len``.
+    ``costs[u]`` is unit ``u``'s cost; by default ``(alpha * q_rows + beta * kv_len) * kv_heads``.
 
     Example:
         >>> p = plan([0, 1, 2], [10, 20], 1, 1, 16, num_ctas=2)
@@ -593,8 +669,9 @@ def simulate(plan: Plan, costs: Sequence[float] | None = None) -> list[float]:
         ([21.0, 11.0], [5.0, 1.0])
     """
     if costs is None:
-        costs = [plan.alpha * int(u["q_rows"]) + plan.beta * (int(u["kv_end"]) - int(u["kv_start"]))
-                 for u in plan.units]
+        costs = [(plan.alpha * int(u["q_rows"]) + plan.beta * (int(u["kv_end"])
+                                                               - int(u["kv_start"])))
+                 * int(u["kv_heads"]) for u in plan.units]
     if len(costs) != plan.num_units:
         raise ValueError(f"costs has {len(costs)} entries, the plan has {plan.num_units} units")
     indptr = plan.cta_indptr.tolist()

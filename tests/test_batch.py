@@ -563,18 +563,18 @@ def test_causal_clipped_plan_executes_to_exact_causal_attention() -> None:
     v = torch.randn(int(kv_ptr[-1]), hk, d, generator=gen, dtype=torch.float64)
     scale = 1 / math.sqrt(d)
 
-    def unit_state(x: Any) -> tuple[torch.Tensor, torch.Tensor, Any, Any]:
+    def unit_state(x: Any, h: int) -> tuple[torch.Tensor, torch.Tensor, Any, Any]:
         r = torch.arange(int(x["q_start"]), int(x["q_start"] + x["q_rows"]))
-        tok, head = int(x["qo_offset"]) + r // g, int(x["kv_head"]) * g + r % g
         req = int(x["request"])
+        tok, head = int(qo[req]) + r // g, h * g + r % g
         pos = int(kv[req] - lq[req]) + r // g                       # query positions
         keys = torch.arange(int(x["kv_start"]), int(x["kv_end"]))
-        s = (q[tok, head] @ k[kv_ptr[req] + keys, int(x["kv_head"])].T) * scale
+        s = (q[tok, head] @ k[kv_ptr[req] + keys, h].T) * scale
         s = s.masked_fill(keys[None, :] > pos[:, None], -math.inf)
         lse = torch.logsumexp(s, 1) if s.shape[1] else torch.full((len(r),), -math.inf,
                                                                    dtype=torch.float64)
         w = torch.where(torch.isinf(lse)[:, None], torch.zeros_like(s), torch.exp(s - lse[:, None]))
-        return w @ v[kv_ptr[req] + keys, int(x["kv_head"])], lse, tok, head
+        return w @ v[kv_ptr[req] + keys, h], lse, tok, head
 
     out = torch.full((q.shape[0], hq, d), math.nan, dtype=torch.float64)
     ws_o = torch.full((p["num_partial_slots"], tq, d), math.nan, dtype=torch.float64)
@@ -582,11 +582,12 @@ def test_causal_clipped_plan_executes_to_exact_causal_attention() -> None:
     for c in range(p["num_ctas"]):
         for i in p["cta_units"][p["cta_indptr"][c]:p["cta_indptr"][c + 1]]:
             x = u[i]
-            o, lse, tok, head = unit_state(x)
-            if x["slot"] == WRITE_THROUGH:
-                out[tok, head] = o
-            else:
-                ws_o[x["slot"], :len(tok)], ws_lse[x["slot"], :len(tok)] = o, lse
+            for h in range(int(x["kv_head"]), int(x["kv_head"] + x["kv_heads"])):
+                o, lse, tok, head = unit_state(x, h)
+                if x["slot"] == WRITE_THROUGH:
+                    out[tok, head] = o
+                else:
+                    ws_o[x["slot"], :len(tok)], ws_lse[x["slot"], :len(tok)] = o, lse
     for m in range(p["num_merges"]):
         t = p["merge_out"][m]
         slots = torch.arange(int(p["merge_indptr"][m]), int(p["merge_indptr"][m + 1]))

@@ -170,3 +170,29 @@ def test_plan_into_without_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
     scheduler.plan_into(without, layout, *args)
     assert without.tobytes() == with_c.tobytes()
     assert without.tobytes() == scheduler.plan(*args, impl="numpy").pack(layout).tobytes()
+
+
+@needs_cc
+@pytest.mark.parametrize("head_span", [True, False])
+def test_compiled_head_spans_equal_numpy(head_span: bool) -> None:
+    """Decode batches whose units span KV heads (and with spans off): the same plan, and the
+    same packed words from plan_into."""
+    rng = np.random.default_rng(31)
+    spanned = 0
+    for _ in range(20):
+        batch, hk = int(rng.integers(1, 257)), int(rng.choice([2, 4, 6, 8, 32]))
+        kv = np.minimum(rng.zipf(1.4, batch) * int(rng.integers(16, 600)), 60_000)
+        q = np.where(rng.random(batch) < 0.85, 1, rng.integers(0, 40, batch))
+        args = (np.concatenate([[0], np.cumsum(q)]), kv, hk * int(rng.choice([1, 4])), hk,
+                int(rng.choice([16, 64])), int(rng.choice([132, 792])))
+        kw = dict(kv_chunk_align=16, min_kv_chunk=256, alpha=float(rng.choice([1.0, 0.5])),
+                  head_span=head_span)
+        a = scheduler.plan(*args, **kw, impl="numpy")
+        _assert_same(a, scheduler.plan(*args, **kw, impl="c"))
+        spanned += int(a.units["kv_heads"].max(initial=1) > 1)
+        layout = _layout_for(rng, args)
+        want = a.pack(layout)
+        got = np.zeros(layout.size, dtype=np.int32)
+        scheduler.plan_into(got, layout, *args, **kw)
+        assert got.tobytes() == want.tobytes()
+    assert (spanned > 5) if head_span else spanned == 0

@@ -60,8 +60,9 @@ def unit_groups(p: Plan) -> np.ndarray:
 
 def plan_ticks(p: Plan) -> np.ndarray:
     u = p.units
-    total = p.alpha * float(u["q_rows"].sum(dtype=np.int64)) + p.beta * float(
-        (u["kv_end"] - u["kv_start"]).sum(dtype=np.int64))
+    heads = u["kv_heads"].astype(np.int64)
+    total = p.alpha * float((u["q_rows"] * heads).sum()) + p.beta * float(
+        ((u["kv_end"] - u["kv_start"]) * heads).sum())
     return cost_ticks(p.unit_costs(), p.num_ctas, total)
 
 
@@ -80,7 +81,13 @@ def check_structure(p: Plan, kv_chunk_align: int = 1, min_kv_chunk: int = 1) -> 
     keys = np.stack([u["request"], u["kv_head"], u["q_start"], u["kv_start"]]).astype(np.int64)
     if n > 1:
         assert np.all(np.lexsort(keys[::-1]) == np.arange(n))
-    assert np.all(u["qo_offset"] == p.qo_indptr[u["request"]])
+    assert np.all(u["kv_heads"] >= 1) and np.all(u["kv_head"] % u["kv_heads"] == 0)
+    assert np.all(u["kv_head"] + u["kv_heads"] <= p.num_kv_heads)
+    spans = u["kv_heads"] > 1  # only write-through units of one-tile requests span heads
+    assert np.all(p.num_kv_heads % u["kv_heads"] == 0)
+    assert np.all(u["slot"][spans] == WRITE_THROUGH) and np.all(u["q_start"][spans] == 0)
+    rows = np.diff(p.qo_indptr.astype(np.int64)) * p.group_size
+    assert np.all(rows[u["request"][spans]] <= p.tile_q)
     assert np.all((u["q_rows"] >= 1) & (u["q_rows"] <= p.tile_q))
     assert np.all(u["q_start"] % p.tile_q == 0)
     assert np.all((u["kv_head"] >= 0) & (u["kv_head"] < p.num_kv_heads))
@@ -102,7 +109,9 @@ def check_structure(p: Plan, kv_chunk_align: int = 1, min_kv_chunk: int = 1) -> 
         assert members.size >= 2
         t = p.merge_out[m]
         for name in MERGE_TARGET_DTYPE.names:
-            assert np.all(u[name][members] == t[name])
+            want = p.qo_indptr[u["request"][members]] if name == "qo_offset" else u[name][members]
+            assert np.all(want == t[name])
+        assert np.all(u["kv_heads"][members] == 1)
         assert u["kv_start"][members[0]] == 0
         assert np.array_equal(u["kv_start"][members[1:]], u["kv_end"][members[:-1]])
         assert u["kv_end"][members[-1]] == p.kv_lens[t["request"]]
@@ -116,7 +125,8 @@ def coverage(p: Plan) -> list[np.ndarray]:
     rows = np.diff(p.qo_indptr) * p.group_size
     counts = [np.zeros((p.num_kv_heads, r, kv), dtype=np.int64) for r, kv in zip(rows, p.kv_lens)]
     for x in p.units:
-        counts[x["request"]][x["kv_head"], x["q_start"]:x["q_start"] + x["q_rows"],
+        counts[x["request"]][x["kv_head"]:x["kv_head"] + x["kv_heads"],
+                             x["q_start"]:x["q_start"] + x["q_rows"],
                              x["kv_start"]:x["kv_end"]] += 1
     return counts
 
@@ -124,11 +134,13 @@ def coverage(p: Plan) -> list[np.ndarray]:
 def written(p: Plan) -> np.ndarray:
     """How often each (query token, query head) output row is written (directly or by a merge)."""
     out = np.zeros((int(p.qo_indptr[-1]), p.num_qo_heads), dtype=np.int64)
-    targets = [x for x in p.units if x["slot"] == WRITE_THROUGH] + list(p.merge_out)
-    for x in targets:
+    targets = [(x, int(x["kv_heads"])) for x in p.units if x["slot"] == WRITE_THROUGH]
+    targets += [(t, 1) for t in p.merge_out]     # a split item is one KV head
+    for x, n in targets:
         r = np.arange(x["q_start"], x["q_start"] + x["q_rows"])
-        np.add.at(out, (x["qo_offset"] + r // p.group_size,
-                        x["kv_head"] * p.group_size + r % p.group_size), 1)
+        for h in range(int(x["kv_head"]), int(x["kv_head"]) + n):
+            np.add.at(out, (p.qo_indptr[x["request"]] + r // p.group_size,
+                            h * p.group_size + r % p.group_size), 1)
     return out
 
 
@@ -160,12 +172,12 @@ def test_plan_executes_to_exact_attention() -> None:
     v = torch.randn(int(kv.sum()), hk, d, generator=gen, dtype=torch.float64)
     scale = 1 / math.sqrt(d)
 
-    def unit_state(x):   # partial attention of one unit: o [rows, d], lse [rows]
+    def unit_state(x, h):   # partial attention of one head of a unit: o [rows, d], lse [rows]
         r = torch.arange(int(x["q_start"]), int(x["q_start"] + x["q_rows"]))
-        tok, head = x["qo_offset"] + r // g, x["kv_head"] * g + r % g
+        tok, head = int(p.qo_indptr[x["request"]]) + r // g, h * g + r % g
         base = kv_ptr[x["request"]]
-        ks = k[base + x["kv_start"]: base + x["kv_end"], x["kv_head"]]
-        vs = v[base + x["kv_start"]: base + x["kv_end"], x["kv_head"]]
+        ks = k[base + x["kv_start"]: base + x["kv_end"], h]
+        vs = v[base + x["kv_start"]: base + x["kv_end"], h]
         s = (q[tok, head] @ ks.T) * scale
         if s.shape[1] == 0:
             empty_lse = torch.full((len(r),), -math.inf, dtype=torch.float64)
@@ -180,11 +192,12 @@ def test_plan_executes_to_exact_attention() -> None:
     for cta in range(p.num_ctas):
         for i in p.cta_units[p.cta_indptr[cta]:p.cta_indptr[cta + 1]]:
             x = p.units[i]
-            o, lse, tok, head = unit_state(x)
-            if x["slot"] == WRITE_THROUGH:
-                out[tok, head], out_lse[tok, head] = o, lse
-            else:
-                ws_o[x["slot"], :len(tok)], ws_lse[x["slot"], :len(tok)] = o, lse
+            for h in range(int(x["kv_head"]), int(x["kv_head"] + x["kv_heads"])):
+                o, lse, tok, head = unit_state(x, h)
+                if x["slot"] == WRITE_THROUGH:
+                    out[tok, head], out_lse[tok, head] = o, lse
+                else:
+                    ws_o[x["slot"], :len(tok)], ws_lse[x["slot"], :len(tok)] = o, lse
     for m in range(p.num_merges):
         t = p.merge_out[m]
         slots = torch.arange(int(p.merge_indptr[m]), int(p.merge_indptr[m + 1]))
@@ -299,7 +312,8 @@ def test_empty_requests() -> None:
     p = plan(indptr([0, 3, 2, 0]), [50, 0, 300, 0], 4, 2, 16, num_ctas=3)
     assert set(p.units["request"].tolist()) == {1, 2}                 # l_q = 0: no units
     empty_kv = p.units[p.units["request"] == 1]
-    assert empty_kv.size == 2 and np.all(empty_kv["kv_start"] == 0) and np.all(empty_kv["kv_end"] == 0)
+    assert empty_kv["kv_heads"].sum() == 2                             # both heads (one span)
+    assert np.all(empty_kv["kv_start"] == 0) and np.all(empty_kv["kv_end"] == 0)
     assert np.all(empty_kv["slot"] == WRITE_THROUGH)                   # writes o = 0, lse = -inf
     assert np.all(written(p) == 1)
     none = plan(indptr([0, 0]), [10, 0], 4, 2, 16, num_ctas=4)
@@ -342,8 +356,9 @@ def test_decode_gqa_group_8_is_fused() -> None:
     check_structure(p, 16, 128)
     assert p.group_size == 8 and np.all(p.units["q_rows"] == 8) and np.all(p.units["q_start"] == 0)
     # each (request, kv head) is one work item: 8 query heads x 1 token in one tile
-    items = {(int(x["request"]), int(x["kv_head"])) for x in p.units}
-    assert len(items) == batch * 8
+    items = {(int(x["request"]), h) for x in p.units
+             for h in range(int(x["kv_head"]), int(x["kv_head"] + x["kv_heads"]))}
+    assert len(items) == batch * 8 and p.units["kv_heads"].sum() == batch * 8
     assert np.all(written(p) == 1)
 
 
@@ -598,3 +613,49 @@ def test_plan_host_time_batch_256(case: str) -> None:
     print(f"\nplan() batch {batch} {case}: median {median:.0f} us over 200 runs "
           f"({p.num_units} units, {p.num_merges} split items, kv_chunk {p.kv_chunk})")
     assert median < (5_000 if kind == "decode" else 20_000)
+
+
+# --------------------------------------------------------------------------- head spans
+
+def test_head_spans_pin_the_rule() -> None:
+    """A one-tile, unsplit request's units span the largest divisor s of num_kv_heads with
+    s * (one head's cost) <= total cost / (2 * num_ctas); split and multi-tile ones span 1."""
+    qo = indptr(np.ones(256, dtype=np.int64))
+    p = plan(qo, np.full(256, 1024), 32, 32, 16, num_ctas=792, kv_chunk_align=32,
+             min_kv_chunk=256)
+    # one head costs 1025, the mean CTA load 256 * 32 * 1025 / 792: s * 1025 <= 5.17 * 1025
+    assert p.num_units == 2048 and np.all(p.units["kv_heads"] == 4)
+    assert np.array_equal(p.unit_costs(), np.full(2048, 4 * 1025.0))
+    assert sum(simulate(p)) == 256 * 32 * 1025
+    off = plan(qo, np.full(256, 1024), 32, 32, 16, 792, kv_chunk_align=32, min_kv_chunk=256,
+               head_span=False)
+    assert off.num_units == 8192 and np.all(off.units["kv_heads"] == 1)
+    # mixed: a long split request and a prefill (3 tiles) keep span 1, short decode rows span
+    lq, kv = np.array([1, 1, 40, 1]), np.array([50_000, 100, 300, 0])
+    m = plan(indptr(lq), kv, 8, 8, 16, num_ctas=16)
+    check_structure(m, 16, 128)
+    span = {int(r): set(m.units["kv_heads"][m.units["request"] == r].tolist()) for r in range(4)}
+    assert span == {0: {1}, 1: {8}, 2: {1}, 3: {8}}
+    assert np.all(written(m) == 1) and all(np.all(c == 1) for c in coverage(m))
+
+
+def test_spanned_plans_cover_every_row_once_at_serving_scale() -> None:
+    rng = np.random.default_rng(17)
+    for hk in (4, 8, 32):
+        batch = 256
+        kv = np.minimum(rng.zipf(1.5, batch) * 300, 40_000)
+        lq = np.where(rng.random(batch) < 0.9, 1, rng.integers(1, 5, batch))
+        p = plan(indptr(lq), kv, 32, hk, 16, num_ctas=792, kv_chunk_align=16, min_kv_chunk=256)
+        check_structure(p, 16, 256)
+        assert np.all(written(p) == 1)
+        if hk > 4:
+            assert p.units["kv_heads"].max() > 1
+        # the spans keep the list-scheduling bound of the greedy
+        loads = simulate(p)
+        assert max(loads) <= sum(loads) / p.num_ctas + p.unit_costs().max() + 1e-6
+
+
+def test_problems_exercise_head_spans() -> None:
+    """The random problems of the coverage / heap tests include units of several heads."""
+    spanned = [kw for kw in PROBLEMS if plan(**kw).units["kv_heads"].max(initial=1) > 1]
+    assert len(spanned) >= 5

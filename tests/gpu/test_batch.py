@@ -184,6 +184,30 @@ def test_fa3_batch_is_the_prefill_default_and_bitwise_stable() -> None:
             q_data_type=torch.float32)
 
 
+# An MHA decode batch (Hkv 32) large enough that its decode rows' units cover several KV heads
+# (attncc.runtime.scheduler, "Head spans"), with split long requests (one head per unit), 4-token
+# speculative rows and a 1-token request among them.
+SPAN_Q = [1] * 90 + [4] * 6
+SPAN_KV = ([1 + (37 * i) % 2048 for i in range(88)] + [30000, 20000]
+           + [64, 300, 1000, 1500, 2047, 4])
+
+
+@pytest.mark.parametrize("var", ["plain", "alibi_causal", "value_output"])
+def test_mha_decode_units_span_kv_heads(var: str) -> None:
+    """The FA2 batch kernel runs a unit's KV heads one after another: every head's rows must be
+    written, with the per-head hooks (ALiBi slopes, the value/output transforms) of that head."""
+    hkv, g, d = 32, 1, 128
+    b = _batch("NHD", 16, SPAN_Q, SPAN_KV, hkv, g, d, torch.bfloat16, seed=23)
+    variant = _variant(var, hkv * g, d)
+    ba = BatchAttention(variant, kv_layout="NHD")
+    ba.plan(b["qo"], b["kv_indptr"], b["kv_indices"], b["last"], num_qo_heads=hkv * g,
+            num_kv_heads=hkv, head_dim=d, page_size=16)
+    assert ba.tiles is not None and ba.tiles.kernel == "fa2"
+    units = ba._plan.units
+    assert units["kv_heads"].max() > 1 and (units["slot"] >= 0).any()
+    _check(ba, b, variant, "NHD", 16)
+
+
 @pytest.mark.parametrize("d", [64, 256])
 def test_other_head_dims(d: int) -> None:
     b = _batch("NHD", 16, MIXED[0][:6], MIXED[1][:6], 2, 4, d, torch.bfloat16, seed=d)
