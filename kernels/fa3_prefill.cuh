@@ -658,6 +658,65 @@ __device__ __forceinline__ void store_row(DType* row, const float (&o)[D / 64][3
     }
 }
 
+// Store this thread's rows of O (half-row hr at row_ptr(hr), null: not a real query), times
+// inv, as 16-byte chunks: the four lanes of a quad hold 8 columns of a row in 4-byte pairs, so
+// four chunks at a time are transposed across the quad (two shfl.xor rounds) and lane t stores
+// chunk t -- a quarter of store_row's store instructions, each writing whole 32-byte sectors.
+// Every lane of the warp must call it (shuffles); row pointers must be 16-byte aligned
+// (v4_aligned). On the H200 (same process, bitwise-equal outputs) it took 2-5 % off S = 2048
+// (causal, sliding window, alibi, full) and 0-2 % at 8192 and 16384: with no O stores at all a
+// diagnostic build ran causal and the sliding window at S = 2048 ~10 % faster, so the epilogue's
+// 4-byte stores were a real share of a short item (bench/NOTES.md, 2026-12-01).
+// ATTNCC_FA3_STORE_V4 0 keeps store_row.
+#ifndef ATTNCC_FA3_STORE_V4
+#define ATTNCC_FA3_STORE_V4 1
+#endif
+template <typename DType, int D, typename RowPtr>
+__device__ __forceinline__ void store_rows_v4(const float (&o)[D / 64][32], const float (&inv)[2],
+                                              RowPtr&& row_ptr) {
+  const int t = threadIdx.x & 3;
+  const bool hi2 = t & 2, hi1 = t & 1;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    DType* const row = row_ptr(hr);
+#pragma unroll
+    for (int blk = 0; blk < D / 64; ++blk)
+#pragma unroll
+      for (int g = 0; g < 2; ++g) {
+        // v[i]: this lane's pair of chunk j = 4g + i (columns 8j + 2t, +1)
+        fa2_u32 v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int j = 4 * g + i;
+          v[i] = fa2::pack2<DType>(o[blk][4 * j + 2 * hr] * inv[hr],
+                                   o[blk][4 * j + 2 * hr + 1] * inv[hr]);
+        }
+        // round 1 (lanes t, t^2): keep the chunks with bit 1 equal to t's, trade the others
+        const fa2_u32 a0 = hi2 ? v[2] : v[0], a1 = hi2 ? v[3] : v[1];
+        const fa2_u32 b0 = __shfl_xor_sync(0xffffffffu, hi2 ? v[0] : v[2], 2);
+        const fa2_u32 b1 = __shfl_xor_sync(0xffffffffu, hi2 ? v[1] : v[3], 2);
+        // round 2 (lanes t, t^1): chunk t from lanes t, t^2 is in hand, from t^1, t^3 traded
+        const fa2_u32 own = hi1 ? a1 : a0, far = hi1 ? b1 : b0;  // pairs of lanes t, t^2
+        const fa2_u32 n1 = __shfl_xor_sync(0xffffffffu, hi1 ? a0 : a1, 1);  // of lane t^1
+        const fa2_u32 n3 = __shfl_xor_sync(0xffffffffu, hi1 ? b0 : b1, 1);  // of lane t^3
+        // w[l] = lane l's pair of chunk 4g + t
+        const fa2_u32 w_t = own, w_t1 = n1, w_t2 = far, w_t3 = n3;
+        const fa2_u32 w0 = t == 0 ? w_t : t == 1 ? w_t1 : t == 2 ? w_t2 : w_t3;
+        const fa2_u32 w1 = t == 0 ? w_t1 : t == 1 ? w_t : t == 2 ? w_t3 : w_t2;
+        const fa2_u32 w2 = t == 0 ? w_t2 : t == 1 ? w_t3 : t == 2 ? w_t : w_t1;
+        const fa2_u32 w3 = t == 0 ? w_t3 : t == 1 ? w_t2 : t == 2 ? w_t1 : w_t;
+        if (row != nullptr)
+          *reinterpret_cast<uint4*>(row + 64 * blk + 8 * (4 * g + t)) = make_uint4(w0, w1, w2, w3);
+      }
+  }
+}
+
+// Whether O at `o` with element strides whose OR is `strides` takes store_rows_v4.
+__device__ __forceinline__ bool v4_aligned(const void* o, long long strides) {
+  return ATTNCC_FA3_STORE_V4 && (strides & 7) == 0 &&
+         (reinterpret_cast<unsigned long long>(o) & 15) == 0;
+}
+
 // The row's final softmax statistics: 1 / l (0 for a fully masked row) and the natural-log LSE
 // (-inf for a fully masked row). Per-thread partial sums are reduced across the quad here.
 template <bool kSoftmax>
@@ -951,11 +1010,18 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
         return row_at(r, h, qi) ? out_bh + (attncc::i64)qi * p.o_stride_s : nullptr;
       });
     }
+    const bool v4 = !Variant::has_output_transform &&
+                    v4_aligned(p.o, p.o_stride_s | p.o_stride_h | p.o_stride_b);
+    if (v4)
+      store_rows_v4<DType, D>(o, inv, [&](int hr) -> DType* {
+        const int qi = r_lo + 8 * hr;
+        return qi < q_len ? out_bh + (attncc::i64)qi * p.o_stride_s : nullptr;
+      });
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int qi = r_lo + 8 * hr;
       if (qi < q_len) {
-        if constexpr (!Variant::has_output_transform)
+        if (!Variant::has_output_transform && !v4)
           store_row<DType, D>(out_bh + (attncc::i64)qi * p.o_stride_s, o, hr, inv[hr]);
         if constexpr (kSoftmax) {
           if (p.lse != nullptr && (lane & 3) == 0)
