@@ -197,6 +197,27 @@ def test_fa3_l2_sections_cover_every_item(hq: int, hkv: int, d: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pad", [0, 4])
+def test_fa3_out_rows_of_any_alignment(pad: int, rng: Any) -> None:
+    """`out` rows 16-byte aligned take the 16-byte epilogue stores (store_rows_v4), rows 8 bytes
+    off (a padded view: row stride D + 4) the 4-byte ones; both write every element, equal."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FA3 kernel needs an sm_90 GPU")
+    d, s = 128, 300
+    q, k, v = rng.qkv(2, 4, s, d, Hkv=2, dtype=torch.bfloat16, device="cuda")
+    ir, bind = VARIANTS["causal"](2, 4, s, d).trace()
+    out = torch.full((2, 4, s, d + pad), float("nan"), device="cuda", dtype=torch.bfloat16)
+    view = out[..., :d]
+    gpu_flex.gpu_flex_attention(q, k, v, ir, bind, enable_gqa=True, kernel_options=FA3,
+                                out=view)
+    ref, _ = gpu_flex.gpu_flex_attention(q, k, v, ir, bind, enable_gqa=True,
+                                         kernel_options=FA3)
+    torch.cuda.synchronize()
+    assert not torch.isnan(view).any() and torch.equal(view, ref)
+    assert pad == 0 or torch.isnan(out[..., d:]).all()  # the padding is left alone
+
+
+@pytest.mark.gpu
 def test_fa3_dynamic_order_repeats_bitwise_and_in_graphs(rng: Any) -> None:
     """The dynamic item order claims items from a counter that is a fresh zero for every
     launch (a memset node inside a CUDA graph): eager launches and graph replays of a causal
