@@ -533,7 +533,8 @@ struct Ring {
 };
 
 // The mbarriers of the K/V ring (full[s]: the producer's expect_tx arrival; empty[s]: one
-// arrival per consumer warp) and of the Q tile (q_full and q_empty alike), initialized by thread 0
+// arrival per consumer warp) and of the Q tile (q_full like full[s]; q_empty one arrival per
+// consumer thread, see QRelease), initialized by thread 0
 // and published by the CTA's last __syncthreads: from there the roles only meet on mbarriers and
 // named barriers.
 template <int STAGES>
@@ -546,7 +547,7 @@ __device__ __forceinline__ void init_barriers(fa2_u32 full_bar, fa2_u32 empty_ba
       tma::mbar_init(empty_bar + 8 * s, 4 * kConsumers);
     }
     tma::mbar_init(q_full, 1);
-    tma::mbar_init(q_empty, 4 * kConsumers);
+    tma::mbar_init(q_empty, 128 * kConsumers);
     tma::fence_barrier_init();
   }
   __syncthreads();
@@ -556,12 +557,15 @@ __device__ __forceinline__ void init_barriers(fa2_u32 full_bar, fa2_u32 empty_ba
 // once its last S GEMM of the item completed -- or, when the output transform stages O in the Q
 // tile, once that store is done, fenced because the next Q's TMA (async proxy) writes over the
 // warp's generic-proxy accesses. kNext false: the CTA runs one item, there is no next Q.
+// Every consumer thread arrives (not one per warp): each thread's own reads of the dense
+// kernel's item slot are then ordered before the producer rewrites it by that thread's arrival,
+// which is what compute-sanitizer's racecheck can see (with one arrival per warp it reported
+// the slot's rewrite as a WAR hazard against the other lanes' reads).
 template <typename Variant, bool kNext>
 struct QRelease {
   fa2_u32 q_empty;
   __device__ __forceinline__ void release() const {
-    if constexpr (kNext)
-      if ((threadIdx.x & 31) == 0) tma::mbar_arrive(q_empty);
+    if constexpr (kNext) tma::mbar_arrive(q_empty);
   }
   __device__ __forceinline__ void last_s_done() const {
     if constexpr (!Variant::has_output_transform) release();
