@@ -566,7 +566,6 @@ int attncc_plan_pack(plan_args* a, i32* buf, void* scratch, i64 scratch_bytes) {
   memcpy(hdr, header, sizeof header);
   i32* merge_indptr = buf + a->off_merge_indptr;
   write_units(a, g, &rq, buf + a->off_units, merge_indptr, buf + a->off_merge_out);
-  for (i64 j = m + 1; j <= a->max_merges; ++j) merge_indptr[j] = (i32)slots;
   i32* slot_merge = buf + a->off_slot_merge; /* each slot's split item */
   for (i64 j = 0; j < m; ++j)
     for (i32 s = merge_indptr[j]; s < merge_indptr[j + 1]; ++s) slot_merge[s] = (i32)j;

@@ -316,9 +316,10 @@ class Plan:
         Returns a new zero-filled ``int32 [layout.size]`` array, or writes into ``out`` (e.g. a
         numpy view of a pinned host tensor) and returns it; then only the header and the used
         prefix of each section are written. ``cta_indptr`` is padded to ``layout.max_ctas + 1``
-        and ``merge_indptr`` to ``layout.max_merges + 1`` with their last value, so a grid of
-        ``layout.max_ctas`` CTAs sees empty queues past ``num_ctas``. Raises ValueError naming
-        the `PlanLayout` maximum the plan exceeds.
+        with its last value, so a grid of ``layout.max_ctas`` CTAs sees empty queues past
+        ``num_ctas``; ``merge_indptr`` is not padded (the kernels read it only below the
+        header's ``num_merges``, and only that prefix is uploaded). Raises ValueError naming the
+        `PlanLayout` maximum the plan exceeds.
 
         Example:
             >>> layout = PlanLayout(max_batch=4, max_qo_tokens=64, max_ctas=8, num_qo_heads=4,
@@ -353,7 +354,6 @@ class Plan:
         buf[off["cta_units"]: off["cta_units"] + n] = self.cta_units
         o = off["merge_indptr"]
         buf[o: o + self.num_merges + 1] = self.merge_indptr
-        buf[o + self.num_merges + 1: o + layout.max_merges + 1] = self.num_partial_slots
         buf[off["slot_merge"]: off["slot_merge"] + self.num_partial_slots] = self.slot_merge
         m = self.num_merges * len(MERGE_TARGET_DTYPE.names)
         buf[off["merge_out"]: off["merge_out"] + m] = self.merge_out.view(np.int32).reshape(-1)
