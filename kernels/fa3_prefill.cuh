@@ -26,12 +26,12 @@
 //
 // Tiles: 128 query rows x TKV keys, TKV = 64 or 128 (S is one m64nTKVk16 wgmma per 16-wide
 // k-step; 128 halves the waits and fences per FLOP but needs twice the shared memory per stage).
-// Persistent grid: at most one CTA per SM; each CTA runs one item per round of a list ordered
-// longest first (query blocks from the last one, then (batch, head); without a block mask, in
-// sections of heads whose K/V fit in L2, so a round's tiles share their loads there), rounds
-// dealt in snake order, so causal totals stay level and the CTAs end together (LPT). The next
-// item's Q and first K/V tiles load while the consumers finish the current one's last GEMM and
-// store it.
+// Persistent grid: at most one CTA per SM. The items form a list in sections of heads whose K/V
+// fit in L2 (so the tiles running at once share their loads there), longest first within a
+// section (query blocks from the last one, then (batch, head)); CTA c runs item c, then claims
+// the next unclaimed one from a global counter, so the CTA that is free first takes the longest
+// item left and the CTAs end together (LPT). The next item's Q and first K/V tiles load while the
+// consumers finish the current one's last GEMM and store it.
 //
 // Supported: head dims 64, 128 and 256, every variant hook: score_mod / mask_mod (LogitsTransform
 // / LogitsMask) in registers; query, key and value transforms in place on the landed shared-memory
@@ -764,8 +764,8 @@ struct DenseItem {
 
 // Item w of B * Hq * nqb: section w / (sec * nqb) holds head slots [s0, s0 + n) (sec slots,
 // fewer in the last one; a slot is b * Hq + hq, whole GQA groups), and within it item r is query
-// block nqb - 1 - r / n of slot s0 + r % n -- so each round of the persistent grid holds tiles of
-// (almost) the same causal length, and the shortest come last.
+// block nqb - 1 - r / n of slot s0 + r % n -- longest first within the section, and the
+// shortest of all come last.
 template <int D>
 __device__ __forceinline__ DenseItem dense_item(const attncc::AttentionParams& p, int w, int nqb) {
   const int heads = p.batch * p.num_q_heads;
@@ -847,7 +847,7 @@ __device__ __forceinline__ void publish_item(fa2_u32 slot, const DenseItem& it) 
 }
 
 // Persistent (D <= 128): the grid is at most one CTA per SM (the ring takes the shared memory)
-// and CTA c runs one item of each round (snake_item). The producer loads the next item's Q as
+// and CTA c runs item c and then those next_item claims. The producer loads the next item's Q as
 // soon as both consumers issued their last S GEMM of the current one (q_empty), and its K/V
 // tiles flow into the ring
 // (stage phases run on across items) while the consumers finish the last P V and store O -- the
