@@ -251,15 +251,16 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     if constexpr (Variant::has_output_transform) {
       if (part_o == nullptr) transform_o<Variant, DType, D>(o, inv_r, vp, sq_w, u.request, row_at);
     }
-    DType* const out = reinterpret_cast<DType*>(p.o);
+    // this thread's output row hr (a write-through unit's)
+    auto out_row = [&](int hr) -> DType* {
+      return reinterpret_cast<DType*>(p.o) + (qo_offset + row_tok[hr]) * p.o_stride_tok +
+             row_hq[hr] * p.o_stride_h;
+    };
     // write-through units store O 16 bytes a lane (store_rows_v4: every lane calls it)
     const bool v4 = part_o == nullptr && v4_aligned(p.o, p.o_stride_tok | p.o_stride_h);
     if (v4)
-      store_rows_v4<DType, D>(o, inv_r, [&](int hr) -> DType* {
-        return row_ok[hr] ? out + (qo_offset + row_tok[hr]) * p.o_stride_tok +
-                                row_hq[hr] * p.o_stride_h
-                          : nullptr;
-      });
+      store_rows_v4<DType, D>(o, inv_r,
+                              [&](int hr) -> DType* { return row_ok[hr] ? out_row(hr) : nullptr; });
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const float inv = inv_r[hr], lse = lse_r[hr];
@@ -277,9 +278,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
           }
         if ((lane & 3) == 0) p.partial_lse[(attncc::i64)u.slot * kTQ + r] = kSoftmax ? lse : 0.f;
       } else {
-        if (!v4)
-          store_row<DType, D>(out + (qo_offset + row_tok[hr]) * p.o_stride_tok +
-                                  row_hq[hr] * p.o_stride_h, o, hr, inv);
+        if (!v4) store_row<DType, D>(out_row(hr), o, hr, inv);
         if constexpr (kSoftmax) {
           if (p.lse != nullptr && (lane & 3) == 0)
             p.lse[(attncc::i64)(qo_offset + row_tok[hr]) * p.lse_stride_tok + row_hq[hr]] = lse;

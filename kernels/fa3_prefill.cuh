@@ -1007,11 +1007,12 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) finish_row<kSoftmax>(row_m[hr], row_l[hr], inv[hr], lse[hr]);
     DType* const out_bh = out + b * p.o_stride_b + hq * p.o_stride_h;
+    auto out_row = [&](int qi) { return out_bh + (attncc::i64)qi * p.o_stride_s; };
     if constexpr (Variant::has_output_transform) {
       stage_transform_o<Variant, DType, D>(o, inv, vp, sq_w, b, row_at);
       store_staged_rows<DType, D>(sq_w, [&](int r) -> DType* {
         int h, qi;
-        return row_at(r, h, qi) ? out_bh + (attncc::i64)qi * p.o_stride_s : nullptr;
+        return row_at(r, h, qi) ? out_row(qi) : nullptr;
       });
     }
     const bool v4 = !Variant::has_output_transform &&
@@ -1019,14 +1020,14 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     if (v4)
       store_rows_v4<DType, D>(o, inv, [&](int hr) -> DType* {
         const int qi = r_lo + 8 * hr;
-        return qi < q_len ? out_bh + (attncc::i64)qi * p.o_stride_s : nullptr;
+        return qi < q_len ? out_row(qi) : nullptr;
       });
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int qi = r_lo + 8 * hr;
       if (qi < q_len) {
         if (!Variant::has_output_transform && !v4)
-          store_row<DType, D>(out_bh + (attncc::i64)qi * p.o_stride_s, o, hr, inv[hr]);
+          store_row<DType, D>(out_row(qi), o, hr, inv[hr]);
         if constexpr (kSoftmax) {
           if (p.lse != nullptr && (lane & 3) == 0)
             p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = lse[hr];

@@ -135,18 +135,15 @@ def test_fa3_kernel_attncc_runs_has_no_spills(name: str, d: int) -> None:
     """`compile_fa3` (what attncc runs): the kernel as it is when its first compile is
     spill-free, else its ATTNCC_FA3_LOW_PRESSURE form -- spill-free in every case here (the
     first compile of document_causal and relative_bias spills 32-344 bytes with NVRTC 12.9)."""
-    from attncc.codegen.fa2 import fa3_tiles
-    from attncc.codegen.generate import generate_source
     from attncc.ir.simplify import simplify_variant
     from attncc.runtime.cache import cached_compile
-    from attncc.runtime.gpu_flex import _spill_bytes, compile_fa3
+    from attncc.runtime.gpu_flex import _fa3_generated, _spill_bytes, compile_fa3
     from attncc.runtime.tile_choice import choose_tiles
 
     plan = choose_tiles(d, q_len=4096, kv_len=4096, group=1, heads=16, batch=1,
                         kernel_options=FA3)
     ir = simplify_variant(VARIANTS[name](1, 16, 4096, d).trace()[0])
-    gk = generate_source(ir, head_dim=d, dtype="bfloat16", kernel="fa3",
-                         tiles=fa3_tiles(plan.stages, plan.tkv))
+    gk = _fa3_generated(ir, d, "bfloat16", plan)  # the translation unit attncc compiles
     name_cu = f"{gk.kernel_name}.cu"
     first, _ = cached_compile(gk.source, arch="sm_90a", name=name_cu, verbose=True)
     res, low = compile_fa3(gk.source, arch="sm_90a", name=name_cu)
