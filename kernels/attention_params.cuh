@@ -40,7 +40,8 @@ struct AttentionParams {
     // global memory, describing q/k/v as [rows, head_dim] matrices. Null for other templates.
     const void* tma;
     // FA3 template only: the dynamic item order's counter (one int, zero at launch; the runtime
-    // hands each launch a fresh one). Null for other templates.
+    // hands each launch a fresh one). Null for other templates and at head dim 256, where each
+    // CTA runs one item and claims none.
     int* item_counter;
 };
 

@@ -750,10 +750,11 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     else:
         grid = (-(-(Sq * pl.tiles.gf) // cfg.tq), Hq // pl.tiles.gf, B)
     maps = _fa3_tensor_maps(query, key, value) if pl.tiles.kernel == "fa3" else None
-    # the FA3 kernel's dynamic item order claims items from this counter: zero, one per launch
-    # (a memset on the stream; in a CUDA graph, a memset node) so no two launches share one
+    # the FA3 kernel's dynamic item order claims items past the first from this counter: zero,
+    # one per launch (a memset on the stream; in a CUDA graph, a memset node) so no two launches
+    # share one. At head dim 256 each CTA runs one item and claims none: no counter, no memset.
     counter = (torch.zeros(1, dtype=torch.int32, device=query.device)
-               if pl.tiles.kernel == "fa3" else None)
+               if pl.tiles.kernel == "fa3" and D in FA3_PERSISTENT_HEAD_DIMS else None)
     ap = {
         "q": query.data_ptr(), "k": key.data_ptr(), "v": value.data_ptr(), "o": out.data_ptr(),
         "lse": lse.data_ptr() if lse is not None else 0,
