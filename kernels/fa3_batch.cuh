@@ -14,11 +14,12 @@
 // exactly what one 3-D TMA box [64 / g tokens][g heads][64 columns] lands as in shared memory,
 // so Q needs no gather.
 //
-// Roles, as in fa3_prefill.cuh: one producer thread, two consumer warpgroups of 64 rows.
+// Roles, as in fa3_prefill.cuh but with a producer warp: two consumer warpgroups of 64 rows.
 //   The producer walks the CTA's units and, per unit, loads Q (after the consumers released the
 //   previous unit's Q: the q_empty barrier) and then each K/V tile into the ring. A tile of TKV
 //   keys of a paged cache is TKV / R boxes of R = min(page_size, TKV) rows, one per page (page
-//   sizes are powers of two >= 16, so a box never crosses a page); a ragged cache is one box.
+//   sizes are powers of two >= 16, so a box never crosses a page), lane j issuing box j; a ragged
+//   cache is one box.
 //   Stage and barrier phases run on across units (one tile counter), so the ring never drains
 //   between units: the next unit's first tiles load while the consumers finish the last one.
 //   The consumers run the pipelined loop of fa3_prefill.cuh per unit, then store: straight to
@@ -93,12 +94,18 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
 
   init_barriers<STAGES>(full_bar, empty_bar, q_full, q_empty);
 
-  // ---- producer ------------------------------------------------------------------------------
+  // ---- producer: one warp; the other producer warps have nothing to do ----------------------
+  // Lane 0 issues Q and arms the barriers; at a paged cache lane j < TKV / R loads the page id of
+  // the tile's box j and issues that box, so the tile's page-id loads overlap: one thread issuing
+  // the boxes behind one dependent page-id load each serialized TKV / R L2 round trips per tile
+  // (8 at page size 16). A warp rather than one thread with the ids in an array: the producer
+  // has kProducerRegs registers, and an 8-entry array spilled.
   if (wg == 0) {
     wg::setmaxnreg_dec<kProducerRegs>();
-    if (tid != 0) return;
+    if (warp != 0) return;
     const long long row_stride = p.kv_stride_slot;
     const int box_rows = min(p.page_size, TKV);  // the K/V maps' box height
+    const bool my_box = lane * box_rows < TKV;   // lane issues box `lane` of each tile
     int tile = 0;  // tiles issued by this CTA so far: stage tile % STAGES, phase tile / STAGES
 #pragma unroll 1
     for (int ui = first; ui < last; ++ui) {
@@ -106,13 +113,15 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
       const int qo_offset = fa2::unit_qo_offset(p, u);
       // Q: the 128 fused rows, as two boxes of 64 rows (one per consumer) per column block
       if (ui > first) tma::mbar_wait(q_empty, (ui - first - 1) & 1);
-      tma::mbar_arrive_expect_tx(q_full, kConsumers * BLOCKS * kBoxBytes);
+      if (lane == 0) {
+        tma::mbar_arrive_expect_tx(q_full, kConsumers * BLOCKS * kBoxBytes);
 #pragma unroll
-      for (int c = 0; c < kConsumers; ++c)
+        for (int c = 0; c < kConsumers; ++c)
 #pragma unroll
-        for (int blk = 0; blk < BLOCKS; ++blk)
-          tma::load_3d(sq + (c * BLOCKS + blk) * kBoxBytes, tm_q, q_full, 64 * blk,
-                       u.kv_head * gf, qo_offset + (u.q_start + 64 * c) / gf);
+          for (int blk = 0; blk < BLOCKS; ++blk)
+            tma::load_3d(sq + (c * BLOCKS + blk) * kBoxBytes, tm_q, q_full, 64 * blk,
+                         u.kv_head * gf, qo_offset + (u.q_start + 64 * c) / gf);
+      }
       // K/V tiles of [kv_start, kv_end)
       const int kv_len = __ldg(p.kv_lens + u.request);
       const long long head_off = (long long)u.kv_head * p.kv_stride_h;
@@ -124,18 +133,20 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
 #pragma unroll 1
       for (int i = 0; i < n; ++i, ++tile) {
         const int st = tile % STAGES;
+        // this lane's box row, loaded before the wait: where a producer that runs ahead of the
+        // consumers idles anyway
+        const int row = my_box ? rows.row(u.kv_start + i * TKV + lane * box_rows) : 0;
         if (tile >= STAGES) tma::mbar_wait(empty_bar + 8 * st, ((tile / STAGES) - 1) & 1);
         const fa2_u32 full = full_bar + 8 * st;
-        tma::mbar_arrive_expect_tx(full, 2 * S::kKvTileBytes);
-        const int kv0 = u.kv_start + i * TKV;
-#pragma unroll 1
-        for (int r0 = 0; r0 < TKV; r0 += box_rows) {
-          const int row = rows.row(kv0 + r0);
+        if (lane == 0) tma::mbar_arrive_expect_tx(full, 2 * S::kKvTileBytes);
+        __syncwarp();  // the stage's bytes are expected before any box can complete
+        if (my_box) {
 #pragma unroll
           for (int blk = 0; blk < BLOCKS; ++blk) {
-            // rows r0.. of column block blk: box_rows rows of 128 bytes, where the swizzle
+            // rows lane * R.. of column block blk: R rows of 128 bytes, where the swizzle
             // (which repeats every 8 rows) puts them
-            const fa2_u32 off = st * S::kKvTileBytes + blk * S::kKvBlockBytes + r0 * 128;
+            const fa2_u32 off =
+                st * S::kKvTileBytes + blk * S::kKvBlockBytes + lane * box_rows * 128;
             tma::load_2d(sk + off, tm_k, full, head_col + 64 * blk, row);
             tma::load_2d(sv + off, tm_v, full, head_col + 64 * blk, row);
           }
