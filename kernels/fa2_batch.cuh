@@ -232,13 +232,19 @@ __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
   auto lse_of = [&](int s) -> float {
     return __ldcg(p.partial_lse + (attncc::i64)s * TQ + r);
   };
-  // the row's LSE over all slots: max, then the sum of 2^((l - max) log2 e), 32 slots per step
-  float mx = neg_inf(), wsum = 0.f;
+  // the row's LSE over all slots: max, then the sum of 2^((l - max) log2 e), 32 slots per step.
+  // Lane l keeps slot s0 + l's LSE in a register (`mine`): a row of at most 32 parts -- nearly
+  // every split row -- then loads each LSE once, not once for the max, once for the sum and once
+  // for the weights (three dependent L2 round trips where one does).
+  float mx = neg_inf(), wsum = 0.f, mine = neg_inf();
   if constexpr (kSoftmax) {
-    for (int s = it.s0 + lane; s < it.s1; s += 32) mx = fmaxf(mx, lse_of(s));
+    if (it.s0 + lane < it.s1) mine = lse_of(it.s0 + lane);
+    mx = mine;
+    for (int s = it.s0 + 32 + lane; s < it.s1; s += 32) mx = fmaxf(mx, lse_of(s));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    for (int s = it.s0 + lane; s < it.s1; s += 32)
+    if (it.s0 + lane < it.s1 && mx != neg_inf()) wsum = fast_exp2((mine - mx) * kLog2e);
+    for (int s = it.s0 + 32 + lane; s < it.s1; s += 32)
       wsum += mx == neg_inf() ? 0.f : fast_exp2((lse_of(s) - mx) * kLog2e);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
@@ -253,8 +259,10 @@ __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
     __syncwarp();  // the previous chunk's weights are consumed
     for (int i = lane; i < n; i += 32) {
       float w = 1.f;
-      if constexpr (kSoftmax)
-        w = mx == neg_inf() ? 0.f : fast_exp2((lse_of(c0 + i) - mx) * kLog2e) * inv;
+      if constexpr (kSoftmax) {
+        const float l = c0 == it.s0 && i < 32 ? mine : lse_of(c0 + i);  // i < 32: i == lane
+        w = mx == neg_inf() ? 0.f : fast_exp2((l - mx) * kLog2e) * inv;
+      }
       scratch.wts[i] = w;
     }
     __syncwarp();
@@ -304,40 +312,72 @@ __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
 
 // The merge kernel: a fixed grid (at most one CTA per SM) walks the split items m = blockIdx.x,
 // + gridDim.x, ..., up to the plan's num_merges, skipping those the attention kernel merged in
-// place (merged_in_place with its NT). The threads first check one item each at once -- one round
-// of loads per kThreads items, so a plan merged wholly in place costs the launch and that round
-// (a walk item by item took 3.5 us for 512 items on the H200) -- then merge the listed items, each
-// item's rows one warp at a time.
+// place (merged_in_place with its NT). Thread t reads item base + t * gridDim.x -- one round of
+// loads per kThreads items, so a plan merged wholly in place costs the launch and that round (a
+// walk item by item took 3.5 us for 512 items on the H200) -- and stages it in shared memory;
+// a block-wide prefix sum of the items' rows then numbers all their rows, and warp w merges rows
+// w, w + WARPS, ... of that numbering. Spreading rows, not items, over the warps matters for
+// decode: a GQA-8 item has 8 rows, so one item at a time kept half of the 16 warps idle and the
+// CTA's items ran one after another (7.7 us of a 48 us GQA-4 batch-64 step on the H200).
 template <typename Variant, typename DType, int HEAD_DIM, int TQ, int NT>
 __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp) {
-  constexpr int WARPS = MergeKernel::kThreads / 32;
+  constexpr int NTH = MergeKernel::kThreads, WARPS = NTH / 32;
   __shared__ MergeScratch<HEAD_DIM> scratch[WARPS];
-  __shared__ int todo[MergeKernel::kThreads];
-  __shared__ int todo_count;
+  __shared__ MergeItem items[NTH];  // thread t's item (when it has rows to merge)
+  __shared__ int row_end[NTH];      // rows of items[0 .. t], inclusive prefix sum
+  __shared__ int warp_rows[WARPS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int num_merges = __ldg(p.num_merges);
 #pragma unroll 1
-  for (int base = blockIdx.x; base < num_merges; base += gridDim.x * MergeKernel::kThreads) {
-    if (threadIdx.x == 0) todo_count = 0;
-    __syncthreads();
+  for (int base = blockIdx.x; base < num_merges; base += gridDim.x * NTH) {
     const int m = base + threadIdx.x * gridDim.x;
+    int rows = 0;
     if (m < num_merges) {
-      const int parts = __ldg(p.merge_indptr + m + 1) - __ldg(p.merge_indptr + m);
-      if (!merged_in_place<HEAD_DIM, NT>(__ldg(p.merge_out + 5 * m + 4), parts))
-        todo[atomicAdd(&todo_count, 1)] = m;  // list order varies; each item's result does not
+      const int s0 = __ldg(p.merge_indptr + m), s1 = __ldg(p.merge_indptr + m + 1);
+      const int* t = p.merge_out + 5 * m;
+      const int q_rows = __ldg(t + 4);
+      if (!merged_in_place<HEAD_DIM, NT>(q_rows, s1 - s0)) {
+        items[threadIdx.x] = MergeItem{__ldg(t), __ldg(t + 1), __ldg(t + 2), __ldg(t + 3),
+                                       q_rows, s0, s1};
+        rows = q_rows;
+      }
+    }
+    // inclusive prefix sum of `rows` over the block: within each warp, then the warps' totals
+    int sum = rows;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int x = __shfl_up_sync(0xffffffffu, sum, o);
+      if (lane >= o) sum += x;
+    }
+    if (lane == 31) warp_rows[warp] = sum;
+    __syncthreads();
+    if (warp == 0) {
+      int w = lane < WARPS ? warp_rows[lane] : 0;
+#pragma unroll
+      for (int o = 1; o < WARPS; o <<= 1) {
+        const int x = __shfl_up_sync(0xffffffffu, w, o);
+        if (lane >= o) w += x;
+      }
+      if (lane < WARPS) warp_rows[lane] = w;
     }
     __syncthreads();
+    row_end[threadIdx.x] = sum + (warp > 0 ? warp_rows[warp - 1] : 0);
+    __syncthreads();
+    const int total = warp_rows[WARPS - 1];
 #pragma unroll 1
-    for (int i = 0; i < todo_count; ++i) {
-      const int* t = p.merge_out + 5 * todo[i];
-      const MergeItem it{__ldg(t), __ldg(t + 1), __ldg(t + 2), __ldg(t + 3), __ldg(t + 4),
-                         __ldg(p.merge_indptr + todo[i]), __ldg(p.merge_indptr + todo[i] + 1)};
-#pragma unroll 1
-      for (int r = warp; r < it.q_rows; r += WARPS)
-        merge_row<Variant, DType, HEAD_DIM, TQ>(p, vp, it, r, lane, scratch[warp]);
+    for (int f = warp; f < total; f += WARPS) {
+      // the item of row f: the first t with row_end[t] > f (it has rows, so items[t] is set)
+      int lo = 0, hi = NTH - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (row_end[mid] > f) hi = mid; else lo = mid + 1;
+      }
+      const MergeItem it = items[lo];
+      merge_row<Variant, DType, HEAD_DIM, TQ>(p, vp, it, f - (row_end[lo] - it.q_rows), lane,
+                                              scratch[warp]);
     }
-    __syncthreads();  // todo is rewritten for the next items
+    __syncthreads();  // items and row_end are rewritten for the next items
   }
 }
 
