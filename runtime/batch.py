@@ -346,8 +346,8 @@ class BatchAttention:
     page ids per batch. `balance=False` is the no-scheduler ablation: one CTA per (request,
     KV head, query tile), no KV splitting. Tuning knobs (benchmarks): `tiles=(T_q, T_kv, stages[,
     kv_warps])` overrides the heuristic's tiles, `min_kv_chunk` is the scheduler's smallest KV
-    chunk (fewer, longer units: fewer pipeline restarts and partial states; default 256 tokens
-    for decode tiles, 128 otherwise). `kernel`: None picks the FA3 batch kernel (TMA + wgmma,
+    chunk (fewer, longer units: fewer pipeline restarts and partial states; default 128
+    tokens). `kernel`: None picks the FA3 batch kernel (TMA + wgmma,
     kernels/fa3_batch.cuh) for prefill batches it can run on an sm_90 GPU and FA2 otherwise;
     "fa2" or "fa3" forces one (a batch "fa3" cannot run raises at plan, saying why).
     """
@@ -662,7 +662,10 @@ class BatchAttention:
         group = num_qo_heads // num_kv_heads
         fa3 = self._fa3_mode(group, head_dim, b.page, q_dtype)
         tiles = self._tiles_for(head_dim, b.max_q_len * group, fa3)
-        floor = self.min_kv_chunk or (256 if tiles.tq == 16 else 128)  # H200 sweep, NOTES.md
+        # 128 tokens: on the H200 (bench/NOTES.md, stop 15) a 128-token floor beat 256 on every
+        # batch-16 GQA decode cell (+6-19 %) once the merge kernel spread rows over its warps;
+        # 64 was no better, and at batch >= 64 the floor does not bind
+        floor = self.min_kv_chunk or 128
         if not self.balance:  # one CTA per work item, each item's whole KV range in one unit
             items = num_kv_heads * int(np.sum(-(-(np.diff(b.qo) * group) // tiles.tq)))
             tiles = dataclasses.replace(tiles, num_ctas=max(items, 1))
