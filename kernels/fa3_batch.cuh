@@ -207,9 +207,26 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
       transform_q<Variant, DType, D>(vp, sq_w, u.request, turns.me, row_at);
     auto logits_softmax = [&](float (&s)[TKV / 2], int it, float (&corr)[2]) {
       const int kv0 = u.kv_start + it * TKV;
-      const bool interior = rows_full && kv0 + TKV <= kv_end && !Variant::has_logits_mask;
+      // A mask that is exactly a band lo <= kv - q <= hi (Variant::has_kv_window: causal) keeps
+      // every key of a tile whose pairs all lie inside it, for every row of this warp (a vote:
+      // apply_logits works per warp); the mask is then skipped, as the dense kernel skips it on
+      // a block mask's full tiles -- without it every tile of a causal unit ran the checked path.
+      // Mask-only variants: with a score_mod too, the second (unchecked) copy of the logits loop
+      // cost alibi + causal D = 128 16 B of spills (168 B when only the mask was skipped).
+      bool in_band = false;
+      if constexpr (Variant::has_kv_window && !Variant::has_logits_transform) {
+        const long long k_lo = (long long)kv_pos0 + kv0, k_hi = k_lo + TKV - 1;
+        bool mine = true;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+          mine = mine && (!row_ok[hr] || (k_hi - row_qi[hr] <= Variant::kv_window_hi &&
+                                          k_lo - row_qi[hr] >= Variant::kv_window_lo));
+        in_band = __all_sync(0xffffffffu, mine);
+      }
+      const bool interior =
+          rows_full && kv0 + TKV <= kv_end && (!Variant::has_logits_mask || in_band);
       logits_softmax_step<Variant, TKV>(s, vp, qk_scale, u.request, row_hq, row_qi, row_ok, kv0,
-                                        kv_end, kv_pos0, false, interior, row_m, row_l, corr);
+                                        kv_end, kv_pos0, in_band, interior, row_m, row_l, corr);
     };
     // V rows of the last tile past kv_end, zeroed after the tile landed and before this
     // warpgroup's P V reads them. Both consumers zero them (the same zeros: a write of 0 over 0

@@ -1,12 +1,13 @@
 """attncc.ir.kv_bound.causal_bound: the bound it claims holds on every (q, kv) the mask keeps,
-and it is tight for the plain comparisons; masks it cannot bound get None."""
+and it is tight for the plain comparisons; masks it cannot bound get None. kv_window: the band it
+claims is exactly the mask."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from attncc.ir.evaluator import evaluate
-from attncc.ir.kv_bound import causal_bound
+from attncc.ir.kv_bound import causal_bound, kv_window
 from attncc.ir.nodes import I32, Node, binary, const, load, param, var
 from attncc.ir.simplify import simplify_variant
 from examples.gym import GYM
@@ -81,3 +82,48 @@ def test_gym_masks(name: str) -> None:
         i, j = torch.nonzero(_kept(m.expr, dict(bind.tensors), dict(bind.scalars)),
                              as_tuple=True)
         assert bool((j <= i + c).all())
+
+
+def _band(w: tuple[int | None, int | None]) -> torch.Tensor:
+    qi = torch.arange(N).view(N, 1)
+    d = torch.arange(N).view(1, N) - qi  # kv - q
+    lo = d >= w[0] if w[0] is not None else torch.ones_like(d, dtype=torch.bool)
+    hi = d <= w[1] if w[1] is not None else torch.ones_like(d, dtype=torch.bool)
+    return lo & hi
+
+
+@pytest.mark.parametrize("mask,want", [
+    (q >= kv, (None, 0)), (kv < q, (None, -1)), (kv >= q, (0, None)), (q - kv < 3, (-2, None)),
+    (binary("eq", kv, q + const(2)), (2, 2)),
+    ((q >= kv) & (q - kv <= 8), (-8, 0)),
+    ((q >= kv + 2) & (kv >= q - 9) & (kv > q - 20), (-9, -2)),
+])
+def test_kv_window_is_exactly_the_mask(mask: Node, want: tuple) -> None:
+    assert kv_window(mask) == want
+    assert torch.equal(_kept(mask), _band(want))
+
+
+def test_kv_window_refuses_what_is_not_a_band() -> None:
+    """A band implied is not enough: or-masks, other coefficients, loads, params, != all None."""
+    same_doc = binary("eq", load("doc_ids", (var("b"), q), I32), load("doc_ids", (var("b"), kv), I32))
+    for m in ((q > kv) | binary("eq", kv, q + 3), q >= kv * 2, same_doc & (q >= kv),
+              (kv < param("prefix", I32)) & (q >= kv), binary("ne", kv, q),
+              binary("floordiv", q, const(2)) >= kv):
+        assert kv_window(m) is None
+
+
+@pytest.mark.parametrize("name", sorted(GYM))
+def test_gym_kv_windows(name: str) -> None:
+    """Every AttentionGym mask that gets a band is exactly that band; the causal ones get
+    (None, 0)."""
+    traced, bind = GYM[name](1, 4, N, 64).trace()
+    m = simplify_variant(traced).hook("mask_mod")
+    if m.is_identity:
+        return
+    w = kv_window(m.expr)
+    if name in ("causal", "alibi_causal", "softcap_causal"):
+        assert w == (None, 0)
+    if name in ("document_mask", "document_causal", "prefix_lm"):
+        assert w is None
+    if w is not None:
+        assert torch.equal(_kept(m.expr, dict(bind.tensors), dict(bind.scalars)), _band(w))

@@ -155,6 +155,15 @@ class VariantCode:
     # the score or mask hook reads a captured tensor at an index computed from q_idx / kv_idx
     # (a document-id table): the kernels must then give those hooks only real positions
     loads_at_positions: bool = False
+    # mask_mod is exactly lo <= kv_idx - q_idx <= hi (attncc.ir.kv_bound.kv_window; None: an
+    # unbounded side), or None: a batch kernel then skips the mask on tiles inside the band
+    kv_window: tuple[int | None, int | None] | None = None
+
+    @property
+    def kv_window_bounds(self) -> tuple[int, int]:
+        """kv_window as C integers, an unbounded side as -+2^62 (never reached by positions)."""
+        lo, hi = self.kv_window or (None, None)
+        return (-(1 << 62) if lo is None else lo), ((1 << 62) if hi is None else hi)
 
     @property
     def text(self) -> str:
@@ -260,6 +269,15 @@ def loads_at_positions(ir: VariantIR) -> bool:
     return False
 
 
+def _mask_window(ir: VariantIR) -> tuple[int | None, int | None] | None:
+    """attncc.ir.kv_bound.kv_window of the mask_mod of `ir` (None without one)."""
+    from ..ir.kv_bound import kv_window
+
+    if "mask_mod" not in ir.hooks or ir.hook("mask_mod").is_identity:
+        return None
+    return kv_window(ir.hook("mask_mod").expr)
+
+
 def generate_variant(ir: VariantIR, *, fast_math: bool = False) -> VariantCode:
     """The VariantParams_<name> and Variant_<name> structs for `ir` (`fast_math`: hooks use
     hardware approximations of exp/log/tanh/sigmoid and reciprocal multiplies, see
@@ -293,7 +311,8 @@ def generate_variant(ir: VariantIR, *, fast_math: bool = False) -> VariantCode:
                      params_struct="", variant_struct="", normalize=ir.normalize,
                      use_softmax=ir.use_softmax, **flags, params_layout=pl.layout,
                      tensor_fields=dict(pl.tensor_fields), scalar_fields=dict(pl.scalar_fields),
-                     hooks=hooks, loads_at_positions=loads_at_positions(ir))
+                     hooks=hooks, loads_at_positions=loads_at_positions(ir),
+                     kv_window=_mask_window(ir))
     # One template renders both structs (so they read as one unit); split at the blank line.
     params_text, _, variant_text = render("variant.cuh.j2", v=vc, hooks=hooks).partition("\n\n")
     return replace(vc, params_struct=params_text + "\n", variant_struct=variant_text)

@@ -11,6 +11,11 @@ mask's structure proves, or None:
 - `a | b`: the looser, only when both sides have one;
 - anything else: None (no bound is claimed).
 
+`kv_window(mask)` answers a stronger question: whether the mask is *exactly* a band
+lo <= kv_idx - q_idx <= hi (a conjunction of such comparisons: causal, a causal sliding window
+with a literal width), so that a kernel may skip evaluating it on a tile whose every
+(query, key) pair lies inside the band.
+
 Example:
     >>> from attncc.ir.nodes import var, param, I32
     >>> q, kv = var("q_idx"), var("kv_idx")
@@ -18,12 +23,14 @@ Example:
     (0, -1, 0)
     >>> causal_bound((kv < param("prefix", I32)) | (q >= kv)) is None   # prefix-LM: no bound
     True
+    >>> kv_window(q >= kv), kv_window((q >= kv) & (q - kv <= 256)), kv_window(q >= kv * 2)
+    ((None, 0), (-256, 0), None)
 """
 from __future__ import annotations
 
 from .nodes import Node, const_value
 
-__all__ = ["causal_bound"]
+__all__ = ["causal_bound", "kv_window"]
 
 _Linear = tuple[int, int, int]  # (coefficient of q_idx, of kv_idx, constant)
 
@@ -47,9 +54,9 @@ def _linear(n: Node) -> _Linear | None:
     return None
 
 
-def _compare_bound(op: str, lhs: Node, rhs: Node) -> int | None:
-    """The c of `lhs op rhs  =>  kv_idx <= q_idx + c`, when the comparison is
-    alpha * (q_idx - kv_idx) + k  op  0 with alpha = +-1."""
+def _normalized(op: str, lhs: Node, rhs: Node) -> tuple[str, int] | None:
+    """(op', k) with `lhs op rhs  <=>  (q_idx - kv_idx) + k  op'  0`, when the comparison is
+    alpha * (q_idx - kv_idx) + k  op  0 with alpha = +-1; else None."""
     a, b = _linear(lhs), _linear(rhs)
     if a is None or b is None:
         return None
@@ -59,6 +66,15 @@ def _compare_bound(op: str, lhs: Node, rhs: Node) -> int | None:
     if cq == -1:  # -(q - kv) + k op 0  <=>  (q - kv) - k  flipped op  0
         op = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}[op]
         k = -k
+    return op, k
+
+
+def _compare_bound(op: str, lhs: Node, rhs: Node) -> int | None:
+    """The c of `lhs op rhs  =>  kv_idx <= q_idx + c` (see _normalized), or None."""
+    n = _normalized(op, lhs, rhs)
+    if n is None:
+        return None
+    op, k = n
     # now (q - kv) + k op 0, i.e. q - kv op -k
     if op == "ge":
         return k          # kv <= q + k
@@ -67,6 +83,17 @@ def _compare_bound(op: str, lhs: Node, rhs: Node) -> int | None:
     if op == "eq":
         return k          # kv == q + k
     return None           # le / lt / ne bound kv from below or not at all
+
+
+def _compare_window(op: str, lhs: Node, rhs: Node) -> tuple[int | None, int | None] | None:
+    """`lhs op rhs` as exactly lo <= kv_idx - q_idx <= hi (None: unbounded side), or None."""
+    n = _normalized(op, lhs, rhs)
+    if n is None:
+        return None
+    op, k = n
+    # (q - kv) + k op 0  <=>  (kv - q)  op'  k  with op' the mirror of op
+    return {"ge": (None, k), "gt": (None, k - 1), "le": (k, None), "lt": (k + 1, None),
+            "eq": (k, k)}.get(op)
 
 
 def causal_bound(mask: Node) -> int | None:
@@ -80,4 +107,33 @@ def causal_bound(mask: Node) -> int | None:
     if mask.op == "or":
         got = [causal_bound(a) for a in mask.args]
         return None if any(c is None for c in got) else max(got)  # type: ignore[type-var]
+    return None
+
+
+def kv_window(mask: Node) -> tuple[int | None, int | None] | None:
+    """(lo, hi) when mask(b, h, q_idx, kv_idx) is exactly lo <= kv_idx - q_idx <= hi (None for
+    an unbounded side): a comparison of unit-coefficient q_idx / kv_idx with integer constants,
+    or a conjunction of such. None for anything else -- including masks that merely imply a
+    band (`causal_bound` answers that weaker question).
+
+    Example:
+        >>> from attncc.ir.nodes import var
+        >>> q, kv = var("q_idx"), var("kv_idx")
+        >>> kv_window(kv < q), kv_window((q >= kv) & (kv > q - 9)), kv_window((q >= kv) | (kv < 4))
+        ((None, -1), (-8, 0), None)
+    """
+    if mask.op in ("ge", "gt", "le", "lt", "eq", "ne"):
+        return _compare_window(mask.op, mask.args[0], mask.args[1])
+    if mask.op == "and":
+        lo: int | None = None
+        hi: int | None = None
+        for a in mask.args:
+            w = kv_window(a)
+            if w is None:
+                return None
+            if w[0] is not None:
+                lo = w[0] if lo is None else max(lo, w[0])
+            if w[1] is not None:
+                hi = w[1] if hi is None else min(hi, w[1])
+        return lo, hi
     return None
