@@ -225,8 +225,9 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
       }
       const bool interior =
           rows_full && kv0 + TKV <= kv_end && (!Variant::has_logits_mask || in_band);
-      logits_softmax_step<Variant, TKV>(s, vp, qk_scale, u.request, row_hq, row_qi, row_ok, kv0,
-                                        kv_end, kv_pos0, in_band, interior, row_m, row_l, corr);
+      logits_softmax_step<Variant, TKV, false>(s, vp, qk_scale, u.request, row_hq, row_qi,
+                                               row_ok, kv0, kv_end, kv_pos0, in_band, interior,
+                                               row_m, row_l, corr);
     };
     // V rows of the last tile past kv_end, zeroed after the tile landed and before this
     // warpgroup's P V reads them. Both consumers zero them (the same zeros: a write of 0 over 0

@@ -182,7 +182,7 @@ __device__ __forceinline__ constexpr bool rebuild_q() {
 // Variant::loads_at_positions) sees only real positions there: a key past kv_len as kv_len - 1,
 // an invalid row as query position 0 -- their logits are masked anyway, and the loads stay
 // inside the tensor.
-template <typename Variant, int TKV, bool CHECKED>
+template <typename Variant, int TKV, bool CHECKED, bool kOneHead>
 __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename Variant::Params& vp,
                                              float qk_scale, int b, const int (&hq)[2],
                                              const int (&qi)[2], const bool (&row_ok)[2], int kv0,
@@ -191,6 +191,13 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
   constexpr bool kClamp = CHECKED && Variant::loads_at_positions;
   const float masked = kSoftmax ? fa2::neg_inf() : 0.f;
   const int lane = threadIdx.x & 31;
+  // kOneHead (the dense kernel): both rows are head hq[0], at positions qi[0] and qi[0] + 8.
+  // Spelled so in the score_mod loop, a per-head load (ALiBi's slope) has one address and
+  // kv - q folds to a constant offset per element: on the H200 alibi + causal +6 % / +8 % at
+  // S = 2048 / 8192 against the per-row spelling, softcap +-2 % (same process, bitwise-equal
+  // outputs; bench/NOTES.md, stop 15). The lambda loop keeps the per-row spelling.
+  auto head = [&](int hr) { return kOneHead ? hq[0] : hq[hr]; };
+  auto qpos = [&](int hr) { return kOneHead ? qi[0] + 8 * hr : qi[hr]; };
   // Two ways to write the same loop, each where the H200 measured it faster (bench/NOTES.md,
   // 2026-12-01; ptxas schedules and allocates them differently): a variant with a score_mod
   // runs the plain nested loop below (the lambda cost softcap / alibi + causal up to 7 % at
@@ -205,14 +212,14 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
         for (int e = 0; e < 2; ++e) {
           const int kv = kv0 + 8 * j + 2 * (lane & 3) + e;
           const int kv_hook = (kClamp ? min(kv, kv_len - 1) : kv) + kv_pos0;
-          const int q_hook = (kClamp && !row_ok[hr]) ? 0 : qi[hr];
-          float sc = Variant::LogitsTransform(vp, s[4 * j + 2 * hr + e] * qk_scale, b, hq[hr],
+          const int q_hook = (kClamp && !row_ok[hr]) ? 0 : qpos(hr);
+          float sc = Variant::LogitsTransform(vp, s[4 * j + 2 * hr + e] * qk_scale, b, head(hr),
                                               q_hook, kv_hook);
           if constexpr (kSoftmax) sc *= kLog2e;
           if constexpr (CHECKED) {
             if (!row_ok[hr] || (unsigned)kv >= (unsigned)kv_len) sc = masked;
             if constexpr (Variant::has_logits_mask) {
-              if (!is_full && !Variant::LogitsMask(vp, b, hq[hr], q_hook, kv_hook)) sc = masked;
+              if (!is_full && !Variant::LogitsMask(vp, b, head(hr), q_hook, kv_hook)) sc = masked;
             }
           }
           s[4 * j + 2 * hr + e] = sc;
@@ -299,18 +306,18 @@ __device__ __forceinline__ void softmax_step(float (&s)[TKV / 2], float (&row_m)
 
 // apply_logits (CHECKED unless the tile is interior) then softmax_step: S(i) -> P(i) in place,
 // with O's rescale factors (1 for variants without softmax).
-template <typename Variant, int TKV>
+template <typename Variant, int TKV, bool kOneHead>
 __device__ __forceinline__ void logits_softmax_step(
     float (&s)[TKV / 2], const typename Variant::Params& vp, float qk_scale, int b,
     const int (&hq)[2], const int (&qi)[2], const bool (&row_ok)[2], int kv0, int kv_len,
     int kv_pos0, bool is_full, bool interior, float (&row_m)[2], float (&row_l)[2],
     float (&corr)[2]) {
   if (interior) {
-    apply_logits<Variant, TKV, false>(s, vp, qk_scale, b, hq, qi, row_ok, kv0, kv_len, kv_pos0,
-                                      is_full);
+    apply_logits<Variant, TKV, false, kOneHead>(s, vp, qk_scale, b, hq, qi, row_ok, kv0, kv_len,
+                                                kv_pos0, is_full);
   } else {
-    apply_logits<Variant, TKV, true>(s, vp, qk_scale, b, hq, qi, row_ok, kv0, kv_len, kv_pos0,
-                                     is_full);
+    apply_logits<Variant, TKV, true, kOneHead>(s, vp, qk_scale, b, hq, qi, row_ok, kv0, kv_len,
+                                               kv_pos0, is_full);
   }
   if constexpr (Variant::use_softmax) {
     softmax_step<TKV>(s, row_m, row_l, corr);
@@ -977,8 +984,8 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
       const int kv0 = tiles.start(i, is_full);
       const bool interior = rows_inside && kv0 + TKV <= kv_len &&
                             (is_full || !Variant::has_logits_mask);
-      logits_softmax_step<Variant, TKV>(s, vp, qk_scale, b, row_hq, row_qi, row_ok, kv0, kv_len,
-                                        0, is_full, interior, row_m, row_l, corr);
+      logits_softmax_step<Variant, TKV, true>(s, vp, qk_scale, b, row_hq, row_qi, row_ok, kv0,
+                                              kv_len, 0, is_full, interior, row_m, row_l, corr);
     };
     // A key/value transform rewrites each landed tile in place before any GEMM reads it, the two
     // consumers taking half of its rows each (both read the whole tile).
