@@ -72,40 +72,59 @@ typedef struct {
   i64* nc;    /* [batch] KV chunks (0 without a query tile) */
   i64* first; /* [batch] first unit */
   i64* span;  /* [batch] KV heads per unit (scheduler._head_spans) */
-  i64* divs;  /* [num_kv_heads] its divisors above 1, descending, then 0 */
+  i64* per;   /* [batch] units per (tile, chunk): num_kv_heads / span */
   double total; /* the plan's total cost (scheduler.plan's `total`) */
 } requests;
 
-/* Every request's head span (scheduler._head_spans, the same float operations): the largest
- * divisor s of num_kv_heads with s * c_i <= total / (2 P) for a one-tile, one-chunk request,
- * c_i = alpha * rows + beta * kv its one-head cost; 1 otherwise. */
-static void head_spans(const plan_args* a, i64 g, requests* rq) {
+/* The head spans a request may get: num_kv_heads' divisors above 1, descending, then 1
+ * (d[nd] = 1, num_kv_heads / d in per[]), and for each d > 1 the largest one-head cost that
+ * span fits (bound[]). Scratch: [hk + 1] each. */
+typedef struct {
+  i64 nd;
+  i64* d;
+  i64* per;
+  double* bound;
+} spans;
+
+/* The largest c with (double)d * c <= limit (limit >= 0). The rounded product never decreases
+ * as c grows, so for c >= 0, (double)d * c <= limit exactly when c <= span_bound(d, limit):
+ * scheduler._head_spans' test as one compare. (limit / d is within an ulp or two of it.) */
+static double span_bound(i64 d, double limit) {
+  if (limit >= HUGE_VAL) return limit; /* every finite cost fits */
+  const double dd = (double)d;
+  double c = limit / dd;
+  while (dd * c > limit) c = nextafter(c, -HUGE_VAL);
+  for (double up = nextafter(c, HUGE_VAL); dd * up <= limit; up = nextafter(c, HUGE_VAL)) c = up;
+  return c;
+}
+
+/* The spans of a plan with total cost `total` (scheduler._head_spans' limit total / (2 P)). */
+static void span_table(const plan_args* a, double total, spans* sp) {
   const i64 hk = a->num_kv_heads;
+  const double limit = total / (2.0 * (double)a->num_ctas);
   i64 nd = 0;
   for (i64 d = hk; d > 1 && a->head_span; --d)
-    if (hk % d == 0) rq->divs[nd++] = d;
-  rq->divs[nd] = 0;
-  const double limit = rq->total / (2.0 * (double)a->num_ctas);
-  for (i64 i = 0; i < a->batch; ++i) {
-    i64 s = 1;
-    if (rq->nt[i] == 1 && rq->nc[i] == 1) {
-      const double c = a->alpha * (double)((a->qo[i + 1] - a->qo[i]) * g) +
-                       a->beta * (double)a->kv[i];
-      for (const i64* d = rq->divs; *d; ++d)
-        if ((double)*d * c <= limit) {
-          s = *d;
-          break;
-        }
+    if ((uint32_t)hk % (uint32_t)d == 0) { /* (32 bits: a 64-bit division per d took ~0.4 us) */
+      sp->d[nd] = d;
+      sp->per[nd] = hk / d;
+      sp->bound[nd++] = span_bound(d, limit);
     }
-    rq->span[i] = s;
-  }
+  sp->d[nd] = 1;
+  sp->per[nd] = hk;
+  sp->nd = nd;
 }
 
 /* The KV chunk (scheduler.kv_chunk_size), every request's tiles, chunks, head span and first
  * unit, the plan's total cost and its sizes (a->chunk, num_units, num_merges, num_slots). Tiles
- * are a shift (tile_q is a power of two), chunks one 32-bit division (lengths and chunk are
- * below 2^31). */
-static void request_sizes(plan_args* a, i64 g, requests* rq) {
+ * are a shift (tile_q is a power of two), chunks one 32-bit division where a request has more
+ * than one (lengths and chunk are below 2^31). A request's span (scheduler._head_spans: the
+ * largest divisor s of num_kv_heads with s * c_i <= total / (2 P) for a one-tile, one-chunk
+ * request, c_i = alpha * rows + beta * kv its one-head cost, the same float operations; 1
+ * otherwise) is the first divisor whose bound c_i does not exceed: the bounds ascend as the
+ * divisors descend, so the divisors that fail are a prefix and their count, without a branch,
+ * indexes the table (the span and hk / span: no 64-bit division per request, no loop exit
+ * that mispredicts when spans vary). */
+static void request_sizes(plan_args* a, i64 g, requests* rq, spans* sp) {
   const i64 batch = a->batch, hk = a->num_kv_heads, tile_q = a->tile_q, align = a->align;
   int shift = 0;
   while (((i64)1 << shift) < tile_q) ++shift;
@@ -121,17 +140,28 @@ static void request_sizes(plan_args* a, i64 g, requests* rq) {
   i64 rows_nc = 0;
   for (i64 i = 0; i < batch; ++i) {
     const i64 nt = rq->nt[i];
-    const i64 nc = nt > 0 ? max64(((uint32_t)a->kv[i] + c32 - 1) / c32, 1) : 0;
+    const uint32_t kv = (uint32_t)a->kv[i];
+    const i64 nc = nt > 0 ? (kv <= c32 ? 1 : (kv + c32 - 1) / c32) : 0;
     rq->nc[i] = nc;
     rows_nc += (a->qo[i + 1] - a->qo[i]) * g * nc;
   }
   rq->total = (double)hk * (a->alpha * (double)rows_nc + a->beta * (double)work);
-  head_spans(a, g, rq);
+  span_table(a, rq->total, sp);
+  const i64 nd = sp->nd; /* (locals: the stores below could alias the table's fields) */
+  const double* bound = sp->bound;
   i64 units = 0, merges = 0, slots = 0;
   for (i64 i = 0; i < batch; ++i) {
     const i64 nt = rq->nt[i], nc = rq->nc[i];
+    const double c = a->alpha * (double)((a->qo[i + 1] - a->qo[i]) * g) +
+                     a->beta * (double)a->kv[i];
+    i64 k = 0; /* divisors too large for request i */
+    for (i64 j = 0; j < nd; ++j) k += c > bound[j];
+    k = nt == 1 && nc == 1 ? k : nd;
+    const i64 per = sp->per[k];
+    rq->span[i] = sp->d[k];
+    rq->per[i] = per;
     rq->first[i] = units;
-    units += hk / rq->span[i] * nt * nc;
+    units += per * nt * nc;
     if (nc > 1) {
       merges += hk * nt;
       slots += hk * nt * nc;
@@ -177,10 +207,11 @@ static i32* write_whole(i32* w, i32 i, i64 hk, i32 s, i64 rows, i64 nt, i64 tile
   return w;
 }
 
-/* Units in (request, kv_head, tile, chunk) order and the reduction map; slots are numbered
- * over the split requests' units in unit order (so one split item's slots are consecutive). */
+/* Units in (request, kv_head, tile, chunk) order and the reduction map (merge_indptr,
+ * slot_merge: each slot's split item, merge_out); slots are numbered over the split requests'
+ * units in unit order (so one split item's slots are consecutive). */
 static void write_units(const plan_args* a, i64 g, const requests* rq, i32* units,
-                        i32* merge_indptr, i32* merge_out) {
+                        i32* merge_indptr, i32* slot_merge, i32* merge_out) {
   const i64 hk = a->num_kv_heads, tile_q = a->tile_q;
   const i32 chunk = (i32)a->chunk;
   i32 slot = 0;
@@ -198,12 +229,13 @@ static void write_units(const plan_args* a, i64 g, const requests* rq, i32* unit
     for (i64 h = 0; h < hk; ++h)
       for (i64 t = 0; t < nt; ++t) {
         const i32 q_start = (i32)(t * tile_q), q_rows = (i32)min64(rows - t * tile_q, tile_q);
-        i32* mo = merge_out + 5 * m;
+        const i64 item = m++;
+        i32* mo = merge_out + 5 * item;
         mo[0] = (i32)i; mo[1] = (i32)h; mo[2] = qo; mo[3] = q_start; mo[4] = q_rows;
-        merge_indptr[m + 1] = merge_indptr[m] + (i32)nc;
-        ++m;
+        merge_indptr[item + 1] = merge_indptr[item] + (i32)nc;
         i64 ks = 0; /* 64 bits: one past the last chunk may pass 2^31 */
         for (i64 c = 0; c < nc; ++c, w += 8, ks += chunk) {
+          slot_merge[slot] = (i32)item;
           STORE4(w, (i32)i, (i32)h, 1, q_start);
           STORE4(w + 4, q_rows, (i32)ks, c + 1 < nc ? (i32)(ks + chunk) : kv, /* min(., kv) */
                  slot++);
@@ -219,12 +251,21 @@ static i64 round_even(double x) {
   return (i64)(x < two52 ? (x + two52) - two52 : x);
 }
 
-/* Cost groups 4*i + 2*last_tile + last_chunk: unit count and ticks = rint(cost * 2^61 /
- * (P * total)), as scheduler._group_ticks / cost_ticks compute them. */
-static void group_ticks(const plan_args* a, i64 g, const requests* rq, i64* count, i64* ticks) {
+/* A cost group in the greedy order. */
+typedef struct {
+  i64 tick, id;
+} group;
+
+/* Cost groups 4*i + 2*last_tile + last_chunk: every group's unit count (count[4 i + k]) and
+ * the groups with units, in id order, with their ticks = rint(cost * 2^61 / (P * total)), as
+ * scheduler._group_ticks / cost_ticks compute them, in groups[] (what the greedy sorts: the
+ * empty groups' ticks are never computed). Returns the number of groups written. */
+static i64 group_ticks(const plan_args* a, i64 g, const requests* rq, i64* count,
+                       group* groups) {
   const i64 hk = a->num_kv_heads, tile_q = a->tile_q, chunk = a->chunk;
   const double alpha = a->alpha, beta = a->beta, total = rq->total;
   const double scale = total > 0.0 ? 2305843009213693952.0 / ((double)a->num_ctas * total) : 0.0;
+  i64 ng = 0;
   for (i64 i = 0; i < a->batch; ++i) {
     const i64 rows = (a->qo[i + 1] - a->qo[i]) * g, nt = rq->nt[i], nc = rq->nc[i];
     const i64 full_t = nt - 1, full_c = nc - 1, heads = nt > 0 ? hk : 0;
@@ -232,7 +273,7 @@ static void group_ticks(const plan_args* a, i64 g, const requests* rq, i64* coun
     cnt[0] = full_t * full_c * heads;
     cnt[1] = full_t * heads;
     cnt[2] = full_c * heads;
-    cnt[3] = heads / rq->span[i]; /* a span of s heads: hk / s units of s heads' cost */
+    cnt[3] = nt > 0 ? rq->per[i] : 0; /* a span of s heads: hk / s units of s heads' cost */
     const double last_rows = alpha * (double)(rows - full_t * tile_q);
     const double last_len = beta * (double)(a->kv[i] - full_c * chunk);
     double cost[4];
@@ -241,21 +282,19 @@ static void group_ticks(const plan_args* a, i64 g, const requests* rq, i64* coun
     cost[2] = last_rows + beta * (double)chunk;
     cost[3] = last_rows + last_len;
     if (rq->span[i] > 1) cost[3] *= (double)rq->span[i];
-    for (int k = 0; k < 4; ++k) {
-      const double cst = cnt[k] == 0 ? 0.0 : cost[k];
-      ticks[4 * i + k] = total > 0.0 ? round_even(cst * scale) : 0;
-    }
+    for (int k = 0; k < 4; ++k)
+      if (cnt[k] > 0) {
+        groups[ng].tick = total > 0.0 ? round_even(cost[k] * scale) : 0;
+        groups[ng++].id = 4 * i + k;
+      }
   }
+  return ng;
 }
 
-/* A cost group in the greedy order. */
-typedef struct {
-  i64 tick, id;
-} group;
-
 /* Sort groups (ids ascending on entry) by ticks descending, stably, so that equal ticks keep
- * id order: insertion sorts of runs of 16, then bottom-up merges taking the lesser front
- * without a branch. tmp: [n]. */
+ * id order: insertion sorts of runs of 16, then bottom-up merges. (GCC compiles the merge's
+ * choice of front to a branch; forced branch-free, through a mask, the step is bound by its
+ * load-compare-advance chain and the sort took twice as long on 256 random ticks.) tmp: [n]. */
 static void sort_groups(group* g, i64 n, group* tmp) {
   const i64 run = 16;
   for (i64 lo = 0; lo < n; lo += run) {
@@ -392,7 +431,10 @@ static void merge_back(ctas* s, i64 m) {
   const i64 P = s->P, n = P - m; /* the untaken keys: rest[0 .. n) */
   const i64* f = s->fresh;
   i64* rest = s->buf + s->head + m;
-  const i64 lo = lower_bound(rest, n, f[0]), hi = lower_bound(rest, n, f[m - 1]);
+  const i64 lo = lower_bound(rest, n, f[0]);
+  i64 hi = lo; /* (a scan, not a second search: the merge below walks rest[lo .. hi) anyway,
+                * and the loaded keys mostly land together, hi - lo a few keys) */
+  while (hi < n && rest[hi] < f[m - 1]) ++hi;
   if (lo <= n - hi) { /* keys below the loaded ones move m left; merge forward */
     i64* out = s->buf + s->head;
     memmove(out, rest, (size_t)lo * sizeof(i64));
@@ -483,31 +525,24 @@ static void assign_run(ctas* s, i64 st, i64 k, i32* assign) {
   }
 }
 
-/* Greedy order and LPT: groups by ticks descending (then id), units of a group by index; runs
- * of equal ticks are assigned together. assign: [n] the CTA of each greedy position. Returns
- * the number of groups, sorted in groups[]. */
-static i64 schedule(const plan_args* a, const i64* g_count, const i64* g_ticks, group* groups,
-                    group* tmp, i32* assign, ctas* s) {
-  i64 ng = 0;
-  for (i64 k = 0; k < 4 * a->batch; ++k)
-    if (g_count[k] > 0) {
-      groups[ng].tick = g_ticks[k];
-      groups[ng++].id = k;
-    }
+/* Greedy order and LPT: the ng groups with units (group_ticks) by ticks descending (then id),
+ * units of a group by index; runs of equal ticks are assigned together. assign: [n] the CTA
+ * of each greedy position. */
+static void schedule(const i64* g_count, group* groups, i64 ng, group* tmp, i32* assign,
+                     ctas* s) {
   sort_groups(groups, ng, tmp);
   i64 bits = 0;
   while (((i64)1 << bits) < s->P) ++bits;
   s->mask = ((i64)1 << bits) - 1;
   s->head = s->P; /* every CTA idle: no keys yet, room for P in front */
   s->idle = 0;
-  for (i64 c = 0; c < s->P; ++c) s->count[c] = 0;
+  memset(s->count, 0, (size_t)s->P * sizeof(i64));
   i64 pos = 0;
   for (i64 r = 0; r < ng;) {
     const i64 tick = groups[r].tick, start = pos;
     for (; r < ng && groups[r].tick == tick; ++r) pos += g_count[groups[r].id];
     assign_run(s, tick << bits, pos - start, assign + start);
   }
-  return ng;
 }
 
 /* Per-CTA queues in assignment order (a stable counting sort by CTA). fill: [P]. */
@@ -526,37 +561,37 @@ static void queues(const requests* rq, const i64* g_count, const group* groups, 
 }
 
 /* The plan of a->batch, packed into buf as Plan.pack(layout, out=buf) writes it: the header,
- * then the used prefix of each section (cta_indptr and merge_indptr padded to the layout's
- * maxima with their last value). Returns 0; 1 when the plan exceeds a layout maximum (its
- * sizes are in a->chunk, num_units, num_merges, num_slots), 2 when scratch is smaller than
- * a->scratch_bytes (call again with that much). Nothing is written to buf unless it returns 0. */
+ * then the used prefix of each section (cta_indptr padded to the layout's maximum with its last
+ * value). Returns 0; 1 when the plan exceeds a layout maximum (its sizes are in a->chunk,
+ * num_units, num_merges, num_slots), 2 when scratch is smaller than a->scratch_bytes (call
+ * again with that much). Nothing is written to buf unless it returns 0. */
 int attncc_plan_pack(plan_args* a, i32* buf, void* scratch, i64 scratch_bytes) {
   const i64 batch = a->batch, P = a->num_ctas, hk = a->num_kv_heads;
   const i64 g = a->num_qo_heads / hk;
-  /* scratch: int64 [4 batch] requests, [8 batch] group counts and ticks, [16 batch] groups
-   * and their sort buffer, [5P] CTAs, [hk + 1] divisors; then int32 [n] the CTA of each
-   * greedy position */
-  a->scratch_bytes = 8 * (28 * batch + 5 * P + hk + 1);
+  /* scratch: int64 [5 batch] requests, [4 batch] group counts, [16 batch] groups and their
+   * sort buffer, [5P] CTAs, [3 (hk + 1)] spans; then int32 [n] the CTA of each greedy
+   * position */
+  a->scratch_bytes = 8 * (25 * batch + 5 * P + 3 * (hk + 1));
   if (a->scratch_bytes > scratch_bytes) return 2;
   i64* w = (i64*)scratch;
-  requests rq = {w, w + batch, w + 2 * batch, w + 3 * batch, w + 28 * batch + 5 * P, 0.0};
-  request_sizes(a, g, &rq);
+  requests rq = {w, w + batch, w + 2 * batch, w + 3 * batch, w + 4 * batch, 0.0};
+  i64* g_count = w + 5 * batch;
+  group* groups = (group*)(g_count + 4 * batch);
+  group* tmp = groups + 4 * batch;
+  i64* keys = (i64*)(tmp + 4 * batch);
+  i64* fresh = keys + 2 * P;
+  i64* count = fresh + P;
+  i64* fill = count + P;
+  spans sp = {.d = fill + P, .per = fill + P + hk + 1, .bound = (double*)(fill + P + 2 * (hk + 1))};
+  i32* assign = (i32*)(fill + P + 3 * (hk + 1));
+  request_sizes(a, g, &rq, &sp);
   const i64 n = a->num_units, m = a->num_merges, slots = a->num_slots;
   if (batch > a->max_batch || a->qo[batch] > a->max_qo_tokens || P > a->max_ctas ||
       n > a->max_units || m > a->max_merges || slots > a->max_slots)
     return 1;
   a->scratch_bytes += 4 * n;
   if (a->scratch_bytes > scratch_bytes) return 2;
-  i64* g_count = w + 4 * batch;
-  i64* g_ticks = g_count + 4 * batch;
-  group* groups = (group*)(g_ticks + 4 * batch);
-  group* tmp = groups + 4 * batch;
-  i64* keys = (i64*)(tmp + 4 * batch);
-  i64* fresh = keys + 2 * P;
-  i64* count = fresh + P;
-  i64* fill = count + P;
   ctas s = {.P = P, .buf = keys, .fresh = fresh, .count = count};
-  i32* assign = (i32*)(fill + P + hk + 1); /* (after the divisors) */
 
   i32* hdr = buf + a->off_header;
   const i32 header[16] = {(i32)a->magic, (i32)a->version, (i32)batch, (i32)n, (i32)P, (i32)m,
@@ -564,14 +599,10 @@ int attncc_plan_pack(plan_args* a, i32* buf, void* scratch, i64 scratch_bytes) {
                           (i32)a->num_qo_heads, (i32)hk, (i32)a->qo[batch],
                           (i32)a->layout_size, 0, 0}; /* scheduler.HEADER_FIELDS order */
   memcpy(hdr, header, sizeof header);
-  i32* merge_indptr = buf + a->off_merge_indptr;
-  write_units(a, g, &rq, buf + a->off_units, merge_indptr, buf + a->off_merge_out);
-  i32* slot_merge = buf + a->off_slot_merge; /* each slot's split item */
-  for (i64 j = 0; j < m; ++j)
-    for (i32 s = merge_indptr[j]; s < merge_indptr[j + 1]; ++s) slot_merge[s] = (i32)j;
-
-  group_ticks(a, g, &rq, g_count, g_ticks);
-  const i64 ng = schedule(a, g_count, g_ticks, groups, tmp, assign, &s);
+  write_units(a, g, &rq, buf + a->off_units, buf + a->off_merge_indptr,
+              buf + a->off_slot_merge, buf + a->off_merge_out);
+  const i64 ng = group_ticks(a, g, &rq, g_count, groups);
+  schedule(g_count, groups, ng, tmp, assign, &s);
   i32* cta_indptr = buf + a->off_cta_indptr;
   queues(&rq, g_count, groups, ng, assign, &s, fill, cta_indptr, buf + a->off_cta_units);
   for (i64 c = P + 1; c <= a->max_ctas; ++c) cta_indptr[c] = (i32)n;

@@ -520,7 +520,9 @@ def _head_spans(rows: np.ndarray, kv: np.ndarray, ntiles: np.ndarray, nchunks: n
                 enabled: bool = True) -> np.ndarray:
     """Each request's head span, int64 ``[batch]`` (module docstring, "Head spans"): the largest
     divisor ``s`` of ``hk`` with ``s * c_i <= total / (2 * num_ctas)`` for a one-tile request
-    whose KV range is one chunk, else 1. (planner.c computes the same, float op for float op.)
+    whose KV range is one chunk, else 1. (planner.c computes ``c_i`` with the same float
+    operations and decides ``s * c_i <= limit`` exactly, as one compare of ``c_i`` with the
+    largest cost for which the rounded product passes.)
 
     Example:
         >>> _head_spans(np.array([1, 1, 40]), np.array([100, 900, 100]), np.array([1, 1, 3]),

@@ -196,3 +196,28 @@ def test_compiled_head_spans_equal_numpy(head_span: bool) -> None:
         scheduler.plan_into(got, layout, *args, **kw)
         assert got.tobytes() == want.tobytes()
     assert (spanned > 5) if head_span else spanned == 0
+
+
+@needs_cc
+def test_compiled_head_spans_at_the_limit() -> None:
+    """Batches of equal decode requests whose span test ``s * c <= total / (2 P)`` is decided
+    by rounding (planner.c compares c with a precomputed bound instead of forming the product):
+    the same spans as numpy, ties and one-ulp misses included."""
+    near = 0
+    for hk in (3, 4, 6, 12, 32):
+        for batch in (2, 3, 5, 6, 7, 12, 24):
+            for s in [d for d in range(2, hk + 1) if hk % d == 0]:
+                if (hk * batch) % (2 * s):
+                    continue
+                num_ctas = hk * batch // (2 * s)  # s * c is about the limit
+                for alpha, beta in ((0.1, 0.3), (1 / 3, 0.7), (0.9, 1.1), (1.0, 1.0)):
+                    for kv in (1, 2, 6, 7, 9, 100, 999, 1234, 4097):
+                        args = (np.arange(batch + 1), np.full(batch, kv), hk, hk, 16, num_ctas)
+                        kw = dict(alpha=alpha, beta=beta, min_kv_chunk=8192, kv_chunk_align=16)
+                        a = scheduler.plan(*args, **kw, impl="numpy")
+                        _assert_same(a, scheduler.plan(*args, **kw, impl="c"))
+                        c = alpha * 1.0 + beta * kv
+                        limit = hk * (alpha * float(batch) + beta * float(batch * kv)) / (
+                            2.0 * num_ctas)
+                        near += abs(s * c - limit) <= 2 * np.spacing(limit)
+    assert near > 50
