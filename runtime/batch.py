@@ -441,7 +441,7 @@ class BatchAttention:
         bound = self._causal_bound() if b.max_q_len > 1 else None
         if bound is not None:
             clip_causal_units(buf, layout, b.qo, b.kv_lens, num_qo_heads // num_kv_heads, bound,
-                              b.qpos, b.kvoff)
+                              b.qpos, b.kvoff, self._section_tokens(tiles, head_dim, q_data_type))
         # (only now: a plan() that raised leaves the last plan's layout and offsets for run())
         self.tiles, self.layout, self._offsets = tiles, layout, offsets
         self._half, self._staging_np = half, buf
@@ -611,6 +611,15 @@ class BatchAttention:
         if self._ir is None:
             self._ir = self.variant.trace()[0]
         return self._ir
+
+    @staticmethod
+    def _section_tokens(tiles: BatchTiles, head_dim: int, dtype: torch.dtype) -> int | None:
+        """clip_causal_units' L2 sections for the FA3 batch kernel (None for FA2: on the H200
+        the sectioned order made FA2's paged causal prefill 7-12 % slower while FA3 gained up
+        to 18 %; bench/NOTES.md, stop 15)."""
+        if tiles.kernel != "fa3":
+            return None
+        return L2_SECTION_BYTES // (2 * head_dim * dtype.itemsize)
 
     def _causal_bound(self) -> int | None:
         """attncc.ir.kv_bound.causal_bound of the variant's mask (None: no mask, or no bound
@@ -943,7 +952,7 @@ def _check_ragged_table(requests: int, max_pages: int) -> None:
 
 def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndarray,
                       kv_lens: np.ndarray, group: int, bound: int, qpos: np.ndarray | None = None,
-                      kvoff: np.ndarray | None = None) -> None:
+                      kvoff: np.ndarray | None = None, section_tokens: int | None = None) -> None:
     """End every packed work unit's KV range where its mask keeps nothing more: a mask with
     kv_idx <= q_idx + bound (attncc.ir.kv_bound) keeps no key past its unit's last query
     position + bound, so a causal prefill tile stops at its diagonal instead of its request's
@@ -952,6 +961,13 @@ def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndar
     queues are then rebalanced (longest first) on the clipped costs. In place, on
     the staged plan words `buf` (the positions the hooks see: `qpos` per query token if given,
     else kv_len - q_len + t; keys shifted by `kvoff` per request if given).
+
+    `section_tokens`: rebalance in L2 sections -- the (request, KV head) pairs in order, cut
+    wherever their K/V passes another `section_tokens` tokens, each section's units assigned
+    (longest first) before the next one's (`lpt_schedule(section=...)`). Longest first over the
+    whole batch starts every head's longest query tile at once: at S = 2048 x 128 heads the
+    first rounds then read ~128 heads' K/V, more than the L2 holds, where the sections keep the
+    CTAs on a few heads at a time (the dense FA3 kernel's item order does the same).
 
     Example:
         >>> from attncc.runtime import scheduler
@@ -987,9 +1003,20 @@ def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndar
     # on the new queues. (A unit's heads share its rows and KV range: one clip fits them all.)
     if 10 * (before - int((keys * heads).sum())) < before:
         return
+    section = None
+    if section_tokens:
+        hk = layout.num_kv_heads
+        kv = np.asarray(kv_lens, dtype=np.int64)
+        pair0 = hk * (np.cumsum(kv) - kv)  # K/V tokens of the pairs of the requests before
+        section = (pair0[req] + u["kv_head"] * kv[req]) // int(section_tokens)
     p["cta_indptr"][:], p["cta_units"][:] = lpt_schedule(
-        (u["q_rows"].astype(np.int64) + keys) * heads, p["num_ctas"])
+        (u["q_rows"].astype(np.int64) + keys) * heads, p["num_ctas"], section=section)
 
+
+L2_SECTION_BYTES = 24 << 20
+"""K/V bytes of the (request, KV head) pairs a causal prefill plan's CTAs work on at a time
+(`clip_causal_units`' sections; 24 MiB of the H100 / H200's 50 MB L2, as the dense FA3 kernel's
+ATTNCC_FA3_L2_SECTION_BYTES), for K and V of q_data_type's element size."""
 
 UPLOAD_GAP = 16384
 """`used_ranges`' default: int32 words (64 KB) of unused room that one copy may carry between two

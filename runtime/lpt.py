@@ -51,7 +51,8 @@ def _queues(order: np.ndarray, assign: np.ndarray, num_ctas: int) -> tuple[np.nd
 
 
 def _lpt_sorted(c: np.ndarray, run_ends: np.ndarray, p: int) -> np.ndarray:
-    """The CTA of each unit of ``c`` (int64 costs, already in greedy order, descending).
+    """The CTA of each unit of ``c`` (int64 costs, already in greedy order: descending, or
+    descending within each section).
 
     ``run_ends`` (ascending) holds, for each run of equal costs, one past its last unit (see
     `_run_ends`). A CTA's heap key is ``load * p + cta`` (unique, ordered like ``(load, cta)``).
@@ -67,9 +68,12 @@ def _lpt_sorted(c: np.ndarray, run_ends: np.ndarray, p: int) -> np.ndarray:
     t = 0
     while t < n:
         st = int(step[t])
-        if st == 0:  # the rest cost nothing: the least loaded CTA stays least loaded
-            assign[t:] = int(np.argmin(key))
-            break
+        if st == 0:  # a run that costs nothing: the least loaded CTA stays least loaded
+            nz = np.flatnonzero(step[t:])  # (with sections, costs rise again after a run of 0s)
+            e = t + int(nz[0]) if nz.size else n
+            assign[t:e] = int(np.argmin(key))
+            t = e
+            continue
         srt = np.argsort(key, kind="stable")  # keys are unique: any sort would do, this is fast
         sk = key[srt]
         if int(sk[-1]) - int(sk[0]) < st:  # loads within one unit: deal a long run round robin
@@ -100,21 +104,35 @@ def _run_ends(c: np.ndarray) -> np.ndarray:
     return np.append(np.flatnonzero(c[1:] != c[:-1]) + 1, c.size)
 
 
-def _greedy_order(c: np.ndarray, tiebreak: Any) -> np.ndarray:
-    """Unit indices by cost descending, then ``tiebreak`` ascending, then index."""
-    if tiebreak is None:
+def _unit_ints(x: Any, n: int, name: str) -> np.ndarray:
+    a = _as_int_array(x, name)
+    if a.size != n:
+        raise ValueError(f"{name} has {a.size} entries, costs has {n}")
+    return a
+
+
+def _greedy_order(c: np.ndarray, tiebreak: Any, section: Any = None) -> np.ndarray:
+    """Unit indices by ``section`` ascending (if given), then cost descending, then
+    ``tiebreak`` ascending, then index."""
+    if tiebreak is None and section is None:
         return np.argsort(-c, kind="stable")
-    tb = _as_int_array(tiebreak, "tiebreak")
-    if tb.size != c.size:
-        raise ValueError(f"tiebreak has {tb.size} entries, costs has {c.size}")
-    return np.lexsort((tb, -c))
+    keys = [] if tiebreak is None else [_unit_ints(tiebreak, c.size, "tiebreak")]
+    keys.append(-c)
+    if section is not None:
+        keys.append(_unit_ints(section, c.size, "section"))
+    return np.lexsort(keys)
 
 
-def lpt_schedule(costs: Any, num_ctas: int, tiebreak: Any = None) -> tuple[np.ndarray, np.ndarray]:
+def lpt_schedule(costs: Any, num_ctas: int, tiebreak: Any = None,
+                 section: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Longest-processing-time-first assignment of integer ``costs`` to ``num_ctas`` CTAs.
 
     Units are taken by cost descending, ties by ``tiebreak`` (ints, default none) then index;
-    each goes to the least loaded CTA, ties to the lowest CTA index. Returns
+    each goes to the least loaded CTA, ties to the lowest CTA index. With ``section`` (ints, one
+    per unit) the units of a lower section are all taken first -- LPT section by section, on
+    the loads the earlier sections left -- so CTAs that run their queues at about the same rate
+    work in one section at a time (attncc.runtime.batch uses it to keep a prefill's concurrently
+    read K/V within the L2). Returns
     ``(cta_indptr int32 [num_ctas+1], cta_units int32 [n])``: CTA ``c`` runs units
     ``cta_units[cta_indptr[c]:cta_indptr[c+1]]`` in the order it received them. Identical to
     `lpt_schedule_reference` (a Python min-heap), but assigns whole runs of equal cost and
@@ -125,18 +143,23 @@ def lpt_schedule(costs: Any, num_ctas: int, tiebreak: Any = None) -> tuple[np.nd
         >>> indptr, units = lpt_schedule([5, 3, 3, 2, 2, 1], num_ctas=2)
         >>> [units[indptr[c]:indptr[c + 1]].tolist() for c in range(2)]
         [[0, 3, 5], [1, 2, 4]]
+        >>> indptr, units = lpt_schedule([5, 3, 3, 2, 2, 1], 2, section=[1, 1, 1, 0, 0, 0])
+        >>> [units[indptr[c]:indptr[c + 1]].tolist() for c in range(2)]
+        [[3, 5, 1, 2], [4, 0]]
     """
     c = _as_costs(costs)
     p = _check_int(num_ctas, "num_ctas", 1)
     if c.size and float(c.sum(dtype=np.float64)) * p >= 2.0**62:
         raise OverflowError("costs too large: sum(costs) * num_ctas must stay below 2**62")
-    order = _greedy_order(c, tiebreak)
+    # (_lpt_sorted replays the heap for units in any order: its steps check, not assume, that
+    # unit j of a block goes to the j-th least loaded CTA)
+    order = _greedy_order(c, tiebreak, section)
     cs = c[order]
     return _queues(order, _lpt_sorted(cs, _run_ends(cs), p), p)
 
 
-def lpt_schedule_reference(costs: Any, num_ctas: int,
-                           tiebreak: Any = None) -> tuple[np.ndarray, np.ndarray]:
+def lpt_schedule_reference(costs: Any, num_ctas: int, tiebreak: Any = None,
+                           section: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """`lpt_schedule` with a plain Python min-heap of ``(load, cta)``: the specification.
 
     Example:
@@ -147,7 +170,8 @@ def lpt_schedule_reference(costs: Any, num_ctas: int,
     c = [int(x) for x in _as_costs(costs)]
     p = _check_int(num_ctas, "num_ctas", 1)
     tb = [0] * len(c) if tiebreak is None else [int(x) for x in tiebreak]
-    order = sorted(range(len(c)), key=lambda u: (-c[u], tb[u], u))
+    sec = [0] * len(c) if section is None else [int(x) for x in section]
+    order = sorted(range(len(c)), key=lambda u: (sec[u], -c[u], tb[u], u))
     heap = [(0, cta) for cta in range(p)]
     assign = []
     for u in order:

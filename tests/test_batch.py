@@ -532,10 +532,13 @@ def test_lazy_plan_is_the_packed_plan() -> None:
     assert ba._plan.num_merges == ba.layout.unpack(staged)["num_merges"]
 
 
-def test_causal_clipped_plan_executes_to_exact_causal_attention() -> None:
+@pytest.mark.parametrize("section_tokens", [None, 300])
+def test_causal_clipped_plan_executes_to_exact_causal_attention(section_tokens: int | None
+                                                                ) -> None:
     """clip_causal_units ends each unit at its last query's diagonal; running the clipped plan
     on the CPU in fp64 (units in queue order, partials, then the merge map) still gives exact
-    causal attention, with fewer key positions computed."""
+    causal attention, with fewer key positions computed. With L2 sections every CTA's queue
+    visits the sections in order."""
     import math
 
     from attncc.runtime.batch import clip_causal_units
@@ -552,10 +555,17 @@ def test_causal_clipped_plan_executes_to_exact_causal_attention() -> None:
     buf = np.zeros(lay.size, dtype=np.int32)
     plan_into(buf, lay, qo, kv, hq, hk, tq, 96, kv_chunk_align=16, min_kv_chunk=16)
     before = lay.unpack(buf)["units"].copy()
-    clip_causal_units(buf, lay, qo, kv, g, 0)
+    clip_causal_units(buf, lay, qo, kv, g, 0, section_tokens=section_tokens)
     p = lay.unpack(buf)
     u = p["units"]
     assert p["num_merges"] > 0 and (u["kv_end"] < before["kv_end"]).any()
+    if section_tokens:
+        pair0 = hk * (np.cumsum(kv) - kv)
+        sec = (pair0[u["request"]] + u["kv_head"] * kv[u["request"]]) // section_tokens
+        ind, cu = p["cta_indptr"], p["cta_units"]
+        assert len(set(sec.tolist())) > 3
+        for c in range(int(p["num_ctas"])):
+            assert (np.diff(sec[cu[ind[c]:ind[c + 1]]]) >= 0).all()
     assert (u["kv_end"] - u["kv_start"]).sum() < (before["kv_end"] - before["kv_start"]).sum()
 
     q = torch.randn(int(qo[-1]), hq, d, generator=gen, dtype=torch.float64)

@@ -254,6 +254,12 @@ def test_vectorised_lpt_equals_heap(costs: np.ndarray, num_ctas: int) -> None:
     got = lpt_schedule(costs, num_ctas, tiebreak)
     ref = lpt_schedule_reference(costs, num_ctas, tiebreak)
     assert np.array_equal(got[0], ref[0]) and np.array_equal(got[1], ref[1])
+    # sections: costs rise again (after runs of zeros too) at every section boundary
+    section = (np.arange(costs.size) * 104729) % 5
+    for tb in (None, tiebreak):
+        got = lpt_schedule(costs, num_ctas, tb, section)
+        ref = lpt_schedule_reference(costs, num_ctas, tb, section)
+        assert np.array_equal(got[0], ref[0]) and np.array_equal(got[1], ref[1])
 
 
 @pytest.mark.parametrize("seed", range(0, len(PROBLEMS), 3))
