@@ -1067,8 +1067,8 @@ def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end:
         >>> lay = scheduler.PlanLayout(4, 64, 2, 1, 1, 16)
         >>> buf = np.zeros(lay.size, np.int32)
         >>> scheduler.plan_into(buf, lay, np.array([0, 40]), np.array([40]), 1, 1, 16, 2)
-        >>> used_ranges(buf, lay, lay.size, lay.size + 10, gap=0)[:3]   # header, 3 units, ...
-        [(0, 16), (16, 40), (80, 83)]
+        >>> used_ranges(buf, lay, lay.size, lay.size + 10, gap=0)[:4]  # header .. 3 units
+        [(0, 16), (16, 19), (20, 21), (24, 48)]
         >>> len(used_ranges(buf, lay, lay.size, lay.size + 10))        # one copy
         1
     """

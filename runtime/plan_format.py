@@ -64,7 +64,7 @@ HEADER_FIELDS = (
 """The int32 header at offset 0 of a packed plan, in this order."""
 
 PLAN_MAGIC = 0x4E4C5041  # b"APLN" little endian
-PLAN_VERSION = 3  # 3: units carry kv_heads (was qo_offset); 2: slot_merge after merge_indptr
+PLAN_VERSION = 4  # 4: small sections first; 3: units carry kv_heads (was qo_offset); 2: slot_merge after merge_indptr
 _ALIGN = 4  # every packed section starts at a multiple of 4 int32 (16 bytes)
 _INT32_MAX = 2**31 - 1
 
@@ -148,9 +148,9 @@ class PlanLayout:
     - ``max_merges = min(max_items, H*P - 1)``
     - ``max_partial_slots = min(2*H*P - 2, max_items + H*P - 1)``
 
-    Sections (int32, each at a multiple of 4): ``header`` (`HEADER_FIELDS`), ``units``
-    (``max_units * 8``, `WORK_UNIT_DTYPE` rows), ``cta_indptr`` (``max_ctas + 1``),
-    ``cta_units`` (``max_units``), ``merge_indptr`` (``max_merges + 1``), ``slot_merge``
+    Sections (int32, each at a multiple of 4), in memory order: ``header`` (`HEADER_FIELDS`),
+    ``cta_indptr`` (``max_ctas + 1``), ``merge_indptr`` (``max_merges + 1``), ``units``
+    (``max_units * 8``, `WORK_UNIT_DTYPE` rows), ``cta_units`` (``max_units``), ``slot_merge``
     (``max_partial_slots``), ``merge_out`` (``max_merges * 5``, `MERGE_TARGET_DTYPE` rows).
 
     Example:
@@ -158,8 +158,8 @@ class PlanLayout:
         ...                     num_qo_heads=32, num_kv_heads=8, tile_q=64)
         >>> layout.max_units, layout.max_partial_slots, layout.size
         (8223, 4222, 91184)
-        >>> layout.offsets["units"], layout.offsets["cta_indptr"]
-        (16, 65800)
+        >>> layout.offsets["cta_indptr"], layout.offsets["units"]
+        (16, 2396)
     """
 
     max_batch: int
@@ -190,12 +190,16 @@ class PlanLayout:
             "max_merges": max(0, min(items, hp - 1)),
             "max_partial_slots": max(0, min(2 * hp - 2, items + hp - 1)),
         }
+        # In memory order: the small sections first, then the large ones, whose used prefixes
+        # are what plan() uploads -- one copy per range of used words (batch.used_ranges joins
+        # ranges less than 64 KB apart), so header .. units is one copy whatever the counts
+        # (at batch 256 x Hkv 32 a decode plan went from 4 copies to 3 on this order).
         sizes = {
             "header": len(HEADER_FIELDS),
-            "units": derived["max_units"] * len(WORK_UNIT_DTYPE.names),
             "cta_indptr": p + 1,
-            "cta_units": derived["max_units"],
             "merge_indptr": derived["max_merges"] + 1,
+            "units": derived["max_units"] * len(WORK_UNIT_DTYPE.names),
+            "cta_units": derived["max_units"],
             "slot_merge": derived["max_partial_slots"],
             "merge_out": derived["max_merges"] * len(MERGE_TARGET_DTYPE.names),
         }
