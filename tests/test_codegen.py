@@ -309,6 +309,25 @@ def test_flags_and_normalize() -> None:
     assert not rope_i.has_value_transform and rope_i.use_softmax
 
 
+def test_band_masks_carry_their_kv_window() -> None:
+    """A mask that is exactly a band (causal) gives the kernels has_kv_window and its bounds
+    (unbounded sides as -+2^62); other masks and no mask give has_kv_window = false."""
+    causal = generate_variant(Variant(mask_mod=lambda b, h, q, kv: q >= kv,
+                                      name="causal").trace()[0])
+    assert causal.kv_window == (None, 0)
+    assert "static constexpr bool has_kv_window = true;" in causal.variant_struct
+    assert f"kv_window_lo = {-(1 << 62)}LL;" in causal.variant_struct
+    assert "kv_window_hi = 0LL;" in causal.variant_struct
+    band = generate_variant(Variant(mask_mod=lambda b, h, q, kv: (q >= kv) & (q - kv <= 63),
+                                    name="band").trace()[0])
+    assert band.kv_window == (-63, 0) and "kv_window_lo = -63LL;" in band.variant_struct
+    for vc in (generate_variant(Variant(mask_mod=lambda b, h, q, kv: (q >= kv) | (kv < 4),
+                                        name="prefix").trace()[0]),
+               generate_variant(traced()["identity"])):
+        assert vc.kv_window is None
+        assert "static constexpr bool has_kv_window = false;" in vc.variant_struct
+
+
 def test_hooks_carry_source_and_ir_comments() -> None:
     vc = generate_variant(traced()["softcap_causal"])
     assert re.search(r"// score_mod: tests/test_codegen\.py:\d+ \(softcap\)\n", vc.variant_struct)
