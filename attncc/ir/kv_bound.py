@@ -69,22 +69,6 @@ def _normalized(op: str, lhs: Node, rhs: Node) -> tuple[str, int] | None:
     return op, k
 
 
-def _compare_bound(op: str, lhs: Node, rhs: Node) -> int | None:
-    """The c of `lhs op rhs  =>  kv_idx <= q_idx + c` (see _normalized), or None."""
-    n = _normalized(op, lhs, rhs)
-    if n is None:
-        return None
-    op, k = n
-    # now (q - kv) + k op 0, i.e. q - kv op -k
-    if op == "ge":
-        return k          # kv <= q + k
-    if op == "gt":
-        return k - 1      # kv <  q + k
-    if op == "eq":
-        return k          # kv == q + k
-    return None           # le / lt / ne bound kv from below or not at all
-
-
 def _compare_window(op: str, lhs: Node, rhs: Node) -> tuple[int | None, int | None] | None:
     """`lhs op rhs` as exactly lo <= kv_idx - q_idx <= hi (None: unbounded side), or None."""
     n = _normalized(op, lhs, rhs)
@@ -94,6 +78,13 @@ def _compare_window(op: str, lhs: Node, rhs: Node) -> tuple[int | None, int | No
     # (q - kv) + k op 0  <=>  (kv - q)  op'  k  with op' the mirror of op
     return {"ge": (None, k), "gt": (None, k - 1), "le": (k, None), "lt": (k + 1, None),
             "eq": (k, k)}.get(op)
+
+
+def _compare_bound(op: str, lhs: Node, rhs: Node) -> int | None:
+    """The c of `lhs op rhs  =>  kv_idx <= q_idx + c`: the upper side of the comparison's exact
+    band (_compare_window), or None (le / lt / ne bound kv from below or not at all)."""
+    w = _compare_window(op, lhs, rhs)
+    return None if w is None else w[1]
 
 
 def causal_bound(mask: Node) -> int | None:
