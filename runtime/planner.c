@@ -582,8 +582,9 @@ int attncc_plan_pack(plan_args* a, i32* buf, void* scratch, i64 scratch_bytes) {
   i64* fresh = keys + 2 * P;
   i64* count = fresh + P;
   i64* fill = count + P;
-  spans sp = {.d = fill + P, .per = fill + P + hk + 1, .bound = (double*)(fill + P + 2 * (hk + 1))};
-  i32* assign = (i32*)(fill + P + 3 * (hk + 1));
+  i64* const sw = fill + P; /* the span table: d, per, bound ([hk + 1] each) */
+  spans sp = {.d = sw, .per = sw + hk + 1, .bound = (double*)(sw + 2 * (hk + 1))};
+  i32* assign = (i32*)(sw + 3 * (hk + 1));
   request_sizes(a, g, &rq, &sp);
   const i64 n = a->num_units, m = a->num_merges, slots = a->num_slots;
   if (batch > a->max_batch || a->qo[batch] > a->max_qo_tokens || P > a->max_ctas ||
