@@ -539,6 +539,25 @@ struct Ring {
   __device__ __forceinline__ fa2_u32 v_of(int t) const { return v + (t % stages) * tile_bytes; }
 };
 
+// A ring stage this warp keeps after its last GEMM on it because the K half holds rows of an
+// item's O until the bulk copies writing them out have read them (the dense kernel's bulk-store
+// epilogue, fa3_prefill). settle() waits for those reads -- only the lanes that issued copies
+// have a group to wait for -- and then makes `owe` of the stage's empty arrivals: 1 when the warp
+// copied its own rows, 4 for a warpgroup whose one copy this warp issued, 0 for the warpgroup's
+// other warps. tile < 0: none held.
+struct HeldStage {
+  int tile = -1, owe = 1;
+  __device__ __forceinline__ void settle(const Ring& ring) {
+    if (tile >= 0) {
+      tma::bulk_wait_read<0>();
+      __syncwarp();
+      if ((threadIdx.x & 31) == 0 && owe > 0)
+        tma::mbar_arrive_n(ring.empty + 8 * (tile % ring.stages), owe);
+    }
+    tile = -1;  // (unconditionally: no value of it stays live through the next tile loop)
+  }
+};
+
 // The mbarriers of the K/V ring (full[s]: the producer's expect_tx arrival; empty[s]: one
 // arrival per consumer warp) and of the Q tile (q_full like full[s]; q_empty one arrival per
 // consumer thread, see QRelease), initialized by thread 0
@@ -595,12 +614,16 @@ struct QRelease {
 // Callbacks: logits_softmax(s, i, corr) turns S(i) into P(i) (hooks, mask, online softmax) and
 // returns O's rescale factors; landed(i, t) runs once tile i is in shared memory, before any
 // GEMM reads it; last_s_done() runs once the last S completed (Q is free from then on).
+// With a HeldStage (the dense kernel's bulk-store epilogue): the stage a previous item's O was
+// staged in is released once this pass issued its first GEMM, and with hold_last the last
+// tile's stage is not released here but held for this item's O.
 template <typename DType, int D, int TKV, bool kRebuildQ, typename LogitsSoftmax,
           typename Landed, typename LastS>
 __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const Ring& ring,
                                               const Turns& turns, float (&o)[D / 64][32],
                                               LogitsSoftmax&& logits_softmax, Landed&& landed,
-                                              LastS&& last_s_done) {
+                                              LastS&& last_s_done, HeldStage* held = nullptr,
+                                              bool hold_last = false) {
   float s[TKV / 2];
   fa2_u32 pa[TKV / 16][4];
   float corr[2];
@@ -614,6 +637,7 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
   wg::fence();
   issue_qk<DType, D, TKV, kRebuildQ>(s, sq_w, ring.k_of(t0));
   turns.pass();
+  if (held != nullptr) held->settle(ring);  // (while S(0) runs)
   wg::wait<0>();
   wg::fence_operands(s);
   if (n == 1) last_s_done();
@@ -651,7 +675,8 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
   if (turns.me == 0) turns.pass();  // consumer 1 has no later issue point to hand back
   wg::wait<0>();
   wg::fence_operands(o);
-  ring.release(t0 + n - 1);
+  if (held != nullptr) held->tile = hold_last ? t0 + n - 1 : -1;
+  if (held == nullptr || !hold_last) ring.release(t0 + n - 1);
 }
 
 // Store this thread's half-row hr of O (its 2 x D/8 columns), times inv, as 16-bit pairs.
@@ -669,6 +694,43 @@ __device__ __forceinline__ void store_row(DType* row, const float (&o)[D / 64][3
     }
 }
 
+// Four 16-bit pairs transposed across a quad: on entry lane t holds v[i], its pair of chunk i of
+// a group of four 8-column chunks (columns 8i + 2t, +1); on return it holds chunk t whole, lane
+// l's pair in word l. Two shfl.xor rounds; every lane of the warp must call it.
+__device__ __forceinline__ uint4 quad_transpose(const fa2_u32 (&v)[4]) {
+  const int t = threadIdx.x & 3;
+  const bool hi2 = t & 2, hi1 = t & 1;
+  // round 1 (lanes t, t^2): keep the chunks with bit 1 equal to t's, trade the others
+  const fa2_u32 a0 = hi2 ? v[2] : v[0], a1 = hi2 ? v[3] : v[1];
+  const fa2_u32 b0 = __shfl_xor_sync(0xffffffffu, hi2 ? v[0] : v[2], 2);
+  const fa2_u32 b1 = __shfl_xor_sync(0xffffffffu, hi2 ? v[1] : v[3], 2);
+  // round 2 (lanes t, t^1): chunk t from lanes t, t^2 is in hand, from t^1, t^3 traded
+  const fa2_u32 own = hi1 ? a1 : a0, far = hi1 ? b1 : b0;  // pairs of lanes t, t^2
+  const fa2_u32 n1 = __shfl_xor_sync(0xffffffffu, hi1 ? a0 : a1, 1);  // of lane t^1
+  const fa2_u32 n3 = __shfl_xor_sync(0xffffffffu, hi1 ? b0 : b1, 1);  // of lane t^3
+  // w[l] = lane l's pair of chunk t
+  const fa2_u32 w_t = own, w_t1 = n1, w_t2 = far, w_t3 = n3;
+  const fa2_u32 w0 = t == 0 ? w_t : t == 1 ? w_t1 : t == 2 ? w_t2 : w_t3;
+  const fa2_u32 w1 = t == 0 ? w_t1 : t == 1 ? w_t : t == 2 ? w_t3 : w_t2;
+  const fa2_u32 w2 = t == 0 ? w_t2 : t == 1 ? w_t3 : t == 2 ? w_t : w_t1;
+  const fa2_u32 w3 = t == 0 ? w_t3 : t == 1 ? w_t2 : t == 2 ? w_t1 : w_t;
+  return make_uint4(w0, w1, w2, w3);
+}
+
+// This lane's 16-byte chunk of half-row hr, column block blk, chunk group g of O times inv
+// (columns 64 blk + 8 (4 g + t) .. + 7, t = lane & 3; quad_transpose, so every lane calls it).
+template <typename DType, int D>
+__device__ __forceinline__ uint4 o_chunk(const float (&o)[D / 64][32], float inv, int hr, int blk,
+                                         int g) {
+  fa2_u32 v[4];  // v[i]: this lane's pair of chunk 4g + i
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int j = 4 * g + i;
+    v[i] = fa2::pack2<DType>(o[blk][4 * j + 2 * hr] * inv, o[blk][4 * j + 2 * hr + 1] * inv);
+  }
+  return quad_transpose(v);
+}
+
 // Store this thread's rows of O (half-row hr at row_ptr(hr), null: not a real query), times
 // inv, as 16-byte chunks: the four lanes of a quad hold 8 columns of a row in 4-byte pairs, so
 // four chunks at a time are transposed across the quad (two shfl.xor rounds) and lane t stores
@@ -682,11 +744,15 @@ __device__ __forceinline__ void store_row(DType* row, const float (&o)[D / 64][3
 #ifndef ATTNCC_FA3_STORE_V4
 #define ATTNCC_FA3_STORE_V4 1
 #endif
+// ATTNCC_FA3_BULK_STORE 1: the dense kernel stages O in shared memory and writes it with bulk
+// copies where it can (fa3_prefill's kBulkO); 0: store_rows_v4 from registers.
+#ifndef ATTNCC_FA3_BULK_STORE
+#define ATTNCC_FA3_BULK_STORE 1
+#endif
 template <typename DType, int D, typename RowPtr>
 __device__ __forceinline__ void store_rows_v4(const float (&o)[D / 64][32], const float (&inv)[2],
                                               RowPtr&& row_ptr) {
   const int t = threadIdx.x & 3;
-  const bool hi2 = t & 2, hi1 = t & 1;
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     DType* const row = row_ptr(hr);
@@ -694,31 +760,41 @@ __device__ __forceinline__ void store_rows_v4(const float (&o)[D / 64][32], cons
     for (int blk = 0; blk < D / 64; ++blk)
 #pragma unroll
       for (int g = 0; g < 2; ++g) {
-        // v[i]: this lane's pair of chunk j = 4g + i (columns 8j + 2t, +1)
-        fa2_u32 v[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int j = 4 * g + i;
-          v[i] = fa2::pack2<DType>(o[blk][4 * j + 2 * hr] * inv[hr],
-                                   o[blk][4 * j + 2 * hr + 1] * inv[hr]);
-        }
-        // round 1 (lanes t, t^2): keep the chunks with bit 1 equal to t's, trade the others
-        const fa2_u32 a0 = hi2 ? v[2] : v[0], a1 = hi2 ? v[3] : v[1];
-        const fa2_u32 b0 = __shfl_xor_sync(0xffffffffu, hi2 ? v[0] : v[2], 2);
-        const fa2_u32 b1 = __shfl_xor_sync(0xffffffffu, hi2 ? v[1] : v[3], 2);
-        // round 2 (lanes t, t^1): chunk t from lanes t, t^2 is in hand, from t^1, t^3 traded
-        const fa2_u32 own = hi1 ? a1 : a0, far = hi1 ? b1 : b0;  // pairs of lanes t, t^2
-        const fa2_u32 n1 = __shfl_xor_sync(0xffffffffu, hi1 ? a0 : a1, 1);  // of lane t^1
-        const fa2_u32 n3 = __shfl_xor_sync(0xffffffffu, hi1 ? b0 : b1, 1);  // of lane t^3
-        // w[l] = lane l's pair of chunk 4g + t
-        const fa2_u32 w_t = own, w_t1 = n1, w_t2 = far, w_t3 = n3;
-        const fa2_u32 w0 = t == 0 ? w_t : t == 1 ? w_t1 : t == 2 ? w_t2 : w_t3;
-        const fa2_u32 w1 = t == 0 ? w_t1 : t == 1 ? w_t : t == 2 ? w_t3 : w_t2;
-        const fa2_u32 w2 = t == 0 ? w_t2 : t == 1 ? w_t3 : t == 2 ? w_t : w_t1;
-        const fa2_u32 w3 = t == 0 ? w_t3 : t == 1 ? w_t2 : t == 2 ? w_t1 : w_t;
-        if (row != nullptr)
-          *reinterpret_cast<uint4*>(row + 64 * blk + 8 * (4 * g + t)) = make_uint4(w0, w1, w2, w3);
+        const uint4 c = o_chunk<DType, D>(o, inv[hr], hr, blk, g);
+        if (row != nullptr) *reinterpret_cast<uint4*>(row + 64 * blk + 8 * (4 * g + t)) = c;
       }
+  }
+}
+
+// This warp's 16 rows of O times inv, as 16-bit values into shared memory at `rows` (a
+// warpgroup's 64 rows of 2 D bytes each, unswizzled: row r at rows + 2 D r, so that one bulk
+// copy per row writes it out). A 16-byte store is served 8 lanes at a time, i.e. two rows of a
+// quad each; rows 2 D bytes apart would meet in the same banks, so odd rows store their chunk
+// groups in the other order: row a writes bytes 0-63 of a 128-byte block while row a + 1 writes
+// 64-127 -- all 32 banks, no conflict.
+template <typename DType, int D>
+__device__ __forceinline__ void stage_rows_v4(const float (&o)[D / 64][32], const float (&inv)[2],
+                                              fa2_u32 rows) {
+  const int lane = threadIdx.x & 31, t = lane & 3;
+  const int odd = (lane >> 2) & 1;
+  const int warp = (threadIdx.x >> 5) & 3;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const fa2_u32 row = rows + (16 * warp + (lane >> 2) + 8 * hr) * (2 * D);
+#pragma unroll
+    for (int blk = 0; blk < D / 64; ++blk) {
+      const uint4 c0 = o_chunk<DType, D>(o, inv[hr], hr, blk, 0);
+      const uint4 c1 = o_chunk<DType, D>(o, inv[hr], hr, blk, 1);
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int g = k ^ odd;
+        const uint4 c = g ? c1 : c0;
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                         row + 2 * (64 * blk + 8 * (4 * g + t))),
+                     "r"(c.x), "r"(c.y), "r"(c.z), "r"(c.w)
+                     : "memory");
+      }
+    }
   }
 }
 
@@ -867,6 +943,14 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   using S = Smem<D, TKV, STAGES>;
   constexpr int BLOCKS = D / 64;     // 64-column blocks per tile
   constexpr bool kSoftmax = Variant::use_softmax;
+  // The bulk-store epilogue: O staged in the K half of the item's last stage (both consumers'
+  // 128 rows fit in a 128-key K tile) and written out by bulk copies, so the consumers go on to
+  // the next item while the copy engine writes. Persistent head dims only (a one-item CTA has
+  // nothing to overlap), not with an output transform (O is staged in the Q tile then), and
+  // not in the low-pressure form (its variants spilled 8 bytes with it: document_causal D 128).
+  constexpr bool kBulkO = ATTNCC_FA3_BULK_STORE && kPersistentHeadDim<D> && TKV == 128 &&
+                          !Variant::has_output_transform && !ATTNCC_FA3_LOW_PRESSURE;
+  static_assert(!kBulkO || S::kKvTileBytes >= kTQ * 2 * D, "O does not fit in a K tile");
 
   extern __shared__ __attribute__((aligned(1024))) unsigned char attncc_fa3_smem_raw[];
   // the 128-byte swizzle works on absolute address bits: align the tiles to 1024 bytes
@@ -954,8 +1038,15 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   const Turns turns{wg - 1};
   DType* out = reinterpret_cast<DType*>(p.o);
   int tile = 0;
+  // O rows 16-byte aligned: stored 16 bytes a lane, or through shared memory (kBulkO); a
+  // function of the parameters, so nothing holds it in a register through the tile loop
+  auto o_v4 = [&] {
+    return !Variant::has_output_transform &&
+           v4_aligned(p.o, p.o_stride_s | p.o_stride_h | p.o_stride_b);
+  };
+  HeldStage held;  // kBulkO: the stage holding this warp's rows of the last item's O
   // the CTA's k-th item `it` (its Q has landed), its K/V tiles from ring tile `tile` on
-  auto run_item = [&](const DenseItem& it) {
+  auto run_item = [&](const DenseItem& it, int k) {
     const fa2::TileList tiles = item_tiles<TKV>(p, it);
     const int b = it.b, hq = it.hq, q0 = it.q0;
     float o[BLOCKS][32];
@@ -1003,9 +1094,12 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     auto last_s_done = [&] { q_release.last_s_done(); };
     if (tiles.count > 0) {
       consume_tiles<DType, D, TKV, rebuild_q<Variant>()>(tiles.count, tile, sq_w, ring, turns, o,
-                                                        logits_softmax, landed, last_s_done);
+                                                        logits_softmax, landed, last_s_done,
+                                                        kBulkO ? &held : nullptr,
+                                                        kBulkO && o_v4());
     } else {
       last_s_done();  // nothing reads it (the block mask left this query block no keys)
+      if constexpr (kBulkO) held.settle(ring);
     }
     tile += tiles.count;
 
@@ -1022,13 +1116,43 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
         return row_at(r, h, qi) ? out_row(qi) : nullptr;
       });
     }
-    const bool v4 = !Variant::has_output_transform &&
-                    v4_aligned(p.o, p.o_stride_s | p.o_stride_h | p.o_stride_b);
-    if (v4)
+    const bool v4 = o_v4();
+    if (kBulkO && v4 && tiles.count > 0) {
+      // The last tile's K half takes this warpgroup's 64 rows once both consumers' last S
+      // GEMMs completed (q_empty's phase of item k; the other warpgroup's last P V reads V
+      // only). Each warp writes its 16 rows, fences them for the async proxy and issues one
+      // bulk copy per real row; the stage stays held until those copies have read it
+      // (HeldStage::settle, during the next item's first S GEMM).
+      tma::mbar_wait(q_empty, k & 1);
+      const fa2_u32 rows = ring.k_of(tile - 1) + (wg - 1) * 64 * 2 * D;
+      const int row0 = q0 + 64 * (wg - 1);  // the warpgroup's first query
+      stage_rows_v4<DType, D>(o, inv, rows);
+      wg::fence_proxy_async();
+      if (p.o_stride_s == D) {
+        // the warpgroup's rows are one contiguous range of O: one copy (a bulk request per
+        // row ran 1-2 % slower than storing from registers), once all four warps wrote theirs
+        warpgroup_sync(wg - 1);
+        const int n_rows = min(64, q_len - row0);
+        if (warp == 0 && lane == 0 && n_rows > 0) {
+          tma::bulk_store(out_row(row0), rows, n_rows * 2 * D);
+          tma::bulk_commit();
+        }
+        held.owe = warp == 0 ? 4 : 0;
+      } else {
+        __syncwarp();
+        if (lane < 16) {
+          const int r = 16 * warp + lane;
+          if (row0 + r < q_len) tma::bulk_store(out_row(row0 + r), rows + r * 2 * D, 2 * D);
+          tma::bulk_commit();
+        }
+        held.owe = 1;
+      }
+    } else if (v4) {
       store_rows_v4<DType, D>(o, inv, [&](int hr) -> DType* {
         const int qi = r_lo + 8 * hr;
         return qi < q_len ? out_row(qi) : nullptr;
       });
+    }
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int qi = r_lo + 8 * hr;
@@ -1052,8 +1176,12 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     // D = 128's low-pressure form spill-free); it stays below the wait, whose asm clobbers memory
     const DenseItem it = *reinterpret_cast<const DenseItem*>(smem + S::kItem);
     if (it.b < 0) break;
-    run_item(it);
+    run_item(it, k);
     if (!kPersistentHeadDim<D>) break;  // one item per CTA: the grid has num_items CTAs
+  }
+  if constexpr (kBulkO) {  // the last item's copies: read (the stage) and written (the CTA ends)
+    held.settle(ring);
+    tma::bulk_wait_all<0>();
   }
 }
 

@@ -36,6 +36,11 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// Arrive `count` times at once (for warps whose arrival another thread makes after it waited).
+__device__ __forceinline__ void mbar_arrive_n(u32 bar, u32 count) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count)
+               : "memory");
+}
 // Block until the phase with parity `parity` has completed.
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
   u32 done;
@@ -68,6 +73,30 @@ __device__ __forceinline__ void load_3d(u32 dst, const void* tmap, u32 bar, int 
       " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
       "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
+}
+
+// Bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from shared memory to
+// global memory, in this thread's current bulk async-group: the copy engine reads the shared
+// memory and writes global memory while the thread goes on. The writing threads must have run
+// fence.proxy.async before (the engine is the async proxy) and be ordered before the issuing
+// thread (a barrier). commit closes the group; wait_read<N> blocks until at most N of this
+// thread's groups still read shared memory (the source may then be overwritten), wait_all<N>
+// until at most N are still writing global memory.
+__device__ __forceinline__ void bulk_store(void* dst, u32 src, u32 bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 }  // namespace tma
