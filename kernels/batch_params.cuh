@@ -14,11 +14,28 @@
 //             request's first token, page_size = 2^30, kv_stride_page = kv_stride_slot.
 //   partial_o / partial_lse   workspace: slot s holds TQ rows of fp32 O [TQ, D] and LSE [TQ].
 //   merge_count               workspace: one arrival counter per split item (zeroed once).
-//   plan      the packed plan (attncc.runtime.scheduler): units, per-CTA queues, merge map.
+//   plan      the packed plan (attncc.runtime.plan_format, PLAN_VERSION 5): its int32 header,
+//             cta_indptr right after it, then the sections whose sizes vary from plan to plan
+//             (units, per-CTA queues, merge map) back to back at word offsets the header holds
+//             -- so a plan is one contiguous range, one host-to-device copy. plan_section()
+//             finds a section.
 #ifndef ATTNCC_BATCH_PARAMS_CUH
 #define ATTNCC_BATCH_PARAMS_CUH
 
 namespace attncc {
+
+// Words of the plan header (attncc.codegen.layout.PLAN_HEADER_FIELDS) the kernels read; every
+// generated batch translation unit static_asserts them against Python (PLAN_HEADER_CONSTANTS).
+constexpr int kPlanHeaderWords = 24;    // the header's size: cta_indptr follows it
+constexpr int kPlanNumMerges = 5;       // split items: the merge kernel's bound
+// The word offsets (from the plan's start) of the sections whose sizes vary:
+constexpr int kPlanUnitsAt = 14;        // units [num_units][8]: WORK_UNIT_DTYPE
+constexpr int kPlanCtaUnitsAt = 15;     // cta_units [num_units]: the CTAs' queues of units
+constexpr int kPlanMergeIndptrAt = 16;  // merge_indptr [num_merges + 1]: split item m's parts
+                                        // are partial slots merge_indptr[m] .. [m + 1]
+                                        // (ascending kv start)
+constexpr int kPlanSlotMergeAt = 17;    // slot_merge [num_partial_slots]: each slot's item
+constexpr int kPlanMergeOutAt = 18;     // merge_out [num_merges][5]: MERGE_TARGET_DTYPE
 
 struct BatchParams {
     const void* q;
@@ -32,14 +49,8 @@ struct BatchParams {
     const int* kv_page_indptr;   // [batch + 1]
     const int* kv_page_indices;  // page ids
     const int* kv_lens;          // [batch]
-    const int* units;            // [num_units][8]: WORK_UNIT_DTYPE of attncc.runtime.scheduler
-    const int* cta_indptr;       // [num_ctas + 1]: CTA c runs cta_units[cta_indptr[c] ..]
-    const int* cta_units;
-    const int* merge_indptr;     // [num_merges + 1]: split item m's parts are partial slots
-                                 // merge_indptr[m] .. merge_indptr[m + 1] (ascending kv start)
-    const int* slot_merge;       // [num_partial_slots]: each slot's split item
-    const int* merge_out;        // [num_merges][5]: MERGE_TARGET_DTYPE
-    const int* num_merges;       // device-side count (the plan header), so a captured graph
+    const int* plan;             // the packed plan in the workspace: read on the device (its
+                                 // counts and section offsets too), so a captured graph
                                  // replays with any plan
     const int* q_positions;      // [total_q_tokens] query positions the hooks see, or null:
                                  // then token t of request i is kv_lens[i] - q_len_i + t
@@ -58,6 +69,19 @@ struct BatchParams {
     int page_shift;              // log2(page_size) when it is a power of two, else -1
     float sm_scale;
 };
+
+// Section `at` (one of the kPlan*At words) of the packed plan. Its offset is loaded at each use
+// (one L1-cached load) rather than kept in a pointer: the FA3 batch kernel's producer warp runs
+// on 24 registers, and BatchParams' members, kernel parameters, cost it none.
+__device__ __forceinline__ const int* plan_section(const BatchParams& p, int at) {
+  return p.plan + __ldg(p.plan + at);
+}
+
+// cta_indptr [max_ctas + 1] (past num_ctas padded with num_units): CTA c runs the units
+// cta_units[cta_indptr[c] .. cta_indptr[c + 1]). At a fixed offset: no load.
+__device__ __forceinline__ const int* plan_cta_indptr(const BatchParams& p) {
+  return p.plan + kPlanHeaderWords;
+}
 
 }  // namespace attncc
 

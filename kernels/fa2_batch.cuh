@@ -5,12 +5,12 @@
 // fa2_attend.cuh, and before the generated Variant_<name> functors' entry point
 // (ATTNCC_FA2_BATCH_ENTRY at the bottom).
 //
-// The plan (attncc.runtime.scheduler.plan) is made on the host and copied to fixed offsets of the
-// workspace with a few asynchronous copies (the words in use). The attention kernel's grid is
-// fixed (k x #SMs): CTA c runs the work units cta_units[cta_indptr[c] .. cta_indptr[c+1]) one
-// after another. A unit is (request, KV heads kv_head .. kv_head + kv_heads - 1, a tile of up to
-// TQ fused query rows, a KV range); its heads run one after another, each as a one-head unit
-// would (only write-through units of one-tile requests cover several heads: decode rows).
+// The plan (attncc.runtime.scheduler.plan) is made on the host and copied to the workspace in one
+// asynchronous copy (its sections sit back to back: batch_params.cuh). The attention kernel's
+// grid is fixed (k x #SMs): CTA c runs the work units cta_units[cta_indptr[c] .. cta_indptr[c+1])
+// one after another. A unit is (request, KV heads kv_head .. kv_head + kv_heads - 1, a tile of
+// up to TQ fused query rows, a KV range); its heads run one after another, each as a one-head
+// unit would (only write-through units of one-tile requests cover several heads: decode rows).
 // A unit that covers its rows' whole KV range writes the output directly; the units of a split
 // range write fp32 partial states to the workspace, and the CTA that writes a small item's last
 // part, or else the merge kernel, combines them -- in the plan's fixed order, so the same lengths
@@ -39,6 +39,11 @@ __device__ __forceinline__ WorkUnit load_unit(const int* units, int u) {
   const int4 a = __ldg(reinterpret_cast<const int4*>(units) + 2 * u);
   const int4 c = __ldg(reinterpret_cast<const int4*>(units) + 2 * u + 1);
   return WorkUnit{a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+}
+
+// The unit at position i of the CTA queues: units[cta_units[i]] (plan_section: no pointer kept).
+__device__ __forceinline__ WorkUnit queued_unit(const attncc::BatchParams& p, int i) {
+  return load_unit(plan_section(p, kPlanUnitsAt), __ldg(plan_section(p, kPlanCtaUnitsAt) + i));
 }
 
 __device__ __forceinline__ int unit_qo_offset(const attncc::BatchParams& p,
@@ -328,14 +333,15 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
   __shared__ int row_end[NTH];      // rows of items[0 .. t], inclusive prefix sum
   __shared__ int warp_rows[WARPS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int num_merges = __ldg(p.num_merges);
+  const int num_merges = __ldg(p.plan + kPlanNumMerges);
 #pragma unroll 1
   for (int base = blockIdx.x; base < num_merges; base += gridDim.x * NTH) {
     const int m = base + threadIdx.x * gridDim.x;
     int rows = 0;
     if (m < num_merges) {
-      const int s0 = __ldg(p.merge_indptr + m), s1 = __ldg(p.merge_indptr + m + 1);
-      const int* t = p.merge_out + 5 * m;
+      const int* merge_indptr = plan_section(p, kPlanMergeIndptrAt);
+      const int s0 = __ldg(merge_indptr + m), s1 = __ldg(merge_indptr + m + 1);
+      const int* t = plan_section(p, kPlanMergeOutAt) + 5 * m;
       const int q_rows = __ldg(t + 4);
       if (!merged_in_place<HEAD_DIM, NT>(q_rows, s1 - s0)) {
         items[threadIdx.x] = MergeItem{__ldg(t), __ldg(t + 1), __ldg(t + 2), __ldg(t + 3),
@@ -403,8 +409,9 @@ __device__ __forceinline__ void merge_if_last(const attncc::BatchParams& p,
   constexpr float kLn2 = 0.6931471805599453f;
   constexpr bool kSoftmax = Variant::use_softmax;
   __shared__ bool merging;  // this CTA wrote the item's last part
-  const int m = __ldg(p.slot_merge + u.slot);
-  const int s0 = __ldg(p.merge_indptr + m), s1 = __ldg(p.merge_indptr + m + 1);
+  const int m = __ldg(plan_section(p, kPlanSlotMergeAt) + u.slot);
+  const int* merge_indptr = plan_section(p, kPlanMergeIndptrAt);
+  const int s0 = __ldg(merge_indptr + m), s1 = __ldg(merge_indptr + m + 1);
   if (!merged_in_place<D, NT>(u.q_rows, s1 - s0)) return;  // the merge kernel's (CTA-uniform)
   __threadfence();
   __syncthreads();
@@ -491,11 +498,11 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
   static_assert(4 * (TQ * HEAD_DIM + TQ) <= Cfg::kSmemBytes,
                 "a merged tile (fp32 rows and LSEs) fits in the kernel's shared memory");
   extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa2_smem[];
-  const int first = __ldg(p.cta_indptr + blockIdx.x);
-  const int last = __ldg(p.cta_indptr + blockIdx.x + 1);
+  const int first = __ldg(plan_cta_indptr(p) + blockIdx.x);
+  const int last = __ldg(plan_cta_indptr(p) + blockIdx.x + 1);
 #pragma unroll 1
   for (int i = first; i < last; ++i) {
-    const WorkUnit u = load_unit(p.units, __ldg(p.cta_units + i));
+    const WorkUnit u = queued_unit(p, i);
     const int qo_offset = unit_qo_offset(p, u);
 #pragma unroll 1
     for (int h = u.kv_head; h < u.kv_head + u.kv_heads; ++h) {

@@ -88,8 +88,8 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
 
   const int tid = threadIdx.x, lane = tid & 31;
   const int wg = tid >> 7, warp = (tid >> 5) & 3;
-  const int first = __ldg(p.cta_indptr + blockIdx.x);
-  const int last = __ldg(p.cta_indptr + blockIdx.x + 1);
+  const int first = __ldg(plan_cta_indptr(p) + blockIdx.x);
+  const int last = __ldg(plan_cta_indptr(p) + blockIdx.x + 1);
   const int gf = p.num_q_heads / p.num_kv_heads;
 
   init_barriers<STAGES>(full_bar, empty_bar, q_full, q_empty);
@@ -109,7 +109,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     int tile = 0;  // tiles issued by this CTA so far: stage tile % STAGES, phase tile / STAGES
 #pragma unroll 1
     for (int ui = first; ui < last; ++ui) {
-      const fa2::WorkUnit u = fa2::load_unit(p.units, __ldg(p.cta_units + ui));
+      const fa2::WorkUnit u = fa2::queued_unit(p, ui);
       const int qo_offset = fa2::unit_qo_offset(p, u);
       // Q: the 128 fused rows, as two boxes of 64 rows (one per consumer) per column block
       if (ui > first) tma::mbar_wait(q_empty, (ui - first - 1) & 1);
@@ -167,7 +167,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
   int tile = 0;
 #pragma unroll 1
   for (int ui = first; ui < last; ++ui) {
-    const fa2::WorkUnit u = fa2::load_unit(p.units, __ldg(p.cta_units + ui));
+    const fa2::WorkUnit u = fa2::queued_unit(p, ui);
     const int qo_offset = fa2::unit_qo_offset(p, u);
     const int q_pos0 = fa2::request_q_pos0(p, u.request);
     const int kv_pos0 = p.kv_pos_offset != nullptr ? __ldg(p.kv_pos_offset + u.request) : 0;

@@ -6,8 +6,9 @@
   plan (`attncc.runtime.scheduler.plan`: work units of (request, KV head, query tile, KV chunk)
   assigned longest-first to a fixed grid of CTAs, plus the merge map of split KV ranges), packs
   it with the batch's page tables into a pinned host buffer (two halves that plans take in
-  turn) and copies the words in use to fixed offsets of the workspace with a few asynchronous
-  copies.
+  turn) and copies the words in use to the workspace: the plan (one range, its sections back
+  to back) and the page tables (at fixed offsets after the plan's room), one or two
+  asynchronous copies.
 - `run(q, kv_cache)` launches the persistent FA2 (or FA3) kernel over the plan and the merge
   kernel (kernels/fa2_batch.cuh; the FA2 kernel merges small split items itself: the CTA that
   writes an item's last part). Every pointer and both grid sizes are fixed by the workspace, so
@@ -420,7 +421,8 @@ class BatchAttention:
         `planner.BatchPlanner.plan`: it checks the arrays, computes the plan straight into the
         pinned staging buffer, writes the page tables after it and lists the used words; other
         plans check first and stage after choosing their tiles (`BatchPlanner.plan_and_stage`).
-        On CUDA then a few async copies of the used words and an event record (`_upload`).
+        On CUDA then one or two async copies of the used words and an event record
+        (`_upload`).
         bench/plan_time.py measures it (`--phases`: step by step). Without a C compiler the
         same words come from numpy (`scheduler.plan_into` and `_stage`).
         """
@@ -770,12 +772,13 @@ class BatchAttention:
     def _upload(self, used: int, ranges: list[tuple[int, int]] | None = None) -> None:
         """Copy the current plan's staged words to the workspace (CUDA), allocating the
         workspace at the first plan. Only the words this plan uses (`used`: one past the last):
-        the plan's sections sit at fixed offsets sized for the instance's maxima (a captured
-        graph's kernels read them there), and copying the whole region -- 1.5 MB at Hkv 32 and
-        batch 256 -- would cost ~60 us of copy on the stream before every run. `ranges` (the
-        compiled planner's list) or else `used_ranges` lists the used words (neighbouring
-        sections joined: a few copies per plan), each range one async copy on the current
-        stream, then the half's event is recorded for `_staging_for`."""
+        the plan's room and the page tables' are sized for the instance's maxima (so the tables
+        sit at fixed offsets, where a captured graph's kernels read them), and copying the whole
+        region -- 1.5 MB at Hkv 32 and batch 256 -- would cost ~60 us of copy on the stream
+        before every run. `ranges` (the compiled planner's list) or else `used_ranges` lists the
+        used words: the plan, one range, and the tables, joined when close -- one or two
+        copies, each an async copy on the current stream (~3 us of host time each); then the
+        half's event is recorded for `_staging_for`."""
         ws, lay = self._workspace_for(used), self.layout
         assert lay is not None
         if ranges is None:
@@ -857,7 +860,6 @@ class BatchAttention:
         # scheduler.workspace_bytes' layout: every slot's fp32 O first, then the LSEs
         rows = lay.max_partial_slots * lay.tile_q
         lse_off = 4 * words + _round256(rows * D * 4)
-        sec = lay.offsets
         bp = {
             "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": out.data_ptr(),
             "lse": lse.data_ptr() if lse is not None else 0,
@@ -866,12 +868,8 @@ class BatchAttention:
             "kv_page_indices": base + 4 * o["pages"], "kv_lens": base + 4 * o["kv_lens"],
             "q_positions": base + 4 * o["q_pos"] if self._has_q_pos else 0,
             "kv_pos_offset": base + 4 * o["kv_pos"] if self._has_kv_pos else 0,
-            "units": base + 4 * sec["units"], "cta_indptr": base + 4 * sec["cta_indptr"],
-            "cta_units": base + 4 * sec["cta_units"], "merge_indptr": base + 4 * sec["merge_indptr"],
-            "slot_merge": base + 4 * sec["slot_merge"], "merge_out": base + 4 * sec["merge_out"],
+            "plan": base + 4 * lay.offsets["header"],  # the kernels find the sections in it
             "merge_count": base + 4 * o["merge_count"],
-            "num_merges": base + 4 * (sec["header"]
-                                      + scheduler.HEADER_FIELDS.index("num_merges")),
             "q_stride_tok": q.stride(0), "q_stride_h": q.stride(1),
             "o_stride_tok": out.stride(0), "o_stride_h": out.stride(1),
             "kv_stride_page": strides[0], "kv_stride_slot": strides[1], "kv_stride_h": strides[2],
@@ -976,7 +974,7 @@ def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndar
         >>> qo, kv = np.array([0, 40]), np.array([40])
         >>> scheduler.plan_into(buf, lay, qo, kv, 1, 1, 16, 2, kv_chunk_align=16, min_kv_chunk=16)
         >>> clip_causal_units(buf, lay, qo, kv, 1, 0)
-        >>> u = buf[lay.offsets["units"]:][:8 * 3].reshape(3, 8)
+        >>> u = lay.unpack(buf)["units"].view(np.int32).reshape(3, 8)
         >>> u[:, [3, 4, 5, 6]].tolist()   # q rows [start, +rows) -> keys [start, end)
         [[0, 16, 0, 16], [16, 16, 0, 32], [32, 8, 0, 40]]
     """
@@ -1022,7 +1020,8 @@ UPLOAD_GAP = 16384
 """`used_ranges`' default: int32 words (64 KB) of unused room that one copy may carry between two
 used ranges rather than issuing another copy. Each cuMemcpyHtoDAsync costs the host a few
 microseconds and the copy engine a fixed start-up; 64 KB of extra copy costs the engine about as
-much (~2-3 us over PCIe) and the host nothing. At batch 256 this leaves 2-4 copies per plan."""
+much (~2-3 us over PCIe) and the host nothing. A plan is one range (PLAN_VERSION 5) and its
+page tables another: one copy when the plan fills its room to within 64 KB, else two."""
 
 
 def coalesce_ranges(ranges: Iterable[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
@@ -1049,36 +1048,33 @@ def coalesce_ranges(ranges: Iterable[tuple[int, int]], gap: int) -> list[tuple[i
 
 def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end: int,
                 gap: int = UPLOAD_GAP) -> list[tuple[int, int]]:
-    """The word ranges of a staged plan that hold data: each section of the packed plan up to
-    its used length (from the header's counts), then the page tables `[tables, end)`, joined
-    by `coalesce_ranges` where less than `gap` words apart.
+    """The word ranges of a staged plan that hold data: the packed plan, one range
+    `[0, layout.used_words(header))` (its sections sit back to back), then the page tables
+    `[tables, end)`, joined by `coalesce_ranges` when less than `gap` words apart.
 
-    Copying the unused words in a gap is harmless: the kernels (kernels/fa2_batch.cuh,
-    fa3_batch.cuh and the merge) read only used words. The attention grid is
-    layout.max_ctas CTAs, which is the plan's num_ctas (BatchAttention sizes the layout by it),
-    and CTA c reads cta_indptr[c], [c + 1], then cta_units in [0, num_units) and the units
-    those name (a split unit's slot_merge[slot] and that item's merge_indptr pair); the merge
-    kernel's CTAs read merge_out[m], merge_indptr[m], [m + 1] for m < num_merges (the header)
-    only; the page tables are read per planned request (tests/test_batch.py,
-    test_used_ranges_carry_everything_the_kernels_read, fills the gaps with garbage).
+    The words in the plan's range that no section uses (padding to 16 bytes, cta_indptr's room
+    past num_ctas + 1, which Plan.pack fills) and those in a gap are copied too, harmlessly:
+    the kernels (kernels/fa2_batch.cuh, fa3_batch.cuh and the merge) read only used words. They
+    read the header's section offsets and counts; the attention grid is layout.max_ctas CTAs,
+    which is the plan's num_ctas (BatchAttention sizes the layout by it), and CTA c reads
+    cta_indptr[c], [c + 1], then cta_units in [0, num_units) and the units those name (a split
+    unit's slot_merge[slot] and that item's merge_indptr pair); the merge kernel's CTAs read
+    merge_out[m], merge_indptr[m], [m + 1] for m < num_merges only; the page tables are read
+    per planned request (tests/test_batch.py, test_used_ranges_carry_everything_the_kernels_read,
+    fills the rest with garbage).
 
     Example:
         >>> from attncc.runtime import scheduler
         >>> lay = scheduler.PlanLayout(4, 64, 2, 1, 1, 16)
         >>> buf = np.zeros(lay.size, np.int32)
         >>> scheduler.plan_into(buf, lay, np.array([0, 40]), np.array([40]), 1, 1, 16, 2)
-        >>> used_ranges(buf, lay, lay.size, lay.size + 10, gap=0)[:4]  # header .. 3 units
-        [(0, 16), (16, 19), (20, 21), (24, 48)]
-        >>> len(used_ranges(buf, lay, lay.size, lay.size + 10))        # one copy
+        >>> used_ranges(buf, lay, lay.size, lay.size + 10, gap=0)  # the plan (3 units), tables
+        [(0, 60), (116, 126)]
+        >>> len(used_ranges(buf, lay, lay.size, lay.size + 10))    # one copy
         1
     """
-    off = layout.offsets
-    h0 = off["header"]
-    header = dict(zip(scheduler.HEADER_FIELDS,
-                      buf[h0:h0 + len(scheduler.HEADER_FIELDS)].tolist()))
-    spans = [(off[k], off[k] + w) for k, w in layout.used_words(header).items()]
-    spans.append((tables, end))
-    return coalesce_ranges(spans, gap)
+    header = dict(zip(scheduler.HEADER_FIELDS, buf[:len(scheduler.HEADER_FIELDS)].tolist()))
+    return coalesce_ranges([(0, layout.used_words(header)), (tables, end)], gap)
 
 
 def _pad4(n: int) -> int:

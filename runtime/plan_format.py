@@ -1,14 +1,21 @@
 """The packed plan format shared by the host scheduler (runtime/scheduler.py, runtime/planner.c)
 and the GPU kernels (kernels/batch_params.cuh, kernels/fa2_batch.cuh): the work-unit and
-merge-target records, the int32 header, `PlanLayout` (fixed section offsets from the user's
-maxima, so a CUDA graph can be captured once) and `workspace_bytes`, plus the argument checks
-both the planner and the layout use. `attncc.runtime.scheduler` re-exports the public names.
+merge-target records, the int32 header, `PlanLayout` (the plan's room from the user's maxima,
+so a CUDA graph can be captured once), `packed_offsets` (where a plan's sections sit in that
+room) and `workspace_bytes`, plus the argument checks both the planner and the layout use.
+`attncc.runtime.scheduler` re-exports the public names.
+
+A packed plan is one contiguous run of used words, ``[0, end)``: the header and ``cta_indptr``
+at fixed offsets, then the sections whose sizes vary from plan to plan (`DYNAMIC_SECTIONS`)
+back to back, their word offsets in the header, where the kernels read them. So plan() uploads
+a plan with one copy, whatever its counts (with sections at fixed offsets sized for the maxima,
+a decode plan with split items was five copies of ~3 us of host time each).
 
 Example:
     >>> layout = PlanLayout(max_batch=4, max_qo_tokens=64, max_ctas=2, num_qo_heads=2,
     ...                     num_kv_heads=2, tile_q=16)
-    >>> layout.size % _ALIGN, HEADER_FIELDS[:2]
-    (0, ('magic', 'version'))
+    >>> layout.size % _ALIGN, HEADER_FIELDS[:2], len(HEADER_FIELDS)
+    (0, ('magic', 'version'), 24)
 """
 from __future__ import annotations
 
@@ -18,11 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from attncc.codegen.layout import PLAN_DYNAMIC_SECTIONS as DYNAMIC_SECTIONS
+from attncc.codegen.layout import PLAN_HEADER_FIELDS as HEADER_FIELDS
+
 if TYPE_CHECKING:
     from .scheduler import Plan
 
 __all__ = ["TILE_Q_CHOICES", "WRITE_THROUGH", "WORK_UNIT_DTYPE", "MERGE_TARGET_DTYPE",
-           "HEADER_FIELDS", "PLAN_MAGIC", "PLAN_VERSION", "PlanLayout", "workspace_bytes"]
+           "HEADER_FIELDS", "DYNAMIC_SECTIONS", "PLAN_MAGIC", "PLAN_VERSION", "PlanLayout",
+           "packed_offsets", "workspace_bytes"]
 
 TILE_Q_CHOICES = (16, 32, 64, 128)
 """Allowed query-tile heights (fused rows per CTA tile)."""
@@ -56,15 +67,10 @@ MERGE_TARGET_DTYPE = np.dtype([
 """Where the merged result of one split work item goes (fused rows, as in `WORK_UNIT_DTYPE`; a
 split item is one KV head)."""
 
-HEADER_FIELDS = (
-    "magic", "version", "batch_size", "num_units", "num_ctas", "num_merges",
-    "num_partial_slots", "kv_chunk", "tile_q", "group_size", "num_qo_heads", "num_kv_heads",
-    "total_qo_tokens", "layout_size", "reserved0", "reserved1",
-)
-"""The int32 header at offset 0 of a packed plan, in this order."""
-
 PLAN_MAGIC = 0x4E4C5041  # b"APLN" little endian
-PLAN_VERSION = 4  # 4: small sections first; 3: units carry kv_heads (was qo_offset); 2: slot_merge after merge_indptr
+PLAN_VERSION = 5
+# 5: one used range (section offsets in the header); 4: small sections first; 3: units carry
+# kv_heads (was qo_offset); 2: slot_merge after merge_indptr
 _ALIGN = 4  # every packed section starts at a multiple of 4 int32 (16 bytes)
 _INT32_MAX = 2**31 - 1
 
@@ -134,9 +140,41 @@ def _ceil_div(a: Any, b: Any) -> Any:
 
 # --------------------------------------------------------------------------- packed layout
 
+def _pad(words: int) -> int:
+    """`words` rounded up to a whole number of 16-byte groups."""
+    return _ceil_div(words, _ALIGN) * _ALIGN
+
+
+def _section_words(num_units: int, num_merges: int, num_slots: int) -> tuple[int, ...]:
+    """Words of each of `DYNAMIC_SECTIONS` for these counts, in that order."""
+    n, m = num_units, num_merges
+    return (n * len(WORK_UNIT_DTYPE.names), n, m + 1, num_slots,
+            m * len(MERGE_TARGET_DTYPE.names))
+
+
+def packed_offsets(start: int, num_units: int, num_merges: int, num_slots: int
+                   ) -> dict[str, int]:
+    """Word offsets of the `DYNAMIC_SECTIONS` of a plan with these counts, packed back to back
+    from ``start`` (`PlanLayout.dynamic_at`), each at a multiple of 4 words (16 bytes: the
+    kernels load units as int4), and ``"end"``: one past the plan's last used word. They depend
+    on the counts alone; planner.c's ``packed_offsets`` computes the same words.
+
+    Example:
+        >>> at = packed_offsets(32, num_units=3, num_merges=1, num_slots=2)
+        >>> [at[s] for s in DYNAMIC_SECTIONS], at["end"]     # units: 24 words, cta_units: 3 + 1
+        ([32, 56, 60, 64, 68], 73)
+    """
+    out, pos = {}, start
+    for name, words in zip(DYNAMIC_SECTIONS, _section_words(num_units, num_merges, num_slots)):
+        out[name] = pos
+        pos += _pad(words)
+    out["end"] = out["merge_out"] + num_merges * len(MERGE_TARGET_DTYPE.names)
+    return out
+
+
 @dataclass(frozen=True)
 class PlanLayout:
-    """Fixed offsets of a packed plan, derived from user maxima (hashable: key a graph cache by it).
+    """The room of a packed plan, derived from user maxima (hashable: key a graph cache by it).
 
     ``max_batch``: requests; ``max_qo_tokens``: total query tokens of a batch; ``max_ctas``: grid
     size; ``num_qo_heads`` / ``num_kv_heads`` / ``tile_q`` must equal the plan's. Derived bounds
@@ -148,18 +186,19 @@ class PlanLayout:
     - ``max_merges = min(max_items, H*P - 1)``
     - ``max_partial_slots = min(2*H*P - 2, max_items + H*P - 1)``
 
-    Sections (int32, each at a multiple of 4), in memory order: ``header`` (`HEADER_FIELDS`),
-    ``cta_indptr`` (``max_ctas + 1``), ``merge_indptr`` (``max_merges + 1``), ``units``
-    (``max_units * 8``, `WORK_UNIT_DTYPE` rows), ``cta_units`` (``max_units``), ``slot_merge``
-    (``max_partial_slots``), ``merge_out`` (``max_merges * 5``, `MERGE_TARGET_DTYPE` rows).
+    Memory (int32 words): the fixed part, ``offsets`` -- ``header`` (`HEADER_FIELDS`) at 0,
+    ``cta_indptr`` (``max_ctas + 1``) after it -- then, from ``dynamic_at``, a plan's
+    `DYNAMIC_SECTIONS` back to back at the offsets its header holds (`packed_offsets` of its
+    counts). ``size`` is the room of the largest plan (every section at its maximum), so what
+    follows the plan in the workspace (BatchAttention's page tables) sits at fixed offsets.
 
     Example:
         >>> layout = PlanLayout(max_batch=256, max_qo_tokens=8192, max_ctas=264,
         ...                     num_qo_heads=32, num_kv_heads=8, tile_q=64)
         >>> layout.max_units, layout.max_partial_slots, layout.size
-        (8223, 4222, 91184)
-        >>> layout.offsets["cta_indptr"], layout.offsets["units"]
-        (16, 2396)
+        (8223, 4222, 91192)
+        >>> layout.offsets, layout.dynamic_at
+        ({'header': 0, 'cta_indptr': 24}, 292)
     """
 
     max_batch: int
@@ -173,6 +212,7 @@ class PlanLayout:
     max_merges: int = field(init=False)
     max_partial_slots: int = field(init=False)
     offsets: dict = field(init=False, compare=False, hash=False)
+    dynamic_at: int = field(init=False)
     size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -190,26 +230,15 @@ class PlanLayout:
             "max_merges": max(0, min(items, hp - 1)),
             "max_partial_slots": max(0, min(2 * hp - 2, items + hp - 1)),
         }
-        # In memory order: the small sections first, then the large ones, whose used prefixes
-        # are what plan() uploads -- one copy per range of used words (batch.used_ranges joins
-        # ranges less than 64 KB apart), so header .. units is one copy whatever the counts
-        # (at batch 256 x Hkv 32 a decode plan went from 4 copies to 3 on this order).
-        sizes = {
-            "header": len(HEADER_FIELDS),
-            "cta_indptr": p + 1,
-            "merge_indptr": derived["max_merges"] + 1,
-            "units": derived["max_units"] * len(WORK_UNIT_DTYPE.names),
-            "cta_units": derived["max_units"],
-            "slot_merge": derived["max_partial_slots"],
-            "merge_out": derived["max_merges"] * len(MERGE_TARGET_DTYPE.names),
-        }
-        offsets, pos = {}, 0
-        for name, n in sizes.items():
-            offsets[name] = pos
-            pos += _ceil_div(n, _ALIGN) * _ALIGN
-        if pos > _INT32_MAX:
-            raise ValueError(f"the packed plan would need {pos} int32: lower the maxima")
-        for k, v in {**derived, "offsets": offsets, "size": pos}.items():
+        offsets = {"header": 0, "cta_indptr": len(HEADER_FIELDS)}
+        dynamic_at = offsets["cta_indptr"] + _pad(p + 1)
+        room = packed_offsets(dynamic_at, derived["max_units"], derived["max_merges"],
+                              derived["max_partial_slots"])
+        size = _pad(room["end"])
+        if size > _INT32_MAX:
+            raise ValueError(f"the packed plan would need {size} int32: lower the maxima")
+        for k, v in {**derived, "offsets": offsets, "dynamic_at": dynamic_at,
+                     "size": size}.items():
             object.__setattr__(self, k, v)
 
     def check(self, p: Plan) -> None:
@@ -238,23 +267,33 @@ class PlanLayout:
                 raise ValueError(f"plan has {what} {value} > PlanLayout.{limit} = "
                                  f"{getattr(self, limit)}")
 
-    def used_words(self, header: dict[str, int]) -> dict[str, int]:
-        """Words each section of a packed plan with these header counts uses (the rest of its
-        room, sized for the maxima, holds nothing).
+    def dynamic_offsets(self, header: dict[str, int]) -> dict[str, int]:
+        """`packed_offsets` of a plan in this layout with these header counts (``num_units``,
+        ``num_merges``, ``num_partial_slots``).
 
         Example:
-            >>> h = dict(num_units=3, num_ctas=2, num_merges=1, num_partial_slots=2)
-            >>> PlanLayout(4, 64, 2, 1, 1, 16).used_words(h)["units"]
-            24
+            >>> h = dict(num_units=3, num_merges=1, num_partial_slots=2)
+            >>> PlanLayout(4, 64, 2, 1, 1, 16).dynamic_offsets(h)["cta_units"]
+            52
         """
-        n, m = header["num_units"], header["num_merges"]
-        return {"header": len(HEADER_FIELDS), "units": n * len(WORK_UNIT_DTYPE.names),
-                "cta_indptr": header["num_ctas"] + 1, "cta_units": n, "merge_indptr": m + 1,
-                "slot_merge": header["num_partial_slots"],
-                "merge_out": m * len(MERGE_TARGET_DTYPE.names)}
+        return packed_offsets(self.dynamic_at, header["num_units"], header["num_merges"],
+                              header["num_partial_slots"])
+
+    def used_words(self, header: dict[str, int]) -> int:
+        """One past the last word of a packed plan with these header counts: the plan is the
+        words ``[0, used_words)``, one range (the room after it, up to ``size``, holds
+        nothing).
+
+        Example:
+            >>> h = dict(num_units=3, num_merges=1, num_partial_slots=2)
+            >>> PlanLayout(4, 64, 2, 1, 1, 16).used_words(h)
+            69
+        """
+        return self.dynamic_offsets(header)["end"]
 
     def unpack(self, buf: np.ndarray) -> dict[str, Any]:
-        """Read a packed plan back: header fields as ints, sections as views trimmed to use.
+        """Read a packed plan back: header fields as ints, sections as views trimmed to use
+        (each dynamic one at the offset its header gives, checked against its counts).
 
         Example:
             >>> layout = PlanLayout(4, 64, 4, 2, 2, 16)
@@ -262,6 +301,8 @@ class PlanLayout:
             >>> d = layout.unpack(plan([0, 2], [300], 2, 2, 16, 4).pack(layout))
             >>> d["kv_chunk"], d["cta_indptr"].tolist(), d["units"]["kv_end"].tolist()
             (160, [0, 1, 2, 3, 4], [160, 300, 160, 300])
+            >>> d["units_at"], d["merge_out_at"]
+            (32, 76)
         """
         buf = np.asarray(buf)
         if buf.dtype != np.int32 or buf.ndim != 1 or buf.size < self.size:
@@ -269,9 +310,14 @@ class PlanLayout:
         out: dict[str, Any] = {k: int(v) for k, v in zip(HEADER_FIELDS, buf[:len(HEADER_FIELDS)])}
         if out["magic"] != PLAN_MAGIC or out["version"] != PLAN_VERSION:
             raise ValueError("buf does not hold a packed plan (bad magic or version)")
-        used = self.used_words(out)
-        for name in list(used)[1:]:  # the sections after the header, as views of `buf`
-            out[name] = buf[self.offsets[name]: self.offsets[name] + used[name]]
+        at = self.dynamic_offsets(out)
+        if at["end"] > self.size or any(out[f"{s}_at"] != at[s] for s in DYNAMIC_SECTIONS):
+            raise ValueError("buf's section offsets do not match its counts and this layout")
+        o = self.offsets["cta_indptr"]
+        out["cta_indptr"] = buf[o: o + out["num_ctas"] + 1]
+        words = _section_words(out["num_units"], out["num_merges"], out["num_partial_slots"])
+        for name, n in zip(DYNAMIC_SECTIONS, words):  # views of `buf`
+            out[name] = buf[out[f"{name}_at"]: out[f"{name}_at"] + n]
         out["units"] = out["units"].view(WORK_UNIT_DTYPE)
         out["merge_out"] = out["merge_out"].view(MERGE_TARGET_DTYPE)
         return out

@@ -57,10 +57,10 @@ typedef struct {
   i64 num_qo_heads, num_kv_heads, tile_q, num_ctas, align, floor_;
   i64 head_span; /* nonzero: units of one-tile, unsplit requests may cover several KV heads */
   double alpha, beta;
-  /* in: the PlanLayout (maxima, int32 size, section offsets) and the header's constants */
+  /* in: the PlanLayout (maxima, int32 size, the fixed offsets: cta_indptr and where the
+   * sections packed back to back start) and the header's constants */
   i64 max_batch, max_qo_tokens, max_ctas, max_units, max_merges, max_slots, layout_size;
-  i64 off_header, off_units, off_cta_indptr, off_cta_units, off_merge_indptr, off_slot_merge,
-      off_merge_out;
+  i64 off_cta_indptr, off_dynamic;
   i64 magic, version;
   /* out */
   i64 chunk, num_units, num_merges, num_slots, scratch_bytes;
@@ -560,11 +560,31 @@ static void queues(const requests* rq, const i64* g_count, const group* groups, 
     pos = enqueue_group(groups[r].id, g_count[groups[r].id], rq, assign, pos, fill, cta_units);
 }
 
+/* The packed plan's header: HEADER_WORDS int32 at word 0 (plan_format.HEADER_FIELDS), then
+ * cta_indptr at a->off_cta_indptr; the word offsets of the sections whose sizes vary (units,
+ * cta_units, merge_indptr, slot_merge, merge_out: plan_format.DYNAMIC_SECTIONS) are its words
+ * AT_UNITS .. AT_UNITS + 4. (Tests compare the packed words with Plan.pack's one by one.) */
+enum { HEADER_WORDS = 24, AT_UNITS = 14, NUM_AT = 5 };
+
+/* Where a plan with n units, m merges and `slots` partial slots puts its sections
+ * (plan_format.packed_offsets): at[0 .. 5) the DYNAMIC_SECTIONS back to back from start, each
+ * at a multiple of 4 words, and at[5] one past the last used word (the plan is [0, at[5])). */
+static void packed_offsets(i64 start, i64 n, i64 m, i64 slots, i64 at[NUM_AT + 1]) {
+  const i64 words[NUM_AT] = {8 * n, n, m + 1, slots, 5 * m};
+  i64 pos = start;
+  for (int k = 0; k < NUM_AT; ++k) {
+    at[k] = pos;
+    pos += (words[k] + 3) / 4 * 4;
+  }
+  at[NUM_AT] = at[NUM_AT - 1] + words[NUM_AT - 1];
+}
+
 /* The plan of a->batch, packed into buf as Plan.pack(layout, out=buf) writes it: the header,
- * then the used prefix of each section (cta_indptr padded to the layout's maximum with its last
- * value). Returns 0; 1 when the plan exceeds a layout maximum (its sizes are in a->chunk,
- * num_units, num_merges, num_slots), 2 when scratch is smaller than a->scratch_bytes (call
- * again with that much). Nothing is written to buf unless it returns 0. */
+ * cta_indptr (padded to the layout's maximum with its last value), then the sections back to
+ * back from a->off_dynamic (packed_offsets, their offsets in the header). Returns 0; 1 when
+ * the plan exceeds a layout maximum (its sizes are in a->chunk, num_units, num_merges,
+ * num_slots), 2 when scratch is smaller than a->scratch_bytes (call again with that much).
+ * Nothing is written to buf unless it returns 0. */
 int attncc_plan_pack(plan_args* a, i32* buf, void* scratch, i64 scratch_bytes) {
   const i64 batch = a->batch, P = a->num_ctas, hk = a->num_kv_heads;
   const i64 g = a->num_qo_heads / hk;
@@ -594,18 +614,19 @@ int attncc_plan_pack(plan_args* a, i32* buf, void* scratch, i64 scratch_bytes) {
   if (a->scratch_bytes > scratch_bytes) return 2;
   ctas s = {.P = P, .buf = keys, .fresh = fresh, .count = count};
 
-  i32* hdr = buf + a->off_header;
-  const i32 header[16] = {(i32)a->magic, (i32)a->version, (i32)batch, (i32)n, (i32)P, (i32)m,
-                          (i32)slots, (i32)a->chunk, (i32)a->tile_q, (i32)g,
-                          (i32)a->num_qo_heads, (i32)hk, (i32)a->qo[batch],
-                          (i32)a->layout_size, 0, 0}; /* scheduler.HEADER_FIELDS order */
-  memcpy(hdr, header, sizeof header);
-  write_units(a, g, &rq, buf + a->off_units, buf + a->off_merge_indptr,
-              buf + a->off_slot_merge, buf + a->off_merge_out);
+  i64 at[NUM_AT + 1];
+  packed_offsets(a->off_dynamic, n, m, slots, at);
+  i32 header[HEADER_WORDS] = {(i32)a->magic, (i32)a->version, (i32)batch, (i32)n, (i32)P,
+                              (i32)m, (i32)slots, (i32)a->chunk, (i32)a->tile_q, (i32)g,
+                              (i32)a->num_qo_heads, (i32)hk, (i32)a->qo[batch],
+                              (i32)a->layout_size}; /* plan_format.HEADER_FIELDS order */
+  for (int k = 0; k < NUM_AT; ++k) header[AT_UNITS + k] = (i32)at[k];
+  memcpy(buf, header, sizeof header);
+  write_units(a, g, &rq, buf + at[0], buf + at[2], buf + at[3], buf + at[4]);
   const i64 ng = group_ticks(a, g, &rq, g_count, groups);
   schedule(g_count, groups, ng, tmp, assign, &s);
   i32* cta_indptr = buf + a->off_cta_indptr;
-  queues(&rq, g_count, groups, ng, assign, &s, fill, cta_indptr, buf + a->off_cta_units);
+  queues(&rq, g_count, groups, ng, assign, &s, fill, cta_indptr, buf + at[1]);
   for (i64 c = P + 1; c <= a->max_ctas; ++c) cta_indptr[c] = (i32)n;
   return 0;
 }
@@ -772,41 +793,27 @@ typedef struct {
   i64 gap;        /* in: used ranges less than this many words apart are joined */
   i64 end;        /* out: one past the last used word (the last page id) */
   i64 num_ranges; /* out: ranges[2r] .. ranges[2r + 1], r < num_ranges, ascending */
-  i64 ranges[16];
+  i64 ranges[4];  /* (the plan and the tables: two at most) */
 } table_offsets;
 
-/* The used words of a staged plan as batch.used_ranges lists them: each section of the packed
- * plan up to its used length (the header's counts), then the tables [qo_indptr, end); sorted,
- * the empty ones dropped and those less than o->gap words apart joined (coalesce_ranges). */
+/* The used words of a staged plan as batch.used_ranges lists them: the packed plan [0, its
+ * end), then the tables [qo_indptr, end) unless empty, joined to the plan when they start less
+ * than o->gap words after its end (coalesce_ranges; the same ranges for any qo_indptr >= 0). */
 static void used_ranges(const plan_args* a, table_offsets* o) {
-  const i64 n = a->num_units, m = a->num_merges;
-  i64 span[8][2] = {{a->off_header, 16},          {a->off_units, 8 * n},
-                    {a->off_cta_indptr, a->num_ctas + 1}, {a->off_cta_units, n},
-                    {a->off_merge_indptr, m + 1}, {a->off_slot_merge, a->num_slots},
-                    {a->off_merge_out, 5 * m},    {o->qo_indptr, 0}};
-  for (int k = 0; k < 7; ++k) span[k][1] += span[k][0]; /* (offset, words) -> [start, end) */
-  span[7][1] = o->end;
-  for (int k = 1; k < 8; ++k) /* sorted by (start, end), as Python sorts the tuples */
-    for (int j = k; j > 0 && (span[j][0] < span[j - 1][0] ||
-                              (span[j][0] == span[j - 1][0] && span[j][1] < span[j - 1][1]));
-         --j) {
-      const i64 s0 = span[j][0], s1 = span[j][1];
-      span[j][0] = span[j - 1][0], span[j][1] = span[j - 1][1];
-      span[j - 1][0] = s0, span[j - 1][1] = s1;
-    }
-  i64 r = 0;
-  for (int k = 0; k < 8; ++k) {
-    const i64 start = span[k][0], end = span[k][1];
-    if (end <= start) continue;
-    if (r > 0 && start - o->ranges[2 * r - 1] < o->gap) {
-      if (end > o->ranges[2 * r - 1]) o->ranges[2 * r - 1] = end;
-    } else {
-      o->ranges[2 * r] = start;
-      o->ranges[2 * r + 1] = end;
-      ++r;
-    }
+  i64 at[NUM_AT + 1];
+  packed_offsets(a->off_dynamic, a->num_units, a->num_merges, a->num_slots, at);
+  const i64 plan_end = at[NUM_AT];
+  o->ranges[0] = 0;
+  o->ranges[1] = plan_end;
+  o->num_ranges = 1;
+  if (o->end <= o->qo_indptr) return;
+  if (o->qo_indptr - plan_end < o->gap) {
+    o->ranges[1] = max64(plan_end, o->end);
+  } else {
+    o->ranges[2] = o->qo_indptr;
+    o->ranges[3] = o->end;
+    o->num_ranges = 2;
   }
-  o->num_ranges = r;
 }
 
 /* Whether the tables of batch b fit in the staging buffer at o's offsets. */

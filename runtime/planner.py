@@ -49,6 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .plan_format import HEADER_FIELDS, _pad, packed_offsets
+
 if TYPE_CHECKING:
     from .scheduler import PlanLayout
 
@@ -59,8 +61,6 @@ _SRC = Path(__file__).with_name("planner.c")
 _LOCK = threading.Lock()
 _LIB: Any = None  # None: not tried yet; False: unavailable
 _I64, _F64, _PTR = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
-_SECTIONS = ("header", "units", "cta_indptr", "cta_units", "merge_indptr", "slot_merge",
-             "merge_out")  # PlanLayout.offsets, in plan_args order
 # -O3: its vectoriser (the page-id scans) and unrolling, 5-15% of a plan on the dev VM.
 # -ffp-contract=off: the costs' `a * b + c` must round as numpy's separate multiply and add do
 # (ticks are compared bit for bit); GCC fuses them into FMAs by default where the target has
@@ -78,7 +78,7 @@ class _PlanArgs(ctypes.Structure):
                 + [("alpha", _F64), ("beta", _F64)]
                 + [(f, _I64) for f in ("max_batch", "max_qo_tokens", "max_ctas", "max_units",
                                        "max_merges", "max_slots", "layout_size")]
-                + [("off_" + s, _I64) for s in _SECTIONS]
+                + [("off_cta_indptr", _I64), ("off_dynamic", _I64)]
                 + [(f, _I64) for f in ("magic", "version", "chunk", "num_units", "num_merges",
                                        "num_slots", "scratch_bytes")])
 
@@ -98,7 +98,7 @@ class _Tables(ctypes.Structure):
     """planner.c's table_offsets."""
 
     _fields_ = [(f, _I64) for f in ("qo_indptr", "kv_page_indptr", "kv_lens", "pages", "size",
-                                    "gap", "end", "num_ranges")] + [("ranges", _I64 * 16)]
+                                    "gap", "end", "num_ranges")] + [("ranges", _I64 * 4)]
 
 
 def _cache_dir() -> Path:
@@ -229,8 +229,8 @@ def _layout_args(layout: PlanLayout) -> _PlanArgs:
                          max_merges=layout.max_merges, max_slots=layout.max_partial_slots,
                          layout_size=layout.size, magic=PLAN_MAGIC, version=PLAN_VERSION,
                          num_qo_heads=layout.num_qo_heads, num_kv_heads=layout.num_kv_heads,
-                         tile_q=layout.tile_q,
-                         **{"off_" + s: layout.offsets[s] for s in _SECTIONS})
+                         tile_q=layout.tile_q, off_cta_indptr=layout.offsets["cta_indptr"],
+                         off_dynamic=layout.dynamic_at)
         if len(_SCRATCH.plan_args) >= 64:  # bounded: a grid per batch (balance=False) varies
             _SCRATCH.plan_args.clear()
         _SCRATCH.plan_args[layout] = args
@@ -290,21 +290,20 @@ def compiled_plan(qo: np.ndarray, kv: np.ndarray, *, g: int, hk: int, tile_q: in
                      floor=floor, alpha=alpha, beta=beta, head_span=int(head_span))
     _run_pack(args, 0)  # every maximum 0: returns 1 with the plan's sizes
     chunk, n, m, slots = args.chunk, args.num_units, args.num_merges, args.num_slots
-    # a layout with exactly these sizes, sections back to back
-    lengths = (16, 8 * n, num_ctas + 1, n, m + 1, slots, 5 * m)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-    buf = np.empty(offsets[-1], dtype=np.int32)
+    # a layout with exactly these maxima: the plan fills it
+    args.off_cta_indptr = len(HEADER_FIELDS)
+    args.off_dynamic = args.off_cta_indptr + _pad(num_ctas + 1)
+    at = packed_offsets(args.off_dynamic, n, m, slots)
+    buf = np.empty(at["end"], dtype=np.int32)
     args.max_batch, args.max_qo_tokens, args.max_ctas = kv.size, int(qo[-1]), num_ctas
-    args.max_units, args.max_merges, args.max_slots, args.layout_size = n, m, slots, offsets[-1]
-    for s, o in zip(_SECTIONS, offsets):
-        setattr(args, "off_" + s, o)
+    args.max_units, args.max_merges, args.max_slots, args.layout_size = n, m, slots, at["end"]
     code = _run_pack(args, _addr(buf))
     assert code == 0, code
-    sec = {s: buf[offsets[i]:offsets[i + 1]] for i, s in enumerate(_SECTIONS)}
-    return {"chunk": chunk, "units": sec["units"].reshape(n, 8),
-            "cta_indptr": sec["cta_indptr"], "cta_units": sec["cta_units"],
-            "merge_indptr": sec["merge_indptr"], "merge_out": sec["merge_out"].reshape(m, 5),
-            "num_slots": slots}
+    return {"chunk": chunk, "units": buf[at["units"]:][:8 * n].reshape(n, 8),
+            "cta_indptr": buf[args.off_cta_indptr:][:num_ctas + 1],
+            "cta_units": buf[at["cta_units"]:][:n],
+            "merge_indptr": buf[at["merge_indptr"]:][:m + 1],
+            "merge_out": buf[at["merge_out"]:][:5 * m].reshape(m, 5), "num_slots": slots}
 
 
 STAGED, TOO_BIG, NO_ROOM, RETILE, INVALID = 0, 1, 3, 4, 5

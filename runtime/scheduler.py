@@ -129,10 +129,11 @@ import numpy as np
 
 from . import planner
 from .lpt import _lpt_sorted, _queues, _small_int, cost_ticks, lpt_schedule, lpt_schedule_reference
-from .plan_format import (_INT32_MAX, HEADER_FIELDS, MERGE_TARGET_DTYPE, PLAN_MAGIC, PLAN_VERSION,
-                          TILE_Q_CHOICES, WORK_UNIT_DTYPE, WRITE_THROUGH, PlanLayout, _as_indptr,
-                          _as_int_array, _ceil_div, _check_coef, _check_heads, _check_int,
-                          _check_tile_q, workspace_bytes)
+from .plan_format import (_INT32_MAX, DYNAMIC_SECTIONS, HEADER_FIELDS, MERGE_TARGET_DTYPE,
+                          PLAN_MAGIC, PLAN_VERSION, TILE_Q_CHOICES, WORK_UNIT_DTYPE, WRITE_THROUGH,
+                          PlanLayout, _as_indptr, _as_int_array, _ceil_div, _check_coef,
+                          _check_heads, _check_int, _check_tile_q, packed_offsets,
+                          workspace_bytes)
 
 __all__ = [
     "TILE_Q_CHOICES", "WRITE_THROUGH", "WORK_UNIT_DTYPE", "MERGE_TARGET_DTYPE", "HEADER_FIELDS",
@@ -311,15 +312,17 @@ class Plan:
         return (self.alpha * u["q_rows"] + self.beta * kv_len) * u["kv_heads"]
 
     def pack(self, layout: "PlanLayout", out: np.ndarray | None = None) -> np.ndarray:
-        """Flatten the plan into one int32 buffer laid out by ``layout`` (fixed offsets).
+        """Flatten the plan into one int32 buffer laid out by ``layout``: the header and
+        ``cta_indptr`` at the layout's fixed offsets, then the sections back to back from
+        ``layout.dynamic_at`` (`packed_offsets` of the plan's counts, written into the header).
 
         Returns a new zero-filled ``int32 [layout.size]`` array, or writes into ``out`` (e.g. a
-        numpy view of a pinned host tensor) and returns it; then only the header and the used
-        prefix of each section are written. ``cta_indptr`` is padded to ``layout.max_ctas + 1``
-        with its last value, so a grid of ``layout.max_ctas`` CTAs sees empty queues past
-        ``num_ctas``; ``merge_indptr`` is not padded (the kernels read it only below the
-        header's ``num_merges``, and only that prefix is uploaded). Raises ValueError naming the
-        `PlanLayout` maximum the plan exceeds.
+        numpy view of a pinned host tensor) and returns it; then only the header and the
+        sections are written (not the padding between them, nor the room after the plan).
+        ``cta_indptr`` is padded to ``layout.max_ctas + 1`` with its last value, so a grid of
+        ``layout.max_ctas`` CTAs sees empty queues past ``num_ctas``; ``merge_indptr`` is not
+        padded (the kernels read it only below the header's ``num_merges``). Raises ValueError
+        naming the `PlanLayout` maximum the plan exceeds.
 
         Example:
             >>> layout = PlanLayout(max_batch=4, max_qo_tokens=64, max_ctas=8, num_qo_heads=4,
@@ -338,25 +341,25 @@ class Plan:
             if out.size < layout.size:
                 raise ValueError(f"out has {out.size} int32, the layout needs {layout.size}")
             buf = out
+        n = self.num_units
+        at = packed_offsets(layout.dynamic_at, n, self.num_merges, self.num_partial_slots)
         values = dict(magic=PLAN_MAGIC, version=PLAN_VERSION, batch_size=self.batch_size,
-                      num_units=self.num_units, num_ctas=self.num_ctas,
+                      num_units=n, num_ctas=self.num_ctas,
                       num_merges=self.num_merges, num_partial_slots=self.num_partial_slots,
                       kv_chunk=self.kv_chunk, tile_q=self.tile_q, group_size=self.group_size,
                       num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
-                      total_qo_tokens=int(self.qo_indptr[-1]), layout_size=layout.size)
+                      total_qo_tokens=int(self.qo_indptr[-1]), layout_size=layout.size,
+                      **{f"{s}_at": at[s] for s in DYNAMIC_SECTIONS})
         buf[:len(HEADER_FIELDS)] = [values.get(name, 0) for name in HEADER_FIELDS]
-        off = layout.offsets
-        n = self.num_units
-        buf[off["units"]: off["units"] + n * 8] = self.units.view(np.int32).reshape(-1)
-        o = off["cta_indptr"]
+        o = layout.offsets["cta_indptr"]
         buf[o: o + self.num_ctas + 1] = self.cta_indptr
         buf[o + self.num_ctas + 1: o + layout.max_ctas + 1] = n
-        buf[off["cta_units"]: off["cta_units"] + n] = self.cta_units
-        o = off["merge_indptr"]
-        buf[o: o + self.num_merges + 1] = self.merge_indptr
-        buf[off["slot_merge"]: off["slot_merge"] + self.num_partial_slots] = self.slot_merge
-        m = self.num_merges * len(MERGE_TARGET_DTYPE.names)
-        buf[off["merge_out"]: off["merge_out"] + m] = self.merge_out.view(np.int32).reshape(-1)
+        for name in DYNAMIC_SECTIONS:
+            words = getattr(self, name)
+            if words.dtype.names:  # units, merge_out: their int32 fields in order
+                words = words.view(np.int32)
+            words = words.reshape(-1)
+            buf[at[name]: at[name] + words.size] = words
         return buf
 
 

@@ -672,9 +672,52 @@ def test_used_ranges_carry_everything_the_kernels_read(lq: list[int], kv: list[i
     assert sum(w1 - w0 for w0, w1 in ranges) < end  # less than the whole region
     assert want["merge_indptr"][-1] == want["num_partial_slots"]
     assert want["num_ctas"] == ba.layout.max_ctas  # the grid: every CTA's bounds are used words
+    # every word the kernels read lies in the plan's one range: the header, then the sections
+    plan_end = ba.layout.used_words(want)
+    assert ranges == [(0, plan_end), (o["qo_indptr"], end)]
+    for key, val in want.items():
+        if not isinstance(val, int) and val.size:
+            first = (val.__array_interface__["data"][0] - buf.ctypes.data) // 4
+            assert 0 <= first and first + val.nbytes // 4 <= plan_end, key
     joined = used_ranges(buf, ba.layout, o["qo_indptr"], end)
-    assert len(joined) <= 4 and all(any(j0 <= w0 and w1 <= j1 for j0, j1 in joined)
+    assert len(joined) <= 2 and all(any(j0 <= w0 and w1 <= j1 for j0, j1 in joined)
                                     for w0, w1 in ranges)
+
+
+def test_decode_plan_with_merges_is_one_range() -> None:
+    """A decode plan at batch 256 with 32 KV heads and split items (bench/plan_time.py's cell
+    that missed 50 us with five copies) is one used range, sections back to back from the
+    layout's fixed part, plus one range of page tables: plan() uploads it in at most two copies
+    (one when the plan fills its room to within UPLOAD_GAP), and the compiled planner lists the
+    same ranges."""
+    import sys
+    from pathlib import Path
+
+    from attncc.runtime import planner
+    from attncc.runtime.batch import UPLOAD_GAP, used_ranges
+    from attncc.runtime.plan_format import DYNAMIC_SECTIONS, packed_offsets
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from decode import make_batch
+
+    b = make_batch(256, 32, "skewed")
+    ba = BatchAttention(None, kv_layout="NHD", max_batch=256, max_qo_tokens=256, device="cpu")
+    args = (b["qo_indptr"], b["kv_indptr"], b["kv_indices"], b["kv_last_page_len"])
+    for _ in range(2):  # the second: one C call with the first plan's tiles
+        ba.plan(*args, **b["kw"])
+    assert ba.layout is not None
+    p, o = ba.layout.unpack(ba._staging_np), ba._offsets
+    assert p["num_merges"] > 0 and p["num_kv_heads"] == 32
+    at = packed_offsets(ba.layout.dynamic_at, p["num_units"], p["num_merges"],
+                        p["num_partial_slots"])
+    assert [p[f"{s}_at"] for s in DYNAMIC_SECTIONS] == [at[s] for s in DYNAMIC_SECTIONS]
+    end = o["pages"] + int(np.asarray(b["kv_indptr"])[-1])
+    ranges = used_ranges(ba._staging_np, ba.layout, o["qo_indptr"], end, gap=0)
+    assert ranges == [(0, at["end"]), (o["qo_indptr"], end)]
+    joined = used_ranges(ba._staging_np, ba.layout, o["qo_indptr"], end)
+    assert joined == ([(0, end)] if o["qo_indptr"] - at["end"] < UPLOAD_GAP else ranges)
+    if planner.available():
+        assert ba._planner.used_ranges() == (joined, end)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "ragged"])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from attncc.runtime.merge import merge_states
+from attncc.runtime.plan_format import DYNAMIC_SECTIONS
 from attncc.runtime.scheduler import (
     HEADER_FIELDS, MERGE_TARGET_DTYPE, WORK_UNIT_DTYPE, WRITE_THROUGH, Plan, PlanLayout,
     cost_ticks, kv_chunk_size, lpt_schedule, lpt_schedule_reference, paged_kv_lens, plan,
@@ -425,7 +426,9 @@ def test_determinism_bitwise() -> None:
         assert a.dtype == b.dtype == np.int32 and a.tobytes() == b.tobytes()
 
 
-def test_pack_roundtrip_and_fixed_offsets() -> None:
+def test_pack_roundtrip_and_offsets() -> None:
+    """Plan.pack's header, cta_indptr at the layout's fixed offsets and the sections back to
+    back after them at the offsets the header holds (one used range), read back by unpack."""
     layout = PlanLayout(max_batch=16, max_qo_tokens=512, max_ctas=24, num_qo_heads=8,
                         num_kv_heads=2, tile_q=32)
     rng = np.random.default_rng(4)
@@ -448,7 +451,15 @@ def test_pack_roundtrip_and_fixed_offsets() -> None:
         assert np.array_equal(d["merge_out"], p.merge_out)
         # a grid of max_ctas CTAs: the ones past num_ctas find empty queues
         o = layout.offsets["cta_indptr"]
+        assert o == len(HEADER_FIELDS)
         assert np.all(buf[o + num_ctas:o + layout.max_ctas + 1] == p.num_units)
+        # the sections back to back from dynamic_at, each 16-byte aligned, as the header says
+        at = [header[f"{s}_at"] for s in DYNAMIC_SECTIONS]
+        ends = [a + d[s].nbytes // 4 for a, s in zip(at, DYNAMIC_SECTIONS)]
+        assert at[0] == layout.dynamic_at == o + -(-(layout.max_ctas + 1) // 4) * 4
+        assert all(a % 4 == 0 and 0 <= a - e < 4 for a, e in zip(at[1:], ends))
+        assert ends[-1] == layout.used_words(header) <= layout.size
+        assert not buf[layout.used_words(header):].any()  # the room after the plan: untouched
         # into a caller's (e.g. pinned) buffer
         pinned = torch.zeros(layout.size + 8, dtype=torch.int32)
         out = p.pack(layout, out=pinned.numpy())
@@ -483,6 +494,29 @@ def test_pack_out_validation() -> None:
         p.pack(layout, out=np.zeros(layout.size, dtype=np.int64))
     with pytest.raises(ValueError, match="bad magic"):
         layout.unpack(np.zeros(layout.size, dtype=np.int32))
+    buf = p.pack(layout)
+    buf[HEADER_FIELDS.index("merge_out_at")] += 4  # not where the counts put it
+    with pytest.raises(ValueError, match="section offsets do not match"):
+        layout.unpack(buf)
+
+
+def test_kernels_read_the_header_words_python_writes() -> None:
+    """kernels/batch_params.cuh's header constants are codegen.layout.PLAN_HEADER_CONSTANTS
+    (every batch translation unit static_asserts them too, but only NVRTC sees those), and
+    planner.c's header size is the same."""
+    import re
+    from pathlib import Path
+
+    from attncc.codegen.layout import PLAN_HEADER_CONSTANTS
+
+    root = Path(__file__).resolve().parent.parent
+    cuh = (root / "kernels" / "batch_params.cuh").read_text()
+    assert dict(re.findall(r"constexpr int (kPlan\w+) = (\d+);", cuh)) == {
+        k: str(v) for k, v in PLAN_HEADER_CONSTANTS}
+    enum = re.search(r"enum \{ HEADER_WORDS = (\d+), AT_UNITS = (\d+)",
+                     (root / "runtime" / "planner.c").read_text())
+    assert enum and (int(enum[1]), int(enum[2])) == (len(HEADER_FIELDS),
+                                                     HEADER_FIELDS.index("units_at"))
 
 
 # --------------------------------------------------------------------------- workspace bound

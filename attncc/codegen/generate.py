@@ -34,7 +34,7 @@ from .errors import CodegenError
 from .hooks import EMITTERS, HookCode
 from .fa2 import FA2_HEAD_DIMS, FA3_TKV_CHOICES, Fa2Tiles, default_tiles, fa3_smem_bytes, fa3_tiles
 from .layout import (ATTENTION_PARAMS, BATCH_PARAMS, PREPASS_PARAMS, StructLayout,
-                     c_identifier, variant_params_layout)
+                     c_identifier, plan_header_static_asserts, variant_params_layout)
 
 __all__ = ["KernelSpec", "KERNELS", "DTYPES", "VariantCode", "GeneratedKernel",
            "generate_variant", "generate_source", "render"]
@@ -390,7 +390,8 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
     shipped: Sequence[tuple[str, str]] = [(f, read_template(f).rstrip("\n") + "\n")
                                          for f in (*COMMON_TEMPLATES, *spec.files)]
     asserts = (ATTENTION_PARAMS.static_asserts() + vc.params_layout.static_asserts()
-               + (first_arg.static_asserts() if first_arg is not ATTENTION_PARAMS else []))
+               + (first_arg.static_asserts() if first_arg is not ATTENTION_PARAMS else [])
+               + (plan_header_static_asserts() if spec.batch else []))
     source = render("translation_unit.cu.j2", version=_version(), v=vc, spec=spec,
                     head_dim=head_dim, dtype=dtype, dtype_ctype=DTYPES[dtype][0],
                     kernel_name=name, shipped=shipped, variant_text=vc.text, asserts=asserts,

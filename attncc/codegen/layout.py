@@ -200,9 +200,7 @@ _BATCH_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("q", "const void*"), ("k", "const void*"), ("v", "const void*"), ("o", "void*"),
     ("lse", "float*"), ("partial_o", "float*"), ("partial_lse", "float*"),
     *((n, "const int*") for n in ("qo_indptr", "kv_page_indptr", "kv_page_indices", "kv_lens",
-                                   "units", "cta_indptr", "cta_units", "merge_indptr",
-                                   "slot_merge", "merge_out", "num_merges", "q_positions",
-                                   "kv_pos_offset")),
+                                   "plan", "q_positions", "kv_pos_offset")),
     ("merge_count", "int*"), ("tma", "const void*"),
     *((n, "attncc::i64") for n in ("q_stride_tok", "q_stride_h", "o_stride_tok", "o_stride_h",
                                    "kv_stride_page", "kv_stride_slot", "kv_stride_h")),
@@ -211,6 +209,47 @@ _BATCH_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
 )
 
 BATCH_PARAMS: StructLayout = struct_layout("attncc::BatchParams", _BATCH_PARAMS_MEMBERS)
+
+# The packed plan's int32 header as the batch kernels read it (kernels/batch_params.cuh; the
+# scheduler's side is attncc.runtime.plan_format, which takes these from here).
+PLAN_DYNAMIC_SECTIONS = ("units", "cta_units", "merge_indptr", "slot_merge", "merge_out")
+"""The plan sections whose sizes vary from plan to plan, in memory order: ``units`` (``8 n``
+words, WORK_UNIT_DTYPE rows), ``cta_units`` (``n``), ``merge_indptr`` (``m + 1``),
+``slot_merge`` (``num_partial_slots``), ``merge_out`` (``5 m``, MERGE_TARGET_DTYPE rows); ``n``
+units, ``m`` merges."""
+
+PLAN_HEADER_FIELDS = (
+    "magic", "version", "batch_size", "num_units", "num_ctas", "num_merges",
+    "num_partial_slots", "kv_chunk", "tile_q", "group_size", "num_qo_heads", "num_kv_heads",
+    "total_qo_tokens", "layout_size", *(f"{s}_at" for s in PLAN_DYNAMIC_SECTIONS),
+    "reserved0", "reserved1", "reserved2", "reserved3", "reserved4",
+)
+"""The int32 header at offset 0 of a packed plan, in this order (a multiple of 4 words, so
+``cta_indptr`` after it starts 16-byte aligned). ``<section>_at`` is the word offset of that
+section (plan_format.packed_offsets); ``layout_size`` is the PlanLayout's."""
+
+PLAN_HEADER_CONSTANTS = (
+    ("kPlanHeaderWords", len(PLAN_HEADER_FIELDS)),
+    ("kPlanNumMerges", PLAN_HEADER_FIELDS.index("num_merges")),
+    *((f"kPlan{s.title().replace('_', '')}At", PLAN_HEADER_FIELDS.index(f"{s}_at"))
+      for s in PLAN_DYNAMIC_SECTIONS),
+)
+"""The header's size and the word indices the kernels read, by their names in
+kernels/batch_params.cuh (`plan_header_static_asserts` pins them in every batch kernel)."""
+
+
+def plan_header_static_asserts() -> list[str]:
+    """C++ static_asserts pinning kernels/batch_params.cuh's plan header constants to
+    `PLAN_HEADER_CONSTANTS` (every batch translation unit carries them, as it carries
+    BatchParams' layout).
+
+    Example:
+        >>> plan_header_static_asserts()[1]
+        'static_assert(attncc::kPlanNumMerges == 5, "Python plan header: kPlanNumMerges");'
+    """
+    return [f'static_assert(attncc::{name} == {value}, "Python plan header: {name}");'
+            for name, value in PLAN_HEADER_CONSTANTS]
+
 
 # Mirrors kernels/prepass.cuh's PrepassParams (the q/k/v transform pre-pass's argument): the
 # tensors read and the transformed copies written, [batch, heads, len, head_dim] each with
