@@ -1014,7 +1014,8 @@ def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndar
 L2_SECTION_BYTES = 24 << 20
 """K/V bytes of the (request, KV head) pairs a causal prefill plan's CTAs work on at a time
 (`clip_causal_units`' sections; 24 MiB of the H100 / H200's 50 MB L2, as the dense FA3 kernel's
-ATTNCC_FA3_L2_SECTION_BYTES), for K and V of q_data_type's element size."""
+ATTNCC_FA3_L2_SECTION_BYTES, which tests/test_batch.py pins to this value), for K and V of
+q_data_type's element size."""
 
 UPLOAD_GAP = 16384
 """`used_ranges`' default: int32 words (64 KB) of unused room that one copy may carry between two

@@ -522,6 +522,20 @@ def test_coalesce_ranges() -> None:
         assert all(covered[s0] and covered[s1 - 1] for s0, s1 in got)   # no stray ends
 
 
+def test_l2_section_budget_is_the_dense_fa3_kernels() -> None:
+    """Causal batch plans run heads in L2 sections of batch.L2_SECTION_BYTES; the dense FA3
+    kernel orders its items by the same budget (its ATTNCC_FA3_L2_SECTION_BYTES default). The
+    two are spelled in two languages: this pins them to one value."""
+    from pathlib import Path
+
+    from attncc.runtime.batch import L2_SECTION_BYTES
+
+    src = (Path(__file__).resolve().parent.parent / "kernels" / "fa3_prefill.cuh").read_text()
+    m = re.search(r"#define ATTNCC_FA3_L2_SECTION_BYTES \((\d+) << (\d+)\)", src)
+    assert m is not None, "fa3_prefill.cuh no longer spells its L2 section default as (a << b)"
+    assert int(m[1]) << int(m[2]) == L2_SECTION_BYTES
+
+
 def test_lazy_plan_is_the_packed_plan() -> None:
     """`ba._plan` (computed on first use) packs to the words plan() staged."""
     ba = _ba()
