@@ -767,9 +767,10 @@ __device__ __forceinline__ void store_rows_v4(const float (&o)[D / 64][32], cons
 }
 
 // This warp's 16 rows of O times inv, as 16-bit values into shared memory at `rows` (a
-// warpgroup's 64 rows of 2 D bytes each, unswizzled: row r at rows + 2 D r, so that one bulk
-// copy per row writes it out). A 16-byte store is served 8 lanes at a time, i.e. two rows of a
-// quad each; rows 2 D bytes apart would meet in the same banks, so odd rows store their chunk
+// warpgroup's 64 rows of 2 D bytes each, unswizzled: row r at rows + 2 D r, so that the rows
+// are O's bytes as global memory holds them and a bulk copy -- of all 64 rows, or of one --
+// writes them out as they are). A 16-byte store is served 8 lanes at a time, i.e. two quads,
+// two rows; rows 2 D bytes apart would meet in the same banks, so odd rows store their chunk
 // groups in the other order: row a writes bytes 0-63 of a 128-byte block while row a + 1 writes
 // 64-127 -- all 32 banks, no conflict.
 template <typename DType, int D>
