@@ -532,8 +532,9 @@ struct Ring {
   __device__ __forceinline__ void wait_full(int t) const {
     tma::mbar_wait(full + 8 * (t % stages), (t / stages) & 1);
   }
+  __device__ __forceinline__ fa2_u32 empty_of(int t) const { return empty + 8 * (t % stages); }
   __device__ __forceinline__ void release(int t) const {  // this warp is done with tile t
-    if ((threadIdx.x & 31) == 0) tma::mbar_arrive(empty + 8 * (t % stages));
+    if ((threadIdx.x & 31) == 0) tma::mbar_arrive(empty_of(t));
   }
   __device__ __forceinline__ fa2_u32 k_of(int t) const { return k + (t % stages) * tile_bytes; }
   __device__ __forceinline__ fa2_u32 v_of(int t) const { return v + (t % stages) * tile_bytes; }
@@ -552,7 +553,7 @@ struct HeldStage {
       tma::bulk_wait_read<0>();
       __syncwarp();
       if ((threadIdx.x & 31) == 0 && owe > 0)
-        tma::mbar_arrive_n(ring.empty + 8 * (tile % ring.stages), owe);
+        tma::mbar_arrive_n(ring.empty_of(tile), owe);
     }
     tile = -1;  // (unconditionally: no value of it stays live through the next tile loop)
   }
