@@ -15,14 +15,18 @@
 //     with wgmma: S = Q K^T (both operands in shared memory, K-major), logits hooks and softmax
 //     in registers (exp2 domain), O += P V (P from registers, V N-major in shared memory).
 //
-// Overlap. Within a warpgroup the loop is software-pipelined: iteration i issues S(i) = Q K(i)^T
-// and then O += P(i-1) V(i-1) back to back, waits only for S(i) (wgmma groups retire in order),
-// and runs the logits hooks and softmax of tile i while the tensor cores still work on P(i-1) V(i-1).
-// It then waits for the P V, rescales O and packs P(i). Across warpgroups (ping-pong, when
-// ATTNCC_FA3_PINGPONG is 1), the two consumers take turns issuing their GEMMs through two named
-// barriers, so one's softmax runs while the other's GEMMs own the tensor cores instead of both
-// computing softmax at once. A stage is released once the P V that reads its V completed, one
-// iteration after its K was read.
+// Overlap. Within a warpgroup the loop is software-pipelined: iteration i issues S(i) = Q K(i)^T,
+// rescales O by tile i-1's factors while S(i) runs, issues O += P(i-1) V(i-1), and waits for
+// S(i) only (wgmma groups retire in order) to run tile i's logits hooks while the tensor cores
+// still work on P(i-1) V(i-1); then it waits for the P V and runs the softmax and packs P(i).
+// (ptxas puts that P V wait ahead of the softmax whatever the source order, as long as the two
+// share a basic block; a loop that kept the softmax above it measured 2-5 % slower on the
+// H200, bench/NOTES.md stop 17 -- the softmax overlaps the other warpgroup's GEMMs instead.)
+// The softmax is lazy (softmax_step), so O's 64 multiplies are skipped on most tiles. Across
+// warpgroups (ping-pong, when ATTNCC_FA3_PINGPONG is 1), the two consumers take turns issuing
+// their GEMMs through two named barriers, so one's softmax runs while the other's GEMMs own the
+// tensor cores instead of both computing softmax at once. A stage is released once the P V that
+// reads its V completed, one iteration after its K was read.
 //
 // Tiles: 128 query rows x TKV keys, TKV = 64 or 128 (S is one m64nTKVk16 wgmma per 16-wide
 // k-step; 128 halves the waits and fences per FLOP but needs twice the shared memory per stage).
@@ -128,11 +132,12 @@ template <typename DType, int D, int TKV, bool kRebuildQ>
 __device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], fa2_u32 sq_w, fa2_u32 sk_tile) {
   constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
   if constexpr (kRebuildQ) asm volatile("" : "+r"(sq_w));
+  const wg::u64 a0 = wg::make_desc(sq_w, 16, 1024), k0 = wg::make_desc(sk_tile, 16, 1024);
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const fa2_u32 inner = (ks & 3) * 32;
-    const wg::u64 a = wg::make_desc(sq_w + (ks >> 2) * kBoxBytes + inner, 16, 1024);
-    const wg::u64 k = wg::make_desc(sk_tile + (ks >> 2) * TKV * 128 + inner, 16, 1024);
+    const wg::u64 a = wg::desc_plus(a0, (ks >> 2) * kBoxBytes + inner);
+    const wg::u64 k = wg::desc_plus(k0, (ks >> 2) * TKV * 128 + inner);
     if constexpr (TKV == 128) {
       wg::mma_ss_m64n128k16<F16>(s, a, k, ks > 0);
     } else {
@@ -148,13 +153,13 @@ template <typename DType, int D, int TKV>
 __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (&pa)[TKV / 16][4],
                                          fa2_u32 sv_tile) {
   constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
+  const wg::u64 v0 = wg::make_desc(sv_tile, ATTNCC_FA3_V_LBO, ATTNCC_FA3_V_SBO);
 #pragma unroll
   for (int blk = 0; blk < D / 64; ++blk)
 #pragma unroll
     for (int kk = 0; kk < TKV / 16; ++kk) {
-      const fa2_u32 vaddr = sv_tile + blk * TKV * 128 + kk * 16 * 128;
       wg::mma_rs_m64n64k16<1, F16>(o[blk], pa[kk],
-                                   wg::make_desc(vaddr, ATTNCC_FA3_V_LBO, ATTNCC_FA3_V_SBO), 1);
+                                   wg::desc_plus(v0, blk * TKV * 128 + kk * 16 * 128), 1);
     }
   wg::commit();
 }
@@ -172,6 +177,15 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (
 template <typename Variant>
 __device__ __forceinline__ constexpr bool rebuild_q() {
   return !Variant::has_logits_transform || ATTNCC_FA3_LOW_PRESSURE;
+}
+
+// Whether softmax_step applies the logits scale itself (softmax variants without a score_mod,
+// whose logits are just S * scale): apply_logits then leaves S unscaled and each element's
+// scale and max subtraction are one FFMA in front of its exp2 -- 64 multiplies a tile fewer.
+// Not in the low-pressure form (document_mask D 64 spilled 24 bytes there with it).
+template <typename Variant>
+__device__ __forceinline__ constexpr bool folds_scale() {
+  return Variant::use_softmax && !Variant::has_logits_transform && !ATTNCC_FA3_LOW_PRESSURE;
 }
 
 // Logits of one tile in place: scale, the variant's hooks, the mask. Each thread holds two rows
@@ -230,7 +244,9 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
       const int kv = kv0 + 8 * j + 2 * (lane & 3) + e;
       const int kv_hook = (kClamp ? min(kv, kv_len - 1) : kv) + kv_pos0;
       const int q_hook = (kClamp && !row_ok[hr]) ? 0 : qi[hr];
-      float sc = s[4 * j + 2 * hr + e] * qk_scale;
+      // softmax without a score_mod: softmax_step applies the scale in its exp2 (folds_scale)
+      float sc = s[4 * j + 2 * hr + e];
+      if constexpr (!folds_scale<Variant>()) sc *= qk_scale;
       if constexpr (Variant::has_logits_transform) {
         sc = Variant::LogitsTransform(vp, sc, b, hq[hr], q_hook, kv_hook);
         if constexpr (kSoftmax) sc *= kLog2e;
@@ -276,27 +292,49 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
   }
 }
 
-// Online softmax of one tile (base 2): new row maxima, s <- exp2(s - m), per-thread row sums
-// (reduced across the quad only in the epilogue), and the factor the old O must be scaled by.
-template <int TKV>
+// Online softmax of one tile (base 2): new row maxima, s <- exp2(s * scale - m), per-thread row
+// sums (reduced across the quad only in the epilogue), and the factor the old O must be scaled
+// by. Lazily: a row keeps its running maximum until a tile's maximum exceeds it by more than
+// kLazy (base 2), so its exps stay below 2^8 = 256 (no overflow in bf16 P, fp32 sums or O).
+// O, its sum and its maximum stay consistent, so the result is the same softmax; only O's
+// rescale (corr = 1) is skipped on most tiles, as a row's running maximum rarely moves that
+// much after its first tiles. kFold: s holds unscaled logits and `scale` (the exp2-domain
+// scale) is applied here; it must be positive for max(s) * scale to be the scaled maximum, so a
+// scale <= 0 (legal, if odd) scales the tile first, keeping masked logits at -inf.
+template <int TKV, bool kFold>
 __device__ __forceinline__ void softmax_step(float (&s)[TKV / 2], float (&row_m)[2],
-                                             float (&row_l)[2], float (&corr)[2]) {
+                                             float (&row_l)[2], float (&corr)[2], float scale) {
+  constexpr float kLazy = 8.f;
+  if (!kFold) {
+    scale = 1.f;
+  } else if (!(scale > 0.f)) {
+#pragma unroll
+    for (int i = 0; i < TKV / 2; ++i) s[i] = s[i] == fa2::neg_inf() ? s[i] : s[i] * scale;
+    scale = 1.f;
+  }
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
-    float mx = row_m[hr];
+    // the tile's row maximum as a tree (depth log2(TKV / 4)) rather than one dependent chain
+    float v[TKV / 8];
 #pragma unroll
-    for (int j = 0; j < TKV / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * hr], s[4 * j + 2 * hr + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    for (int j = 0; j < TKV / 8; ++j) v[j] = fmaxf(s[4 * j + 2 * hr], s[4 * j + 2 * hr + 1]);
+#pragma unroll
+    for (int step = 1; step < TKV / 8; step *= 2)
+#pragma unroll
+      for (int j = 0; j + step < TKV / 8; j += 2 * step) v[j] = fmaxf(v[j], v[j + step]);
+    float mx = fmaxf(v[0], __shfl_xor_sync(0xffffffffu, v[0], 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_use = (mx == fa2::neg_inf()) ? 0.f : mx;  // a fully masked row so far
-    corr[hr] = fa2::fast_exp2(row_m[hr] - m_use);
-    row_m[hr] = mx;
+    mx = fmaxf(mx * scale, row_m[hr]);  // (-inf * scale = -inf)
+    const float m_new = mx > row_m[hr] + kLazy ? mx : row_m[hr];
+    const float m_use = (m_new == fa2::neg_inf()) ? 0.f : m_new;  // a fully masked row so far
+    corr[hr] = fa2::fast_exp2(row_m[hr] - m_use);  // 1 while the maximum stays
+    row_m[hr] = m_new;
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < TKV / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float pe = fa2::fast_exp2(s[4 * j + 2 * hr + e] - m_use);
+        const float pe = fa2::fast_exp2(fmaf(s[4 * j + 2 * hr + e], scale, -m_use));
         s[4 * j + 2 * hr + e] = pe;
         sum += pe;
       }
@@ -320,7 +358,7 @@ __device__ __forceinline__ void logits_softmax_step(
                                                kv_pos0, is_full);
   }
   if constexpr (Variant::use_softmax) {
-    softmax_step<TKV>(s, row_m, row_l, corr);
+    softmax_step<TKV, folds_scale<Variant>()>(s, row_m, row_l, corr, qk_scale);
   } else {
     corr[0] = corr[1] = 1.f;
   }
@@ -328,6 +366,8 @@ __device__ __forceinline__ void logits_softmax_step(
 
 template <int D>
 __device__ __forceinline__ void rescale(float (&o)[D / 64][32], const float (&corr)[2]) {
+  // most tiles keep every row's maximum (softmax_step is lazy): skip the 64 multiplies
+  if (!__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) return;
 #pragma unroll
   for (int blk = 0; blk < D / 64; ++blk)
 #pragma unroll
@@ -608,10 +648,11 @@ struct QRelease {
 
 // One consumer warpgroup's pass over n >= 1 K/V tiles (ring tiles t0 .. t0 + n - 1) for its 64
 // query rows, accumulating O and the row statistics:
-//   prologue   S(0), its softmax, P(0)              (O is still zero: no rescale)
-//   i = 1..n-1 issue S(i) and P(i-1) V(i-1); wait for S(i) only; softmax(i) while the P V runs;
-//              wait for the P V, release tile i-1, rescale O, P(i)
-//   tail       P(n-1) V(n-1), release tile n-1
+//   prologue   S(0), its softmax, P(0)
+//   i = 1..n-1 issue S(i); rescale O by tile i-1's factors; issue P(i-1) V(i-1); wait for S(i)
+//              only; logits(i) while the P V runs; wait for it, release tile i-1, softmax(i), P(i)
+//   tail       rescale O, P(n-1) V(n-1), release tile n-1
+// (O is zero until the first P V, so its first rescale -- by 0 or 1 -- changes nothing.)
 // Callbacks: logits_softmax(s, i, corr) turns S(i) into P(i) (hooks, mask, online softmax) and
 // returns O's rescale factors; landed(i, t) runs once tile i is in shared memory, before any
 // GEMM reads it; last_s_done() runs once the last S completed (Q is free from then on).
@@ -655,6 +696,9 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
     turns.wait_mine();
     wg::fence();  // pa and o were written by ordinary instructions
     issue_qk<DType, D, TKV, kRebuildQ>(s, sq_w, ring.k_of(t));
+    rescale<D>(o, corr);  // by tile i-1's factors, while S(i) runs; before P(i-1) V(i-1)
+    wg::fence_operands(o);
+    wg::fence();
     issue_pv<DType, D, TKV>(o, pa, ring.v_of(t - 1));
     turns.pass();
     wg::wait<1>();  // S(i) is done; P(i-1) V(i-1) may still run
@@ -664,10 +708,10 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
     wg::wait<0>();
     wg::fence_operands(o);
     ring.release(t - 1);
-    rescale<D>(o, corr);
     pack_p<DType, TKV>(pa, s);
   }
 
+  rescale<D>(o, corr);
   wg::fence_operands(pa);
   wg::fence_operands(o);
   turns.wait_mine();

@@ -152,16 +152,17 @@ def test_fa3_kernel_attncc_runs_has_no_spills(name: str, d: int) -> None:
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: Any, bind: Any, bm: Any,
-           g: int, tkv: int = 128, **options: Any) -> None:
+           g: int, tkv: int = 128, scale: float | None = None, **options: Any) -> None:
     from attncc.runtime.reference import attention_reference
 
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
     gpu_flex.gpu_flex_attention(q, k, v, ir, bind, block_mask=bm, enable_gqa=g > 1,
                                 return_lse=True, kernel_options={**FA3, "BLOCK_N": tkv, **options},
-                                out=out, lse_out=lse)
+                                out=out, lse_out=lse, scale=scale)
     torch.cuda.synchronize()
-    ref, ref_lse = attention_reference(q, k, v, ir, bind, block_mask=bm, enable_gqa=g > 1)
+    ref, ref_lse = attention_reference(q, k, v, ir, bind, block_mask=bm, enable_gqa=g > 1,
+                                       scale=scale)
     assert not torch.isnan(out).any()
     assert float((out.double() - ref).norm() / ref.norm()) < 2e-2
     live = torch.isfinite(ref_lse)
@@ -177,6 +178,34 @@ def test_fa3_matches_reference(name: str, d: int, s: int, g: int, tkv: int, rng:
     q, k, v = rng.qkv(2, 2 * g, s, d, Hkv=2, dtype=torch.bfloat16, device="cuda")
     ir, bind = VARIANTS[name](2, 2 * g, s, d).trace()
     _check(q, k, v, ir, bind, None, g, tkv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["noop", "causal", "softcap_causal"])
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 0.02, 1.5])
+def test_fa3_softmax_scale_of_any_sign(name: str, scale: float, rng: Any) -> None:
+    # without a score_mod the kernel applies the scale inside exp2 (max(s) * scale is the scaled
+    # maximum only for scale > 0); a scale <= 0 takes the kernel's other branch
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FA3 kernel needs an sm_90 GPU")
+    q, k, v = rng.qkv(1, 2, 700, 128, dtype=torch.bfloat16, device="cuda")
+    ir, bind = VARIANTS[name](1, 2, 700, 128).trace()
+    _check(q, k, v, ir, bind, None, 1, scale=scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["noop", "causal", "alibi_causal"])
+def test_fa3_lazy_rescale_follows_growing_maxima(name: str, rng: Any) -> None:
+    # keys grow along the sequence, so a row's maximum logit keeps rising: by less than the lazy
+    # threshold (2^8) on most tiles -- kept, exps above 1 -- and by more on some -- rescaled
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FA3 kernel needs an sm_90 GPU")
+    S = 2048
+    q, k, v = rng.qkv(1, 2, S, 128, dtype=torch.bfloat16, device="cuda")
+    ramp = torch.linspace(0.2, 3.0, S, device="cuda").pow(2)[None, None, :, None]
+    k = (k.float() * ramp).bfloat16()
+    ir, bind = VARIANTS[name](1, 2, S, 128).trace()
+    _check(q, k, v, ir, bind, None, 1, scale=0.25)
 
 
 @pytest.mark.gpu
