@@ -212,6 +212,8 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
                 ba = BatchAttention(None, kv_layout="NHD", max_batch=max(batch, 16),
                                     max_qo_tokens=max(batch, 16),
                                     balance=impl == "attncc", **knobs)
+                if "pdl" in opts:  # programmatic dependent launch of the merge kernel (A/B)
+                    ba._pdl = bool(opts["pdl"])
                 args = (pt["qo_indptr"], kv_indptr, pages, pt["kv_last_page_len"])
                 plan_us = median_us(lambda: ba.plan(*args, **pt["kw"]), 50)
                 res = ba.run(q, (k_cache, v_cache))
@@ -326,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--report", type=Path, default=None)
     ap.add_argument("--sweep", type=json.loads, nargs="*", default=None,
-                    help='extra attncc cells, e.g. \'{"tiles": [16, 32, 4], "min_kv_chunk": 512}\'')
+                    help='extra attncc cells, e.g. \'{"tiles": [16, 32, 4], "min_kv_chunk": 512}\' '
+                         'or \'{"pdl": false}\'')
     args = ap.parse_args(argv)
     from prefill import _meta, report, save
 

@@ -77,6 +77,27 @@ __device__ __forceinline__ const int* plan_section(const BatchParams& p, int at)
   return p.plan + __ldg(p.plan + at);
 }
 
+// Programmatic dependent launch (sm_90+). The merge kernel is launched with the programmatic
+// stream-serialization attribute (runtime/launcher.py, `pdl=True`), so its CTAs may start while
+// the attention kernel's last units still run: the attention kernel calls allow_dependents() as
+// it starts (its grid is persistent, so every CTA is resident by then, and a merge CTA only takes
+// an SM's room that attention CTAs left), and the merge kernel reads the plan -- written before
+// either launch -- then calls wait_for_primary() before the first partial state it reads:
+// griddepcontrol.wait returns once the attention grid has finished and its stores are visible.
+// The merge's launch and its plan prologue then overlap the attention kernel's tail instead of
+// following it. Both are no-ops before sm_90 and when the launch carried no attribute.
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // cta_indptr [max_ctas + 1] (past num_ctas padded with num_units): CTA c runs the units
 // cta_units[cta_indptr[c] .. cta_indptr[c + 1]). At a fixed offset: no load.
 __device__ __forceinline__ const int* plan_cta_indptr(const BatchParams& p) {

@@ -371,6 +371,7 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
     row_end[threadIdx.x] = sum + (warp > 0 ? warp_rows[warp - 1] : 0);
     __syncthreads();
     const int total = warp_rows[WARPS - 1];
+    wait_for_primary();  // everything above read the plan only; the partials come next
 #pragma unroll 1
     for (int f = warp; f < total; f += WARPS) {
       // the item of row f: the first t with row_end[t] > f (it has rows, so items[t] is set)
@@ -385,6 +386,9 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
     }
     __syncthreads();  // items and row_end are rewritten for the next items
   }
+  // A CTA with no items waits too: this grid's completion then implies the attention kernel's,
+  // which is what the stream's next operation (a plan upload, the next step) relies on.
+  wait_for_primary();
 }
 
 // After a split unit of the FA2 batch kernel wrote its partial state, if its item is merged in
@@ -498,6 +502,7 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
   static_assert(4 * (TQ * HEAD_DIM + TQ) <= Cfg::kSmemBytes,
                 "a merged tile (fp32 rows and LSEs) fits in the kernel's shared memory");
   extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa2_smem[];
+  allow_dependents();  // the merge kernel may launch now (batch_params.cuh)
   const int first = __ldg(plan_cta_indptr(p) + blockIdx.x);
   const int last = __ldg(plan_cta_indptr(p) + blockIdx.x + 1);
 #pragma unroll 1

@@ -88,6 +88,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
 
   const int tid = threadIdx.x, lane = tid & 31;
   const int wg = tid >> 7, warp = (tid >> 5) & 3;
+  attncc::allow_dependents();  // the merge kernel may launch now (batch_params.cuh)
   const int first = __ldg(plan_cta_indptr(p) + blockIdx.x);
   const int last = __ldg(plan_cta_indptr(p) + blockIdx.x + 1);
   const int gf = p.num_q_heads / p.num_kv_heads;

@@ -11,8 +11,11 @@
   asynchronous copies.
 - `run(q, kv_cache)` launches the persistent FA2 (or FA3) kernel over the plan and the merge
   kernel (kernels/fa2_batch.cuh; the FA2 kernel merges small split items itself: the CTA that
-  writes an item's last part). Every pointer and both grid sizes are fixed by the workspace, so
-  `run` can be captured once in a CUDA graph and replayed after new `plan` calls.
+  writes an item's last part). On sm_90 the merge kernel is a programmatic dependent launch:
+  its launch and its reads of the plan overlap the attention kernel's last units, and it waits
+  (griddepcontrol.wait) only before the partial states. Every pointer and both grid sizes are
+  fixed by the workspace, so `run` can be captured once in a CUDA graph and replayed after new
+  `plan` calls.
 
 Layouts (FlashInfer's names): `q`, `out` are `[total_q_tokens, num_qo_heads, head_dim]` with request
 i owning tokens `qo_indptr[i] .. qo_indptr[i+1]`. KV caches:
@@ -398,6 +401,9 @@ class BatchAttention:
         self._planner: planner.BatchPlanner | None | bool = None  # None: not made yet
         # _config's memo: (_config_key, longest query, _Config) of the last config
         self._last_config: tuple[tuple, int, _Config] | None = None
+        # launch the merge kernel with programmatic dependent launch (sm_90+): its launch and
+        # plan prologue overlap the attention kernel's tail (kernels/batch_params.cuh)
+        self._pdl = True
 
     # ------------------------------------------------------------------------------ plan
     def plan(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any = None,
@@ -895,7 +901,7 @@ class BatchAttention:
             grid = min(lay.max_merges, _num_sms(self.device))
             kern.merge.launch((grid, 1, 1), (MERGE_THREADS, 1, 1), 0,
                               kern.merge.ap.flatten(bp),
-                              kern.merge.vp.flatten(vp), stream=stream)
+                              kern.merge.vp.flatten(vp), stream=stream, pdl=self._pdl)
         return (out, lse) if return_lse else out
 
     def _cache_views(self, kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor,

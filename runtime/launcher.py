@@ -296,6 +296,8 @@ class KernelLauncher:
         self._args_addr = ctypes.addressof(self._args)
         self._lock = threading.Lock()
         self._streams: dict[int, Any] = {}
+        self._pdl_configs: dict[tuple, Any] = {}
+        self._pdl: bool | None = None
 
     def set_dynamic_smem(self, nbytes: int) -> None:
         """Allow `nbytes` of dynamic shared memory (the opt-in above 48 KB)."""
@@ -324,25 +326,69 @@ class KernelLauncher:
             s = self._streams[handle] = _driver().CUstream(handle)
         return s
 
+    def _pdl_config(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
+                    stream: int) -> Any:
+        """A cached CUlaunchConfig with the programmatic stream-serialization attribute."""
+        key = (tuple(grid), tuple(block), smem, stream)
+        cfg = self._pdl_configs.get(key)
+        if cfg is None:
+            drv = _driver()
+            attr = drv.CUlaunchAttribute()
+            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg = drv.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+            cfg.sharedMemBytes = smem
+            cfg.hStream = self._stream(stream)
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+            self._pdl_configs[key] = cfg
+        return cfg
+
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
-               ap_flat: Sequence[Any], vp_flat: Sequence[Any], stream: int | None = None) -> None:
-        """Pack both argument structs and launch. `stream`: CUstream handle (None: torch's)."""
+               ap_flat: Sequence[Any], vp_flat: Sequence[Any], stream: int | None = None,
+               pdl: bool = False) -> None:
+        """Pack both argument structs and launch. `stream`: CUstream handle (None: torch's).
+
+        `pdl=True` launches with programmatic stream serialization (sm_90+; ignored below): the
+        kernel may start before the previous kernel in the stream finished, once that kernel's
+        CTAs all ran `griddepcontrol.launch_dependents`, and must itself run
+        `griddepcontrol.wait` before it reads what that kernel wrote (kernels/batch_params.cuh
+        wait_for_primary). Captured into a CUDA graph, it becomes a programmatic edge.
+        """
         if stream is None:
             import torch
 
             stream = torch.cuda.current_stream(self.device).cuda_stream
         if smem > self.dynamic_smem:
             self.set_dynamic_smem(smem)
+        pdl = pdl and self._supports_pdl()
         with self._lock:
             self.ap.pack_values_fast(ap_flat)
             if self.vp is not None:
                 self.vp.pack_values_fast(vp_flat)
-            err, = _driver().cuLaunchKernel(self.function, grid[0], grid[1], grid[2], block[0],
-                                            block[1], block[2], smem, self._stream(stream),
-                                            self._args_addr, 0)
+            if pdl:
+                err, = _driver().cuLaunchKernelEx(self._pdl_config(grid, block, smem, stream),
+                                                  self.function, self._args_addr, 0)
+            else:
+                err, = _driver().cuLaunchKernel(self.function, grid[0], grid[1], grid[2],
+                                                block[0], block[1], block[2], smem,
+                                                self._stream(stream), self._args_addr, 0)
         if int(err) != 0:
-            raise LaunchError(f"cuLaunchKernel({self.kernel_name}, grid={tuple(grid)}, "
+            call = "cuLaunchKernelEx" if pdl else "cuLaunchKernel"
+            raise LaunchError(f"{call}({self.kernel_name}, grid={tuple(grid)}, "
                               f"block={tuple(block)}, smem={smem}) failed: {_error_text(err)}")
+
+    def _supports_pdl(self) -> bool:
+        """Programmatic dependent launch needs compute capability 9.0 (checked once)."""
+        if self._pdl is None:
+            drv = _driver()
+            major = int(driver_check(drv.cuDeviceGetAttribute(
+                drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device),
+                "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MAJOR)"))
+            self._pdl = major >= 9
+        return self._pdl
 
 
 def load_kernel(cubin: bytes, kernel_name: str, attention_layout: Any, params_layout: Any, *,

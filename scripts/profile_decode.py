@@ -1,7 +1,8 @@
 """Debug helper: per-kernel GPU time of BatchAttention.run in a few decode cells (torch.profiler).
 
     python scripts/profile_decode.py '{"tiles": [16, 64, 2, 4]}' ...
-    python scripts/profile_decode.py breakdown   # kernel vs replay time, two ways to flush L2
+    python scripts/profile_decode.py breakdown [64:4:skewed ...]  # kernel vs replay time, two
+                                                                  # ways to flush L2
 """
 import json
 import sys
@@ -84,18 +85,21 @@ def _replay_us(fn, flush) -> float:
     return float(np.median(ts[10:]))
 
 
-def breakdown() -> None:
-    """Where a small decode step's time goes: per-kernel GPU time (profiler) and the graph
-    replay's event time, with L2 flushed by writing 256 MB (triton do_bench's zero_: leaves L2
-    full of dirty lines) or by reading 512 MB (leaves it clean), and a plain read of the same
-    bytes (x.sum()) as the floor."""
+def breakdown(cells: list[str]) -> None:
+    """Where a small decode step's time goes: per-kernel GPU time (profiler; the merge kernel
+    launched without programmatic dependent launch, so its time is its own) and the graph
+    replay's event time (as run() launches), with L2 flushed by writing 256 MB (triton
+    do_bench's zero_: leaves L2 full of dirty lines) or by reading 512 MB (leaves it clean), and
+    a plain read of the same bytes (x.sum()) as the floor. `cells`: "batch:hkv:dist" strings."""
     from timing import graph_of
 
     dirty = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     clean = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     flushes = {"zero": dirty.zero_, "read": lambda: clean.sum(dtype=torch.int64)}
-    for batch, hkv, dist in ((16, 4, "constant"), (16, 8, "constant"), (16, 32, "constant"),
-                             (64, 4, "constant"), (64, 8, "constant")):
+    specs = [(int(c.split(":")[0]), int(c.split(":")[1]), c.split(":")[2]) for c in cells] or [
+        (16, 4, "constant"), (16, 8, "constant"), (16, 32, "constant"), (64, 4, "constant"),
+        (64, 8, "constant")]
+    for batch, hkv, dist in specs:
         b = make_batch(batch, hkv, dist)
         k = torch.randn(int(b["kv_indptr"][-1]), PAGE, hkv, D, device="cuda").bfloat16()
         v = torch.randn_like(k)
@@ -105,6 +109,8 @@ def breakdown() -> None:
         ba.plan(b["qo_indptr"], b["kv_indptr"], b["kv_indices"], b["kv_last_page_len"],
                 **b["kw"])
         g = graph_of(lambda: ba.run(q, (k, v)))
+        ba._pdl = False
+        g_plain = graph_of(lambda: ba.run(q, (k, v)))
         same_bytes = torch.empty(2 * k.numel(), dtype=torch.bfloat16, device="cuda").normal_()
         line = [f"B={batch} Hkv={hkv}: KV {4 * k.numel() / 1e6:.1f} MB, units "
                 f"{ba._plan.num_units} merges {ba._plan.num_merges}"]
@@ -112,19 +118,20 @@ def breakdown() -> None:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as pr:
                 for _ in range(20):
                     flush()
-                    g.replay()
+                    g_plain.replay()
                 torch.cuda.synchronize()
             kern = {e.key[-24:]: e.device_time_total / e.count for e in pr.key_averages()
                     if e.device_time_total > 0 and "elementwise" not in e.key
                     and "reduce" not in e.key and "fill" not in e.key.lower()}
-            line.append(f"flush={name}: replay {_replay_us(g.replay, flush):.1f} us, sum() "
+            line.append(f"flush={name}: replay {_replay_us(g.replay, flush):.1f} us (without "
+                        f"PDL {_replay_us(g_plain.replay, flush):.1f}), sum() "
                         f"{_replay_us(lambda: same_bytes.sum(), flush):.1f} us, kernels " +
                         ", ".join(f"{n} {t:.1f}" for n, t in kern.items()))
         print("\n  ".join(line), flush=True)
 
 
-if sys.argv[1:] == ["breakdown"]:
-    breakdown()
+if sys.argv[1:2] == ["breakdown"]:
+    breakdown(sys.argv[2:])
     sys.exit(0)
 if sys.argv[1:] == ["cascade"]:
     cascade()

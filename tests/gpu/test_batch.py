@@ -230,6 +230,47 @@ def test_runs_are_bitwise_equal() -> None:
         assert torch.equal(ba.run(b["q"], b["cache"]), first)
 
 
+@pytest.mark.parametrize("kernel", ["fa2", "fa3"])
+def test_merge_kernel_waits_for_the_attention_kernel(kernel: str) -> None:
+    """The merge kernel is launched with programmatic dependent launch (it may start during the
+    attention kernel, runtime/launcher.py `pdl`): with new queries before every run -- eager and
+    graph replays -- it must merge this run's partial states, not the last run's, and give the
+    bits of a plain launch."""
+    if kernel == "fa3":
+        _needs_sm90()
+        q_lens, kv_lens, g = [300, 129, 1], [9000, 4000, 12000], 4
+    else:  # GQA-8 decode of long requests: many parts per item, merged by the merge kernel
+        q_lens, kv_lens, g = [1] * 6, [30000, 9000, 1, 4000, 17, 12000], 8
+    b = _batch("NHD", 16, q_lens, kv_lens, 2, g, 128, torch.bfloat16, seed=3)
+    ba = BatchAttention(_variant("causal", 2 * g, 128), kv_layout="NHD", kernel=kernel)
+    ba.plan(b["qo"], b["kv_indptr"], b["kv_indices"], b["last"], num_qo_heads=2 * g,
+            num_kv_heads=2, head_dim=128, page_size=16)
+    assert ba._plan is not None and ba._plan.num_merges > 0
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q_buf, out_buf = b["q"].clone(), torch.empty_like(b["q"])
+    ba.run(q_buf, b["cache"], out=out_buf)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ba.run(q_buf, b["cache"], out=out_buf)
+    for i in range(4):
+        q_buf.copy_(torch.randn(q_buf.shape, generator=gen, device="cuda"))
+        out_buf.fill_(float("nan"))
+        if i % 2:
+            graph.replay()
+        else:
+            ba.run(q_buf, b["cache"], out=out_buf)
+        ba._pdl = False
+        plain = ba.run(q_buf, b["cache"])
+        ba._pdl = True
+        torch.cuda.synchronize()
+        assert torch.equal(out_buf, plain), i
+        ref, _ = batch_attention_reference(q_buf, b["cache"], b["qo"], b["kv_indptr"],
+                                           b["kv_indices"], b["last"], page_size=16,
+                                           variant=ba.variant)
+        assert float((out_buf.double() - ref).norm() / ref.norm()) < 2e-2, i
+
+
 # (kernel, variant, GQA group, three batches of (q_lens, kv_lens), query rows of the buffers)
 GRAPH_CASES = {
     "decode": (None, "causal", 8, [([1] * 8, [4000, 17, 300, 1, 2048, 900, 64, 5]),
