@@ -128,16 +128,28 @@ struct Turns {
 // 2026-12-01) it cost variants with a score_mod 1-7 %, so rebuild_q() turns it on for mask-only
 // variants (measured with apply_logits' lambda loop: sliding window +10 %) and in the
 // low-pressure form only.
+// Descriptors are 32-bit word pairs (wg::DescWords) from warp-uniform addresses, so they live in
+// the uniform registers wgmma reads: a k-step is one UIADD3 per operand (before: an R2UR pair,
+// IMAD.MOV and UMOVs, ~7 instructions per S k-step). Q comes as its descriptor words
+// (consume_tiles builds them once); rebuilding is one add per k-step on the opaque low word. The
+// rebuilt high word also takes K's address bits above 2^18 -- zero, but a per-tile value ptxas
+// cannot prove zero: the word is then computed at each tile straight into the register the
+// wgmmas read it from, rather than kept in a register of its own through the loop and copied
+// there before every wgmma (UMOV; at D = 256 ptxas does that with a loop-invariant high word, 16
+// a tile).
 template <typename DType, int D, int TKV, bool kRebuildQ>
-__device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], fa2_u32 sq_w, fa2_u32 sk_tile) {
+__device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], wg::DescWords q, fa2_u32 sk_tile) {
   constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
-  if constexpr (kRebuildQ) asm volatile("" : "+r"(sq_w));
-  const wg::u64 a0 = wg::make_desc(sq_w, 16, 1024), k0 = wg::make_desc(sk_tile, 16, 1024);
+  if constexpr (kRebuildQ) {
+    asm volatile("" : "+r"(q.lo), "+r"(q.hi));
+    q.hi += sk_tile >> 18;
+  }
+  const wg::DescWords k0 = wg::desc_words(sk_tile, 16, 1024);
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const fa2_u32 inner = (ks & 3) * 32;
-    const wg::u64 a = wg::desc_plus(a0, (ks >> 2) * kBoxBytes + inner);
-    const wg::u64 k = wg::desc_plus(k0, (ks >> 2) * TKV * 128 + inner);
+    const wg::u64 a = wg::desc_u64(wg::desc_plus(q, (ks >> 2) * kBoxBytes + inner));
+    const wg::u64 k = wg::desc_u64(wg::desc_plus(k0, (ks >> 2) * TKV * 128 + inner));
     if constexpr (TKV == 128) {
       wg::mma_ss_m64n128k16<F16>(s, a, k, ks > 0);
     } else {
@@ -153,13 +165,13 @@ template <typename DType, int D, int TKV>
 __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (&pa)[TKV / 16][4],
                                          fa2_u32 sv_tile) {
   constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
-  const wg::u64 v0 = wg::make_desc(sv_tile, ATTNCC_FA3_V_LBO, ATTNCC_FA3_V_SBO);
+  const wg::DescWords v0 = wg::desc_words(sv_tile, ATTNCC_FA3_V_LBO, ATTNCC_FA3_V_SBO);
 #pragma unroll
   for (int blk = 0; blk < D / 64; ++blk)
 #pragma unroll
     for (int kk = 0; kk < TKV / 16; ++kk) {
-      wg::mma_rs_m64n64k16<1, F16>(o[blk], pa[kk],
-                                   wg::desc_plus(v0, blk * TKV * 128 + kk * 16 * 128), 1);
+      wg::mma_rs_m64n64k16<1, F16>(
+          o[blk], pa[kk], wg::desc_u64(wg::desc_plus(v0, blk * TKV * 128 + kk * 16 * 128)), 1);
     }
   wg::commit();
 }
@@ -671,13 +683,17 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
   float corr[2];
 #pragma unroll
   for (int i = 0; i < TKV / 2; ++i) s[i] = 0.f;  // the first k-step overwrites; defined anyway
+  // sq_w is the same in every lane of the warp but derived from threadIdx.x, so ptxas would keep
+  // it (and Q's descriptors) in vector registers and move them into uniform ones (R2UR) at every
+  // wgmma; read from lane 0 it is provably warp-uniform. (The ring's addresses already are.)
+  const wg::DescWords q = wg::desc_words(__shfl_sync(0xffffffffu, sq_w, 0), 16, 1024);
   if (turns.me == 1) turns.pass();  // consumer 0 issues first at every issue point
 
   ring.wait_full(t0);
   landed(0, t0);
   turns.wait_mine();
   wg::fence();
-  issue_qk<DType, D, TKV, kRebuildQ>(s, sq_w, ring.k_of(t0));
+  issue_qk<DType, D, TKV, kRebuildQ>(s, q, ring.k_of(t0));
   turns.pass();
   if (held != nullptr) held->settle(ring);  // (while S(0) runs)
   wg::wait<0>();
@@ -695,7 +711,7 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
     wg::fence_operands(o);
     turns.wait_mine();
     wg::fence();  // pa and o were written by ordinary instructions
-    issue_qk<DType, D, TKV, kRebuildQ>(s, sq_w, ring.k_of(t));
+    issue_qk<DType, D, TKV, kRebuildQ>(s, q, ring.k_of(t));
     rescale<D>(o, corr);  // by tile i-1's factors, while S(i) runs; before P(i-1) V(i-1)
     wg::fence_operands(o);
     wg::fence();

@@ -59,6 +59,31 @@ __device__ __forceinline__ u64 desc_plus(u64 desc, unsigned bytes) {
   return ((desc >> 32) << 32) | (u64)lo;
 }
 
+// A descriptor kept as its two 32-bit words, for loops that issue many wgmmas a tile (FA3's
+// issue_qk / issue_pv). wgmma reads its descriptors from uniform registers; with warp-uniform
+// addresses the words stay in the uniform datapath and a k-step's descriptor is one UIADD3 on
+// the low word. Shared-memory addresses are below 2^18 (228 KB on sm_90), so:
+//  - the start field is addr >> 4 without a mask, and the leading byte offset is added (not
+//    ORed) above it, so a constant byte offset folds into a k-step's single add;
+//  - addr >> 18 is zero, and is added to the high word anyway: ptxas cannot prove it zero, so
+//    the high word is a register value of its own, which it leaves in place in the uniform
+//    register the wgmma reads, instead of a constant it re-materializes (UMOV) before every
+//    wgmma. Two descriptors from different addresses keep distinct high words for the same
+//    reason (A's and B's slots of the wgmma each keep theirs).
+struct DescWords {
+  unsigned lo, hi;
+};
+__device__ __forceinline__ DescWords desc_words(unsigned smem_byte_addr, unsigned lbo_bytes,
+                                                unsigned sbo_bytes) {
+  return {(smem_byte_addr >> 4) + (((lbo_bytes >> 4) & 0x3FFF) << 16),
+          (((sbo_bytes >> 4) & 0x3FFF) | (1u << 30)) + (smem_byte_addr >> 18)};
+}
+// The same matrix `bytes` (a multiple of 16) further on: as desc_plus.
+__device__ __forceinline__ DescWords desc_plus(DescWords d, unsigned bytes) {
+  return {d.lo + (bytes >> 4), d.hi};
+}
+__device__ __forceinline__ u64 desc_u64(DescWords d) { return ((u64)d.hi << 32) | (u64)d.lo; }
+
 // Order generic-proxy shared-memory writes (st.shared, cp.async) before the async proxy
 // (wgmma, TMA) reads them.
 __device__ __forceinline__ void fence_proxy_async() {
