@@ -124,10 +124,10 @@ struct Turns {
 // the K operand's TKV rows are 8-row swizzle atoms 1024 bytes apart) and commit it as a group.
 // kRebuildQ: make sq_w opaque to the optimizer, so that Q's D/16 64-bit descriptors are rebuilt
 // at each tile (a few integer ops) rather than hoisted out of the tile loop, where they pin D/8
-// registers across it and were what ptxas spilled first. On the H200 (bench/NOTES.md,
-// 2026-12-01) it cost variants with a score_mod 1-7 %, so rebuild_q() turns it on for mask-only
-// variants (measured with apply_logits' lambda loop: sliding window +10 %) and in the
-// low-pressure form only.
+// registers across it and were what ptxas spilled first. With 64-bit descriptors built in vector
+// registers it cost variants with a score_mod 1-7 % on the H200 (bench/NOTES.md, 2026-12-01), and
+// rebuild_q() kept it to mask-only variants; with the uniform descriptor words below a rebuild is
+// one add per k-step, and it is on for every variant (rebuild_q).
 // Descriptors are 32-bit word pairs (wg::DescWords) from warp-uniform addresses, so they live in
 // the uniform registers wgmma reads: a k-step is one UIADD3 per operand (before: an R2UR pair,
 // IMAD.MOV and UMOVs, ~7 instructions per S k-step). Q comes as its descriptor words
@@ -185,10 +185,16 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (
 #define ATTNCC_FA3_LOW_PRESSURE 0
 #endif
 
-// issue_qk's kRebuildQ for a variant: on without a score_mod, and in the low-pressure form.
+// issue_qk's kRebuildQ for a variant. Every variant since the descriptors became uniform words
+// (H200, same process: alibi + causal +4-6 % at S = 8192, softcap + causal +1-3 %; before, only
+// variants without a score_mod and the low-pressure form). ATTNCC_FA3_REBUILD_Q_ALL 0 restores
+// the old split for an A/B.
+#ifndef ATTNCC_FA3_REBUILD_Q_ALL
+#define ATTNCC_FA3_REBUILD_Q_ALL 1
+#endif
 template <typename Variant>
 __device__ __forceinline__ constexpr bool rebuild_q() {
-  return !Variant::has_logits_transform || ATTNCC_FA3_LOW_PRESSURE;
+  return ATTNCC_FA3_REBUILD_Q_ALL || !Variant::has_logits_transform || ATTNCC_FA3_LOW_PRESSURE;
 }
 
 // Whether softmax_step applies the logits scale itself (softmax variants without a score_mod,
