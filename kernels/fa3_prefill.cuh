@@ -185,10 +185,10 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (
 #define ATTNCC_FA3_LOW_PRESSURE 0
 #endif
 
-// issue_qk's kRebuildQ for a variant. Every variant since the descriptors became uniform words
-// (H200, same process, two A/Bs: alibi + causal 0-8 % faster, softcap + causal within +-2 %;
-// before, only variants without a score_mod and the low-pressure form). ATTNCC_FA3_REBUILD_Q_ALL 0 restores
-// the old split for an A/B.
+// issue_qk's kRebuildQ for a variant: every variant since the descriptors became uniform words
+// (H200, same process, two A/Bs: alibi + causal 0-8 % faster, softcap + causal within +-2 %);
+// before, only variants without a score_mod and the low-pressure form, which
+// ATTNCC_FA3_REBUILD_Q_ALL 0 restores for an A/B.
 #ifndef ATTNCC_FA3_REBUILD_Q_ALL
 #define ATTNCC_FA3_REBUILD_Q_ALL 1
 #endif
