@@ -39,32 +39,14 @@ __device__ __forceinline__ unsigned sw128_offset(int row, int col, int rows) {
 }
 
 // Matrix descriptor: start address, leading / stride byte offsets (all in 16-byte units, 14 bits
-// each) and the swizzle mode (bits 62-63: 1 = 128-byte swizzle).
-__device__ __forceinline__ u64 make_desc(unsigned smem_byte_addr, unsigned lbo_bytes,
-                                         unsigned sbo_bytes) {
-  u64 d = 0;
-  d |= (u64)((smem_byte_addr >> 4) & 0x3FFF);
-  d |= (u64)((lbo_bytes >> 4) & 0x3FFF) << 16;
-  d |= (u64)((sbo_bytes >> 4) & 0x3FFF) << 32;
-  d |= (u64)1 << 62;
-  return d;
-}
-
-// The descriptor of the matrix `bytes` (a multiple of 16) past `desc`'s start: the start field is
-// the low 14 bits of the address in 16-byte units, and shared-memory addresses stay below 2^18,
-// so the offset adds to the low word without a carry into the other fields. One integer add per
-// wgmma instead of rebuilding the fields from an address (shift, mask, or: ~5 instructions).
-__device__ __forceinline__ u64 desc_plus(u64 desc, unsigned bytes) {
-  const unsigned lo = (unsigned)desc + (bytes >> 4);
-  return ((desc >> 32) << 32) | (u64)lo;
-}
-
-// A descriptor kept as its two 32-bit words, for loops that issue many wgmmas a tile (FA3's
-// issue_qk / issue_pv). wgmma reads its descriptors from uniform registers; with warp-uniform
-// addresses the words stay in the uniform datapath and a k-step's descriptor is one UIADD3 on
-// the low word. Shared-memory addresses are below 2^18 (228 KB on sm_90), so:
+// each) and the swizzle mode (bits 62-63: 1 = 128-byte swizzle), kept as its two 32-bit words
+// for loops that issue many wgmmas a tile (FA3's issue_qk / issue_pv). wgmma reads descriptors
+// from uniform registers; with warp-uniform addresses the words stay in the uniform datapath and
+// a k-step's descriptor is one UIADD3 on the low word. Shared-memory addresses are below 2^18
+// (228 KB on sm_90), so:
 //  - the start field is addr >> 4 without a mask, and the leading byte offset is added (not
-//    ORed) above it, so a constant byte offset folds into a k-step's single add;
+//    ORed) above it, so a constant byte offset folds into a k-step's single add (desc_plus: no
+//    carry reaches the other fields);
 //  - addr >> 18 is zero, and is added to the high word anyway: ptxas cannot prove it zero, so
 //    the high word is a register value of its own, which it leaves in place in the uniform
 //    register the wgmma reads, instead of a constant it re-materializes (UMOV) before every
@@ -78,11 +60,18 @@ __device__ __forceinline__ DescWords desc_words(unsigned smem_byte_addr, unsigne
   return {(smem_byte_addr >> 4) + (((lbo_bytes >> 4) & 0x3FFF) << 16),
           (((sbo_bytes >> 4) & 0x3FFF) | (1u << 30)) + (smem_byte_addr >> 18)};
 }
-// The same matrix `bytes` (a multiple of 16) further on: as desc_plus.
+// The same matrix `bytes` (a multiple of 16) further on.
 __device__ __forceinline__ DescWords desc_plus(DescWords d, unsigned bytes) {
   return {d.lo + (bytes >> 4), d.hi};
 }
-__device__ __forceinline__ u64 desc_u64(DescWords d) { return ((u64)d.hi << 32) | (u64)d.lo; }
+__device__ __forceinline__ u64 desc_u64(DescWords d) {
+  return ((u64)d.hi << 32) | (u64)d.lo;
+}
+// A one-off descriptor as wgmma takes it (the probes of tests/gpu/test_wgmma.py).
+__device__ __forceinline__ u64 make_desc(unsigned smem_byte_addr, unsigned lbo_bytes,
+                                         unsigned sbo_bytes) {
+  return desc_u64(desc_words(smem_byte_addr, lbo_bytes, sbo_bytes));
+}
 
 // Order generic-proxy shared-memory writes (st.shared, cp.async) before the async proxy
 // (wgmma, TMA) reads them.
