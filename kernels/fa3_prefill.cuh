@@ -220,7 +220,7 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
                                              const int (&qi)[2], const bool (&row_ok)[2], int kv0,
                                              int kv_len, int kv_pos0, bool is_full) {
   constexpr bool kSoftmax = Variant::use_softmax;
-  constexpr bool kClamp = CHECKED && Variant::loads_at_positions;
+  constexpr bool kClamp = false;
   const float masked = kSoftmax ? fa2::neg_inf() : 0.f;
   const int lane = threadIdx.x & 31;
   // kOneHead (the dense kernel): both rows are head hq[0], at positions qi[0] and qi[0] + 8.
@@ -258,6 +258,7 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
         }
     }
   } else {
+    const int rem = kv_len - kv0 - 2 * (lane & 3);
     auto logit = [&](int j, int e, int hr) {
       const int kv = kv0 + 8 * j + 2 * (lane & 3) + e;
       const int kv_hook = (kClamp ? min(kv, kv_len - 1) : kv) + kv_pos0;
@@ -270,7 +271,7 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
         if constexpr (kSoftmax) sc *= kLog2e;
       }
       if constexpr (CHECKED) {
-        if (!row_ok[hr] || (unsigned)kv >= (unsigned)kv_len) sc = masked;
+        if (!row_ok[hr] || 8 * j + e >= rem) sc = masked;
         if constexpr (Variant::has_logits_mask) {
           if constexpr (ATTNCC_FA3_LOW_PRESSURE) {
             // evaluated whether or not the tile is full (then ignored): behind the is_full
@@ -913,10 +914,20 @@ struct DenseItem {
 #define ATTNCC_FA3_DYNAMIC 1
 #endif
 
-// Item w of B * Hq * nqb: section w / (sec * nqb) holds head slots [s0, s0 + n) (sec slots,
-// fewer in the last one; a slot is b * Hq + hq, whole GQA groups), and within it item r is query
-// block nqb - 1 - r / n of slot s0 + r % n -- longest first within the section, and the
-// shortest of all come last.
+// Item w of B * Hq * nqb: sections of sec head slots each (a slot is b * Hq + hq; whole GQA
+// groups), the first taking the remainder; within the section [s0, s0 + n), item r is query block
+// nqb - 1 - r / n of slot s0 + r % n -- longest first within the section, so the list ends with
+// the shortest items of a full section.
+// The remainder goes first because the dynamic order is longest-processing-time first only if
+// the list's tail is short items: a remainder section at the end (8 heads of 24 at S = 2048, one
+// of 3 at 16384, B * S = 16384 x 16 heads) restarted the list with its longest query blocks
+// while the grid was finishing, and an H200 trace of causal S = 2048 showed the CTAs' last items
+// at 13-16 tiles and their spans spread over 447-491 K cycles (max / mean ~1.045). A simulation
+// of the claims (bench/NOTES.md, stop 19) gives makespan / mean 1.04-1.05 at every S with the
+// remainder last and 1.00-1.01 with it first. ATTNCC_FA3_REMAINDER_FIRST 0: last (the A/B).
+#ifndef ATTNCC_FA3_REMAINDER_FIRST
+#define ATTNCC_FA3_REMAINDER_FIRST 1
+#endif
 template <int D>
 __device__ __forceinline__ DenseItem dense_item(const attncc::AttentionParams& p, int w, int nqb) {
   const int heads = p.batch * p.num_q_heads;
@@ -928,8 +939,18 @@ __device__ __forceinline__ DenseItem dense_item(const attncc::AttentionParams& p
     const unsigned kv_heads = max(1u, (unsigned)(ATTNCC_FA3_L2_SECTION_BYTES >> 10) / kv_head_kib);
     sec = (int)min((unsigned)heads, kv_heads * group);
   }
-  const int s0 = w / (sec * nqb) * sec;
-  const int n = min(sec, heads - s0);
+  int s0, n;
+  const int first = heads - (heads - 1) / sec * sec;  // the remainder section: 1 .. sec slots
+  if (!ATTNCC_FA3_REMAINDER_FIRST) {
+    s0 = w / (sec * nqb) * sec;
+    n = min(sec, heads - s0);
+  } else if (w < first * nqb) {
+    s0 = 0;
+    n = first;
+  } else {
+    s0 = first + (w - first * nqb) / (sec * nqb) * sec;
+    n = sec;
+  }
   const int r = w - s0 * nqb;
   const int slot = s0 + r % n, qb = nqb - 1 - r / n;
   const int hq = slot % p.num_q_heads;
