@@ -296,13 +296,13 @@ class PlanLayout:
         (each dynamic one at the offset its header gives, checked against its counts).
 
         Example:
-            >>> layout = PlanLayout(4, 64, 4, 2, 2, 16)
+            >>> layout = PlanLayout(4, 64, 8, 2, 2, 16)
             >>> from attncc.runtime.scheduler import plan
-            >>> d = layout.unpack(plan([0, 2], [300], 2, 2, 16, 4).pack(layout))
+            >>> d = layout.unpack(plan([0, 2], [300], 2, 2, 16, 8).pack(layout))
             >>> d["kv_chunk"], d["cta_indptr"].tolist(), d["units"]["kv_end"].tolist()
-            (160, [0, 1, 2, 3, 4], [160, 300, 160, 300])
+            (128, [0, 1, 2, 3, 4, 5, 6, 6, 6], [128, 256, 300, 128, 256, 300])
             >>> d["units_at"], d["merge_out_at"]
-            (32, 76)
+            (36, 104)
         """
         buf = np.asarray(buf)
         if buf.dtype != np.int32 or buf.ndim != 1 or buf.size < self.size:

@@ -114,8 +114,9 @@ static void span_table(const plan_args* a, double total, spans* sp) {
   sp->nd = nd;
 }
 
-/* The KV chunk (scheduler.kv_chunk_size), every request's tiles, chunks, head span and first
- * unit, the plan's total cost and its sizes (a->chunk, num_units, num_merges, num_slots). Tiles
+/* The KV chunk (scheduler.kv_chunk_size, given the longest KV range), every request's tiles,
+ * chunks, head span and first unit, the plan's total cost and its sizes (a->chunk, num_units,
+ * num_merges, num_slots). Tiles
  * are a shift (tile_q is a power of two), chunks one 32-bit division where a request has more
  * than one (lengths and chunk are below 2^31). A request's span (scheduler._head_spans: the
  * largest divisor s of num_kv_heads with s * c_i <= total / (2 P) for a one-tile, one-chunk
@@ -128,14 +129,17 @@ static void request_sizes(plan_args* a, i64 g, requests* rq, spans* sp) {
   const i64 batch = a->batch, hk = a->num_kv_heads, tile_q = a->tile_q, align = a->align;
   int shift = 0;
   while (((i64)1 << shift) < tile_q) ++shift;
-  i64 work = 0;
+  i64 work = 0, kmax = 0;
   for (i64 i = 0; i < batch; ++i) {
     rq->nt[i] = ((a->qo[i + 1] - a->qo[i]) * g + tile_q - 1) >> shift;
     work += rq->nt[i] * a->kv[i];
+    kmax = max64(kmax, rq->nt[i] > 0 ? a->kv[i] : 0);
   }
   const i64 raw = ceil_div(work * hk, a->num_ctas); /* all KV heads share the CTAs */
-  const i64 chunk = min64(ceil_div(max64(raw, a->floor_), align) * align,
-                          (i64)2147483647 / align * align);
+  i64 chunk = ceil_div(max64(raw, a->floor_), align) * align;
+  if (kmax > 0 && kmax <= 2 * chunk) /* at most two pieces: not worth a merge */
+    chunk = max64(chunk, ceil_div(kmax, align) * align);
+  chunk = min64(chunk, (i64)2147483647 / align * align);
   const uint32_t c32 = (uint32_t)chunk;
   i64 rows_nc = 0;
   for (i64 i = 0; i < batch; ++i) {

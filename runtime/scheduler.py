@@ -30,8 +30,19 @@ so a batch with at least one work item per CTA is not split at all. (Dividing on
 all CTAs instead split every request of a large MHA batch into ~num_kv_heads pieces: on the
 H200, B=64 x 32 heads x 1K tokens became 8,192 units and 2,048 merges for 792 CTAs, and the
 no-split ablation was faster.) The floor keeps chunks long enough to amortise their fixed cost,
-the alignment (a page size) keeps chunk boundaries on page boundaries. The KV range of every work item is cut into chunks of at
-most ``L_kv`` tokens; each chunk is a *work unit* with cost ``alpha * q_rows + beta * kv_len``.
+the alignment (a page size) keeps chunk boundaries on page boundaries.
+
+When the longest KV range (of a request with query rows) is at most ``2 * L_kv``, ``L_kv``
+becomes that length rounded up to the alignment: nothing is split. (With equal lengths that is
+a batch of at least about ``num_ctas / 2`` work items: up to half the CTAs may get no unit.) Cutting requests into at most
+two pieces buys little balance and costs the merge of every split item -- a second kernel and a
+round trip of the partial states. On the H200 (bench/NOTES.md, stop 19; decode, 792 CTAs, 1K
+keys) the unsplit plan took batch 64 x 8 KV heads from 92.4 to 88.4 us, with uniform lengths it
+was as fast, and plans whose longest range is over twice the chunk (batch 16, batch 64 x 4 KV
+heads, Zipf lengths) still needed their splits.
+
+The KV range of every work item is cut into chunks of at most ``L_kv`` tokens; each chunk is a
+*work unit* with cost ``alpha * q_rows + beta * kv_len``.
 A work item with ``l_kv = 0`` still gets one unit with an empty KV range: it must write its
 output (0) and LSE (-inf). Requests with ``l_q = 0`` get no unit at all.
 
@@ -172,18 +183,24 @@ def paged_kv_lens(kv_indptr: Any, kv_last_page_len: Any, page_size: int) -> np.n
 
 
 def kv_chunk_size(tile_kv_work: int, num_ctas: int, min_kv_chunk: int = 128,
-                  kv_chunk_align: int = 16) -> int:
+                  kv_chunk_align: int = 16, max_kv: int = 0) -> int:
     """The maximum KV chunk length ``L_kv`` (see the module docstring).
 
     ``tile_kv_work`` is ``num_kv_heads * sum_i ceil(l_q[i] * g / tile_q) * l_kv[i]`` (the work
-    of every KV head).
+    of every KV head); ``max_kv`` the longest KV range of a request with query rows (0: not
+    known), which becomes the chunk when it is at most twice the formula's.
 
     Example:
         >>> kv_chunk_size(10_000, 8), kv_chunk_size(100, 8), kv_chunk_size(100, 8, 50, 32)
         (1264, 128, 64)
+        >>> kv_chunk_size(10_000, 8, max_kv=2000), kv_chunk_size(10_000, 8, max_kv=3000)
+        (2000, 1264)
     """
     raw = _ceil_div(int(tile_kv_work), num_ctas)
-    return int(_ceil_div(max(raw, min_kv_chunk), kv_chunk_align) * kv_chunk_align)
+    chunk = int(_ceil_div(max(raw, min_kv_chunk), kv_chunk_align) * kv_chunk_align)
+    if 0 < max_kv <= 2 * chunk:  # at most two pieces: not worth a merge
+        chunk = max(chunk, int(_ceil_div(int(max_kv), kv_chunk_align) * kv_chunk_align))
+    return chunk
 
 
 # --------------------------------------------------------------------------- the plan
@@ -260,14 +277,14 @@ class Plan:
         num_partial_slots: workspace slots used (each ``tile_q`` rows of O plus ``tile_q`` LSE).
 
     Example:
-        >>> p = plan([0, 2], [300], num_qo_heads=4, num_kv_heads=2, tile_q=16, num_ctas=4)
-        >>> p.kv_chunk, p.units[["kv_head", "q_rows", "kv_start", "kv_end", "slot"]].tolist()
-        (160, [(0, 4, 0, 160, 0), (0, 4, 160, 300, 1), (1, 4, 0, 160, 2), (1, 4, 160, 300, 3)])
+        >>> p = plan([0, 2], [300], num_qo_heads=4, num_kv_heads=2, tile_q=16, num_ctas=8)
+        >>> p.kv_chunk, p.units[["kv_head", "kv_start", "kv_end", "slot"]].tolist()[:4]
+        (128, [(0, 0, 128, 0), (0, 128, 256, 1), (0, 256, 300, 2), (1, 0, 128, 3)])
         >>> d = plan([0, 1, 2], [100, 100], 4, 4, 16, num_ctas=2)   # decode rows: head spans
         >>> d.units[["request", "kv_head", "kv_heads"]].tolist(), d.unit_costs().tolist()
         ([(0, 0, 2), (0, 2, 2), (1, 0, 2), (1, 2, 2)], [202.0, 202.0, 202.0, 202.0])
         >>> p.merge_indptr.tolist(), p.slot_merge.tolist(), p.merge_out["kv_head"].tolist()
-        ([0, 2, 4], [0, 0, 1, 1], [0, 1])
+        ([0, 3, 6], [0, 0, 0, 1, 1, 1], [0, 1])
     """
 
     batch_size: int
@@ -424,7 +441,8 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
     # per request (int64 [batch]): fused rows, query tiles, KV chunks
     rows = np.diff(qo) * g
     ntiles = _ceil_div(rows, tile_q)
-    chunk = kv_chunk_size(int(ntiles @ kv) * hk, num_ctas, floor, align)
+    chunk = kv_chunk_size(int(ntiles @ kv) * hk, num_ctas, floor, align,
+                          max_kv=int(kv[ntiles > 0].max(initial=0)))
     chunk = min(chunk, _INT32_MAX // align * align)  # only absurd sizes: stays a packed int32
     nchunks = np.where(ntiles > 0, np.maximum(_ceil_div(kv, chunk), 1), 0)
     total = hk * (alpha * float(rows @ nchunks) + beta * float(ntiles @ kv))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from attncc.runtime.merge import merge_states
+from attncc.runtime import planner
 from attncc.runtime.plan_format import DYNAMIC_SECTIONS
 from attncc.runtime.scheduler import (
     HEADER_FIELDS, MERGE_TARGET_DTYPE, WORK_UNIT_DTYPE, WRITE_THROUGH, Plan, PlanLayout,
@@ -408,6 +409,25 @@ def test_kv_chunk_size_formula() -> None:
     p = plan(indptr([100, 1]), [4000, 9000], 8, 2, 32, num_ctas=4)
     work = 2 * (math.ceil(100 * 4 / 32) * 4000 + 1 * 9000)  # both KV heads' work
     assert p.kv_chunk == kv_chunk_size(work, 4)
+
+
+@pytest.mark.parametrize("impl", ["numpy", "c"])
+def test_requests_within_two_chunks_are_not_split(impl: str) -> None:
+    """bench/decode.py's constant cells on 792 CTAs (Hq 32, 1K keys): batch 64 x 8 KV heads
+    would cut each request into 672 + 352 keys and merge them all; its longest range is within
+    two chunks, so it is not split. Batch 64 x 4 KV heads (chunks of 352: three pieces) and a
+    long request among short ones still are."""
+    if impl == "c" and not planner.available():
+        pytest.skip("no C compiler for the compiled planner")
+    decode = indptr([1] * 64)
+    p = plan(decode, [1024] * 64, 32, 8, 16, num_ctas=792, kv_chunk_align=32, impl=impl)
+    assert (p.kv_chunk, p.num_merges, p.num_units) == (1024, 0, 512)
+    assert kv_chunk_size(8 * 64 * 1024, 792, 128, 32) == 672  # the formula alone would split
+    p = plan(decode, [1024] * 64, 32, 4, 16, num_ctas=792, kv_chunk_align=32, impl=impl)
+    assert (p.kv_chunk, p.num_merges) == (352, 256)
+    p = plan(decode, [8192] + [512] * 63, 32, 8, 16, num_ctas=792, kv_chunk_align=32, impl=impl)
+    assert p.kv_chunk == kv_chunk_size(8 * (8192 + 63 * 512), 792, 128, 32) < 8192 // 2
+    assert p.num_merges > 0
 
 
 # --------------------------------------------------------------------------- determinism & packing
