@@ -13,7 +13,6 @@
 //             A ragged (contiguous) cache is the same with one "page" per request: page id = the
 //             request's first token, page_size = 2^30, kv_stride_page = kv_stride_slot.
 //   partial_o / partial_lse   workspace: slot s holds TQ rows of fp32 O [TQ, D] and LSE [TQ].
-//   merge_count               workspace: one arrival counter per split item (zeroed once).
 //   plan      the packed plan (attncc.runtime.plan_format, PLAN_VERSION 5): its int32 header,
 //             cta_indptr right after it, then the sections whose sizes vary from plan to plan
 //             (units, per-CTA queues, merge map) back to back at word offsets the header holds
@@ -35,6 +34,8 @@ constexpr int kPlanMergeIndptrAt = 16;  // merge_indptr [num_merges + 1]: split 
                                         // are partial slots merge_indptr[m] .. [m + 1]
                                         // (ascending kv start)
 constexpr int kPlanSlotMergeAt = 17;    // slot_merge [num_partial_slots]: each slot's item
+                                        // (no kernel reads it since the in-place merge
+                                        // went; plan format v5 still carries it)
 constexpr int kPlanMergeOutAt = 18;     // merge_out [num_merges][5]: MERGE_TARGET_DTYPE
 
 struct BatchParams {
@@ -55,9 +56,6 @@ struct BatchParams {
     const int* q_positions;      // [total_q_tokens] query positions the hooks see, or null:
                                  // then token t of request i is kv_lens[i] - q_len_i + t
     const int* kv_pos_offset;    // [batch] added to kv positions for the hooks, or null
-    int* merge_count;            // [max_merges] workspace: parts of each split item written so
-                                 // far (0 between launches; the FA2 batch kernel's last part
-                                 // merges and puts it back to 0)
     const void* tma;             // the FA3 batch kernel's q / k / v tensor maps (3 x 128 bytes,
                                  // fa3_batch.cuh), or null for the FA2 batch kernel
     i64 q_stride_tok, q_stride_h;

@@ -12,9 +12,9 @@
 // up to TQ fused query rows, a KV range); its heads run one after another, each as a one-head
 // unit would (only write-through units of one-tile requests cover several heads: decode rows).
 // A unit that covers its rows' whole KV range writes the output directly; the units of a split
-// range write fp32 partial states to the workspace, and the CTA that writes a small item's last
-// part, or else the merge kernel, combines them -- in the plan's fixed order, so the same lengths
-// give bitwise the same output -- then applies the OutputTransform. Because every pointer and both
+// range write fp32 partial states to the workspace, and the merge kernel combines them -- in the
+// plan's fixed order, so the same lengths give bitwise the same output -- then applies the
+// OutputTransform. Because every pointer and both
 // grid sizes are fixed, the pair of launches can be captured once in a CUDA graph and replayed
 // with new plans.
 //
@@ -178,10 +178,12 @@ struct BatchWork {
 // order (ascending KV start), so the result does not depend on which CTA finished first or which
 // CTA merges. No-softmax variants just add the parts.
 //
-// Who merges: for small items (merged_in_place), the FA2 batch kernel's CTA whose partial
-// completes the item (a per-item arrival counter in the workspace, merge_if_last below); the
-// others -- and every split item of the FA3 batch kernel -- the merge kernel (fa2_merge),
-// described here.
+// The merge kernel (fa2_merge) merges every split item, of the FA2 and the FA3 batch kernels
+// alike, as a programmatic dependent launch that starts under the attention kernel's tail. (The
+// FA2 kernel once merged small items in place -- the CTA writing an item's last part, found by a
+// per-item arrival counter. With the dependent launch that lost 4-7 us on skewed decode batches,
+// whose CTAs holding short requests' parts also carried merges the plan's costs do not count,
+// and gained nothing elsewhere: bench/NOTES.md, stop 19.)
 //
 // The partials were just written and sit in L2, so a row's merge is bound by load latency, not
 // bandwidth: a long request split into many chunks must not walk its slots one dependent load at
@@ -195,19 +197,7 @@ struct MergeKernel {
   static constexpr int kThreads = 512;  // 16 warps, one row each at a time
   static constexpr int kChunk = 128;    // slots whose weights a warp stages at once
   static constexpr int kUnroll = 8;     // slot rows summed per step (independent loads)
-  static constexpr int kInPlaceLoads = 8;  // see merged_in_place
 };
-
-// Which split items the FA2 batch kernel (NT threads per CTA) merges in place: those whose merge
-// is at most kInPlaceLoads float4 loads per thread; the merge kernel takes the rest (and every
-// item of the FA3 batch kernel: NT = 0). On the H200 the in-place merge saved 6 us of a 94 us MHA
-// step (one row per item), was even at GQA-8 rows x 4 parts (16 loads per thread) and lost
-// 5-10 us on skewed batches, whose long requests have 10-30 parts: 64 threads walk them where the
-// merge kernel has 512.
-template <int D, int NT>
-__device__ __forceinline__ bool merged_in_place(int q_rows, int parts) {
-  return NT > 0 && parts * q_rows * (D / 4) <= MergeKernel::kInPlaceLoads * NT;
-}
 
 struct FloatRow {  // a staged output row, as the OutputTransform's `Vec`
   const float* row;
@@ -316,15 +306,14 @@ __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
 }
 
 // The merge kernel: a fixed grid (at most one CTA per SM) walks the split items m = blockIdx.x,
-// + gridDim.x, ..., up to the plan's num_merges, skipping those the attention kernel merged in
-// place (merged_in_place with its NT). Thread t reads item base + t * gridDim.x -- one round of
-// loads per kThreads items, so a plan merged wholly in place costs the launch and that round (a
-// walk item by item took 3.5 us for 512 items on the H200) -- and stages it in shared memory;
+// + gridDim.x, ..., up to the plan's num_merges. Thread t reads item base + t * gridDim.x -- one
+// round of loads per kThreads items (a walk item by item took 3.5 us for 512 items on the
+// H200) -- and stages it in shared memory;
 // a block-wide prefix sum of the items' rows then numbers all their rows, and warp w merges rows
 // w, w + WARPS, ... of that numbering. Spreading rows, not items, over the warps matters for
 // decode: a GQA-8 item has 8 rows, so one item at a time kept half of the 16 warps idle and the
 // CTA's items ran one after another (7.7 us of a 48 us GQA-4 batch-64 step on the H200).
-template <typename Variant, typename DType, int HEAD_DIM, int TQ, int NT>
+template <typename Variant, typename DType, int HEAD_DIM, int TQ>
 __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp) {
   constexpr int NTH = MergeKernel::kThreads, WARPS = NTH / 32;
@@ -342,12 +331,9 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
       const int* merge_indptr = plan_section(p, kPlanMergeIndptrAt);
       const int s0 = __ldg(merge_indptr + m), s1 = __ldg(merge_indptr + m + 1);
       const int* t = plan_section(p, kPlanMergeOutAt) + 5 * m;
-      const int q_rows = __ldg(t + 4);
-      if (!merged_in_place<HEAD_DIM, NT>(q_rows, s1 - s0)) {
-        items[threadIdx.x] = MergeItem{__ldg(t), __ldg(t + 1), __ldg(t + 2), __ldg(t + 3),
-                                       q_rows, s0, s1};
-        rows = q_rows;
-      }
+      rows = __ldg(t + 4);
+      items[threadIdx.x] = MergeItem{__ldg(t), __ldg(t + 1), __ldg(t + 2), __ldg(t + 3), rows, s0,
+                                     s1};
     }
     // inclusive prefix sum of `rows` over the block: within each warp, then the warps' totals
     int sum = rows;
@@ -391,107 +377,6 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
   wait_for_primary();
 }
 
-// After a split unit of the FA2 batch kernel wrote its partial state, if its item is merged in
-// place: count the part in the item's arrival counter; the CTA that brings the count to the
-// item's number of parts merges the item and puts the counter back to 0, so the next launch -- a
-// CUDA-graph replay with another plan -- starts from zero. Release/acquire: every thread fences
-// its partial stores before the barrier and thread 0's atomic; the merging CTA's thread 0 fences
-// after it, before the barrier that lets every thread read other CTAs' partials.
-//
-// The merge spreads the item over all the CTA's threads, one (row, 4 columns) element at a time:
-// each element walks the parts in plan order with an online combine (running max, rescaled sum),
-// so its loads of every part are independent and in flight together. (A warp per row, as in the
-// merge kernel, left a decode CTA's two warps walking 8 rows' dependent loads one row at a time:
-// +11 us on a 30 us step.) Merged rows are staged in shared memory -- the K/V stage memory, free
-// between units -- so the OutputTransform sees whole rows, then stored.
-template <typename Variant, typename DType, int D, int TQ, int NT>
-__device__ __forceinline__ void merge_if_last(const attncc::BatchParams& p,
-                                              const typename Variant::Params& vp,
-                                              const WorkUnit& u, unsigned char* smem) {
-  constexpr int C4 = D / 4;  // float4 column groups per row
-  constexpr float kLog2e = 1.4426950408889634f;
-  constexpr float kLn2 = 0.6931471805599453f;
-  constexpr bool kSoftmax = Variant::use_softmax;
-  __shared__ bool merging;  // this CTA wrote the item's last part
-  const int m = __ldg(plan_section(p, kPlanSlotMergeAt) + u.slot);
-  const int* merge_indptr = plan_section(p, kPlanMergeIndptrAt);
-  const int s0 = __ldg(merge_indptr + m), s1 = __ldg(merge_indptr + m + 1);
-  if (!merged_in_place<D, NT>(u.q_rows, s1 - s0)) return;  // the merge kernel's (CTA-uniform)
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const bool last = atomicAdd(p.merge_count + m, 1) == s1 - s0 - 1;
-    if (last) p.merge_count[m] = 0;  // every part arrived: nobody else touches it this launch
-    __threadfence();
-    merging = last;
-  }
-  __syncthreads();
-  if (!merging) return;
-
-  float* rows = reinterpret_cast<float*>(smem);  // [TQ][D] merged, normalized rows
-  float* lses = rows + TQ * D;                    // [TQ]
-#pragma unroll 1
-  for (int e = threadIdx.x; e < u.q_rows * C4; e += NT) {
-    const int r = e / C4, c = (e % C4) * 4;
-    float mx = neg_inf(), sum = 0.f;  // log2 domain
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-    for (int s = s0; s < s1; ++s) {
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(
-          p.partial_o + ((attncc::i64)s * TQ + r) * D + c));
-      float a = 1.f, b = 1.f;  // weights of the sum so far and of this part
-      if constexpr (kSoftmax) {
-        const float l2 = __ldcg(p.partial_lse + (attncc::i64)s * TQ + r) * kLog2e;
-        if (l2 == neg_inf()) continue;  // an empty part (its range was masked out)
-        const float m_new = fmaxf(mx, l2);
-        a = fast_exp2(mx - m_new);  // 0 while nothing was summed (mx = -inf)
-        b = fast_exp2(l2 - m_new);
-        mx = m_new;
-        sum = sum * a + b;
-      }
-      acc.x = acc.x * a + v.x * b;
-      acc.y = acc.y * a + v.y * b;
-      acc.z = acc.z * a + v.z * b;
-      acc.w = acc.w * a + v.w * b;
-    }
-    const float inv = !kSoftmax ? 1.f : sum > 0.f ? 1.f / sum : 0.f;
-    *reinterpret_cast<float4*>(rows + r * D + c) =
-        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-    if (c == 0) lses[r] = !kSoftmax ? 0.f : sum > 0.f ? (mx + __log2f(sum)) * kLn2 : neg_inf();
-  }
-  __syncthreads();
-
-  const int gf = p.num_q_heads / p.num_kv_heads;
-  const int qo_offset = unit_qo_offset(p, u);  // (a split unit has one KV head: u.kv_head)
-  int q_pos0 = 0;  // the request's first query position (loads), once for all its elements
-  if constexpr (Variant::has_output_transform) q_pos0 = request_q_pos0(p, u.request);
-#pragma unroll 1
-  for (int e = threadIdx.x; e < u.q_rows * D; e += NT) {
-    const int r = e / D, d = e % D;
-    const int fr = u.q_start + r;
-    const int tok = fr / gf;
-    const int hq = u.kv_head * gf + (fr - tok * gf);
-    float val = rows[e];
-    if constexpr (Variant::has_output_transform) {
-      const int q_pos = query_position(p, q_pos0, qo_offset, tok);
-      val = Variant::OutputTransform(vp, FloatRow{rows + r * D}, u.request, hq, q_pos, d);
-    }
-    DType* out = reinterpret_cast<DType*>(p.o) + (qo_offset + tok) * p.o_stride_tok +
-                 hq * p.o_stride_h;
-    reinterpret_cast<fa2_u16*>(out)[d] = float_to_elem<DType>(val);
-  }
-  if constexpr (kSoftmax) {
-    if (p.lse != nullptr) {
-      for (int r = threadIdx.x; r < u.q_rows; r += NT) {
-        const int fr = u.q_start + r;
-        const int tok = fr / gf;
-        const int hq = u.kv_head * gf + (fr - tok * gf);
-        p.lse[(attncc::i64)(qo_offset + tok) * p.lse_stride_tok + hq] = lses[r];
-      }
-    }
-  }
-}
-
 // The persistent attention kernel: this CTA's queue of work units, in order, and each unit's
 // KV heads in order.
 template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,
@@ -499,9 +384,6 @@ template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int S
 __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp) {
   using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>;
-  static_assert(4 * (TQ * HEAD_DIM + TQ) <= Cfg::kSmemBytes,
-                "a merged tile (fp32 rows and LSEs) fits in the kernel's shared memory");
-  extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa2_smem[];
   allow_dependents();  // the merge kernel may launch now (batch_params.cuh)
   const int first = __ldg(plan_cta_indptr(p) + blockIdx.x);
   const int last = __ldg(plan_cta_indptr(p) + blockIdx.x + 1);
@@ -515,8 +397,6 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
       const BatchWork<DType, HEAD_DIM, TQ, TKV, Cfg::kThreads> w(p, u, h, qo_offset);
       fa2_attend<Variant, DType, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(w, vp, p.sm_scale);
     }
-    if (u.slot >= 0)
-      merge_if_last<Variant, DType, HEAD_DIM, TQ, Cfg::kThreads>(p, vp, u, attncc_fa2_smem);
   }
 }
 
@@ -524,9 +404,9 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
 }  // namespace attncc
 
 // The line codegen emits per batch kernel: the persistent attention kernel NAME (grid: the plan's
-// num_ctas; block: Config::kThreads; dynamic shared memory: Config::kSmemBytes), which merges
-// small split items itself, and the merge kernel NAME_merge for the others (grid: at most one
-// CTA per SM; block: MergeKernel::kThreads; static shared memory).
+// num_ctas; block: Config::kThreads; dynamic shared memory: Config::kSmemBytes) and the merge
+// kernel NAME_merge of its split items (grid: at most one CTA per SM; block:
+// MergeKernel::kThreads; static shared memory).
 #define ATTNCC_FA2_BATCH_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS) \
   extern "C" __global__ void ATTNCC_FA2_LAUNCH_BOUNDS(HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)\
       NAME(attncc::BatchParams p, VARIANT::Params vp) {                                            \
@@ -534,8 +414,7 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
   }                                                                                                \
   extern "C" __global__ void __launch_bounds__(attncc::fa2::MergeKernel::kThreads, 1)              \
       NAME##_merge(attncc::BatchParams p, VARIANT::Params vp) {                                    \
-    attncc::fa2::fa2_merge<VARIANT, DTYPE, HEAD_DIM, TQ,                                           \
-        attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kThreads>(p, vp);       \
+    attncc::fa2::fa2_merge<VARIANT, DTYPE, HEAD_DIM, TQ>(p, vp);                                   \
   }
 
 #endif  // ATTNCC_FA2_BATCH_CUH

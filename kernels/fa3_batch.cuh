@@ -334,7 +334,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
   }                                                                                                \
   extern "C" __global__ void __launch_bounds__(attncc::fa2::MergeKernel::kThreads, 1)              \
       NAME##_merge(attncc::BatchParams p, VARIANT::Params vp) {                                    \
-    attncc::fa2::fa2_merge<VARIANT, DTYPE, HEAD_DIM, TQ, 0>(p, vp);                                \
+    attncc::fa2::fa2_merge<VARIANT, DTYPE, HEAD_DIM, TQ>(p, vp);                                   \
   }
 
 #endif  // ATTNCC_FA3_BATCH_CUH

@@ -726,8 +726,7 @@ class BatchAttention:
         lay = layout if layout is not None else self.layout
         assert lay is not None
         mb = self.max_batch + 1
-        return (lay.size + 4 * _pad4(mb) + _pad4(self.max_qo_tokens) + _pad4(self.max_pages)
-                + _pad4(lay.max_merges))
+        return lay.size + 4 * _pad4(mb) + _pad4(self.max_qo_tokens) + _pad4(self.max_pages)
 
     def _staging_for(self, layout: scheduler.PlanLayout
                      ) -> tuple[int, np.ndarray, dict[str, int]]:
@@ -759,8 +758,7 @@ class BatchAttention:
         qcap = _pad4(self.max_qo_tokens)
         pages = off + 4 * mb + qcap
         return {"qo_indptr": off, "kv_page_indptr": off + mb, "kv_lens": off + 2 * mb,
-                "kv_pos": off + 3 * mb, "q_pos": off + 4 * mb, "pages": pages,
-                "merge_count": pages + _pad4(self.max_pages)}  # never staged: see _workspace_for
+                "kv_pos": off + 3 * mb, "q_pos": off + 4 * mb, "pages": pages}
 
     def _stage(self, buf: np.ndarray, b: _Batch, o: dict[str, int]) -> None:
         """Write the page tables at the word offsets `o` of the staging buffer `buf` (numpy:
@@ -810,10 +808,6 @@ class BatchAttention:
             ws = self.workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
         if ws.dtype != torch.uint8 or ws.device != self.device:
             raise ValueError("workspace_buffer must be a uint8 tensor on the kernel's device")
-        # The split items' arrival counters (kernels/fa2_batch.cuh merge_if_last) start at 0; each
-        # launch leaves them at 0. Zeroed on the stream, after any run still reading the region.
-        count_at = 4 * self._table_offsets(lay)["merge_count"]
-        ws[count_at: count_at + 4 * lay.max_merges].zero_()
         self._ws_checked = (ws, lay, self.head_dim, self._int_words())
         return ws
 
@@ -875,7 +869,6 @@ class BatchAttention:
             "q_positions": base + 4 * o["q_pos"] if self._has_q_pos else 0,
             "kv_pos_offset": base + 4 * o["kv_pos"] if self._has_kv_pos else 0,
             "plan": base + 4 * lay.offsets["header"],  # the kernels find the sections in it
-            "merge_count": base + 4 * o["merge_count"],
             "q_stride_tok": q.stride(0), "q_stride_h": q.stride(1),
             "o_stride_tok": out.stride(0), "o_stride_h": out.stride(1),
             "kv_stride_page": strides[0], "kv_stride_slot": strides[1], "kv_stride_h": strides[2],
@@ -897,7 +890,7 @@ class BatchAttention:
         cfg = kern.config
         kern.attend.launch((lay.max_ctas, 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
                            kern.attend.ap.flatten(bp), kern.attend.vp.flatten(vp), stream=stream)
-        if lay.max_merges:  # the split items the attention kernel did not merge in place
+        if lay.max_merges:  # the split items' merge
             grid = min(lay.max_merges, _num_sms(self.device))
             kern.merge.launch((grid, 1, 1), (MERGE_THREADS, 1, 1), 0,
                               kern.merge.ap.flatten(bp),
@@ -1064,10 +1057,9 @@ def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end:
     the kernels (kernels/fa2_batch.cuh, fa3_batch.cuh and the merge) read only used words. They
     read the header's section offsets and counts; the attention grid is layout.max_ctas CTAs,
     which is the plan's num_ctas (BatchAttention sizes the layout by it), and CTA c reads
-    cta_indptr[c], [c + 1], then cta_units in [0, num_units) and the units those name (a split
-    unit's slot_merge[slot] and that item's merge_indptr pair); the merge kernel's CTAs read
-    merge_out[m], merge_indptr[m], [m + 1] for m < num_merges only; the page tables are read
-    per planned request (tests/test_batch.py, test_used_ranges_carry_everything_the_kernels_read,
+    cta_indptr[c], [c + 1], then cta_units in [0, num_units) and the units those name; the
+    merge kernel's CTAs read merge_out[m], merge_indptr[m], [m + 1] for m < num_merges only;
+    the page tables are read per planned request (tests/test_batch.py, test_used_ranges_carry_everything_the_kernels_read,
     fills the rest with garbage).
 
     Example:
