@@ -220,7 +220,7 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
                                              const int (&qi)[2], const bool (&row_ok)[2], int kv0,
                                              int kv_len, int kv_pos0, bool is_full) {
   constexpr bool kSoftmax = Variant::use_softmax;
-  constexpr bool kClamp = false;
+  constexpr bool kClamp = CHECKED && Variant::loads_at_positions;
   const float masked = kSoftmax ? fa2::neg_inf() : 0.f;
   const int lane = threadIdx.x & 31;
   // kOneHead (the dense kernel): both rows are head hq[0], at positions qi[0] and qi[0] + 8.
@@ -258,7 +258,6 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
         }
     }
   } else {
-    const int rem = kv_len - kv0 - 2 * (lane & 3);
     auto logit = [&](int j, int e, int hr) {
       const int kv = kv0 + 8 * j + 2 * (lane & 3) + e;
       const int kv_hook = (kClamp ? min(kv, kv_len - 1) : kv) + kv_pos0;
@@ -271,7 +270,7 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
         if constexpr (kSoftmax) sc *= kLog2e;
       }
       if constexpr (CHECKED) {
-        if (!row_ok[hr] || 8 * j + e >= rem) sc = masked;
+        if (!row_ok[hr] || (unsigned)kv >= (unsigned)kv_len) sc = masked;
         if constexpr (Variant::has_logits_mask) {
           if constexpr (ATTNCC_FA3_LOW_PRESSURE) {
             // evaluated whether or not the tile is full (then ignored): behind the is_full
