@@ -36,8 +36,9 @@ struct AttentionParams {
     i64 bi_stride_b, bi_stride_h, bi_stride_q;   // strides of kv_indices (full_* share them)
     int block_q, block_kv;                       // BLOCK_SIZE of the block mask
 
-    // FA3 template only: three TMA tensor maps (q, k, v; 128 bytes each, 64-byte aligned) in
-    // global memory, describing q/k/v as [rows, head_dim] matrices. Null for other templates.
+    // FA3 template only: four TMA tensor maps (128 bytes each, 64-byte aligned) in global
+    // memory: q, k, v as [rows, head_dim] matrices and o as [batch, heads, q_len, head_dim]
+    // (its strides; the epilogue's stores). Null for other templates.
     const void* tma;
     // FA3 template only: the dynamic item order's counter (one int, zero at launch; the runtime
     // hands each launch a fresh one). Null for other templates and at head dim 256, where each

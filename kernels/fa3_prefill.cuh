@@ -816,6 +816,12 @@ __device__ __forceinline__ uint4 o_chunk(const float (&o)[D / 64][32], float inv
 #ifndef ATTNCC_FA3_BULK_STORE
 #define ATTNCC_FA3_BULK_STORE 1
 #endif
+// ATTNCC_FA3_TMA_STORE_O 1: kBulkO stages O swizzled with stmatrix (stage_rows_sw) and writes it
+// with TMA tensor stores through O's map; 0: unswizzled rows (stage_rows_v4) and plain bulk
+// copies, one per warpgroup when O's rows are contiguous, else one per row.
+#ifndef ATTNCC_FA3_TMA_STORE_O
+#define ATTNCC_FA3_TMA_STORE_O 1
+#endif
 template <typename DType, int D, typename RowPtr>
 __device__ __forceinline__ void store_rows_v4(const float (&o)[D / 64][32], const float (&inv)[2],
                                               RowPtr&& row_ptr) {
@@ -863,6 +869,35 @@ __device__ __forceinline__ void stage_rows_v4(const float (&o)[D / 64][32], cons
                      : "memory");
       }
     }
+  }
+}
+
+// This warp's 16 rows of O times inv, as 16-bit values, into a warpgroup's 64 rows at `tile` in
+// the TMA / wgmma layout (D/64 column blocks of [64 rows][64], 128B-swizzled, wgmma.cuh's
+// sw128_offset) -- what a TMA tensor store of [64 rows][64] boxes writes out as plain rows. One
+// stmatrix.x4 stores a 16 x 16 block: its four 8 x 8 matrices are the accumulator's pairs as they
+// are (matrix i: rows 8 (i & 1) .., columns 8 (i >> 1) ..; each thread's register holds its
+// element pair of row lane / 4), and lane l gives the address of row l % 8 of matrix l / 8. The
+// swizzle puts a matrix's 8 rows in 8 different 16-byte bank groups, so each store is
+// conflict-free -- against stage_rows_v4's unswizzled rows, which need the quad transposes
+// (shuffles) to write whole 16-byte chunks: D/16 stores here instead of 2 D/32 shuffle rounds.
+template <typename DType, int D>
+__device__ __forceinline__ void stage_rows_sw(const float (&o)[D / 64][32], const float (&inv)[2],
+                                              fa2_u32 tile) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const int i = lane >> 3;                                   // the matrix this lane addresses
+  const int row = 16 * warp + 8 * (i & 1) + (lane & 7);      // its row of the warpgroup's 64
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) {
+    const int blk = k >> 2, j = (2 * k) & 7;  // 8-column blocks j and j + 1 of column block blk
+    const fa2_u32 r0 = fa2::pack2<DType>(o[blk][4 * j] * inv[0], o[blk][4 * j + 1] * inv[0]);
+    const fa2_u32 r1 = fa2::pack2<DType>(o[blk][4 * j + 2] * inv[1], o[blk][4 * j + 3] * inv[1]);
+    const fa2_u32 r2 = fa2::pack2<DType>(o[blk][4 * j + 4] * inv[0], o[blk][4 * j + 5] * inv[0]);
+    const fa2_u32 r3 = fa2::pack2<DType>(o[blk][4 * j + 6] * inv[1], o[blk][4 * j + 7] * inv[1]);
+    const fa2_u32 addr = tile + wg::sw128_offset(row, 16 * k + 8 * (i >> 1), 64);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
   }
 }
 
@@ -1208,32 +1243,49 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     if (kBulkO && v4 && tiles.count > 0) {
       // The last tile's K half takes this warpgroup's 64 rows once both consumers' last S
       // GEMMs completed (q_empty's phase of item k; the other warpgroup's last P V reads V
-      // only). Each warp writes its 16 rows, fences them for the async proxy and issues one
-      // bulk copy per real row; the stage stays held until those copies have read it
+      // only). Each warp writes its 16 rows and fences them for the async proxy, then bulk
+      // copies write them out; the stage stays held until those copies have read it
       // (HeldStage::settle, during the next item's first S GEMM).
       tma::mbar_wait(q_empty, k & 1);
       const fa2_u32 rows = ring.k_of(tile - 1) + (wg - 1) * 64 * 2 * D;
       const int row0 = q0 + 64 * (wg - 1);  // the warpgroup's first query
-      stage_rows_v4<DType, D>(o, inv, rows);
-      wg::fence_proxy_async();
-      if (p.o_stride_s == D) {
-        // the warpgroup's rows are one contiguous range of O: one copy (a bulk request per
-        // row ran 1-2 % slower than storing from registers), once all four warps wrote theirs
+      if constexpr (ATTNCC_FA3_TMA_STORE_O) {
+        // swizzled boxes through O's tensor map (p.tma + 384), one thread storing the
+        // warpgroup's D/64 boxes once all four warps staged theirs; rows past q_len lie outside
+        // the map's [B, H, q_len, D] tensor and are not written
+        stage_rows_sw<DType, D>(o, inv, rows);
+        wg::fence_proxy_async();
         warpgroup_sync(wg - 1);
-        const int n_rows = min(64, q_len - row0);
-        if (warp == 0 && lane == 0 && n_rows > 0) {
-          tma::bulk_store(out_row(row0), rows, n_rows * 2 * D);
+        if (warp == 0 && lane == 0 && row0 < q_len) {
+          const void* tm_o = reinterpret_cast<const unsigned char*>(p.tma) + 384;
+#pragma unroll
+          for (int blk = 0; blk < BLOCKS; ++blk)
+            tma::store_4d(tm_o, rows + blk * kBoxBytes, 64 * blk, row0, hq, b);
           tma::bulk_commit();
         }
         held.owe = warp == 0 ? 4 : 0;
       } else {
-        __syncwarp();
-        if (lane < 16) {
-          const int r = 16 * warp + lane;
-          if (row0 + r < q_len) tma::bulk_store(out_row(row0 + r), rows + r * 2 * D, 2 * D);
-          tma::bulk_commit();
+        stage_rows_v4<DType, D>(o, inv, rows);
+        wg::fence_proxy_async();
+        if (p.o_stride_s == D) {
+          // the warpgroup's rows are one contiguous range of O: one copy (a bulk request per
+          // row ran 1-2 % slower than storing from registers), once all four warps wrote theirs
+          warpgroup_sync(wg - 1);
+          const int n_rows = min(64, q_len - row0);
+          if (warp == 0 && lane == 0 && n_rows > 0) {
+            tma::bulk_store(out_row(row0), rows, n_rows * 2 * D);
+            tma::bulk_commit();
+          }
+          held.owe = warp == 0 ? 4 : 0;
+        } else {
+          __syncwarp();
+          if (lane < 16) {
+            const int r = 16 * warp + lane;
+            if (row0 + r < q_len) tma::bulk_store(out_row(row0 + r), rows + r * 2 * D, 2 * D);
+            tma::bulk_commit();
+          }
+          held.owe = 1;
         }
-        held.owe = 1;
       }
     } else if (v4) {
       store_rows_v4<DType, D>(o, inv, [&](int hr) -> DType* {

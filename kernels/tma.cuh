@@ -75,6 +75,18 @@ __device__ __forceinline__ void load_3d(u32 dst, const void* tmap, u32 bar, int 
       : "memory");
 }
 
+// 4-D tiled bulk store: the box at (c0, c1, c2, c3), innermost coordinate first, written from
+// shared memory at `src` (laid out as a load of the same box would leave it: swizzled as the map
+// says) to the tensor `tmap` describes. Box rows outside the tensor are not written. In this
+// thread's bulk async-group, with bulk_store's rules below (fence, barrier, commit, wait).
+__device__ __forceinline__ void store_4d(const void* tmap, u32 src, int c0, int c1, int c2,
+                                         int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+      ::"l"(tmap), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
 // Bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from shared memory to
 // global memory, in this thread's current bulk async-group: the copy engine reads the shared
 // memory and writes global memory while the thread goes on. The writing threads must have run

@@ -171,10 +171,12 @@ _FA3_MAPS = MapCache(64)  # the dense FA3 kernel's q/k/v maps (runtime/tma.py)
 FA3_PERSISTENT_HEAD_DIMS = (64, 128)
 
 
-def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-                     ) -> torch.Tensor:
-    """The q, k, v TMA maps (384 bytes on the device) over [rows, head_dim] views."""
-    from .tma import tensor_map_2d
+def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     out: torch.Tensor) -> torch.Tensor:
+    """The q, k, v TMA maps over [rows, head_dim] views and out's over [B, H, S, D] (512 bytes
+    on the device; the dense FA3 kernel's epilogue stores [64 rows][64] boxes through the last;
+    `out`'s strides are multiples of 16 bytes, as gpu_flex_attention requires)."""
+    from .tma import tensor_map_2d, tensor_map_4d
 
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not t.is_contiguous():
@@ -182,8 +184,10 @@ def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                              f"contiguous: pass {name}.contiguous()")
     D = query.shape[-1]
     return _FA3_MAPS.get(
-        tuple((t.data_ptr(), tuple(t.shape), t.dtype, t.device) for t in (query, key, value)),
-        lambda: torch.cat([tensor_map_2d(t.view(-1, D), 64, 64) for t in (query, key, value)]))
+        (*((t.data_ptr(), tuple(t.shape), t.dtype, t.device) for t in (query, key, value)),
+         (out.data_ptr(), tuple(out.shape), out.stride())),
+        lambda: torch.cat([*(tensor_map_2d(t.view(-1, D), 64, 64) for t in (query, key, value)),
+                           tensor_map_4d(out, (1, 1, 64, 64))]))
 
 
 def plan_forced(plan: TilePlan) -> bool:
@@ -749,7 +753,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         grid = (min(items, _num_sms(pl.device)) if persistent else items, 1, 1)
     else:
         grid = (-(-(Sq * pl.tiles.gf) // cfg.tq), Hq // pl.tiles.gf, B)
-    maps = _fa3_tensor_maps(query, key, value) if pl.tiles.kernel == "fa3" else None
+    maps = _fa3_tensor_maps(query, key, value, out) if pl.tiles.kernel == "fa3" else None
     # the FA3 kernel's dynamic item order claims items past the first from this counter: zero,
     # one per launch (a memset on the stream; in a CUDA graph, a memset node) so no two launches
     # share one. At head dim 256 each CTA runs one item and claims none: no counter, no memset.

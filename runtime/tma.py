@@ -3,8 +3,9 @@
 `tensor_map_2d(t, box_rows, box_cols)` describes a 2-D row-major CUDA tensor `t` (bf16/fp16;
 any row stride that is a multiple of 16 bytes) as tiles of `box_rows x box_cols` with the
 128-byte swizzle, and returns the 128-byte map in a small uint8 CUDA tensor (64-byte aligned,
-as TMA requires) whose address kernels take. `tensor_map_3d` does the same for a 3-D tensor and
-a 3-D box (the FA3 batch kernel's GQA query boxes). Encoding needs the CUDA driver
+as TMA requires) whose address kernels take. `tensor_map_3d` and `tensor_map_4d` do the same
+for 3-D and 4-D tensors and boxes (the FA3 batch kernel's GQA query boxes; the dense FA3
+kernel's output, [batch, heads, seq, head_dim] with any 16-byte strides). Encoding needs the CUDA driver
 (cuda-bindings).
 
 Example:
@@ -24,7 +25,7 @@ import torch
 
 from .launcher import _driver, driver_check
 
-__all__ = ["tensor_map_2d", "tensor_map_3d", "MapCache"]
+__all__ = ["tensor_map_2d", "tensor_map_3d", "tensor_map_4d", "MapCache"]
 
 _DTYPES = {torch.bfloat16: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16",
            torch.float16: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"}
@@ -52,6 +53,21 @@ def tensor_map_3d(t: torch.Tensor, box: tuple[int, int, int], swizzle: str = "12
     if t.dim() != 3:
         raise ValueError(f"tensor_map_3d needs a 3-D tensor, got {tuple(t.shape)}")
     return _encode(t, box, swizzle, "tensor_map_3d")
+
+
+def tensor_map_4d(t: torch.Tensor, box: tuple[int, int, int, int], swizzle: str = "128B"
+                  ) -> torch.Tensor:
+    """A CUDA tensor map for the 4-D tensor `t` in boxes of `box` elements (outermost first).
+
+    Example:
+        >>> import torch
+        >>> if torch.cuda.is_available():  # doctest: +SKIP
+        ...     o = torch.empty(2, 16, 2048, 128, device="cuda", dtype=torch.bfloat16)
+        ...     tmap = tensor_map_4d(o, (1, 1, 64, 64))  # 64 rows x 64 columns of one head
+    """
+    if t.dim() != 4:
+        raise ValueError(f"tensor_map_4d needs a 4-D tensor, got {tuple(t.shape)}")
+    return _encode(t, box, swizzle, "tensor_map_4d")
 
 
 def _encode(t: torch.Tensor, box: tuple[int, ...], swizzle: str, what: str) -> torch.Tensor:
