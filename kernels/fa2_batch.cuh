@@ -386,9 +386,17 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
   using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>;
   allow_dependents();  // the merge kernel may launch now (batch_params.cuh)
   const int first = __ldg(plan_cta_indptr(p) + blockIdx.x);
-  const int last = __ldg(plan_cta_indptr(p) + blockIdx.x + 1);
+  // The queue's end is read again after every unit (an L1 hit), through asm so that it is not
+  // hoisted into a register held through fa2_attend: at head dim 64 the decode kernel sits at
+  // its 128-register cap, and ptxas spilled exactly that value (4 bytes) to local memory.
+  auto queue_end = [&] {
+    int last;
+    asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(last)
+                 : "l"(plan_cta_indptr(p) + blockIdx.x + 1));
+    return last;
+  };
 #pragma unroll 1
-  for (int i = first; i < last; ++i) {
+  for (int i = first; i < queue_end(); ++i) {
     const WorkUnit u = queued_unit(p, i);
     const int qo_offset = unit_qo_offset(p, u);
 #pragma unroll 1
