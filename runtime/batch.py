@@ -1091,6 +1091,8 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
                               variant: Variant | None = None, scale: float | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact (float64) batch attention, request by request: the oracle of `BatchAttention.run`.
+    The hooks see b = the request's index, q_idx counted so that the queries are the request's
+    last tokens, as in the batch kernels.
 
     Example:
         >>> import torch
@@ -1136,7 +1138,8 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
         qi = q[int(qo[i]):int(qo[i + 1])]
         o_i, l_i = attention_reference(qi.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                        v.transpose(0, 1)[None], ir, bindings, scale=scale,
-                                       enable_gqa=H != k.shape[1], q_offset=k.shape[0] - lq)
+                                       enable_gqa=H != k.shape[1], q_offset=k.shape[0] - lq,
+                                       b_offset=i)  # the kernels' hooks see b = the request
         out[int(qo[i]):int(qo[i + 1])] = o_i[0].transpose(0, 1)
         if lse is not None and l_i is not None:
             lse[int(qo[i]):int(qo[i + 1])] = l_i[0].transpose(0, 1)

@@ -247,14 +247,14 @@ class _Hooks:
 
 
 def _transform(hooks: _Hooks, hook: str, vec_name: str, x: torch.Tensor, pos_name: str,
-               offset: int = 0) -> torch.Tensor:
+               offset: int = 0, b_offset: int = 0) -> torch.Tensor:
     """query/key/value/output_mod on a [B, H, S, D] tensor (identity when the hook is absent)."""
     expr = hooks.active(hook)
     if expr is None:
         return x
     B, H, S, D = x.shape
     dev = x.device
-    env = {vec_name: x, "b": _index(B, 0, dev), "h": _index(H, 1, dev),
+    env = {vec_name: x, "b": _index(B, 0, dev, b_offset), "h": _index(H, 1, dev),
            pos_name: _index(S, 2, dev, offset), "d": _index(D, 3, dev)}
     return hooks(expr, env).expand(B, H, S, D)
 
@@ -267,7 +267,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
                         bindings: Bindings | None = None, *, block_mask: Any = None,
                         scale: float | None = None, enable_gqa: bool = False,
                         float_dtype: torch.dtype = torch.float64, q_chunk: int | None = None,
-                        q_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        q_offset: int = 0, b_offset: int = 0
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact attention for a traced variant: `(out [B,Hq,Sq,Dv], lse [B,Hq,Sq] or None)`.
 
     Both results are `float_dtype` on the inputs' device. `lse` (natural log, FlexAttention's
@@ -276,7 +277,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
     agree across chunk sizes to float64 rounding (BLAS may pick another kernel for a 1-row
     matmul). `block_mask` is an attncc or torch BlockMask. `q_offset`: query row r is position
     `q_offset + r` for the hooks and the block mask (serving: the queries are the last tokens of
-    a longer sequence).
+    a longer sequence). `b_offset`: batch row r is batch index `b_offset + r` for the hooks
+    (serving: one request at a time, and the hooks' b is the request).
 
     Example:
         >>> import torch
@@ -300,11 +302,12 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     hooks = _Hooks(ir, bindings, device, float_dtype)
 
-    if not isinstance(q_offset, int) or q_offset < 0:
-        raise ValueError(f"q_offset must be a non-negative int, got {q_offset!r}")
-    qf = _transform(hooks, "query_mod", "q", q.to(float_dtype), "q_idx", q_offset)
-    kf = _transform(hooks, "key_mod", "k", k.to(float_dtype), "kv_idx")
-    vf = _transform(hooks, "value_mod", "v", v.to(float_dtype), "kv_idx")
+    for name, off in (("q_offset", q_offset), ("b_offset", b_offset)):
+        if not isinstance(off, int) or off < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {off!r}")
+    qf = _transform(hooks, "query_mod", "q", q.to(float_dtype), "q_idx", q_offset, b_offset)
+    kf = _transform(hooks, "key_mod", "k", k.to(float_dtype), "kv_idx", 0, b_offset)
+    vf = _transform(hooks, "value_mod", "v", v.to(float_dtype), "kv_idx", 0, b_offset)
     # GQA without copying k/v: query heads grouped as [B, Hkv, G, ...]; h = hkv * G + g
     # contiguous K^T: MKL then computes a row's dot products the same way for (almost) any
     # chunk height, so results barely depend on q_chunk
@@ -326,7 +329,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
     out = torch.empty(B, Hq, Sq, Dv, dtype=float_dtype, device=device)
     lse = torch.empty(B, Hq, Sq, dtype=float_dtype, device=device) if ir.use_softmax else None
     chunk = q_chunk or _auto_chunk(B, Hq, Skv)
-    b_idx, h_idx = _index(B, 0, device), _index(Hq, 1, device)
+    b_idx, h_idx = _index(B, 0, device, b_offset), _index(Hq, 1, device)
     kv_idx = _index(Skv, 3, device)
     for r0 in range(0, Sq, chunk):
         r1 = min(Sq, r0 + chunk)
@@ -369,5 +372,6 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
         else:
             w = s if keep is None else torch.where(keep, s, 0)
             o = (w.reshape(B, Hkv, G, rows, Skv) @ vg).reshape(B, Hq, rows, Dv)
-        out[:, :, r0:r1] = _transform(hooks, "output_mod", "o", o, "q_idx", q_offset + r0)
+        out[:, :, r0:r1] = _transform(hooks, "output_mod", "o", o, "q_idx", q_offset + r0,
+                                      b_offset)
     return out, lse

@@ -91,6 +91,30 @@ def test_reference_q_offset_is_the_tail_of_the_full_sequence(rng) -> None:
     assert torch.allclose(tail, full[:, :, 6:]) and torch.allclose(tail_lse, full_lse[:, :, 6:])
 
 
+def test_batch_reference_hooks_see_the_request_as_b(rng) -> None:
+    """The batch kernels pass a request's index as the hooks' b (a document table per request);
+    the batch oracle does too: request i equals attention_reference on batch row i of a batch
+    whose rows are the requests (here a per-request bias and per-request document ids)."""
+    R, n, h, d = 3, 7, 2, 16
+    bias = torch.tensor([0.0, 2.0, -3.0])
+    docs = torch.tensor([[0, 0, 1, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 2], [0, 0, 0, 0, 1, 1, 1]])
+    variant = attncc.Variant(score_mod=lambda s, b, hh, q, kv: s + bias[b] * (q - kv),
+                             mask_mod=lambda b, hh, q, kv: docs[b, q] == docs[b, kv])
+    q, k, v = rng.qkv(R, h, n, d)
+    out, lse = batch_attention_reference(q.transpose(1, 2).flatten(0, 1),
+                                         (k.transpose(1, 2).flatten(0, 1),
+                                          v.transpose(1, 2).flatten(0, 1)),
+                                         np.arange(R + 1) * n, np.arange(R + 1) * n,
+                                         kv_layout="ragged", variant=variant)
+    ir, bind = variant.trace()
+    want, want_lse = attention_reference(q, k, v, ir, bind)
+    assert torch.allclose(out.view(R, n, h, d), want.transpose(1, 2))
+    assert torch.allclose(lse.view(R, n, h), want_lse.transpose(1, 2))
+    # and b = 0 for every request would not: the bias and the documents differ per request
+    first, _ = attention_reference(q[1:2], k[1:2], v[1:2], ir, bind)
+    assert not torch.allclose(out.view(R, n, h, d)[1], first[0].transpose(0, 1))
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND", "ragged"])
 def test_batch_reference_matches_per_request_attention(layout: str, rng) -> None:
     """The batch oracle equals plain attention on each request's gathered K/V (causal, GQA)."""

@@ -159,14 +159,15 @@ def test_fa3_batch_matches_reference(layout: str, page: int, var: str, g: int, d
     _check(ba, b, variant, layout, page)
 
 
-# Variants whose FA3 batch kernel runs the low-pressure form (the first compile spills), with the
-# rows' tokens and heads recomputed for the epilogue (kernels/fa3_batch.cuh): correct and
-# spill-free as used. The hooks' b is the request, so the variants are made for the batch's 4
-# requests; lengths stay within the 4096 positions their tables cover. (The document-id
-# variants are not here: on the H200 this test failed for them against the reference, relative
-# error 2.8-11.8, with a mask-evaluated-on-landing form that was then reverted; whether the
-# kernel or the reference's batch handling of per-request tables is at fault is open.)
-LOW_PRESSURE_CASES = [("relative_bias", 128), ("relative_bias", 64)]
+# Variants whose FA3 batch kernel runs the low-pressure form (the first compile spills), against
+# the reference. The hooks' b is the request, so the variants are made for the batch's 4
+# requests (document ids [4, 4096]); lengths stay within the 4096 positions their tables cover.
+# Spill-free as used (NVRTC 12.9 and, for relative_bias, 13 on the H200): relative_bias, and
+# document_causal at D 64 (the epilogue's recomputed rows); document_causal D 128 (84 B) and
+# document_mask D 128 (16 B) still spill (bench/NOTES.md, stop 19).
+LOW_PRESSURE_CASES = [("relative_bias", 128), ("relative_bias", 64), ("document_causal", 64),
+                      ("document_causal", 128), ("document_mask", 128)]
+SPILL_FREE = {("relative_bias", 128), ("relative_bias", 64), ("document_causal", 64)}
 
 
 @pytest.mark.parametrize("var,d", LOW_PRESSURE_CASES,
@@ -182,9 +183,9 @@ def test_fa3_batch_low_pressure_variants_match_reference(var: str, d: int) -> No
             num_kv_heads=hkv, head_dim=d, page_size=16, q_data_type=torch.bfloat16)
     assert ba.tiles is not None and ba.tiles.kernel == "fa3"
     _check(ba, b, variant, "NHD", 16)
-    ir = variant.trace()[0]
-    kern = batch_module._kernels_for(ir, d, "bfloat16", ba.tiles, 0)
-    assert kern.spill_bytes == 0, f"{var} D{d}: the kernel as used spills {kern.spill_bytes} B"
+    if (var, d) in SPILL_FREE:
+        kern = batch_module._kernels_for(variant.trace()[0], d, "bfloat16", ba.tiles, 0)
+        assert kern.spill_bytes == 0, f"{var} D{d}: the kernel as used spills {kern.spill_bytes} B"
 
 
 def test_fa3_batch_is_the_prefill_default_and_bitwise_stable() -> None:
