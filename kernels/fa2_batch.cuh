@@ -14,9 +14,8 @@
 // A unit that covers its rows' whole KV range writes the output directly; the units of a split
 // range write fp32 partial states to the workspace, and the merge kernel combines them -- in the
 // plan's fixed order, so the same lengths give bitwise the same output -- then applies the
-// OutputTransform. Because every pointer and both
-// grid sizes are fixed, the pair of launches can be captured once in a CUDA graph and replayed
-// with new plans.
+// OutputTransform. Because every pointer and both grid sizes are fixed, the pair of launches can
+// be captured once in a CUDA graph and replayed with new plans.
 //
 // Query positions: token t of a request with q_len queries and kv_len keys is query position
 // kv_len - q_len + t (the queries are the last q_len tokens of the sequence), which is what the

@@ -1059,8 +1059,8 @@ def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end:
     which is the plan's num_ctas (BatchAttention sizes the layout by it), and CTA c reads
     cta_indptr[c], [c + 1], then cta_units in [0, num_units) and the units those name; the
     merge kernel's CTAs read merge_out[m], merge_indptr[m], [m + 1] for m < num_merges only;
-    the page tables are read per planned request (tests/test_batch.py, test_used_ranges_carry_everything_the_kernels_read,
-    fills the rest with garbage).
+    the page tables are read per planned request (tests/test_batch.py,
+    test_used_ranges_carry_everything_the_kernels_read, fills the rest with garbage).
 
     Example:
         >>> from attncc.runtime import scheduler

@@ -116,14 +116,13 @@ static void span_table(const plan_args* a, double total, spans* sp) {
 
 /* The KV chunk (scheduler.kv_chunk_size, given the longest KV range), every request's tiles,
  * chunks, head span and first unit, the plan's total cost and its sizes (a->chunk, num_units,
- * num_merges, num_slots). Tiles
- * are a shift (tile_q is a power of two), chunks one 32-bit division where a request has more
- * than one (lengths and chunk are below 2^31). A request's span (scheduler._head_spans: the
- * largest divisor s of num_kv_heads with s * c_i <= total / (2 P) for a one-tile, one-chunk
- * request, c_i = alpha * rows + beta * kv its one-head cost, the same float operations; 1
- * otherwise) is the first divisor whose bound c_i does not exceed: the bounds ascend as the
- * divisors descend, so the divisors that fail are a prefix and their count, without a branch,
- * indexes the table (the span and hk / span: no 64-bit division per request, no loop exit
+ * num_merges, num_slots). Tiles are a shift (tile_q is a power of two), chunks one 32-bit division
+ * where a request has more than one (lengths and chunk are below 2^31). A request's span
+ * (scheduler._head_spans: the largest divisor s of num_kv_heads with s * c_i <= total / (2 P) for
+ * a one-tile, one-chunk request, c_i = alpha * rows + beta * kv its one-head cost, the same float
+ * operations; 1 otherwise) is the first divisor whose bound c_i does not exceed: the bounds ascend
+ * as the divisors descend, so the divisors that fail are a prefix and their count, without a
+ * branch, indexes the table (the span and hk / span: no 64-bit division per request, no loop exit
  * that mispredicts when spans vary). */
 static void request_sizes(plan_args* a, i64 g, requests* rq, spans* sp) {
   const i64 batch = a->batch, hk = a->num_kv_heads, tile_q = a->tile_q, align = a->align;

@@ -34,17 +34,17 @@ the alignment (a page size) keeps chunk boundaries on page boundaries.
 
 When the longest KV range (of a request with query rows) is at most ``2 * L_kv``, ``L_kv``
 becomes that length rounded up to the alignment: nothing is split. (With equal lengths that is
-a batch of at least about ``num_ctas / 2`` work items: up to half the CTAs may get no unit.) Cutting requests into at most
-two pieces buys little balance and costs the merge of every split item -- a second kernel and a
-round trip of the partial states. On the H200 (bench/NOTES.md, stop 19; decode, 792 CTAs, 1K
-keys) the unsplit plan took batch 64 x 8 KV heads from 92.4 to 88.4 us, with uniform lengths it
-was as fast, and plans whose longest range is over twice the chunk (batch 16, batch 64 x 4 KV
-heads, Zipf lengths) still needed their splits.
+a batch of at least about ``num_ctas / 2`` work items: up to half the CTAs may get no unit.)
+Cutting requests into at most two pieces buys little balance and costs the merge of every split
+item -- a second kernel and a round trip of the partial states. On the H200 (bench/NOTES.md,
+stop 19; decode, 792 CTAs, 1K keys) the unsplit plan took batch 64 x 8 KV heads from 92.4 to
+88.4 us, with uniform lengths it was as fast, and plans whose longest range is over twice the
+chunk (batch 16, batch 64 x 4 KV heads, Zipf lengths) still needed their splits.
 
 The KV range of every work item is cut into chunks of at most ``L_kv`` tokens; each chunk is a
-*work unit* with cost ``alpha * q_rows + beta * kv_len``.
-A work item with ``l_kv = 0`` still gets one unit with an empty KV range: it must write its
-output (0) and LSE (-inf). Requests with ``l_q = 0`` get no unit at all.
+*work unit* with cost ``alpha * q_rows + beta * kv_len``. A work item with ``l_kv = 0`` still
+gets one unit with an empty KV range: it must write its output (0) and LSE (-inf). Requests with
+``l_q = 0`` get no unit at all.
 
 Head spans
 ----------

@@ -5,8 +5,8 @@ any row stride that is a multiple of 16 bytes) as tiles of `box_rows x box_cols`
 128-byte swizzle, and returns the 128-byte map in a small uint8 CUDA tensor (64-byte aligned,
 as TMA requires) whose address kernels take. `tensor_map_3d` and `tensor_map_4d` do the same
 for 3-D and 4-D tensors and boxes (the FA3 batch kernel's GQA query boxes; the dense FA3
-kernel's output, [batch, heads, seq, head_dim] with any 16-byte strides). Encoding needs the CUDA driver
-(cuda-bindings).
+kernel's output, [batch, heads, seq, head_dim] with any 16-byte strides). Encoding needs the
+CUDA driver (cuda-bindings).
 
 Example:
     >>> import torch
