@@ -22,6 +22,7 @@ import datetime
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -51,7 +52,7 @@ def pairs(variant: str, S: int) -> float:
     return S * S / 2.0  # causal variants count half, as FlashAttention's benchmarks do
 
 
-def _meta() -> dict[str, Any]:
+def _meta(rounds: int = 1) -> dict[str, Any]:
     import torch
 
     try:
@@ -76,8 +77,9 @@ def _meta() -> dict[str, Any]:
             "triton": triton_v, "cuda": torch.version.cuda, "cuda_bindings": cb_v,
             "attncc_commit": commit, "dtype": "bfloat16", "heads": HEADS,
             "head_dim": HEAD_DIM, "tokens": TOKENS,
-            "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms), eager calls "
-                      "(host cost included)"}
+            "timing": f"triton.testing.do_bench median (warmup 25 ms, rep 100 ms), eager calls "
+                      f"(host cost included); a cell's ms is the median of {rounds} interleaved "
+                      f"rounds (ms_rounds)", "rounds": rounds}
 
 
 class Bench:
@@ -171,8 +173,15 @@ def _rel_err(a: Any, b: Any) -> float:
 
 
 def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, ...],
-        sweep: list[dict] | None = None) -> list[dict[str, Any]]:
-    """Measure every (S, variant, impl) cell; returns the result records."""
+        sweep: list[dict] | None = None, rounds: int = 1) -> list[dict[str, Any]]:
+    """Measure every (S, variant, impl) cell; returns the result records.
+
+    With `rounds` > 1 every cell of a (S, variant) is timed again rounds - 1 times, the cells in
+    reverse order on every other round, and its `ms` is the median of the rounds (`ms_rounds`):
+    the H200's power-limited clock drifts by a few per cent over a sweep (single passes of the
+    same kernel differed by up to ~5 %, bench/NOTES.md stop 19), and interleaving makes each
+    implementation see the drift alike.
+    """
     import torch
     from triton.testing import do_bench
 
@@ -183,6 +192,7 @@ def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, 
         bench = Bench(S)
         for variant in variants:
             outs: dict[str, Any] = {}
+            timed: list[tuple[dict[str, Any], Callable[[], Any], float]] = []
             cells = [(impl, None) for impl in impls]
             if sweep and "attncc" in impls:
                 cells += [("attncc", opts) for opts in sweep]
@@ -209,6 +219,7 @@ def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, 
                                        "first_call_s": round(first_s, 2)}
                 if opts is not None:
                     rec["kernel_options"] = opts
+                timed.append((rec, fn, flops))
                 if impl == "attncc":
                     from attncc.runtime.flex import _as_variant, _trace
 
@@ -238,6 +249,19 @@ def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, 
                               f"regs={kk['registers']} spill={kk['spill_bytes']}]")
                 print(f"S={S:6d} {variant:15s} {label:28s} {ms:8.3f} ms "
                       f"{rec['tflops']:7.1f} TFLOP/s{extra}", flush=True)
+            for r in range(1, rounds):
+                for rec, fn, _ in (timed[::-1] if r % 2 else timed):
+                    rec.setdefault("ms_rounds", [rec["ms"]]).append(
+                        do_bench(fn, warmup=25, rep=100, return_mode="median"))
+            for rec, _, flops in timed:
+                if "ms_rounds" in rec:
+                    rec["ms"] = statistics.median(rec["ms_rounds"])
+                    rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
+                    label = rec["impl"] + (json.dumps(rec["kernel_options"], sort_keys=True)
+                                           if "kernel_options" in rec else "")
+                    print(f"S={S:6d} {variant:15s} {label:28s} {rec['ms']:8.3f} ms "
+                          f"{rec['tflops']:7.1f} TFLOP/s (median of {len(rec['ms_rounds'])} "
+                          f"rounds)", flush=True)
             # attncc is measured first; compare it with whichever reference ran after it
             for rec in results:
                 if (rec.get("impl") == "attncc" and rec["S"] == S and rec["variant"] == variant
@@ -348,12 +372,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="JSON path (default $OUT/prefill-h200.json or bench/results/)")
     ap.add_argument("--report", type=Path, default=None,
                     help="only write the markdown table and PNG of an existing JSON")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved timing rounds per cell; ms is their median (see run)")
     args = ap.parse_args(argv)
     if args.report is not None:
         report(args.report, table, plot)
         return 0
-    doc = {"meta": _meta(), "results": run(tuple(args.S), tuple(args.variants),
-                                           tuple(args.impls), args.sweep)}
+    doc = {"meta": _meta(args.rounds), "results": run(tuple(args.S), tuple(args.variants),
+                                                      tuple(args.impls), args.sweep, args.rounds)}
     save(doc, args.out, "prefill-h200.json", table)
     return 0
 
