@@ -206,8 +206,62 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     };
     if constexpr (Variant::has_query_transform)
       transform_q<Variant, DType, D>(vp, sq_w, u.request, turns.me, row_at);
+    // (low-pressure form) A mask-only variant whose mask reads a captured tensor at the
+    // positions (document_mask: a document id per key, 32 loads a tile) evaluates it as soon as
+    // the tile landed, into one bit per logit (keep[hr] bit 2j + e: s[4j + 2hr + e]), and the
+    // logits only apply the bits. Where the logits run, S, P and O hold 160 registers at D = 128
+    // (P V in flight), and the loads, their 64-bit addresses and the clamped key positions did
+    // not fit next to them: in the tile loop, document_causal spilled 84 B at D = 128 and
+    // document_mask 16 B (NVRTC 12.9), document_causal 32 B at D = 64 (NVRTC 13); this form
+    // has none of those spills. When the tile lands S is not live yet (its GEMM comes next). The
+    // same loads and compares as apply_logits' checked path (clamped positions; invalid rows,
+    // keys past the range and the mask), just earlier in the same iteration, and the same
+    // logits (tests/gpu/test_batch.py checks them against the fp64 reference).
+    constexpr bool kMaskBits = ATTNCC_FA3_LOW_PRESSURE && Variant::has_logits_mask &&
+                               !Variant::has_logits_transform && Variant::loads_at_positions;
+    unsigned keep[2] = {~0u, ~0u};
+    auto mask_bits = [&](int it) {
+      const int kv0 = u.kv_start + it * TKV;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        unsigned bits = 0;
+#pragma unroll
+        for (int j = 0; j < TKV / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int kv = kv0 + 8 * j + 2 * (lane & 3) + e;
+            // (an invalid row's row_qi is 0: a real position, as apply_logits gives it)
+            const bool mask = Variant::LogitsMask(vp, u.request, row_hq[hr], row_qi[hr],
+                                                  min(kv, kv_end - 1) + kv_pos0);
+            const bool ok = row_ok[hr] && (unsigned)kv < (unsigned)kv_end && mask;
+            bits |= (unsigned)ok << (2 * j + e);
+          }
+        keep[hr] = bits;
+      }
+      // the bits as two words: else the compiler folds each test in the logits back into its
+      // compare here, and 64 predicates stay live instead (document_mask D = 128: 208 B spilled)
+      asm volatile("" : "+r"(keep[0]), "+r"(keep[1]));
+    };
     auto logits_softmax = [&](float (&s)[TKV / 2], int it, float (&corr)[2]) {
       const int kv0 = u.kv_start + it * TKV;
+      if constexpr (kMaskBits) {  // logits_softmax_step with the mask from keep
+        apply_logits<Variant, TKV, false, false>(s, vp, qk_scale, u.request, row_hq, row_qi,
+                                                 row_ok, kv0, kv_end, kv_pos0, true);
+        const float masked = kSoftmax ? fa2::neg_inf() : 0.f;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+          for (int j = 0; j < TKV / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (!((keep[hr] >> (2 * j + e)) & 1u)) s[4 * j + 2 * hr + e] = masked;
+        if constexpr (kSoftmax) {
+          softmax_step<TKV, folds_scale<Variant>()>(s, row_m, row_l, corr, qk_scale);
+        } else {
+          corr[0] = corr[1] = 1.f;
+        }
+        return;
+      }
       // A mask that is exactly a band lo <= kv - q <= hi (Variant::has_kv_window: causal) keeps
       // every key of a tile whose pairs all lie inside it, for every row of this warp (a vote:
       // apply_logits works per warp); the mask is then skipped, as the dense kernel skips it on
@@ -240,6 +294,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     constexpr bool kKvTransform = Variant::has_key_transform || Variant::has_value_transform;
     const int tail_valid = kv_end - (u.kv_start + (n - 1) * TKV);
     auto landed = [&](int it, int t) {
+      if constexpr (kMaskBits) mask_bits(it);
       const bool tail = it == n - 1 && tail_valid < TKV;
       if constexpr (kKvTransform)
         transform_kv<Variant, DType, D, TKV>(vp, ring.k_of(t), ring.v_of(t), turns.me, u.request,

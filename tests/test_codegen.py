@@ -551,7 +551,7 @@ def test_decode_batch_kernels_compile_without_spills() -> None:
 
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("name,d", [("noop", 64), ("softcap_causal", 128), ("alibi_causal", 128),
-                                    ("sliding_window", 64)])
+                                    ("sliding_window", 64), ("document_causal", 128)])
 def test_fa3_batch_kernels_compile_without_spills(name: str, d: int) -> None:
     """kernel="fa3batch" (kernels/fa3_batch.cuh): the attention kernel (384 threads, setmaxnreg)
     and its merge kernel, as attncc compiles them (`compile_fa3`: the low-pressure form where
