@@ -389,6 +389,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     }
     q_release.stored();
   }
+  turns.finish(tile);
 }
 
 }  // namespace fa3

@@ -65,6 +65,11 @@
 #ifndef ATTNCC_FA3_PINGPONG
 #define ATTNCC_FA3_PINGPONG 1
 #endif
+// Whether consumer 1 hands the turn back right after its last GEMM of an item (1) or only when
+// it starts the next item (0, the A/B's old form): see Turns.
+#ifndef ATTNCC_FA3_TAIL_PASS
+#define ATTNCC_FA3_TAIL_PASS 1
+#endif
 
 namespace attncc {
 namespace fa3 {
@@ -106,6 +111,14 @@ struct Smem {
 // Ping-pong turns of the two consumer warpgroups: consumer c waits on named barrier 1 + c (0 is
 // __syncthreads) before it issues a group of GEMMs and then arrives on the other's barrier. A
 // barrier completes when all 256 consumer threads reached it: 128 waiting + 128 arriving.
+// Consumer 0 issues first at every issue point. Consumer 1 passes the turn once before its
+// first GEMM of the CTA and then after each of its issue points, the item's last (the tail's
+// P V) included: so consumer 0 issues the next item's S(0) as soon as its own epilogue is done,
+// while consumer 1 still stores its rows (with ATTNCC_FA3_TAIL_PASS 0 consumer 1 passed at the
+// start of each item instead, and consumer 0's S(0) waited for consumer 1's whole epilogue).
+// An arrival is always consumed before the next one: between two passes consumer 1 waits for
+// consumer 0's, which follows consumer 0's wait. The last item's tail pass is consumed by
+// finish() (a barrier is not left half-arrived when the CTA exits).
 struct Turns {
   int me;  // 0 or 1: which consumer warpgroup this thread belongs to
   __device__ __forceinline__ void wait_mine() const {
@@ -113,6 +126,10 @@ struct Turns {
   }
   __device__ __forceinline__ void pass() const {
     if (ATTNCC_FA3_PINGPONG) asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - me) : "memory");
+  }
+  // After a consumer's last item, when it consumed ring tiles (issued GEMMs) at all.
+  __device__ __forceinline__ void finish(int tiles_consumed) const {
+    if (ATTNCC_FA3_TAIL_PASS && me == 0 && tiles_consumed > 0) wait_mine();
   }
 };
 
@@ -693,7 +710,8 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
   // it (and Q's descriptors) in vector registers and move them into uniform ones (R2UR) at every
   // wgmma; read from lane 0 it is provably warp-uniform. (The ring's addresses already are.)
   const wg::DescWords q = wg::desc_words(__shfl_sync(0xffffffffu, sq_w, 0), 16, 1024);
-  if (turns.me == 1) turns.pass();  // consumer 0 issues first at every issue point
+  // consumer 0 issues first at every issue point (Turns: consumer 1's first pass of the CTA)
+  if (turns.me == 1 && (t0 == 0 || !ATTNCC_FA3_TAIL_PASS)) turns.pass();
 
   ring.wait_full(t0);
   landed(0, t0);
@@ -739,7 +757,8 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
   turns.wait_mine();
   wg::fence();
   issue_pv<DType, D, TKV>(o, pa, ring.v_of(t0 + n - 1));
-  if (turns.me == 0) turns.pass();  // consumer 1 has no later issue point to hand back
+  // (consumer 1's pass: for the next item's S(0), or for Turns::finish)
+  if (turns.me == 0 || ATTNCC_FA3_TAIL_PASS) turns.pass();
   wg::wait<0>();
   wg::fence_operands(o);
   if (held != nullptr) held->tile = hold_last ? t0 + n - 1 : -1;
@@ -1319,6 +1338,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     run_item(it, k);
     if (!kPersistentHeadDim<D>) break;  // one item per CTA: the grid has num_items CTAs
   }
+  turns.finish(tile);
   if constexpr (kBulkO) {  // the last item's copies: read (the stage) and written (the CTA ends)
     held.settle(ring);
     tma::bulk_wait_all<0>();
