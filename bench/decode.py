@@ -348,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     meta["timing"] = ("bench/timing.py: ms = median of one CUDA-graph replay of the call through "
                       "triton.testing.do_bench (warmup 25 ms, rep 100 ms, L2 cleared before each), "
                       "ms_eager = the same for eager calls, host_us = host time of one eager "
-                      "call; plan() timed separately (median of 50 host calls)")
+                      "call; plan() timed separately (median of 200 host calls after 20 "
+                      "warm-up calls)")
     results = []
     for b in args.batch:
         for h in args.hkv:
