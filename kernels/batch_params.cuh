@@ -33,10 +33,7 @@ constexpr int kPlanCtaUnitsAt = 15;     // cta_units [num_units]: the CTAs' queu
 constexpr int kPlanMergeIndptrAt = 16;  // merge_indptr [num_merges + 1]: split item m's parts
                                         // are partial slots merge_indptr[m] .. [m + 1]
                                         // (ascending kv start)
-constexpr int kPlanSlotMergeAt = 17;    // slot_merge [num_partial_slots]: each slot's item
-                                        // (no kernel reads it since the in-place merge
-                                        // went; plan format v5 still carries it)
-constexpr int kPlanMergeOutAt = 18;     // merge_out [num_merges][5]: MERGE_TARGET_DTYPE
+constexpr int kPlanMergeOutAt = 17;     // merge_out [num_merges][5]: MERGE_TARGET_DTYPE
 
 struct BatchParams {
     const void* q;

@@ -1068,7 +1068,7 @@ def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end:
         >>> buf = np.zeros(lay.size, np.int32)
         >>> scheduler.plan_into(buf, lay, np.array([0, 40]), np.array([40]), 1, 1, 16, 2)
         >>> used_ranges(buf, lay, lay.size, lay.size + 10, gap=0)  # the plan (3 units), tables
-        [(0, 60), (116, 126)]
+        [(0, 60), (112, 122)]
         >>> len(used_ranges(buf, lay, lay.size, lay.size + 10))    # one copy
         1
     """

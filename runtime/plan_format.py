@@ -68,9 +68,10 @@ MERGE_TARGET_DTYPE = np.dtype([
 split item is one KV head)."""
 
 PLAN_MAGIC = 0x4E4C5041  # b"APLN" little endian
-PLAN_VERSION = 5
-# 5: one used range (section offsets in the header); 4: small sections first; 3: units carry
-# kv_heads (was qo_offset); 2: slot_merge after merge_indptr
+PLAN_VERSION = 6
+# 6: no slot_merge section (each slot's split item; no kernel read it after the in-place merge
+# went); 5: one used range (section offsets in the header); 4: small sections first; 3: units
+# carry kv_heads (was qo_offset); 2: slot_merge after merge_indptr
 _ALIGN = 4  # every packed section starts at a multiple of 4 int32 (16 bytes)
 _INT32_MAX = 2**31 - 1
 
@@ -145,27 +146,25 @@ def _pad(words: int) -> int:
     return _ceil_div(words, _ALIGN) * _ALIGN
 
 
-def _section_words(num_units: int, num_merges: int, num_slots: int) -> tuple[int, ...]:
+def _section_words(num_units: int, num_merges: int) -> tuple[int, ...]:
     """Words of each of `DYNAMIC_SECTIONS` for these counts, in that order."""
     n, m = num_units, num_merges
-    return (n * len(WORK_UNIT_DTYPE.names), n, m + 1, num_slots,
-            m * len(MERGE_TARGET_DTYPE.names))
+    return (n * len(WORK_UNIT_DTYPE.names), n, m + 1, m * len(MERGE_TARGET_DTYPE.names))
 
 
-def packed_offsets(start: int, num_units: int, num_merges: int, num_slots: int
-                   ) -> dict[str, int]:
+def packed_offsets(start: int, num_units: int, num_merges: int) -> dict[str, int]:
     """Word offsets of the `DYNAMIC_SECTIONS` of a plan with these counts, packed back to back
     from ``start`` (`PlanLayout.dynamic_at`), each at a multiple of 4 words (16 bytes: the
     kernels load units as int4), and ``"end"``: one past the plan's last used word. They depend
     on the counts alone; planner.c's ``packed_offsets`` computes the same words.
 
     Example:
-        >>> at = packed_offsets(32, num_units=3, num_merges=1, num_slots=2)
+        >>> at = packed_offsets(32, num_units=3, num_merges=1)
         >>> [at[s] for s in DYNAMIC_SECTIONS], at["end"]     # units: 24 words, cta_units: 3 + 1
-        ([32, 56, 60, 64, 68], 73)
+        ([32, 56, 60, 64], 69)
     """
     out, pos = {}, start
-    for name, words in zip(DYNAMIC_SECTIONS, _section_words(num_units, num_merges, num_slots)):
+    for name, words in zip(DYNAMIC_SECTIONS, _section_words(num_units, num_merges)):
         out[name] = pos
         pos += _pad(words)
     out["end"] = out["merge_out"] + num_merges * len(MERGE_TARGET_DTYPE.names)
@@ -196,7 +195,7 @@ class PlanLayout:
         >>> layout = PlanLayout(max_batch=256, max_qo_tokens=8192, max_ctas=264,
         ...                     num_qo_heads=32, num_kv_heads=8, tile_q=64)
         >>> layout.max_units, layout.max_partial_slots, layout.size
-        (8223, 4222, 91192)
+        (8223, 4222, 86968)
         >>> layout.offsets, layout.dynamic_at
         ({'header': 0, 'cta_indptr': 24}, 292)
     """
@@ -232,8 +231,7 @@ class PlanLayout:
         }
         offsets = {"header": 0, "cta_indptr": len(HEADER_FIELDS)}
         dynamic_at = offsets["cta_indptr"] + _pad(p + 1)
-        room = packed_offsets(dynamic_at, derived["max_units"], derived["max_merges"],
-                              derived["max_partial_slots"])
+        room = packed_offsets(dynamic_at, derived["max_units"], derived["max_merges"])
         size = _pad(room["end"])
         if size > _INT32_MAX:
             raise ValueError(f"the packed plan would need {size} int32: lower the maxima")
@@ -269,15 +267,14 @@ class PlanLayout:
 
     def dynamic_offsets(self, header: dict[str, int]) -> dict[str, int]:
         """`packed_offsets` of a plan in this layout with these header counts (``num_units``,
-        ``num_merges``, ``num_partial_slots``).
+        ``num_merges``).
 
         Example:
-            >>> h = dict(num_units=3, num_merges=1, num_partial_slots=2)
+            >>> h = dict(num_units=3, num_merges=1)
             >>> PlanLayout(4, 64, 2, 1, 1, 16).dynamic_offsets(h)["cta_units"]
             52
         """
-        return packed_offsets(self.dynamic_at, header["num_units"], header["num_merges"],
-                              header["num_partial_slots"])
+        return packed_offsets(self.dynamic_at, header["num_units"], header["num_merges"])
 
     def used_words(self, header: dict[str, int]) -> int:
         """One past the last word of a packed plan with these header counts: the plan is the
@@ -285,9 +282,9 @@ class PlanLayout:
         nothing).
 
         Example:
-            >>> h = dict(num_units=3, num_merges=1, num_partial_slots=2)
+            >>> h = dict(num_units=3, num_merges=1)
             >>> PlanLayout(4, 64, 2, 1, 1, 16).used_words(h)
-            69
+            65
         """
         return self.dynamic_offsets(header)["end"]
 
@@ -302,7 +299,7 @@ class PlanLayout:
             >>> d["kv_chunk"], d["cta_indptr"].tolist(), d["units"]["kv_end"].tolist()
             (128, [0, 1, 2, 3, 4, 5, 6, 6, 6], [128, 256, 300, 128, 256, 300])
             >>> d["units_at"], d["merge_out_at"]
-            (36, 104)
+            (36, 96)
         """
         buf = np.asarray(buf)
         if buf.dtype != np.int32 or buf.ndim != 1 or buf.size < self.size:
@@ -315,7 +312,7 @@ class PlanLayout:
             raise ValueError("buf's section offsets do not match its counts and this layout")
         o = self.offsets["cta_indptr"]
         out["cta_indptr"] = buf[o: o + out["num_ctas"] + 1]
-        words = _section_words(out["num_units"], out["num_merges"], out["num_partial_slots"])
+        words = _section_words(out["num_units"], out["num_merges"])
         for name, n in zip(DYNAMIC_SECTIONS, words):  # views of `buf`
             out[name] = buf[out[f"{name}_at"]: out[f"{name}_at"] + n]
         out["units"] = out["units"].view(WORK_UNIT_DTYPE)

@@ -211,10 +211,10 @@ static i32* write_whole(i32* w, i32 i, i64 hk, i32 s, i64 rows, i64 nt, i64 tile
 }
 
 /* Units in (request, kv_head, tile, chunk) order and the reduction map (merge_indptr,
- * slot_merge: each slot's split item, merge_out); slots are numbered over the split requests'
- * units in unit order (so one split item's slots are consecutive). */
+ * merge_out); slots are numbered over the split requests' units in unit order (so one split
+ * item's slots are consecutive). */
 static void write_units(const plan_args* a, i64 g, const requests* rq, i32* units,
-                        i32* merge_indptr, i32* slot_merge, i32* merge_out) {
+                        i32* merge_indptr, i32* merge_out) {
   const i64 hk = a->num_kv_heads, tile_q = a->tile_q;
   const i32 chunk = (i32)a->chunk;
   i32 slot = 0;
@@ -238,7 +238,6 @@ static void write_units(const plan_args* a, i64 g, const requests* rq, i32* unit
         merge_indptr[item + 1] = merge_indptr[item] + (i32)nc;
         i64 ks = 0; /* 64 bits: one past the last chunk may pass 2^31 */
         for (i64 c = 0; c < nc; ++c, w += 8, ks += chunk) {
-          slot_merge[slot] = (i32)item;
           STORE4(w, (i32)i, (i32)h, 1, q_start);
           STORE4(w + 4, q_rows, (i32)ks, c + 1 < nc ? (i32)(ks + chunk) : kv, /* min(., kv) */
                  slot++);
@@ -565,15 +564,15 @@ static void queues(const requests* rq, const i64* g_count, const group* groups, 
 
 /* The packed plan's header: HEADER_WORDS int32 at word 0 (plan_format.HEADER_FIELDS), then
  * cta_indptr at a->off_cta_indptr; the word offsets of the sections whose sizes vary (units,
- * cta_units, merge_indptr, slot_merge, merge_out: plan_format.DYNAMIC_SECTIONS) are its words
- * AT_UNITS .. AT_UNITS + 4. (Tests compare the packed words with Plan.pack's one by one.) */
-enum { HEADER_WORDS = 24, AT_UNITS = 14, NUM_AT = 5 };
+ * cta_units, merge_indptr, merge_out: plan_format.DYNAMIC_SECTIONS) are its words
+ * AT_UNITS .. AT_UNITS + 3. (Tests compare the packed words with Plan.pack's one by one.) */
+enum { HEADER_WORDS = 24, AT_UNITS = 14, NUM_AT = 4 };
 
-/* Where a plan with n units, m merges and `slots` partial slots puts its sections
- * (plan_format.packed_offsets): at[0 .. 5) the DYNAMIC_SECTIONS back to back from start, each
- * at a multiple of 4 words, and at[5] one past the last used word (the plan is [0, at[5])). */
-static void packed_offsets(i64 start, i64 n, i64 m, i64 slots, i64 at[NUM_AT + 1]) {
-  const i64 words[NUM_AT] = {8 * n, n, m + 1, slots, 5 * m};
+/* Where a plan with n units and m merges puts its sections (plan_format.packed_offsets):
+ * at[0 .. 4) the DYNAMIC_SECTIONS back to back from start, each at a multiple of 4 words, and
+ * at[4] one past the last used word (the plan is [0, at[4])). */
+static void packed_offsets(i64 start, i64 n, i64 m, i64 at[NUM_AT + 1]) {
+  const i64 words[NUM_AT] = {8 * n, n, m + 1, 5 * m};
   i64 pos = start;
   for (int k = 0; k < NUM_AT; ++k) {
     at[k] = pos;
@@ -618,14 +617,14 @@ int attncc_plan_pack(plan_args* a, i32* buf, void* scratch, i64 scratch_bytes) {
   ctas s = {.P = P, .buf = keys, .fresh = fresh, .count = count};
 
   i64 at[NUM_AT + 1];
-  packed_offsets(a->off_dynamic, n, m, slots, at);
+  packed_offsets(a->off_dynamic, n, m, at);
   i32 header[HEADER_WORDS] = {(i32)a->magic, (i32)a->version, (i32)batch, (i32)n, (i32)P,
                               (i32)m, (i32)slots, (i32)a->chunk, (i32)a->tile_q, (i32)g,
                               (i32)a->num_qo_heads, (i32)hk, (i32)a->qo[batch],
                               (i32)a->layout_size}; /* plan_format.HEADER_FIELDS order */
   for (int k = 0; k < NUM_AT; ++k) header[AT_UNITS + k] = (i32)at[k];
   memcpy(buf, header, sizeof header);
-  write_units(a, g, &rq, buf + at[0], buf + at[2], buf + at[3], buf + at[4]);
+  write_units(a, g, &rq, buf + at[0], buf + at[2], buf + at[3]);
   const i64 ng = group_ticks(a, g, &rq, g_count, groups);
   schedule(g_count, groups, ng, tmp, assign, &s);
   i32* cta_indptr = buf + a->off_cta_indptr;
@@ -804,7 +803,7 @@ typedef struct {
  * than o->gap words after its end (coalesce_ranges; the same ranges for any qo_indptr >= 0). */
 static void used_ranges(const plan_args* a, table_offsets* o) {
   i64 at[NUM_AT + 1];
-  packed_offsets(a->off_dynamic, a->num_units, a->num_merges, a->num_slots, at);
+  packed_offsets(a->off_dynamic, a->num_units, a->num_merges, at);
   const i64 plan_end = at[NUM_AT];
   o->ranges[0] = 0;
   o->ranges[1] = plan_end;

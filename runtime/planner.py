@@ -293,7 +293,7 @@ def compiled_plan(qo: np.ndarray, kv: np.ndarray, *, g: int, hk: int, tile_q: in
     # a layout with exactly these maxima: the plan fills it
     args.off_cta_indptr = len(HEADER_FIELDS)
     args.off_dynamic = args.off_cta_indptr + _pad(num_ctas + 1)
-    at = packed_offsets(args.off_dynamic, n, m, slots)
+    at = packed_offsets(args.off_dynamic, n, m)
     buf = np.empty(at["end"], dtype=np.int32)
     args.max_batch, args.max_qo_tokens, args.max_ctas = kv.size, int(qo[-1]), num_ctas
     args.max_units, args.max_merges, args.max_slots, args.layout_size = n, m, slots, at["end"]

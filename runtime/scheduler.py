@@ -95,8 +95,7 @@ Outputs and reduction
 A work item with one unit writes its rows straight to the output (*write-through*, ``slot = -1``).
 The units of a split work item write a partial ``(O, LSE)`` to workspace *slots*, numbered in unit
 order, so the slots of one item are consecutive and ascending in kv start. The reduction map
-(CSR ``merge_indptr`` over the slots, one ``merge_out`` target per split item, and ``slot_merge``,
-each slot's split item, so the CTA that writes an item's last partial can merge it) lists them in
+(CSR ``merge_indptr`` over the slots and one ``merge_out`` target per split item) lists them in
 that fixed order; merging in that order (`attncc.runtime.merge.merge_states`) makes results
 bitwise reproducible for the same lengths.
 
@@ -272,7 +271,6 @@ class Plan:
         cta_units: int32 ``[num_units]``, unit indices, each CTA's queue in execution order.
         merge_indptr: int32 ``[num_merges+1]``: split item m's partials are the workspace slots
             ``merge_indptr[m] .. merge_indptr[m+1]``, ascending in kv start.
-        slot_merge: int32 ``[num_partial_slots]``: the split item (merge) each slot belongs to.
         merge_out: `MERGE_TARGET_DTYPE` ``[num_merges]``, where each merged result goes.
         num_partial_slots: workspace slots used (each ``tile_q`` rows of O plus ``tile_q`` LSE).
 
@@ -283,8 +281,8 @@ class Plan:
         >>> d = plan([0, 1, 2], [100, 100], 4, 4, 16, num_ctas=2)   # decode rows: head spans
         >>> d.units[["request", "kv_head", "kv_heads"]].tolist(), d.unit_costs().tolist()
         ([(0, 0, 2), (0, 2, 2), (1, 0, 2), (1, 2, 2)], [202.0, 202.0, 202.0, 202.0])
-        >>> p.merge_indptr.tolist(), p.slot_merge.tolist(), p.merge_out["kv_head"].tolist()
-        ([0, 3, 6], [0, 0, 0, 1, 1, 1], [0, 1])
+        >>> p.merge_indptr.tolist(), p.merge_out["kv_head"].tolist()
+        ([0, 3, 6], [0, 1])
     """
 
     batch_size: int
@@ -302,7 +300,6 @@ class Plan:
     cta_indptr: np.ndarray
     cta_units: np.ndarray
     merge_indptr: np.ndarray
-    slot_merge: np.ndarray
     merge_out: np.ndarray
     num_partial_slots: int
 
@@ -359,7 +356,7 @@ class Plan:
                 raise ValueError(f"out has {out.size} int32, the layout needs {layout.size}")
             buf = out
         n = self.num_units
-        at = packed_offsets(layout.dynamic_at, n, self.num_merges, self.num_partial_slots)
+        at = packed_offsets(layout.dynamic_at, n, self.num_merges)
         values = dict(magic=PLAN_MAGIC, version=PLAN_VERSION, batch_size=self.batch_size,
                       num_units=n, num_ctas=self.num_ctas,
                       num_merges=self.num_merges, num_partial_slots=self.num_partial_slots,
@@ -431,7 +428,6 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
                 units=_frozen(r["units"].view(WORK_UNIT_DTYPE).reshape(-1)),
                 cta_indptr=_frozen(r["cta_indptr"]), cta_units=_frozen(r["cta_units"]),
                 merge_indptr=_frozen(r["merge_indptr"]),
-                slot_merge=_frozen(_slot_merge(r["merge_indptr"])),
                 merge_out=_frozen(r["merge_out"].view(MERGE_TARGET_DTYPE).reshape(-1)),
                 num_partial_slots=r["num_slots"])
         if impl == "c":
@@ -471,14 +467,8 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
         qo_indptr=_frozen(qo.astype(np.int32)), kv_lens=_frozen(kv.astype(np.int32)),
         units=_frozen(units), cta_indptr=_frozen(cta_indptr), cta_units=_frozen(cta_units),
         merge_indptr=_frozen(merge_indptr),
-        slot_merge=_frozen(_slot_merge(merge_indptr)),
         merge_out=_frozen(merge_out), num_partial_slots=num_slots,
     )
-
-
-def _slot_merge(merge_indptr: np.ndarray) -> np.ndarray:
-    """Each partial slot's split item: m repeated merge_indptr[m+1] - merge_indptr[m] times."""
-    return np.repeat(np.arange(merge_indptr.size - 1, dtype=np.int32), np.diff(merge_indptr))
 
 
 def plan_into(out: np.ndarray, layout: PlanLayout, qo_indptr: Any, kv_lens: Any,

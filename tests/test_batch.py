@@ -639,7 +639,6 @@ def test_causal_clipped_plan_executes_to_exact_causal_attention(section_tokens: 
     for m in range(p["num_merges"]):
         t = p["merge_out"][m]
         slots = torch.arange(int(p["merge_indptr"][m]), int(p["merge_indptr"][m + 1]))
-        assert (p["slot_merge"][slots.numpy()] == m).all()
         n = int(t["q_rows"])
         o, _ = merge_states(ws_o[slots, :n], ws_lse[slots, :n])
         r = torch.arange(int(t["q_start"]), int(t["q_start"]) + n)
@@ -746,8 +745,7 @@ def test_decode_plan_with_merges_is_one_range() -> None:
     assert ba.layout is not None
     p, o = ba.layout.unpack(ba._staging_np), ba._offsets
     assert p["num_merges"] > 0 and p["num_kv_heads"] == 32
-    at = packed_offsets(ba.layout.dynamic_at, p["num_units"], p["num_merges"],
-                        p["num_partial_slots"])
+    at = packed_offsets(ba.layout.dynamic_at, p["num_units"], p["num_merges"])
     assert [p[f"{s}_at"] for s in DYNAMIC_SECTIONS] == [at[s] for s in DYNAMIC_SECTIONS]
     end = o["pages"] + int(np.asarray(b["kv_indptr"])[-1])
     ranges = used_ranges(ba._staging_np, ba.layout, o["qo_indptr"], end, gap=0)

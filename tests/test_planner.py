@@ -10,7 +10,7 @@ from attncc.runtime import planner, scheduler
 
 needs_cc = pytest.mark.skipif(not planner.available(), reason="no C compiler to build the planner")
 
-FIELDS = ("units", "cta_indptr", "cta_units", "merge_indptr", "slot_merge", "merge_out",
+FIELDS = ("units", "cta_indptr", "cta_units", "merge_indptr", "merge_out",
           "qo_indptr", "kv_lens")
 
 

@@ -73,7 +73,7 @@ def check_structure(p: Plan, kv_chunk_align: int = 1, min_kv_chunk: int = 1) -> 
     u = p.units
     n = p.num_units
     assert u.dtype == WORK_UNIT_DTYPE and p.merge_out.dtype == MERGE_TARGET_DTYPE
-    for a in (p.cta_indptr, p.cta_units, p.merge_indptr, p.slot_merge, p.qo_indptr, p.kv_lens):
+    for a in (p.cta_indptr, p.cta_units, p.merge_indptr, p.qo_indptr, p.kv_lens):
         assert a.dtype == np.int32 and not a.flags.writeable
     # queues: a CSR partition of all units
     assert p.cta_indptr.shape == (p.num_ctas + 1,) and p.cta_indptr[0] == 0
@@ -102,8 +102,6 @@ def check_structure(p: Plan, kv_chunk_align: int = 1, min_kv_chunk: int = 1) -> 
     assert np.array_equal(split, p.kv_lens[u["request"]] > p.kv_chunk)
     # reduction map: one entry per split item, slots ascending in kv start, covering [0, kv_len)
     assert p.merge_indptr[0] == 0 and p.merge_indptr[-1] == p.num_partial_slots
-    # slot_merge inverts merge_indptr: the CTA writing a slot finds its item's parts from it
-    assert np.array_equal(p.slot_merge, np.repeat(np.arange(p.num_merges), np.diff(p.merge_indptr)))
     unit_of_slot = np.flatnonzero(split)
     seen = set()
     for m in range(p.num_merges):
@@ -467,7 +465,6 @@ def test_pack_roundtrip_and_offsets() -> None:
         assert np.array_equal(d["units"], p.units) and np.array_equal(d["cta_units"], p.cta_units)
         assert np.array_equal(d["cta_indptr"], p.cta_indptr)
         assert np.array_equal(d["merge_indptr"], p.merge_indptr)
-        assert np.array_equal(d["slot_merge"], p.slot_merge)
         assert np.array_equal(d["merge_out"], p.merge_out)
         # a grid of max_ctas CTAs: the ones past num_ctas find empty queues
         o = layout.offsets["cta_indptr"]

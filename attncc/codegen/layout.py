@@ -212,17 +212,16 @@ BATCH_PARAMS: StructLayout = struct_layout("attncc::BatchParams", _BATCH_PARAMS_
 
 # The packed plan's int32 header as the batch kernels read it (kernels/batch_params.cuh; the
 # scheduler's side is attncc.runtime.plan_format, which takes these from here).
-PLAN_DYNAMIC_SECTIONS = ("units", "cta_units", "merge_indptr", "slot_merge", "merge_out")
+PLAN_DYNAMIC_SECTIONS = ("units", "cta_units", "merge_indptr", "merge_out")
 """The plan sections whose sizes vary from plan to plan, in memory order: ``units`` (``8 n``
 words, WORK_UNIT_DTYPE rows), ``cta_units`` (``n``), ``merge_indptr`` (``m + 1``),
-``slot_merge`` (``num_partial_slots``), ``merge_out`` (``5 m``, MERGE_TARGET_DTYPE rows); ``n``
-units, ``m`` merges."""
+``merge_out`` (``5 m``, MERGE_TARGET_DTYPE rows); ``n`` units, ``m`` merges."""
 
 PLAN_HEADER_FIELDS = (
     "magic", "version", "batch_size", "num_units", "num_ctas", "num_merges",
     "num_partial_slots", "kv_chunk", "tile_q", "group_size", "num_qo_heads", "num_kv_heads",
     "total_qo_tokens", "layout_size", *(f"{s}_at" for s in PLAN_DYNAMIC_SECTIONS),
-    "reserved0", "reserved1", "reserved2", "reserved3", "reserved4",
+    "reserved0", "reserved1", "reserved2", "reserved3", "reserved4", "reserved5",
 )
 """The int32 header at offset 0 of a packed plan, in this order (a multiple of 4 words, so
 ``cta_indptr`` after it starts 16-byte aligned). ``<section>_at`` is the word offset of that
