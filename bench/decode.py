@@ -343,8 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     bw = copy_bandwidth()
-    meta = {**_meta(), "copy_tb_s": bw / 1e12, "page_size": PAGE, "num_qo_heads": HQ,
-            "head_dim": D}
+    # (prefill's meta less its shape and rounds fields: decode's shapes are per record)
+    meta = {**{k: v for k, v in _meta().items() if k not in ("heads", "tokens", "rounds")},
+            "copy_tb_s": bw / 1e12, "page_size": PAGE, "num_qo_heads": HQ, "head_dim": D}
     meta["timing"] = ("bench/timing.py: ms = median of one CUDA-graph replay of the call through "
                       "triton.testing.do_bench (warmup 25 ms, rep 100 ms, L2 cleared before each), "
                       "ms_eager = the same for eager calls, host_us = host time of one eager "
