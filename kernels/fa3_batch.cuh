@@ -1,10 +1,10 @@
 // attncc FA3 batch attention for sm_90a (serving prefill): the plan/run work units of
-// fa2_batch.cuh, run by fa3_prefill.cuh's warp-specialized TMA + wgmma pipeline.
+// fa2_batch.cuh, run by the dense FA3 kernel's warp-specialized TMA + wgmma pipeline.
 //
 // Self-contained: no #include. Comes after batch_params.cuh, fa2_common.cuh, fa2_attend.cuh,
-// fa2_batch.cuh (WorkUnit, query positions, the merge kernel), wgmma.cuh, tma.cuh and
-// fa3_prefill.cuh (the consumer building blocks), and before the generated Variant_<name>
-// functors' entry point (ATTNCC_FA3_BATCH_ENTRY at the bottom).
+// fa2_batch.cuh (WorkUnit, query positions, the merge kernel), wgmma.cuh, tma.cuh,
+// fa3_consumer.cuh (the consumer building blocks) and fa3_store.cuh, and before the generated
+// Variant_<name> functors' entry point (ATTNCC_FA3_BATCH_ENTRY at the bottom).
 //
 // Persistent: the grid is the plan's CTA count (one CTA per SM: 227 KB of shared memory) and CTA
 // c runs the units cta_units[cta_indptr[c] ..] one after another. A unit is (request, KV head, a
@@ -22,7 +22,7 @@
 //   cache is one box.
 //   Stage and barrier phases run on across units (one tile counter), so the ring never drains
 //   between units: the next unit's first tiles load while the consumers finish the last one.
-//   The consumers run the pipelined loop of fa3_prefill.cuh per unit, then store: straight to
+//   The consumers run fa3_consumer.cuh's pipelined loop per unit, then store: straight to
 //   the output when the unit covers its rows' whole KV range, else fp32 partial O and LSE to the
 //   workspace slot for the merge kernel.
 //

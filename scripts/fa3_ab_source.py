@@ -2,7 +2,9 @@
 current one: same process, same inputs, interleaved (this machine's run-to-run spread is ~5%, so
 figures from different runs cannot separate small changes).
 
-The other revision is read from a file (e.g. `git show REV:kernels/fa3_prefill.cuh > old.cuh`).
+The other revision is read from a file (e.g. `git show REV:kernels/fa3_prefill.cuh > old.cuh`):
+the dense kernel's file, which before 2026-12-01 (stop 20) also held what fa3_consumer.cuh and
+fa3_store.cuh hold now (those are then left out); a later revision replaces fa3_prefill.cuh alone.
 A revision from before the persistent kernel (a 2-D grid of (batch x head, query block)) is
 rewritten to take its block from a 1-D grid in the same order, and launched one CTA per tile
 (kernel_options PERSISTENT=False); a persistent revision runs as it is. The current kernel runs
@@ -67,8 +69,15 @@ def main() -> None:
         builds[path.stem] = (text, opts)
 
     def build(text: str | None) -> None:
-        shipped.read_template = (lambda name: text if name == "fa3_prefill.cuh"
-                                 else read_template(name)) if text is not None else read_template
+        if text is None:
+            shipped.read_template = read_template
+            return
+        # a revision from before the split holds fa3_consumer.cuh and fa3_store.cuh's code too
+        whole = "consume_tiles(int n" in text
+        shipped.read_template = lambda name: (
+            text if name == "fa3_prefill.cuh"
+            else "" if whole and name in ("fa3_consumer.cuh", "fa3_store.cuh")
+            else read_template(name))
         gpu_flex._KERNELS.clear()
         gpu_flex._CALLS.clear()
 

@@ -99,7 +99,8 @@ KERNELS: dict[str, KernelSpec] = {
                       entry_macro="ATTNCC_FA2_ENTRY"),
     # Hopper: TMA + wgmma, warp-specialized, 64 query rows per consumer warpgroup
     # (kernels/fa3_prefill.cuh)
-    "fa3": KernelSpec("fa3", ("fa2_common.cuh", "wgmma.cuh", "tma.cuh", "fa3_prefill.cuh"),
+    "fa3": KernelSpec("fa3", ("fa2_common.cuh", "wgmma.cuh", "tma.cuh", "fa3_consumer.cuh",
+                              "fa3_store.cuh", "fa3_prefill.cuh"),
                       "attncc::fa3::fa3_prefill", threads=0, rows_per_cta=0,
                       head_dim_multiple=64, head_dim_max=256, head_dims=(64, 128, 256),
                       entry_macro="ATTNCC_FA3_ENTRY"),
@@ -112,7 +113,7 @@ KERNELS: dict[str, KernelSpec] = {
     # the same plans run by the FA3 pipeline (sm_90a; prefill-shaped batches)
     "fa3batch": KernelSpec("fa3batch", ("batch_params.cuh", "fa2_common.cuh", "fa2_attend.cuh",
                                         "fa2_batch.cuh", "wgmma.cuh", "tma.cuh",
-                                        "fa3_prefill.cuh", "fa3_batch.cuh"),
+                                        "fa3_consumer.cuh", "fa3_store.cuh", "fa3_batch.cuh"),
                            "attncc::fa3::fa3_batch", threads=0, rows_per_cta=0,
                            head_dim_multiple=64, head_dim_max=128, head_dims=(64, 128),
                            entry_macro="ATTNCC_FA3_BATCH_ENTRY", batch=True),
