@@ -573,11 +573,11 @@ struct Ring {
 };
 
 // A ring stage this warp keeps after its last GEMM on it because the K half holds rows of an
-// item's O until the bulk copies writing them out have read them (the dense kernel's bulk-store
-// epilogue, fa3_prefill). settle() waits for those reads -- only the lanes that issued copies
-// have a group to wait for -- and then makes `owe` of the stage's empty arrivals: 1 when the warp
-// copied its own rows, 4 for a warpgroup whose one copy this warp issued, 0 for the warpgroup's
-// other warps. tile < 0: none held.
+// item's O until the TMA stores writing them out have read them (the dense kernel's bulk-store
+// epilogue, fa3_prefill). settle() waits for those reads -- only the lane that issued the
+// stores has a group to wait for -- and then makes `owe` of the stage's empty arrivals: 4 for
+// the warp whose lane stored the warpgroup's rows, 0 for the warpgroup's other warps (the
+// epilogue sets it). tile < 0: none held.
 struct HeldStage {
   int tile = -1, owe = 1;
   __device__ __forceinline__ void settle(const Ring& ring) {

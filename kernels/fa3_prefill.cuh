@@ -203,8 +203,8 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   constexpr int BLOCKS = D / 64;     // 64-column blocks per tile
   constexpr bool kSoftmax = Variant::use_softmax;
   // The bulk-store epilogue: O staged in the K half of the item's last stage (both consumers'
-  // 128 rows fit in a 128-key K tile) and written out by bulk copies, so the consumers go on to
-  // the next item while the copy engine writes. Persistent head dims only (a one-item CTA has
+  // 128 rows fit in a 128-key K tile) and written out by TMA tensor stores, so the consumers go
+  // on to the next item while the copy engine writes. Persistent head dims only (a one-item CTA has
   // nothing to overlap), not with an output transform (O is staged in the Q tile then), and
   // not in the low-pressure form (its variants spilled 8 bytes with it: document_causal D 128).
   constexpr bool kBulkO = ATTNCC_FA3_BULK_STORE && kPersistentHeadDim<D> && TKV == 128 &&
@@ -379,50 +379,25 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     if (kBulkO && v4 && tiles.count > 0) {
       // The last tile's K half takes this warpgroup's 64 rows once both consumers' last S
       // GEMMs completed (q_empty's phase of item k; the other warpgroup's last P V reads V
-      // only). Each warp writes its 16 rows and fences them for the async proxy, then bulk
-      // copies write them out; the stage stays held until those copies have read it
-      // (HeldStage::settle, during the next item's first S GEMM).
+      // only). Each warp stages its 16 rows swizzled (stage_rows_sw) and fences them for the
+      // async proxy; once all four warps staged theirs, one thread writes the warpgroup's D/64
+      // boxes by TMA tensor stores through O's map (p.tma + 384) -- rows past q_len lie outside
+      // the map's [B, H, q_len, D] tensor and are not written. The stage stays held until those
+      // stores have read it (HeldStage::settle, during the next item's first S GEMM).
       tma::mbar_wait(q_empty, k & 1);
       const fa2_u32 rows = ring.k_of(tile - 1) + (wg - 1) * 64 * 2 * D;
       const int row0 = q0 + 64 * (wg - 1);  // the warpgroup's first query
-      if constexpr (ATTNCC_FA3_TMA_STORE_O) {
-        // swizzled boxes through O's tensor map (p.tma + 384), one thread storing the
-        // warpgroup's D/64 boxes once all four warps staged theirs; rows past q_len lie outside
-        // the map's [B, H, q_len, D] tensor and are not written
-        stage_rows_sw<DType, D>(o, inv, rows);
-        wg::fence_proxy_async();
-        warpgroup_sync(wg - 1);
-        if (warp == 0 && lane == 0 && row0 < q_len) {
-          const void* tm_o = reinterpret_cast<const unsigned char*>(p.tma) + 384;
+      stage_rows_sw<DType, D>(o, inv, rows);
+      wg::fence_proxy_async();
+      warpgroup_sync(wg - 1);
+      if (warp == 0 && lane == 0 && row0 < q_len) {
+        const void* tm_o = reinterpret_cast<const unsigned char*>(p.tma) + 384;
 #pragma unroll
-          for (int blk = 0; blk < BLOCKS; ++blk)
-            tma::store_4d(tm_o, rows + blk * kBoxBytes, 64 * blk, row0, hq, b);
-          tma::bulk_commit();
-        }
-        held.owe = warp == 0 ? 4 : 0;
-      } else {
-        stage_rows_v4<DType, D>(o, inv, rows);
-        wg::fence_proxy_async();
-        if (p.o_stride_s == D) {
-          // the warpgroup's rows are one contiguous range of O: one copy (a bulk request per
-          // row ran 1-2 % slower than storing from registers), once all four warps wrote theirs
-          warpgroup_sync(wg - 1);
-          const int n_rows = min(64, q_len - row0);
-          if (warp == 0 && lane == 0 && n_rows > 0) {
-            tma::bulk_store(out_row(row0), rows, n_rows * 2 * D);
-            tma::bulk_commit();
-          }
-          held.owe = warp == 0 ? 4 : 0;
-        } else {
-          __syncwarp();
-          if (lane < 16) {
-            const int r = 16 * warp + lane;
-            if (row0 + r < q_len) tma::bulk_store(out_row(row0 + r), rows + r * 2 * D, 2 * D);
-            tma::bulk_commit();
-          }
-          held.owe = 1;
-        }
+        for (int blk = 0; blk < BLOCKS; ++blk)
+          tma::store_4d(tm_o, rows + blk * kBoxBytes, 64 * blk, row0, hq, b);
+        tma::bulk_commit();
       }
+      held.owe = warp == 0 ? 4 : 0;
     } else if (v4) {
       store_rows_v4<DType, D>(o, inv, [&](int hr) -> DType* {
         const int qi = r_lo + 8 * hr;

@@ -76,16 +76,10 @@ __device__ __forceinline__ uint4 o_chunk(const float (&o)[D / 64][32], float inv
 #ifndef ATTNCC_FA3_STORE_V4
 #define ATTNCC_FA3_STORE_V4 1
 #endif
-// ATTNCC_FA3_BULK_STORE 1: the dense kernel stages O in shared memory and writes it with bulk
-// copies where it can (fa3_prefill's kBulkO); 0: store_rows_v4 from registers.
+// ATTNCC_FA3_BULK_STORE 1: the dense kernel stages O in shared memory and writes it with TMA
+// tensor stores where it can (fa3_prefill's kBulkO); 0: store_rows_v4 from registers.
 #ifndef ATTNCC_FA3_BULK_STORE
 #define ATTNCC_FA3_BULK_STORE 1
-#endif
-// ATTNCC_FA3_TMA_STORE_O 1: kBulkO stages O swizzled with stmatrix (stage_rows_sw) and writes it
-// with TMA tensor stores through O's map; 0: unswizzled rows (stage_rows_v4) and plain bulk
-// copies, one per warpgroup when O's rows are contiguous, else one per row.
-#ifndef ATTNCC_FA3_TMA_STORE_O
-#define ATTNCC_FA3_TMA_STORE_O 1
 #endif
 template <typename DType, int D, typename RowPtr>
 __device__ __forceinline__ void store_rows_v4(const float (&o)[D / 64][32], const float (&inv)[2],
@@ -104,39 +98,6 @@ __device__ __forceinline__ void store_rows_v4(const float (&o)[D / 64][32], cons
   }
 }
 
-// This warp's 16 rows of O times inv, as 16-bit values into shared memory at `rows` (a
-// warpgroup's 64 rows of 2 D bytes each, unswizzled: row r at rows + 2 D r, so that the rows
-// are O's bytes as global memory holds them and a bulk copy -- of all 64 rows, or of one --
-// writes them out as they are). A 16-byte store is served 8 lanes at a time, i.e. two quads,
-// two rows; rows 2 D bytes apart would meet in the same banks, so odd rows store their chunk
-// groups in the other order: row a writes bytes 0-63 of a 128-byte block while row a + 1 writes
-// 64-127 -- all 32 banks, no conflict.
-template <typename DType, int D>
-__device__ __forceinline__ void stage_rows_v4(const float (&o)[D / 64][32], const float (&inv)[2],
-                                              fa2_u32 rows) {
-  const int lane = threadIdx.x & 31, t = lane & 3;
-  const int odd = (lane >> 2) & 1;
-  const int warp = (threadIdx.x >> 5) & 3;
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const fa2_u32 row = rows + (16 * warp + (lane >> 2) + 8 * hr) * (2 * D);
-#pragma unroll
-    for (int blk = 0; blk < D / 64; ++blk) {
-      const uint4 c0 = o_chunk<DType, D>(o, inv[hr], hr, blk, 0);
-      const uint4 c1 = o_chunk<DType, D>(o, inv[hr], hr, blk, 1);
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const int g = k ^ odd;
-        const uint4 c = g ? c1 : c0;
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                         row + 2 * (64 * blk + 8 * (4 * g + t))),
-                     "r"(c.x), "r"(c.y), "r"(c.z), "r"(c.w)
-                     : "memory");
-      }
-    }
-  }
-}
-
 // This warp's 16 rows of O times inv, as 16-bit values, into a warpgroup's 64 rows at `tile` in
 // the TMA / wgmma layout (D/64 column blocks of [64 rows][64], 128B-swizzled, wgmma.cuh's
 // sw128_offset) -- what a TMA tensor store of [64 rows][64] boxes writes out as plain rows. One
@@ -144,8 +105,9 @@ __device__ __forceinline__ void stage_rows_v4(const float (&o)[D / 64][32], cons
 // are (matrix i: rows 8 (i & 1) .., columns 8 (i >> 1) ..; each thread's register holds its
 // element pair of row lane / 4), and lane l gives the address of row l % 8 of matrix l / 8. The
 // swizzle puts a matrix's 8 rows in 8 different 16-byte bank groups, so each store is
-// conflict-free -- against stage_rows_v4's unswizzled rows, which need the quad transposes
-// (shuffles) to write whole 16-byte chunks: D/16 stores here instead of 2 D/32 shuffle rounds.
+// conflict-free. (Unswizzled rows, staged for plain bulk copies, needed the quad transposes --
+// shuffles -- to write whole 16-byte chunks: 2 D/32 shuffle rounds where this takes D/16
+// stores; bench/NOTES.md, stop 19.)
 template <typename DType, int D>
 __device__ __forceinline__ void stage_rows_sw(const float (&o)[D / 64][32], const float (&inv)[2],
                                               fa2_u32 tile) {

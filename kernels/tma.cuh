@@ -77,8 +77,13 @@ __device__ __forceinline__ void load_3d(u32 dst, const void* tmap, u32 bar, int 
 
 // 4-D tiled bulk store: the box at (c0, c1, c2, c3), innermost coordinate first, written from
 // shared memory at `src` (laid out as a load of the same box would leave it: swizzled as the map
-// says) to the tensor `tmap` describes. Box rows outside the tensor are not written. In this
-// thread's bulk async-group, with bulk_store's rules below (fence, barrier, commit, wait).
+// says) to the tensor `tmap` describes. Box rows outside the tensor are not written. It joins
+// this thread's current bulk async-group: the copy engine reads the shared memory and writes
+// global memory while the thread goes on. The writing threads must have run fence.proxy.async
+// before (the engine is the async proxy) and be ordered before the issuing thread (a barrier).
+// commit closes the group; wait_read<N> blocks until at most N of this thread's groups still
+// read shared memory (the source may then be overwritten), wait_all<N> until at most N are
+// still writing global memory.
 __device__ __forceinline__ void store_4d(const void* tmap, u32 src, int c0, int c1, int c2,
                                          int c3) {
   asm volatile(
@@ -87,18 +92,6 @@ __device__ __forceinline__ void store_4d(const void* tmap, u32 src, int c0, int 
       : "memory");
 }
 
-// Bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from shared memory to
-// global memory, in this thread's current bulk async-group: the copy engine reads the shared
-// memory and writes global memory while the thread goes on. The writing threads must have run
-// fence.proxy.async before (the engine is the async proxy) and be ordered before the issuing
-// thread (a barrier). commit closes the group; wait_read<N> blocks until at most N of this
-// thread's groups still read shared memory (the source may then be overwritten), wait_all<N>
-// until at most N are still writing global memory.
-__device__ __forceinline__ void bulk_store(void* dst, u32 src, u32 bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
-               "r"(src), "r"(bytes)
-               : "memory");
-}
 __device__ __forceinline__ void bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
