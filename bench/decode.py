@@ -337,20 +337,16 @@ def main(argv: list[str] | None = None) -> int:
                          'or \'{"pdl": false}\'')
     args = ap.parse_args(argv)
     from prefill import _meta, report, save
+    from timing import TIME_CALL_TIMING
 
     if args.report is not None:
         report(args.report, table, plot)
         return 0
 
     bw = copy_bandwidth()
-    # (prefill's meta less its shape and rounds fields: decode's shapes are per record)
-    meta = {**{k: v for k, v in _meta().items() if k not in ("heads", "tokens", "rounds")},
-            "copy_tb_s": bw / 1e12, "page_size": PAGE, "num_qo_heads": HQ, "head_dim": D}
-    meta["timing"] = ("bench/timing.py: ms = median of one CUDA-graph replay of the call through "
-                      "triton.testing.do_bench (warmup 25 ms, rep 100 ms, L2 cleared before each), "
-                      "ms_eager = the same for eager calls, host_us = host time of one eager "
-                      "call; plan() timed separately (median of 200 host calls after 20 "
-                      "warm-up calls)")
+    meta = {**_meta(), "copy_tb_s": bw / 1e12, "page_size": PAGE, "num_qo_heads": HQ,
+            "head_dim": D, "timing": TIME_CALL_TIMING + "; plan() timed separately (median of "
+            "200 host calls after 20 warm-up calls)"}
     results = []
     for b in args.batch:
         for h in args.hkv:

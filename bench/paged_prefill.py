@@ -162,7 +162,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    from prefill import _meta, report, save
+    from prefill import _prefill_meta, report, save
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--S", type=int, nargs="+", default=[2048, 8192])
@@ -181,7 +181,7 @@ def main() -> None:
                 for r in run_cell(S, hkv, var):
                     print(json.dumps(r), flush=True)
                     results.append(r)
-    meta = {**_meta(), "heads": HQ, "kv_heads": args.hkv, "page_size": PAGE}
+    meta = {**_prefill_meta(), "heads": HQ, "kv_heads": args.hkv, "page_size": PAGE}
     save({"meta": meta, "results": results}, args.out, "paged-prefill-h200.json", table)
 
 

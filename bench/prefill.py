@@ -52,7 +52,13 @@ def pairs(variant: str, S: int) -> float:
     return S * S / 2.0  # causal variants count half, as FlashAttention's benchmarks do
 
 
-def _meta(rounds: int = 1) -> dict[str, Any]:
+DO_BENCH_TIMING = ("triton.testing.do_bench median (warmup 25 ms, rep 100 ms), eager calls "
+                   "(host cost included)")
+
+
+def _meta() -> dict[str, Any]:
+    """What every benchmark's JSON records of the machine, the versions and the commit (each
+    adds its own shapes and timing)."""
     import torch
 
     try:
@@ -75,11 +81,19 @@ def _meta(rounds: int = 1) -> dict[str, Any]:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton_v, "cuda": torch.version.cuda, "cuda_bindings": cb_v,
-            "attncc_commit": commit, "dtype": "bfloat16", "heads": HEADS,
-            "head_dim": HEAD_DIM, "tokens": TOKENS,
-            "timing": f"triton.testing.do_bench median (warmup 25 ms, rep 100 ms), eager calls "
-                      f"(host cost included); a cell's ms is the median of {rounds} interleaved "
-                      f"rounds (ms_rounds)", "rounds": rounds}
+            "attncc_commit": commit, "dtype": "bfloat16"}
+
+
+def _prefill_meta(rounds: int | None = None) -> dict[str, Any]:
+    """`_meta` with this benchmark's shapes and do_bench timing (also those of the benchmarks
+    that share them); `rounds`: run's interleaved rounds, recorded when given."""
+    meta = {**_meta(), "heads": HEADS, "head_dim": HEAD_DIM, "tokens": TOKENS,
+            "timing": DO_BENCH_TIMING}
+    if rounds is not None:
+        meta["timing"] += (f"; a cell's ms is the median of {rounds} interleaved rounds "
+                           f"(ms_rounds)")
+        meta["rounds"] = rounds
+    return meta
 
 
 class Bench:
@@ -192,7 +206,8 @@ def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, 
         bench = Bench(S)
         for variant in variants:
             outs: dict[str, Any] = {}
-            timed: list[tuple[dict[str, Any], Callable[[], Any], float]] = []
+            # (record, call, FLOPs, label) of each cell timed, for the further rounds
+            timed: list[tuple[dict[str, Any], Callable[[], Any], float, str]] = []
             cells = [(impl, None) for impl in impls]
             if sweep and "attncc" in impls:
                 cells += [("attncc", opts) for opts in sweep]
@@ -219,7 +234,7 @@ def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, 
                                        "first_call_s": round(first_s, 2)}
                 if opts is not None:
                     rec["kernel_options"] = opts
-                timed.append((rec, fn, flops))
+                timed.append((rec, fn, flops, label))
                 if impl == "attncc":
                     from attncc.runtime.flex import _as_variant, _trace
 
@@ -250,15 +265,13 @@ def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, 
                 print(f"S={S:6d} {variant:15s} {label:28s} {ms:8.3f} ms "
                       f"{rec['tflops']:7.1f} TFLOP/s{extra}", flush=True)
             for r in range(1, rounds):
-                for rec, fn, _ in (timed[::-1] if r % 2 else timed):
+                for rec, fn, _, _ in (timed[::-1] if r % 2 else timed):
                     rec.setdefault("ms_rounds", [rec["ms"]]).append(
                         do_bench(fn, warmup=25, rep=100, return_mode="median"))
-            for rec, _, flops in timed:
+            for rec, _, flops, label in timed:
                 if "ms_rounds" in rec:
                     rec["ms"] = statistics.median(rec["ms_rounds"])
                     rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
-                    label = rec["impl"] + (json.dumps(rec["kernel_options"], sort_keys=True)
-                                           if "kernel_options" in rec else "")
                     print(f"S={S:6d} {variant:15s} {label:28s} {rec['ms']:8.3f} ms "
                           f"{rec['tflops']:7.1f} TFLOP/s (median of {len(rec['ms_rounds'])} "
                           f"rounds)", flush=True)
@@ -378,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report is not None:
         report(args.report, table, plot)
         return 0
-    doc = {"meta": _meta(args.rounds), "results": run(tuple(args.S), tuple(args.variants),
+    doc = {"meta": _prefill_meta(args.rounds), "results": run(tuple(args.S), tuple(args.variants),
                                                       tuple(args.impls), args.sweep, args.rounds)}
     save(doc, args.out, "prefill-h200.json", table)
     return 0

@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", type=Path, default=None)
     args = ap.parse_args(argv)
     from prefill import _meta, report, save
+    from timing import TIME_CALL_TIMING
 
     if args.report is not None:
         report(args.report, table, plot)
@@ -141,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"prefix {p} batch {b} Hkv {h} FAILED {type(e).__name__}: {e}")
                     results.append({"prefix": p, "batch": b, "hkv": h,
                                     "error": f"{type(e).__name__}: {str(e)[:300]}"})
-    save({"meta": _meta(), "results": results}, args.out, "shared-prefix-h200.json", table)
+    meta = {**_meta(), "num_qo_heads": HQ, "head_dim": D, "page_size": PAGE, "suffix": SUFFIX,
+            "timing": TIME_CALL_TIMING}
+    save({"meta": meta, "results": results}, args.out, "shared-prefix-h200.json", table)
     return 0
 
 

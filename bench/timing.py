@@ -22,6 +22,11 @@ from typing import Any, Callable
 
 import numpy as np
 
+TIME_CALL_TIMING = ("bench/timing.py: ms = median of one CUDA-graph replay of the call through "
+                    "triton.testing.do_bench (warmup 25 ms, rep 100 ms, L2 cleared before each), "
+                    "ms_eager = the same for eager calls, host_us = host time of one eager call")
+"""`time_call`'s figures, as a benchmark's JSON meta describes them."""
+
 
 def median_us(fn: Callable[[], Any], runs: int, warmup: bool = True) -> float:
     """Median wall time of `runs` calls of fn (after one warm-up call), in microseconds."""

@@ -30,7 +30,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.prefill import HEAD_DIM, HEADS, TOKENS, _compiled_flex, _meta, _rel_err  # noqa: E402
+from bench.prefill import (HEAD_DIM, HEADS, TOKENS, _compiled_flex, _prefill_meta,  # noqa: E402
+                           _rel_err)
 
 IMPLS = ("attncc_fa3", "attncc_fa3_kv_prepass", "attncc_fa3_in_kernel", "attncc_fa2",
          "attncc_fa2_in_kernel", "flex_rotated", "sdpa_cudnn_rotated", "attncc_fa3_causal")
@@ -207,7 +208,7 @@ def main() -> None:
         plot(data, args.report.with_suffix(".png"))
         print(report(data))
         return
-    data = {"meta": _meta(), "results": run(tuple(args.S), args.profile)}
+    data = {"meta": _prefill_meta(), "results": run(tuple(args.S), args.profile)}
     print(report(data))
     if args.out:
         args.out.write_text(json.dumps(data, indent=1))
