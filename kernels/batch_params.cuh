@@ -13,7 +13,7 @@
 //             A ragged (contiguous) cache is the same with one "page" per request: page id = the
 //             request's first token, page_size = 2^30, kv_stride_page = kv_stride_slot.
 //   partial_o / partial_lse   workspace: slot s holds TQ rows of fp32 O [TQ, D] and LSE [TQ].
-//   plan      the packed plan (attncc.runtime.plan_format, PLAN_VERSION 5): its int32 header,
+//   plan      the packed plan (attncc.runtime.plan_format, PLAN_VERSION 6): its int32 header,
 //             cta_indptr right after it, then the sections whose sizes vary from plan to plan
 //             (units, per-CTA queues, merge map) back to back at word offsets the header holds
 //             -- so a plan is one contiguous range, one host-to-device copy. plan_section()

@@ -9,11 +9,10 @@
   turn) and copies the words in use to the workspace: the plan (one range, its sections back
   to back) and the page tables (at fixed offsets after the plan's room), one or two
   asynchronous copies.
-- `run(q, kv_cache)` launches the persistent FA2 (or FA3) kernel over the plan and the merge
-  kernel (kernels/fa2_batch.cuh; the FA2 kernel merges small split items itself: the CTA that
-  writes an item's last part). On sm_90 the merge kernel is a programmatic dependent launch:
-  its launch and its reads of the plan overlap the attention kernel's last units, and it waits
-  (griddepcontrol.wait) only before the partial states. Every pointer and both grid sizes are
+- `run(q, kv_cache)` launches the persistent FA2 (or FA3) kernel over the plan and the merge kernel
+  of its split items (kernels/fa2_batch.cuh). On sm_90 the merge kernel is a programmatic dependent
+  launch: its launch and its reads of the plan overlap the attention kernel's last units, and it
+  waits (griddepcontrol.wait) only before the partial states. Every pointer and both grid sizes are
   fixed by the workspace, so `run` can be captured once in a CUDA graph and replayed after new
   `plan` calls.
 
@@ -1020,8 +1019,8 @@ UPLOAD_GAP = 16384
 """`used_ranges`' default: int32 words (64 KB) of unused room that one copy may carry between two
 used ranges rather than issuing another copy. Each cuMemcpyHtoDAsync costs the host a few
 microseconds and the copy engine a fixed start-up; 64 KB of extra copy costs the engine about as
-much (~2-3 us over PCIe) and the host nothing. A plan is one range (PLAN_VERSION 5) and its
-page tables another: one copy when the plan fills its room to within 64 KB, else two."""
+much (~2-3 us over PCIe) and the host nothing. A plan is one range (since PLAN_VERSION 5) and
+its page tables another: one copy when the plan fills its room to within 64 KB, else two."""
 
 
 def coalesce_ranges(ranges: Iterable[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
