@@ -60,9 +60,11 @@ struct Smem {
   static constexpr int kV = kK + STAGES * kKvTileBytes;
   // full[STAGES], empty[STAGES], q_full, q_empty
   static constexpr int kBar = kV + STAGES * kKvTileBytes;
-  // the dense kernel's current work item, as the producer publishes it with its Q (int4)
+  // the dense kernel's current work item and its tiles, as the producer publishes them with its
+  // Q (two int4: fa3_prefill's ItemSlot), then the launch's split tail (fa3_split.cuh)
   static constexpr int kItem = kBar + 8 * (2 * STAGES + 2);
-  static constexpr int kBytes = kItem + 16 + 1024;  // + alignment slack
+  static constexpr int kTail = kItem + 32;
+  static constexpr int kBytes = kTail + 16 + 1024;  // + alignment slack
 };
 
 // Ping-pong turns of the two consumer warpgroups: consumer c waits on named barrier 1 + c (0 is

@@ -2,7 +2,8 @@
 // warp specialization (issue 5; see bench/NOTES.md). The default on sm_90 where it applies.
 // Self-contained: no #include. Comes after attncc_types.cuh, attention_params.cuh,
 // fa2_common.cuh, wgmma.cuh, tma.cuh, fa3_consumer.cuh (the consumer warpgroups' building
-// blocks and their pass over the K/V ring) and fa3_store.cuh (the epilogue's stores), and before
+// blocks and their pass over the K/V ring), fa3_store.cuh (the epilogue's stores) and
+// fa3_split.cuh (the split last round), and before
 // the generated Variant_<name> functors' entry point (ATTNCC_FA3_ENTRY at the bottom).
 //
 // Roles. A work item is 128 query rows of one (batch, query head); a CTA runs items one after
@@ -36,7 +37,10 @@
 // section (query blocks from the last one, then (batch, head)); CTA c runs item c, then claims
 // the next unclaimed one from a global counter, so the CTA that is free first takes the longest
 // item left and the CTAs end together (LPT). The next item's Q and first K/V tiles load while the
-// consumers finish the current one's last GEMM and store it.
+// consumers finish the current one's last GEMM and store it. When the items are all the same
+// length (no block mask) and the grid does not divide them, the last partial round is split by
+// keys across every CTA instead (fa3_split.cuh): a CTA then runs units, parts of an item, and
+// the item's last unit merges the others' parked states.
 //
 // Supported: head dims 64, 128 and 256, every variant hook: score_mod / mask_mod (LogitsTransform
 // / LogitsMask) in registers; query, key and value transforms in place on the landed shared-memory
@@ -182,10 +186,26 @@ __device__ __forceinline__ int next_item(int k, int num_items, int* counter) {
 
 // The item slot in shared memory: the producer writes it before the q_full arrival that
 // releases it (mbarrier arrive has release semantics, the consumers' wait acquire), and only
-// after q_empty says both consumers have read the previous one.
-__device__ __forceinline__ void publish_item(fa2_u32 slot, const DenseItem& it) {
+// after q_empty says both consumers have read the previous one. The item, then which of its
+// tiles to run (fa3_split.cuh's UnitRange), then the producer's own note: the piece whose second
+// unit it runs next, or -1 (kept here rather than in a register across the tile loop, where it
+// spilled the producer's 24).
+struct ItemSlot {
+  DenseItem item;
+  UnitRange range;
+  int pending;
+};
+__device__ __forceinline__ void publish_item(fa2_u32 slot, const DenseItem& it,
+                                             const UnitRange& u, int pending) {
   asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "r"(it.b), "r"(it.hq),
                "r"(it.h_kv), "r"(it.q0) : "memory");
+  asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot + 16), "r"(u.first),
+               "r"(u.count), "r"(u.part), "r"(pending) : "memory");
+}
+__device__ __forceinline__ int pending_piece(fa2_u32 slot) {
+  int v;
+  asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(v) : "r"(slot + 28));
+  return v;
 }
 
 // Persistent (D <= 128): the grid is at most one CTA per SM (the ring takes the shared memory)
@@ -210,6 +230,10 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   constexpr bool kBulkO = ATTNCC_FA3_BULK_STORE && kPersistentHeadDim<D> && TKV == 128 &&
                           !Variant::has_output_transform && !ATTNCC_FA3_LOW_PRESSURE;
   static_assert(!kBulkO || S::kKvTileBytes >= kTQ * 2 * D, "O does not fit in a K tile");
+  // The split tail (fa3_split.cuh): for the dynamic order's persistent CTAs, where a unit's
+  // state is softmax statistics and nothing is staged in Q after the loop.
+  constexpr bool kSplit = ATTNCC_FA3_DYNAMIC && kPersistentHeadDim<D> && kSoftmax &&
+                          !Variant::has_output_transform;
 
   extern __shared__ __attribute__((aligned(1024))) unsigned char attncc_fa3_smem_raw[];
   // the 128-byte swizzle works on absolute address bits: align the tiles to 1024 bytes
@@ -220,7 +244,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   const fa2_u32 full_bar = base + S::kBar;               // + 8*s: stage s landed
   const fa2_u32 empty_bar = full_bar + 8 * STAGES;       // + 8*s: stage s read by every consumer
   const fa2_u32 q_full = full_bar + 16 * STAGES, q_empty = q_full + 8;
-  const fa2_u32 item_slot = base + S::kItem;
+  const fa2_u32 item_slot = base + S::kItem, tail_at = base + S::kTail;
   const void* tm_q = p.tma;
   const void* tm_k = reinterpret_cast<const unsigned char*>(p.tma) + 128;
   const void* tm_v = reinterpret_cast<const unsigned char*>(p.tma) + 256;
@@ -232,31 +256,50 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   const int nqb = (q_len + kTQ - 1) / kTQ;
   const int num_items = p.batch * p.num_q_heads * nqb;
 
-  init_barriers<STAGES>(full_bar, empty_bar, q_full, q_empty);
+  if (tid == 0) put_tail(tail_at, tail_split<TKV, kSplit>(p, num_items));
+  init_barriers<STAGES>(full_bar, empty_bar, q_full, q_empty);  // (its __syncthreads publishes it)
 
   // ---- producer: one thread; the other producer threads have nothing to do ------------------
   if (wg == 0) {
     wg::setmaxnreg_dec<kProducerRegs>();
     if (tid != 0) return;
     int tile = 0;  // tiles issued by this CTA so far: stage tile % STAGES, phase tile / STAGES
+    // the list's entries: whole items, then (with a split tail, fa3_split.cuh) pieces; a piece
+    // of two units runs its second (`pending`, noted in the item slot) before the next claim
 #pragma unroll 1
-    for (int k = 0;; ++k) {  // k: items run by this CTA so far
+    for (int k = 0;; ++k) {  // k: units (items, or parts of them) run by this CTA so far
       // one item per CTA at D = 256: its consumers never hand Q back, and stop by themselves
       if (!kPersistentHeadDim<D> && k > 0) break;
-      const int w = next_item(k, num_items, p.item_counter);
+      const TailSplit tail = get_tail(tail_at);
+      // the last unit's note (the slot is unchanged until this iteration publishes)
+      const int pending = k > 0 ? pending_piece(item_slot) : -1;
+      const int side = pending >= 0 ? 1 : 0;
+      // (the CTA's first unit is its first claim: next_item's k == 0)
+      const int w = side ? pending : next_item(k, tail.entries(num_items), p.item_counter);
       // Q of this item (and the item in item_slot) once both consumers are done with the last
       // one's: they read the slot before they release Q
       if (k > 0) tma::mbar_wait(q_empty, (k - 1) & 1);
       if (w < 0) {  // no more items: an arrival without bytes wakes the consumers to stop
-        publish_item(item_slot, DenseItem{-1, 0, 0, 0});
+        publish_item(item_slot, DenseItem{-1, 0, 0, 0}, UnitRange{0, -1, -1}, -1);
         tma::mbar_arrive(q_full);
         break;
       }
-      const DenseItem it = dense_item<D>(p, w, nqb);
-      const fa2::TileList tiles = item_tiles<TKV>(p, it);
+      UnitRange u{0, -1, -1};  // the whole item
+      int item = w, next_piece = -1;
+      if (w >= tail.first) {  // a piece of the split tail: unit `side` of piece w - tail.first
+        int t;
+        tail.unit(w - tail.first, side, t, u);
+        item = tail.first + t;
+        UnitRange next;
+        if (side == 0 && tail.unit(w - tail.first, 1, t, next)) next_piece = w;
+      }
+      const DenseItem it = dense_item<D>(p, item, nqb);
+      fa2::TileList tiles = item_tiles<TKV>(p, it);
+      if (u.count >= 0) tiles.count = u.count;
       const int q_row0 = (it.b * p.num_q_heads + it.hq) * q_len + it.q0;  // map row of q0
-      const int kv_row0 = (it.b * p.num_kv_heads + it.h_kv) * kv_len;   // map row of key 0
-      publish_item(item_slot, it);  // released to the consumers by the q_full arrival
+      // map row of the unit's key 0 (a tail piece's first tile: dense items only)
+      const int kv_row0 = (it.b * p.num_kv_heads + it.h_kv) * kv_len + u.first * TKV;
+      publish_item(item_slot, it, u, next_piece);  // released to the consumers by the q_full arrival
       tma::mbar_arrive_expect_tx(q_full, kConsumers * BLOCKS * kBoxBytes);
 #pragma unroll
       for (int c = 0; c < kConsumers; ++c)
@@ -304,9 +347,12 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
            v4_aligned(p.o, p.o_stride_s | p.o_stride_h | p.o_stride_b);
   };
   HeldStage held;  // kBulkO: the stage holding this warp's rows of the last item's O
-  // the CTA's k-th item `it` (its Q has landed), its K/V tiles from ring tile `tile` on
-  auto run_item = [&](const DenseItem& it, int k) {
-    const fa2::TileList tiles = item_tiles<TKV>(p, it);
+  // the CTA's k-th unit: item `it` (its Q has landed) over tiles `u` (UnitRange), its K/V tiles
+  // from ring tile `tile` on
+  auto run_item = [&](const DenseItem& it, const UnitRange& u, int k) {
+    fa2::TileList tiles = item_tiles<TKV>(p, it);
+    if (u.count >= 0) tiles.count = u.count;
+    const int kv_skip = u.first * TKV, part = u.part;
     const int b = it.b, hq = it.hq, q0 = it.q0;
     float o[BLOCKS][32];
 #pragma unroll
@@ -331,7 +377,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     const bool row_ok[2] = {r_lo < q_len, r_lo + 8 < q_len};
     auto logits_softmax = [&](float (&s)[TKV / 2], int i, float (&corr)[2]) {
       bool is_full;
-      const int kv0 = tiles.start(i, is_full);
+      const int kv0 = tiles.start(i, is_full) + kv_skip;
       const bool interior = rows_inside && kv0 + TKV <= kv_len &&
                             (is_full || !Variant::has_logits_mask);
       logits_softmax_step<Variant, TKV, true>(s, vp, qk_scale, b, row_hq, row_qi, row_ok, kv0,
@@ -342,7 +388,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     auto landed = [&](int i, int t) {
       if constexpr (Variant::has_key_transform || Variant::has_value_transform) {
         bool is_full;
-        const int kv0 = tiles.start(i, is_full);
+        const int kv0 = tiles.start(i, is_full) + kv_skip;
         transform_kv<Variant, DType, D, TKV>(vp, ring.k_of(t), ring.v_of(t), wg - 1, b, it.h_kv,
                                              kv0, kv_len, 0);
         wg::fence_proxy_async();  // the wgmmas (async proxy) must see these stores
@@ -355,12 +401,19 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
       consume_tiles<DType, D, TKV, rebuild_q<Variant>()>(tiles.count, tile, sq_w, ring, turns, o,
                                                         logits_softmax, landed, last_s_done,
                                                         kBulkO ? &held : nullptr,
-                                                        kBulkO && o_v4());
+                                                        kBulkO && o_v4() && part < 0);
     } else {
       last_s_done();  // nothing reads it (the block mask left this query block no keys)
       if constexpr (kBulkO) held.settle(ring);
     }
     tile += tiles.count;
+    // a unit of a split tail item: park this warp's state; the item's last warp to arrive
+    // merges every unit's and stores (fa3_split.cuh), the others are done
+    if constexpr (kSplit) {
+      if (part >= 0 && !park_or_merge<D>(p, get_tail(tail_at), part, 4 * (wg - 1) + warp, o,
+                                         row_m, row_l))
+        return;
+    }
 
     // ---- epilogue: normalize (output transform through the Q tile), store O and the LSE ------
     float inv[2], lse[2];
@@ -376,7 +429,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
       });
     }
     const bool v4 = o_v4();
-    if (kBulkO && v4 && tiles.count > 0) {
+    if (kBulkO && v4 && tiles.count > 0 && part < 0) {
       // The last tile's K half takes this warpgroup's 64 rows once both consumers' last S
       // GEMMs completed (q_empty's phase of item k; the other warpgroup's last P V reads V
       // only). Each warp stages its 16 rows swizzled (stage_rows_sw) and fences them for the
@@ -425,9 +478,13 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     tma::mbar_wait(q_full, k & 1);
     // a plain load, not asm volatile, so the optimizer may place it (which kept document_causal
     // D = 128's low-pressure form spill-free); it stays below the wait, whose asm clobbers memory
-    const DenseItem it = *reinterpret_cast<const DenseItem*>(smem + S::kItem);
-    if (it.b < 0) break;
-    run_item(it, k);
+    // (indexed from the __shared__ array itself, so it is an LDS from a 32-bit offset: through
+    // the aligned generic pointer it was a generic load whose 64-bit base spilled, softcap
+    // D = 128)
+    const ItemSlot slot = *reinterpret_cast<const ItemSlot*>(
+        attncc_fa3_smem_raw + (smem - attncc_fa3_smem_raw) + S::kItem);
+    if (slot.item.b < 0) break;
+    run_item(slot.item, slot.range, k);
     if (!kPersistentHeadDim<D>) break;  // one item per CTA: the grid has num_items CTAs
   }
   turns.finish(tile);

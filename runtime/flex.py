@@ -49,8 +49,10 @@ from .reference import attention_reference, validate_attention_inputs
 # approximations), PREPASS (attncc's: "none", "kv" or "qkv" runs those transforms once per row in
 # a pre-pass instead of inside the attention kernel; "auto", the default, see
 # runtime/prepass.choose_prepass), PERSISTENT (attncc's, FA3: False launches one CTA per 128-row
-# tile instead of at most one per SM). The exact reference path ignores them. Anything else is an
-# error rather than a silent no-op.
+# tile instead of at most one per SM), SPLIT_TAIL (attncc's, FA3: False runs the persistent grid's
+# last, partial round of full-length items whole instead of splitting it by keys across every
+# CTA, runtime/fa3_split.py). The exact reference path ignores them. Anything else is an error
+# rather than a silent no-op.
 SUPPORTED_KERNEL_OPTIONS: dict[str, type] = {
     "BLOCK_M": int,
     "BLOCK_N": int,
@@ -62,6 +64,7 @@ SUPPORTED_KERNEL_OPTIONS: dict[str, type] = {
     "BLOCKS_ARE_CONTIGUOUS": bool,
     "PREPASS": str,
     "PERSISTENT": bool,
+    "SPLIT_TAIL": bool,
 }
 
 _warned_no_gpu_kernel = False

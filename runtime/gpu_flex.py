@@ -28,6 +28,7 @@ from attncc.codegen.fa2 import FA2_HEAD_DIMS as HEAD_DIMS
 from attncc.codegen.fa2 import Fa2Tiles, fa3_tiles
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
+from .fa3_split import TailSplit, tail_split
 from .reference import _is_noop_mask, _trace_mask, validate_attention_inputs
 from .tile_choice import Fa2Config, TilePlan, choose_tiles, fa2_config
 from .tma import MapCache
@@ -757,8 +758,14 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     # the FA3 kernel's dynamic item order claims items past the first from this counter: zero,
     # one per launch (a memset on the stream; in a CUDA graph, a memset node) so no two launches
     # share one. At head dim 256 each CTA runs one item and claims none: no counter, no memset.
-    counter = (torch.zeros(1, dtype=torch.int32, device=query.device)
-               if pl.tiles.kernel == "fa3" and D in FA3_PERSISTENT_HEAD_DIMS else None)
+    # With a split tail (runtime/fa3_split.py) the same buffer holds the tail's arrival counters,
+    # and the partial states get a workspace (written before it is read: not cleared).
+    counter = partials = None
+    if pl.tiles.kernel == "fa3" and D in FA3_PERSISTENT_HEAD_DIMS:
+        split = _fa3_tail_split(pl, kernel_options, items, grid[0], Skv, cfg.tkv, persistent)
+        counter = torch.zeros(split.counter_ints(), dtype=torch.int32, device=query.device)
+        if split.pieces:
+            partials = torch.empty(split.partial_floats(D), dtype=torch.float32, device=device)
     ap = {
         "q": query.data_ptr(), "k": key.data_ptr(), "v": value.data_ptr(), "o": out.data_ptr(),
         "lse": lse.data_ptr() if lse is not None else 0,
@@ -777,6 +784,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         "bi_stride_q": 0, "block_q": 0, "block_kv": 0,
         "tma": maps.data_ptr() if maps is not None else 0,
         "item_counter": counter.data_ptr() if counter is not None else 0,
+        "split_partials": partials.data_ptr() if partials is not None else 0,
     }
     m = pl.mask
     if m is not None:
@@ -792,6 +800,17 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     kl.launch(grid, (cfg.threads, 1, 1), cfg.smem_bytes, kl.ap.flatten(ap), kl.vp.flatten(vp),
               stream=torch.cuda.current_stream(device).cuda_stream)
     return out, lse
+
+
+def _fa3_tail_split(pl: LaunchPlan, kernel_options: Mapping[str, Any] | None, items: int,
+                    grid: int, kv_len: int, tkv: int, persistent: bool) -> TailSplit:
+    """The split tail of a dense FA3 launch (kernels/fa3_split.cuh): persistent CTAs over
+    full-length items (no block mask) of a softmax variant with no output transform, unless
+    kernel_options SPLIT_TAIL is False. The kernel checks the same conditions."""
+    if (persistent and pl.mask is None and pl.ir.use_softmax and "output_mod" not in pl.ir.hooks
+            and (kernel_options or {}).get("SPLIT_TAIL", True)):
+        return tail_split(items, grid, kv_len, tkv)
+    return TailSplit(items, 0, 0, 0)
 
 
 def compiled_kernel_info(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -425,8 +425,9 @@ def test_python_semantics_helpers_and_precedence() -> None:
 # ------------------------------------------------------------------------------- layouts
 
 def test_attention_params_layout() -> None:
-    assert ATTENTION_PARAMS.size == 272 and ATTENTION_PARAMS.align == 8
+    assert ATTENTION_PARAMS.size == 280 and ATTENTION_PARAMS.align == 8
     assert ATTENTION_PARAMS.field("item_counter").offset == 264
+    assert ATTENTION_PARAMS.field("split_partials").offset == 272
     assert ATTENTION_PARAMS.field("lse_stride_h").offset == 144
     assert ATTENTION_PARAMS.field("sm_scale").offset == 172
     assert ATTENTION_PARAMS.field("kv_num_blocks").offset == 176
@@ -522,7 +523,8 @@ def test_fa3_translation_unit() -> None:
     gk = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3")
     assert gk.block == (384, 1, 1)
     # the ring's 2 stages x (full, empty) mbarriers, then q_full and q_empty, the work item
-    assert gk.shared_mem_bytes == 2 * 128 * (128 + 2 * 2 * 128) + 8 * 6 + 16 + 1024
+    # slot (item and tile range, 32 bytes) and the split tail's record (16)
+    assert gk.shared_mem_bytes == 2 * 128 * (128 + 2 * 2 * 128) + 8 * 6 + 32 + 16 + 1024
     assert "ATTNCC_FA3_ENTRY(attncc_plain_fa3_d128_bf16_q128_k128_s2, " in gk.source
     gk = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3",
                          tiles=Fa2Tiles(128, 64, 2, 1))

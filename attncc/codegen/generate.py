@@ -100,7 +100,7 @@ KERNELS: dict[str, KernelSpec] = {
     # Hopper: TMA + wgmma, warp-specialized, 64 query rows per consumer warpgroup
     # (kernels/fa3_prefill.cuh)
     "fa3": KernelSpec("fa3", ("fa2_common.cuh", "wgmma.cuh", "tma.cuh", "fa3_consumer.cuh",
-                              "fa3_store.cuh", "fa3_prefill.cuh"),
+                              "fa3_store.cuh", "fa3_split.cuh", "fa3_prefill.cuh"),
                       "attncc::fa3::fa3_prefill", threads=0, rows_per_cta=0,
                       head_dim_multiple=64, head_dim_max=256, head_dims=(64, 128, 256),
                       entry_macro="ATTNCC_FA3_ENTRY"),

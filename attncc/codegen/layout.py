@@ -191,6 +191,7 @@ _ATTENTION_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("bm_stride_b", "attncc::i64"), ("bm_stride_h", "attncc::i64"),
     ("bi_stride_b", "attncc::i64"), ("bi_stride_h", "attncc::i64"), ("bi_stride_q", "attncc::i64"),
     ("block_q", "int"), ("block_kv", "int"), ("tma", "const void*"), ("item_counter", "int*"),
+    ("split_partials", "float*"),
 )
 
 ATTENTION_PARAMS: StructLayout = struct_layout("attncc::AttentionParams", _ATTENTION_PARAMS_MEMBERS)

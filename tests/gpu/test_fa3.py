@@ -16,6 +16,8 @@ from attncc.runtime import gpu_flex
 from attncc.runtime.gpu_flex import choose_tiles
 from examples.gym import GYM, causal, sliding_window
 
+from .repeats import assert_repeats_bitwise
+
 FA3 = {"KERNEL": "fa3"}
 
 
@@ -263,24 +265,7 @@ def test_fa3_dynamic_order_repeats_bitwise_and_in_graphs(rng: Any) -> None:
     torch.cuda.synchronize()
     first = out.clone()
     _check(q, k, v, ir, bind, bm, 2)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        step()
-        torch.cuda.synchronize()
-        assert torch.equal(out, first)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # warm-up off the default stream, as torch.cuda.graph asks
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, first)
+    assert_repeats_bitwise(step, [out], [first])
 
 
 @pytest.mark.gpu
