@@ -24,10 +24,10 @@
 // resident yet cannot deadlock the others.
 //
 // What it is worth (H200, D = 128, bench/NOTES.md stop 21): +0.8 / 1.3 / 1.6 % at 4096 / 8192 /
-// 16384 keys from a cold GPU, +1 % at the power cap -- less than the idle 3 %, because the
-// CTAs' 15th items do not end together (the last round's idle time is partly spread already)
-// and parking and merging cost ~1 % at 2048 keys, where the split lost and is off
-// (kMinSplitKeys).
+// 16384 keys from a cold GPU, +0.7 / 0.9 % at 8192 / 16384 at the power cap -- less than the
+// idle 3 %: the CTAs' 15th items do not end together (part of the last round's idle time is
+// spread out already), parking and merging cost ~1 % at 2048 keys (where the split lost and is
+// off, kMinSplitKeys), and at the power cap idle SMs were partly paid back in clock.
 //
 // Self-contained: no #include. Comes after fa3_consumer.cuh, before fa3_prefill.cuh.
 #ifndef ATTNCC_FA3_SPLIT_CUH
