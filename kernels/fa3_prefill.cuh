@@ -299,7 +299,8 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
       const int q_row0 = (it.b * p.num_q_heads + it.hq) * q_len + it.q0;  // map row of q0
       // map row of the unit's key 0 (a tail piece's first tile: dense items only)
       const int kv_row0 = (it.b * p.num_kv_heads + it.h_kv) * kv_len + u.first * TKV;
-      publish_item(item_slot, it, u, next_piece);  // released to the consumers by the q_full arrival
+      // released to the consumers by the q_full arrival
+      publish_item(item_slot, it, u, next_piece);
       tma::mbar_arrive_expect_tx(q_full, kConsumers * BLOCKS * kBoxBytes);
 #pragma unroll
       for (int c = 0; c < kConsumers; ++c)

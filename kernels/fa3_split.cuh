@@ -6,19 +6,19 @@
 // heads, 2048 items on 132 CTAs, 68 CTAs run a 16th item -- the launch takes 16 item-times for
 // 15.5 of work, 3 % at every S (a clock64 trace, bench/NOTES.md stop 19).
 //
-// What. The R tail items' R * T K/V tiles (T per item), counted item by item, are cut into
-// P = min(G, 4 R, R * T) pieces of consecutive tiles: piece j is tail tiles [j R T / P, (j + 1)
-// R T / P). The dynamic order hands out pieces where it would have handed out the tail items, so the
-// G CTAs each take about R T / G tiles instead of R of them taking T. A piece is at most T
-// tiles long (R < G), so it holds the end of one item and / or the start of the next: one or two
-// units, run one after the other by the CTA that claimed the piece. A unit is an item over a
-// range of its tiles; its consumers run the usual loop over that range, then each consumer warp
-// parks its rows' partial state (O unnormalized, the row maxima and per-thread sums: exactly
-// its registers) in a slot of AttentionParams::split_partials and counts itself in on the item's
-// counter. The warp that arrives last for its 16 rows merges every unit's state, in piece order,
-// and runs the usual epilogue; the others store nothing. Reading its own state back from the
-// slot rather than from registers makes the merge the same float operations whichever unit
-// arrives last, so the output does not depend on the order the CTAs ran in.
+// What. The R tail items' R * T K/V tiles (T per item), counted item by item, are cut into P =
+// min(G, 4 R, R * T) pieces of consecutive tiles: piece j is tail tiles [j R T / P, (j + 1) R T /
+// P). The dynamic order hands out pieces where it would have handed out the tail items, so the G
+// CTAs each take about R T / G tiles instead of R of them taking T. A piece is at most T tiles long
+// (R < G), so it holds the end of one item and / or the start of the next: one or two units, run
+// one after the other by the CTA that claimed the piece. A unit is an item over a range of its
+// tiles; its consumers run the usual loop over that range, then each consumer warp parks its rows'
+// partial state (O unnormalized, the row maxima and per-thread sums: exactly its registers) in a
+// slot of AttentionParams::split_partials and counts itself in on the item's counter. The warp that
+// arrives last for its 16 rows merges every unit's state, in piece order, and runs the usual
+// epilogue; the others store nothing. Reading its own state back from the slot rather than from
+// registers makes the merge the same float operations whichever unit arrives last, so the output
+// does not depend on the order the CTAs ran in.
 //
 // No warp waits for another CTA (the last arrival merges; nobody spins), so a CTA that is not
 // resident yet cannot deadlock the others.

@@ -4,9 +4,9 @@ reference, so a clean sanitizer log comes from a launch that also computed the r
     compute-sanitizer --tool memcheck python scripts/fa3_sanitize_case.py
     compute-sanitizer --tool racecheck python scripts/fa3_sanitize_case.py dense64
 
-Arguments pick parts (default: all): dense64, dense128, transforms, batch, document, split. Racecheck
-instruments every shared-memory access, so the whole script takes minutes under it; one part
-does not.
+Arguments pick parts (default: all): dense64, dense128, transforms, batch, document, split.
+Racecheck instruments every shared-memory access, so the whole script takes minutes under it;
+one part does not.
 
 Dense FA3 (kernels/fa3_prefill.cuh, persistent): odd lengths (a partial last query block and a
 partial last KV tile), GQA 2, a causal block mask (partial and full blocks) and a softcap
