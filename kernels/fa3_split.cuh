@@ -60,11 +60,19 @@ struct TailSplit {
   __device__ __forceinline__ int entries(int num_items) const {
     return pieces > 0 ? first + pieces : num_items;
   }
-  // Unit `side` of piece j: its tail item (index from `first`) and tile range; false when the
-  // piece has no second unit.
+  // The tail item (index from `first`) of unit `side` of piece j, and the part (2 j + side) of
+  // tail item `item` in piece j: the piece's second unit when the piece began in the item before.
+  __device__ __forceinline__ int item_of(int j, int side) const {
+    return begin(j) / tiles + side;
+  }
+  __device__ __forceinline__ int part_of(int item, int j) const {
+    return 2 * j + (begin(j) < item * tiles ? 1 : 0);
+  }
+  // Unit `side` of piece j: its tail item and tile range; false when the piece has no second
+  // unit.
   __device__ __forceinline__ bool unit(int j, int side, int& item, UnitRange& u) const {
     const int b = begin(j), e = begin(j + 1);
-    item = b / tiles + side;
+    item = item_of(j, side);
     const int lo = max(b, item * tiles), hi = min(e, (item + 1) * tiles);
     u = UnitRange{lo - item * tiles, hi - lo, 2 * j + side};
     return hi > lo;
@@ -145,7 +153,7 @@ __device__ __forceinline__ bool park_or_merge(const attncc::AttentionParams& p,
   // and every lane's fence precedes that atomic (__syncwarp orders the warp's lanes)
   __threadfence();
   __syncwarp();
-  const int item = tail.begin(part >> 1) / tail.tiles + (part & 1);
+  const int item = tail.item_of(part >> 1, part & 1);
   const int first_piece = tail.piece_of(item * tail.tiles);
   const int last_piece = tail.piece_of((item + 1) * tail.tiles - 1);
   int before = 0;
@@ -160,9 +168,6 @@ __device__ __forceinline__ bool park_or_merge(const attncc::AttentionParams& p,
   // The merge: every unit's state from its slot (this one's too), in piece order, one pass with
   // a running maximum (each slot's 17 loads in flight together; a first pass over the maxima
   // alone cost a second chain of L2 round trips on the grid's critical path)
-  auto slot_of = [&](int j) {  // unit of `item` in piece j: the piece's second if it began before
-    return split_slot<D>(p, 2 * j + (tail.begin(j) < item * tail.tiles ? 1 : 0), w8);
-  };
   float mx[2] = {fa2::neg_inf(), fa2::neg_inf()};
 #pragma unroll
   for (int blk = 0; blk < D / 64; ++blk)
@@ -171,7 +176,7 @@ __device__ __forceinline__ bool park_or_merge(const attncc::AttentionParams& p,
   row_l[0] = row_l[1] = 0.f;
 #pragma unroll 1
   for (int j = first_piece; j <= last_piece; ++j) {
-    const float4* const src = slot_of(j);
+    const float4* const src = split_slot<D>(p, tail.part_of(item, j), w8);
     const float4 st = __ldcg(src + 32 * Q);
     float4 v[Q];
 #pragma unroll

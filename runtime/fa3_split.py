@@ -48,6 +48,11 @@ class TailSplit:
         """The piece holding tail tile t."""
         return ((t + 1) * self.pieces - 1) // self.total
 
+    def part_of(self, item: int, j: int) -> int:
+        """The part (2 j + side: its workspace slot) of tail item `item` in piece j, as the
+        merge finds it: the piece's second unit when the piece began in the item before."""
+        return 2 * j + (1 if self.begin(j) < item * self.tiles else 0)
+
     def unit(self, j: int, side: int) -> tuple[int, int, int] | None:
         """Unit `side` (0 or 1) of piece j as (tail item, first tile, tile count), or None when
         the piece has no such unit."""

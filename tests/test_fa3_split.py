@@ -20,11 +20,12 @@ def test_pieces_cover_the_tail_once_in_units_of_one_item(items: int, grid: int,
     """Every tail tile lies in exactly one unit; a piece is one or two units (contiguous, the
     second starting its item); the slot a unit parks in is the one the merger reads for it; an
     item's unit count is what its arrival counter waits for."""
-    s = tail_split(items, grid, kv_len=tiles * 128 - 5, tkv=128)
-    if tiles * 128 - 5 < MIN_SPLIT_KEYS:  # (the geometry below does not depend on kv_len)
-        assert s.pieces == 0
-        s = TailSplit(items - items % grid, tiles, items % grid * tiles,
-                      min(grid, MAX_PIECES_PER_ITEM * (items % grid), items % grid * tiles))
+    if tiles * 128 - 5 < MIN_SPLIT_KEYS:
+        assert tail_split(items, grid, kv_len=tiles * 128 - 5, tkv=128).pieces == 0
+    # 4096-key tiles: every kv_len here reaches MIN_SPLIT_KEYS (the geometry depends on the
+    # tile count only)
+    s = tail_split(items, grid, kv_len=tiles * 4096 - 5, tkv=4096)
+    assert s.tiles == tiles
     rest = items % grid
     assert s.pieces == min(grid, MAX_PIECES_PER_ITEM * rest, rest * tiles)
     assert s.first == items - rest
@@ -49,10 +50,8 @@ def test_pieces_cover_the_tail_once_in_units_of_one_item(items: int, grid: int,
         assert len(units) <= MAX_PIECES_PER_ITEM + 1  # the merge reads at most 5 slots
         lo, hi = s.piece_of(item * tiles), s.piece_of((item + 1) * tiles - 1)
         assert [j for j, _, _ in units] == list(range(lo, hi + 1))
-        # fa3_split.cuh's merge: the unit of `item` in piece j is that piece's second when the
-        # piece began in the item before
-        assert [2 * j + (s.begin(j) < item * tiles) for j, _, _ in units] == [
-            slot for _, _, slot in units]
+        # the slot fa3_split.cuh's merge reads for each unit is the one the unit parked in
+        assert [s.part_of(item, j) for j, _, _ in units] == [slot for _, _, slot in units]
 
 
 @pytest.mark.parametrize("items,grid,kv_len", [(132, 132, 4096), (264, 132, 4096),
