@@ -56,7 +56,9 @@ def report(variant: str, head_dim: int) -> dict[str, Any]:
         "registers": int(re.findall(r"Used (\d+) registers", res.log)[0]),
         "spill_bytes": _spill_bytes(res.log),
         "smem_bytes": gk.shared_mem_bytes,
-        "ptxas_warnings": [ln for ln in res.log.splitlines() if "warning" in ln.lower()]}
+        # warnings, and ptxas's notes that it waited for or serialized wgmmas (C7510-C7519)
+        "ptxas_warnings": [ln for ln in res.log.splitlines()
+                           if "warning" in ln.lower() or "(C751" in ln]}
     tool = _cuobjdump()
     if tool:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

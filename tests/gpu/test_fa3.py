@@ -127,7 +127,9 @@ def test_fa3_compiles_without_spills(name: str, d: int, tkv: int, stages: int) -
     res = compile_cuda(gk.source, arch="sm_90a", verbose=True)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.log)
     assert spills and all(a == "0" and b == "0" for a, b in spills), res.log
-    assert "wgmma" not in res.log.lower(), res.log
+    # ptxas's C7510-C7519 notes: wgmmas serialized (C7515, C7518: "Potential Performance Loss")
+    # or a wait injected after one (C7517, which does not say "wgmma")
+    assert "wgmma" not in res.log.lower() and "(C751" not in res.log, res.log
 
 
 @pytest.mark.nvrtc
