@@ -39,3 +39,21 @@ def test_paged_prefill_table_ratio() -> None:
            {"impl": "ragged_fa3", "S": 2048, "hkv": 4, "variant": "full", "tflops": 530.0}]
     text = table({"meta": META, "results": rec})
     assert "| full | 2048 | 4 | 500 | 450 | - | 530 | 0.90 |" in text
+
+
+def test_fa3_experiment_pair_summary_ratios_per_round() -> None:
+    """scripts/fa3_experiment.py --repeat: each configuration against the first one of the same
+    round (not the first round's), per cell, with the median and the rounds it was faster."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from fa3_experiment import pair_summary
+
+    runs = {(2048, "full"): [("shipped", 500.0), ("A=1", 510.0), ("B=1", 450.0),
+                             ("shipped", 400.0), ("A=1", 396.0), ("B=1", 420.0),
+                             ("shipped", 500.0), ("A=1", 515.0), ("B=1", 490.0)],
+            (8192, "causal"): [("shipped", 600.0), ("A=1", 540.0)]}
+    recs = [{"S": S, "variant": v, "config": c, "tflops": t}
+            for (S, v), rows in runs.items() for c, t in rows]
+    assert pair_summary(recs) == [
+        "S=2048 full A=1: 1.020 0.990 1.030 median 1.020, faster in 2 of 3",
+        "S=2048 full B=1: 0.900 1.050 0.980 median 0.980, faster in 1 of 3",
+        "S=8192 causal A=1: 0.900 median 0.900, faster in 0 of 1"]
