@@ -1,0 +1,31 @@
+"""bench/l2_order_model.py: the dense FA3 item order it mirrors, and the DRAM traffic it
+predicts for L2 section sizes at bench/prefill.py's S = 2048 (bench/NOTES.md, stop 22)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+
+def test_dense_order_remainder_section_first_then_last_query_blocks() -> None:
+    from l2_order_model import dense_order
+
+    order = dense_order(slots=5, nqb=3, sec=2)  # sections: {0}, {1, 2}, {3, 4}
+    assert order[:3] == [(0, 2), (0, 1), (0, 0)]
+    assert order[3:9] == [(1, 2), (2, 2), (1, 1), (2, 1), (1, 0), (2, 0)]
+    assert sorted(order) == [(s, q) for s in range(5) for q in range(3)]  # every item once
+
+
+def test_sections_half_the_l2_read_each_head_once() -> None:
+    from l2_order_model import simulate
+
+    # 16 tiles per item, 128 heads: with a 25 MiB LRU, 12 MiB sections read each head's K/V
+    # once, 24 MiB sections (shipped) 2.33 times, 48 MiB ~6 times; causal only from 48 MiB
+    assert simulate(2048, 12, 25)["dram_mib"] == 128.0
+    assert round(simulate(2048, 24, 25)["dram_mib"] / 128, 2) == 2.33
+    assert simulate(2048, 48, 25)["dram_mib"] > 5 * 128
+    assert simulate(2048, 24, 25, causal=True)["dram_mib"] == 128.0
+    assert simulate(2048, 48, 25, causal=True)["dram_mib"] > 2 * 128
+    # one section over every head: nearly every tile read from DRAM
+    assert simulate(2048, 0, 50)["heads_per_section"] == 128
