@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 from collections import OrderedDict
 
-TOKENS, HEADS, HEAD_DIM, TQ, TKV = 16384, 16, 128, 128, 128  # bench/prefill.py's inputs
+from prefill import HEAD_DIM, HEADS, TOKENS
+
+TQ, TKV = 128, 128  # the dense kernel's query rows and keys per tile at head dim 128
 
 
 def dense_order(slots: int, nqb: int, sec: int) -> list[tuple[int, int]]:

@@ -204,6 +204,16 @@ def _spill_bytes(log: str) -> int:
                re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log))
 
 
+def _wgmma_notes(log: str) -> list[str]:
+    """ptxas's C7510-C7519 notes in a `-v` log: it serialized the wgmmas (C7515, C7518) or
+    injected a wait after one (C7517) -- the kernel's pipeline is gone, spills or not.
+
+    >>> _wgmma_notes("ptxas info    : (C7517) warpgroup.wait is injected\\nptxas info : Used 168")
+    ['ptxas info    : (C7517) warpgroup.wait is injected']
+    """
+    return [ln for ln in log.splitlines() if "(C751" in ln]
+
+
 FA3_LOW_PRESSURE = "#define ATTNCC_FA3_LOW_PRESSURE 1\n"
 """Prepended to an FA3 translation unit (dense or batch) whose first compile spilled: the
 kernels' other way to evaluate a tile's logits (kernels/fa3_prefill.cuh), fewer registers for

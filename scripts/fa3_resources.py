@@ -37,7 +37,8 @@ def _cuobjdump() -> str | None:
 def report(variant: str, head_dim: int) -> dict[str, Any]:
     from attncc.ir.simplify import simplify_variant
     from attncc.runtime.cache import cached_compile
-    from attncc.runtime.gpu_flex import _fa3_generated, _spill_bytes, compile_fa3
+    from attncc.runtime.gpu_flex import (_fa3_generated, _spill_bytes, _wgmma_notes,
+                                         compile_fa3)
     from attncc.runtime.tile_choice import choose_tiles
     from examples.gym import GYM
 
@@ -56,9 +57,9 @@ def report(variant: str, head_dim: int) -> dict[str, Any]:
         "registers": int(re.findall(r"Used (\d+) registers", res.log)[0]),
         "spill_bytes": _spill_bytes(res.log),
         "smem_bytes": gk.shared_mem_bytes,
-        # warnings, and ptxas's notes that it waited for or serialized wgmmas (C7510-C7519)
-        "ptxas_warnings": [ln for ln in res.log.splitlines()
-                           if "warning" in ln.lower() or "(C751" in ln]}
+        # warnings, and ptxas's notes that it waited for or serialized wgmmas
+        "ptxas_warnings": [ln for ln in res.log.splitlines() if "warning" in ln.lower()]
+                          + _wgmma_notes(res.log)}
     tool = _cuobjdump()
     if tool:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
