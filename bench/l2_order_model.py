@@ -13,7 +13,10 @@ What it says (bench/NOTES.md, stop 22): with the whole 50 MB L2 as the LRU, sect
 24 MiB read each head's K/V from DRAM once at S = 2048 and 8192; with half of it (25 MB, one of
 the H100 / H200's two L2 partitions), 24 MiB sections read full attention's K/V ~2.3 times and
 12 MiB sections once. The H200's measurements side with the 25 MB reading: 48 MiB sections cost
-full attention 7 % and causal 5 % at S = 2048 (the 50 MB model predicts much less).
+full attention 7 % and causal 5 % at S = 2048 (the 50 MB model predicts much less). With the
+items' Q and O tiles in the LRU as well (`--qo`: the kernel without L2 hints) 24 MiB sections
+read it ~3.6 times and 12 MiB ones ~1.8 times (stop 23: the kernel now marks Q and O
+evict_first and uses 12 MiB).
 
     python bench/l2_order_model.py                  # table: S x section x L2 size
     python bench/l2_order_model.py --S 2048 --sections 12 24 --l2 25
@@ -49,10 +52,12 @@ def dense_order(slots: int, nqb: int, sec: int) -> list[tuple[int, int]]:
 
 
 def simulate(S: int, section_mib: float, l2_mib: float, *, causal: bool = False,
-             ctas: int = 132) -> dict[str, float]:
+             ctas: int = 132, qo: bool = False) -> dict[str, float]:
     """K/V MiB read from DRAM (`dram_mib`) for bench/prefill.py's inputs at sequence length S,
     against `ideal_mib` (each head's K and V once); `heads_per_section` as the kernel computes it
-    (0 MiB: one section).
+    (0 MiB: one section). With `qo`, each item's Q tile (read at its start) and O tile (written
+    at its end) pass through the LRU too, as they do without L2 eviction hints; without it they
+    take none of it, as if marked evict_first (`ATTNCC_FA3_L2_HINTS`).
 
     >>> r = simulate(2048, 24, 50)
     >>> (r["heads_per_section"], r["dram_mib"], r["ideal_mib"])
@@ -63,9 +68,17 @@ def simulate(S: int, section_mib: float, l2_mib: float, *, causal: bool = False,
     sec = slots if section_mib <= 0 else min(slots, max(1, int(section_mib * 2**20) // kv_head))
     order = dense_order(slots, nqb, sec)
     tile_bytes = TKV * HEAD_DIM * 2 * 2
-    capacity = int(l2_mib * 2**20) // tile_bytes
-    lru: OrderedDict[tuple[int, int], None] = OrderedDict()
+    capacity = 2 * (int(l2_mib * 2**20) // tile_bytes)  # in half tiles: Q / O are half a tile
+    lru: OrderedDict[tuple[int, ...], int] = OrderedDict()  # entry -> its size in half tiles
+    used = 0
     misses = 0
+
+    def insert(key: tuple[int, ...], size: int) -> None:
+        nonlocal used
+        lru[key] = size
+        used += size
+        while used > capacity:
+            used -= lru.popitem(last=False)[1]
     # per CTA: (item index, next tile) or None when it has no more
     state: list[tuple[int, int] | None] = [(c, 0) if c < len(order) else None
                                            for c in range(ctas)]
@@ -76,16 +89,18 @@ def simulate(S: int, section_mib: float, l2_mib: float, *, causal: bool = False,
                 continue
             item, t = s
             slot, qb = order[item]
+            if qo and t == 0:
+                insert(("q", item), 1)
             key = (slot, t)
             if key in lru:
                 lru.move_to_end(key)
             else:
                 misses += 1
-                lru[key] = None
-                if len(lru) > capacity:
-                    lru.popitem(last=False)
+                insert(key, 2)
             t += 1
             if t == (qb + 1 if causal else tiles):
+                if qo:
+                    insert(("o", item), 1)
                 state[c] = (claimed, 0) if claimed < len(order) else None
                 claimed += 1
             else:
@@ -100,6 +115,8 @@ def main() -> None:
     ap.add_argument("--sections", type=float, nargs="+", default=[8, 12, 16, 24, 48],
                     help="section sizes in MiB (0: one section)")
     ap.add_argument("--l2", type=float, nargs="+", default=[50, 25], help="LRU sizes in MiB")
+    ap.add_argument("--qo", action="store_true",
+                    help="Q and O tiles pass through the LRU too (no evict_first hints)")
     args = ap.parse_args()
     print("| S | L2 MiB | variant | " + " | ".join(f"{s:g} MiB" for s in args.sections) + " |")
     print("|---|---|---|" + "---|" * len(args.sections))
@@ -108,7 +125,7 @@ def main() -> None:
             for causal in (False, True):
                 cells = []
                 for sec in args.sections:
-                    r = simulate(S, sec, l2, causal=causal)
+                    r = simulate(S, sec, l2, causal=causal, qo=args.qo)
                     cells.append(f"{r['dram_mib'] / r['ideal_mib']:.2f} ({r['heads_per_section']})")
                 name = "causal" if causal else "full"
                 print(f"| {S} | {l2:g} | {name} | " + " | ".join(cells) + " |")

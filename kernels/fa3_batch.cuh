@@ -119,9 +119,15 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
 #pragma unroll
         for (int c = 0; c < kConsumers; ++c)
 #pragma unroll
-          for (int blk = 0; blk < BLOCKS; ++blk)
-            tma::load_3d(sq + (c * BLOCKS + blk) * kBoxBytes, tm_q, q_full, 64 * blk,
-                         u.kv_head * gf, qo_offset + (u.q_start + 64 * c) / gf);
+          for (int blk = 0; blk < BLOCKS; ++blk) {
+            const fa2_u32 dst = sq + (c * BLOCKS + blk) * kBoxBytes;
+            const int row = qo_offset + (u.q_start + 64 * c) / gf;
+            if constexpr (ATTNCC_FA3_L2_HINTS >= 1)  // Q is read once (tma.cuh)
+              tma::load_3d_hint(dst, tm_q, q_full, 64 * blk, u.kv_head * gf, row,
+                                tma::l2_evict_first());
+            else
+              tma::load_3d(dst, tm_q, q_full, 64 * blk, u.kv_head * gf, row);
+          }
       }
       // K/V tiles of [kv_start, kv_end)
       const int kv_len = __ldg(p.kv_lens + u.request);

@@ -71,11 +71,16 @@ struct DenseItem {
 // CTAs then run many query blocks of a few heads at a time, which read the same K/V tiles at
 // about the same time, so most tile loads hit in L2. Numbered over all heads at once, a round at
 // S = 2048 (8 x 16 heads) read 128 heads' K/V once each -- about 128 MB a round from HBM, which
-// made the kernel memory-bound there (bench/NOTES.md, 2026-12-01). The sections need the dynamic
-// order below when item lengths differ (a block mask): with snake rounds they broke the rounds'
-// balance (causal -4 % at S = 16384), so then there is one section. 0: no sections.
+// made the kernel memory-bound there (bench/NOTES.md, 2026-12-01). 12 MiB rather than the whole
+// L2: an SM's loads are served by one of the L2's two 25 MB partitions, and bench/l2_order_model.py
+// (an LRU of that size) has 24 MiB sections read full attention's K/V ~2.3 times from DRAM, 12
+// MiB ones once. With Q and O marked evict_first (ATTNCC_FA3_L2_HINTS, tma.cuh), 12 MiB against
+// 24 measured full +7 / +3 / +2.5 % at S = 2048 / 8192 / 16384 and causal +0-1 % on the H200
+// (stop 23). The sections need the dynamic order below when item lengths differ (a block mask):
+// with snake rounds they broke the rounds' balance (causal -4 % at S = 16384), so then there is
+// one section. 0: no sections.
 #ifndef ATTNCC_FA3_L2_SECTION_BYTES
-#define ATTNCC_FA3_L2_SECTION_BYTES (24 << 20)
+#define ATTNCC_FA3_L2_SECTION_BYTES (12 << 20)
 #endif
 
 // ATTNCC_FA3_DYNAMIC (the default): instead of snake rounds, a CTA's first item is blockIdx.x
@@ -305,9 +310,13 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
 #pragma unroll
       for (int c = 0; c < kConsumers; ++c)
 #pragma unroll
-        for (int blk = 0; blk < BLOCKS; ++blk)
-          tma::load_2d(sq + (c * BLOCKS + blk) * kBoxBytes, tm_q, q_full, 64 * blk,
-                       q_row0 + 64 * c);
+        for (int blk = 0; blk < BLOCKS; ++blk) {
+          const fa2_u32 dst = sq + (c * BLOCKS + blk) * kBoxBytes;
+          if constexpr (ATTNCC_FA3_L2_HINTS >= 1)
+            tma::load_2d_hint(dst, tm_q, q_full, 64 * blk, q_row0 + 64 * c, tma::l2_evict_first());
+          else
+            tma::load_2d(dst, tm_q, q_full, 64 * blk, q_row0 + 64 * c);
+        }
 #pragma unroll 1
       for (int i = 0; i < tiles.count; ++i, ++tile) {
         const int st = tile % STAGES;
@@ -323,8 +332,14 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
 #pragma unroll
           for (int h = 0; h < TKV / 64; ++h) {
             const fa2_u32 off = st * S::kKvTileBytes + blk * S::kKvBlockBytes + h * kBoxBytes;
-            tma::load_2d(sk + off, tm_k, full, 64 * blk, kv_row0 + kv0 + 64 * h);
-            tma::load_2d(sv + off, tm_v, full, 64 * blk, kv_row0 + kv0 + 64 * h);
+            if constexpr (ATTNCC_FA3_L2_HINTS >= 2) {
+              const unsigned long long keep = tma::l2_evict_last();
+              tma::load_2d_hint(sk + off, tm_k, full, 64 * blk, kv_row0 + kv0 + 64 * h, keep);
+              tma::load_2d_hint(sv + off, tm_v, full, 64 * blk, kv_row0 + kv0 + 64 * h, keep);
+            } else {
+              tma::load_2d(sk + off, tm_k, full, 64 * blk, kv_row0 + kv0 + 64 * h);
+              tma::load_2d(sv + off, tm_v, full, 64 * blk, kv_row0 + kv0 + 64 * h);
+            }
           }
       }
     }
@@ -448,7 +463,11 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
         const void* tm_o = reinterpret_cast<const unsigned char*>(p.tma) + 384;
 #pragma unroll
         for (int blk = 0; blk < BLOCKS; ++blk)
-          tma::store_4d(tm_o, rows + blk * kBoxBytes, 64 * blk, row0, hq, b);
+          if constexpr (ATTNCC_FA3_L2_HINTS >= 1)
+            tma::store_4d_hint(tm_o, rows + blk * kBoxBytes, 64 * blk, row0, hq, b,
+                               tma::l2_evict_first());
+          else
+            tma::store_4d(tm_o, rows + blk * kBoxBytes, 64 * blk, row0, hq, b);
         tma::bulk_commit();
       }
       held.owe = warp == 0 ? 4 : 0;

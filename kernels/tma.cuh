@@ -64,6 +64,39 @@ __device__ __forceinline__ void load_2d(u32 dst, const void* tmap, u32 bar, int 
       : "memory");
 }
 
+// L2 eviction priorities for a bulk copy's .L2::cache_hint operand: createpolicy makes the
+// opaque 64-bit policy (fraction 1.0: every line the copy touches gets the priority). Lines
+// marked evict_first are replaced before normal ones, evict_last after them -- so a tile read
+// once (Q) or written once (O) need not push out K/V tiles that other CTAs read again soon.
+//
+// ATTNCC_FA3_L2_HINTS, the FA3 kernels' use of them: 1 (the default) marks Q loads and the
+// dense kernel's O stores evict_first -- each Q and O tile is touched once, and an item's 64 KB
+// of them would otherwise push out K/V tiles that the L2 section's other query blocks read
+// again (bench/NOTES.md, stop 23); 2 also marks K/V loads evict_last (measured slower: 2 % at
+// S = 2048 full); 0: no hints.
+#ifndef ATTNCC_FA3_L2_HINTS
+#define ATTNCC_FA3_L2_HINTS 1
+#endif
+__device__ __forceinline__ unsigned long long l2_evict_first() {
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ unsigned long long l2_evict_last() {
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+// load_2d with an L2 eviction policy (l2_evict_first / l2_evict_last).
+__device__ __forceinline__ void load_2d_hint(u32 dst, const void* tmap, u32 bar, int col0,
+                                             int row0, unsigned long long policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(tmap), "r"(col0), "r"(row0), "r"(bar), "l"(policy)
+      : "memory");
+}
+
 // 3-D tiled bulk copy: the box at (c0, c1, c2), innermost coordinate first. The batch kernel
 // reads a GQA group's query heads of consecutive tokens as one box of [tokens][heads][64].
 __device__ __forceinline__ void load_3d(u32 dst, const void* tmap, u32 bar, int c0, int c1,
@@ -72,6 +105,16 @@ __device__ __forceinline__ void load_3d(u32 dst, const void* tmap, u32 bar, int 
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
       "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// load_3d with an L2 eviction policy.
+__device__ __forceinline__ void load_3d_hint(u32 dst, const void* tmap, u32 bar, int c0, int c1,
+                                             int c2, unsigned long long policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".L2::cache_hint [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
+      "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "l"(policy)
       : "memory");
 }
 
@@ -89,6 +132,16 @@ __device__ __forceinline__ void store_4d(const void* tmap, u32 src, int c0, int 
   asm volatile(
       "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
       ::"l"(tmap), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// store_4d with an L2 eviction policy.
+__device__ __forceinline__ void store_4d_hint(const void* tmap, u32 src, int c0, int c1, int c2,
+                                              int c3, unsigned long long policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group.L2::cache_hint"
+      " [%0, {%2, %3, %4, %5}], [%1], %6;\n"
+      ::"l"(tmap), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "l"(policy)
       : "memory");
 }
 

@@ -1009,11 +1009,12 @@ def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndar
         (u["q_rows"].astype(np.int64) + keys) * heads, p["num_ctas"], section=section)
 
 
-L2_SECTION_BYTES = 24 << 20
+L2_SECTION_BYTES = 12 << 20
 """K/V bytes of the (request, KV head) pairs a causal prefill plan's CTAs work on at a time
-(`clip_causal_units`' sections; 24 MiB of the H100 / H200's 50 MB L2, as the dense FA3 kernel's
+(`clip_causal_units`' sections; 12 MiB of the H100 / H200's 50 MB L2, as the dense FA3 kernel's
 ATTNCC_FA3_L2_SECTION_BYTES, which tests/test_batch.py pins to this value), for K and V of
-q_data_type's element size."""
+q_data_type's element size. On the H200 paged causal prefill ran the same with 12 and 24 MiB
+(within 1.5 % either way, bench/NOTES.md stop 23), where the dense kernel gained from 12."""
 
 UPLOAD_GAP = 16384
 """`used_ranges`' default: int32 words (64 KB) of unused room that one copy may carry between two

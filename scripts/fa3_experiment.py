@@ -8,10 +8,11 @@ masks (triton do_bench median). Outputs are compared with the first configuratio
     python scripts/fa3_experiment.py --S 2048 8192 --variants full causal softcap_causal \
         --config "" --config ATTNCC_FA3_PINGPONG=0 --repeat 5
 
-With --repeat N the configurations run N times in turn per cell, and a summary gives each
-configuration's per-round ratio to the first one's: at S = 2048 one comparison moves by ~5 %
-between runs on the H200 (bench/NOTES.md, stop 22), so a change of a few per cent shows only as
-a direction over many rounds.
+With --repeat N the configurations run N times in turn per cell -- in the given order in even
+rounds and reversed in odd ones, so a drift of the clock or temperature over a round favours
+none of them -- and a summary gives each configuration's per-round ratio to the first one's: at
+S = 2048 one comparison moves by ~5 % between runs on the H200 (bench/NOTES.md, stop 22), so a
+change of a few per cent shows only as a direction over many rounds.
 """
 from __future__ import annotations
 
@@ -31,10 +32,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 def pair_summary(records: list[dict[str, Any]]) -> list[str]:
     """One line per (S, variant) and configuration other than the cell's first: its TFLOP/s over
     the first configuration's in the same round, round by round, their median, and in how many
-    rounds it was faster. Records are in run order: each round lists every configuration once.
+    rounds it was faster. A record's round is its "round" field, or else its place in run order
+    (each round lists every configuration once); the cell's first configuration is the first
+    record's.
 
-    >>> recs = [{"S": 2048, "variant": "full", "config": c, "tflops": t}
-    ...         for c, t in (("shipped", 500), ("X=1", 510), ("shipped", 500), ("X=1", 490))]
+    >>> recs = [{"S": 2048, "variant": "full", "config": c, "tflops": t, "round": r}
+    ...         for c, t, r in (("shipped", 500, 0), ("X=1", 510, 0),
+    ...                         ("X=1", 490, 1), ("shipped", 500, 1))]
     >>> pair_summary(recs)
     ['S=2048 full X=1: 1.020 0.980 median 1.000, faster in 1 of 2']
     """
@@ -44,19 +48,33 @@ def pair_summary(records: list[dict[str, Any]]) -> list[str]:
     lines = []
     for (S, variant), recs in cells.items():
         first = recs[0]["config"]
-        base: list[float] = []
+        per_round = len({r["config"] for r in recs})
+        rounds: dict[int, dict[str, float]] = {}
+        for i, r in enumerate(recs):
+            rounds.setdefault(r.get("round", i // per_round), {})[r["config"]] = r["tflops"]
         ratios: dict[str, list[float]] = {}
-        for r in recs:
-            if r["config"] == first:
-                base.append(r["tflops"])
-            else:
-                ratios.setdefault(r["config"], []).append(r["tflops"] / base[-1])
+        for rnd in sorted(rounds):
+            for cfg, tf in rounds[rnd].items():
+                if cfg != first:
+                    ratios.setdefault(cfg, []).append(tf / rounds[rnd][first])
         for cfg, rs in ratios.items():
             med = statistics.median(rs)
             faster = sum(x > 1.0 for x in rs)
             lines.append(f"S={S} {variant} {cfg}: {' '.join(f'{x:.3f}' for x in rs)} "
                          f"median {med:.3f}, faster in {faster} of {len(rs)}")
     return lines
+
+
+def heat(fn: Any, seconds: float) -> None:
+    """Call `fn` (a GPU launch) for about `seconds` of wall time, then synchronize."""
+    import time
+
+    import torch
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -76,16 +94,24 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON file for the records")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds per cell: the configurations run this many times in turn")
+    ap.add_argument("--heat", type=float, default=0.0,
+                    help="seconds of the shipped kernel before the first cell, so that every "
+                         "cell runs at the clock the power cap settles at")
     args = ap.parse_args()
-    configs = (args.config or [""]) * args.repeat
+    order = args.config or [""]
+    # (round, configuration): even rounds in the given order, odd ones reversed
+    configs = [(r, c) for r in range(args.repeat) for c in (order if r % 2 == 0 else order[::-1])]
     opts = {"KERNEL": "fa3", **json.loads(args.options)}
     original = gpu_flex._fa3_generated
     records: list[dict[str, Any]] = []
     for S in args.S:
         bench = Bench(S)
+        if args.heat > 0 and S == args.S[0]:
+            heat(lambda: attncc.flex_attention(bench.q, bench.k, bench.v, kernel_options=opts),
+                 args.heat)
         for variant in args.variants:
             first = None
-            for cfg in configs:
+            for rnd, cfg in configs:
                 defines = "".join(f"#define {d.replace('=', ' ', 1)}\n"
                                   for d in cfg.split(",") if d)
 
@@ -110,11 +136,12 @@ def main() -> None:
                                                        / first.float().norm())
                 first = out if first is None else first
                 records.append({"S": S, "variant": variant, "config": cfg or "shipped",
+                                "round": rnd,
                                 "options": opts, "ms": ms, "tflops": tf, "rel_diff": err})
                 print(f"S={S:6d} {variant:15s} {cfg or 'shipped':40s} {ms:8.3f} ms "
                       f"{tf:7.1f} TFLOP/s  diff vs first {err:.1e}", flush=True)
     gpu_flex._fa3_generated = original
-    if len(configs) > 1:
+    if len(configs) > 1 and len(order) > 1:
         print("\n".join(pair_summary(records)))
     if args.out:
         Path(args.out).write_text(json.dumps(records, indent=1))

@@ -216,7 +216,7 @@ def test_fa3_lazy_rescale_follows_growing_maxima(name: str, rng: Any) -> None:
 @pytest.mark.parametrize("hq,hkv,d", [(16, 16, 128), (16, 16, 64), (24, 8, 128)])
 def test_fa3_l2_sections_cover_every_item(hq: int, hkv: int, d: int) -> None:
     """Long keys (8192: 2-4 MiB of K and V per KV head) split the heads into several L2
-    sections of the item order (ATTNCC_FA3_L2_SECTION_BYTES, 24 MiB), the first one partial: every
+    sections of the item order (ATTNCC_FA3_L2_SECTION_BYTES, 12 MiB), the first one partial: every
     (head, query block) is still run exactly once (poisoned output and LSE fully written)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the FA3 kernel needs an sm_90 GPU")
