@@ -118,7 +118,7 @@ __device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], wg::DescWords q, f
   constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
   if constexpr (kRebuildQ) {
     asm volatile("" : "+r"(q.lo), "+r"(q.hi));
-    q.hi += sk_tile >> 18;
+    q.hi += wg::opaque_zero(sk_tile);
   }
   const wg::DescWords k0 = wg::desc_words(sk_tile, 16, 1024);
 #pragma unroll
@@ -560,6 +560,22 @@ __device__ __forceinline__ void transform_o(float (&o)[D / 64][32], float (&inv)
 // at k + st * kKvTileBytes / v + ...; "full" barriers the copies complete, "empty" barriers each
 // consumer warp arrives on when it has read a stage. Tile t (counted across everything this
 // CTA ran) sits in stage t % STAGES, phase (t / STAGES) & 1.
+// ATTNCC_FA3_PAIRED 1: the dense kernel built to run as CTA pairs, launched by the host in
+// clusters of two (fa3_prefill.cuh, tma.cuh; runtime/gpu_flex.py compiles this form for the
+// launches that pair): both CTAs of a pair run the same K/V tiles, each tile is read from L2
+// once and multicast into both rings, so a stage is free only once the consumers of both CTAs
+// released it -- each warp's release arrives on its own CTA's empty barrier and on the peer's.
+// A compile-time form, not a runtime branch: the 24-register producer spilled with both loops.
+#ifndef ATTNCC_FA3_PAIRED
+#define ATTNCC_FA3_PAIRED 0
+#endif
+__device__ __forceinline__ constexpr bool paired_ctas() { return ATTNCC_FA3_PAIRED != 0; }
+// `count` arrivals on the ring barrier `bar`, in this CTA and, when paired, in the peer CTA.
+__device__ __forceinline__ void arrive_both(fa2_u32 bar, unsigned count) {
+  tma::mbar_arrive_n(bar, count);
+  if constexpr (paired_ctas()) tma::mbar_arrive_remote(bar, tma::cluster_rank() ^ 1u, count);
+}
+
 struct Ring {
   fa2_u32 k, v, full, empty;
   int tile_bytes, stages;
@@ -568,7 +584,11 @@ struct Ring {
   }
   __device__ __forceinline__ fa2_u32 empty_of(int t) const { return empty + 8 * (t % stages); }
   __device__ __forceinline__ void release(int t) const {  // this warp is done with tile t
-    if ((threadIdx.x & 31) == 0) tma::mbar_arrive(empty_of(t));
+    if ((threadIdx.x & 31) == 0) {
+      tma::mbar_arrive(empty_of(t));
+      if constexpr (paired_ctas())
+        tma::mbar_arrive_remote(empty_of(t), tma::cluster_rank() ^ 1u, 1);
+    }
   }
   __device__ __forceinline__ fa2_u32 k_of(int t) const { return k + (t % stages) * tile_bytes; }
   __device__ __forceinline__ fa2_u32 v_of(int t) const { return v + (t % stages) * tile_bytes; }
@@ -586,26 +606,27 @@ struct HeldStage {
     if (tile >= 0) {
       tma::bulk_wait_read<0>();
       __syncwarp();
-      if ((threadIdx.x & 31) == 0 && owe > 0)
-        tma::mbar_arrive_n(ring.empty_of(tile), owe);
+      if ((threadIdx.x & 31) == 0 && owe > 0) arrive_both(ring.empty_of(tile), owe);
     }
     tile = -1;  // (unconditionally: no value of it stays live through the next tile loop)
   }
 };
 
 // The mbarriers of the K/V ring (full[s]: the producer's expect_tx arrival; empty[s]: one
-// arrival per consumer warp) and of the Q tile (q_full like full[s]; q_empty one arrival per
-// consumer thread, see QRelease), initialized by thread 0
-// and published by the CTA's last __syncthreads: from there the roles only meet on mbarriers and
-// named barriers.
+// arrival per consumer warp, of both CTAs when paired) and of the Q tile (q_full like full[s];
+// q_empty one arrival per consumer thread, see QRelease), initialized by thread 0
+// and published by the CTA's last __syncthreads -- and, when paired, by a cluster barrier each
+// role passes first (fa3_prefill.cuh), since the peer's copies and arrivals reach them too:
+// from there the roles only meet on mbarriers and named barriers.
 template <int STAGES>
 __device__ __forceinline__ void init_barriers(fa2_u32 full_bar, fa2_u32 empty_bar,
                                               fa2_u32 q_full, fa2_u32 q_empty) {
   if (threadIdx.x == 0) {
+    constexpr unsigned ctas = paired_ctas() ? 2 : 1;
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       tma::mbar_init(full_bar + 8 * s, 1);
-      tma::mbar_init(empty_bar + 8 * s, 4 * kConsumers);
+      tma::mbar_init(empty_bar + 8 * s, 4 * kConsumers * ctas);
     }
     tma::mbar_init(q_full, 1);
     tma::mbar_init(q_empty, 128 * kConsumers);

@@ -189,6 +189,24 @@ __device__ __forceinline__ int next_item(int k, int num_items, int* counter) {
   }
 }
 
+// CTA pairs (ATTNCC_FA3_CLUSTER, fa3_consumer.cuh; the host launches clusters of two only for
+// full-length items -- no block mask -- with an even number of query blocks per head, and no
+// split tail): pair w is query blocks 2 q + 1 (rank 0) and 2 q (rank 1) of one (batch, head),
+// q and the head as item w of a list with nqb / 2 blocks per head, so the pairs keep the L2
+// sections' order. Both CTAs run the same K/V tiles; each issues half of every tile (K from rank
+// 0, V from rank 1) into both rings. Pairs go in rounds, pair k * clusters + c being cluster c's
+// k-th (the items are all the same length, which is where a static order loses nothing).
+template <int D>
+__device__ __forceinline__ DenseItem pair_item(const attncc::AttentionParams& p, int w, int nqb) {
+  DenseItem it = dense_item<D>(p, w, nqb / 2);
+  it.q0 = (2 * (it.q0 / kTQ) + 1 - (int)tma::cluster_rank()) * kTQ;
+  return it;
+}
+__device__ __forceinline__ int next_pair(int k, int num_pairs) {
+  const int w = k * (int)(gridDim.x / 2) + (int)(blockIdx.x / 2);
+  return w < num_pairs ? w : -1;
+}
+
 // The item slot in shared memory: the producer writes it before the q_full arrival that
 // releases it (mbarrier arrive has release semantics, the consumers' wait acquire), and only
 // after q_empty says both consumers have read the previous one. The item, then which of its
@@ -207,10 +225,75 @@ __device__ __forceinline__ void publish_item(fa2_u32 slot, const DenseItem& it,
   asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot + 16), "r"(u.first),
                "r"(u.count), "r"(u.part), "r"(pending) : "memory");
 }
+__device__ __forceinline__ ItemSlot read_slot(fa2_u32 slot) {
+  ItemSlot v;
+  asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.item.b), "=r"(v.item.hq), "=r"(v.item.h_kv), "=r"(v.item.q0)
+               : "r"(slot));
+  asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.range.first), "=r"(v.range.count), "=r"(v.range.part), "=r"(v.pending)
+               : "r"(slot + 16));
+  return v;
+}
 __device__ __forceinline__ int pending_piece(fa2_u32 slot) {
   int v;
   asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(v) : "r"(slot + 28));
   return v;
+}
+
+// The producer of a CTA pair (one thread): for each of the pair's items, the item slot and Q as
+// below, then every K/V tile -- once both CTAs' consumers released its stage (the empty barrier
+// counts both) -- with this CTA's half (K from rank 0, V from rank 1) copied into both rings;
+// each CTA's full barrier expects the whole tile. Its own loop, apart from the split-tail one
+// below: with the pieces' bookkeeping in the same loop the 24-register producer spilled.
+template <int D, int TKV, int STAGES>
+__device__ __forceinline__ void produce_pairs(const attncc::AttentionParams& p, fa2_u32 base) {
+  using S = Smem<D, TKV, STAGES>;
+  constexpr int BLOCKS = D / 64;
+  const fa2_u32 full_bar = base + S::kBar, empty_bar = full_bar + 8 * STAGES;
+  const fa2_u32 q_full = full_bar + 16 * STAGES, q_empty = q_full + 8;
+  const bool v_half = tma::cluster_rank() & 1;
+  const fa2_u32 ring = base + (v_half ? S::kV : S::kK);  // where this CTA's half lands
+  const void* tm_kv = reinterpret_cast<const unsigned char*>(p.tma) + (v_half ? 256 : 128);
+  // (computed here from p, not passed in: values shared with the other producer loop stayed
+  // live through the kernel's prologue and spilled that loop's 24 registers)
+  const int nqb = (p.q_len + kTQ - 1) / kTQ, num_pairs = p.batch * p.num_q_heads * nqb / 2;
+  int tile = 0;
+#pragma unroll 1
+  for (int k = 0;; ++k) {
+    const int w = next_pair(k, num_pairs);
+    if (k > 0) tma::mbar_wait(q_empty, (k - 1) & 1);
+    if (w < 0) {
+      publish_item(base + S::kItem, DenseItem{-1, 0, 0, 0}, UnitRange{0, -1, -1}, -1);
+      tma::mbar_arrive(q_full);
+      return;
+    }
+    const DenseItem it = pair_item<D>(p, w, nqb);
+    const int q_row0 = (it.b * p.num_q_heads + it.hq) * p.q_len + it.q0;
+    const int kv_row0 = (it.b * p.num_kv_heads + it.h_kv) * p.kv_len;
+    publish_item(base + S::kItem, it, UnitRange{0, -1, -1}, -1);
+    tma::mbar_arrive_expect_tx(q_full, kConsumers * BLOCKS * kBoxBytes);
+#pragma unroll
+    for (int c = 0; c < kConsumers; ++c)
+#pragma unroll
+      for (int blk = 0; blk < BLOCKS; ++blk)
+        tma::load_2d_hint(base + S::kQ + (c * BLOCKS + blk) * kBoxBytes, p.tma, q_full, 64 * blk,
+                          q_row0 + 64 * c, tma::l2_evict_first());
+#pragma unroll 1
+    for (int kv0 = 0; kv0 < p.kv_len; kv0 += TKV, ++tile) {  // (p.kv_len: no register)
+      const int st = tile % STAGES;
+      if (tile >= STAGES) tma::mbar_wait(empty_bar + 8 * st, ((tile / STAGES) - 1) & 1);
+      const fa2_u32 full = full_bar + 8 * st;
+      tma::mbar_arrive_expect_tx(full, 2 * S::kKvTileBytes);
+#pragma unroll
+      for (int blk = 0; blk < BLOCKS; ++blk)
+#pragma unroll
+        for (int h = 0; h < TKV / 64; ++h)
+          tma::load_2d_multicast(ring + st * S::kKvTileBytes + blk * S::kKvBlockBytes +
+                                     h * kBoxBytes, tm_kv, full, 64 * blk,
+                                 kv_row0 + kv0 + 64 * h, 3);
+    }
+  }
 }
 
 // Persistent (D <= 128): the grid is at most one CTA per SM (the ring takes the shared memory)
@@ -224,6 +307,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
                                             const typename Variant::Params& vp) {
   static_assert(D == 64 || D == 128 || D == 256, "the FA3 kernel supports head dims 64, 128, 256");
   static_assert(TKV == 64 || TKV == 128, "the FA3 kernel's KV tiles are 64 or 128 keys");
+  static_assert(!paired_ctas() || kPersistentHeadDim<D>, "CTA pairs are persistent");
   using S = Smem<D, TKV, STAGES>;
   constexpr int BLOCKS = D / 64;     // 64-column blocks per tile
   constexpr bool kSoftmax = Variant::use_softmax;
@@ -238,7 +322,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   // The split tail (fa3_split.cuh): for the dynamic order's persistent CTAs, where a unit's
   // state is softmax statistics and nothing is staged in Q after the loop.
   constexpr bool kSplit = ATTNCC_FA3_DYNAMIC && kPersistentHeadDim<D> && kSoftmax &&
-                          !Variant::has_output_transform;
+                          !Variant::has_output_transform && !paired_ctas();
 
   extern __shared__ __attribute__((aligned(1024))) unsigned char attncc_fa3_smem_raw[];
   // the 128-byte swizzle works on absolute address bits: align the tiles to 1024 bytes
@@ -267,6 +351,16 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   // ---- producer: one thread; the other producer threads have nothing to do ------------------
   if (wg == 0) {
     wg::setmaxnreg_dec<kProducerRegs>();
+    if constexpr (paired_ctas()) {
+      // the peer's barriers are initialized (here rather than in init_barriers: across that
+      // barrier the prologue's generic shared-memory pointer spilled, document_mask D = 128);
+      // and at the end, a CTA of a pair stays until the peer is done: its copies and arrivals
+      // reach this one
+      tma::cluster_sync();
+      if (tid == 0) produce_pairs<D, TKV, STAGES>(p, base);
+      tma::cluster_sync();
+      return;
+    }
     if (tid != 0) return;
     int tile = 0;  // tiles issued by this CTA so far: stage tile % STAGES, phase tile / STAGES
     // the list's entries: whole items, then (with a split tail, fa3_split.cuh) pieces; a piece
@@ -348,6 +442,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
 
   // ---- consumers: warpgroup wg owns query rows [q0 + 64 (wg - 1), +64) of each item ----------
   wg::setmaxnreg_inc<kConsumerRegs>();
+  if constexpr (paired_ctas()) tma::cluster_sync();  // (see the producer's)
   const fa2_u32 sq_w = sq + (wg - 1) * BLOCKS * kBoxBytes;
   const float qk_scale = (kSoftmax && !Variant::has_logits_transform) ? p.sm_scale * kLog2e
                                                                       : p.sm_scale;
@@ -501,8 +596,14 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     // (indexed from the __shared__ array itself, so it is an LDS from a 32-bit offset: through
     // the aligned generic pointer it was a generic load whose 64-bit base spilled, softcap
     // D = 128)
-    const ItemSlot slot = *reinterpret_cast<const ItemSlot*>(
-        attncc_fa3_smem_raw + (smem - attncc_fa3_smem_raw) + S::kItem);
+    // The pair form reads it by its 32-bit address instead: there the generic pointer the
+    // offset comes from, live across the roles' cluster barrier, spilled (document_mask D = 128).
+    ItemSlot slot;
+    if constexpr (paired_ctas())
+      slot = read_slot(item_slot);
+    else
+      slot = *reinterpret_cast<const ItemSlot*>(attncc_fa3_smem_raw +
+                                                (smem - attncc_fa3_smem_raw) + S::kItem);
     if (slot.item.b < 0) break;
     run_item(slot.item, slot.range, k);
     if (!kPersistentHeadDim<D>) break;  // one item per CTA: the grid has num_items CTAs
@@ -512,6 +613,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     held.settle(ring);
     tma::bulk_wait_all<0>();
   }
+  if constexpr (paired_ctas()) tma::cluster_sync();  // the peer's last arrivals on this ring
 }
 
 }  // namespace fa3

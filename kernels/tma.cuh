@@ -157,6 +157,46 @@ __device__ __forceinline__ void bulk_wait_all() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// ---- CTA pairs (clusters of two, sm_90) ----------------------------------------------------
+// CTAs of one cluster run at the same time on one GPC and can reach each other's shared memory.
+// The dense FA3 kernel pairs two CTAs on the same K/V tiles, so each tile is read from L2 once
+// and lands in both (a multicast copy), and each CTA frees a stage in both (remote arrivals).
+// A grid launched without clusters is a cluster of one CTA.
+__device__ __forceinline__ u32 cluster_size() {
+  u32 n;
+  asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
+  return n;
+}
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster meets here: arrivals before are visible after
+// (release / acquire). All threads must reach it -- none may have exited.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// `count` arrivals on the mbarrier at the same shared-memory offset as `bar` in CTA `rank` of
+// the cluster (mapa turns the offset into that CTA's address).
+__device__ __forceinline__ void mbar_arrive_remote(u32 bar, u32 rank, u32 count) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [remote], %2;\n}\n"
+      ::"r"(bar), "r"(rank), "r"(count)
+      : "memory");
+}
+// load_2d into the same shared-memory offset of every CTA in `cta_mask` (bit r: cluster rank
+// r), completing the bytes each copy delivers on the mbarrier at `bar`'s offset in that CTA.
+__device__ __forceinline__ void load_2d_multicast(u32 dst, const void* tmap, u32 bar, int col0,
+                                                  int row0, unsigned short cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(tmap), "r"(col0), "r"(row0), "r"(bar), "h"(cta_mask)
+      : "memory");
+}
+
 }  // namespace tma
 }  // namespace attncc
 

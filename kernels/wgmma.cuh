@@ -43,22 +43,39 @@ __device__ __forceinline__ unsigned sw128_offset(int row, int col, int rows) {
 // for loops that issue many wgmmas a tile (FA3's issue_qk / issue_pv). wgmma reads descriptors
 // from uniform registers; with warp-uniform addresses the words stay in the uniform datapath and
 // a k-step's descriptor is one UIADD3 on the low word. Shared-memory addresses are below 2^18
-// (228 KB on sm_90), so:
+// (228 KB on sm_90; outside cluster launches, below), so:
 //  - the start field is addr >> 4 without a mask, and the leading byte offset is added (not
 //    ORed) above it, so a constant byte offset folds into a k-step's single add (desc_plus: no
 //    carry reaches the other fields);
-//  - addr >> 18 is zero, and is added to the high word anyway: ptxas cannot prove it zero, so
-//    the high word is a register value of its own, which it leaves in place in the uniform
-//    register the wgmma reads, instead of a constant it re-materializes (UMOV) before every
-//    wgmma. Two descriptors from different addresses keep distinct high words for the same
-//    reason (A's and B's slots of the wgmma each keep theirs).
+//  - addr >> 18 is zero, and is added to the high word anyway (opaque_zero): ptxas cannot prove
+//    it zero, so the high word is a register value of its own, which it leaves in place in the
+//    uniform register the wgmma reads, instead of a constant it re-materializes (UMOV) before
+//    every wgmma. Two descriptors from different addresses keep distinct high words for the
+//    same reason (A's and B's slots of the wgmma each keep theirs).
+// In a cluster launch (the dense FA3 kernel's CTA pairs: ATTNCC_FA3_PAIRED, defined ahead of
+// this file in that form) a shared::cta address also carries the CTA's rank in the cluster from
+// bit 24; a descriptor takes the offset only. Without the mask, rank 1's bit 24 landed in the
+// leading byte offset and every wgmma of that CTA read the wrong rows. The unprovable zero is
+// then addr >> 31 (ranks stay below 2^7).
+#if defined(ATTNCC_FA3_PAIRED) && ATTNCC_FA3_PAIRED
+constexpr bool kClusterSmemAddrs = true;
+#else
+constexpr bool kClusterSmemAddrs = false;
+#endif
+// The descriptor's view of a shared-memory address, and a zero ptxas cannot prove (above).
+__device__ __forceinline__ unsigned smem_offset(unsigned addr) {
+  return kClusterSmemAddrs ? addr & 0xFFFFFFu : addr;
+}
+__device__ __forceinline__ unsigned opaque_zero(unsigned addr) {
+  return addr >> (kClusterSmemAddrs ? 31 : 18);
+}
 struct DescWords {
   unsigned lo, hi;
 };
 __device__ __forceinline__ DescWords desc_words(unsigned smem_byte_addr, unsigned lbo_bytes,
                                                 unsigned sbo_bytes) {
-  return {(smem_byte_addr >> 4) + (((lbo_bytes >> 4) & 0x3FFF) << 16),
-          (((sbo_bytes >> 4) & 0x3FFF) | (1u << 30)) + (smem_byte_addr >> 18)};
+  return {(smem_offset(smem_byte_addr) >> 4) + (((lbo_bytes >> 4) & 0x3FFF) << 16),
+          (((sbo_bytes >> 4) & 0x3FFF) | (1u << 30)) + opaque_zero(smem_byte_addr)};
 }
 // The same matrix `bytes` (a multiple of 16) further on.
 __device__ __forceinline__ DescWords desc_plus(DescWords d, unsigned bytes) {

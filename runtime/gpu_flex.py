@@ -18,7 +18,7 @@ import math
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
@@ -76,6 +76,7 @@ class _Compiled:
     config: Fa2Config  # the tiles actually compiled (may be smaller than planned: no spills)
     ir: VariantIR
     log: str  # NVRTC log with ptxas's resource report
+    paired: bool = False  # the dense FA3 kernel's CTA-pair form (launched in clusters of two)
 
 
 _KERNELS: dict[tuple, _Compiled] = {}
@@ -86,7 +87,7 @@ def _kernel_for(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
                 device: int) -> _Compiled:
     hooks = tuple((n, h.expr) for n, h in ir.hooks.items())
     key = (hooks, ir.normalize, ir.name, ir.scalars, ir.tensors, head_dim, dtype, plan.tq,
-           plan.tkv, plan.stages, plan.m_frags, plan.fast_math, plan.kernel, device)
+           plan.tkv, plan.stages, plan.m_frags, plan.fast_math, plan.kernel, plan.paired, device)
     hit = _KERNELS.get(key)
     if hit is not None:
         return hit
@@ -145,8 +146,11 @@ def _fa3_generated(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan) -> 
     compiles and precompile warms, so both hit one cache entry."""
     from attncc.codegen.generate import generate_source
 
-    return generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa3",
-                           fast_math=plan.fast_math, tiles=fa3_tiles(plan.stages, plan.tkv))
+    gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa3",
+                         fast_math=plan.fast_math, tiles=fa3_tiles(plan.stages, plan.tkv))
+    if plan.paired:  # the CTA-pair form (kernels/fa3_consumer.cuh ATTNCC_FA3_PAIRED)
+        gk = replace(gk, source=FA3_PAIRED + gk.source)
+    return gk
 
 
 def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: str,
@@ -159,17 +163,56 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
                          f"is {arch}")
     gk = _fa3_generated(ir, head_dim, dtype, plan)
     res, _ = compile_fa3(gk.source, arch=arch, name=f"{gk.kernel_name}.cu")
+    if plan.paired and _spill_bytes(res.log) > 0:
+        # the pair form spills where the single-CTA one does not (document_causal D = 128,
+        # NVRTC 12.9): run that one, unpaired
+        plan = replace(plan, paired=False)
+        gk = _fa3_generated(ir, head_dim, dtype, plan)
+        res, _ = compile_fa3(gk.source, arch=arch, name=f"{gk.kernel_name}.cu")
     kl = load_kernel(res.cubin, gk.kernel_name, gk.attention_params_layout, gk.params_layout,
                      device=device, dynamic_smem=gk.shared_mem_bytes)
     cfg = Fa2Config(head_dim, plan.tq, plan.tkv, plan.stages, 1, gk.threads // 32, gk.threads,
                     gk.shared_mem_bytes)
-    return _Compiled(kl, cfg, ir, res.log)
+    return _Compiled(kl, cfg, ir, res.log, plan.paired)
 
 
 _FA3_MAPS = MapCache(64)  # the dense FA3 kernel's q/k/v maps (runtime/tma.py)
 # head dims at which the dense FA3 kernel is persistent (kernels/fa3_prefill.cuh
 # kPersistentHeadDim): its grid is then at most one CTA per SM, else one CTA per 128-row item
 FA3_PERSISTENT_HEAD_DIMS = (64, 128)
+FA3_PAIRED = "#define ATTNCC_FA3_PAIRED 1\n"
+# Without kernel_options PAIRED, launches with at most this many keys pair. H200, full attention
+# (bench/prefill.py inputs, 6 alternating rounds; bench/NOTES.md stop 23), paired / unpaired
+# (with the split tail from 4096 keys): S = 512 / 1024 / 2048 / 4096 / 8192 +1.0 / +3.2 /
+# +0.9-2.4 / +2.8 / +1.3 %, 16384 -2.3 %.
+FA3_PAIRED_MAX_KEYS = 8192
+
+
+def fa3_pairs(tiles: TilePlan, masked: bool, q_len: int, kv_len: int, head_dim: int,
+              kernel_options: Mapping[str, Any] | None) -> bool:
+    """Whether a dense FA3 launch runs on CTA pairs (kernels/fa3_prefill.cuh produce_pairs):
+    clusters of two CTAs that run two query blocks of one head over the same K/V tiles, each
+    tile read from L2 once and multicast into both CTAs' shared memory. Needs what makes the
+    two blocks' tile lists equal and the pairs whole: no block mask (`masked` False), an even
+    number of 128-row query blocks, a persistent head dim. kernel_options PAIRED True / False
+    forces it on / off (default: on up to FA3_PAIRED_MAX_KEYS keys); PERSISTENT False turns it
+    off. Pairs take the place of the split tail.
+
+    Example:
+        >>> from attncc.runtime.tile_choice import TilePlan
+        >>> fa3 = TilePlan(128, 128, 3, 1, kernel="fa3")
+        >>> fa3_pairs(fa3, False, 2048, 2048, 128, None)
+        True
+        >>> fa3_pairs(fa3, False, 2048 + 128, 2048, 128, None)  # 17 query blocks
+        False
+        >>> fa3_pairs(fa3, False, 2048, 16384, 128, None), fa3_pairs(fa3, False, 2048, 16384,
+        ...                                                          128, {"PAIRED": True})
+        (False, True)
+    """
+    opts = kernel_options or {}
+    return (tiles.kernel == "fa3" and not masked and head_dim in FA3_PERSISTENT_HEAD_DIMS
+            and bool(opts.get("PAIRED", kv_len <= FA3_PAIRED_MAX_KEYS))
+            and opts.get("PERSISTENT", True) and -(-q_len // tiles.tq) % 2 == 0)
 
 
 def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -568,6 +611,8 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
                          mask_head_uniform=margs.head_uniform if margs else True,
                          kernel_options=kernel_options,
                          fa3_ok=_fa3_ok(query, key, value, dev_index))
+    if fa3_pairs(tiles, margs is not None, Sq, Skv, D, kernel_options):
+        tiles = replace(tiles, paired=True)
     if Hq // tiles.gf > 65535 or B > 65535:
         raise ValueError(f"batch {B} x heads {Hq}: the GPU kernel's grid allows at most 65535 "
                          f"head slots and 65535 batches")
@@ -762,6 +807,8 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         persistent = D in FA3_PERSISTENT_HEAD_DIMS and (kernel_options or {}).get("PERSISTENT",
                                                                                   True)
         grid = (min(items, _num_sms(pl.device)) if persistent else items, 1, 1)
+        if kern.paired:  # whole clusters of two (items is even: fa3_pairs)
+            grid = (grid[0] // 2 * 2, 1, 1)
     else:
         grid = (-(-(Sq * pl.tiles.gf) // cfg.tq), Hq // pl.tiles.gf, B)
     maps = _fa3_tensor_maps(query, key, value, out) if pl.tiles.kernel == "fa3" else None
@@ -772,7 +819,8 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     # and the partial states get a workspace (written before it is read: not cleared).
     counter = partials = None
     if pl.tiles.kernel == "fa3" and D in FA3_PERSISTENT_HEAD_DIMS:
-        split = _fa3_tail_split(pl, kernel_options, items, grid[0], Skv, cfg.tkv, persistent)
+        split = _fa3_tail_split(pl, kernel_options, items, grid[0], Skv, cfg.tkv, persistent,
+                                kern.paired)
         counter = torch.zeros(split.counter_ints(), dtype=torch.int32, device=query.device)
         if split.pieces:
             partials = torch.empty(split.partial_floats(D), dtype=torch.float32, device=device)
@@ -808,16 +856,20 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
     vp = variant_param_values(kl.vp.layout, captured["scalars"], captured["tensors"])
     kl.launch(grid, (cfg.threads, 1, 1), cfg.smem_bytes, kl.ap.flatten(ap), kl.vp.flatten(vp),
-              stream=torch.cuda.current_stream(device).cuda_stream)
+              stream=torch.cuda.current_stream(device).cuda_stream,
+              cluster=2 if kern.paired else 1)
     return out, lse
 
 
 def _fa3_tail_split(pl: LaunchPlan, kernel_options: Mapping[str, Any] | None, items: int,
-                    grid: int, kv_len: int, tkv: int, persistent: bool) -> TailSplit:
+                    grid: int, kv_len: int, tkv: int, persistent: bool,
+                    paired: bool = False) -> TailSplit:
     """The split tail of a dense FA3 launch (kernels/fa3_split.cuh): persistent CTAs over
-    full-length items (no block mask) of a softmax variant with no output transform, unless
-    kernel_options SPLIT_TAIL is False. The kernel checks the same conditions."""
-    if (persistent and pl.mask is None and pl.ir.use_softmax and "output_mod" not in pl.ir.hooks
+    full-length items (no block mask) of a softmax variant with no output transform, not on CTA
+    pairs (`paired`), unless kernel_options SPLIT_TAIL is False. The kernel checks the same
+    conditions."""
+    if (persistent and not paired and pl.mask is None and pl.ir.use_softmax
+            and "output_mod" not in pl.ir.hooks
             and (kernel_options or {}).get("SPLIT_TAIL", True)):
         return tail_split(items, grid, kv_len, tkv)
     return TailSplit(items, 0, 0, 0)
@@ -838,6 +890,7 @@ def compiled_kernel_info(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     kl = kern.launcher
     return {"kernel": kl.kernel_name, "tq": kern.config.tq, "tkv": kern.config.tkv,
             "stages": kern.config.stages, "m_frags": kern.config.m_frags, "gf": pl.tiles.gf,
+            "paired": kern.paired,
             "threads": kern.config.threads,
             "smem_bytes": kern.config.smem_bytes, "registers": kl.num_regs,
             "local_bytes": kl.local_bytes, "spill_bytes": _spill_bytes(kern.log)}

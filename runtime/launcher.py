@@ -296,7 +296,7 @@ class KernelLauncher:
         self._args_addr = ctypes.addressof(self._args)
         self._lock = threading.Lock()
         self._streams: dict[int, Any] = {}
-        self._pdl_configs: dict[tuple, Any] = {}
+        self._ex_configs: dict[tuple, Any] = {}
         self._pdl: bool | None = None
 
     def set_dynamic_smem(self, nbytes: int) -> None:
@@ -326,29 +326,40 @@ class KernelLauncher:
             s = self._streams[handle] = _driver().CUstream(handle)
         return s
 
-    def _pdl_config(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
-                    stream: int) -> Any:
-        """A cached CUlaunchConfig with the programmatic stream-serialization attribute."""
-        key = (tuple(grid), tuple(block), smem, stream)
-        cfg = self._pdl_configs.get(key)
+    def _ex_config(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
+                   stream: int, pdl: bool, cluster: int) -> Any:
+        """A cached CUlaunchConfig with the programmatic stream-serialization attribute (`pdl`)
+        and / or a cluster dimension (`cluster` CTAs along x, when above 1)."""
+        key = (tuple(grid), tuple(block), smem, stream, pdl, cluster)
+        cfg = self._ex_configs.get(key)
         if cfg is None:
             drv = _driver()
-            attr = drv.CUlaunchAttribute()
-            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
+            attrs = []
+            if pdl:
+                attr = drv.CUlaunchAttribute()
+                attr.id = (drv.CUlaunchAttributeID
+                           .CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+                attr.value.programmaticStreamSerializationAllowed = 1
+                attrs.append(attr)
+            if cluster > 1:
+                attr = drv.CUlaunchAttribute()
+                attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                attr.value.clusterDim.x, attr.value.clusterDim.y = cluster, 1
+                attr.value.clusterDim.z = 1
+                attrs.append(attr)
             cfg = drv.CUlaunchConfig()
             cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
             cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
             cfg.sharedMemBytes = smem
             cfg.hStream = self._stream(stream)
-            cfg.attrs = [attr]
-            cfg.numAttrs = 1
-            self._pdl_configs[key] = cfg
+            cfg.attrs = attrs
+            cfg.numAttrs = len(attrs)
+            self._ex_configs[key] = cfg
         return cfg
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
                ap_flat: Sequence[Any], vp_flat: Sequence[Any], stream: int | None = None,
-               pdl: bool = False) -> None:
+               pdl: bool = False, cluster: int = 1) -> None:
         """Pack both argument structs and launch. `stream`: CUstream handle (None: torch's).
 
         `pdl=True` launches with programmatic stream serialization (sm_90+; ignored below): the
@@ -356,6 +367,8 @@ class KernelLauncher:
         CTAs all ran `griddepcontrol.launch_dependents`, and must itself run
         `griddepcontrol.wait` before it reads what that kernel wrote (kernels/batch_params.cuh
         wait_for_primary). Captured into a CUDA graph, it becomes a programmatic edge.
+        `cluster` > 1 launches clusters of that many consecutive CTAs along x (sm_90; the grid's
+        x must be a multiple of it), which run together and share shared memory.
         """
         if stream is None:
             import torch
@@ -368,17 +381,18 @@ class KernelLauncher:
             self.ap.pack_values_fast(ap_flat)
             if self.vp is not None:
                 self.vp.pack_values_fast(vp_flat)
-            if pdl:
-                err, = _driver().cuLaunchKernelEx(self._pdl_config(grid, block, smem, stream),
-                                                  self.function, self._args_addr, 0)
+            if pdl or cluster > 1:
+                cfg = self._ex_config(grid, block, smem, stream, pdl, cluster)
+                err, = _driver().cuLaunchKernelEx(cfg, self.function, self._args_addr, 0)
             else:
                 err, = _driver().cuLaunchKernel(self.function, grid[0], grid[1], grid[2],
                                                 block[0], block[1], block[2], smem,
                                                 self._stream(stream), self._args_addr, 0)
         if int(err) != 0:
-            call = "cuLaunchKernelEx" if pdl else "cuLaunchKernel"
+            call = "cuLaunchKernelEx" if pdl or cluster > 1 else "cuLaunchKernel"
             raise LaunchError(f"{call}({self.kernel_name}, grid={tuple(grid)}, "
-                              f"block={tuple(block)}, smem={smem}) failed: {_error_text(err)}")
+                              f"block={tuple(block)}, cluster={cluster}, smem={smem}) failed: "
+                              f"{_error_text(err)}")
 
     def _supports_pdl(self) -> bool:
         """Programmatic dependent launch needs compute capability 9.0 (checked once)."""

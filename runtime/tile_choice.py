@@ -92,6 +92,7 @@ class TilePlan:
     forced: bool = field(default=False, repr=False)  # from kernel_options: compile exactly
     fast_math: bool = field(default=True, repr=False)  # kernel_options FAST_MATH
     kernel: str = field(default="fa2", repr=False)  # kernel_options KERNEL: "fa2" or "fa3"
+    paired: bool = field(default=False, repr=False)  # FA3 on CTA pairs (gpu_flex.fa3_pairs)
 
 
 def fa3_stages(head_dim: int, tkv: int) -> int:

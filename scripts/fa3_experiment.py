@@ -8,6 +8,9 @@ masks (triton do_bench median). Outputs are compared with the first configuratio
     python scripts/fa3_experiment.py --S 2048 8192 --variants full causal softcap_causal \
         --config "" --config ATTNCC_FA3_PINGPONG=0 --repeat 5
 
+A configuration item `opt:NAME=VALUE` sets kernel_options NAME to the JSON VALUE for that
+configuration instead (e.g. --config opt:PAIRED=true).
+
 With --repeat N the configurations run N times in turn per cell -- in the given order in even
 rounds and reversed in odd ones, so a drift of the clock or temperature over a round favours
 none of them -- and a summary gives each configuration's per-round ratio to the first one's: at
@@ -112,8 +115,11 @@ def main() -> None:
         for variant in args.variants:
             first = None
             for rnd, cfg in configs:
+                items = [d for d in cfg.split(",") if d]
                 defines = "".join(f"#define {d.replace('=', ' ', 1)}\n"
-                                  for d in cfg.split(",") if d)
+                                  for d in items if not d.startswith("opt:"))
+                cell_opts = {**opts, **{d[4:].split("=", 1)[0]: json.loads(d.split("=", 1)[1])
+                                        for d in items if d.startswith("opt:")}}
 
                 def patched(*a: Any, _d: str = defines, **k: Any) -> Any:
                     gk = original(*a, **k)
@@ -127,7 +133,7 @@ def main() -> None:
 
                 def fn() -> Any:
                     return attncc.flex_attention(bench.q, bench.k, bench.v, score_mod=sm,
-                                                 block_mask=bm, kernel_options=opts)
+                                                 block_mask=bm, kernel_options=cell_opts)
                 out = fn()
                 torch.cuda.synchronize()
                 ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -137,7 +143,8 @@ def main() -> None:
                 first = out if first is None else first
                 records.append({"S": S, "variant": variant, "config": cfg or "shipped",
                                 "round": rnd,
-                                "options": opts, "ms": ms, "tflops": tf, "rel_diff": err})
+                                "options": cell_opts, "ms": ms, "tflops": tf,
+                                "rel_diff": err})
                 print(f"S={S:6d} {variant:15s} {cfg or 'shipped':40s} {ms:8.3f} ms "
                       f"{tf:7.1f} TFLOP/s  diff vs first {err:.1e}", flush=True)
     gpu_flex._fa3_generated = original

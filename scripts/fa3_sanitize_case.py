@@ -4,7 +4,8 @@ reference, so a clean sanitizer log comes from a launch that also computed the r
     compute-sanitizer --tool memcheck python scripts/fa3_sanitize_case.py
     compute-sanitizer --tool racecheck python scripts/fa3_sanitize_case.py dense64
 
-Arguments pick parts (default: all): dense64, dense128, transforms, batch, document, split.
+Arguments pick parts (default: all): dense64, dense128, transforms, batch, document, split,
+pairs.
 Racecheck instruments every shared-memory access, so the whole script takes minutes under it;
 one part does not.
 
@@ -152,9 +153,29 @@ def split_tail() -> None:
     print(f"split tail d={d} S={S}: FA3 rel err {err:.1e}")
 
 
+def pairs(d: int = 128) -> None:
+    """Full attention on CTA pairs (kernel_options PAIRED, the default up to 8192 keys; kernels/
+    fa3_prefill.cuh produce_pairs): 2 x 40 x 8 = 640 items, 320 pairs on at most 66 clusters of
+    two, each K/V tile multicast into both CTAs' rings and released by both CTAs' consumers."""
+    S, Hq, Hkv = 1024, 40, 8
+    q = torch.randn(2, Hq, S, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, Hkv, S, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    ir, bind = GYM["softcap"](2, Hq, S, d).trace()
+    assert gpu_flex.plan_launch(q, k, v, ir, bind, enable_gqa=True,
+                                kernel_options={"KERNEL": "fa3"}).tiles.paired
+    out = torch.full_like(q, float("nan"))
+    gpu_flex.gpu_flex_attention(q, k, v, ir, bind, enable_gqa=True,
+                                kernel_options={"KERNEL": "fa3"}, out=out)
+    torch.cuda.synchronize()
+    ref, _ = attention_reference(q, k, v, ir, bind, enable_gqa=True)
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert not torch.isnan(out).any() and err < 2e-2, err
+    print(f"pairs d={d} S={S}: FA3 rel err {err:.1e}")
+
+
 PARTS = {"dense64": lambda: dense(64), "dense128": lambda: dense(128),
          "transforms": dense_transforms, "batch": batch, "document": document,
-         "split": split_tail}
+         "split": split_tail, "pairs": pairs}
 
 
 def main() -> None:

@@ -76,7 +76,7 @@ def test_workspace_sizes() -> None:
 def test_which_launches_split() -> None:
     """Persistent dense launches of softmax variants without an output transform or a block
     mask split; kernel_options SPLIT_TAIL False, a block mask, an output transform, a variant
-    without softmax or a non-persistent grid keep the items whole."""
+    without softmax, a non-persistent grid or CTA pairs keep the items whole."""
     def plan(variant: attncc.Variant, mask: object = None) -> SimpleNamespace:
         return SimpleNamespace(ir=variant.trace()[0], mask=mask)
 
@@ -90,6 +90,8 @@ def test_which_launches_split() -> None:
     assert pieces(plan(attncc.Variant(), mask=object())) == 0
     assert pieces(plan(attncc.Variant(output_mod=lambda o, b, h, q, d: o[d] * 2.0))) == 0
     assert pieces(plan(attncc.Variant(normalize="none"))) == 0
+    # CTA pairs: no split tail
+    assert _fa3_tail_split(plain, None, 2048, 132, 8192, 128, True, paired=True).pieces == 0
     assert isinstance(_fa3_tail_split(plain, None, 2048, 132, 8192, 128, True), TailSplit)
 
 

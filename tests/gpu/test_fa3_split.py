@@ -37,7 +37,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: Any, bind: Any, 
          lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.full_like(q, float("nan")) if out is None else out
     lse = torch.full(q.shape[:3], float("nan"), device="cuda") if lse is None else lse
-    opts = {**FA3, "BLOCK_N": tkv, "SPLIT_TAIL": split, "PREPASS": "none"}
+    opts = {**FA3, "BLOCK_N": tkv, "SPLIT_TAIL": split, "PREPASS": "none", "PAIRED": False}
     gpu_flex.gpu_flex_attention(q, k, v, ir, bind, enable_gqa=g > 1, return_lse=True,
                                 kernel_options=opts, out=out, lse_out=lse)
     return out, lse
