@@ -40,7 +40,9 @@
 // consumers finish the current one's last GEMM and store it. When the items are all the same
 // length (no block mask) and the grid does not divide them, the last partial round is split by
 // keys across every CTA instead (fa3_split.cuh): a CTA then runs units, parts of an item, and
-// the item's last unit merges the others' parked states.
+// the item's last unit merges the others' parked states. Full-length items with an even number of
+// query blocks run on CTA pairs instead (by default up to 8192 keys): two CTAs of a cluster take
+// two query blocks of one head and share every K/V tile, read from L2 once (produce_pairs).
 //
 // Supported: head dims 64, 128 and 256, every variant hook: score_mod / mask_mod (LogitsTransform
 // / LogitsMask) in registers; query, key and value transforms in place on the landed shared-memory
@@ -74,11 +76,11 @@ struct DenseItem {
 // made the kernel memory-bound there (bench/NOTES.md, 2026-12-01). 12 MiB rather than the whole
 // L2: an SM's loads are served by one of the L2's two 25 MB partitions, and bench/l2_order_model.py
 // (an LRU of that size) has 24 MiB sections read full attention's K/V ~2.3 times from DRAM, 12
-// MiB ones once. With Q and O marked evict_first (ATTNCC_FA3_L2_HINTS, tma.cuh), 12 MiB against
-// 24 measured full +7 / +3 / +2.5 % at S = 2048 / 8192 / 16384 and causal +0-1 % on the H200
-// (stop 23). The sections need the dynamic order below when item lengths differ (a block mask):
-// with snake rounds they broke the rounds' balance (causal -4 % at S = 16384), so then there is
-// one section. 0: no sections.
+// MiB ones once. 12 MiB sections with Q and O marked evict_first (ATTNCC_FA3_L2_HINTS, tma.cuh),
+// against 24 MiB without: full +3-7 % at S = 2048, +2-3 % at 8192 and 16384, causal +0-1 % on
+// the H200 (stop 23). The sections need the dynamic order below when item lengths differ (a
+// block mask): with snake rounds they broke the rounds' balance (causal -4 % at S = 16384), so
+// then there is one section. 0: no sections.
 #ifndef ATTNCC_FA3_L2_SECTION_BYTES
 #define ATTNCC_FA3_L2_SECTION_BYTES (12 << 20)
 #endif
@@ -189,9 +191,10 @@ __device__ __forceinline__ int next_item(int k, int num_items, int* counter) {
   }
 }
 
-// CTA pairs (ATTNCC_FA3_CLUSTER, fa3_consumer.cuh; the host launches clusters of two only for
-// full-length items -- no block mask -- with an even number of query blocks per head, and no
-// split tail): pair w is query blocks 2 q + 1 (rank 0) and 2 q (rank 1) of one (batch, head),
+// CTA pairs (the ATTNCC_FA3_PAIRED form, fa3_consumer.cuh; runtime/gpu_flex.fa3_pairs launches
+// it in clusters of two for full-length items -- no block mask -- with an even number of query
+// blocks per head, by default up to 8192 keys, and no split tail; bench/NOTES.md stop 23):
+// pair w is query blocks 2 q + 1 (rank 0) and 2 q (rank 1) of one (batch, head),
 // q and the head as item w of a list with nqb / 2 blocks per head, so the pairs keep the L2
 // sections' order. Both CTAs run the same K/V tiles; each issues half of every tile (K from rank
 // 0, V from rank 1) into both rings. Pairs go in rounds, pair k * clusters + c being cluster c's
