@@ -153,6 +153,27 @@ def _fa3_generated(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan) -> 
     return gk
 
 
+def fa3_compiled_form(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
+                      arch: str) -> tuple[Any, Any, TilePlan]:
+    """The FA3 translation unit attncc runs for a checked plan (`ir` simplified), compiled
+    (`compile_fa3`: its low-pressure form if the first spills): (generated kernel, NVRTC
+    result, plan). A CTA-pair plan whose pair form still spills -- where the single-CTA form
+    does not (document_causal at head dim 128, NVRTC 12.9) -- comes back unpaired, and the
+    launch follows the returned plan. Needs NVRTC, not a GPU.
+
+    Example:
+        >>> from attncc.runtime.tile_choice import TilePlan
+        >>> fa3_compiled_form(ir, 128, "bfloat16", plan, "sm_90a")  # doctest: +SKIP
+    """
+    gk = _fa3_generated(ir, head_dim, dtype, plan)
+    res, _ = compile_fa3(gk.source, arch=arch, name=f"{gk.kernel_name}.cu")
+    if plan.paired and _spill_bytes(res.log) > 0:
+        plan = replace(plan, paired=False)
+        gk = _fa3_generated(ir, head_dim, dtype, plan)
+        res, _ = compile_fa3(gk.source, arch=arch, name=f"{gk.kernel_name}.cu")
+    return gk, res, plan
+
+
 def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: str,
                 device: int) -> _Compiled:
     """Compile and load the FA3 kernel (kernels/fa3_prefill.cuh) for a checked plan."""
@@ -161,14 +182,7 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
     if not arch.startswith("sm_90"):
         raise ValueError(f"kernel_options['KERNEL']='fa3' needs an sm_90 (Hopper) GPU; this one "
                          f"is {arch}")
-    gk = _fa3_generated(ir, head_dim, dtype, plan)
-    res, _ = compile_fa3(gk.source, arch=arch, name=f"{gk.kernel_name}.cu")
-    if plan.paired and _spill_bytes(res.log) > 0:
-        # the pair form spills where the single-CTA one does not (document_causal D = 128,
-        # NVRTC 12.9): run that one, unpaired
-        plan = replace(plan, paired=False)
-        gk = _fa3_generated(ir, head_dim, dtype, plan)
-        res, _ = compile_fa3(gk.source, arch=arch, name=f"{gk.kernel_name}.cu")
+    gk, res, plan = fa3_compiled_form(ir, head_dim, dtype, plan, arch)
     kl = load_kernel(res.cubin, gk.kernel_name, gk.attention_params_layout, gk.params_layout,
                      device=device, dynamic_smem=gk.shared_mem_bytes)
     cfg = Fa2Config(head_dim, plan.tq, plan.tkv, plan.stages, 1, gk.threads // 32, gk.threads,

@@ -140,3 +140,30 @@ def test_fa3_paired_kernel_attncc_runs_has_no_spills(name: str, d: int) -> None:
     assert _spill_bytes(res.log) == 0, res.log
     assert "wgmma" not in res.log.lower() and not _wgmma_notes(res.log), res.log
     assert ".multicast::cluster" in gk.source
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("name", ["document_causal", "noop"])
+def test_fa3_pair_form_that_spills_runs_unpaired(name: str) -> None:
+    """A pair plan keeps its pairs when the pair form compiles spill-free and otherwise runs the
+    single-CTA kernel (spill-free). document_causal at head dim 128 is the case that falls back
+    with NVRTC 12.9 (its pair form spills 16 bytes in the tile loop); noop keeps its pairs."""
+    import dataclasses
+
+    from attncc.ir.simplify import simplify_variant
+    from attncc.runtime.gpu_flex import (FA3_PAIRED, _fa3_generated, _spill_bytes, compile_fa3,
+                                         fa3_compiled_form)
+    from attncc.runtime.tile_choice import choose_tiles
+
+    plan = dataclasses.replace(choose_tiles(128, q_len=2048, kv_len=2048, group=1, heads=16,
+                                            batch=1, kernel_options={"KERNEL": "fa3"}),
+                               paired=True)
+    ir = simplify_variant(GYM[name](1, 16, 2048, 128).trace()[0])
+    pair = _fa3_generated(ir, 128, "bfloat16", plan)
+    pair_res, _ = compile_fa3(pair.source, arch="sm_90a", name=f"{pair.kernel_name}.cu")
+    keeps = _spill_bytes(pair_res.log) == 0
+    gk, res, used = fa3_compiled_form(ir, 128, "bfloat16", plan, "sm_90a")
+    assert used.paired is keeps and gk.source.startswith(FA3_PAIRED) is keeps
+    assert _spill_bytes(res.log) == 0, res.log
+    if name == "noop":
+        assert keeps
