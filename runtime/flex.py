@@ -51,10 +51,10 @@ from .reference import attention_reference, validate_attention_inputs
 # runtime/prepass.choose_prepass), PERSISTENT (attncc's, FA3: False launches one CTA per 128-row
 # tile instead of at most one per SM), SPLIT_TAIL (attncc's, FA3: False runs the persistent grid's
 # last, partial round of full-length items whole instead of splitting it by keys across every
-# CTA, runtime/fa3_split.py), PAIRED (attncc's, FA3: True runs full-length items -- no block mask
-# -- on pairs of CTAs that share each K/V tile, read from L2 once and multicast into both; see
-# runtime/gpu_flex.fa3_pairs). The exact reference path ignores them. Anything else is an error
-# rather than a silent no-op.
+# CTA, runtime/fa3_split.py), PAIRED (attncc's, FA3: full-length items -- no block mask -- run on
+# pairs of CTAs that share each K/V tile, read from L2 once and multicast into both; the default
+# up to 8192 keys, True / False forces it; see runtime/gpu_flex.fa3_pairs). The exact reference
+# path ignores them. Anything else is an error rather than a silent no-op.
 SUPPORTED_KERNEL_OPTIONS: dict[str, type] = {
     "BLOCK_M": int,
     "BLOCK_N": int,
