@@ -161,12 +161,7 @@ __device__ __forceinline__ void bulk_wait_all() {
 // CTAs of one cluster run at the same time on one GPC and can reach each other's shared memory.
 // The dense FA3 kernel pairs two CTAs on the same K/V tiles, so each tile is read from L2 once
 // and lands in both (a multicast copy), and each CTA frees a stage in both (remote arrivals).
-// A grid launched without clusters is a cluster of one CTA.
-__device__ __forceinline__ u32 cluster_size() {
-  u32 n;
-  asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
-  return n;
-}
+// The CTA's rank in its cluster (0 in a grid launched without clusters).
 __device__ __forceinline__ u32 cluster_rank() {
   u32 r;
   asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
@@ -178,7 +173,10 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
 // `count` arrivals on the mbarrier at the same shared-memory offset as `bar` in CTA `rank` of
-// the cluster (mapa turns the offset into that CTA's address).
+// the cluster (mapa turns the offset into that CTA's address). Relaxed: it tells the peer that
+// this CTA's wgmmas finished reading a ring stage (their wait already returned), which orders
+// nothing else; with release semantics ptxas put MEMBAR.ALL.GPU before every such arrival in
+// the tile loop.
 __device__ __forceinline__ void mbar_arrive_remote(u32 bar, u32 rank, u32 count) {
   asm volatile(
       "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
