@@ -570,10 +570,15 @@ __device__ __forceinline__ void transform_o(float (&o)[D / 64][32], float (&inv)
 #define ATTNCC_FA3_PAIRED 0
 #endif
 __device__ __forceinline__ constexpr bool paired_ctas() { return ATTNCC_FA3_PAIRED != 0; }
-// `count` arrivals on the ring barrier `bar`, in this CTA and, when paired, in the peer CTA.
+// `count` arrivals on the ring barrier `bar`, in this CTA and, when paired, in the peer CTA;
+// without a count, one (the plain local arrive, no count operand).
 __device__ __forceinline__ void arrive_both(fa2_u32 bar, unsigned count) {
   tma::mbar_arrive_n(bar, count);
   if constexpr (paired_ctas()) tma::mbar_arrive_remote(bar, tma::cluster_rank() ^ 1u, count);
+}
+__device__ __forceinline__ void arrive_both(fa2_u32 bar) {
+  tma::mbar_arrive(bar);
+  if constexpr (paired_ctas()) tma::mbar_arrive_remote(bar, tma::cluster_rank() ^ 1u, 1);
 }
 
 struct Ring {
@@ -584,11 +589,7 @@ struct Ring {
   }
   __device__ __forceinline__ fa2_u32 empty_of(int t) const { return empty + 8 * (t % stages); }
   __device__ __forceinline__ void release(int t) const {  // this warp is done with tile t
-    if ((threadIdx.x & 31) == 0) {
-      tma::mbar_arrive(empty_of(t));
-      if constexpr (paired_ctas())
-        tma::mbar_arrive_remote(empty_of(t), tma::cluster_rank() ^ 1u, 1);
-    }
+    if ((threadIdx.x & 31) == 0) arrive_both(empty_of(t));
   }
   __device__ __forceinline__ fa2_u32 k_of(int t) const { return k + (t % stages) * tile_bytes; }
   __device__ __forceinline__ fa2_u32 v_of(int t) const { return v + (t % stages) * tile_bytes; }

@@ -244,6 +244,25 @@ __device__ __forceinline__ int pending_piece(fa2_u32 slot) {
   return v;
 }
 
+// The item's Q tile (both consumers' 64 rows from map row q_row0 on) into shared memory at sq,
+// completing q_full; read once, so marked L2 evict_first (ATTNCC_FA3_L2_HINTS, tma.cuh).
+template <int D>
+__device__ __forceinline__ void load_q(fa2_u32 sq, const void* tm_q, fa2_u32 q_full,
+                                       int q_row0) {
+  constexpr int BLOCKS = D / 64;
+  tma::mbar_arrive_expect_tx(q_full, kConsumers * BLOCKS * kBoxBytes);
+#pragma unroll
+  for (int c = 0; c < kConsumers; ++c)
+#pragma unroll
+    for (int blk = 0; blk < BLOCKS; ++blk) {
+      const fa2_u32 dst = sq + (c * BLOCKS + blk) * kBoxBytes;
+      if constexpr (ATTNCC_FA3_L2_HINTS >= 1)
+        tma::load_2d_hint(dst, tm_q, q_full, 64 * blk, q_row0 + 64 * c, tma::l2_evict_first());
+      else
+        tma::load_2d(dst, tm_q, q_full, 64 * blk, q_row0 + 64 * c);
+    }
+}
+
 // The producer of a CTA pair (one thread): for each of the pair's items, the item slot and Q as
 // below, then every K/V tile -- once both CTAs' consumers released its stage (the empty barrier
 // counts both) -- with this CTA's half (K from rank 0, V from rank 1) copied into both rings;
@@ -275,13 +294,7 @@ __device__ __forceinline__ void produce_pairs(const attncc::AttentionParams& p, 
     const int q_row0 = (it.b * p.num_q_heads + it.hq) * p.q_len + it.q0;
     const int kv_row0 = (it.b * p.num_kv_heads + it.h_kv) * p.kv_len;
     publish_item(base + S::kItem, it, UnitRange{0, -1, -1}, -1);
-    tma::mbar_arrive_expect_tx(q_full, kConsumers * BLOCKS * kBoxBytes);
-#pragma unroll
-    for (int c = 0; c < kConsumers; ++c)
-#pragma unroll
-      for (int blk = 0; blk < BLOCKS; ++blk)
-        tma::load_2d_hint(base + S::kQ + (c * BLOCKS + blk) * kBoxBytes, p.tma, q_full, 64 * blk,
-                          q_row0 + 64 * c, tma::l2_evict_first());
+    load_q<D>(base + S::kQ, p.tma, q_full, q_row0);
 #pragma unroll 1
     for (int kv0 = 0; kv0 < p.kv_len; kv0 += TKV, ++tile) {  // (p.kv_len: no register)
       const int st = tile % STAGES;
@@ -403,17 +416,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
       const int kv_row0 = (it.b * p.num_kv_heads + it.h_kv) * kv_len + u.first * TKV;
       // released to the consumers by the q_full arrival
       publish_item(item_slot, it, u, next_piece);
-      tma::mbar_arrive_expect_tx(q_full, kConsumers * BLOCKS * kBoxBytes);
-#pragma unroll
-      for (int c = 0; c < kConsumers; ++c)
-#pragma unroll
-        for (int blk = 0; blk < BLOCKS; ++blk) {
-          const fa2_u32 dst = sq + (c * BLOCKS + blk) * kBoxBytes;
-          if constexpr (ATTNCC_FA3_L2_HINTS >= 1)
-            tma::load_2d_hint(dst, tm_q, q_full, 64 * blk, q_row0 + 64 * c, tma::l2_evict_first());
-          else
-            tma::load_2d(dst, tm_q, q_full, 64 * blk, q_row0 + 64 * c);
-        }
+      load_q<D>(sq, tm_q, q_full, q_row0);
 #pragma unroll 1
       for (int i = 0; i < tiles.count; ++i, ++tile) {
         const int st = tile % STAGES;

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,6 +42,20 @@ def _value_output(d: int) -> attncc.Variant:
                           name="value_output")
 
 
+def _check_fa3(label: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: Any,
+               bind: Any, options: dict[str, Any] | None = None, **kw: Any) -> None:
+    """One dense FA3 launch into a NaN-poisoned output, checked whole against the fp64
+    reference (`kw`: enable_gqa, block_mask)."""
+    out = torch.full_like(q, float("nan"))
+    gpu_flex.gpu_flex_attention(q, k, v, ir, bind, out=out,
+                                kernel_options={"KERNEL": "fa3", **(options or {})}, **kw)
+    torch.cuda.synchronize()
+    ref, _ = attention_reference(q, k, v, ir, bind, **kw)
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert not torch.isnan(out).any() and err < 2e-2, (label, err)
+    print(f"{label}: FA3 rel err {err:.1e}")
+
+
 def dense_transforms() -> None:
     d, S, Hq, Hkv = 64, 200, 72, 36  # 2 x 72 x 2 = 288 items: CTAs run two or three
     for (name, variant), prepass in itertools.product(
@@ -49,15 +64,8 @@ def dense_transforms() -> None:
         q = torch.randn(2, Hq, S, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(2, Hkv, S, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
         ir, bind = variant.trace()
-        out = torch.full_like(q, float("nan"))
-        gpu_flex.gpu_flex_attention(q, k, v, ir, bind, enable_gqa=True,
-                                    kernel_options={"KERNEL": "fa3", "PREPASS": prepass},
-                                    out=out)
-        torch.cuda.synchronize()
-        ref, _ = attention_reference(q, k, v, ir, bind, enable_gqa=True)
-        err = float((out.double() - ref).norm() / ref.norm())
-        assert not torch.isnan(out).any() and err < 2e-2, (name, err)
-        print(f"dense {name} d={d} prepass={prepass}: FA3 rel err {err:.1e}")
+        _check_fa3(f"dense {name} d={d} prepass={prepass}", q, k, v, ir, bind,
+                   {"PREPASS": prepass}, enable_gqa=True)
 
 
 def batch() -> None:
@@ -102,14 +110,7 @@ def dense(d: int) -> None:
     k, v = (torch.randn(2, Hkv, S, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
     bm = attncc.create_block_mask(causal, None, None, S, S, device="cuda")
     ir, bind = attncc.Variant(score_mod=GYM["softcap"](1, Hq, S, d).score_mod).trace()
-    out = torch.full_like(q, float("nan"))
-    gpu_flex.gpu_flex_attention(q, k, v, ir, bind, block_mask=bm, enable_gqa=True,
-                                kernel_options={"KERNEL": "fa3"}, out=out)
-    torch.cuda.synchronize()
-    ref, _ = attention_reference(q, k, v, ir, bind, block_mask=bm, enable_gqa=True)
-    err = float((out.double() - ref).norm() / ref.norm())
-    assert not torch.isnan(out).any() and err < 2e-2, (d, err)
-    print(f"d={d}: FA3 rel err {err:.1e}")
+    _check_fa3(f"d={d}", q, k, v, ir, bind, block_mask=bm, enable_gqa=True)
 
 
 def document(d: int = 64) -> None:
@@ -125,14 +126,7 @@ def document(d: int = 64) -> None:
         variant = GYM[name](B, H, S, d)
         q, k, v = (torch.randn(B, H, S, d, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
         ir, bind = variant.trace()
-        out = torch.full_like(q, float("nan"))
-        gpu_flex.gpu_flex_attention(q, k, v, ir, bind, kernel_options={"KERNEL": "fa3"},
-                                    out=out)
-        torch.cuda.synchronize()
-        ref, _ = attention_reference(q, k, v, ir, bind)
-        err = float((out.double() - ref).norm() / ref.norm())
-        assert not torch.isnan(out).any() and err < 2e-2, (name, err)
-        print(f"{name} d={d} S={S}: FA3 rel err {err:.1e}")
+        _check_fa3(f"{name} d={d} S={S}", q, k, v, ir, bind)
 
 
 def split_tail() -> None:
@@ -143,14 +137,7 @@ def split_tail() -> None:
     q = torch.randn(1, Hq, S, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(1, Hkv, S, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
     ir, bind = GYM["softcap"](1, Hq, S, d).trace()
-    out = torch.full_like(q, float("nan"))
-    gpu_flex.gpu_flex_attention(q, k, v, ir, bind, enable_gqa=True,
-                                kernel_options={"KERNEL": "fa3"}, out=out)
-    torch.cuda.synchronize()
-    ref, _ = attention_reference(q, k, v, ir, bind, enable_gqa=True)
-    err = float((out.double() - ref).norm() / ref.norm())
-    assert not torch.isnan(out).any() and err < 2e-2, err
-    print(f"split tail d={d} S={S}: FA3 rel err {err:.1e}")
+    _check_fa3(f"split tail d={d} S={S}", q, k, v, ir, bind, enable_gqa=True)
 
 
 def pairs(d: int = 128) -> None:
@@ -163,14 +150,7 @@ def pairs(d: int = 128) -> None:
     ir, bind = GYM["softcap"](2, Hq, S, d).trace()
     assert gpu_flex.plan_launch(q, k, v, ir, bind, enable_gqa=True,
                                 kernel_options={"KERNEL": "fa3"}).tiles.paired
-    out = torch.full_like(q, float("nan"))
-    gpu_flex.gpu_flex_attention(q, k, v, ir, bind, enable_gqa=True,
-                                kernel_options={"KERNEL": "fa3"}, out=out)
-    torch.cuda.synchronize()
-    ref, _ = attention_reference(q, k, v, ir, bind, enable_gqa=True)
-    err = float((out.double() - ref).norm() / ref.norm())
-    assert not torch.isnan(out).any() and err < 2e-2, err
-    print(f"pairs d={d} S={S}: FA3 rel err {err:.1e}")
+    _check_fa3(f"pairs d={d} S={S}", q, k, v, ir, bind, enable_gqa=True)
 
 
 PARTS = {"dense64": lambda: dense(64), "dense128": lambda: dense(128),
