@@ -85,6 +85,13 @@ struct DenseItem {
 #define ATTNCC_FA3_L2_SECTION_BYTES (12 << 20)
 #endif
 
+// ATTNCC_FA3_BAND_MASK 1 (the default): a block mask's partial tiles of a variant whose mask is
+// exactly a band (causal) are masked by mask_band (fa3_consumer.cuh) where they lie inside both
+// sequences, instead of by the checked path. 0: the checked path (the A/B).
+#ifndef ATTNCC_FA3_BAND_MASK
+#define ATTNCC_FA3_BAND_MASK 1
+#endif
+
 // ATTNCC_FA3_DYNAMIC (the default): instead of snake rounds, a CTA's first item is blockIdx.x
 // and every later one the next unclaimed item of the list, from a counter in global memory (a
 // fresh zero for each launch: AttentionParams::item_counter), so the CTA that finishes first
@@ -495,10 +502,13 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     auto logits_softmax = [&](float (&s)[TKV / 2], int i, float (&corr)[2]) {
       bool is_full;
       const int kv0 = tiles.start(i, is_full) + kv_skip;
+      // a block mask's partial tile of a band mask (causal) inside both sequences: mask_band
+      const bool band = ATTNCC_FA3_BAND_MASK && Variant::has_kv_window && !is_full;
       const bool interior = rows_inside && kv0 + TKV <= kv_len &&
-                            (is_full || !Variant::has_logits_mask);
+                            (is_full || !Variant::has_logits_mask || band);
       logits_softmax_step<Variant, TKV, true>(s, vp, qk_scale, b, row_hq, row_qi, row_ok, kv0,
-                                              kv_len, 0, is_full, interior, row_m, row_l, corr);
+                                              kv_len, 0, is_full, interior, row_m, row_l, corr,
+                                              band);
     };
     // A key/value transform rewrites each landed tile in place before any GEMM reads it, the two
     // consumers taking half of its rows each (both read the whole tile).

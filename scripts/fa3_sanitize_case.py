@@ -5,7 +5,7 @@ reference, so a clean sanitizer log comes from a launch that also computed the r
     compute-sanitizer --tool racecheck python scripts/fa3_sanitize_case.py dense64
 
 Arguments pick parts (default: all): dense64, dense128, transforms, batch, document, split,
-pairs.
+pairs, pairs_small (the one to racecheck the pair form with).
 Racecheck instruments every shared-memory access, so the whole script takes minutes under it;
 one part does not.
 
@@ -140,11 +140,12 @@ def split_tail() -> None:
     _check_fa3(f"split tail d={d} S={S}", q, k, v, ir, bind, enable_gqa=True)
 
 
-def pairs(d: int = 128) -> None:
+def pairs(d: int = 128, S: int = 1024, Hq: int = 40, Hkv: int = 8) -> None:
     """Full attention on CTA pairs (kernel_options PAIRED, the default up to 8192 keys; kernels/
-    fa3_prefill.cuh produce_pairs): 2 x 40 x 8 = 640 items, 320 pairs on at most 66 clusters of
-    two, each K/V tile multicast into both CTAs' rings and released by both CTAs' consumers."""
-    S, Hq, Hkv = 1024, 40, 8
+    fa3_prefill.cuh produce_pairs): by default 2 x 40 x 8 = 640 items, 320 pairs on at most 66
+    clusters of two, each K/V tile multicast into both CTAs' rings and released by both CTAs'
+    consumers. The `pairs_small` part (for racecheck: 2 x 80 x 2 items of two 128-key tiles at
+    head dim 64) still gives every cluster two or three pairs, so rings are reused across items."""
     q = torch.randn(2, Hq, S, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, Hkv, S, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
     ir, bind = GYM["softcap"](2, Hq, S, d).trace()
@@ -155,7 +156,8 @@ def pairs(d: int = 128) -> None:
 
 PARTS = {"dense64": lambda: dense(64), "dense128": lambda: dense(128),
          "transforms": dense_transforms, "batch": batch, "document": document,
-         "split": split_tail, "pairs": pairs}
+         "split": split_tail, "pairs": pairs,
+         "pairs_small": lambda: pairs(64, 256, 80, 16)}
 
 
 def main() -> None:

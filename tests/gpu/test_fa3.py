@@ -349,3 +349,28 @@ def test_fa3_with_block_mask(mask: str, tkv: int, rng: Any) -> None:
     bm = attncc.create_block_mask(fn, None, None, S, S, device="cuda")
     ir, bind = attncc.Variant(score_mod=GYM["softcap"](1, 4, S, d).score_mod).trace()
     _check(q, k, v, ir, bind, bm, 1, tkv)
+
+
+BANDS = {"shifted_causal": lambda b, h, q, kv: q - kv >= 3,
+         "window_with_lookahead": lambda b, h, q, kv: (kv - q <= 5) & (q - kv <= 200)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("band", sorted(BANDS))
+@pytest.mark.parametrize("S,block", [(2048, 128), (1500, (128, 256))])
+def test_fa3_band_mask_on_partial_tiles(band: str, S: int, block: Any, rng: Any) -> None:
+    """A block mask's partial tiles of a mask that is exactly a band (kernels/fa3_consumer.cuh
+    mask_band: one compare a logit against the row's bound) with bounds off the tile grid, a key
+    window reaching past the diagonal, rows with no key at all (q < 3), 256-key mask blocks of
+    two tiles (one of them wholly outside the band) and a length that leaves edge tiles to the
+    checked path."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FA3 prototype needs an sm_90 GPU")
+    d = 128
+    q, k, v = rng.qkv(2, 4, S, d, dtype=torch.bfloat16, device="cuda")
+    bm = attncc.create_block_mask(BANDS[band], None, None, S, S, device="cuda", BLOCK_SIZE=block)
+    ir, bind = attncc.Variant(score_mod=GYM["softcap"](2, 4, S, d).score_mod).trace()
+    pl = gpu_flex.plan_launch(q, k, v, ir, bind, block_mask=bm, kernel_options=FA3)
+    source = gpu_flex._fa3_generated(pl.ir, d, "bfloat16", pl.tiles).source
+    assert "has_kv_window = true" in source  # the kernel takes the band path
+    _check(q, k, v, ir, bind, bm, 1)
