@@ -152,6 +152,50 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (
   wg::commit();
 }
 
+// Tile 0 trimmed to one 64-key half (TKV = 128; consume_tiles' half0: 1 keeps keys 0..63, 2
+// keys 64..127) when the band mask keeps no key of the other half in any of the warpgroup's
+// rows -- a causal diagonal tile's first 64 rows, a sliding window's far tile's last 64. S of
+// the kept half is one m64n64 wgmma chain into that half of the accumulators (the K rows 64..127
+// start 64 swizzled 128-byte rows into each column block); the other half keeps whatever it
+// held, which the band mask then sets to -inf. P V takes the kept half's four k-steps.
+template <int H>
+struct Half {
+  static constexpr int value = H;
+};
+template <typename DType, int D, bool kRebuildQ, int HALF>
+__device__ __forceinline__ void issue_qk_half(float (&s)[64], wg::DescWords q, fa2_u32 sk_tile) {
+  constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
+  static_assert(HALF == 1 || HALF == 2, "half 1 (keys 0..63) or 2 (keys 64..127)");
+  float(&sh)[32] = *reinterpret_cast<float(*)[32]>(s + 32 * (HALF - 1));
+  if constexpr (kRebuildQ) {
+    asm volatile("" : "+r"(q.lo), "+r"(q.hi));
+    q.hi += wg::opaque_zero(sk_tile);
+  }
+  const wg::DescWords k0 = wg::desc_words(sk_tile + (HALF - 1) * 64 * 128, 16, 1024);
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const fa2_u32 inner = (ks & 3) * 32;
+    const wg::u64 a = wg::desc_u64(wg::desc_plus(q, (ks >> 2) * kBoxBytes + inner));
+    const wg::u64 k = wg::desc_u64(wg::desc_plus(k0, (ks >> 2) * 128 * 128 + inner));
+    wg::mma_ss_m64n64k16<0, F16>(sh, a, k, ks > 0);
+  }
+  wg::commit();
+}
+template <typename DType, int D, int HALF>
+__device__ __forceinline__ void issue_pv_half(float (&o)[D / 64][32], const fa2_u32 (&pa)[8][4],
+                                              fa2_u32 sv_tile) {
+  constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
+  const wg::DescWords v0 = wg::desc_words(sv_tile, ATTNCC_FA3_V_LBO, ATTNCC_FA3_V_SBO);
+#pragma unroll
+  for (int blk = 0; blk < D / 64; ++blk)
+#pragma unroll
+    for (int kk = 4 * (HALF - 1); kk < 4 * HALF; ++kk) {
+      wg::mma_rs_m64n64k16<1, F16>(
+          o[blk], pa[kk], wg::desc_u64(wg::desc_plus(v0, blk * 128 * 128 + kk * 16 * 128)), 1);
+    }
+  wg::commit();
+}
+
 // ATTNCC_FA3_LOW_PRESSURE: the runtime compiles each FA3 kernel as it is first and, only if ptxas
 // spills, again with this defined to 1 (runtime/gpu_flex.py compile_fa3). The low-pressure form
 // (Q descriptors rebuilt per tile, the mask evaluated unconditionally, a score_mod's logits
@@ -708,13 +752,14 @@ struct QRelease {
 // With a HeldStage (the dense kernel's bulk-store epilogue): the stage a previous item's O was
 // staged in is released once this pass issued its first GEMM, and with hold_last the last
 // tile's stage is not released here but held for this item's O.
-template <typename DType, int D, int TKV, bool kRebuildQ, typename LogitsSoftmax,
-          typename Landed, typename LastS>
+template <typename DType, int D, int TKV, bool kRebuildQ, int kTrims = 0,
+          typename LogitsSoftmax, typename Landed, typename LastS>
 __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const Ring& ring,
                                               const Turns& turns, float (&o)[D / 64][32],
                                               LogitsSoftmax&& logits_softmax, Landed&& landed,
                                               LastS&& last_s_done, HeldStage* held = nullptr,
-                                              bool hold_last = false) {
+                                              bool hold_last = false, int half0 = 0) {
+  static_assert(kTrims == 0 || TKV == 128, "tile 0 is trimmed to a half of a 128-key tile");
   float s[TKV / 2];
   fa2_u32 pa[TKV / 16][4];
   float corr[2];
@@ -726,22 +771,51 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
   const wg::DescWords q = wg::desc_words(__shfl_sync(0xffffffffu, sq_w, 0), 16, 1024);
   // consumer 0 issues first at every issue point (Turns: consumer 1's first pass of the CTA)
   if (turns.me == 1 && (t0 == 0 || !ATTNCC_FA3_TAIL_PASS)) turns.pass();
+  // the trimmed halves this kernel has code for (kTrims bit 0: half 1, bit 1: half 2), and only
+  // where P(0) V(0) is issued in the loop (n >= 2). Each form's GEMMs complete inside its own
+  // branch: a wgmma in flight across the join would make ptxas serialize every wgmma (C7515).
+  half0 = (n >= 2 && half0 > 0 && ((kTrims >> (half0 - 1)) & 1)) ? half0 : 0;
 
   ring.wait_full(t0);
   landed(0, t0);
   turns.wait_mine();
-  wg::fence();
-  issue_qk<DType, D, TKV, kRebuildQ>(s, q, ring.k_of(t0));
-  turns.pass();
-  if (held != nullptr) held->settle(ring);  // (while S(0) runs)
-  wg::wait<0>();
-  wg::fence_operands(s);
+  auto s0_done = [&] {
+    turns.pass();
+    if (held != nullptr) held->settle(ring);  // (while S(0) runs)
+    wg::wait<0>();
+    wg::fence_operands(s);
+  };
+  if constexpr ((kTrims & 1) != 0) {
+    if (half0 == 1) {
+      wg::fence();  // (in each branch: ptxas wants it in the wgmma's block)
+      issue_qk_half<DType, D, kRebuildQ, 1>(s, q, ring.k_of(t0));
+      s0_done();
+    }
+  }
+  if constexpr ((kTrims & 2) != 0) {
+    if (half0 == 2) {
+      wg::fence();  // (in each branch: ptxas wants it in the wgmma's block)
+      issue_qk_half<DType, D, kRebuildQ, 2>(s, q, ring.k_of(t0));
+      s0_done();
+    }
+  }
+  if (half0 == 0) {
+    wg::fence();  // (in each branch: ptxas wants it in the wgmma's block)
+    if constexpr (kTrims != 0) {
+      issue_qk_half<DType, D, kRebuildQ, 1>(s, q, ring.k_of(t0));
+      issue_qk_half<DType, D, kRebuildQ, 2>(s, q, ring.k_of(t0));
+    } else {
+      issue_qk<DType, D, TKV, kRebuildQ>(s, q, ring.k_of(t0));
+    }
+    s0_done();
+  }
   if (n == 1) last_s_done();
   logits_softmax(s, 0, corr);
   pack_p<DType, TKV>(pa, s);
 
-#pragma unroll 1
-  for (int i = 1; i < n; ++i) {
+  // iteration i; HALF (of P(i-1) V(i-1)): 0 the whole tile, 1 / 2 tile 0's kept half (i = 1)
+  auto step = [&](int i, auto half) {
+    constexpr int HALF = decltype(half)::value;
     const int t = t0 + i;
     ring.wait_full(t);
     landed(i, t);
@@ -753,7 +827,10 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
     rescale<D>(o, corr);  // by tile i-1's factors, while S(i) runs; before P(i-1) V(i-1)
     wg::fence_operands(o);
     wg::fence();
-    issue_pv<DType, D, TKV>(o, pa, ring.v_of(t - 1));
+    if constexpr (HALF == 0)
+      issue_pv<DType, D, TKV>(o, pa, ring.v_of(t - 1));
+    else
+      issue_pv_half<DType, D, HALF>(o, pa, ring.v_of(t - 1));
     turns.pass();
     wg::wait<1>();  // S(i) is done; P(i-1) V(i-1) may still run
     wg::fence_operands(s);
@@ -763,7 +840,16 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
     wg::fence_operands(o);
     ring.release(t - 1);
     pack_p<DType, TKV>(pa, s);
+  };
+  if constexpr ((kTrims & 1) != 0) {
+    if (half0 == 1) step(1, Half<1>{});
   }
+  if constexpr ((kTrims & 2) != 0) {
+    if (half0 == 2) step(1, Half<2>{});
+  }
+  int i = half0 > 0 ? 2 : 1;
+#pragma unroll 1
+  for (; i < n; ++i) step(i, Half<0>{});
 
   rescale<D>(o, corr);
   wg::fence_operands(pa);

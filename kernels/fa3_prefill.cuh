@@ -92,6 +92,13 @@ struct DenseItem {
 #define ATTNCC_FA3_BAND_MASK 1
 #endif
 
+// ATTNCC_FA3_TRIM 1 (the default): an item's tile 0, when it is a band mask's partial tile
+// whose keys a consumer's 64 rows see only one half of, runs that half only in that consumer
+// (consume_tiles' half0). 0: whole tiles (the A/B).
+#ifndef ATTNCC_FA3_TRIM
+#define ATTNCC_FA3_TRIM 1
+#endif
+
 // ATTNCC_FA3_DYNAMIC (the default): instead of snake rounds, a CTA's first item is blockIdx.x
 // and every later one the next unclaimed item of the list, from a counter in global memory (a
 // fresh zero for each launch: AttentionParams::item_counter), so the CTA that finishes first
@@ -347,6 +354,14 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   constexpr bool kSplit = ATTNCC_FA3_DYNAMIC && kPersistentHeadDim<D> && kSoftmax &&
                           !Variant::has_output_transform && !paired_ctas();
 
+  // Tile 0 trimmed to a 64-key half (consume_tiles): for a band mask's bounded sides, 128-key
+  // tiles -- bit 0 an upper bound (causal), bit 1 a lower bound (a sliding window).
+  constexpr int kTrims =
+      (ATTNCC_FA3_TRIM && TKV == 128 && Variant::has_kv_window)
+          ? (Variant::kv_window_hi < (1LL << 40) ? 1 : 0) |
+                (Variant::kv_window_lo > -(1LL << 40) ? 2 : 0)
+          : 0;
+
   extern __shared__ __attribute__((aligned(1024))) unsigned char attncc_fa3_smem_raw[];
   // the 128-byte swizzle works on absolute address bits: align the tiles to 1024 bytes
   unsigned char* smem = reinterpret_cast<unsigned char*>(
@@ -522,13 +537,29 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
         consumers_sync();
       }
     };
+    // tile 0 trimmed to the half of its keys the band leaves this warpgroup's 64 rows
+    // (consume_tiles' half0): a causal diagonal tile (tile 0: a block mask lists its partial
+    // blocks first) keeps keys 0..63 for consumer 0, a sliding window's far tile 64..127 for
+    // consumer 1. The tile must take the band path (partial, inside both sequences).
+    int half0 = 0;
+    if constexpr (kTrims != 0) {
+      if (tiles.count >= 2) {
+        bool f;
+        const int kv0 = tiles.start(0, f) + kv_skip;
+        const long long qw = q0 + 64 * (wg - 1);  // the warpgroup's first row
+        if (!f && rows_inside && kv0 + TKV <= kv_len) {
+          if ((kTrims & 1) && qw + 63 + Variant::kv_window_hi < kv0 + 64) half0 = 1;
+          if ((kTrims & 2) && qw + Variant::kv_window_lo >= kv0 + 64) half0 = 2;
+        }
+      }
+      half0 = __shfl_sync(0xffffffffu, half0, 0);  // (provably warp-uniform, as sq_w)
+    }
     const QRelease<Variant, kPersistentHeadDim<D>> q_release{q_empty};
     auto last_s_done = [&] { q_release.last_s_done(); };
     if (tiles.count > 0) {
-      consume_tiles<DType, D, TKV, rebuild_q<Variant>()>(tiles.count, tile, sq_w, ring, turns, o,
-                                                        logits_softmax, landed, last_s_done,
-                                                        kBulkO ? &held : nullptr,
-                                                        kBulkO && o_v4() && part < 0);
+      consume_tiles<DType, D, TKV, rebuild_q<Variant>(), kTrims>(
+          tiles.count, tile, sq_w, ring, turns, o, logits_softmax, landed, last_s_done,
+          kBulkO ? &held : nullptr, kBulkO && o_v4() && part < 0, half0);
     } else {
       last_s_done();  // nothing reads it (the block mask left this query block no keys)
       if constexpr (kBulkO) held.settle(ring);
