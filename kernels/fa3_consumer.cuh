@@ -802,6 +802,8 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
   if (half0 == 0) {
     wg::fence();  // (in each branch: ptxas wants it in the wgmma's block)
     if constexpr (kTrims != 0) {
+      // as the two halves: one m64n128 chain here, next to the trimmed form's m64n64 one on
+      // the same registers, made ptxas serialize every wgmma of causal D 64 (C7511)
       issue_qk_half<DType, D, kRebuildQ, 1>(s, q, ring.k_of(t0));
       issue_qk_half<DType, D, kRebuildQ, 2>(s, q, ring.k_of(t0));
     } else {
