@@ -113,20 +113,30 @@ struct Turns {
 // wgmmas read it from, rather than kept in a register of its own through the loop and copied
 // there before every wgmma (UMOV; at D = 256 ptxas does that with a loop-invariant high word, 16
 // a tile).
-template <typename DType, int D, int TKV, bool kRebuildQ>
+// HALF (TKV = 128 only; consume_tiles' trimmed tile 0): 1 / 2 issues S of keys 0..63 / 64..127
+// alone, one m64n64 chain into that half of the accumulators (K rows 64..127 start 64 swizzled
+// 128-byte rows into each column block); the other half keeps whatever it held, which the band
+// mask then sets to -inf. 0: the whole tile.
+template <typename DType, int D, int TKV, bool kRebuildQ, int HALF = 0>
 __device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], wg::DescWords q, fa2_u32 sk_tile) {
   constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
+  static_assert(HALF == 0 || (TKV == 128 && (HALF == 1 || HALF == 2)),
+                "half 1 (keys 0..63) or 2 (keys 64..127) of a 128-key tile");
   if constexpr (kRebuildQ) {
     asm volatile("" : "+r"(q.lo), "+r"(q.hi));
     q.hi += wg::opaque_zero(sk_tile);
   }
-  const wg::DescWords k0 = wg::desc_words(sk_tile, 16, 1024);
+  const wg::DescWords k0 = wg::desc_words(sk_tile + (HALF > 0 ? (HALF - 1) * 64 * 128 : 0), 16,
+                                          1024);
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const fa2_u32 inner = (ks & 3) * 32;
     const wg::u64 a = wg::desc_u64(wg::desc_plus(q, (ks >> 2) * kBoxBytes + inner));
     const wg::u64 k = wg::desc_u64(wg::desc_plus(k0, (ks >> 2) * TKV * 128 + inner));
-    if constexpr (TKV == 128) {
+    if constexpr (HALF > 0) {
+      wg::mma_ss_m64n64k16<0, F16>(*reinterpret_cast<float(*)[32]>(s + 32 * (HALF - 1)), a, k,
+                                   ks > 0);
+    } else if constexpr (TKV == 128) {
       wg::mma_ss_m64n128k16<F16>(s, a, k, ks > 0);
     } else {
       wg::mma_ss_m64n64k16<0, F16>(s, a, k, ks > 0);
@@ -137,61 +147,20 @@ __device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], wg::DescWords q, f
 
 // Issue O += P V for one V tile (P's A fragment for k-step kk is S's columns 16kk..16kk+15; V
 // rows 16kk.. of column block blk are N-major, 8-row groups SBO = 1024 bytes apart) and commit.
-template <typename DType, int D, int TKV>
+// HALF 1 / 2 (TKV = 128): only the k-steps of keys 0..63 / 64..127 (issue_qk's HALF).
+template <typename DType, int D, int TKV, int HALF = 0>
 __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (&pa)[TKV / 16][4],
                                          fa2_u32 sv_tile) {
   constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
+  constexpr int KK0 = HALF > 0 ? (HALF - 1) * TKV / 32 : 0;
+  constexpr int KK1 = HALF > 0 ? HALF * TKV / 32 : TKV / 16;
   const wg::DescWords v0 = wg::desc_words(sv_tile, ATTNCC_FA3_V_LBO, ATTNCC_FA3_V_SBO);
 #pragma unroll
   for (int blk = 0; blk < D / 64; ++blk)
 #pragma unroll
-    for (int kk = 0; kk < TKV / 16; ++kk) {
+    for (int kk = KK0; kk < KK1; ++kk) {
       wg::mma_rs_m64n64k16<1, F16>(
           o[blk], pa[kk], wg::desc_u64(wg::desc_plus(v0, blk * TKV * 128 + kk * 16 * 128)), 1);
-    }
-  wg::commit();
-}
-
-// Tile 0 trimmed to one 64-key half (TKV = 128; consume_tiles' half0: 1 keeps keys 0..63, 2
-// keys 64..127) when the band mask keeps no key of the other half in any of the warpgroup's
-// rows -- a causal diagonal tile's first 64 rows, a sliding window's far tile's last 64. S of
-// the kept half is one m64n64 wgmma chain into that half of the accumulators (the K rows 64..127
-// start 64 swizzled 128-byte rows into each column block); the other half keeps whatever it
-// held, which the band mask then sets to -inf. P V takes the kept half's four k-steps.
-template <int H>
-struct Half {
-  static constexpr int value = H;
-};
-template <typename DType, int D, bool kRebuildQ, int HALF>
-__device__ __forceinline__ void issue_qk_half(float (&s)[64], wg::DescWords q, fa2_u32 sk_tile) {
-  constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
-  static_assert(HALF == 1 || HALF == 2, "half 1 (keys 0..63) or 2 (keys 64..127)");
-  float(&sh)[32] = *reinterpret_cast<float(*)[32]>(s + 32 * (HALF - 1));
-  if constexpr (kRebuildQ) {
-    asm volatile("" : "+r"(q.lo), "+r"(q.hi));
-    q.hi += wg::opaque_zero(sk_tile);
-  }
-  const wg::DescWords k0 = wg::desc_words(sk_tile + (HALF - 1) * 64 * 128, 16, 1024);
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) {
-    const fa2_u32 inner = (ks & 3) * 32;
-    const wg::u64 a = wg::desc_u64(wg::desc_plus(q, (ks >> 2) * kBoxBytes + inner));
-    const wg::u64 k = wg::desc_u64(wg::desc_plus(k0, (ks >> 2) * 128 * 128 + inner));
-    wg::mma_ss_m64n64k16<0, F16>(sh, a, k, ks > 0);
-  }
-  wg::commit();
-}
-template <typename DType, int D, int HALF>
-__device__ __forceinline__ void issue_pv_half(float (&o)[D / 64][32], const fa2_u32 (&pa)[8][4],
-                                              fa2_u32 sv_tile) {
-  constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
-  const wg::DescWords v0 = wg::desc_words(sv_tile, ATTNCC_FA3_V_LBO, ATTNCC_FA3_V_SBO);
-#pragma unroll
-  for (int blk = 0; blk < D / 64; ++blk)
-#pragma unroll
-    for (int kk = 4 * (HALF - 1); kk < 4 * HALF; ++kk) {
-      wg::mma_rs_m64n64k16<1, F16>(
-          o[blk], pa[kk], wg::desc_u64(wg::desc_plus(v0, blk * 128 * 128 + kk * 16 * 128)), 1);
     }
   wg::commit();
 }
@@ -752,6 +721,11 @@ struct QRelease {
 // With a HeldStage (the dense kernel's bulk-store epilogue): the stage a previous item's O was
 // staged in is released once this pass issued its first GEMM, and with hold_last the last
 // tile's stage is not released here but held for this item's O.
+// consume_tiles' iteration tag: which part of P(i-1) V(i-1) it issues (issue_pv's HALF)
+template <int H>
+struct Half {
+  static constexpr int value = H;
+};
 template <typename DType, int D, int TKV, bool kRebuildQ, int kTrims = 0,
           typename LogitsSoftmax, typename Landed, typename LastS>
 __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const Ring& ring,
@@ -788,14 +762,14 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
   if constexpr ((kTrims & 1) != 0) {
     if (half0 == 1) {
       wg::fence();  // (in each branch: ptxas wants it in the wgmma's block)
-      issue_qk_half<DType, D, kRebuildQ, 1>(s, q, ring.k_of(t0));
+      issue_qk<DType, D, TKV, kRebuildQ, 1>(s, q, ring.k_of(t0));
       s0_done();
     }
   }
   if constexpr ((kTrims & 2) != 0) {
     if (half0 == 2) {
       wg::fence();  // (in each branch: ptxas wants it in the wgmma's block)
-      issue_qk_half<DType, D, kRebuildQ, 2>(s, q, ring.k_of(t0));
+      issue_qk<DType, D, TKV, kRebuildQ, 2>(s, q, ring.k_of(t0));
       s0_done();
     }
   }
@@ -804,8 +778,8 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
     if constexpr (kTrims != 0) {
       // as the two halves: one m64n128 chain here, next to the trimmed form's m64n64 one on
       // the same registers, made ptxas serialize every wgmma of causal D 64 (C7511)
-      issue_qk_half<DType, D, kRebuildQ, 1>(s, q, ring.k_of(t0));
-      issue_qk_half<DType, D, kRebuildQ, 2>(s, q, ring.k_of(t0));
+      issue_qk<DType, D, TKV, kRebuildQ, 1>(s, q, ring.k_of(t0));
+      issue_qk<DType, D, TKV, kRebuildQ, 2>(s, q, ring.k_of(t0));
     } else {
       issue_qk<DType, D, TKV, kRebuildQ>(s, q, ring.k_of(t0));
     }
@@ -829,10 +803,7 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
     rescale<D>(o, corr);  // by tile i-1's factors, while S(i) runs; before P(i-1) V(i-1)
     wg::fence_operands(o);
     wg::fence();
-    if constexpr (HALF == 0)
-      issue_pv<DType, D, TKV>(o, pa, ring.v_of(t - 1));
-    else
-      issue_pv_half<DType, D, HALF>(o, pa, ring.v_of(t - 1));
+    issue_pv<DType, D, TKV, HALF>(o, pa, ring.v_of(t - 1));
     turns.pass();
     wg::wait<1>();  // S(i) is done; P(i-1) V(i-1) may still run
     wg::fence_operands(s);
