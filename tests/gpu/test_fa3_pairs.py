@@ -14,6 +14,7 @@ from attncc.runtime import gpu_flex
 from attncc.runtime.reference import attention_reference
 from examples.gym import GYM
 
+from .fa3_launch import run_fa3
 from .repeats import assert_repeats_bitwise
 
 # (variant, head dim, B, Hq, Hkv, q_len, kv_len): fewer pairs than clusters and several rounds
@@ -33,12 +34,7 @@ CASES = [
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: Any, bind: Any, g: int,
          paired: bool, out: torch.Tensor | None = None,
          lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.full_like(q, float("nan")) if out is None else out
-    lse = torch.full(q.shape[:3], float("nan"), device="cuda") if lse is None else lse
-    opts = {"KERNEL": "fa3", "PAIRED": paired, "SPLIT_TAIL": False, "PREPASS": "none"}
-    gpu_flex.gpu_flex_attention(q, k, v, ir, bind, enable_gqa=g > 1, return_lse=True,
-                                kernel_options=opts, out=out, lse_out=lse)
-    return out, lse
+    return run_fa3(q, k, v, ir, bind, g, {"PAIRED": paired, "SPLIT_TAIL": False}, out, lse)
 
 
 def _inputs(B: int, hq: int, hkv: int, sq: int, skv: int, d: int) -> tuple[torch.Tensor, ...]:

@@ -9,14 +9,12 @@ from typing import Any
 import pytest
 import torch
 
-from attncc.runtime import gpu_flex
 from attncc.runtime.fa3_split import tail_split
 from attncc.runtime.reference import attention_reference
 from examples.gym import GYM
 
+from .fa3_launch import run_fa3
 from .repeats import assert_repeats_bitwise
-
-FA3 = {"KERNEL": "fa3"}
 
 # (variant, head dim, B, Hq, Hkv, S, tkv): every case has more items than the H200's 132 CTAs,
 # a partial last round and at least MIN_SPLIT_KEYS keys; items cut in 2 to 5 units (4 items left
@@ -35,12 +33,8 @@ CASES = [
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: Any, bind: Any, g: int,
          tkv: int, split: bool, out: torch.Tensor | None = None,
          lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.full_like(q, float("nan")) if out is None else out
-    lse = torch.full(q.shape[:3], float("nan"), device="cuda") if lse is None else lse
-    opts = {**FA3, "BLOCK_N": tkv, "SPLIT_TAIL": split, "PREPASS": "none", "PAIRED": False}
-    gpu_flex.gpu_flex_attention(q, k, v, ir, bind, enable_gqa=g > 1, return_lse=True,
-                                kernel_options=opts, out=out, lse_out=lse)
-    return out, lse
+    return run_fa3(q, k, v, ir, bind, g, {"BLOCK_N": tkv, "SPLIT_TAIL": split, "PAIRED": False},
+                   out, lse)
 
 
 @pytest.mark.gpu
