@@ -64,7 +64,9 @@ struct Smem {
   // Q (two int4: fa3_prefill's ItemSlot), then the launch's split tail (fa3_split.cuh)
   static constexpr int kItem = kBar + 8 * (2 * STAGES + 2);
   static constexpr int kTail = kItem + 32;
-  static constexpr int kBytes = kTail + 16 + 1024;  // + alignment slack
+  // the dense kernel's ring stages' tiles, as its producer loaded them (fa3_prefill's TileMeta)
+  static constexpr int kMeta = kTail + 16;
+  static constexpr int kBytes = kMeta + 8 * STAGES + 1024;  // + alignment slack
 };
 
 // Ping-pong turns of the two consumer warpgroups: consumer c waits on named barrier 1 + c (0 is

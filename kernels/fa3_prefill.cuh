@@ -99,6 +99,14 @@ struct DenseItem {
 #define ATTNCC_FA3_TRIM 1
 #endif
 
+// ATTNCC_FA3_TILE_META 1 (the default): the consumers take each K/V tile's first key and whether
+// it is a full block from its ring stage (TileMeta, written by the producer), not from the
+// block mask's lists. 0: their logits read the lists (the A/B; document masks always do, see
+// run_item).
+#ifndef ATTNCC_FA3_TILE_META
+#define ATTNCC_FA3_TILE_META 1
+#endif
+
 // ATTNCC_FA3_DYNAMIC (the default): instead of snake rounds, a CTA's first item is blockIdx.x
 // and every later one the next unclaimed item of the list, from a counter in global memory (a
 // fresh zero for each launch: AttentionParams::item_counter), so the CTA that finishes first
@@ -258,6 +266,35 @@ __device__ __forceinline__ int pending_piece(fa2_u32 slot) {
   return v;
 }
 
+// A ring stage's tile as the producer loaded it (Smem::kMeta + 8 * stage): its first key
+// (TileList::start; a split-tail unit's consumers add the unit's offset) and whether it is a
+// block mask's full block. The producer writes it before the stage's full arrival (release)
+// and the consumers read it after their wait (acquire), so they never read the block mask's
+// lists themselves: that was, at every tile, an integer division (the mask block of tile i)
+// and a dependent load from global memory between S's wait and the logits -- the tile loop's
+// critical path -- and at an item's start two dependent L2 reads (the list's length, its
+// first block) before S(0) could issue (bench/NOTES.md, stop 25).
+// One word, so a consumer holds one register from the step's start to its logits. 2 * kv0 fits
+// an int: a key position is below 2^30 for any K and V that fit in a GPU's memory (gpu_flex
+// bounds heads x positions by 2^31), and the signed form lets the compiler fold
+// of(kv0, f).kv0() back to kv0 (with an unsigned one, document_causal spilled 32 B at D = 64).
+struct TileMeta {
+  int bits;  // kv0 * 2 + full
+  __device__ __forceinline__ int kv0() const { return bits >> 1; }
+  __device__ __forceinline__ bool full() const { return bits & 1; }
+  __device__ __forceinline__ static TileMeta of(int kv0, bool full) {
+    return {2 * kv0 + (int)full};
+  }
+};
+__device__ __forceinline__ void put_meta(fa2_u32 at, TileMeta m) {
+  asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(at), "r"(m.bits) : "memory");
+}
+__device__ __forceinline__ TileMeta get_meta(fa2_u32 at) {
+  TileMeta m;
+  asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(m.bits) : "r"(at));
+  return m;
+}
+
 // The item's Q tile (both consumers' 64 rows from map row q_row0 on) into shared memory at sq,
 // completing q_full; read once, so marked L2 evict_first (ATTNCC_FA3_L2_HINTS, tma.cuh).
 template <int D>
@@ -307,6 +344,8 @@ __device__ __forceinline__ void produce_pairs(const attncc::AttentionParams& p, 
     const DenseItem it = pair_item<D>(p, w, nqb);
     const int q_row0 = (it.b * p.num_q_heads + it.hq) * p.q_len + it.q0;
     const int kv_row0 = (it.b * p.num_kv_heads + it.h_kv) * p.kv_len;
+    // (no count: the consumers know a pair's tiles are all of the keys; computed here, it
+    // spilled the 24-register producer 8 B)
     publish_item(base + S::kItem, it, UnitRange{0, -1, -1}, -1);
     load_q<D>(base + S::kQ, p.tma, q_full, q_row0);
 #pragma unroll 1
@@ -314,6 +353,9 @@ __device__ __forceinline__ void produce_pairs(const attncc::AttentionParams& p, 
       const int st = tile % STAGES;
       if (tile >= STAGES) tma::mbar_wait(empty_bar + 8 * st, ((tile / STAGES) - 1) & 1);
       const fa2_u32 full = full_bar + 8 * st;
+      // (each CTA's consumers read their own; addressed from `full`: a register of its own for
+      // the address spilled the 24-register producer 8 B)
+      put_meta(full + (S::kMeta - S::kBar), TileMeta::of(kv0, false));
       tma::mbar_arrive_expect_tx(full, 2 * S::kKvTileBytes);
 #pragma unroll
       for (int blk = 0; blk < BLOCKS; ++blk)
@@ -436,8 +478,8 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
       const int q_row0 = (it.b * p.num_q_heads + it.hq) * q_len + it.q0;  // map row of q0
       // map row of the unit's key 0 (a tail piece's first tile: dense items only)
       const int kv_row0 = (it.b * p.num_kv_heads + it.h_kv) * kv_len + u.first * TKV;
-      // released to the consumers by the q_full arrival
-      publish_item(item_slot, it, u, next_piece);
+      // released to the consumers by the q_full arrival, with the unit's resolved tile count
+      publish_item(item_slot, it, UnitRange{u.first, tiles.count, u.part}, next_piece);
       load_q<D>(sq, tm_q, q_full, q_row0);
 #pragma unroll 1
       for (int i = 0; i < tiles.count; ++i, ++tile) {
@@ -448,6 +490,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
         bool f;
         const int kv0 = tiles.start(i, f);
         const fa2_u32 full = full_bar + 8 * st;
+        put_meta(full + (S::kMeta - S::kBar), TileMeta::of(kv0, f));  // published by the arrival
         tma::mbar_arrive_expect_tx(full, 2 * S::kKvTileBytes);
 #pragma unroll
         for (int blk = 0; blk < BLOCKS; ++blk)
@@ -486,12 +529,15 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
            v4_aligned(p.o, p.o_stride_s | p.o_stride_h | p.o_stride_b);
   };
   HeldStage held;  // kBulkO: the stage holding this warp's rows of the last item's O
-  // the CTA's k-th unit: item `it` (its Q has landed) over tiles `u` (UnitRange), its K/V tiles
-  // from ring tile `tile` on
+  const fa2_u32 meta_at = base + S::kMeta;
+  // the CTA's k-th unit: item `it` (its Q has landed) over tiles `u` (UnitRange; the producer
+  // resolved its count, except a CTA pair's: all of the keys), its K/V tiles from ring tile
+  // `tile` on, each described by its stage's TileMeta
   auto run_item = [&](const DenseItem& it, const UnitRange& u, int k) {
-    fa2::TileList tiles = item_tiles<TKV>(p, it);
-    if (u.count >= 0) tiles.count = u.count;
+    const int n = paired_ctas() ? (kv_len + TKV - 1) / TKV : u.count;
     const int kv_skip = u.first * TKV, part = u.part;
+    // the lists, for the forms that read them (kListTiles below; elsewhere its loads are dead)
+    const fa2::TileList tiles = item_tiles<TKV>(p, it);
     const int b = it.b, hq = it.hq, q0 = it.q0;
     float o[BLOCKS][32];
 #pragma unroll
@@ -514,9 +560,21 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
 
     const int row_hq[2] = {hq, hq}, row_qi[2] = {r_lo, r_lo + 8};
     const bool row_ok[2] = {r_lo < q_len, r_lo + 8 < q_len};
+    // The tile consume_tiles is on: read by `landed` as soon as the tile's stage is full, so the
+    // load is done long before `logits_softmax` needs it in the same step. Masks that load at
+    // the positions (document masks) read the lists instead, in their logits: with the stage's
+    // word (read early or late, one word or two) ptxas spilled document_causal 32 B at D = 64
+    // and 64 B at D = 128 (NVRTC 12.9), with the lists it spills nothing.
+    constexpr bool kListTiles = !ATTNCC_FA3_TILE_META || Variant::loads_at_positions;
+    TileMeta cur{0};
     auto logits_softmax = [&](float (&s)[TKV / 2], int i, float (&corr)[2]) {
-      bool is_full;
-      const int kv0 = tiles.start(i, is_full) + kv_skip;
+      if constexpr (kListTiles) {
+        bool f;
+        const int kv0 = tiles.start(i, f);
+        cur = TileMeta::of(kv0, f);
+      }
+      const bool is_full = cur.full();
+      const int kv0 = cur.kv0() + kv_skip;
       // a block mask's partial tile of a band mask (causal) inside both sequences: mask_band
       const bool band = ATTNCC_FA3_BAND_MASK && Variant::has_kv_window && !is_full;
       const bool interior = rows_inside && kv0 + TKV <= kv_len &&
@@ -527,10 +585,10 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     };
     // A key/value transform rewrites each landed tile in place before any GEMM reads it, the two
     // consumers taking half of its rows each (both read the whole tile).
-    auto landed = [&](int i, int t) {
+    auto landed = [&](int, int t) {
+      if constexpr (!kListTiles) cur = get_meta(meta_at + 8 * (t % STAGES));
       if constexpr (Variant::has_key_transform || Variant::has_value_transform) {
-        bool is_full;
-        const int kv0 = tiles.start(i, is_full) + kv_skip;
+        const int kv0 = get_meta(meta_at + 8 * (t % STAGES)).kv0() + kv_skip;
         transform_kv<Variant, DType, D, TKV>(vp, ring.k_of(t), ring.v_of(t), wg - 1, b, it.h_kv,
                                              kv0, kv_len, 0);
         wg::fence_proxy_async();  // the wgmmas (async proxy) must see these stores
@@ -543,11 +601,12 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     // consumer 1. The tile must take the band path (partial, inside both sequences).
     int half0 = 0;
     if constexpr (kTrims != 0) {
-      if (tiles.count >= 2) {
-        bool f;
-        const int kv0 = tiles.start(0, f) + kv_skip;
+      if (n >= 2) {
+        ring.wait_full(tile);  // (its TileMeta is written: consume_tiles waits for it anyway)
+        const TileMeta m0 = get_meta(meta_at + 8 * (tile % STAGES));
+        const int kv0 = m0.kv0() + kv_skip;
         const long long qw = q0 + 64 * (wg - 1);  // the warpgroup's first row
-        if (!f && rows_inside && kv0 + TKV <= kv_len) {
+        if (!m0.full() && rows_inside && kv0 + TKV <= kv_len) {
           if ((kTrims & 1) && qw + 63 + Variant::kv_window_hi < kv0 + 64) half0 = 1;
           if ((kTrims & 2) && qw + Variant::kv_window_lo >= kv0 + 64) half0 = 2;
         }
@@ -556,15 +615,15 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     }
     const QRelease<Variant, kPersistentHeadDim<D>> q_release{q_empty};
     auto last_s_done = [&] { q_release.last_s_done(); };
-    if (tiles.count > 0) {
+    if (n > 0) {
       consume_tiles<DType, D, TKV, rebuild_q<Variant>(), kTrims>(
-          tiles.count, tile, sq_w, ring, turns, o, logits_softmax, landed, last_s_done,
+          n, tile, sq_w, ring, turns, o, logits_softmax, landed, last_s_done,
           kBulkO ? &held : nullptr, kBulkO && o_v4() && part < 0, half0);
     } else {
       last_s_done();  // nothing reads it (the block mask left this query block no keys)
       if constexpr (kBulkO) held.settle(ring);
     }
-    tile += tiles.count;
+    tile += n;
     // a unit of a split tail item: park this warp's state; the item's last warp to arrive
     // merges every unit's and stores (fa3_split.cuh), the others are done
     if constexpr (kSplit) {
@@ -587,7 +646,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
       });
     }
     const bool v4 = o_v4();
-    if (kBulkO && v4 && tiles.count > 0 && part < 0) {
+    if (kBulkO && v4 && n > 0 && part < 0) {
       // The last tile's K half takes this warpgroup's 64 rows once both consumers' last S
       // GEMMs completed (q_empty's phase of item k; the other warpgroup's last P V reads V
       // only). Each warp stages its 16 rows swizzled (stage_rows_sw) and fences them for the

@@ -36,9 +36,10 @@
 namespace attncc {
 namespace fa3 {
 
-// A unit as the producer publishes it next to its item: tiles [first, first + count) of the item
-// (count < 0: the item's own list, item_tiles), and part = 2 j + side for a unit of piece j
-// (side 1: the piece's second item), -1 for an item run whole.
+// A unit of an item: tiles [first, first + count) of it (count < 0: all of its own list,
+// item_tiles -- which the dense producer resolves before it publishes the unit; a CTA pair's
+// consumers count all of the keys), and part = 2 j + side for a unit of piece j (side 1: the
+// piece's second item), -1 for an item run whole.
 struct UnitRange {
   int first, count, part;
 };
