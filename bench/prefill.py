@@ -244,9 +244,11 @@ def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, 
                         bench.q, bench.k, bench.v, ir, b,
                         block_mask=bench.attncc_bm[mask] if mask else None,
                         kernel_options=opts)
+                    # spill_bytes: ptxas's log; local_bytes: the loaded kernel's local memory,
+                    # as the driver reports it (spills land there)
                     rec["kernel"] = {k: info[k] for k in ("kernel", "tq", "tkv", "stages", "m_frags",
                                                           "threads", "registers", "spill_bytes",
-                                                          "smem_bytes")}
+                                                          "local_bytes", "smem_bytes")}
                     ref_impl = next((r for r in ("flex", "sdpa_flash") if r in outs), None)
                     if ref_impl is not None:
                         rec["rel_err_vs"] = ref_impl
