@@ -4,6 +4,9 @@ reference, so a clean sanitizer log comes from a launch that also computed the r
     compute-sanitizer --tool memcheck python scripts/fa3_sanitize_case.py
     compute-sanitizer --tool racecheck python scripts/fa3_sanitize_case.py dense64
 
+Under memcheck the H200 image reports 34 CUDA API errors, all failed cuGetProcAddress lookups
+made while the libraries load; `--report-api-errors no` leaves the kernels' own (0 at stop 25).
+
 Arguments pick parts (default: all): dense64, dense128, transforms, batch, document, split,
 pairs, pairs_small (the one to racecheck the pair form with).
 Racecheck instruments every shared-memory access, so the whole script takes minutes under it;
