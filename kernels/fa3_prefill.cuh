@@ -588,7 +588,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     auto landed = [&](int, int t) {
       if constexpr (!kListTiles) cur = get_meta(meta_at + 8 * (t % STAGES));
       if constexpr (Variant::has_key_transform || Variant::has_value_transform) {
-        const int kv0 = get_meta(meta_at + 8 * (t % STAGES)).kv0() + kv_skip;
+        const int kv0 = (kListTiles ? get_meta(meta_at + 8 * (t % STAGES)) : cur).kv0() + kv_skip;
         transform_kv<Variant, DType, D, TKV>(vp, ring.k_of(t), ring.v_of(t), wg - 1, b, it.h_kv,
                                              kv0, kv_len, 0);
         wg::fence_proxy_async();  // the wgmmas (async proxy) must see these stores
