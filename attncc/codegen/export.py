@@ -15,19 +15,33 @@ Example:
 """
 from __future__ import annotations
 
+import shlex
+
 from ..ir.program import VariantIR
 from .generate import export_kernel
 
 __all__ = ["export_source"]
 
 
-def export_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple") -> str:
-    """The documented `.cu` text for `ir` (see the module docstring).
+def export_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",
+                  filename: str | None = None) -> str:
+    """The documented `.cu` text for `ir` (see the module docstring). `filename`: the name the
+    text will be saved under, which its build line then names (default `<kernel_name>.cu`).
 
     Example:
         >>> from attncc.ir.program import VariantIR
         >>> text = export_source(VariantIR(name="plain"), head_dim=64, dtype="float32")
         >>> text.count("<<<grid, dim3(128), 0, (cudaStream_t)stream>>>")
         1
+        >>> text = export_source(VariantIR(name="plain"), head_dim=64, dtype="float32",
+        ...                      filename="softcap.cu")
+        >>> "code=sm_90a -c softcap.cu" in text
+        True
     """
-    return export_kernel(ir, head_dim=head_dim, dtype=dtype, kernel=kernel).source
+    gk = export_kernel(ir, head_dim=head_dim, dtype=dtype, kernel=kernel)
+    if filename is None:
+        return gk.source
+    build = f" -c {gk.kernel_name}.cu\n"
+    if build not in gk.source:  # the template's build line changed: better say so than lie
+        raise AssertionError("export template has no build line to name the file in")
+    return gk.source.replace(build, f" -c {shlex.quote(filename)}\n", 1)
