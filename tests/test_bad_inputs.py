@@ -290,3 +290,11 @@ def test_cli_kernel_help_lists_every_template(capsys) -> None:
     for name in KERNELS:
         assert f"{name} (" in text
     assert main(["export", "x.attn", "-o", "x.cu", "--kernel", "fa4"]) == 2
+
+
+def test_exported_fa3_header_does_not_offer_other_targets(tmp_path) -> None:
+    variant = attncc.Variant(mask_mod=lambda b, h, q, kv: q >= kv, name="causal")
+    fa3 = attncc.export(variant, tmp_path / "c3.cu", head_dim=128, kernel="fa3").read_text()
+    assert "any sm_80+ target works" not in fa3 and "runs only on sm_90a" in fa3
+    fa2 = attncc.export(variant, tmp_path / "c2.cu", head_dim=128, kernel="fa2").read_text()
+    assert "any sm_80+ target works" in fa2

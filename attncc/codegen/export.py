@@ -39,9 +39,21 @@ def export_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "si
         True
     """
     gk = export_kernel(ir, head_dim=head_dim, dtype=dtype, kernel=kernel)
+    source = gk.source
+    if kernel in _SM90A_ONLY:  # the template's note on other targets holds for FA2 only
+        source = _replace_once(source, _ANY_SM80, "this kernel runs only on sm_90a")
     if filename is None:
-        return gk.source
-    build = f" -c {gk.kernel_name}.cu\n"
-    if build not in gk.source:  # the template's build line changed: better say so than lie
-        raise AssertionError("export template has no build line to name the file in")
-    return gk.source.replace(build, f" -c {shlex.quote(filename)}\n", 1)
+        return source
+    return _replace_once(source, f" -c {gk.kernel_name}.cu\n", f" -c {shlex.quote(filename)}\n")
+
+
+_SM90A_ONLY = ("fa3", "fa3batch")
+_ANY_SM80 = "any sm_80+ target works, e.g. -gencode=arch=compute_80,code=sm_80"
+
+
+def _replace_once(text: str, old: str, new: str) -> str:
+    """`old` replaced by `new`; an AssertionError if the template no longer has `old` (the
+    header would otherwise go on saying something untrue)."""
+    if old not in text:
+        raise AssertionError(f"the export template no longer contains {old!r}")
+    return text.replace(old, new, 1)
