@@ -25,8 +25,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from attncc.codegen.fa2 import FA2_HEAD_DIMS as HEAD_DIMS
-from attncc.errors import InvalidArgument
 from attncc.codegen.fa2 import Fa2Tiles, fa3_tiles
+from attncc.errors import InvalidArgument
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
 from .fa3_split import TailSplit, tail_split
