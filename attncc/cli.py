@@ -36,6 +36,15 @@ from .errors import AttnccError, AttnSyntaxError
 from .ir.program import Bindings, VariantIR
 
 EMITS = ("ir", "cuda", "ptx", "cubin")
+# Every template attncc.codegen.generate.KERNELS has (tests/test_bad_inputs.py checks the keys).
+KERNEL_HELP = {
+    "simple": "exact, any dtype and GPU",
+    "fa2": "FlashAttention-2-style bf16/fp16, sm_80+",
+    "fa3": "Hopper TMA + wgmma bf16/fp16, sm_90a only",
+    "fa2batch": "the serving kernel over a BatchAttention plan, sm_80+",
+    "fa3batch": "the serving kernel on Hopper, sm_90a only",
+    "prepass": "query/key/value transforms once per row",
+}
 
 
 class UsageError(AttnccError):
@@ -206,7 +215,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     ir, _ = load_target(args.target)
     text = export_source(simplify_variant(ir), head_dim=args.head_dim, dtype=_dtype(args),
-                         kernel=args.kernel)
+                         kernel=args.kernel, filename=Path(args.output).name)
     _write_or_print(text, args.output)
     return 0
 
@@ -279,10 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="size of the last dim of q/k/v (default 128)")
         p.add_argument("--dtype", default="bfloat16",
                        help="q/k/v/o storage dtype: bfloat16 (default), float16 or float32")
-        p.add_argument("--kernel", default="simple",
-                       help="kernel template to instantiate: simple (exact, any dtype) or fa2 "
-                            "(the fast bf16/fp16 template, default tiles for the head dim); "
-                            "default: simple")
+        p.add_argument("--kernel", default="simple", choices=tuple(KERNEL_HELP),
+                       help="kernel template to instantiate: " + "; ".join(
+                           f"{k} ({v})" for k, v in KERNEL_HELP.items()) + "; default: simple")
 
     p = sub.add_parser("compile", help="compile a variant and print its IR, CUDA or PTX, or "
                                        "write its cubin",

@@ -4,8 +4,15 @@ Example:
     >>> from attncc.errors import TraceError
     >>> issubclass(TraceError, ValueError)
     True
+    >>> check_int("H", 0, minimum=1, fix="pass the number of heads")
+    Traceback (most recent call last):
+    ...
+    attncc.errors.InvalidArgument: H must be an int >= 1, got 0; pass the number of heads
 """
 from __future__ import annotations
+
+import numbers
+from typing import Any
 
 
 class AttnccError(Exception):
@@ -29,3 +36,36 @@ class CompileError(AttnccError, RuntimeError):
 
 class AttnSyntaxError(AttnccError, SyntaxError):
     """A `.attn` text variant failed to parse; the message shows line:column and a caret."""
+
+
+class InvalidArgument(AttnccError, ValueError):
+    """An argument has a value attncc cannot run (a zero size, a wrong shape, a bad id)."""
+
+
+class InvalidArgumentType(AttnccError, TypeError):
+    """An argument has the wrong type (a float where an int belongs, a string for a bool)."""
+
+
+class DeviceError(AttnccError, RuntimeError):
+    """The call needs a device this machine lacks (a CUDA GPU, or a GPU of another arch)."""
+
+
+def check_int(name: str, value: Any, minimum: int = 0, fix: str = "") -> int:
+    """`value` as an int >= `minimum`; InvalidArgumentType for a non-integer (bools and floats
+    too: a silently truncated size is a wrong answer), InvalidArgument for a small one. `fix`
+    is appended to the message."""
+    tail = f"; {fix}" if fix else ""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidArgumentType(f"{name} must be an int >= {minimum}, got "
+                                  f"{type(value).__name__} {value!r}{tail}")
+    if value < minimum:
+        raise InvalidArgument(f"{name} must be an int >= {minimum}, got {value}{tail}")
+    return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """`value` if it is a bool; InvalidArgumentType otherwise (a string like "no" is truthy)."""
+    if not isinstance(value, bool):
+        raise InvalidArgumentType(f"{name} must be True or False, got {type(value).__name__} "
+                                  f"{value!r}")
+    return value

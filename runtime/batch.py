@@ -50,6 +50,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from attncc.errors import DeviceError, InvalidArgument, check_bool, check_int
 from attncc.frontend import Variant
 from attncc.ir.program import VariantIR
 
@@ -339,6 +340,19 @@ class _Uploader:
             self.pending[half] = False
 
 
+def _check_device(device: Any) -> None:
+    """A CUDA device for BatchAttention needs torch to see a GPU: say so, and what runs
+    without one, instead of torch's assertion deep inside the constructor."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("BatchAttention(device='cuda') needs a CUDA GPU, and torch sees none "
+                          "here (torch.cuda.is_available() is False). Without a GPU: "
+                          "attncc.runtime.batch.batch_attention_reference(q, kv_cache, "
+                          "qo_indptr, kv_indptr, kv_indices, kv_last_page_len, ...) computes "
+                          "the exact result on the CPU, and BatchAttention(..., device='cpu') "
+                          "plans without running")
+
+
 class BatchAttention:
     """Plan/run attention for a serving batch (see the module docstring).
 
@@ -367,6 +381,13 @@ class BatchAttention:
         if variant is not None and not isinstance(variant, Variant):
             raise TypeError(f"variant must be an attncc.Variant or None, got "
                             f"{type(variant).__name__}")
+        max_batch = check_int("max_batch", max_batch, 1)
+        max_qo_tokens = check_int("max_qo_tokens", max_qo_tokens, 1)
+        max_pages = check_int("max_pages", max_pages, 1)
+        balance = check_bool("balance", balance)
+        if min_kv_chunk is not None:
+            check_int("min_kv_chunk", min_kv_chunk, 1, "pass a number of KV tokens, e.g. 128")
+        _check_device(device)
         self.variant = variant if variant is not None else Variant(name="batch_plain")
         self.kv_layout = kv_layout
         self.max_batch, self.max_qo_tokens, self.max_pages = max_batch, max_qo_tokens, max_pages
@@ -536,73 +557,13 @@ class BatchAttention:
     def _checked(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any,
                  num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  q_positions: Any, kv_position_offset: Any) -> _Batch:
-        """`plan`'s reference checks (numpy): the first failure raises a ValueError that names
-        the argument and what to fix."""
-        qo = _np_int(qo_indptr, "qo_indptr")
-        kvp = _np_int(kv_indptr, "kv_indptr")
-        scheduler._as_indptr(qo, "qo_indptr")  # the scheduler's messages: one wording
-        scheduler._as_indptr(kvp, "kv_indptr")
-        batch = qo.size - 1
-        if kvp.size != batch + 1:
-            raise ValueError(f"kv_indptr has {kvp.size} entries, qo_indptr describes {batch} "
-                             f"requests: it needs {batch + 1}")
-        if batch > self.max_batch or int(qo[-1]) > self.max_qo_tokens:
-            raise ValueError(f"batch of {batch} requests / {int(qo[-1])} query tokens exceeds "
-                             f"max_batch={self.max_batch} / max_qo_tokens={self.max_qo_tokens} "
-                             f"given to BatchAttention")
-        if num_qo_heads % num_kv_heads:
-            raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of "
-                             f"num_kv_heads={num_kv_heads}")
-        if head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim={head_dim}: the batch kernel supports {HEAD_DIMS}")
-        if self.kv_layout == "ragged":
-            if kv_indices is not None or kv_last_page_len is not None:
-                raise ValueError("kv_layout='ragged' takes no kv_indices / kv_last_page_len: "
-                                 "kv_indptr is the CSR of KV tokens")
-            _check_ragged_table(batch, self.max_pages)
-            kv_lens = np.diff(kvp)
-            pages = kvp[:-1]                      # one "page" per request: its first token
-            page_indptr = np.arange(batch + 1)
-            page, shift = _RAGGED_PAGE, 30
-            max_page = int(kvp[-1])                # tokens the cache must hold
-        else:
-            if kv_indices is None or kv_last_page_len is None:
-                raise ValueError(f"kv_layout={self.kv_layout!r} needs kv_indices and "
-                                 f"kv_last_page_len")
-            if not isinstance(page_size, int) or page_size < 1:
-                raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-            pages = _np_int(kv_indices, "kv_indices")
-            last = _np_int(kv_last_page_len, "kv_last_page_len")
-            if pages.size < kvp[-1]:
-                raise ValueError(f"kv_indices has {pages.size} entries but kv_indptr[-1] = "
-                                 f"{int(kvp[-1])}")
-            if pages.size > self.max_pages:
-                raise ValueError(f"{pages.size} page ids exceed max_pages={self.max_pages}")
-            if pages.size and pages.min() < 0:
-                raise ValueError(f"kv_indices holds a negative page id ({int(pages.min())})")
-            kv_lens = scheduler.paged_kv_lens(kvp, last, page_size).astype(np.int64)
-            page_indptr = kvp
-            page, shift = page_size, _page_shift(page_size)
-            used = pages[:int(kvp[-1])]
-            max_page = int(used.max()) + 1 if used.size else 0   # pages the cache needs
-        q_lens = np.diff(qo)
-        qpos = kvoff = None
-        if q_positions is not None:
-            qpos = _np_int(q_positions, "q_positions")
-            if qpos.size != int(qo[-1]) or (qpos.size and qpos.min() < 0):
-                raise ValueError(f"q_positions must hold {int(qo[-1])} non-negative positions "
-                                 f"(one per query token), got {qpos.size}")
-        if kv_position_offset is not None:
-            kvoff = _np_int(kv_position_offset, "kv_position_offset")
-            if kvoff.size != batch or (kvoff.size and kvoff.min() < 0):
-                raise ValueError(f"kv_position_offset must hold {batch} non-negative offsets")
-        if qpos is None and np.any(q_lens > kv_lens):
-            i = int(np.argmax(q_lens > kv_lens))
-            raise ValueError(f"request {i} has {int(q_lens[i])} query tokens but only "
-                             f"{int(kv_lens[i])} KV tokens: queries are the last tokens of "
-                             f"their sequence, so the KV cache must already hold them")
-        return _Batch(qo, kv_lens, page_indptr, pages, page, shift, max_page,
-                      int(q_lens.max(initial=0)), qpos, kvoff)
+        """`plan`'s reference checks (`check_batch` with this instance's layout and maxima)."""
+        return check_batch(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                           kv_layout=self.kv_layout, num_qo_heads=num_qo_heads,
+                           num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                           q_positions=q_positions, kv_position_offset=kv_position_offset,
+                           max_batch=self.max_batch, max_qo_tokens=self.max_qo_tokens,
+                           max_pages=self.max_pages)
 
     def _make_planner(self) -> planner.BatchPlanner | bool:
         """plan()'s compiled planner, False without a C compiler (made at the first plan that
@@ -938,6 +899,97 @@ class BatchAttention:
         return k, v, strides
 
 
+def check_batch(qo_indptr: Any, kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any, *,
+                kv_layout: str, num_qo_heads: Any, num_kv_heads: Any, head_dim: Any,
+                page_size: Any, q_positions: Any = None, kv_position_offset: Any = None,
+                max_batch: int | None = None, max_qo_tokens: int | None = None,
+                max_pages: int | None = None, head_dims: tuple[int, ...] | None = HEAD_DIMS
+                ) -> _Batch:
+    """The checks of `BatchAttention.plan` and `batch_attention_reference` (one function, so
+    the GPU and CPU paths accept and reject the same batches): the first failure raises a
+    ValueError (TypeError for a non-int size) naming the argument and what to fix. The maxima
+    and `head_dims` (what the kernels take) are left out (None) by the reference.
+
+    Example:
+        >>> check_batch([0, 1], [0, 1], [-1], [4], kv_layout="NHD", num_qo_heads=4,
+        ...             num_kv_heads=2, head_dim=64, page_size=16)
+        Traceback (most recent call last):
+        ...
+        attncc.errors.InvalidArgument: kv_indices holds a negative page id (-1)
+    """
+    num_qo_heads = check_int("num_qo_heads", num_qo_heads, 1)
+    num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
+    head_dim = check_int("head_dim", head_dim, 1)
+    if kv_layout not in KV_LAYOUTS:
+        raise InvalidArgument(f"kv_layout={kv_layout!r}: use one of {KV_LAYOUTS}")
+    qo = _np_int(qo_indptr, "qo_indptr")
+    kvp = _np_int(kv_indptr, "kv_indptr")
+    scheduler._as_indptr(qo, "qo_indptr")  # the scheduler's messages: one wording
+    scheduler._as_indptr(kvp, "kv_indptr")
+    batch = qo.size - 1
+    if kvp.size != batch + 1:
+        raise InvalidArgument(f"kv_indptr has {kvp.size} entries, qo_indptr describes {batch} "
+                              f"requests: it needs {batch + 1}")
+    if (max_batch is not None and batch > max_batch) or \
+            (max_qo_tokens is not None and int(qo[-1]) > max_qo_tokens):
+        raise InvalidArgument(f"batch of {batch} requests / {int(qo[-1])} query tokens exceeds "
+                              f"max_batch={max_batch} / max_qo_tokens={max_qo_tokens} given to "
+                              f"BatchAttention")
+    if num_qo_heads % num_kv_heads:
+        raise InvalidArgument(f"num_qo_heads={num_qo_heads} must be a multiple of "
+                              f"num_kv_heads={num_kv_heads}")
+    if head_dims is not None and head_dim not in head_dims:
+        raise InvalidArgument(f"head_dim={head_dim}: the batch kernel supports {head_dims}")
+    if kv_layout == "ragged":
+        if kv_indices is not None or kv_last_page_len is not None:
+            raise InvalidArgument("kv_layout='ragged' takes no kv_indices / kv_last_page_len: "
+                                  "kv_indptr is the CSR of KV tokens")
+        if max_pages is not None:
+            _check_ragged_table(batch, max_pages)
+        kv_lens = np.diff(kvp)
+        pages = kvp[:-1]                      # one "page" per request: its first token
+        page_indptr = np.arange(batch + 1)
+        page, shift = _RAGGED_PAGE, 30
+        max_page = int(kvp[-1])                # tokens the cache must hold
+    else:
+        if kv_indices is None or kv_last_page_len is None:
+            raise InvalidArgument(f"kv_layout={kv_layout!r} needs kv_indices and "
+                                  f"kv_last_page_len")
+        page_size = check_int("page_size", page_size, 1, "pass the tokens per page")
+        pages = _np_int(kv_indices, "kv_indices")
+        last = _np_int(kv_last_page_len, "kv_last_page_len")
+        if pages.size < kvp[-1]:
+            raise InvalidArgument(f"kv_indices has {pages.size} entries but kv_indptr[-1] = "
+                                  f"{int(kvp[-1])}")
+        if max_pages is not None and pages.size > max_pages:
+            raise InvalidArgument(f"{pages.size} page ids exceed max_pages={max_pages}")
+        if pages.size and pages.min() < 0:
+            raise InvalidArgument(f"kv_indices holds a negative page id ({int(pages.min())})")
+        kv_lens = scheduler.paged_kv_lens(kvp, last, page_size).astype(np.int64)
+        page_indptr = kvp
+        page, shift = page_size, _page_shift(page_size)
+        used = pages[:int(kvp[-1])]
+        max_page = int(used.max()) + 1 if used.size else 0   # pages the cache needs
+    q_lens = np.diff(qo)
+    qpos = kvoff = None
+    if q_positions is not None:
+        qpos = _np_int(q_positions, "q_positions")
+        if qpos.size != int(qo[-1]) or (qpos.size and qpos.min() < 0):
+            raise InvalidArgument(f"q_positions must hold {int(qo[-1])} non-negative positions "
+                                  f"(one per query token), got {qpos.size}")
+    if kv_position_offset is not None:
+        kvoff = _np_int(kv_position_offset, "kv_position_offset")
+        if kvoff.size != batch or (kvoff.size and kvoff.min() < 0):
+            raise InvalidArgument(f"kv_position_offset must hold {batch} non-negative offsets")
+    if qpos is None and np.any(q_lens > kv_lens):
+        i = int(np.argmax(q_lens > kv_lens))
+        raise InvalidArgument(f"request {i} has {int(q_lens[i])} query tokens but only "
+                              f"{int(kv_lens[i])} KV tokens: queries are the last tokens of "
+                              f"their sequence, so the KV cache must already hold them")
+    return _Batch(qo, kv_lens, page_indptr, pages, page, shift, max_page,
+                  int(q_lens.max(initial=0)), qpos, kvoff)
+
+
 def _check_ragged_table(requests: int, max_pages: int) -> None:
     """A ragged batch's page table holds one entry per request (its first KV token)."""
     if requests > max_pages:
@@ -1085,6 +1137,50 @@ def _round256(n: int) -> int:
 
 
 # ------------------------------------------------------------------------------ reference
+def _reference_cache(kv_cache: Any, kv_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache) of the reference's `kv_cache` argument, each checked for its rank."""
+    if isinstance(kv_cache, torch.Tensor) and kv_layout != "ragged" and kv_cache.dim() == 5 \
+            and kv_cache.shape[1] == 2:
+        k, v = kv_cache[:, 0], kv_cache[:, 1]
+    elif isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
+        k, v = kv_cache
+    else:
+        raise InvalidArgument("kv_cache must be (k_cache, v_cache) or a [num_pages, 2, ...] "
+                              "tensor")
+    rank = 3 if kv_layout == "ragged" else 4
+    for name, t in (("k_cache", k), ("v_cache", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != rank:
+            raise InvalidArgument(f"{name} must be a {rank}-D tensor in the {kv_layout} layout, "
+                                  f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else t}")
+    return k, v
+
+
+def _cache_heads(k: torch.Tensor, kv_layout: str) -> int:
+    """KV heads of a cache: [pages, page, H, D] (NHD), [pages, H, page, D] (HND), [tokens, H, D]."""
+    return int(k.shape[1] if kv_layout == "HND" else k.shape[-2])
+
+
+def _check_reference_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: _Batch,
+                            kv_layout: str) -> None:
+    """What `run` checks of q and the cache against the plan: every row, page id and token the
+    batch names exists, and the cache's page size is the plan's."""
+    total_q = int(b.qo[-1])
+    if q.shape[0] < total_q:
+        raise InvalidArgument(f"q has {q.shape[0]} rows but qo_indptr[-1] = {total_q}")
+    Hkv, D = _cache_heads(k, kv_layout), q.shape[2]
+    if kv_layout == "ragged":
+        want = (b.max_page, Hkv, D)
+    else:
+        want = (b.max_page, b.page, Hkv, D) if kv_layout == "NHD" else (b.max_page, Hkv, b.page, D)
+    where = "" if kv_layout == "ragged" else f", page_size={b.page}"
+    for name, t in (("k_cache", k), ("v_cache", v)):
+        if t.shape[0] < want[0] or tuple(t.shape[1:]) != want[1:]:
+            raise InvalidArgument(f"{name} has shape {tuple(t.shape)}; the batch needs "
+                                  f"[>={want[0]}, {', '.join(map(str, want[1:]))}] "
+                                  f"({kv_layout} layout{where}; every page id and token must "
+                                  f"fit)")
+
+
 def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv_indptr: Any,
                               kv_indices: Any = None, kv_last_page_len: Any = None, *,
                               kv_layout: str = "NHD", page_size: int = 1,
@@ -1107,15 +1203,21 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
 
     variant = variant if variant is not None else Variant(name="batch_plain")
     ir, bindings = variant.trace()
-    qo = _np_int(qo_indptr, "qo_indptr")
-    kvp = _np_int(kv_indptr, "kv_indptr")
-    k_all, v_all = kv_cache if isinstance(kv_cache, (tuple, list)) else (kv_cache[:, 0],
-                                                                         kv_cache[:, 1])
+    k_all, v_all = _reference_cache(kv_cache, kv_layout)
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise InvalidArgument(f"q must be a [total_q, num_qo_heads, head_dim] tensor, got "
+                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}")
+    # plan()'s checks, with the sizes read off q and the cache
+    b = check_batch(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_layout=kv_layout,
+                    num_qo_heads=q.shape[1], num_kv_heads=_cache_heads(k_all, kv_layout),
+                    head_dim=q.shape[2], page_size=page_size, head_dims=None)
+    _check_reference_shapes(q, k_all, v_all, b, kv_layout)
+    qo, kvp = b.qo, _np_int(kv_indptr, "kv_indptr")
     H = q.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     lse = (torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
            if ir.use_softmax else None)
-    pages = _np_int(kv_indices, "kv_indices") if kv_indices is not None else None
+    pages = b.pages if kv_layout != "ragged" else None
     last = _np_int(kv_last_page_len, "kv_last_page_len") if kv_last_page_len is not None else None
     for i in range(qo.size - 1):
         lq = int(qo[i + 1] - qo[i])

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from attncc.errors import InvalidArgument, check_int
 from attncc.frontend import trace_mods
 from attncc.ir.nodes import F32, Node, walk
 from attncc.ir.program import Bindings
@@ -234,6 +235,18 @@ def _mask_for_analysis(expr: Node, params: dict[str, Any],
     return simple if is_affine_mask(simple, params, tensors) else expr
 
 
+def _block_sizes(BLOCK_SIZE: Any) -> tuple[int, int]:
+    """(query, kv) block sizes from an int or a pair of ints, each >= 1."""
+    fix = "pass an int such as 128, or a (query, kv) pair of ints"
+    if isinstance(BLOCK_SIZE, (tuple, list)) and len(BLOCK_SIZE) == 2:
+        return (check_int("BLOCK_SIZE[0]", BLOCK_SIZE[0], 1, fix),
+                check_int("BLOCK_SIZE[1]", BLOCK_SIZE[1], 1, fix))
+    if isinstance(BLOCK_SIZE, (tuple, list)):
+        raise InvalidArgument(f"BLOCK_SIZE={BLOCK_SIZE!r} has {len(BLOCK_SIZE)} entries; {fix}")
+    bs = check_int("BLOCK_SIZE", BLOCK_SIZE, 1, fix)
+    return bs, bs
+
+
 def create_block_mask(mask_mod: Callable[..., Any], B: int | None, H: int | None, Q_LEN: int,
                       KV_LEN: int, device: torch.device | str | None = None,
                       BLOCK_SIZE: int | tuple[int, int] = _DEFAULT_BLOCK) -> BlockMask:
@@ -253,16 +266,12 @@ def create_block_mask(mask_mod: Callable[..., Any], B: int | None, H: int | None
     if not callable(mask_mod):
         raise TypeError(f"create_block_mask needs a mask_mod function (b, h, q_idx, kv_idx) -> "
                         f"bool, got {type(mask_mod).__name__}")
-    if isinstance(BLOCK_SIZE, int):
-        bq = bkv = BLOCK_SIZE
-    else:
-        bq, bkv = (int(x) for x in BLOCK_SIZE)
-    if bq <= 0 or bkv <= 0:
-        raise ValueError(f"BLOCK_SIZE must be positive, got {BLOCK_SIZE}")
-    if Q_LEN <= 0 or KV_LEN <= 0:
-        raise ValueError(f"Q_LEN and KV_LEN must be positive, got {Q_LEN} and {KV_LEN}")
-    B = 1 if B is None else int(B)
-    H = 1 if H is None else int(H)
+    bq, bkv = _block_sizes(BLOCK_SIZE)
+    Q_LEN = check_int("Q_LEN", Q_LEN, 1, "pass the number of query positions")
+    KV_LEN = check_int("KV_LEN", KV_LEN, 1, "pass the number of key/value positions")
+    B = 1 if B is None else check_int("B", B, 1, "pass the batch size, or None to broadcast")
+    H = 1 if H is None else check_int("H", H, 1, "pass the number of heads, or None to "
+                                                 "broadcast")
     ir, bindings = trace_mods({"mask_mod": mask_mod})
     params = dict(bindings.scalars)
     if device is None:

@@ -64,6 +64,34 @@ def _check_head_dim(head_dim: Any) -> int:
     return head_dim
 
 
+# The oldest GPU each kernel template runs on: FA2's cp.async and bf16 mma.sync need sm_80;
+# FA3's wgmma, TMA and setmaxnreg exist only on sm_90a (neither sm_90 nor sm_100a has them).
+_KERNEL_MIN_SM = {"fa2": 80, "fa2batch": 80}
+_SM90A_ONLY = ("fa3", "fa3batch")
+
+
+def check_kernel_arch(kernel: str, arch: str) -> None:
+    """A CompileError, before any NVRTC call, when template `kernel` cannot run on `arch`.
+
+    Example:
+        >>> check_kernel_arch("fa3", "sm_90a"); check_kernel_arch("fa2", "sm_100a")
+        >>> check_kernel_arch("fa3", "sm_80")
+        Traceback (most recent call last):
+        ...
+        attncc.errors.CompileError: kernel='fa3' runs only on arch='sm_90a' (Hopper: H100/H200), not sm_80: it is built on wgmma, TMA and setmaxnreg, which exist only there; for sm_80 use kernel='fa2' (sm_80 and newer) or kernel='simple' (any GPU)
+    """
+    sm = int("".join(c for c in arch[3:] if c.isdigit()))
+    if kernel in _SM90A_ONLY and arch != "sm_90a":
+        fa2 = "kernel='fa2' (sm_80 and newer) or " if sm >= 80 else ""
+        raise CompileError(f"kernel={kernel!r} runs only on arch='sm_90a' (Hopper: H100/H200), "
+                           f"not {arch}: it is built on wgmma, TMA and setmaxnreg, which exist "
+                           f"only there; for {arch} use {fa2}kernel='simple' (any GPU)")
+    need = _KERNEL_MIN_SM.get(kernel)
+    if need is not None and sm < need:
+        raise CompileError(f"kernel={kernel!r} needs sm_{need} or newer (cp.async and bf16 "
+                           f"tensor-core MMA), not {arch}; use kernel='simple' there")
+
+
 def trace_variant(variant: Any) -> tuple[VariantIR, Bindings]:
     """(IR, captured values) for a Variant, a score_mod/mask_mod function, or a VariantIR.
 
@@ -138,16 +166,19 @@ class CompiledKernel:
 
         A directory as `path` gets `<kernel_name>.cu` inside it.
         """
-        text = export_source(self.ir, head_dim=self.head_dim, dtype=self.dtype, kernel=self.kernel)
-        return _write(path, text, f"{self.kernel_name}.cu")
+        p = _target(path, f"{self.kernel_name}.cu")
+        p.write_text(export_source(self.ir, head_dim=self.head_dim, dtype=self.dtype,
+                                   kernel=self.kernel, filename=p.name))
+        return p
 
 
-def _write(path: str | os.PathLike[str], text: str, default_name: str) -> Path:
+def _target(path: str | os.PathLike[str], default_name: str) -> Path:
+    """The file an export writes: `path`, or `default_name` inside it if it is a directory
+    (parents made), so the text can name the file it is saved as."""
     p = Path(path)
     if p.is_dir():
         p = p / default_name
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(text)
     return p
 
 
@@ -177,6 +208,7 @@ def compile(variant: Any, *, head_dim: int, dtype: Any = "bfloat16", arch: str |
     head_dim = _check_head_dim(head_dim)
     dtype = dtype_name(dtype)
     arch = normalize_arch(arch)
+    check_kernel_arch(kernel, arch)
     kc = KernelCache.default() if cache is True or cache is None else (cache or None)
 
     key = _memo_key(ir, head_dim, dtype, arch, kernel)
@@ -226,6 +258,8 @@ def export(variant: Any, path: str | os.PathLike[str], *, head_dim: int, dtype: 
     ir, _ = trace_variant(variant)
     from attncc.ir.simplify import simplify_variant
 
-    text = export_source(simplify_variant(ir), head_dim=_check_head_dim(head_dim),
-                         dtype=dtype_name(dtype), kernel=kernel)
-    return _write(path, text, f"attncc_{ir.name}.cu")
+    head_dim, dtype = _check_head_dim(head_dim), dtype_name(dtype)
+    p = _target(path, f"attncc_{ir.name}.cu")
+    p.write_text(export_source(simplify_variant(ir), head_dim=head_dim, dtype=dtype,
+                               kernel=kernel, filename=p.name))
+    return p

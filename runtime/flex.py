@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from attncc.errors import InvalidArgument, check_bool
 from attncc.frontend import Variant
 from attncc.frontend.variant import TraceCache, share_trace_cache
 from attncc.ir.program import Bindings, VariantIR
@@ -89,6 +90,24 @@ def _validate_kernel_options(kernel_options: Mapping[str, Any] | None) -> None:
             raise ValueError(f"kernel_options[{key!r}] must be a string, got {val!r}")
         if want is int and (isinstance(val, bool) or not isinstance(val, int) or val <= 0):
             raise ValueError(f"kernel_options[{key!r}] must be a positive int, got {val!r}")
+
+
+def _check_sizes(query: Any, key: Any, value: Any) -> None:
+    """Zero heads or a zero head_dim: no attention is defined (the head grouping and the default
+    scale 1/sqrt(head_dim) divide by them). Runs before `validate_attention_inputs`, whose GQA
+    message would otherwise suggest enable_gqa for zero key heads; it names non-tensors."""
+    named = (("query", query), ("key", key), ("value", value))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for _, t in named):
+        return
+    for name, t in named:
+        if t.shape[1] == 0:
+            raise InvalidArgument(f"{name} has shape {tuple(t.shape)}: 0 heads; attention needs "
+                                  f"at least one head in query, key and value [B, H, S, D]")
+    for name, t in named[:2]:
+        if t.shape[3] == 0:
+            raise InvalidArgument(f"{name} has shape {tuple(t.shape)}: head_dim 0; query and key "
+                                  f"need a head_dim >= 1 (scores are q . k, scaled by "
+                                  f"1/sqrt(head_dim))")
 
 
 # score_mod function -> the trace cache of the Variants made for it, so a plain function is not
@@ -166,6 +185,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         True
     """
     global _warned_no_gpu_kernel
+    check_bool("enable_gqa", enable_gqa)
+    check_bool("return_lse", return_lse)
+    _check_sizes(query, key, value)
     validate_attention_inputs(query, key, value, block_mask, enable_gqa)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(float(scale))):

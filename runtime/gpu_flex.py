@@ -26,6 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from attncc.codegen.fa2 import FA2_HEAD_DIMS as HEAD_DIMS
 from attncc.codegen.fa2 import Fa2Tiles, fa3_tiles
+from attncc.errors import InvalidArgument
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
 from .fa3_split import TailSplit, tail_split
@@ -590,6 +591,25 @@ def _fa3_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, device:
             and all(t.is_contiguous() for t in (query, key, value)))
 
 
+def check_forced_fa3(capability: tuple[int, int]) -> None:
+    """kernel_options KERNEL='fa3' on a GPU other than sm_90: an error naming what runs there,
+    before NVRTC would fail in ptxas.
+
+    Example:
+        >>> check_forced_fa3((9, 0))
+        >>> check_forced_fa3((8, 0))
+        Traceback (most recent call last):
+        ...
+        attncc.errors.InvalidArgument: kernel_options['KERNEL']='fa3' needs an sm_90 GPU (H100/H200) but this one is sm_80: the FA3 kernel is built on wgmma and TMA, which exist only there; use kernel_options={'KERNEL': 'fa2'} (or leave KERNEL out: attncc picks the kernel)
+    """
+    if tuple(capability) != (9, 0):
+        sm = f"sm_{capability[0]}{capability[1]}"
+        raise InvalidArgument(f"kernel_options['KERNEL']='fa3' needs an sm_90 GPU (H100/H200) "
+                              f"but this one is {sm}: the FA3 kernel is built on wgmma and TMA, "
+                              f"which exist only there; use kernel_options={{'KERNEL': 'fa2'}} "
+                              f"(or leave KERNEL out: attncc picks the kernel)")
+
+
 def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: VariantIR,
                 bindings: Bindings | None = None, *, block_mask: Any = None,
                 enable_gqa: bool = False, kernel_options: Mapping[str, Any] | None = None
@@ -625,6 +645,8 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
                          mask_head_uniform=margs.head_uniform if margs else True,
                          kernel_options=kernel_options,
                          fa3_ok=_fa3_ok(query, key, value, dev_index))
+    if tiles.kernel == "fa3":
+        check_forced_fa3(torch.cuda.get_device_capability(dev_index))
     if fa3_pairs(tiles, margs is not None, Sq, Skv, D, kernel_options):
         tiles = replace(tiles, paired=True)
     if Hq // tiles.gf > 65535 or B > 65535:
@@ -733,6 +755,49 @@ def _call_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: VariantIR, 
             tuple(sorted(kernel_options.items())) if kernel_options else None)
 
 
+def _outputs(query: torch.Tensor, return_lse: bool, out: torch.Tensor | None,
+             lse_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output buffers of a launch: the given ones, checked, or new ones."""
+    B, Hq, Sq, D = query.shape
+    device = query.device
+    if out is None:
+        out = torch.empty(B, Hq, Sq, D, dtype=query.dtype, device=device)
+    elif (out.shape != query.shape or out.dtype != query.dtype or out.device != device
+          or out.stride(3) != 1 or any(out.stride(i) % 8 for i in range(3))
+          or out.data_ptr() % 16):
+        raise ValueError(f"out must be a {tuple(query.shape)} {query.dtype} tensor on {device} "
+                         f"with a contiguous, 16-byte aligned head dim; got {tuple(out.shape)} "
+                         f"{out.dtype} strides {tuple(out.stride())}")
+    lse = None
+    if return_lse:
+        lse = lse_out if lse_out is not None else torch.empty(B, Hq, Sq, dtype=torch.float32,
+                                                              device=device)
+        if (lse.shape != (B, Hq, Sq) or lse.dtype != torch.float32 or lse.device != device
+                or (Sq > 1 and lse.stride(2) != 1)):
+            raise ValueError(f"lse_out must be a ({B}, {Hq}, {Sq}) float32 tensor on {device} "
+                             f"with a contiguous last dim")
+    return out, lse
+
+
+def _no_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: VariantIR,
+             bindings: Bindings, block_mask: Any, scale: float | None, enable_gqa: bool,
+             return_lse: bool, out: torch.Tensor | None, lse_out: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Zero keys: every row is fully masked, so out is output_mod(0) and lse -inf -- what the
+    reference computes cheaply with no keys. Nothing is compiled or launched (a TMA map of an
+    empty K would be rejected by the driver)."""
+    from .reference import attention_reference
+
+    _validate(query, key, value, enable_gqa)
+    out, lse = _outputs(query, return_lse, out, lse_out)
+    o, l = attention_reference(query, key, value, ir, bindings, block_mask=block_mask,
+                               scale=scale, enable_gqa=enable_gqa, float_dtype=torch.float32)
+    out.copy_(o)
+    if lse is not None and l is not None:
+        lse.copy_(l)
+    return out, lse
+
+
 def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        ir: VariantIR, bindings: Bindings | None = None, *, block_mask: Any = None,
                        scale: float | None = None, enable_gqa: bool = False,
@@ -766,6 +831,9 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     bindings = bindings if bindings is not None else Bindings()
     if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
         _validate(query, key, value, enable_gqa)  # raises TypeError naming the argument
+    if key.dim() == 4 and key.shape[2] == 0:
+        return _no_keys(query, key, value, ir, bindings, block_mask, scale, enable_gqa,
+                        return_lse, out, lse_out)
     ckey = _call_key(query, key, value, ir, block_mask, enable_gqa, kernel_options)
     entry = _CALLS.get(ckey)
     if entry is not None and entry.block_mask is block_mask:
@@ -791,22 +859,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         bindings = Bindings({**bindings.scalars, **pl.mask_scalars},
                             {**bindings.tensors, **pl.mask_tensors})
     captured = _captured(pl.ir, bindings, device)
-    if out is None:
-        out = torch.empty(B, Hq, Sq, D, dtype=query.dtype, device=device)
-    elif (out.shape != query.shape or out.dtype != query.dtype or out.device != device
-          or out.stride(3) != 1 or any(out.stride(i) % 8 for i in range(3))
-          or out.data_ptr() % 16):
-        raise ValueError(f"out must be a {tuple(query.shape)} {query.dtype} tensor on {device} "
-                         f"with a contiguous, 16-byte aligned head dim; got {tuple(out.shape)} "
-                         f"{out.dtype} strides {tuple(out.stride())}")
-    lse = None
-    if return_lse:
-        lse = lse_out if lse_out is not None else torch.empty(B, Hq, Sq, dtype=torch.float32,
-                                                              device=device)
-        if (lse.shape != (B, Hq, Sq) or lse.dtype != torch.float32 or lse.device != device
-                or (Sq > 1 and lse.stride(2) != 1)):
-            raise ValueError(f"lse_out must be a ({B}, {Hq}, {Sq}) float32 tensor on {device} "
-                             f"with a contiguous last dim")
+    out, lse = _outputs(query, return_lse, out, lse_out)
     if out.numel() == 0:
         return out, lse
     if entry.prepass is not None:  # q/k/v transforms once per row, before attention

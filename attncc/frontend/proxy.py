@@ -41,6 +41,14 @@ def trace_error(what: str, hint: str) -> TraceError:
     return TraceError(f"{where}{what}{shown}\n  hint: {hint}")
 
 
+def numpy_error(func: str) -> TraceError:
+    """numpy was called on a traced value: it computes on arrays now, not in the kernel."""
+    return trace_error(f"numpy's {func}() is called on a traced value inside a mod",
+                       "use torch functions on traced values (torch.exp, torch.where, "
+                       "torch.maximum, ...): numpy computes eagerly on arrays and cannot be "
+                       "compiled")
+
+
 class NeedsStatic(Exception):
     """Internal: a captured scalar was used as a concrete Python value; retrace it as a constant."""
 
@@ -248,8 +256,23 @@ class Proxy:
         raise trace_error("indexing a traced scalar", "only captured tensors and the head vector "
                                                       "(q/k/v/o in transforms) can be indexed")
 
+    # -- numpy: its functions would ask a Proxy for an array (__array_struct__ ...); say what
+    # to write instead. numpy looks these up on the type, before any conversion.
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        raise numpy_error(getattr(ufunc, "__name__", "a ufunc"))
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        raise numpy_error(getattr(func, "__name__", "a function"))
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise numpy_error("asarray")
+
     # -- tensor-style methods users write
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            # protocol lookups (copy, pickle, numpy's __array_interface__) are not methods a mod
+            # calls: a missing attribute lets them fall back
+            raise AttributeError(name)
         from .torch_ops import method
 
         return method(self, name)
@@ -305,7 +328,15 @@ class VectorProxy:
                           "a transform returns one element: write it in terms of q[d] and "
                           "q[other index]")
 
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        raise numpy_error(getattr(ufunc, "__name__", "a ufunc"))
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        raise numpy_error(getattr(func, "__name__", "a function"))
+
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
         raise trace_error(f"the head vector has no attribute {name!r} inside a mod",
                           "a transform returns element d of the new vector, e.g. "
                           "q[d] * cos - q[(d + D // 2) % D] * sin")

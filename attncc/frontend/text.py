@@ -461,6 +461,10 @@ class _Lowerer:
             self.fail(f"{hook} is given twice", name_tok,
                       notes=(("first given here", self.hooks[hook][1]),))
         node = self.expr(value, _Ctx("hook", hook))
+        depth = _ir_depth(node)
+        if depth > MAX_DEPTH:  # deep through lets: each was shallow enough alone
+            self.fail(f"{hook} nests {depth} operations deep (through its lets); attncc "
+                      f"compiles at most {MAX_DEPTH}", value, _DEPTH_HINT)
         if hook == "mask_mod":
             if node.dtype is not BOOL:
                 self.fail(f"mask_mod must be a boolean, but this expression is "
@@ -760,6 +764,33 @@ class _Lowerer:
         return n
 
 
+# Deepest expression attncc takes: lowering here and the IR passes after it (simplify, codegen)
+# recurse once or twice per level, within Python's default recursion limit of 1000.
+MAX_DEPTH = 256
+_DEPTH_HINT = ("group long sums and products in balanced parentheses, e.g. "
+               "(a + b) + (c + d) instead of a + b + c + d, or compute a long series outside "
+               "and pass it in as a tensor parameter")
+
+
+def _check_depth(src: _Source, tree: Tree) -> None:
+    """An AttnSyntaxError at the first subtree nested past MAX_DEPTH (found without recursion)."""
+    stack: list[tuple[Tree, int]] = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise src.error(f"expression too deeply nested (more than {MAX_DEPTH} levels)",
+                            _pos(node), _DEPTH_HINT)
+        stack.extend((c, depth + 1) for c in node.children if isinstance(c, Tree))
+
+
+def _ir_depth(root: Node) -> int:
+    """Levels of the IR expression `root` (a leaf is 1)."""
+    depth: dict[int, int] = {}
+    for n in N.walk(root):  # children before parents
+        depth[id(n)] = 1 + max((depth[id(a)] for a in n.args), default=0)
+    return depth[id(root)]
+
+
 # ----------------------------------------------------------------------------- API
 
 
@@ -789,6 +820,7 @@ def parse_attn(text: str, filename: str = "<string>") -> tuple[VariantIR, Bindin
         tree = _parser().parse(body)
     except UnexpectedInput as e:
         raise _syntax_error(src, body, e) from None
+    _check_depth(src, tree)
     return _Lowerer(src).run(tree)
 
 

@@ -409,11 +409,33 @@ def _user_tb_location(tb: types.TracebackType | None) -> tuple[str, int]:
     return where
 
 
+def _check_returned_scalar(hook: str, out: Any, fn: Callable, loc: SourceLoc) -> None:
+    """A hook returns one scalar per position; a tensor of values or a tuple is the user's
+    mistake in the hook, so the error names the hook (not the line that called the tracer)."""
+    what = None
+    if isinstance(out, torch.Tensor) and out.dim() > 0:
+        what = f"a tensor of shape {tuple(out.shape)}"
+    elif isinstance(out, (tuple, list, dict, set)):
+        what = f"a {type(out).__name__} of {len(out)} values"
+    elif isinstance(out, PartialIndex):
+        what = (f"a captured tensor indexed in {len(out.indices)} of its {out.tensor.dim()} "
+                f"dims")
+    elif isinstance(out, VectorProxy):
+        what = f"the whole head vector {out.name}"
+    elif not isinstance(out, (Proxy, bool, int, float, torch.Tensor)):
+        what = f"a value of type {type(out).__name__}"
+    if what is not None:
+        raise TraceError(f"{loc.file}:{loc.line}: {hook} {getattr(fn, '__name__', '?')!r} "
+                         f"returned {what}\n  hint: a {hook} returns one value for the single "
+                         f"position it is called with, e.g. `return score * 2` or a comparison")
+
+
 def _result_node(hook: str, out: Any, fn: Callable) -> Node:
     loc = source_loc(fn)
     if out is None:
         raise TraceError(f"{loc.file}:{loc.line}: {hook} {fn.__name__!r} returned None\n"
                          f"  hint: return the new value (did you forget `return`?)")
+    _check_returned_scalar(hook, out, fn, loc)
     n = to_node(out)
     want = HOOK_SIGNATURES[hook][0]
     if want is BOOL:
