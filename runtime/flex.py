@@ -33,12 +33,14 @@ import numbers
 import threading
 import warnings
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Mapping
 
 import torch
 
 from attncc.frontend import Variant
 from attncc.frontend.variant import TraceCache, share_trace_cache
+from attncc.ir.analysis import check_vector_indices
 from attncc.ir.program import Bindings, VariantIR
 
 from .reference import attention_reference, validate_attention_inputs
@@ -142,6 +144,29 @@ def _trace(variant: Variant) -> tuple[VariantIR, Bindings]:
     return simplified, bindings
 
 
+# (simplified IR, head dims, captured scalars) whose head-vector reads were checked; bounded
+_VECTORS_OK: "OrderedDict[tuple, VariantIR]" = OrderedDict()
+
+
+def _check_vectors(ir: VariantIR, bindings: Bindings, head_dim: int, v_head_dim: int) -> None:
+    """TraceError when a transform reads its head vector outside this call's head dim (value_mod
+    / output_mod: the value head dim). Remembered per IR, head dims and scalar values, so a
+    repeated call pays a dict lookup."""
+    try:
+        key = (id(ir), head_dim, v_head_dim, tuple(sorted(bindings.scalars.items())))
+        hash(key)
+    except TypeError:  # an unhashable captured value: check every call
+        key = None
+    if key is not None and _VECTORS_OK.get(key) is ir:
+        return
+    check_vector_indices(ir, head_dim, bindings.scalars, v_head_dim=v_head_dim)
+    if key is not None:
+        with _SIMPLIFIED_LOCK:
+            _VECTORS_OK[key] = ir
+            while len(_VECTORS_OK) > _SIMPLIFIED_SIZE:
+                _VECTORS_OK.popitem(last=False)
+
+
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable[..., Any] | Variant | None = None, block_mask: Any = None,
                    scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
@@ -178,6 +203,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if query.device.type not in ("cpu", "cuda"):
         raise ValueError(f"query is on {query.device}; attncc runs on CPU and CUDA tensors")
     ir, bindings = _trace(variant)
+    _check_vectors(ir, bindings, query.shape[-1], value.shape[-1])
     if query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16):
         from .gpu_flex import gpu_flex_attention
 

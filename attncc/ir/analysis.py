@@ -23,7 +23,6 @@ from .evaluator import EvalError, evaluate
 from .nodes import Node, free_vars, walk
 from .printer import format_expr
 from .program import HOOK_ORDER, HOOK_SIGNATURES, TRANSFORM_HOOKS, VariantIR, identity_expr
-from .simplify import simplify_variant
 
 __all__ = ["VariantInfo", "analyze", "check_vector_indices", "reads"]
 
@@ -69,6 +68,8 @@ def analyze(ir: VariantIR) -> VariantInfo:
         >>> info.mask_depends_on_b, info.mask_depends_on_h, info.mask_depends_on_bh
         (True, False, True)
     """
+    from .simplify import simplify_variant  # sympy: loaded only by the analyses that need it
+
     simple = simplify_variant(ir)
     exprs = {h: simple.expr(h) for h in HOOK_ORDER}
     read = {h: reads(e) for h, e in exprs.items()}
