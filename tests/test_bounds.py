@@ -64,3 +64,104 @@ def test_cli_export_of_rope_example_at_a_smaller_head_dim_fails(capsys, tmp_path
     rc = main(["compile", ROPE_ATTN, "--emit", "cuda", "--head-dim", "64"])
     assert rc == 2 and "[0, 64)" in capsys.readouterr().err
     assert main(["export", ROPE_ATTN, "-o", str(target), "--head-dim", "128"]) == 0
+
+
+# ----------------------------------------------------------------------------- finding 4, CPU
+
+S = 12
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _qkv(S: int = S, H: int = 2) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(27)
+    return tuple(torch.randn(1, H, S, 16, generator=g, dtype=torch.float64) for _ in range(3))
+
+
+def _biased_causal(q, k, v, bias_of) -> torch.Tensor:
+    """Exact causal attention with score + bias_of(q_idx - kv_idx) at kept positions only."""
+    Sq, Skv = q.shape[2], k.shape[2]
+    s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    qi, ki = torch.arange(Sq)[:, None], torch.arange(Skv)[None, :]
+    keep = qi >= ki
+    rel = (qi - ki).clamp(min=0)
+    s = torch.where(keep, s + bias_of(rel), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def test_table_indexed_by_distance_under_causal_mask_runs_on_cpu_like_torch() -> None:
+    table = torch.linspace(-1, 1, S, dtype=torch.float64)  # only distances 0..S-1 exist
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx]
+
+    q, k, v = _qkv()
+    out = attncc.flex_attention(q, k, v, score_mod=attncc.Variant(score_mod=rel_bias,
+                                                                  mask_mod=causal))
+    torch.testing.assert_close(out, _biased_causal(q, k, v, lambda r: table[r]))
+    bm = attncc.create_block_mask(causal, None, None, S, S, BLOCK_SIZE=4)
+    out_bm = attncc.flex_attention(q, k, v, score_mod=rel_bias, block_mask=bm)
+    torch.testing.assert_close(out_bm, out)
+
+
+def test_table_read_outside_at_a_kept_position_is_an_error_naming_line_and_position() -> None:
+    table = torch.zeros(S)
+
+    def rel_bias_unmasked(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx]
+
+    q, k, v = _qkv()
+    with pytest.raises(attncc.ir.analysis.CapturedReadError) as err:
+        attncc.flex_attention(q, k, v, score_mod=rel_bias_unmasked)
+    msg = str(err.value)
+    assert "test_bounds.py" in msg and "rel_bias_unmasked" in msg and "score_mod" in msg
+    assert "table[q_idx - kv_idx] = table[-1] at (b=0, h=0, q_idx=0, kv_idx=1)" in msg
+    assert "[0, 12)" in msg and "mask that position" in msg
+    assert isinstance(err.value, IndexError)  # what torch raises for the same read
+
+
+def test_guarded_reads_count_only_where_their_guard_holds() -> None:
+    table = torch.linspace(0, 1, S, dtype=torch.float64)
+
+    def guarded(score, b, h, q_idx, kv_idx):
+        return score + torch.where(q_idx >= kv_idx, table[q_idx - kv_idx], 0.0)
+
+    q, k, v = _qkv()
+    out = attncc.flex_attention(q, k, v, score_mod=guarded)
+    s = q @ k.transpose(-1, -2) / 4
+    rel = torch.arange(S)[:, None] - torch.arange(S)[None, :]
+    s = s + torch.where(rel >= 0, table[rel.clamp(min=0)], 0.0)
+    torch.testing.assert_close(out, torch.softmax(s, -1) @ v)
+
+
+def test_mask_mod_reads_count_everywhere_unless_short_circuited() -> None:
+    short = torch.ones(S - 4, dtype=torch.int32)
+    q, k, v = _qkv()
+
+    def reads_past(b, h, q_idx, kv_idx):
+        return short[kv_idx] > 0
+
+    with pytest.raises(attncc.ir.analysis.CapturedReadError, match=r"mask_mod reads short\[kv_idx\]"):
+        attncc.flex_attention(q, k, v, score_mod=attncc.Variant(mask_mod=reads_past))
+
+    def short_circuit(b, h, q_idx, kv_idx):
+        return (kv_idx < S - 4) & (short[kv_idx] > 0)
+
+    out = attncc.flex_attention(q, k, v, score_mod=attncc.Variant(mask_mod=short_circuit))
+    s = (q @ k.transpose(-1, -2) / 4)[..., : S - 4]
+    torch.testing.assert_close(out, torch.softmax(s, -1) @ v[:, :, : S - 4])
+
+
+def test_transform_read_past_its_tensor_is_an_error() -> None:
+    scale = torch.ones(S - 1)
+
+    def scaled_q(q, b, h, q_idx, d):
+        return q[d] * scale[q_idx]
+
+    q, k, v = _qkv()
+    with pytest.raises(attncc.ir.analysis.CapturedReadError,
+                       match=r"query_mod reads scale\[q_idx\] = scale\[11\] at \(b=0, h=0, "
+                             r"q_idx=11, d=0\)"):
+        attncc.flex_attention(q, k, v, score_mod=attncc.Variant(query_mod=scaled_q))

@@ -24,7 +24,8 @@ from .nodes import Node, free_vars, walk
 from .printer import format_expr
 from .program import HOOK_ORDER, HOOK_SIGNATURES, TRANSFORM_HOOKS, VariantIR, identity_expr
 
-__all__ = ["VariantInfo", "analyze", "check_vector_indices", "reads"]
+__all__ = ["VariantInfo", "analyze", "check_vector_indices", "reads", "CapturedReadError",
+           "load_guards", "bounds_message", "read_text"]
 
 
 def reads(expr: Node) -> frozenset[str]:
@@ -149,3 +150,80 @@ def check_vector_indices(ir: VariantIR, head_dim: int,
             raise TraceError(f"{where}{hook_name} reads {text} at {at}, outside the head vector "
                              f"[0, {dim})\n  hint: use `% D` to wrap (D = {dim} here), e.g. "
                              f"{n.attr}[(d + D // 2) % D]")
+
+
+# ----------------------------------------------------------------------------- captured reads
+
+
+class CapturedReadError(TraceError, IndexError):
+    """A hook reads a captured tensor outside its bounds at a position that counts (one the
+    mask keeps, or any position for mask_mod and the transforms): what torch reports as an
+    IndexError. The message names the hook's line, the read, the position and the fix."""
+
+
+def load_guards(expr: Node) -> dict[int, tuple[Node, Node]]:
+    """id(load) -> (load, guard): the condition under which `expr` evaluates each captured-tensor
+    load, as the generated code does (C's lazy `?:`, `&&`, `||`; codegen keeps a conditional
+    load inline). An unconditional load's guard is the constant True.
+
+    Example:
+        >>> from attncc.ir.nodes import var, load, where, const, F32
+        >>> i = var("q_idx") - var("kv_idx")
+        >>> e = where(i >= 0, load("tbl", (i,), F32), const(0.0))
+        >>> [format_expr(g) for _, g in load_guards(e).values()]
+        ['q_idx - kv_idx >= 0']
+    """
+    from .nodes import BOOL, binary, const, unary
+
+    guard: dict[int, Node] = {id(expr): const(True)}
+    true = const(True)
+
+    def both(g: Node, c: Node) -> Node:
+        return c if g is true else binary("and", g, c)
+
+    for n in reversed(list(walk(expr))):  # parents before children
+        g = guard.get(id(n))
+        if g is None:  # pragma: no cover - walk reaches children only through parents
+            continue
+        conds: list[Node] = [g] * len(n.args)
+        if n.op == "where":
+            conds = [g, both(g, n.args[0]), both(g, unary("not", n.args[0]))]
+        elif n.op == "and" and n.dtype is BOOL:
+            conds = [g, both(g, n.args[0])]
+        elif n.op == "or":
+            conds = [g, both(g, unary("not", n.args[0]))]
+        for a, c in zip(n.args, conds):
+            old = guard.get(id(a))
+            guard[id(a)] = c if old is None or c is true else (
+                old if old is true else binary("or", old, c))
+    return {id(n): (n, guard[id(n)]) for n in walk(expr) if n.op == "load"}
+
+
+def read_text(load_node: Node, dim: int | None = None) -> str:
+    """How a captured read is named in messages: `tbl[q_idx - kv_idx]`.
+
+    Example:
+        >>> from attncc.ir.nodes import var, load, I32
+        >>> read_text(load("doc", (var("b"), var("q_idx")), I32))
+        'doc[b, q_idx]'
+    """
+    return f"{load_node.attr}[{', '.join(format_expr(i) for i in load_node.args)}]"
+
+
+def bounds_message(hook: str, source: object, load_node: Node, dim: int, value: int,
+                   size: int, where: Mapping[str, int], fix: str) -> str:
+    """The error for a captured read outside its tensor at a position that counts.
+
+    Example:
+        >>> from attncc.ir.nodes import var, load, F32
+        >>> print(bounds_message("score_mod", None, load("tbl", (var("q_idx") - var("kv_idx"),),
+        ...       F32), 0, -5, 10, {"b": 0, "h": 0, "q_idx": 0, "kv_idx": 5}, "mask it"))
+        score_mod reads tbl[q_idx - kv_idx] = tbl[-5] at (b=0, h=0, q_idx=0, kv_idx=5), outside dim 0 of tbl [0, 10); mask it
+    """
+    at = f"{source}: " if source is not None else ""
+    pos = ", ".join(f"{k}={v}" for k, v in where.items())
+    dims = load_node.args
+    shown = (f"{load_node.attr}[{value}]" if len(dims) == 1 else
+             f"index {format_expr(dims[dim])} = {value}")
+    return (f"{at}{hook} reads {read_text(load_node)} = {shown} at ({pos}), outside dim {dim} "
+            f"of {load_node.attr} [0, {size}); {fix}")
