@@ -13,8 +13,8 @@ Example:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
@@ -22,10 +22,17 @@ from ..errors import TraceError
 from .evaluator import EvalError, evaluate
 from .nodes import Node, free_vars, walk
 from .printer import format_expr
-from .program import HOOK_ORDER, HOOK_SIGNATURES, TRANSFORM_HOOKS, VariantIR, identity_expr
+from .program import (HOOK_ORDER, HOOK_SIGNATURES, TRANSFORM_HOOKS, Hook, VariantIR,
+                      identity_expr)
+
+if TYPE_CHECKING:
+    from .intervals import Domain
+
+INDEX_ORDER = ("b", "h", "q_idx", "kv_idx", "d")
 
 __all__ = ["VariantInfo", "analyze", "check_vector_indices", "reads", "CapturedReadError",
-           "load_guards", "bounds_message", "read_text"]
+           "load_guards", "bounds_message", "read_text", "Shapes", "ReadCheck",
+           "check_captured_reads"]
 
 
 def reads(expr: Node) -> frozenset[str]:
@@ -227,3 +234,178 @@ def bounds_message(hook: str, source: object, load_node: Node, dim: int, value: 
              f"index {format_expr(dims[dim])} = {value}")
     return (f"{at}{hook} reads {read_text(load_node)} = {shown} at ({pos}), outside dim {dim} "
             f"of {load_node.attr} [0, {size}); {fix}")
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """A call's sizes: the index variables' ranges for each hook (`hook_sizes`)."""
+
+    B: int
+    Hq: int
+    Hkv: int
+    Sq: int
+    Skv: int
+    D: int
+    Dv: int
+
+    def hook_sizes(self, hook: str) -> dict[str, int]:
+        """Sizes of the variables `hook` sees (key/value transforms see the kv head as h).
+
+        Example:
+            >>> Shapes(1, 8, 2, 16, 32, 64, 64).hook_sizes("key_mod")
+            {'b': 1, 'h': 2, 'kv_idx': 32, 'd': 64}
+        """
+        kv_heads = hook in ("key_mod", "value_mod")
+        sizes = {"b": self.B, "h": self.Hkv if kv_heads else self.Hq}
+        if hook in ("score_mod", "mask_mod", "query_mod", "output_mod"):
+            sizes["q_idx"] = self.Sq
+        if hook in ("score_mod", "mask_mod", "key_mod", "value_mod"):
+            sizes["kv_idx"] = self.Skv
+        if hook in TRANSFORM_HOOKS:
+            sizes["d"] = self.D if hook in ("query_mod", "key_mod") else self.Dv
+        return sizes
+
+
+@dataclass(frozen=True)
+class ReadCheck:
+    """What the interval analysis found for the captured reads of one variant at one call's
+    shapes: `clamp` maps each load that must be clamped -- it may leave its tensor, but only at
+    masked positions, or the analysis cannot decide -- to the dims to clamp; `undecided` lists
+    the loads the analysis could neither prove nor refute at kept positions (the checked mode's
+    business). Loads in neither are proven inside their tensor everywhere."""
+
+    clamp: Mapping[Node, tuple[int, ...]]
+    undecided: tuple[Node, ...] = ()
+
+
+def _dims_outside(load_node: Node, sizes: Sequence[int], domain: "Domain") -> tuple[int, ...]:
+    """The dims of `load_node` whose index is not proven inside [0, size) on `domain`."""
+    from .intervals import interval
+
+    out = []
+    for k, idx in enumerate(load_node.args):
+        r = interval(idx, domain)
+        if r is None or r[0] < 0 or r[1] >= sizes[k]:
+            out.append(k)
+    return tuple(out)
+
+
+def _candidates(domain: "Domain") -> dict[str, torch.Tensor]:
+    """Positions where a witness is looked for: the domain's corners, and for (q_idx, kv_idx)
+    the vertices of the box cut by the band (where a linear index takes its extremes)."""
+    from .intervals import band_points
+
+    sizes = domain.sizes
+    axes: dict[str, list[int]] = {v: sorted({0, n - 1}) for v, n in sizes.items()
+                                  if v not in ("q_idx", "kv_idx")}
+    if "q_idx" in sizes and "kv_idx" in sizes:
+        pairs = band_points(domain)
+    else:
+        v = "q_idx" if "q_idx" in sizes else "kv_idx" if "kv_idx" in sizes else None
+        pairs = [(x, 0) for x in sorted({0, sizes[v] - 1})] if v else [(0, 0)]
+    points: list[dict[str, int]] = []
+    for q, kv in pairs:
+        base = [{}]
+        for v, vals in axes.items():
+            base = [{**p, v: x} for p in base for x in vals]
+        for p in base:
+            if "q_idx" in sizes:
+                p["q_idx"] = q
+            if "kv_idx" in sizes:
+                p["kv_idx"] = kv if "q_idx" in sizes else q
+            points.append(p)
+    return {v: torch.tensor([p[v] for p in points], dtype=torch.int64) for v in sizes}
+
+
+def _witness(hook: Hook, load_node: Node, guard: Node, keep: Node | None, sizes: Sequence[int],
+             domain: "Domain", tensors: Mapping[str, torch.Tensor],
+             params: Mapping[str, Any]) -> str | None:
+    """The error message for a position of `domain` where `load_node` is evaluated (its guard
+    holds), kept (`keep`, None: always) and outside its tensor; None if no candidate is one."""
+    env = _candidates(domain)
+    if not env or not len(next(iter(env.values()))):
+        return None
+    host = {k: t.detach().cpu() for k, t in tensors.items()}
+
+    def ev(e: Node) -> torch.Tensor:
+        return evaluate(e, env, host, params, torch.float64, oob={})
+
+    hit = ev(guard).bool()
+    if keep is not None:
+        hit = hit & ev(keep).bool()
+    n = len(next(iter(env.values())))
+    for dim, idx in enumerate(load_node.args):
+        vals = ev(idx).expand(n)
+        bad = hit.expand(n) & ((vals < 0) | (vals >= sizes[dim]))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            where = {v: int(env[v][i]) for v in INDEX_ORDER if v in env}
+            return bounds_message(hook.name, hook.source, load_node, dim, int(vals[i]),
+                                  sizes[dim], where,
+                                  "make the tensor longer or mask that position")
+    return None
+
+
+def check_captured_reads(ir: VariantIR, shapes: Shapes, tensors: Mapping[str, torch.Tensor],
+                         params: Mapping[str, Any] | None = None) -> ReadCheck:
+    """Check every captured-tensor read of `ir` (simplified) against a call's shapes.
+
+    Per load, interval analysis (attncc.ir.intervals) over b in [0, B), h, q_idx in [0, Sq),
+    kv_idx in [0, Skv), d (cut by the band the load's guard implies) decides:
+
+    - inside its tensor everywhere: nothing to do (the kernel reads it as written);
+    - inside only where the mask keeps the position (score_mod under a band mask such as
+      causal): clamped -- the kernel evaluates masked positions of partial tiles too;
+    - outside at a kept position the search finds (corners and band vertices of the domain,
+      evaluated exactly): CapturedReadError naming the line, the read and the position;
+    - otherwise undecided: clamped.
+
+    Example:
+        >>> import torch
+        >>> from attncc.frontend import Variant
+        >>> tbl = torch.zeros(16)
+        >>> v = Variant(score_mod=lambda s, b, h, q, kv: s + tbl[q - kv],
+        ...             mask_mod=lambda b, h, q, kv: q >= kv)
+        >>> ir, bind = v.trace()
+        >>> sh = Shapes(B=1, Hq=2, Hkv=2, Sq=16, Skv=16, D=64, Dv=64)
+        >>> [(n.attr, dims) for n, dims in check_captured_reads(ir, sh, bind.tensors).clamp.items()]
+        [('tbl', (0,))]
+        >>> check_captured_reads(ir, replace(sh, Sq=17, Skv=17), bind.tensors)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+          ...
+        attncc.ir.analysis.CapturedReadError: ...(<lambda>): score_mod reads tbl[q_idx - kv_idx] = tbl[16] at (b=0, h=0, q_idx=16, kv_idx=0), outside dim 0 of tbl [0, 16); make the tensor longer or mask that position
+    """
+    from .intervals import Domain, implied_band
+
+    params = dict(params or {})
+    clamp: dict[Node, tuple[int, ...]] = {}
+    undecided: list[Node] = []
+    mask = ir.hook("mask_mod")
+    mask_band = None if mask.is_identity else implied_band(mask.expr)
+    for name in HOOK_ORDER:
+        hook = ir.hooks.get(name)
+        if hook is None or hook.is_identity:
+            continue
+        for node, guard in load_guards(hook.expr).values():
+            if guard.op == "const" and not guard.attr:
+                continue
+            t = tensors.get(node.attr)
+            if not isinstance(t, torch.Tensor) or t.dim() != len(node.args):
+                continue  # the launch's own checks name a missing or mis-shaped tensor
+            sizes = tuple(int(s) for s in t.shape)
+            dom = Domain(shapes.hook_sizes(name), params=params).with_band(
+                None if guard.op == "const" else implied_band(guard))
+            outside = _dims_outside(node, sizes, dom)
+            if not outside:
+                continue
+            kept = dom.with_band(mask_band) if name == "score_mod" else dom
+            keep = mask.expr if name == "score_mod" and not mask.is_identity else None
+            if 0 in sizes or _dims_outside(node, sizes, kept):
+                msg = _witness(hook, node, guard, keep, sizes, kept, tensors, params)
+                if msg is not None or 0 in sizes:
+                    raise CapturedReadError(msg or f"{hook.source}: {name} reads "
+                                            f"{read_text(node)} but {node.attr} is empty "
+                                            f"(shape {tuple(sizes)}); pass a non-empty tensor")
+                undecided.append(node)
+            clamp[node] = outside
+    return ReadCheck(clamp, tuple(undecided))
