@@ -165,3 +165,63 @@ def test_transform_read_past_its_tensor_is_an_error() -> None:
                        match=r"query_mod reads scale\[q_idx\] = scale\[11\] at \(b=0, h=0, "
                              r"q_idx=11, d=0\)"):
         attncc.flex_attention(q, k, v, score_mod=attncc.Variant(query_mod=scaled_q))
+
+
+# ----------------------------------------------------------------------------- finding 4, GPU plan
+
+
+@pytest.mark.parametrize("S", [64, 1000, 4096])
+def test_gym_variants_run_unclamped_kernels(S: int) -> None:
+    """Every AttentionGym read is proven inside its tensor: the GPU path keeps the IR (so the
+    kernel source) exactly as before."""
+    from attncc.ir.analysis import Shapes
+    from attncc.runtime.flex import _as_variant, _trace
+    from attncc.runtime.gpu_flex import _clamped
+    from examples.gym import GYM
+
+    B, H, D = 2, 8, 128
+    for name, make in GYM.items():
+        ir, bind = _trace(_as_variant(make(B, H, S, D)))
+        got, sizes = _clamped(ir, Shapes(B, H, H, S, S, D, D), bind.tensors, bind.scalars)
+        assert got is ir and not sizes, name
+
+
+def test_clamped_gpu_ir_reads_only_inside_and_matches_the_reference() -> None:
+    """What the GPU path runs for `table[q_idx - kv_idx]` under causal: every read clamped into
+    the table (evaluated without `oob`, an out-of-range read would raise), same result."""
+    from attncc.ir.analysis import Shapes
+    from attncc.runtime.flex import _trace
+    from attncc.runtime.gpu_flex import _clamped
+    from attncc.runtime.reference import attention_reference
+    from attncc.ir.program import Bindings
+
+    table = torch.linspace(-1, 1, S, dtype=torch.float64)
+    var = attncc.Variant(score_mod=lambda s, b, h, qi, ki: s + table[qi - ki], mask_mod=causal)
+    ir, bind = _trace(var)
+    got, sizes = _clamped(ir, Shapes(1, 2, 2, S, S, 16, 16), bind.tensors, bind.scalars)
+    assert got is not ir and sizes == {"table_size0": S}
+    assert "max(min(q_idx - kv_idx, table_size0 - 1), 0)" in got.format()
+    from attncc.ir.evaluator import evaluate
+    env = {"score": torch.zeros(()), "b": torch.tensor(0), "h": torch.tensor(0),
+           "q_idx": torch.arange(S)[:, None], "kv_idx": torch.arange(S)[None, :]}
+    evaluate(got.expr("score_mod"), env, bind.tensors, sizes)  # raises on an outside read
+    q, k, v = _qkv()
+    out, _ = attention_reference(q, k, v, got, Bindings({**bind.scalars, **sizes},
+                                                        bind.tensors))
+    torch.testing.assert_close(out, _biased_causal(q, k, v, lambda r: table[r]))
+
+
+def test_gpu_plan_rejects_a_read_outside_at_a_kept_position_before_compiling() -> None:
+    from attncc.ir.analysis import CapturedReadError, Shapes
+    from attncc.runtime.flex import _trace
+    from attncc.runtime.gpu_flex import _clamped
+
+    table = torch.zeros(S)
+
+    def short_table(score, b, h, q_idx, kv_idx):
+        return score + table[kv_idx]
+
+    ir, bind = _trace(attncc.Variant(score_mod=short_table, mask_mod=causal))
+    with pytest.raises(CapturedReadError, match=r"short_table.*table\[kv_idx\] = table\[12\] at "
+                                                r"\(b=0, h=0, q_idx=12, kv_idx=12\)"):
+        _clamped(ir, Shapes(1, 2, 2, S + 1, S + 1, 16, 16), bind.tensors, bind.scalars)

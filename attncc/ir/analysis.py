@@ -32,7 +32,7 @@ INDEX_ORDER = ("b", "h", "q_idx", "kv_idx", "d")
 
 __all__ = ["VariantInfo", "analyze", "check_vector_indices", "reads", "CapturedReadError",
            "load_guards", "bounds_message", "read_text", "Shapes", "ReadCheck",
-           "check_captured_reads"]
+           "check_captured_reads", "clamp_reads"]
 
 
 def reads(expr: Node) -> frozenset[str]:
@@ -409,3 +409,54 @@ def check_captured_reads(ir: VariantIR, shapes: Shapes, tensors: Mapping[str, to
                 undecided.append(node)
             clamp[node] = outside
     return ReadCheck(clamp, tuple(undecided))
+
+
+def clamp_reads(ir: VariantIR, clamp: Mapping[Node, Sequence[int]],
+                tensors: Mapping[str, Any]) -> tuple[VariantIR, dict[str, int]]:
+    """`ir` with the indices `clamp` lists clamped into their tensor, `max(min(i, n - 1), 0)`,
+    and the values of the i32 parameters `n` it adds (one per tensor dim clamped, so a new size
+    never changes the IR or the kernel). Returns `ir` itself when `clamp` is empty.
+
+    Example:
+        >>> import torch
+        >>> from attncc.ir.nodes import var, load, F32
+        >>> from attncc.ir.program import Hook, TensorParam
+        >>> t = load("tbl", (var("q_idx") - var("kv_idx"),), F32)
+        >>> ir = VariantIR(hooks={"score_mod": Hook("score_mod", var("score") + t)},
+        ...                tensors=(TensorParam("tbl", "float32", 1, F32),))
+        >>> out, sizes = clamp_reads(ir, {t: (0,)}, {"tbl": torch.zeros(8)})
+        >>> print(format_expr(out.expr("score_mod")), sizes)
+        score + tbl[max(min(q_idx - kv_idx, tbl_size0 - 1), 0)] {'tbl_size0': 8}
+    """
+    from .nodes import I32, binary, const, load, param, rebuild, rewrite
+    from .program import ScalarParam
+
+    if not clamp:
+        return ir, {}
+    taken = {s.name for s in ir.scalars} | {t.name for t in ir.tensors}
+    names: dict[tuple[str, int], str] = {}
+    sizes: dict[str, int] = {}
+
+    def size_param(tensor: str, dim: int) -> Node:
+        key = (tensor, dim)
+        if key not in names:
+            name = f"{tensor}_size{dim}"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            names[key] = name
+            sizes[name] = min(int(tensors[tensor].shape[dim]), 2**31 - 1)
+        return param(names[key], I32)
+
+    def fn(n: Node, args: tuple[Node, ...]) -> Node:
+        if n.op != "load" or n not in clamp:
+            return rebuild(n, args)
+        dims = set(clamp[n])
+        idx = tuple(binary("max", binary("min", a, size_param(n.attr, k) - 1), const(0))
+                    if k in dims else a for k, a in enumerate(args))
+        return load(n.attr, idx, n.dtype)
+
+    exprs = {name: rewrite(h.expr, fn) for name, h in ir.hooks.items()}
+    out = ir.with_exprs(exprs)
+    out = replace(out, scalars=ir.scalars + tuple(ScalarParam(nm, I32) for nm in sizes))
+    return out, sizes
