@@ -144,27 +144,35 @@ def _trace(variant: Variant) -> tuple[VariantIR, Bindings]:
     return simplified, bindings
 
 
-# (simplified IR, head dims, captured scalars) whose head-vector reads were checked; bounded
-_VECTORS_OK: "OrderedDict[tuple, VariantIR]" = OrderedDict()
+# (simplified IR, shapes, captured scalars) already checked by _static_checks; bounded
+_CHECKED: "OrderedDict[tuple, VariantIR]" = OrderedDict()
 
 
-def _check_vectors(ir: VariantIR, bindings: Bindings, head_dim: int, v_head_dim: int) -> None:
-    """TraceError when a transform reads its head vector outside this call's head dim (value_mod
-    / output_mod: the value head dim). Remembered per IR, head dims and scalar values, so a
-    repeated call pays a dict lookup."""
+def _static_checks(ir: VariantIR, bindings: Bindings, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor) -> None:
+    """Before anything runs: TraceError when a transform reads its head vector outside this
+    call's head dim (value_mod / output_mod: the value head dim), and an IndexOverflowWarning
+    for each i32 expression that can leave 32 bits at these shapes. Remembered per IR, shapes
+    and scalar values, so a repeated call pays a dict lookup."""
+    from attncc.ir.analysis import IndexOverflowWarning, Shapes, index_overflows
+
+    B, Hq, Sq, D = query.shape
+    shapes = Shapes(B, Hq, key.shape[1], Sq, key.shape[2], D, value.shape[-1])
     try:
-        key = (id(ir), head_dim, v_head_dim, tuple(sorted(bindings.scalars.items())))
-        hash(key)
+        key_ = (id(ir), shapes, tuple(sorted(bindings.scalars.items())))
+        hash(key_)
     except TypeError:  # an unhashable captured value: check every call
-        key = None
-    if key is not None and _VECTORS_OK.get(key) is ir:
+        key_ = None
+    if key_ is not None and _CHECKED.get(key_) is ir:
         return
-    check_vector_indices(ir, head_dim, bindings.scalars, v_head_dim=v_head_dim)
-    if key is not None:
+    check_vector_indices(ir, D, bindings.scalars, v_head_dim=value.shape[-1])
+    for msg in index_overflows(ir, shapes, bindings.scalars):
+        warnings.warn(msg, IndexOverflowWarning, stacklevel=3)
+    if key_ is not None:
         with _SIMPLIFIED_LOCK:
-            _VECTORS_OK[key] = ir
-            while len(_VECTORS_OK) > _SIMPLIFIED_SIZE:
-                _VECTORS_OK.popitem(last=False)
+            _CHECKED[key_] = ir
+            while len(_CHECKED) > _SIMPLIFIED_SIZE:
+                _CHECKED.popitem(last=False)
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -203,7 +211,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if query.device.type not in ("cpu", "cuda"):
         raise ValueError(f"query is on {query.device}; attncc runs on CPU and CUDA tensors")
     ir, bindings = _trace(variant)
-    _check_vectors(ir, bindings, query.shape[-1], value.shape[-1])
+    _static_checks(ir, bindings, query, key, value)
     if query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16):
         from .gpu_flex import gpu_flex_attention
 

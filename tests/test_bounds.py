@@ -225,3 +225,28 @@ def test_gpu_plan_rejects_a_read_outside_at_a_kept_position_before_compiling() -
     with pytest.raises(CapturedReadError, match=r"short_table.*table\[kv_idx\] = table\[12\] at "
                                                 r"\(b=0, h=0, q_idx=12, kv_idx=12\)"):
         _clamped(ir, Shapes(1, 2, 2, S + 1, S + 1, 16, 16), bind.tensors, bind.scalars)
+
+
+# ----------------------------------------------------------------------------- finding 5
+
+
+def test_index_expression_past_32_bits_at_the_call_shapes_warns_naming_it() -> None:
+    import warnings
+
+    from attncc.ir.analysis import IndexOverflowWarning
+
+    table = torch.zeros(4)
+
+    def hashed_bucket(score, b, h, q_idx, kv_idx):
+        return score + table[(q_idx * 65536 + kv_idx) % 4]
+
+    var = attncc.Variant(score_mod=hashed_bucket)
+    kv = torch.randn(1, 1, 2, 8)
+    with pytest.warns(IndexOverflowWarning) as rec:  # 65536 * 40000 > 2**31
+        attncc.flex_attention(torch.randn(1, 1, 40000, 8), kv, kv, score_mod=var)
+    msg = str(rec[0].message)
+    assert "hashed_bucket" in msg and "65536 * q_idx" in msg and "32-bit" in msg
+    assert "q_idx < 40000" in msg and "2621374464" in msg
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IndexOverflowWarning)
+        attncc.flex_attention(torch.randn(1, 1, 30000, 8), kv, kv, score_mod=var)  # fits

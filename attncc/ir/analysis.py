@@ -32,7 +32,7 @@ INDEX_ORDER = ("b", "h", "q_idx", "kv_idx", "d")
 
 __all__ = ["VariantInfo", "analyze", "check_vector_indices", "reads", "CapturedReadError",
            "load_guards", "bounds_message", "read_text", "Shapes", "ReadCheck",
-           "check_captured_reads", "clamp_reads"]
+           "check_captured_reads", "clamp_reads", "IndexOverflowWarning", "index_overflows"]
 
 
 def reads(expr: Node) -> frozenset[str]:
@@ -460,3 +460,49 @@ def clamp_reads(ir: VariantIR, clamp: Mapping[Node, Sequence[int]],
     out = ir.with_exprs(exprs)
     out = replace(out, scalars=ir.scalars + tuple(ScalarParam(nm, I32) for nm in sizes))
     return out, sizes
+
+
+class IndexOverflowWarning(UserWarning):
+    """An i32 expression of a hook can leave 32 bits at a call's shapes: the kernels compute it
+    in 32-bit integers, where it wraps around."""
+
+
+def index_overflows(ir: VariantIR, shapes: Shapes, params: Mapping[str, Any] | None = None
+                    ) -> list[str]:
+    """Messages for the i32 expressions of `ir` whose interval at `shapes` (every position,
+    masked or not: the kernels evaluate masked positions of partial tiles too) leaves
+    [-2**31, 2**31 - 1]; only the innermost such expression of each chain is named.
+
+    Example:
+        >>> from attncc.ir.nodes import var, const, binary, load, F32
+        >>> from attncc.ir.program import Hook
+        >>> pos = binary("mul", var("q_idx"), const(70000))
+        >>> e = var("score") + binary("mul", pos + 1, const(70000))
+        >>> ir = VariantIR(hooks={"score_mod": Hook("score_mod", e)})
+        >>> index_overflows(ir, Shapes(1, 1, 1, 4, 4, 64, 64))
+        ['score_mod computes (q_idx * 70000 + 1) * 70000 in 32-bit integers, which reaches [70000, 14700070000] at these shapes (b < 1, h < 1, q_idx < 4, kv_idx < 4): past 2**31 - 1 it wraps around on the GPU; compute it in float (e.g. with 1.0 * ...) or keep it within 32 bits']
+    """
+    from .intervals import INT32_MAX, INT32_MIN, Domain, ranges
+
+    out = []
+    for name in HOOK_ORDER:
+        hook = ir.hooks.get(name)
+        if hook is None or hook.is_identity:
+            continue
+        sizes = shapes.hook_sizes(name)
+        got = ranges(hook.expr, Domain(sizes, params=dict(params or {})))
+
+        def over(n: Node) -> bool:
+            r = got.get(id(n))
+            return r is not None and (r[0] < INT32_MIN or r[1] > INT32_MAX)
+
+        where = f"{hook.source}: " if hook.source is not None else ""
+        dims = ", ".join(f"{v} < {n}" for v, n in sizes.items())
+        for n in walk(hook.expr):
+            if over(n) and not any(over(a) for a in n.args):
+                lo, hi = got[id(n)]  # type: ignore[misc]
+                out.append(f"{where}{name} computes {format_expr(n)} in 32-bit integers, which "
+                           f"reaches [{lo}, {hi}] at these shapes ({dims}): past 2**31 - 1 it "
+                           f"wraps around on the GPU; compute it in float (e.g. with 1.0 * ...) "
+                           f"or keep it within 32 bits")
+    return out
