@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -756,6 +757,19 @@ def _clamped(ir: VariantIR | None, shapes: Any, tensors: Mapping[str, Any],
     return clamp_reads(simple, found.clamp, tensors)
 
 
+def _check_reads_exactly(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         ir: VariantIR, bindings: Bindings, block_mask: Any,
+                         scale: float | None, enable_gqa: bool) -> None:
+    """ATTNCC_CHECK_BOUNDS=1, for a call whose kernel clamps reads the analysis could not prove:
+    evaluate the variant exactly on the GPU (the fp32 reference, synchronising: a debug mode)
+    and raise CapturedReadError at the first position the mask keeps where a read leaves its
+    tensor -- what the CPU path raises -- before the kernel runs."""
+    from .reference import attention_reference
+
+    attention_reference(query, key, value, ir, bindings, block_mask=block_mask, scale=scale,
+                        enable_gqa=enable_gqa, float_dtype=torch.float32)
+
+
 def _safe_reads(entry: _CallEntry, bindings: Bindings, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor) -> _Reads:
     """The call's IRs and kernels with captured reads checked against its shapes (cached per
@@ -843,7 +857,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(float(scale))):
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
-    bindings = bindings if bindings is not None else Bindings()
+    bindings = user_bindings = bindings if bindings is not None else Bindings()
     if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
         _validate(query, key, value, enable_gqa)  # raises TypeError naming the argument
     ckey = _call_key(query, key, value, ir, block_mask, enable_gqa, kernel_options)
@@ -870,6 +884,9 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         bindings = Bindings({**bindings.scalars, **pl.mask_scalars},
                             {**bindings.tensors, **pl.mask_tensors})
     reads = _safe_reads(entry, bindings, query, key, value)
+    if reads.sizes and os.environ.get("ATTNCC_CHECK_BOUNDS", "0") not in ("", "0"):
+        _check_reads_exactly(query, key, value, ir, user_bindings, block_mask, scale,
+                             enable_gqa)
     kern = reads.kernel
     if reads.sizes:
         bindings = Bindings({**bindings.scalars, **reads.sizes}, bindings.tensors)

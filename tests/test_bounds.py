@@ -250,3 +250,38 @@ def test_index_expression_past_32_bits_at_the_call_shapes_warns_naming_it() -> N
     with warnings.catch_warnings():
         warnings.simplefilter("error", IndexOverflowWarning)
         attncc.flex_attention(torch.randn(1, 1, 30000, 8), kv, kv, score_mod=var)  # fits
+
+
+# ----------------------------------------------------------------------------- checked mode
+
+
+def _indirect(S: int, bad_row: int | None):
+    """tbl[pos[q_idx] - kv_idx] under causal: pos is the identity (every kept read inside) or
+    sends `bad_row` past the table -- reads the interval analysis can neither prove nor refute
+    at the domain's corners."""
+    pos = torch.arange(S)
+    if bad_row is not None:
+        pos[bad_row] += S
+    tbl = torch.linspace(0, 1, S, dtype=torch.float64)
+
+    def indirect_bias(score, b, h, q_idx, kv_idx):
+        return score + tbl[pos[q_idx] - kv_idx]
+
+    return attncc.Variant(score_mod=indirect_bias, mask_mod=causal)
+
+
+def test_undecided_reads_are_clamped_and_the_checked_mode_finds_kept_violations() -> None:
+    from attncc.ir.analysis import CapturedReadError, Shapes
+    from attncc.runtime.flex import _trace
+    from attncc.runtime.gpu_flex import _check_reads_exactly, _clamped
+
+    q, k, v = _qkv()
+    shapes = Shapes(1, 2, 2, S, S, 16, 16)
+    for bad_row in (None, 5):
+        ir, bind = _trace(_indirect(S, bad_row))
+        got, sizes = _clamped(ir, shapes, bind.tensors, bind.scalars)
+        assert sizes == {"tbl_size0": S}  # undecided: clamped, not an error
+    _check_reads_exactly(q, k, v, *_indirect(S, None).trace(), None, None, False)
+    with pytest.raises(CapturedReadError, match=r"indirect_bias.*tbl\[pos\[q_idx\] - kv_idx\] = "
+                                                r"tbl\[17\] at \(b=0, h=0, q_idx=5, kv_idx=0\)"):
+        _check_reads_exactly(q, k, v, *_indirect(S, 5).trace(), None, None, False)

@@ -116,3 +116,67 @@ def test_short_table_without_mask_is_an_error_before_launch() -> None:
         gpu_flex.gpu_flex_attention(q, k, v, ir, bind, out=out)
     torch.cuda.synchronize()
     assert bool((out == 7.0).all())  # nothing was launched
+
+
+def _indirect(S: int, bad_row: int | None, device: str = "cuda") -> attncc.Variant:
+    """tbl[pos[q_idx] - kv_idx] under causal: reads the analysis cannot decide (pos is data).
+    pos is the identity, or sends `bad_row` S past the table's end at kept positions."""
+    pos = torch.arange(S, device=device)
+    if bad_row is not None:
+        pos[bad_row] += S
+    tbl = torch.randn(S, device=device)
+
+    def indirect_bias(score, b, h, q_idx, kv_idx):
+        return score + tbl[pos[q_idx] - kv_idx]
+
+    return attncc.Variant(score_mod=indirect_bias, mask_mod=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel_options", [None, FA2], ids=["default", "fa2"])
+def test_undecided_reads_run_clamped(kernel_options: Any, monkeypatch) -> None:
+    """Undecided reads run clamped: with every kept read inside, the result is the reference's;
+    with some outside, the kernel still reads only inside the tensor and computes exactly the
+    clamped variant (its reference), and nothing is raised without the checked mode."""
+    from attncc.runtime.flex import _trace
+
+    monkeypatch.delenv("ATTNCC_CHECK_BOUNDS", raising=False)
+    S, H, D = 384, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    good = _indirect(S, None)
+    out = attncc.flex_attention(q, k, v, score_mod=good, kernel_options=kernel_options)
+    ref, _ = attention_reference(q, k, v, *good.trace())
+    assert _rel(out, ref) < 2e-2
+    bad = _indirect(S, 200)
+    out = attncc.flex_attention(q, k, v, score_mod=bad, kernel_options=kernel_options)
+    torch.cuda.synchronize()
+    ir, bind = _trace(bad)
+    clamped, sizes = gpu_flex._clamped(ir, Shapes(1, H, H, S, S, D, D), bind.tensors,
+                                       bind.scalars)
+    from attncc.ir.program import Bindings
+
+    ref, _ = attention_reference(q, k, v, clamped, Bindings({**bind.scalars, **sizes},
+                                                            bind.tensors))
+    assert _rel(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+def test_checked_mode_reports_a_kept_violation_naming_the_line(monkeypatch) -> None:
+    monkeypatch.setenv("ATTNCC_CHECK_BOUNDS", "1")
+    S, H, D = 384, 2, 128
+    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = torch.full_like(q, 7.0)
+    ir, bind = _indirect(S, 200).trace()
+    with pytest.raises(CapturedReadError, match=r"test_bounds_gpu.py:\d+ \(indirect_bias\): "
+                       r"score_mod reads tbl\[pos\[q_idx\] - kv_idx\] = tbl\[584\] at "
+                       r"\(b=0, h=0, q_idx=200, kv_idx=0\)"):
+        gpu_flex.gpu_flex_attention(q, k, v, ir, bind, out=out)
+    torch.cuda.synchronize()
+    assert bool((out == 7.0).all())  # reported before the launch
+    ok_ir, ok_bind = _indirect(S, None).trace()
+    gpu_flex.gpu_flex_attention(q, k, v, ok_ir, ok_bind, out=out)  # checked, and fine
+    torch.cuda.synchronize()
+    ref, _ = attention_reference(q, k, v, ok_ir, ok_bind)
+    assert _rel(out, ref) < 2e-2
