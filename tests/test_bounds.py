@@ -285,3 +285,39 @@ def test_undecided_reads_are_clamped_and_the_checked_mode_finds_kept_violations(
     with pytest.raises(CapturedReadError, match=r"indirect_bias.*tbl\[pos\[q_idx\] - kv_idx\] = "
                                                 r"tbl\[17\] at \(b=0, h=0, q_idx=5, kv_idx=0\)"):
         _check_reads_exactly(q, k, v, *_indirect(S, 5).trace(), None, None, False)
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+def _planned(variant, q_positions=None):
+    from attncc.runtime.batch import BatchAttention
+
+    ba = BatchAttention(variant, kv_layout="NHD", device="cpu")
+    ba.plan(torch.tensor([0, 1, 3]), torch.tensor([0, 2, 3]), torch.tensor([4, 0, 2]),
+            torch.tensor([16, 5]), num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+            q_positions=q_positions)
+    return ba  # KV lengths 32 and 5
+
+
+def test_serving_clamps_reads_the_plan_does_not_prove_and_passes_their_sizes() -> None:
+    slopes, dist = torch.ones(8), torch.zeros(32)
+    alibi = attncc.Variant(score_mod=lambda s, b, h, q, kv: s - slopes[h] * (q - kv),
+                           mask_mod=causal)
+    ba = _planned(alibi)
+    ir, bind = alibi.trace()
+    assert ba._safe_reads(ir, bind) == (ir, bind)  # proven inside: the kernel is unchanged
+    rel = attncc.Variant(score_mod=lambda s, b, h, q, kv: s + dist[q - kv], mask_mod=causal)
+    ba = _planned(rel)
+    got, gbind = ba._safe_reads(*rel.trace())
+    assert "dist[max(min(q_idx - kv_idx, dist_size0 - 1), 0)]" in got.format()
+    assert gbind.scalars == {"dist_size0": 32}
+    # a read outside at a kept position of the box is clamped here, not an error (the box may
+    # hold positions this step's batch does not)
+    short = torch.zeros(8)
+    bad = attncc.Variant(score_mod=lambda s, b, h, q, kv: s + short[kv], mask_mod=causal)
+    got, gbind = _planned(bad)._safe_reads(*bad.trace())
+    assert "short[max(min(kv_idx, short_size0 - 1), 0)]" in got.format()
+    # explicit positions: nothing is proven, every read is clamped
+    got, gbind = _planned(alibi, q_positions=torch.tensor([7, 1, 2]))._safe_reads(*alibi.trace())
+    assert "slopes[max(min(h, slopes_size0 - 1), 0)]" in got.format()

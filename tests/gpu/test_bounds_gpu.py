@@ -180,3 +180,37 @@ def test_checked_mode_reports_a_kept_violation_naming_the_line(monkeypatch) -> N
     torch.cuda.synchronize()
     ref, _ = attention_reference(q, k, v, ok_ir, ok_bind)
     assert _rel(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["fa2", "fa3"])
+def test_serving_short_table_under_causal_runs_clamped(kernel: str) -> None:
+    """BatchAttention with table[h, q_idx - kv_idx] as long as the longest request: past its
+    start only above the diagonal (masked); clamped, equal to the fp64 batch reference."""
+    import itertools
+
+    from attncc.runtime.batch import BatchAttention, batch_attention_reference
+
+    if kernel == "fa3" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the FA3 batch kernel needs sm_90")
+    d, Hkv, g, page = 128, 2, 2, 16
+    q_lens, kv_lens = [130, 1, 70], [700, 5, 70]
+    qo = torch.tensor([0, *itertools.accumulate(q_lens)])
+    n_pages = [-(-n // page) for n in kv_lens]
+    kv_indptr = torch.tensor([0, *itertools.accumulate(n_pages)])
+    ids = torch.randperm(sum(n_pages) + 3)[:sum(n_pages)]
+    last = torch.tensor([n - (p - 1) * page for n, p in zip(kv_lens, n_pages)])
+    q = torch.randn(int(qo[-1]), Hkv * g, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(n_pages) + 3, page, Hkv, d, device="cuda", dtype=torch.bfloat16)
+            for _ in "kv")
+    table = torch.randn(Hkv * g, max(kv_lens), device="cuda")
+    variant = attncc.Variant(score_mod=_distance_bias(table), mask_mod=causal)
+    ba = BatchAttention(variant, kv_layout="NHD", kernel=kernel)
+    ba.plan(qo, kv_indptr, ids, last, num_qo_heads=Hkv * g, num_kv_heads=Hkv, head_dim=d,
+            page_size=page)
+    out = torch.full_like(q, float("nan"))
+    ba.run(q, (k, v), out=out)
+    torch.cuda.synchronize()
+    ref, _ = batch_attention_reference(q, (k, v), qo, kv_indptr, ids, last, kv_layout="NHD",
+                                       page_size=page, variant=variant)
+    assert _rel(out, ref) < 2e-2
