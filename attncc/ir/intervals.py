@@ -168,9 +168,9 @@ def _linear_range(form: dict[str, int], domain: Domain) -> Interval | None:
     cq, ckv = form.get("q_idx", 0), form.get("kv_idx", 0)
     if not cq and not ckv:
         return lo, hi
-    if domain.band is None or not (cq and ckv) and (
-            domain.sizes.get("q_idx") is None or domain.sizes.get("kv_idx") is None):
-        # q and kv independent: each over its own range
+    joint = domain.band is not None and None not in (domain.sizes.get("q_idx"),
+                                                     domain.sizes.get("kv_idx"))
+    if not joint:  # q and kv independent: each over its own range
         for v, c in (("q_idx", cq), ("kv_idx", ckv)):
             if c:
                 r = domain.var_range(v)
