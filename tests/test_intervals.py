@@ -149,3 +149,12 @@ def test_reads_of_an_empty_tensor_are_an_error() -> None:
     with pytest.raises(CapturedReadError, match=r"nothing\[0\] at .* outside dim 0 of nothing "
                                                 r"\[0, 0\)"):
         _check(attncc.Variant(score_mod=lambda s, b, h, q, kv: s + nothing[h % 1]))
+
+
+def test_an_empty_call_reads_nothing() -> None:
+    tbl = torch.zeros(3)
+    v = attncc.Variant(score_mod=lambda s, b, h, q, kv: s + tbl[q - kv])
+    from dataclasses import replace
+
+    got = _check(v, replace(SH, Sq=0))
+    assert not got.clamp and not got.undecided

@@ -384,8 +384,8 @@ def check_captured_reads(ir: VariantIR, shapes: Shapes, tensors: Mapping[str, to
     mask_band = None if mask.is_identity else implied_band(mask.expr)
     for name in HOOK_ORDER:
         hook = ir.hooks.get(name)
-        if hook is None or hook.is_identity:
-            continue
+        if hook is None or hook.is_identity or min(shapes.hook_sizes(name).values()) <= 0:
+            continue  # an empty domain (a zero-length call) reads nothing
         for node, guard in load_guards(hook.expr).values():
             if guard.op == "const" and not guard.attr:
                 continue
@@ -487,9 +487,9 @@ def index_overflows(ir: VariantIR, shapes: Shapes, params: Mapping[str, Any] | N
     out = []
     for name in HOOK_ORDER:
         hook = ir.hooks.get(name)
-        if hook is None or hook.is_identity:
-            continue
         sizes = shapes.hook_sizes(name)
+        if hook is None or hook.is_identity or min(sizes.values()) <= 0:
+            continue
         got = ranges(hook.expr, Domain(sizes, params=dict(params or {})))
 
         def over(n: Node) -> bool:
