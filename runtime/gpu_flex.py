@@ -708,6 +708,7 @@ class _CallEntry:
     kernel: _Compiled | None  # compiled on first use (_safe_reads): a call may need clamps
     block_mask: Any  # held so its id cannot be reused while cached; compared by identity
     prepass: Any = None  # the pre-pass's KernelLauncher when plan.prepass is set
+    read_names: tuple[str, ...] | None = None  # captured tensors its IRs read (_safe_reads)
 
 
 def _prepass_for(pl: LaunchPlan) -> Any:
@@ -776,14 +777,19 @@ def _safe_reads(entry: _CallEntry, bindings: Bindings, query: torch.Tensor, key:
     plan, shapes, captured tensors' shapes and scalar values): a new sequence length recompiles
     only when it changes which reads need clamping."""
     pl = entry.plan
-    names = {t.name for t in pl.ir.tensors} | ({t.name for t in pl.prepass.tensors}
-                                                if pl.prepass is not None else set())
-    tensors = {n: bindings.tensors.get(n) for n in sorted(names)}
-    try:
-        rkey = (id(pl), tuple(query.shape), tuple(key.shape), value.shape[-1],
-                tuple((n, tuple(t.shape)) for n, t in tensors.items()
-                      if isinstance(t, torch.Tensor)),
-                tuple(sorted(bindings.scalars.items())))
+    if not pl.ir.tensors and (pl.prepass is None or not pl.prepass.tensors):
+        if entry.kernel is None:  # nothing captured is read: nothing to check
+            entry.kernel = _kernel_for(pl.ir, pl.head_dim, pl.dtype, pl.tiles, pl.device)
+            entry.prepass = _prepass_for(pl)
+        return _Reads(pl, pl.ir, pl.prepass, {}, entry.kernel, entry.prepass)
+    if entry.read_names is None:
+        entry.read_names = tuple(sorted({t.name for t in pl.ir.tensors} | (
+            {t.name for t in pl.prepass.tensors} if pl.prepass is not None else set())))
+    tensors = {n: bindings.tensors.get(n) for n in entry.read_names}
+    try:  # the plan fixes the scalar names, so their values identify the call
+        rkey = (id(pl), query.shape, key.shape, value.shape[-1],
+                tuple(t.shape for t in tensors.values() if isinstance(t, torch.Tensor)),
+                tuple(bindings.scalars.values()))
         hit = _READS.get(rkey)
     except TypeError:  # an unhashable captured value: check every call
         rkey, hit = None, None
