@@ -158,3 +158,12 @@ def test_an_empty_call_reads_nothing() -> None:
 
     got = _check(v, replace(SH, Sq=0))
     assert not got.clamp and not got.undecided
+
+
+def test_a_window_width_captured_as_a_scalar_bounds_the_kept_distances() -> None:
+    window = 16
+    tbl = torch.zeros(window + 1)
+    v = attncc.Variant(score_mod=lambda s, b, h, q, kv: s + tbl[q - kv],
+                       mask_mod=lambda b, h, q, kv: (q >= kv) & (q - kv <= window))
+    got = _check(v)
+    assert [n.attr for n in got.clamp] == ["tbl"] and not got.undecided  # masked-only: proven

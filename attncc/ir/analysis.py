@@ -346,6 +346,19 @@ def _witness(hook: Hook, load_node: Node, guard: Node, keep: Node | None, sizes:
     return None
 
 
+def _with_values(expr: Node, params: Mapping[str, Any]) -> Node:
+    """`expr` with its i32 captured scalars replaced by their values."""
+    from .nodes import I32, const, rebuild, rewrite
+
+    def fn(n: Node, args: tuple[Node, ...]) -> Node:
+        v = params.get(n.attr) if n.op == "param" and n.dtype is I32 else None
+        if isinstance(v, int) and not isinstance(v, bool) and -(2**31) <= v < 2**31:
+            return const(v, I32)
+        return rebuild(n, args)
+
+    return rewrite(expr, fn)
+
+
 def check_captured_reads(ir: VariantIR, shapes: Shapes, tensors: Mapping[str, torch.Tensor],
                          params: Mapping[str, Any] | None = None) -> ReadCheck:
     """Check every captured-tensor read of `ir` (simplified) against a call's shapes.
@@ -381,7 +394,11 @@ def check_captured_reads(ir: VariantIR, shapes: Shapes, tensors: Mapping[str, to
     clamp: dict[Node, tuple[int, ...]] = {}
     undecided: list[Node] = []
     mask = ir.hook("mask_mod")
-    mask_band = None if mask.is_identity else implied_band(mask.expr)
+
+    def band(cond: Node) -> Any:  # with the call's i32 scalars as constants (a window width)
+        return implied_band(_with_values(cond, params))
+
+    mask_band = None if mask.is_identity else band(mask.expr)
     for name in HOOK_ORDER:
         hook = ir.hooks.get(name)
         if hook is None or hook.is_identity or min(shapes.hook_sizes(name).values()) <= 0:
@@ -394,7 +411,7 @@ def check_captured_reads(ir: VariantIR, shapes: Shapes, tensors: Mapping[str, to
                 continue  # the launch's own checks name a missing or mis-shaped tensor
             sizes = tuple(int(s) for s in t.shape)
             dom = Domain(shapes.hook_sizes(name), params=params).with_band(
-                None if guard.op == "const" else implied_band(guard))
+                None if guard.op == "const" else band(guard))
             outside = _dims_outside(node, sizes, dom)
             if not outside:
                 continue
