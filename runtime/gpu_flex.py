@@ -743,19 +743,39 @@ _READS: "OrderedDict[tuple, _Reads]" = OrderedDict()
 
 
 def _clamped(ir: VariantIR | None, shapes: Any, tensors: Mapping[str, Any],
-             scalars: Mapping[str, Any]) -> tuple[VariantIR | None, dict[str, int]]:
+             scalars: Mapping[str, Any], block_mask: Any = None
+             ) -> tuple[VariantIR | None, dict[str, int]]:
     """`ir` with its unsafe captured reads clamped (the same object when none is), or
-    CapturedReadError for a read outside its tensor at a kept position."""
+    CapturedReadError for a read outside its tensor at a kept position (in a block
+    `block_mask` does not leave out)."""
     if ir is None or not ir.tensors:
         return ir, {}
     from attncc.ir.analysis import check_captured_reads, clamp_reads
     from attncc.ir.simplify import simplify_variant
 
     simple = simplify_variant(ir)  # the expressions the kernel runs
-    found = check_captured_reads(simple, shapes, tensors, scalars)
+    computed = _block_computed(block_mask, shapes.Skv) if block_mask is not None else None
+    found = check_captured_reads(simple, shapes, tensors, scalars, computed)
     if not found.clamp:
         return ir, {}
     return clamp_reads(simple, found.clamp, tensors)
+
+
+def _block_computed(block_mask: Any, kv_len: int) -> Any:
+    """Whether the kernel evaluates the hooks at positions (b, h, q_idx, kv_idx): not in a block
+    the block mask leaves out. Reads the mask's lists to the host, only when a witness is
+    checked."""
+    from .reference import _block_size, _block_states
+
+    def computed(env: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        st = _block_states(block_mask, kv_len, torch.device("cpu"))
+        bq, bkv = _block_size(block_mask)
+        b, h = env["b"] % st.shape[0], env["h"] % st.shape[1]
+        qb = (env["q_idx"] // bq).clamp(max=st.shape[2] - 1)
+        kb = (env["kv_idx"] // bkv).clamp(max=st.shape[3] - 1)
+        return st[b, h, qb, kb] != 0
+
+    return computed
 
 
 def _check_reads_exactly(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -799,7 +819,7 @@ def _safe_reads(entry: _CallEntry, bindings: Bindings, query: torch.Tensor, key:
 
     B, Hq, Sq, D = query.shape
     shapes = Shapes(B, Hq, key.shape[1], Sq, key.shape[2], D, value.shape[-1])
-    ir, sizes = _clamped(pl.ir, shapes, tensors, bindings.scalars)
+    ir, sizes = _clamped(pl.ir, shapes, tensors, bindings.scalars, entry.block_mask)
     pre, pre_sizes = _clamped(pl.prepass, shapes, tensors, bindings.scalars)
     if ir is pl.ir and entry.kernel is None:
         entry.kernel = _kernel_for(pl.ir, pl.head_dim, pl.dtype, pl.tiles, pl.device)

@@ -321,3 +321,20 @@ def test_serving_clamps_reads_the_plan_does_not_prove_and_passes_their_sizes() -
     # explicit positions: nothing is proven, every read is clamped
     got, gbind = _planned(alibi, q_positions=torch.tensor([7, 1, 2]))._safe_reads(*alibi.trace())
     assert "slopes[max(min(h, slopes_size0 - 1), 0)]" in got.format()
+
+
+def test_gpu_witness_must_lie_in_a_block_the_block_mask_computes() -> None:
+    """A witness in a block the block mask leaves out is no witness: the kernel never evaluates
+    the hooks there (and the CPU never counts it)."""
+    from attncc.ir.analysis import CapturedReadError, Shapes
+    from attncc.runtime.flex import _trace
+    from attncc.runtime.gpu_flex import _clamped
+
+    table = torch.zeros(S)
+    ir, bind = _trace(attncc.Variant(score_mod=lambda s, b, h, qi, ki: s + table[qi - ki]))
+    shapes = Shapes(1, 2, 2, S, S, 16, 16)
+    with pytest.raises(CapturedReadError, match=r"q_idx=0, kv_idx=11"):
+        _clamped(ir, shapes, bind.tensors, bind.scalars)
+    bm = attncc.create_block_mask(causal, None, None, S, S, BLOCK_SIZE=4)
+    got, sizes = _clamped(ir, shapes, bind.tensors, bind.scalars, bm)
+    assert sizes == {"table_size0": S}  # undecided without the mask_mod: clamped

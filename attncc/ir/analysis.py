@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .intervals import Domain
 
 INDEX_ORDER = ("b", "h", "q_idx", "kv_idx", "d")
+Computed = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 
 __all__ = ["VariantInfo", "analyze", "check_vector_indices", "reads", "CapturedReadError",
            "load_guards", "bounds_message", "read_text", "Shapes", "ReadCheck",
@@ -319,13 +320,14 @@ def _candidates(domain: "Domain") -> dict[str, torch.Tensor]:
 
 def _witness(hook: Hook, load_node: Node, guard: Node, keep: Node | None, sizes: Sequence[int],
              domain: "Domain", tensors: Mapping[str, torch.Tensor],
-             params: Mapping[str, Any]) -> str | None:
+             params: Mapping[str, Any], computed: Computed | None = None) -> str | None:
     """The error message for a position of `domain` where `load_node` is evaluated (its guard
-    holds), kept (`keep`, None: always) and outside its tensor; None if no candidate is one."""
+    holds, and `computed` says the kernel computes it), kept (`keep`, None: always) and
+    outside its tensor; None if no candidate is one."""
     env = _candidates(domain)
     if not env or not len(next(iter(env.values()))):
         return None
-    host = {k: t.detach().cpu() for k, t in tensors.items()}
+    host = {k: t.detach().cpu() for k, t in tensors.items() if isinstance(t, torch.Tensor)}
 
     def ev(e: Node) -> torch.Tensor:
         return evaluate(e, env, host, params, torch.float64, oob={})
@@ -333,6 +335,8 @@ def _witness(hook: Hook, load_node: Node, guard: Node, keep: Node | None, sizes:
     hit = ev(guard).bool()
     if keep is not None:
         hit = hit & ev(keep).bool()
+    if computed is not None and hook.name in ("score_mod", "mask_mod"):
+        hit = hit & computed(env)
     n = len(next(iter(env.values())))
     for dim, idx in enumerate(load_node.args):
         vals = ev(idx).expand(n)
@@ -360,7 +364,8 @@ def _with_values(expr: Node, params: Mapping[str, Any]) -> Node:
 
 
 def check_captured_reads(ir: VariantIR, shapes: Shapes, tensors: Mapping[str, torch.Tensor],
-                         params: Mapping[str, Any] | None = None) -> ReadCheck:
+                         params: Mapping[str, Any] | None = None,
+                         computed: Computed | None = None) -> ReadCheck:
     """Check every captured-tensor read of `ir` (simplified) against a call's shapes.
 
     Per load, interval analysis (attncc.ir.intervals) over b in [0, B), h, q_idx in [0, Sq),
@@ -372,6 +377,10 @@ def check_captured_reads(ir: VariantIR, shapes: Shapes, tensors: Mapping[str, to
     - outside at a kept position the search finds (corners and band vertices of the domain,
       evaluated exactly): CapturedReadError naming the line, the read and the position;
     - otherwise undecided: clamped.
+
+    `computed(env)` (1-D b, h, q_idx, kv_idx tensors -> bool), when given, says which positions
+    the kernel evaluates score_mod / mask_mod at (a block mask's absent blocks: none); a witness
+    must be one of them.
 
     Example:
         >>> import torch
@@ -418,7 +427,7 @@ def check_captured_reads(ir: VariantIR, shapes: Shapes, tensors: Mapping[str, to
             kept = dom.with_band(mask_band) if name == "score_mod" else dom
             keep = mask.expr if name == "score_mod" and not mask.is_identity else None
             if 0 in sizes or _dims_outside(node, sizes, kept):
-                msg = _witness(hook, node, guard, keep, sizes, kept, tensors, params)
+                msg = _witness(hook, node, guard, keep, sizes, kept, tensors, params, computed)
                 if msg is not None or 0 in sizes:
                     raise CapturedReadError(msg or f"{hook.source}: {name} reads "
                                             f"{read_text(node)} but {node.attr} is empty "
