@@ -80,6 +80,23 @@ def test_clamped_fa2_kernel_attncc_runs_has_no_spills_beyond_budget() -> None:
     assert gpu_flex._spill_bytes(res.log) <= gpu_flex._SPILL_BUDGET[m_frags], res.log
 
 
+@pytest.mark.nvrtc
+def test_clamped_serving_kernels_compile_without_spills() -> None:
+    """The FA2 and FA3 batch kernels of a clamped variant, as BatchAttention compiles them
+    (FA3 through compile_fa3: its low-pressure form if the first spills)."""
+    from attncc.ir.simplify import simplify_variant
+    from attncc.runtime.fa3_batch import fa3_batch_source
+    from attncc.runtime.nvrtc import compile_cuda
+
+    ir = simplify_variant(_clamped_ir(700, 8, 128))
+    src, _, _, _ = gpu_flex.fa2_source(ir, head_dim=128, dtype="bfloat16", tq=16, tkv=64,
+                                       batch=True, kv_warps=2)
+    assert gpu_flex._spill_bytes(compile_cuda(src, arch="sm_90a", verbose=True).log) == 0
+    gk = fa3_batch_source(ir, 128, "bfloat16")
+    res, _ = gpu_flex.compile_fa3(gk.source, arch="sm_90a", name=f"{gk.kernel_name}.cu")
+    assert gpu_flex._spill_bytes(res.log) == 0, res.log
+
+
 # ------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel_options", [None, FA2], ids=["default", "fa2"])
