@@ -151,7 +151,8 @@ _CHECKED: "OrderedDict[tuple, VariantIR]" = OrderedDict()
 def _static_checks(ir: VariantIR, bindings: Bindings, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor) -> None:
     """Before anything runs: TraceError when a transform reads its head vector outside this
-    call's head dim (value_mod / output_mod: the value head dim), and an IndexOverflowWarning
+    call's head dim (value_mod / output_mod: the value head dim; indices computed from
+    positions or tensors too, at this call's shapes), and an IndexOverflowWarning
     for each i32 expression that can leave 32 bits at these shapes. Remembered per IR, shapes
     and scalar values, so a repeated call pays a dict lookup."""
     try:  # the same IR binds the same scalar names, so their values identify the call
@@ -161,11 +162,13 @@ def _static_checks(ir: VariantIR, bindings: Bindings, query: torch.Tensor, key: 
             return
     except TypeError:  # an unhashable captured value: check every call
         key_ = None
-    from attncc.ir.analysis import IndexOverflowWarning, Shapes, index_overflows
+    from attncc.ir.analysis import (IndexOverflowWarning, Shapes, check_vector_reads,
+                                    index_overflows)
 
     B, Hq, Sq, D = query.shape
     shapes = Shapes(B, Hq, key.shape[1], Sq, key.shape[2], D, value.shape[-1])
     check_vector_indices(ir, D, bindings.scalars, v_head_dim=value.shape[-1])
+    check_vector_reads(ir, shapes, bindings.tensors, bindings.scalars)
     for msg in index_overflows(ir, shapes, bindings.scalars):
         warnings.warn(msg, IndexOverflowWarning, stacklevel=3)
     if key_ is not None:

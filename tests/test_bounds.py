@@ -338,3 +338,24 @@ def test_gpu_witness_must_lie_in_a_block_the_block_mask_computes() -> None:
     bm = attncc.create_block_mask(causal, None, None, S, S, BLOCK_SIZE=4)
     got, sizes = _clamped(ir, shapes, bind.tensors, bind.scalars, bm)
     assert sizes == {"table_size0": S}  # undecided without the mask_mod: clamped
+
+
+def test_flex_rejects_position_dependent_head_vector_read_past_the_head_dim() -> None:
+    q, k, v = (torch.randn(1, 1, 8, 64) for _ in range(3))
+
+    def rolled(q, b, h, q_idx, d):
+        return q[(d + q_idx) % 80]
+
+    with pytest.raises(TraceError, match=r"test_bounds.py:\d+ \(rolled\): query_mod reads "
+                                         r"q\[\(d \+ q_idx\) % 80\] = q\[64\] at \(q_idx=1, "
+                                         r"d=63\), outside the head vector \[0, 64\)"):
+        attncc.flex_attention(q, k, v, score_mod=attncc.Variant(query_mod=rolled))
+    perm = torch.randperm(64)
+    ok = attncc.Variant(query_mod=lambda q, b, h, qi, d: q[(d + qi) % 64],
+                        key_mod=lambda k, b, h, kv, d: k[perm[d]])
+    assert attncc.flex_attention(q, k, v, score_mod=ok).shape == (1, 1, 8, 64)
+    bad_perm = perm.clone()
+    bad_perm[5] = 64
+    bad = attncc.Variant(key_mod=lambda k, b, h, kv, d: k[bad_perm[d]])
+    with pytest.raises(TraceError, match=r"key_mod reads k\[bad_perm\[d\]\] = k\[64\] at \(d=5\)"):
+        attncc.flex_attention(q, k, v, score_mod=bad)

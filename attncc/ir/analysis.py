@@ -33,7 +33,8 @@ Computed = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 
 __all__ = ["VariantInfo", "analyze", "check_vector_indices", "reads", "CapturedReadError",
            "load_guards", "bounds_message", "read_text", "Shapes", "ReadCheck",
-           "check_captured_reads", "clamp_reads", "IndexOverflowWarning", "index_overflows"]
+           "check_captured_reads", "clamp_reads", "IndexOverflowWarning", "index_overflows",
+           "check_vector_reads"]
 
 
 def reads(expr: Node) -> frozenset[str]:
@@ -169,10 +170,11 @@ class CapturedReadError(TraceError, IndexError):
     IndexError. The message names the hook's line, the read, the position and the fix."""
 
 
-def load_guards(expr: Node) -> dict[int, tuple[Node, Node]]:
+def load_guards(expr: Node, ops: tuple[str, ...] = ("load",)) -> dict[int, tuple[Node, Node]]:
     """id(load) -> (load, guard): the condition under which `expr` evaluates each captured-tensor
     load, as the generated code does (C's lazy `?:`, `&&`, `||`; codegen keeps a conditional
-    load inline). An unconditional load's guard is the constant True.
+    load inline). An unconditional load's guard is the constant True. `ops=("vec",)` gives the
+    head-vector reads' guards instead.
 
     Example:
         >>> from attncc.ir.nodes import var, load, where, const, F32
@@ -204,7 +206,7 @@ def load_guards(expr: Node) -> dict[int, tuple[Node, Node]]:
             old = guard.get(id(a))
             guard[id(a)] = c if old is None or c is true else (
                 old if old is true else binary("or", old, c))
-    return {id(n): (n, guard[id(n)]) for n in walk(expr) if n.op == "load"}
+    return {id(n): (n, guard[id(n)]) for n in walk(expr) if n.op in ops}
 
 
 def read_text(load_node: Node, dim: int | None = None) -> str:
@@ -532,3 +534,73 @@ def index_overflows(ir: VariantIR, shapes: Shapes, params: Mapping[str, Any] | N
                            f"wraps around on the GPU; compute it in float (e.g. with 1.0 * ...) "
                            f"or keep it within 32 bits")
     return out
+
+
+# Exact checks of a head-vector read evaluate its index on every combination of the variables it
+# reads; past this many combinations the read is left unchecked.
+_EXACT_LIMIT = 1 << 22
+
+
+def check_vector_reads(ir: VariantIR, shapes: Shapes, tensors: Mapping[str, torch.Tensor],
+                       params: Mapping[str, Any] | None = None) -> None:
+    """TraceError when a transform reads its head vector outside [0, head dim) at a call's
+    shapes, for the indices `check_vector_indices` cannot evaluate alone (they read b, h, a
+    position or a captured tensor, e.g. `q[(d + q_idx) % 1000]`): proven inside by the interval
+    analysis, else evaluated exactly on every combination of the variables the index reads (up
+    to 4M of them) where its guard holds. The error names the line, the index and the first
+    position.
+
+    Example:
+        >>> import torch
+        >>> from attncc.frontend import Variant
+        >>> ir, _ = Variant(query_mod=lambda q, b, h, qi, d: q[(d + qi) % 80]).trace()
+        >>> check_vector_reads(ir, Shapes(1, 1, 1, 8, 8, 64, 64), {})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+          ...
+        attncc.errors.TraceError: ...query_mod reads q[(d + q_idx) % 80] = q[64] at (q_idx=1, d=63), outside the head vector [0, 64)...
+    """
+    from .intervals import Domain, interval
+
+    params = dict(params or {})
+    host: dict[str, torch.Tensor] = {}
+    for name in TRANSFORM_HOOKS:
+        hook = ir.hooks.get(name)
+        sizes = shapes.hook_sizes(name)
+        if hook is None or hook.is_identity or min(sizes.values()) <= 0:
+            continue
+        dim = sizes["d"]
+        for node, guard in load_guards(hook.expr, ("vec",)).values():
+            idx = node.args[0]
+            if _static_index(idx, params):
+                continue  # check_vector_indices' business
+            r = interval(idx, Domain(sizes, params=params))
+            if r is not None and 0 <= r[0] and r[1] < dim:
+                continue
+            names = [v for v in INDEX_ORDER if v in sizes and v in free_vars(idx) | free_vars(
+                guard)]
+            count = 1
+            for v in names:
+                count *= sizes[v]
+            if count > _EXACT_LIMIT:
+                continue
+            grids = torch.meshgrid(*(torch.arange(sizes[v]) for v in names), indexing="ij") \
+                if names else ()
+            env = {v: g.reshape(-1) for v, g in zip(names, grids)}
+            if not host:  # the captured tensors, read to the host once
+                host.update((k, t.detach().cpu()) for k, t in tensors.items()
+                            if isinstance(t, torch.Tensor))
+            got = evaluate(idx, env, host, params, torch.float64, oob={}).expand(count)
+            bad = (got < 0) | (got >= dim)
+            if guard.op != "const":
+                bad = bad & evaluate(guard, env, host, params, torch.float64,
+                                     oob={}).bool().expand(count)
+            if not bool(bad.any()):
+                continue
+            i = int(bad.nonzero()[0])
+            pos = ", ".join(f"{v}={int(env[v][i])}" for v in names)
+            where = f"{hook.source}: " if hook.source is not None else ""
+            vecname = HOOK_SIGNATURES[name][2]
+            raise TraceError(f"{where}{name} reads {node.attr}[{format_expr(idx)}] = "
+                             f"{node.attr}[{int(got[i])}] at ({pos}), outside the head vector "
+                             f"[0, {dim})\n  hint: wrap the index into the head vector, e.g. "
+                             f"{vecname}[(...) % {dim}]")

@@ -231,3 +231,17 @@ def test_serving_short_table_under_causal_runs_clamped(kernel: str) -> None:
     ref, _ = batch_attention_reference(q, (k, v), qo, kv_indptr, ids, last, kv_layout="NHD",
                                        page_size=page, variant=variant)
     assert _rel(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+def test_head_vector_reads_past_the_head_dim_are_errors_before_launch() -> None:
+    """Finding 3 on the GPU: a static index (q[d + 1000]) and a position-dependent one
+    (q[(d + q_idx) % 80] at head dim 64) are TraceErrors before anything runs."""
+    from attncc.errors import TraceError
+
+    q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    for fn, text in ((lambda q, b, h, qi, d: q[d + 1000], r"q\[d \+ 1000\]"),
+                     (lambda q, b, h, qi, d: q[(d + qi) % 80], r"q\[\(d \+ q_idx\) % 80\]")):
+        with pytest.raises(TraceError, match=text + r".*\[0, 64\)"):
+            attncc.flex_attention(q, k, v, score_mod=attncc.Variant(query_mod=fn))
