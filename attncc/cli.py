@@ -176,16 +176,24 @@ def _write_or_print(text: str, out: str | None) -> None:
     print(f"wrote {out}", file=sys.stderr)
 
 
+def _check_vectors(ir: VariantIR, bindings: Bindings, head_dim: int) -> None:
+    """Head-vector reads outside [0, --head-dim) are an error naming the hook's line."""
+    from .ir.analysis import check_vector_indices
+
+    check_vector_indices(ir, head_dim, bindings.scalars)
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     """`attncc compile TARGET --emit ir|cuda|ptx|cubin [-o OUT]`."""
     if args.emit == "cubin" and not args.output:
         raise UsageError("--emit cubin writes a binary file: give -o OUT.cubin")
-    ir, _ = load_target(args.target)
+    ir, bindings = load_target(args.target)
     if args.emit == "ir":
         from .ir.simplify import simplify_variant
 
         _write_or_print(simplify_variant(ir).format(), args.output)
         return 0
+    _check_vectors(ir, bindings, args.head_dim)
     if args.emit == "cuda":
         from .codegen.generate import generate_source
         from .ir.simplify import simplify_variant
@@ -213,7 +221,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .codegen.export import export_source
     from .ir.simplify import simplify_variant
 
-    ir, _ = load_target(args.target)
+    ir, bindings = load_target(args.target)
+    _check_vectors(ir, bindings, args.head_dim)
     text = export_source(simplify_variant(ir), head_dim=args.head_dim, dtype=_dtype(args),
                          kernel=args.kernel, filename=Path(args.output).name)
     _write_or_print(text, args.output)

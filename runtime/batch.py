@@ -52,7 +52,8 @@ import torch
 
 from attncc.errors import DeviceError, InvalidArgument, check_bool, check_int
 from attncc.frontend import Variant
-from attncc.ir.program import VariantIR
+from attncc.ir.analysis import Shapes
+from attncc.ir.program import Bindings, VariantIR
 
 from . import planner, scheduler
 from .launcher import _driver, driver_check
@@ -395,6 +396,7 @@ class BatchAttention:
         self._forced_tiles = tiles
         self.kernel = kernel
         self._ir: VariantIR | None = None  # _variant_ir's memo
+        self._reads_cache: dict[tuple, tuple] = {}  # _safe_reads' memo
         self._kv_bound: int | None | bool = False  # _causal_bound's memo (False: not yet)
         self._fa3_why: dict[tuple, str | None] = {}  # _fa3_mode's memo of fa3_unsupported
         self.min_kv_chunk = None if min_kv_chunk is None else int(min_kv_chunk)
@@ -572,6 +574,41 @@ class BatchAttention:
             max_batch=self.max_batch, max_qo_tokens=self.max_qo_tokens,
             max_pages=self.max_pages, ragged=self.kv_layout == "ragged", upload_gap=UPLOAD_GAP)
         return self._planner
+
+    def _safe_reads(self, ir: VariantIR, bindings: Bindings) -> tuple[VariantIR, Bindings]:
+        """The variant with its captured reads that the plan's positions do not prove inside
+        their tensors clamped (docs/semantics.md), and the bindings with the clamps' sizes.
+        Positions: b < requests, q_idx and kv_idx < the longest KV length; with explicit
+        q_positions / kv_position_offset every read is clamped. Serving never raises here (a
+        position the box holds may not be in this step's batch): what would be an error in
+        flex_attention is clamped. Cached per plan shape, tensor shapes and scalar values; a
+        CUDA graph replays the kernel and sizes of the run it captured."""
+        if not ir.tensors:
+            return ir, bindings
+        tensors = {t.name: bindings.tensors.get(t.name) for t in ir.tensors}
+        kv = int(self.kv_lens.max()) if len(self.kv_lens) else 0
+        try:
+            key = (id(ir), len(self.kv_lens), kv, self._has_q_pos or self._has_kv_pos,
+                   self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                   tuple((n, tuple(t.shape)) for n, t in tensors.items()
+                         if isinstance(t, torch.Tensor)),
+                   tuple(sorted(bindings.scalars.items())))
+            hit = self._reads_cache.get(key)
+        except TypeError:
+            key, hit = None, None
+        if hit is None or hit[0] is not ir:
+            hit = (ir, *_serving_clamps(ir, tensors, bindings.scalars, key[3] if key else True,
+                                        Shapes(len(self.kv_lens), self.num_qo_heads,
+                                               self.num_kv_heads, kv, kv, self.head_dim,
+                                               self.head_dim)))
+            if key is not None:
+                if len(self._reads_cache) > 64:
+                    self._reads_cache.clear()
+                self._reads_cache[key] = hit
+        _, safe, sizes = hit
+        if not sizes:
+            return safe, bindings
+        return safe, Bindings({**bindings.scalars, **sizes}, bindings.tensors)
 
     def _variant_ir(self) -> VariantIR:
         """The variant's traced IR, for plan()'s checks (traced once; run() traces again for the
@@ -798,7 +835,7 @@ class BatchAttention:
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}")
         if k.dtype != q.dtype or v.dtype != q.dtype:
             raise ValueError(f"kv_cache dtype {k.dtype} != q dtype {q.dtype}")
-        ir, bindings = self.variant.trace()
+        ir, bindings = self._safe_reads(*self.variant.trace())
         if not ir.use_softmax and (return_lse or lse is not None):
             raise ValueError("return_lse=True but the variant has normalize='none'")
         kern = _kernels_for(ir, D, "bfloat16" if q.dtype == torch.bfloat16 else "float16",
@@ -988,6 +1025,26 @@ def check_batch(qo_indptr: Any, kv_indptr: Any, kv_indices: Any, kv_last_page_le
                               f"their sequence, so the KV cache must already hold them")
     return _Batch(qo, kv_lens, page_indptr, pages, page, shift, max_page,
                   int(q_lens.max(initial=0)), qpos, kvoff)
+
+
+def _serving_clamps(ir: VariantIR, tensors: dict, scalars: dict, positions_unknown: bool,
+                    shapes: Shapes) -> tuple[VariantIR, dict[str, int]]:
+    """BatchAttention's clamped variant and clamp sizes (see BatchAttention._safe_reads)."""
+    from attncc.ir.analysis import CapturedReadError, clamp_reads, load_guards
+    from attncc.ir.simplify import simplify_variant
+
+    from .gpu_flex import _clamped
+
+    if not positions_unknown:
+        try:
+            got, sizes = _clamped(ir, shapes, tensors, scalars)
+            return got, sizes
+        except CapturedReadError:
+            pass  # clamp every read instead
+    simple = simplify_variant(ir)
+    every = {n: tuple(range(len(n.args))) for h in simple.hooks.values()
+             for n, _ in load_guards(h.expr).values() if n.args}
+    return clamp_reads(simple, every, tensors)
 
 
 def _check_ragged_table(requests: int, max_pages: int) -> None:

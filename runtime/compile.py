@@ -27,6 +27,7 @@ from attncc.codegen.export import export_source
 from attncc.codegen.generate import generate_source, use_template_cache
 from attncc.errors import CompileError
 from attncc.frontend.variant import Variant, as_variant
+from attncc.ir.analysis import check_vector_indices
 from attncc.ir.program import Bindings, VariantIR
 
 from .cache import KernelCache, cached_compile
@@ -206,6 +207,7 @@ def compile(variant: Any, *, head_dim: int, dtype: Any = "bfloat16", arch: str |
     """
     ir, bindings = trace_variant(variant)
     head_dim = _check_head_dim(head_dim)
+    check_vector_indices(ir, head_dim, bindings.scalars)
     dtype = dtype_name(dtype)
     arch = normalize_arch(arch)
     check_kernel_arch(kernel, arch)
@@ -255,10 +257,11 @@ def export(variant: Any, path: str | os.PathLike[str], *, head_dim: int, dtype: 
         >>> p.name, "__global__" in p.read_text()
         ('causal.cu', True)
     """
-    ir, _ = trace_variant(variant)
+    ir, bindings = trace_variant(variant)
     from attncc.ir.simplify import simplify_variant
 
     head_dim, dtype = _check_head_dim(head_dim), dtype_name(dtype)
+    check_vector_indices(ir, head_dim, bindings.scalars)
     p = _target(path, f"attncc_{ir.name}.cu")
     p.write_text(export_source(simplify_variant(ir), head_dim=head_dim, dtype=dtype,
                                kernel=kernel, filename=p.name))

@@ -33,6 +33,7 @@ import numbers
 import threading
 import warnings
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Mapping
 
 import torch
@@ -40,6 +41,7 @@ import torch
 from attncc.errors import InvalidArgument, check_bool
 from attncc.frontend import Variant
 from attncc.frontend.variant import TraceCache, share_trace_cache
+from attncc.ir.analysis import check_vector_indices
 from attncc.ir.program import Bindings, VariantIR
 
 from .reference import attention_reference, validate_attention_inputs
@@ -161,6 +163,40 @@ def _trace(variant: Variant) -> tuple[VariantIR, Bindings]:
     return simplified, bindings
 
 
+# (simplified IR, shapes, captured scalars) already checked by _static_checks; bounded
+_CHECKED: "OrderedDict[tuple, VariantIR]" = OrderedDict()
+
+
+def _static_checks(ir: VariantIR, bindings: Bindings, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor) -> None:
+    """Before anything runs: TraceError when a transform reads its head vector outside this
+    call's head dim (value_mod / output_mod: the value head dim; indices computed from
+    positions or tensors too, at this call's shapes), and an IndexOverflowWarning
+    for each i32 expression that can leave 32 bits at these shapes. Remembered per IR, shapes
+    and scalar values, so a repeated call pays a dict lookup."""
+    try:  # the same IR binds the same scalar names, so their values identify the call
+        key_ = (id(ir), query.shape, key.shape, value.shape[-1],
+                tuple(bindings.scalars.values()))
+        if _CHECKED.get(key_) is ir:
+            return
+    except TypeError:  # an unhashable captured value: check every call
+        key_ = None
+    from attncc.ir.analysis import (IndexOverflowWarning, Shapes, check_vector_reads,
+                                    index_overflows)
+
+    B, Hq, Sq, D = query.shape
+    shapes = Shapes(B, Hq, key.shape[1], Sq, key.shape[2], D, value.shape[-1])
+    check_vector_indices(ir, D, bindings.scalars, v_head_dim=value.shape[-1])
+    check_vector_reads(ir, shapes, bindings.tensors, bindings.scalars)
+    for msg in index_overflows(ir, shapes, bindings.scalars):
+        warnings.warn(msg, IndexOverflowWarning, stacklevel=3)
+    if key_ is not None:
+        with _SIMPLIFIED_LOCK:
+            _CHECKED[key_] = ir
+            while len(_CHECKED) > _SIMPLIFIED_SIZE:
+                _CHECKED.popitem(last=False)
+
+
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable[..., Any] | Variant | None = None, block_mask: Any = None,
                    scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
@@ -200,6 +236,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if query.device.type not in ("cpu", "cuda"):
         raise ValueError(f"query is on {query.device}; attncc runs on CPU and CUDA tensors")
     ir, bindings = _trace(variant)
+    _static_checks(ir, bindings, query, key, value)
     if query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16):
         from .gpu_flex import gpu_flex_attention
 

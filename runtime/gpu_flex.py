@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -726,9 +727,10 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
 @dataclass
 class _CallEntry:
     plan: LaunchPlan
-    kernel: _Compiled
+    kernel: _Compiled | None  # compiled on first use (_safe_reads): a call may need clamps
     block_mask: Any  # held so its id cannot be reused while cached; compared by identity
     prepass: Any = None  # the pre-pass's KernelLauncher when plan.prepass is set
+    read_names: tuple[str, ...] | None = None  # captured tensors its IRs read (_safe_reads)
 
 
 def _prepass_for(pl: LaunchPlan) -> Any:
@@ -742,6 +744,124 @@ def _prepass_for(pl: LaunchPlan) -> Any:
 
 _CALLS: "OrderedDict[tuple, _CallEntry]" = OrderedDict()
 _CALL_CACHE_SIZE = 256
+
+
+# ------------------------------------------------------------------------- captured reads
+@dataclass
+class _Reads:
+    """A call's variant with its captured reads made safe (attncc.ir.analysis): the IRs to run,
+    with the reads that can leave their tensor clamped, the clamps' size parameters, and the
+    kernels compiled for them."""
+
+    plan: LaunchPlan  # held so its id cannot be reused while cached
+    ir: VariantIR
+    prepass: VariantIR | None
+    sizes: Mapping[str, int]
+    kernel: _Compiled
+    prepass_kernel: Any
+
+
+_READS: "OrderedDict[tuple, _Reads]" = OrderedDict()
+
+
+def _clamped(ir: VariantIR | None, shapes: Any, tensors: Mapping[str, Any],
+             scalars: Mapping[str, Any], block_mask: Any = None
+             ) -> tuple[VariantIR | None, dict[str, int]]:
+    """`ir` with its unsafe captured reads clamped (the same object when none is), or
+    CapturedReadError for a read outside its tensor at a kept position (in a block
+    `block_mask` does not leave out)."""
+    if ir is None or not ir.tensors:
+        return ir, {}
+    from attncc.ir.analysis import check_captured_reads, clamp_reads
+    from attncc.ir.simplify import simplify_variant
+
+    simple = simplify_variant(ir)  # the expressions the kernel runs
+    computed = _block_computed(block_mask, shapes.Skv) if block_mask is not None else None
+    found = check_captured_reads(simple, shapes, tensors, scalars, computed)
+    if not found.clamp:
+        return ir, {}
+    return clamp_reads(simple, found.clamp, tensors)
+
+
+def _block_computed(block_mask: Any, kv_len: int) -> Any:
+    """Whether the kernel evaluates the hooks at positions (b, h, q_idx, kv_idx): not in a block
+    the block mask leaves out. Reads the mask's lists to the host, only when a witness is
+    checked."""
+    from .reference import _block_size, _block_states
+
+    def computed(env: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        st = _block_states(block_mask, kv_len, torch.device("cpu"))
+        bq, bkv = _block_size(block_mask)
+        b, h = env["b"] % st.shape[0], env["h"] % st.shape[1]
+        qb = (env["q_idx"] // bq).clamp(max=st.shape[2] - 1)
+        kb = (env["kv_idx"] // bkv).clamp(max=st.shape[3] - 1)
+        return st[b, h, qb, kb] != 0
+
+    return computed
+
+
+def _check_reads_exactly(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         ir: VariantIR, bindings: Bindings, block_mask: Any,
+                         scale: float | None, enable_gqa: bool) -> None:
+    """ATTNCC_CHECK_BOUNDS=1, for a call whose kernel clamps reads the analysis could not prove:
+    evaluate the variant exactly on the GPU (the fp32 reference, synchronising: a debug mode)
+    and raise CapturedReadError at the first position the mask keeps where a read leaves its
+    tensor -- what the CPU path raises -- before the kernel runs."""
+    from .reference import attention_reference
+
+    attention_reference(query, key, value, ir, bindings, block_mask=block_mask, scale=scale,
+                        enable_gqa=enable_gqa, float_dtype=torch.float32)
+
+
+def _safe_reads(entry: _CallEntry, bindings: Bindings, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor) -> _Reads:
+    """The call's IRs and kernels with captured reads checked against its shapes (cached per
+    plan, shapes, captured tensors' shapes and scalar values): a new sequence length recompiles
+    only when it changes which reads need clamping."""
+    pl = entry.plan
+    if not pl.ir.tensors and (pl.prepass is None or not pl.prepass.tensors):
+        if entry.kernel is None:  # nothing captured is read: nothing to check
+            entry.kernel = _kernel_for(pl.ir, pl.head_dim, pl.dtype, pl.tiles, pl.device)
+            entry.prepass = _prepass_for(pl)
+        return _Reads(pl, pl.ir, pl.prepass, {}, entry.kernel, entry.prepass)
+    if entry.read_names is None:
+        entry.read_names = tuple(sorted({t.name for t in pl.ir.tensors} | (
+            {t.name for t in pl.prepass.tensors} if pl.prepass is not None else set())))
+    tensors = {n: bindings.tensors.get(n) for n in entry.read_names}
+    try:  # the plan fixes the scalar names, so their values identify the call
+        rkey = (id(pl), query.shape, key.shape, value.shape[-1],
+                tuple(t.shape for t in tensors.values() if isinstance(t, torch.Tensor)),
+                tuple(bindings.scalars.values()))
+        hit = _READS.get(rkey)
+    except TypeError:  # an unhashable captured value: check every call
+        rkey, hit = None, None
+    if hit is not None and hit.plan is pl:
+        return hit
+    from attncc.ir.analysis import Shapes
+
+    B, Hq, Sq, D = query.shape
+    shapes = Shapes(B, Hq, key.shape[1], Sq, key.shape[2], D, value.shape[-1])
+    ir, sizes = _clamped(pl.ir, shapes, tensors, bindings.scalars, entry.block_mask)
+    pre, pre_sizes = _clamped(pl.prepass, shapes, tensors, bindings.scalars)
+    if ir is pl.ir and entry.kernel is None:
+        entry.kernel = _kernel_for(pl.ir, pl.head_dim, pl.dtype, pl.tiles, pl.device)
+    kernel = entry.kernel if ir is pl.ir else _kernel_for(ir, pl.head_dim, pl.dtype, pl.tiles,
+                                                          pl.device)
+    if pre is pl.prepass and pre is not None and entry.prepass is None:
+        entry.prepass = _prepass_for(pl)
+    pre_kernel = entry.prepass
+    if pre is not pl.prepass:
+        from .prepass import prepass_kernel
+
+        pre_kernel = prepass_kernel(pre, head_dim=pl.head_dim, dtype=pl.dtype,
+                                    fast_math=pl.tiles.fast_math, device=pl.device)
+    got = _Reads(pl, ir, pre, {**sizes, **pre_sizes}, kernel, pre_kernel)
+    if rkey is not None:
+        with _KERNELS_LOCK:
+            _READS[rkey] = got
+            while len(_READS) > _CALL_CACHE_SIZE:
+                _READS.popitem(last=False)
+    return got
 
 
 def _call_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: VariantIR, block_mask: Any,
@@ -828,7 +948,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(float(scale))):
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
-    bindings = bindings if bindings is not None else Bindings()
+    bindings = user_bindings = bindings if bindings is not None else Bindings()
     if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
         _validate(query, key, value, enable_gqa)  # raises TypeError naming the argument
     if key.dim() == 4 and key.shape[2] == 0:
@@ -843,14 +963,13 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     else:
         pl = plan_launch(query, key, value, ir, bindings, block_mask=block_mask,
                          enable_gqa=enable_gqa, kernel_options=kernel_options)
-        entry = _CallEntry(pl, _kernel_for(pl.ir, pl.head_dim, pl.dtype, pl.tiles, pl.device),
-                           block_mask, _prepass_for(pl))
+        entry = _CallEntry(pl, None, block_mask)
         if pl.mask is None or not pl.mask.derived:  # derived lists would go stale if cached
             with _KERNELS_LOCK:
                 _CALLS[ckey] = entry
                 while len(_CALLS) > _CALL_CACHE_SIZE:
                     _CALLS.popitem(last=False)
-    pl, kern = entry.plan, entry.kernel
+    pl = entry.plan
     B, Hq, Sq, D = query.shape
     Hkv, Skv = key.shape[1], key.shape[2]
     device = query.device
@@ -858,15 +977,22 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if pl.mask_scalars or pl.mask_tensors:
         bindings = Bindings({**bindings.scalars, **pl.mask_scalars},
                             {**bindings.tensors, **pl.mask_tensors})
-    captured = _captured(pl.ir, bindings, device)
+    reads = _safe_reads(entry, bindings, query, key, value)
+    if reads.sizes and os.environ.get("ATTNCC_CHECK_BOUNDS", "0") not in ("", "0"):
+        _check_reads_exactly(query, key, value, ir, user_bindings, block_mask, scale,
+                             enable_gqa)
+    kern = reads.kernel
+    if reads.sizes:
+        bindings = Bindings({**bindings.scalars, **reads.sizes}, bindings.tensors)
+    captured = _captured(reads.ir, bindings, device)
     out, lse = _outputs(query, return_lse, out, lse_out)
     if out.numel() == 0:
         return out, lse
-    if entry.prepass is not None:  # q/k/v transforms once per row, before attention
+    if reads.prepass_kernel is not None:  # q/k/v transforms once per row, before attention
         from .prepass import run_prepass
 
-        query, key, value = run_prepass(entry.prepass, pl.prepass, query, key, value,
-                                        _captured(pl.prepass, bindings, device))
+        query, key, value = run_prepass(reads.prepass_kernel, reads.prepass, query, key, value,
+                                        _captured(reads.prepass, bindings, device))
 
     kl, cfg = kern.launcher, kern.config
     if pl.tiles.kernel == "fa3":  # kernels/fa3_prefill.cuh: one CTA per item, or persistent

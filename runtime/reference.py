@@ -38,6 +38,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from attncc.errors import TraceError
+from attncc.ir.analysis import CapturedReadError, bounds_message, load_guards
 from attncc.ir.evaluator import evaluate
 from attncc.ir.nodes import Node
 from attncc.ir.program import Bindings, VariantIR
@@ -51,6 +52,7 @@ _AUTO_CHUNK_ELEMS = 1 << 22
 _TORCH_NOOP_BLOCK = 1 << 30
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FIX_READ = "make the tensor longer or mask that position"
 
 
 # --------------------------------------------------------------------------------- validation
@@ -236,6 +238,7 @@ class _Hooks:
         self.params = dict(bindings.scalars)
         self.tensors = _device_tensors(bindings, device)
         self.float_dtype = float_dtype
+        self.reads: list = []  # out-of-range captured reads of the last call (see check)
 
     def active(self, hook: str) -> Node | None:
         """The hook's expression, or None when it is the identity (nothing to evaluate)."""
@@ -243,7 +246,50 @@ class _Hooks:
         return None if h.is_identity else h.expr
 
     def __call__(self, expr: Node, env: Mapping[str, Any]) -> torch.Tensor:
-        return evaluate(expr, env, self.tensors, self.params, self.float_dtype)
+        """`expr` on `env`. Captured reads outside their tensor are clamped (never an error here)
+        and kept in `self.reads` as (load, out-of-range positions it really reads, indices) for
+        `check`: whether such a position counts depends on the mask (torch accepts
+        `table[q_idx - kv_idx]` under a causal mask)."""
+        oob: dict[int, tuple] = {}
+        r = evaluate(expr, env, self.tensors, self.params, self.float_dtype, oob=oob)
+        self.reads = self._guarded(expr, env, oob) if oob else []
+        return r
+
+    def _guarded(self, expr: Node, env: Mapping[str, Any], oob: dict[int, tuple]) -> list:
+        """The out-of-range reads the generated code really makes: a load under `where` / `&` /
+        `|` counts only where its guard holds (C evaluates it lazily)."""
+        guards = load_guards(expr)
+        out = []
+        for node, bad, flat in oob.values():
+            g = guards[id(node)][1]
+            if g.op != "const":
+                bad = bad & evaluate(g, env, self.tensors, self.params, self.float_dtype,
+                                     oob={}).bool()
+            elif not g.attr:
+                continue
+            out.append((node, bad, flat))
+        return out
+
+    def check(self, hook: str, reads: list, env: Mapping[str, Any],
+              counts: torch.Tensor | None = None, fix: str = _FIX_READ) -> None:
+        """Raise CapturedReadError for the first read in `reads` outside its tensor at a position
+        where `counts` holds (None: everywhere), naming the hook's line and that position."""
+        for node, bad, flat in reads:
+            hit = bad if counts is None else bad & counts
+            if not bool(hit.any()):
+                continue
+            names = [n for n in ("b", "h", "q_idx", "kv_idx", "d") if isinstance(env.get(n),
+                                                                                  torch.Tensor)]
+            full = torch.broadcast_shapes(hit.shape, *(env[n].shape for n in names))
+            pos = tuple(hit.expand(full).nonzero()[0].tolist())
+            where = {n: int(env[n].expand(full)[pos]) for n in names}
+            t = self.tensors[node.attr]
+            for dim, i in enumerate(flat):
+                value = int(i.expand(full)[pos])
+                if not 0 <= value < t.shape[dim]:
+                    break
+            raise CapturedReadError(bounds_message(hook, self.ir.hook(hook).source, node, dim,
+                                                   value, t.shape[dim], where, fix))
 
 
 def _transform(hooks: _Hooks, hook: str, vec_name: str, x: torch.Tensor, pos_name: str,
@@ -256,7 +302,9 @@ def _transform(hooks: _Hooks, hook: str, vec_name: str, x: torch.Tensor, pos_nam
     dev = x.device
     env = {vec_name: x, "b": _index(B, 0, dev, b_offset), "h": _index(H, 1, dev),
            pos_name: _index(S, 2, dev, offset), "d": _index(D, 3, dev)}
-    return hooks(expr, env).expand(B, H, S, D)
+    r = hooks(expr, env).expand(B, H, S, D)
+    hooks.check(hook, hooks.reads, env)
+    return r
 
 
 def _auto_chunk(B: int, Hq: int, Skv: int) -> int:
@@ -339,22 +387,28 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
         s = (qc @ kT).reshape(shape) * scale
         q_idx = _index(rows, 2, device, q_offset + r0)
         env = {"score": s, "b": b_idx, "h": h_idx, "q_idx": q_idx, "kv_idx": kv_idx}
+        score_reads: list = []
         if score_expr is not None:
             s = hooks(score_expr, env).expand(shape)
+            score_reads = hooks.reads
         keep: torch.Tensor | None = None
         if mask_expr is not None:
             keep = hooks(mask_expr, env)
+            hooks.check("mask_mod", hooks.reads, env)
         if bm_state is not None:
             st = bm_state[:, :, (torch.arange(q_offset + r0, q_offset + r1, device=device) // bq)
                           ][..., kv_block]
             kept = st == 2
             if bm_expr is not None:
                 kept = kept | ((st == 1) & bm_hooks(bm_expr, env))  # type: ignore[misc]
+                bm_hooks.check("mask_mod", bm_hooks.reads, env, st == 1)  # type: ignore[union-attr]
             else:
                 kept = kept | (st == 1)
             keep = kept if keep is None else keep & kept
         if keep is not None:
             keep = keep.expand(shape)
+        # a score_mod read outside its tensor counts only where the mask keeps the position
+        hooks.check("score_mod", score_reads, env, keep)
         if ir.use_softmax:
             if keep is not None:
                 s = s.masked_fill(~keep, -math.inf)

@@ -8,7 +8,8 @@ Under memcheck the H200 image reports 34 CUDA API errors, all failed cuGetProcAd
 made while the libraries load; `--report-api-errors no` leaves the kernels' own (0 at stop 25).
 
 Arguments pick parts (default: all): dense64, dense128, transforms, batch, document, split,
-pairs, pairs_small (the one to racecheck the pair form with).
+pairs, pairs_small (the one to racecheck the pair form with), short_table (captured reads
+clamped by attncc, under PYTORCH_NO_CUDA_MEMORY_CACHING=1).
 Racecheck instruments every shared-memory access, so the whole script takes minutes under it;
 one part does not.
 
@@ -132,6 +133,29 @@ def document(d: int = 64) -> None:
         _check_fa3(f"{name} d={d} S={S}", q, k, v, ir, bind)
 
 
+def short_table(d: int = 64) -> None:
+    """Captured reads that leave their tensor only at masked positions (docs/semantics.md): a
+    [H, S] distance table read at table[h, q_idx - kv_idx] under causal -- q_idx - kv_idx < 0
+    above the diagonal, which the kernel evaluates on partial tiles -- and the same through an
+    index read from a tensor (pos[q_idx], undecided by the analysis), at an odd length. Both run
+    clamped; run with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so each table is its own allocation and
+    memcheck would see a read past it."""
+    B, S, H = 2, 300, 4
+    table = torch.randn(H, S, device="cuda")
+    pos = torch.arange(S, device="cuda")
+
+    def distance_bias(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score + table[h, q_idx - kv_idx]
+
+    def indirect_bias(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score + table[h, pos[q_idx] - kv_idx]
+
+    for name, fn in (("distance", distance_bias), ("indirect", indirect_bias)):
+        q, k, v = (torch.randn(B, H, S, d, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
+        ir, bind = attncc.Variant(score_mod=fn, mask_mod=causal).trace()
+        _check_fa3(f"short table {name} d={d} S={S}", q, k, v, ir, bind)
+
+
 def split_tail() -> None:
     """Full attention with more items than CTAs and a partial last round (kernels/
     fa3_split.cuh): 165 items of 33 tiles (a partial last one), the last 33 cut into 132 pieces
@@ -159,7 +183,7 @@ def pairs(d: int = 128, S: int = 1024, Hq: int = 40, Hkv: int = 8) -> None:
 
 PARTS = {"dense64": lambda: dense(64), "dense128": lambda: dense(128),
          "transforms": dense_transforms, "batch": batch, "document": document,
-         "split": split_tail, "pairs": pairs,
+         "split": split_tail, "pairs": pairs, "short_table": short_table,
          "pairs_small": lambda: pairs(64, 256, 80, 16)}
 
 

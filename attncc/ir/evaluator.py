@@ -55,26 +55,43 @@ def _mod(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.remainder(a, b)
 
 
-def _gather(t: torch.Tensor, idx: list[torch.Tensor], name: str) -> torch.Tensor:
+def _gather(t: torch.Tensor, idx: list[torch.Tensor], name: str,
+            oob: "dict[int, tuple] | None" = None, node: Node | None = None) -> torch.Tensor:
+    """`t[idx...]` with broadcast indices. An index outside its dim raises EvalError; with an
+    `oob` dict it is clamped into the dim instead (the kernels' clamped read) and
+    `oob[id(node)] = (node, out_of_range, indices)` records where, for the caller to decide
+    whether that position counts (a masked position does not)."""
     shape = torch.broadcast_shapes(*(i.shape for i in idx)) if idx else ()
     flat = [i.expand(shape).long() for i in idx]
+    bad = None
     for dim, i in enumerate(flat):
         n = t.shape[dim]
         if i.numel() and (bool((i < 0).any()) or bool((i >= n).any())):
-            lo, hi = int(i.min()), int(i.max())
-            raise EvalError(f"index {lo}..{hi} out of range for dim {dim} of {name} "
-                            f"(size {n})")
+            if oob is None:
+                lo, hi = int(i.min()), int(i.max())
+                raise EvalError(f"index {lo}..{hi} out of range for dim {dim} of {name} "
+                                f"(size {n})")
+            out = (i < 0) | (i >= n)
+            bad = out if bad is None else bad | out
+    if bad is not None:
+        oob[id(node)] = (node, bad, flat)  # type: ignore[index]
+        if t.numel() == 0:  # nothing to clamp to: zeros (every read is out of range)
+            return torch.zeros(shape, dtype=t.dtype, device=t.device)
+        flat = [i.clamp(0, t.shape[d] - 1) for d, i in enumerate(flat)]
     return t[tuple(flat)] if flat else t.reshape(())
 
 
 def evaluate(root: Node, env: Mapping[str, torch.Tensor | int | float],
              tensors: Mapping[str, torch.Tensor] | None = None,
              params: Mapping[str, int | float] | None = None,
-             float_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+             float_dtype: torch.dtype = torch.float32,
+             oob: "dict[int, tuple] | None" = None) -> torch.Tensor:
     """Evaluate `root`; `env` binds index variables / `score` / head vectors q,k,v,o.
 
     Head vectors are tensors whose last dim is the head dim; `vec(q, i)` gathers along it with
     the broadcast index `i`. Captured tensors come from `tensors`, captured scalars from `params`.
+    A captured-tensor index out of range raises EvalError, unless `oob` is a dict: then the read
+    is clamped and recorded there (see `_gather`).
     """
     tensors = tensors or {}
     params = params or {}
@@ -109,7 +126,7 @@ def evaluate(root: Node, env: Mapping[str, torch.Tensor | int | float],
             t = tensors[n.attr]
             if device is not None and t.device != device:
                 t = t.to(device)
-            r = as_tensor(_gather(t, a, n.attr), n)
+            r = as_tensor(_gather(t, a, n.attr, oob, n), n)
         elif op == "vec":
             if n.attr not in env:
                 raise EvalError(f"no head vector bound for {n.attr!r}")
