@@ -10,7 +10,8 @@ Example:
     >>> out.shape
     torch.Size([1, 2, 8, 16])
 """
-from .errors import AttnccError, AttnSyntaxError, CompileError, TraceError
+from .errors import (AttnccError, AttnSyntaxError, CapturedReadError, CompileError, DeviceError,
+                     IndexOverflowWarning, InvalidArgument, InvalidArgumentType, TraceError)
 from .frontend import Variant, and_masks, noop_mask, or_masks
 from .runtime.batch import BatchAttention
 from .runtime.block_mask import BlockMask, create_block_mask
@@ -19,8 +20,9 @@ from .runtime.compile import CompiledKernel, compile, export
 from .runtime.flex import flex_attention
 from .runtime.merge import merge_state, merge_states
 
-__all__ = ["AttnccError", "AttnSyntaxError", "BatchAttention", "BlockMask", "CascadeAttention",
-           "CompileError",
+__all__ = ["AttnccError", "AttnSyntaxError", "BatchAttention", "BlockMask", "CapturedReadError",
+           "CascadeAttention", "CompileError", "DeviceError", "IndexOverflowWarning",
+           "InvalidArgument", "InvalidArgumentType",
            "CompiledKernel", "TraceError", "Variant", "and_masks", "compile", "create_block_mask",
            "export", "flex_attention", "merge_state", "merge_states", "noop_mask", "or_masks"]
 __version__ = "0.1.0"

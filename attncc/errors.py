@@ -38,6 +38,17 @@ class AttnSyntaxError(AttnccError, SyntaxError):
     """A `.attn` text variant failed to parse; the message shows line:column and a caret."""
 
 
+class CapturedReadError(TraceError, IndexError):
+    """A hook reads a captured tensor outside its bounds at a position that counts (one the
+    mask keeps, or any position for mask_mod and the transforms): what torch reports as an
+    IndexError. The message names the hook's line, the read, the position and the fix."""
+
+
+class IndexOverflowWarning(UserWarning):
+    """An i32 expression of a hook can leave 32 bits at a call's shapes: the kernels compute it
+    in 32-bit integers, where it wraps around."""
+
+
 class InvalidArgument(AttnccError, ValueError):
     """An argument has a value attncc cannot run (a zero size, a wrong shape, a bad id)."""
 

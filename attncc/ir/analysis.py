@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..errors import TraceError
+from ..errors import CapturedReadError, IndexOverflowWarning, TraceError
 from .evaluator import EvalError, evaluate
 from .nodes import Node, free_vars, walk
 from .printer import format_expr
@@ -162,12 +162,6 @@ def check_vector_indices(ir: VariantIR, head_dim: int,
 
 
 # ----------------------------------------------------------------------------- captured reads
-
-
-class CapturedReadError(TraceError, IndexError):
-    """A hook reads a captured tensor outside its bounds at a position that counts (one the
-    mask keeps, or any position for mask_mod and the transforms): what torch reports as an
-    IndexError. The message names the hook's line, the read, the position and the fix."""
 
 
 def load_guards(expr: Node, ops: tuple[str, ...] = ("load",)) -> dict[int, tuple[Node, Node]]:
@@ -397,7 +391,7 @@ def check_captured_reads(ir: VariantIR, shapes: Shapes, tensors: Mapping[str, to
         >>> check_captured_reads(ir, replace(sh, Sq=17, Skv=17), bind.tensors)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
           ...
-        attncc.ir.analysis.CapturedReadError: ...(<lambda>): score_mod reads tbl[q_idx - kv_idx] = tbl[16] at (b=0, h=0, q_idx=16, kv_idx=0), outside dim 0 of tbl [0, 16); make the tensor longer or mask that position
+        attncc.errors.CapturedReadError: ...(<lambda>): score_mod reads tbl[q_idx - kv_idx] = tbl[16] at (b=0, h=0, q_idx=16, kv_idx=0), outside dim 0 of tbl [0, 16); make the tensor longer or mask that position
     """
     from .intervals import Domain, implied_band
 
@@ -488,11 +482,6 @@ def clamp_reads(ir: VariantIR, clamp: Mapping[Node, Sequence[int]],
     out = ir.with_exprs(exprs)
     out = replace(out, scalars=ir.scalars + tuple(ScalarParam(nm, I32) for nm in sizes))
     return out, sizes
-
-
-class IndexOverflowWarning(UserWarning):
-    """An i32 expression of a hook can leave 32 bits at a call's shapes: the kernels compute it
-    in 32-bit integers, where it wraps around."""
 
 
 def index_overflows(ir: VariantIR, shapes: Shapes, params: Mapping[str, Any] | None = None
