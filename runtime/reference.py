@@ -361,7 +361,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
         if ir.use_softmax:
             if keep is not None:
                 s = s.masked_fill(~keep, -math.inf)
-            o, lse[:, :, r0:r1] = _softmax_rows(s, keep, vg, (B, Hkv, G, rows))  # type: ignore[index]
+            o, lse_rows = _softmax_rows(s, keep, vg, (B, Hkv, G, rows))
+            lse[:, :, r0:r1] = lse_rows  # type: ignore[index]
         else:
             w = s if keep is None else torch.where(keep, s, 0)
             o = _kept_matmul(w, keep, vg, (B, Hkv, G, rows))

@@ -62,7 +62,8 @@ def nothing(b: Any, h: Any, q: Any, kv: Any) -> Any:
 
 def _qkv(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(B, H, S, D, generator=g) for _ in range(3))  # type: ignore[return-value]
+    return tuple(torch.randn(B, H, S, D, generator=g)  # type: ignore[return-value]
+                 for _ in range(3))
 
 
 def _poke(name: str, row: int, col: int, val: float) -> Callable:
@@ -140,7 +141,8 @@ def assert_same_nonfinite(got: torch.Tensor, want: torch.Tensor, what: str) -> N
     """Same NaN pattern, same infinities, finite values within tolerance."""
     got, want = got.double(), want.double()
     assert torch.equal(got.isnan(), want.isnan()), (
-        f"{what}: NaN at {got.isnan().nonzero().tolist()}, expected {want.isnan().nonzero().tolist()}")
+        f"{what}: NaN at {got.isnan().nonzero().tolist()}, "
+        f"expected {want.isnan().nonzero().tolist()}")
     inf = want.isinf()
     assert torch.equal(got.isinf(), inf) and torch.equal(got[inf], want[inf]), f"{what}: infinities"
     fin = want.isfinite()
