@@ -490,16 +490,20 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
         float l = row_l[mf][hr];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
-        // Fully masked row: l = 0 -> output 0 (the accumulator is 0) and lse = -inf.
-        inv = l > 0.f ? 1.f / l : 0.f;
-        lse_val[mf][hr] = l > 0.f ? (row_m[mf][hr] + __log2f(l)) * kLn2 : neg_inf();
+        // No weight (l == 0 exactly: every logit masked or -inf): output 0 and lse -inf, even
+        // if a NaN value row at a masked key reached the accumulator (0 * NaN). A NaN logit
+        // left l NaN: output and lse NaN. A +inf logit made m +inf: lse +inf (torch's logsumexp).
+        inv = l == 0.f ? 0.f : 1.f / l;
+        const float m = row_m[mf][hr];
+        lse_val[mf][hr] =
+            l == 0.f ? neg_inf() : (m == attncc::pos_inf() ? m : (m + __log2f(l)) * kLn2);
       } else {
         lse_val[mf][hr] = 0.f;
       }
 #pragma unroll
       for (int nf = 0; nf < N_FRAGS_O; ++nf) {
-        o_acc[mf][nf][2 * hr] *= inv;
-        o_acc[mf][nf][2 * hr + 1] *= inv;
+        o_acc[mf][nf][2 * hr] = inv == 0.f ? 0.f : o_acc[mf][nf][2 * hr] * inv;
+        o_acc[mf][nf][2 * hr + 1] = inv == 0.f ? 0.f : o_acc[mf][nf][2 * hr + 1] * inv;
       }
     }
 
