@@ -164,6 +164,28 @@ def test_masked_nonfinite_value_in_a_skipped_tile_is_never_read(kernel: str, opt
     assert out[0, 0, s - 1, 3].isnan() and out[0, 1, s - 1, 4] == INF
 
 
+@pytest.mark.parametrize("kernel,opts", KERNELS[:2], ids=[k[0] for k in KERNELS[:2]])
+def test_normalize_none_propagates_nan(kernel: str, opts: dict) -> None:
+    """normalize="none" (out = sum of sigmoid(score) * v over kept keys): a NaN query row, a NaN
+    key under causal masking (rows before it never see it) and a score_mod NaN at a masked key."""
+    if kernel.startswith("fa3") and not _sm90():
+        pytest.skip("the FA3 kernel needs an sm_90 GPU")
+    s, d = 512, 128
+    q, k, v = _dense_inputs(1, 2, 2, s, d, seed=9,
+                            poke=_poke(("q", 0, 37, 5, NAN), ("k", 1, 300, 2, NAN)))
+    variant = attncc.Variant(
+        score_mod=lambda sc, b, h, qi, kv: torch.where(kv == qi + 1, NAN, torch.sigmoid(sc)),
+        mask_mod=causal, normalize="none")
+    ir, bind = variant.trace()
+    out = torch.full_like(q, SENTINEL)
+    gpu_flex.gpu_flex_attention(q, k, v, ir, bind, kernel_options=opts, out=out)
+    torch.cuda.synchronize()
+    ref, _ = attention_reference(q, k, v, ir, bind)
+    assert ref[0, 0, 37].isnan().all() and ref[0, 1, 300:].isnan().all()
+    assert not ref[0, 1, :300].isnan().any()
+    assert_pattern(out, ref, f"normalize=none {kernel}")
+
+
 def test_fa3_split_tail_keeps_the_pattern() -> None:
     """The split tail (fa3_split.cuh) merges units of a row cut by keys: a unit with a NaN
     logit, one with a +inf logit, and a row whose every logit is -inf."""
