@@ -413,20 +413,21 @@ def _kept_matmul(w: torch.Tensor, keep: torch.Tensor | None, vg: torch.Tensor,
     """
     B, Hkv, G, rows = groups
     Hq, Skv, Dv = w.shape[1], w.shape[-1], vg.shape[-1]
+    w5 = w.reshape(B, Hkv, G, rows, Skv)
     bad = ~torch.isfinite(vg).all(-1)  # [B, Hkv, 1, Skv]: keys whose value row is not finite
     if keep is None or not bool(bad.any()):
-        return (w.reshape(B, Hkv, G, rows, Skv) @ vg).reshape(B, Hq, rows, Dv)
-    # finite part by one matmul, the non-finite value rows added per kept key (few in practice)
-    vfin = torch.where(torch.isfinite(vg), vg, 0)
-    o = (w.reshape(B, Hkv, G, rows, Skv) @ vfin).reshape(B, Hq, rows, Dv)
+        return (w5 @ vg).reshape(B, Hq, rows, Dv)
+    # the finite keys by one matmul; each non-finite value row (few in practice) added with
+    # IEEE products for the rows that keep it
+    vfin = torch.where(bad.unsqueeze(-1), 0, vg)
+    o = (torch.where(bad.unsqueeze(-2), 0, w5) @ vfin).reshape(B, Hq, rows, Dv)
     cols = bad.reshape(B, Hkv, Skv).any(0).any(0).nonzero().flatten()
     step = max(1, _AUTO_CHUNK_ELEMS // max(1, B * Hq * rows * Dv))
     for c0 in range(0, cols.numel(), step):
         c = cols[c0:c0 + step]
-        wk = w.index_select(-1, c).reshape(B, Hkv, G, rows, -1, 1)
-        kk = keep.index_select(-1, c).reshape(B, Hkv, G, rows, -1, 1)
+        wk = w5.index_select(-1, c).unsqueeze(-1)  # [B, Hkv, G, rows, n, 1]
+        kk = keep.reshape(B, Hkv, G, rows, Skv).index_select(-1, c).unsqueeze(-1)
+        kk = kk & bad.index_select(-1, c).reshape(B, Hkv, 1, 1, -1, 1)  # the rest is in o
         vk = vg.index_select(-2, c).unsqueeze(3)  # [B, Hkv, 1, 1, n, Dv]
-        vk = torch.where(torch.isfinite(vk), 0, vk)
-        extra = torch.where(kk, wk * vk, 0).sum(-2)  # [B, Hkv, G, rows, Dv]
-        o = o + extra.reshape(B, Hq, rows, Dv)
+        o = o + torch.where(kk, wk * vk, 0).sum(-2).reshape(B, Hq, rows, Dv)
     return o

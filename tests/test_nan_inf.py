@@ -182,20 +182,27 @@ def test_nonfinite_value_at_masked_key_is_never_read(val: float, mask: Callable)
     assert (col.isnan() if math.isnan(val) else col == val).all()
 
 
-def test_normalize_none_propagates_nan_and_never_reads_masked_keys() -> None:
+@pytest.mark.parametrize("score_val,v_val", [(NAN, NAN), (INF, INF), (INF, -INF), (-INF, NAN)],
+                         ids=["nan-nan", "inf-inf", "inf-neginf", "neginf-nan"])
+def test_normalize_none_uses_ieee_products_and_never_reads_masked_keys(score_val: float,
+                                                                      v_val: float) -> None:
+    """out = sum over kept keys of score * v, each product as IEEE gives it: key 1's score is
+    `score_val` (kept by rows 1..), its value row has `v_val` at element 0 (finite elsewhere);
+    key 5's value row is NaN (masked for rows 0..4 by causal)."""
     q, k, v = _qkv(2)
-    v[:, :, 5, 0] = NAN  # masked for rows 0..4 by causal
-    variant = attncc.Variant(score_mod=lambda s, b, h, qi, ki: torch.where(ki == 1, NAN, s),
+    v[:, :, 5, 0] = NAN
+    v[:, :, 1, 0] = v_val
+    variant = attncc.Variant(score_mod=lambda s, b, h, qi, ki: torch.where(ki == 1, score_val, s),
                              mask_mod=causal, normalize="none")
     out = attncc.flex_attention(q, k, v, score_mod=variant)
     s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(D)
-    s[..., 1] = NAN
+    s[..., 1] = score_val
     keep = torch.ones(S, S, dtype=torch.bool).tril()
     want = torch.stack([torch.where(keep[r, :, None], s[..., r, :, None] * v.double(), 0).sum(-2)
                         for r in range(S)], dim=2)
     assert_same_nonfinite(out, want, "normalize=none")
-    assert not out[:, :, 0].isnan().any()  # row 0 keeps key 0 only
-    assert out[:, :, 1:].isnan().all()
+    assert torch.isfinite(out[:, :, 0]).all()  # row 0 keeps key 0 only
+    assert not torch.isfinite(out[:, :, 1:, 0]).any()
 
 
 # ------------------------------------------------------------------------------------ merging
