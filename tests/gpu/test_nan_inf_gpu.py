@@ -10,8 +10,9 @@ reference: the NaN pattern of out and LSE exactly, infinities exactly, finite va
 tolerance.
 
 One case is not an exact-pattern case on the GPU: a NaN or inf value row at a key a row masks,
-inside a key tile that row's query tile reads (P V multiplies it by 0: NaN). The reference never
-reads it; the kernels agree only for rows whose query tile skips that key tile, which
+inside a key tile that row's query tile reads (P V multiplies it by 0: NaN); without a block mask
+the dense kernels read every key tile. The reference never reads it; the kernels agree only for
+rows whose query tile skips that key tile (a block mask's absent block), which
 `test_masked_nonfinite_value_in_a_skipped_tile_is_never_read` checks.
 """
 from __future__ import annotations
@@ -118,11 +119,12 @@ def _dense_inputs(B: int, hq: int, hkv: int, s: int, d: int, seed: int,
     return q, k, v
 
 
-def _run_dense(q, k, v, ir, bind, opts):
+def _run_dense(q, k, v, ir, bind, opts, block_mask=None):
     out = torch.full_like(q, SENTINEL)
     lse = torch.full(q.shape[:3], SENTINEL, device=q.device)
-    gpu_flex.gpu_flex_attention(q, k, v, ir, bind, enable_gqa=q.shape[1] != k.shape[1],
-                                return_lse=True, kernel_options=opts, out=out, lse_out=lse)
+    gpu_flex.gpu_flex_attention(q, k, v, ir, bind, block_mask=block_mask,
+                                enable_gqa=q.shape[1] != k.shape[1], return_lse=True,
+                                kernel_options=opts, out=out, lse_out=lse)
     torch.cuda.synchronize()
     return out, lse
 
@@ -148,16 +150,19 @@ def test_dense_kernels_match_reference_pattern(case: tuple, kernel: str, opts: d
 
 @pytest.mark.parametrize("kernel,opts", KERNELS[:2], ids=[k[0] for k in KERNELS[:2]])
 def test_masked_nonfinite_value_in_a_skipped_tile_is_never_read(kernel: str, opts: dict) -> None:
-    """Causal, NaN / inf in the last key's value row: rows whose query tile ends before that
-    key's tile never read it (finite, equal to the reference); the last row keeps it."""
+    """A causal block mask, NaN / inf in the last key's value row: rows whose query tile ends
+    before that key's tile never read it (finite, equal to the reference); the last row keeps
+    it. (Without a block mask the dense kernels read every key tile and apply the mask_mod per
+    element: every row's column would be NaN, as in torch's kernels.)"""
     if kernel.startswith("fa3") and not _sm90():
         pytest.skip("the FA3 kernel needs an sm_90 GPU")
     s, d = 1024, 128
     q, k, v = _dense_inputs(1, 2, 2, s, d, seed=7,
                             poke=_poke(("v", 0, s - 1, 3, NAN), ("v", 1, s - 1, 4, INF)))
-    ir, bind = attncc.Variant(mask_mod=causal).trace()
-    out, lse = _run_dense(q, k, v, ir, bind, opts)
-    ref, ref_lse = attention_reference(q, k, v, ir, bind)
+    bm = attncc.create_block_mask(causal, None, None, s, s, device="cuda")
+    ir, bind = attncc.Variant().trace()
+    out, lse = _run_dense(q, k, v, ir, bind, opts, block_mask=bm)
+    ref, ref_lse = attention_reference(q, k, v, ir, bind, block_mask=bm)
     early = s - 1 - 256 - 256  # no query / key tile is longer than 256 rows
     assert_pattern(out[:, :, :early], ref[:, :, :early], f"{kernel} rows before the key's tile")
     assert_pattern(lse, ref_lse, f"{kernel} lse")  # LSE never involves values
