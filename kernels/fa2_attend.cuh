@@ -76,7 +76,7 @@ __device__ __forceinline__ void merge_kv_slices(float* red, int kvw, int lane, f
       const int r = (lane >> 2) + 8 * hr;
       float mx = neg_inf();
 #pragma unroll
-      for (int k = 0; k < KV_WARPS; ++k) mx = fmaxf(mx, red_m[k * 16 + r]);
+      for (int k = 0; k < KV_WARPS; ++k) mx = fmax_nan(mx, red_m[k * 16 + r]);
       const float m_use = mx == neg_inf() ? 0.f : mx;  // all masked: every factor is 0, not NaN
       float lsum = 0.f;
 #pragma unroll
@@ -403,9 +403,9 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
           float mx = row_m[mf][hr];
 #pragma unroll
           for (int nf = 0; nf < N_FRAGS_S; ++nf)
-            mx = fmaxf(mx, fmaxf(s_acc[mf][nf][2 * hr], s_acc[mf][nf][2 * hr + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = fmax_nan(mx, fmax_nan(s_acc[mf][nf][2 * hr], s_acc[mf][nf][2 * hr + 1]));
+          mx = fmax_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmax_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           // A row with every logit so far masked has max -inf: subtract 0 instead so that
           // exp2(-inf - m) is 0, not NaN; its rescale factor is irrelevant (acc and l are 0).
           const float m_use = (mx == neg_inf()) ? 0.f : mx;

@@ -215,11 +215,9 @@ struct MergeScratch {
   float wts[MergeKernel::kChunk];
 };
 
-// The larger of two partial LSEs, NaN if either is (fmaxf drops NaN): a partial state with a
-// NaN logit makes the merged row NaN, as one softmax over the row's whole KV range would.
-__device__ __forceinline__ float lse_max(float a, float b) {
-  return (a != a || b != b) ? a + b : fmaxf(a, b);
-}
+// The larger of two partial LSEs, NaN if either is: a partial state with a NaN logit makes the
+// merged row NaN, as one softmax over the row's whole KV range would.
+__device__ __forceinline__ float lse_max(float a, float b) { return fmax_nan(a, b); }
 
 // Merge fused row r of `it` with one warp and write it (OutputTransform applied) and its LSE.
 // NaN and inf propagate as in one softmax: a NaN partial LSE gives NaN, a +inf one (a +inf

@@ -50,9 +50,15 @@ struct SmemRow {
     __device__ __forceinline__ float operator[](int i) const { return row[i]; }
 };
 
+// The larger of a and b, NaN if either is (fmaxf drops a NaN): a NaN score makes the running
+// maximum, and so the LSE, NaN as in torch, also in a row that holds a +inf score.
+__device__ __forceinline__ float max_nan(float a, float b) {
+    return (a != a || b != b) ? a + b : fmaxf(a, b);
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+    for (int off = 16; off > 0; off >>= 1) x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, off));
     return x;
 }
 
@@ -198,9 +204,7 @@ struct SimpleAttentionCta {
             }
         }
         if constexpr (Variant::use_softmax) {
-            // fmaxf drops a NaN score; its weight below is NaN all the same (exp(NaN)), so l
-            // and the row turn NaN as in torch
-            const float m_new = fmaxf(m, warp_max(keep ? s : neg_inf()));
+            const float m_new = max_nan(m, warp_max(keep ? s : neg_inf()));
             // Every score so far masked or -inf (m_new is warp-uniform): shift by 0, as
             // exp(-inf - -inf) would be NaN; a NaN score of this tile must still reach l.
             const float m_use = m_new == neg_inf() ? 0.0f : m_new;

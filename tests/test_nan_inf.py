@@ -17,6 +17,7 @@ key/value position j). Every case here is checked against torch itself by
 | score_mod +inf on key j (or on several keys)  | every row keeping j: all NaN | +inf           |
 | score_mod -inf on key j                       | key j drops out              | finite         |
 | score_mod -inf on every key of row r          | row r is 0                   | -inf           |
+| a NaN and a +inf score in one row             | that row all NaN             | NaN            |
 | masked key whose score would be NaN / +inf    | no effect (never read)       | no effect      |
 | row with no kept key (mask or block mask)     | 0, even if q is NaN          | -inf           |
 | NaN / inf in v at a masked key                | attncc: no effect (*)        | no effect      |
@@ -98,6 +99,8 @@ CASES = [
     ("score_posinf_key", None, _score_at(3, INF), None),
     ("score_neginf_key", None, _score_at(3, -INF), None),
     ("score_neginf_row", None, _score_at(None, -INF, q_i=2), None),
+    ("score_nan_and_posinf", None, lambda s, b, h, q, kv: torch.where(
+        kv == 1, NAN, torch.where(kv == 3, INF, s)), None),
     ("causal_score_nan_key", None, _score_at(3, NAN), causal),
     ("causal_score_posinf_key", None, _score_at(3, INF), causal),
     ("causal_score_log", None, _log_score, causal),

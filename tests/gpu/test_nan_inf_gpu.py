@@ -95,6 +95,8 @@ DENSE = [
     ("score_nan_key_causal", None, _score_at_key(300, NAN), causal),
     ("score_posinf_key_causal", None, _score_at_key(300, INF), causal),
     ("score_neginf_row", None, _score_at_row(37, -INF), None),
+    ("score_nan_and_posinf_causal", None, lambda s, b, h, q, kv: torch.where(
+        kv == 100, NAN, torch.where(kv == 300, INF, s)), causal),
     ("score_log_causal", None, lambda s, b, h, q, kv: torch.log(s), causal),
     ("masked_rows_nan_q_nan_v", _poke(("q", 0, 3, 1, NAN), ("v", 0, 300, 5, NAN)), None,
      every_7th_row_masked),
