@@ -76,7 +76,7 @@ __device__ __forceinline__ void merge_kv_slices(float* red, int kvw, int lane, f
       const int r = (lane >> 2) + 8 * hr;
       float mx = neg_inf();
 #pragma unroll
-      for (int k = 0; k < KV_WARPS; ++k) mx = fmaxf(mx, red_m[k * 16 + r]);
+      for (int k = 0; k < KV_WARPS; ++k) mx = fmax_nan(mx, red_m[k * 16 + r]);
       const float m_use = mx == neg_inf() ? 0.f : mx;  // all masked: every factor is 0, not NaN
       float lsum = 0.f;
 #pragma unroll
@@ -403,9 +403,9 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
           float mx = row_m[mf][hr];
 #pragma unroll
           for (int nf = 0; nf < N_FRAGS_S; ++nf)
-            mx = fmaxf(mx, fmaxf(s_acc[mf][nf][2 * hr], s_acc[mf][nf][2 * hr + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = fmax_nan(mx, fmax_nan(s_acc[mf][nf][2 * hr], s_acc[mf][nf][2 * hr + 1]));
+          mx = fmax_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmax_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           // A row with every logit so far masked has max -inf: subtract 0 instead so that
           // exp2(-inf - m) is 0, not NaN; its rescale factor is irrelevant (acc and l are 0).
           const float m_use = (mx == neg_inf()) ? 0.f : mx;
@@ -490,16 +490,20 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
         float l = row_l[mf][hr];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
-        // Fully masked row: l = 0 -> output 0 (the accumulator is 0) and lse = -inf.
-        inv = l > 0.f ? 1.f / l : 0.f;
-        lse_val[mf][hr] = l > 0.f ? (row_m[mf][hr] + __log2f(l)) * kLn2 : neg_inf();
+        // No weight (l == 0 exactly: every logit masked or -inf): output 0 and lse -inf, even
+        // if a NaN value row at a masked key reached the accumulator (0 * NaN). A NaN logit
+        // left l NaN: output and lse NaN. A +inf logit made m +inf: lse +inf (torch's logsumexp).
+        inv = l == 0.f ? 0.f : 1.f / l;
+        const float m = row_m[mf][hr];
+        lse_val[mf][hr] =
+            l == 0.f ? neg_inf() : (m == attncc::pos_inf() ? m : (m + __log2f(l)) * kLn2);
       } else {
         lse_val[mf][hr] = 0.f;
       }
 #pragma unroll
       for (int nf = 0; nf < N_FRAGS_O; ++nf) {
-        o_acc[mf][nf][2 * hr] *= inv;
-        o_acc[mf][nf][2 * hr + 1] *= inv;
+        o_acc[mf][nf][2 * hr] = inv == 0.f ? 0.f : o_acc[mf][nf][2 * hr] * inv;
+        o_acc[mf][nf][2 * hr + 1] = inv == 0.f ? 0.f : o_acc[mf][nf][2 * hr + 1] * inv;
       }
     }
 

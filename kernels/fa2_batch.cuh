@@ -215,7 +215,14 @@ struct MergeScratch {
   float wts[MergeKernel::kChunk];
 };
 
+// The larger of two partial LSEs, NaN if either is: a partial state with a NaN logit makes the
+// merged row NaN, as one softmax over the row's whole KV range would.
+__device__ __forceinline__ float lse_max(float a, float b) { return fmax_nan(a, b); }
+
 // Merge fused row r of `it` with one warp and write it (OutputTransform applied) and its LSE.
+// NaN and inf propagate as in one softmax: a NaN partial LSE gives NaN, a +inf one (a +inf
+// logit) an LSE of +inf and NaN output; a slot of weight 0 is still read (0 * NaN is NaN), and
+// an empty slot (-inf) holds a zero row (fa2_attend.cuh's epilogue).
 template <typename Variant, typename DType, int D, int TQ>
 __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp, const MergeItem& it,
@@ -234,16 +241,16 @@ __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
   if constexpr (kSoftmax) {
     if (it.s0 + lane < it.s1) mine = lse_of(it.s0 + lane);
     mx = mine;
-    for (int s = it.s0 + 32 + lane; s < it.s1; s += 32) mx = fmaxf(mx, lse_of(s));
+    for (int s = it.s0 + 32 + lane; s < it.s1; s += 32) mx = lse_max(mx, lse_of(s));
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    for (int o = 16; o > 0; o >>= 1) mx = lse_max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     if (it.s0 + lane < it.s1 && mx != neg_inf()) wsum = fast_exp2((mine - mx) * kLog2e);
     for (int s = it.s0 + 32 + lane; s < it.s1; s += 32)
       wsum += mx == neg_inf() ? 0.f : fast_exp2((lse_of(s) - mx) * kLog2e);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
   }
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  const float inv = wsum == 0.f ? 0.f : 1.f / wsum;
   float acc[COLS];
 #pragma unroll
   for (int c = 0; c < COLS; ++c) acc[c] = 0.f;
@@ -273,7 +280,9 @@ __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
       }
     }
   }
-  const float lse = kSoftmax && wsum > 0.f ? mx + __logf(wsum) : (kSoftmax ? neg_inf() : 0.f);
+  float lse = 0.f;
+  if constexpr (kSoftmax)
+    lse = wsum == 0.f ? neg_inf() : (mx == attncc::pos_inf() ? mx : mx + __logf(wsum));
 #pragma unroll
   for (int c = 0; c < COLS; ++c) scratch.row[lane * COLS + c] = acc[c];
   __syncwarp();

@@ -67,6 +67,15 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// The larger of a and b, NaN if either is (fmaxf drops a NaN): one FMNMX, as fmaxf. The online
+// softmax's running maximum takes it so that a NaN logit makes the row's maximum, and its LSE,
+// NaN (as torch) even when the row also holds a +inf logit.
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
 template <bool B> struct BoolTag { static constexpr bool value = B; };
 
 // ---------------------------------------------------------------------------------------------

@@ -326,15 +326,17 @@ __device__ __forceinline__ void softmax_step(float (&s)[TKV / 2], float (&row_m)
     // the tile's row maximum as a tree (depth log2(TKV / 4)) rather than one dependent chain
     float v[TKV / 8];
 #pragma unroll
-    for (int j = 0; j < TKV / 8; ++j) v[j] = fmaxf(s[4 * j + 2 * hr], s[4 * j + 2 * hr + 1]);
+    for (int j = 0; j < TKV / 8; ++j)
+      v[j] = fa2::fmax_nan(s[4 * j + 2 * hr], s[4 * j + 2 * hr + 1]);
 #pragma unroll
     for (int step = 1; step < TKV / 8; step *= 2)
 #pragma unroll
-      for (int j = 0; j + step < TKV / 8; j += 2 * step) v[j] = fmaxf(v[j], v[j + step]);
-    float mx = fmaxf(v[0], __shfl_xor_sync(0xffffffffu, v[0], 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    mx = fmaxf(mx * scale, row_m[hr]);  // (-inf * scale = -inf)
-    const float m_new = mx > row_m[hr] + kLazy ? mx : row_m[hr];
+      for (int j = 0; j + step < TKV / 8; j += 2 * step) v[j] = fa2::fmax_nan(v[j], v[j + step]);
+    // NaN-keeping maxima: a NaN logit makes the row's maximum NaN (and its LSE, as torch)
+    float mx = fa2::fmax_nan(v[0], __shfl_xor_sync(0xffffffffu, v[0], 1));
+    mx = fa2::fmax_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    mx = fa2::fmax_nan(mx * scale, row_m[hr]);  // (-inf * scale = -inf)
+    const float m_new = !(mx <= row_m[hr] + kLazy) ? mx : row_m[hr];  // (a NaN max is taken)
     const float m_use = (m_new == fa2::neg_inf()) ? 0.f : m_new;  // a fully masked row so far
     corr[hr] = fa2::fast_exp2(row_m[hr] - m_use);  // 1 while the maximum stays
     row_m[hr] = m_new;

@@ -188,7 +188,7 @@ __device__ __forceinline__ bool park_or_merge(const attncc::AttentionParams& p,
     const float m_unit[2] = {st.x, st.y};
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const float m_new = fmaxf(mx[hr], m_unit[hr]);
+      const float m_new = fa2::fmax_nan(mx[hr], m_unit[hr]);
       keep[hr] = mx[hr] == fa2::neg_inf() ? 0.f : fa2::fast_exp2(mx[hr] - m_new);
       add[hr] = m_unit[hr] == fa2::neg_inf() ? 0.f : fa2::fast_exp2(m_unit[hr] - m_new);
       mx[hr] = m_new;

@@ -134,8 +134,10 @@ __device__ __forceinline__ bool v4_aligned(const void* o, long long strides) {
          (reinterpret_cast<unsigned long long>(o) & 15) == 0;
 }
 
-// The row's final softmax statistics: 1 / l (0 for a fully masked row) and the natural-log LSE
-// (-inf for a fully masked row). Per-thread partial sums are reduced across the quad here.
+// The row's final softmax statistics: 1 / l and the natural-log LSE. A row with no weight
+// (l == 0 exactly: every logit masked or -inf) gets inv 0 and LSE -inf; a NaN logit left l NaN,
+// so inv and LSE are NaN; a +inf logit made m +inf (and l NaN), LSE +inf as torch's logsumexp.
+// Per-thread partial sums are reduced across the quad here.
 template <bool kSoftmax>
 __device__ __forceinline__ void finish_row(float m, float l, float& inv, float& lse) {
   inv = 1.f;
@@ -143,9 +145,20 @@ __device__ __forceinline__ void finish_row(float m, float l, float& inv, float& 
   if constexpr (kSoftmax) {
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv = l > 0.f ? 1.f / l : 0.f;
-    lse = l > 0.f ? (m + __log2f(l)) * kLn2 : fa2::neg_inf();
+    inv = l == 0.f ? 0.f : 1.f / l;
+    lse = l == 0.f ? fa2::neg_inf() : (m == attncc::pos_inf() ? m : (m + __log2f(l)) * kLn2);
   }
+}
+
+// Rows with no weight (inv == 0, see finish_row; 1 / l is never 0 for a real l) store 0, even
+// where their accumulator caught a NaN or inf value row at a masked key of a tile they read
+// (0 * NaN is NaN in P V). Selects in the epilogue only.
+template <int D>
+__device__ __forceinline__ void clear_empty_rows(float (&o)[D / 64][32], const float (&inv)[2]) {
+#pragma unroll
+  for (int blk = 0; blk < D / 64; ++blk)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o[blk][i] = inv[(i >> 1) & 1] == 0.f ? 0.f : o[blk][i];
 }
 
 }  // namespace fa3

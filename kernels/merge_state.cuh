@@ -84,9 +84,11 @@ __device__ __forceinline__ void store8<float>(float* p, const float (&x)[8]) {
 }
 
 // The weights of the two states in their merge, and the merged lse. An empty state (-inf) gets
-// weight 0 -- tested by the caller before it reads that state's o.
+// weight 0 and is never read (the caller tests its lse). NaN and +inf propagate as in one
+// softmax over both ranges: a NaN lse makes the weights and lse NaN (fmaxf alone would drop it),
+// a +inf lse (a +inf logit) makes them NaN and the lse +inf.
 __device__ __forceinline__ void weights(float la, float lb, float& wa, float& wb, float& lse) {
-    const float m = fmaxf(la, lb);
+    const float m = (la != la || lb != lb) ? la + lb : fmaxf(la, lb);
     if (m == neg_inf()) {
         wa = wb = 0.f;
         lse = neg_inf();
@@ -96,7 +98,7 @@ __device__ __forceinline__ void weights(float la, float lb, float& wa, float& wb
     const float inv = 1.f / (ea + eb);
     wa = ea * inv;
     wb = eb * inv;
-    lse = m + logf(ea + eb);
+    lse = m == pos_inf() ? m : m + logf(ea + eb);
 }
 
 template <typename T>
@@ -106,16 +108,22 @@ __device__ __forceinline__ void merge_state(const MergeStateParams& p) {
     if (idx >= p.rows * chunks) return;
     const i64 row = idx / chunks;
     float wa = 1.f, wb = 1.f, lse = 0.f;
-    if (p.softmax) weights(p.lse_a[row], p.lse_b[row], wa, wb, lse);
+    bool read_a = true, read_b = true;  // a weight that underflowed to 0 still reads (0 * NaN)
+    if (p.softmax) {
+        const float la = p.lse_a[row], lb = p.lse_b[row];
+        weights(la, lb, wa, wb, lse);
+        read_a = la != neg_inf();
+        read_b = lb != neg_inf();
+    }
     float out[8], x[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) out[i] = 0.f;
-    if (wa != 0.f) {
+    if (read_a) {
         load8(static_cast<const T*>(p.o_a) + idx * 8, x);
 #pragma unroll
         for (int i = 0; i < 8; ++i) out[i] = wa * x[i];
     }
-    if (wb != 0.f) {
+    if (read_b) {
         load8(static_cast<const T*>(p.o_b) + idx * 8, x);
 #pragma unroll
         for (int i = 0; i < 8; ++i) out[i] += wb * x[i];

@@ -50,9 +50,15 @@ struct SmemRow {
     __device__ __forceinline__ float operator[](int i) const { return row[i]; }
 };
 
+// The larger of a and b, NaN if either is (fmaxf drops a NaN): a NaN score makes the running
+// maximum, and so the LSE, NaN as in torch, also in a row that holds a +inf score.
+__device__ __forceinline__ float max_nan(float a, float b) {
+    return (a != a || b != b) ? a + b : fmaxf(a, b);
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+    for (int off = 16; off > 0; off >>= 1) x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, off));
     return x;
 }
 
@@ -161,10 +167,13 @@ struct SimpleAttentionCta {
         __syncthreads();
     }
 
-    // acc[d] += sum_j w_j * v[j][d], where lane j holds w_j.
-    __device__ __forceinline__ void accumulate(float w, int count) {
+    // acc[d] += sum_j w_j * v[j][d] over kept keys j, where lane j holds w_j. A masked key's
+    // value row is never read: a NaN there must not become 0 * NaN = NaN.
+    __device__ __forceinline__ void accumulate(float w, bool keep, int count) {
+        const unsigned kept = __ballot_sync(0xffffffffu, keep);
         for (int j = 0; j < count; ++j) {
             const float wj = __shfl_sync(0xffffffffu, w, j);
+            if (!((kept >> j) & 1u)) continue;  // warp-uniform
             const float* vr = v_tile + j * HEAD_DIM + lane;
 #pragma unroll
             for (int i = 0; i < Cfg::kDPerLane; ++i) acc[i] += wj * vr[32 * i];
@@ -195,20 +204,20 @@ struct SimpleAttentionCta {
             }
         }
         if constexpr (Variant::use_softmax) {
-            const float m_new = fmaxf(m, warp_max(keep ? s : neg_inf()));
-            // Nothing kept in this row so far (m_new is warp-uniform): nothing to add, and
-            // exp(-inf - -inf) would be NaN.
-            if (m_new == neg_inf()) return;
-            const float alpha = expf(m - m_new);  // rescales the old sum; 0 when m was -inf
-            const float w = keep ? expf(s - m_new) : 0.0f;
+            const float m_new = max_nan(m, warp_max(keep ? s : neg_inf()));
+            // Every score so far masked or -inf (m_new is warp-uniform): shift by 0, as
+            // exp(-inf - -inf) would be NaN; a NaN score of this tile must still reach l.
+            const float m_use = m_new == neg_inf() ? 0.0f : m_new;
+            const float alpha = expf(m - m_use);  // rescales the old sum; 0 when m was -inf
+            const float w = keep ? expf(s - m_use) : 0.0f;
             l = l * alpha + warp_sum(w);
             m = m_new;
 #pragma unroll
             for (int i = 0; i < Cfg::kDPerLane; ++i) acc[i] *= alpha;
-            accumulate(w, count);
+            accumulate(w, keep, count);
         } else {
             // normalize="none": the weight is the transformed score itself; masked -> 0.
-            accumulate(keep ? s : 0.0f, count);
+            accumulate(keep ? s : 0.0f, keep, count);
         }
     }
 
@@ -228,11 +237,12 @@ struct SimpleAttentionCta {
         float out[Cfg::kDPerLane];
         float lse = neg_inf();
         if constexpr (Variant::use_softmax) {
-            // l == 0: every kv position was masked (or scored -inf): output 0, lse -inf.
-            const bool any = l > 0.0f;
+            // l == 0: every kv position was masked (or scored -inf): output 0, lse -inf. A NaN
+            // score left l NaN (output and lse NaN); a +inf score made m +inf: lse +inf.
+            const bool any = l != 0.0f;
 #pragma unroll
             for (int i = 0; i < Cfg::kDPerLane; ++i) out[i] = any ? acc[i] / l : 0.0f;
-            if (any) lse = m + logf(l);
+            if (any) lse = m == pos_inf() ? m : m + logf(l);
         } else {
 #pragma unroll
             for (int i = 0; i < Cfg::kDPerLane; ++i) out[i] = acc[i];

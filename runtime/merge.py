@@ -11,6 +11,9 @@ of their union:
 The operator is associative and commutative (exactly, in real arithmetic; up to rounding in
 floating point). An empty range has ``lse = -inf`` and contributes nothing, whatever its ``o``
 holds; merging only empty states gives ``o = 0`` and ``lse = -inf`` (a fully masked row).
+NaN and +inf propagate as in a softmax over the union: a NaN lse makes the merged o and lse NaN,
+a +inf lse (a row with a +inf score) makes o NaN and lse +inf, and a NaN in a non-empty o stays
+NaN however small its weight (``0 * NaN``).
 
 `merge_state` merges two states, `merge_states` a stack of ``n`` states along dim 0 in index
 order; both are what the GPU kernels consuming `attncc.runtime.scheduler` plans must match
@@ -42,8 +45,6 @@ def _check(o: torch.Tensor, lse: torch.Tensor, name: str, lead: int = 0) -> None
         raise ValueError(f"{name}: o needs at least {1 + lead} dims, got {tuple(o.shape)}")
     if not (o.is_floating_point() and lse.is_floating_point()):
         raise TypeError(f"{name}: o and lse must be floating point, got {o.dtype} and {lse.dtype}")
-    if torch.isposinf(lse).any() or torch.isnan(lse).any():
-        raise ValueError(f"{name}: lse must be finite or -inf (got +inf or nan)")
 
 
 def merge_state(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
@@ -88,12 +89,14 @@ def merge_pair(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
         >>> merge_pair(torch.ones(1, 2), torch.zeros(1), torch.ones(1, 2), torch.zeros(1))[0]
         tensor([[1., 1.]])
     """
-    lse = torch.logaddexp(lse_a, lse_b)
+    lse = torch.logaddexp(lse_a, lse_b)  # NaN if either is NaN, +inf if either is +inf
     base = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     w_a = torch.exp(lse_a - base).unsqueeze(-1)
     w_b = torch.exp(lse_b - base).unsqueeze(-1)
     zero = torch.zeros((), dtype=w_a.dtype, device=w_a.device)
-    o = torch.where(w_a > 0, w_a * o_a, zero) + torch.where(w_b > 0, w_b * o_b, zero)
+    # only an empty state is skipped: a NaN o with a tiny weight stays NaN, as 0 * NaN would
+    o = (torch.where(torch.isneginf(lse_a).unsqueeze(-1), zero, w_a * o_a)
+         + torch.where(torch.isneginf(lse_b).unsqueeze(-1), zero, w_b * o_b))
     return o, lse
 
 
@@ -117,14 +120,15 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torc
     if o.shape[0] == 0:
         return (torch.zeros(o.shape[1:], dtype=o.dtype, device=o.device),
                 torch.full(lse.shape[1:], float("-inf"), dtype=lse.dtype, device=lse.device))
-    m = lse.amax(dim=0)
+    m = lse.amax(dim=0)  # NaN if any state's lse is NaN
     empty = torch.isneginf(m)
     m_safe = torch.where(empty, torch.zeros_like(m), m)
     w = torch.exp(lse - m_safe)                       # 0 for empty states, <= 1 otherwise
-    d = w.sum(dim=0)
+    d = w.sum(dim=0)                                  # NaN when m is NaN or +inf
     scale = torch.where(empty, torch.zeros_like(d), 1.0 / torch.where(empty, torch.ones_like(d), d))
     w = (w * scale).unsqueeze(-1)
     zero = torch.zeros((), dtype=w.dtype, device=w.device)
-    out = torch.where(w > 0, w * o, zero).sum(dim=0)
-    lse_out = torch.where(empty, m, m_safe + torch.log(torch.where(empty, torch.ones_like(d), d)))
+    out = torch.where(torch.isneginf(lse).unsqueeze(-1), zero, w * o).sum(dim=0)
+    lse_out = torch.where(empty | torch.isposinf(m), m,
+                          m_safe + torch.log(torch.where(empty, torch.ones_like(d), d)))
     return out, lse_out

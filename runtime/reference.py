@@ -13,8 +13,11 @@ Semantics (the same ones the kernel templates implement, see KERNEL_INTERFACE.md
 3. a position is kept when the variant's `mask_mod` keeps it AND the block mask keeps it
    (FlexAttention rules: absent blocks are masked, partial blocks apply `block_mask.mask_mod`,
    full blocks are kept);
-4. `normalize="softmax"`: softmax over kept keys; a row with no kept key gives output 0 and
-   LSE -inf. `normalize="none"`: `out = sum(score * v)` over kept keys, no LSE;
+4. `normalize="softmax"`: softmax over kept keys; a row with no kept key (or whose every kept
+   score is -inf) gives output 0 and LSE -inf. `normalize="none"`: `out = sum(score * v)` over
+   kept keys, no LSE. NaN and inf propagate as in torch (a NaN score: NaN row and LSE; a +inf
+   score: NaN row, LSE +inf); a masked key is never read, not even its value row
+   (docs/semantics.md, "NaN and inf");
 5. `output_mod` on every output row (a fully masked row's output is 0 before `output_mod`).
 
 GQA: query head `h` reads kv head `h // (Hq // Hkv)`.
@@ -412,20 +415,73 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
         if ir.use_softmax:
             if keep is not None:
                 s = s.masked_fill(~keep, -math.inf)
-            if Skv == 0:
-                m = torch.full((B, Hq, rows, 1), -math.inf, dtype=float_dtype, device=device)
-            else:
-                m = s.amax(-1, keepdim=True)
-            # a fully masked row has max -inf: shift by 0 so exp gives 0 rather than NaN
-            m_safe = torch.where(m == -math.inf, torch.zeros_like(m), m)
-            p = torch.exp(s - m_safe)
-            denom = p.sum(-1, keepdim=True)
-            o = (p.reshape(B, Hkv, G, rows, Skv) @ vg).reshape(B, Hq, rows, Dv)
-            o = torch.where(denom > 0, o / torch.where(denom > 0, denom, 1), 0)
-            lse[:, :, r0:r1] = (m_safe + torch.log(denom)).squeeze(-1)  # type: ignore[index]
+            o, lse_rows = _softmax_rows(s, keep, vg, (B, Hkv, G, rows))
+            lse[:, :, r0:r1] = lse_rows  # type: ignore[index]
         else:
             w = s if keep is None else torch.where(keep, s, 0)
-            o = (w.reshape(B, Hkv, G, rows, Skv) @ vg).reshape(B, Hq, rows, Dv)
+            o = _kept_matmul(w, keep, vg, (B, Hkv, G, rows))
         out[:, :, r0:r1] = _transform(hooks, "output_mod", "o", o, "q_idx", q_offset + r0,
                                       b_offset)
     return out, lse
+
+
+# --------------------------------------------------------------------------------- softmax
+def _softmax_rows(s: torch.Tensor, keep: torch.Tensor | None, vg: torch.Tensor,
+                  groups: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax-weighted values and LSE of score rows `s` [B, Hq, rows, Skv] (masked = -inf).
+
+    NaN and inf follow torch: a NaN score makes its row's output and LSE NaN, a +inf score
+    makes the output NaN and the LSE +inf; a row whose every score is -inf (masked, or -inf
+    from score_mod) has no weight at all and gives output 0 and LSE -inf.
+    """
+    B, Hq, rows, Skv = s.shape
+    if Skv == 0:
+        m = s.new_full((B, Hq, rows, 1), -math.inf)
+    else:
+        m = s.amax(-1, keepdim=True)  # NaN when the row holds a NaN score
+    # a fully masked row has max -inf: shift by 0 so exp gives 0 rather than NaN
+    m_safe = torch.where(m == -math.inf, torch.zeros_like(m), m)
+    p = torch.exp(s - m_safe)  # NaN for a NaN max, and at a +inf score (inf - inf)
+    denom = p.sum(-1, keepdim=True)
+    empty = denom == 0  # every score -inf: exactly the rows with no weight
+    o = _kept_matmul(p, keep, vg, groups)
+    o = torch.where(empty, 0, o / torch.where(empty, 1, denom))
+    lse = torch.where(m == math.inf, m, m_safe + torch.log(denom))  # logsumexp with a +inf is +inf
+    return o, lse.squeeze(-1)
+
+
+def _kept_matmul(w: torch.Tensor, keep: torch.Tensor | None, vg: torch.Tensor,
+                 groups: tuple[int, int, int, int]) -> torch.Tensor:
+    """`sum over kept keys of w * v` per row: [B, Hq, rows, Dv] from w [B, Hq, rows, Skv].
+
+    A masked key is never read: a NaN or inf in its value row changes nothing (a plain w @ v
+    would turn 0 * NaN into NaN in every row). Kept keys multiply as IEEE does (0 * inf is NaN).
+
+    Example:
+        >>> w = torch.tensor([[[[0.5, 0.0]]]], dtype=torch.float64)
+        >>> v = torch.tensor([[[[[2.0], [float("nan")]]]]], dtype=torch.float64)
+        >>> _kept_matmul(w, torch.tensor([[[[True, False]]]]), v, (1, 1, 1, 1)).tolist()
+        [[[[1.0]]]]
+        >>> _kept_matmul(w, None, v, (1, 1, 1, 1)).isnan().item()
+        True
+    """
+    B, Hkv, G, rows = groups
+    Hq, Skv, Dv = w.shape[1], w.shape[-1], vg.shape[-1]
+    w5 = w.reshape(B, Hkv, G, rows, Skv)
+    bad = ~torch.isfinite(vg).all(-1)  # [B, Hkv, 1, Skv]: keys whose value row is not finite
+    if keep is None or not bool(bad.any()):
+        return (w5 @ vg).reshape(B, Hq, rows, Dv)
+    # the finite keys by one matmul; each non-finite value row (few in practice) added with
+    # IEEE products for the rows that keep it
+    vfin = torch.where(bad.unsqueeze(-1), 0, vg)
+    o = (torch.where(bad.unsqueeze(-2), 0, w5) @ vfin).reshape(B, Hq, rows, Dv)
+    cols = bad.reshape(B, Hkv, Skv).any(0).any(0).nonzero().flatten()
+    step = max(1, _AUTO_CHUNK_ELEMS // max(1, B * Hq * rows * Dv))
+    for c0 in range(0, cols.numel(), step):
+        c = cols[c0:c0 + step]
+        wk = w5.index_select(-1, c).unsqueeze(-1)  # [B, Hkv, G, rows, n, 1]
+        kk = keep.reshape(B, Hkv, G, rows, Skv).index_select(-1, c).unsqueeze(-1)
+        kk = kk & bad.index_select(-1, c).reshape(B, Hkv, 1, 1, -1, 1)  # the rest is in o
+        vk = vg.index_select(-2, c).unsqueeze(3)  # [B, Hkv, 1, 1, n, Dv]
+        o = o + torch.where(kk, wk * vk, 0).sum(-2).reshape(B, Hq, rows, Dv)
+    return o
