@@ -181,3 +181,53 @@ def test_pow_by_a_scalar_takes_torchs_scalar_path(exponent: float) -> None:
     e = cast(binary("pow", var("score"), const(exponent)) * 1000.0, I32)
     got = evaluate(e, {"score": x}, float_dtype=torch.float64)
     assert torch.equal(got, (x ** exponent * 1000.0).long())
+
+
+# ------------------------------------------------------------------------------ generated CUDA
+def _bucket_expr():
+    """(q - kv).float() * 0.3 + 7.7, floor-divided by 0.1: a multiply-add feeding a floor."""
+    d = cast(var("q_idx") - var("kv_idx"), F32)
+    return cast(binary("floordiv", d * 0.3 + 7.7, const(0.1)), I32)
+
+
+def test_cone_is_spelled_with_rn_intrinsics_and_accurate_libm_under_fast_math() -> None:
+    from attncc.codegen.cuda_expr import emit
+
+    x = cast(unary("abs", var("q_idx") - var("kv_idx")), F32)
+    bucket = cast(binary("div", unary("log", x), const(2.7725887)) * 8.0, I32)
+    score = unary("tanh", binary("div", var("score"), const(30.0))) + cast(bucket, F32)
+    code = emit(score, fast_math=True)
+    text = "\n".join(code.lines())
+    assert "attncc::fast_tanh(score * " in text  # the score keeps its fast path
+    assert "logf(" in text and "fast_log" not in text
+    assert "__fmul_rn(__fmul_rn(logf(" in text  # a / c is a * (1.0f / c), as torch's CUDA
+    assert "__fmul_rn(" not in emit(var("score") * 3.0 + 1.0, fast_math=True).value
+    floor_text = "\n".join(emit(_bucket_expr()).lines())
+    assert "attncc::floordiv_rcp(__fadd_rn(__fmul_rn(" in floor_text, floor_text
+
+
+@pytest.mark.nvrtc
+def test_cone_multiply_add_is_not_contracted_into_fma() -> None:
+    """nvcc / NVRTC contract `a * b + c` into one FMA by default, which torch's separate
+    kernels never do: the cone's PTX has a separate mul.rn and add.rn, the score's an fma."""
+    from attncc.codegen.cuda_expr import emit
+    from attncc.kernels import read_template
+    from attncc.runtime import nvrtc
+
+    if not nvrtc.available():
+        pytest.skip("NVRTC is not installed")
+
+    def ptx(expr, ctype: str) -> str:
+        code = emit(expr, fast_math=True)
+        src = read_template("attncc_types.cuh") + (
+            f"extern \"C\" __global__ void k({ctype}* out, const int* q, const int* kv, "
+            f"const float* s) {{\n  const int q_idx = q[threadIdx.x], kv_idx = kv[threadIdx.x];"
+            f"\n  const float score = s[threadIdx.x];\n"
+            + "\n".join("  " + t for t in code.temps)
+            + f"\n  out[threadIdx.x] = {code.value};\n}}\n")
+        return nvrtc.compile_cuda(src, arch="sm_90a", emit="ptx").ptx or ""
+
+    d = cast(var("q_idx") - var("kv_idx"), F32)
+    cone = ptx(cast(d * 0.3 + 7.7, I32), "int")
+    assert "fma.rn.f32" not in cone and "mul.rn.f32" in cone and "add.rn.f32" in cone, cone
+    assert "fma.rn.f32" in ptx(var("score") * 0.3 + 7.7, "float")
