@@ -144,8 +144,9 @@ def test_discrete_expressions_match_torch_float32_on_cuda() -> None:
 @pytest.mark.gpu
 def test_t5_bucket_flex_attention_on_cuda_matches_torch_buckets() -> None:
     """attncc.flex_attention with a T5 relative-position bias on CUDA against a float64
-    reference whose buckets torch computed on CUDA; the table's entries are far apart, so one
-    wrong bucket moves the output beyond bf16 tolerance."""
+    reference whose buckets torch computed on CUDA (end to end: the captured table indexed by
+    the bucket in the FA kernels; the exact bucket integers of the hooks' spelling are pinned
+    by the property test above, where T5 buckets are one of the case kinds)."""
     import attncc
 
     nb, maxd, H, S, D = 32, 128, 4, 512, 64
@@ -173,4 +174,6 @@ def test_t5_bucket_flex_attention_on_cuda_matches_torch_buckets() -> None:
     bias = table[bucket(qi[:, None], qi[None, :]), :].permute(2, 0, 1).double()  # [H, S, S]
     s = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D) + bias
     ref = torch.softmax(s, dim=-1) @ v.double()
-    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < 1e-2, f"relative error {float(err):.3e}"
+    assert float((out.double() - ref).abs().max()) < 6e-2
