@@ -125,7 +125,8 @@ class _Evaluator:
     """Values of the nodes visited so far, in up to three precisions (see the module doc).
 
     `main`: every non-F32 node, and F32 nodes in `float_dtype`; `exact`: discrete-cone F32
-    nodes in float32; `scalar`: F32 Python scalars (constants and captured scalars) in float64.
+    nodes in float32; `scalar`: F32 values computed from captured scalars, in float64. F32
+    constants are made in the dtype of each use.
     """
 
     def __init__(self, env: Mapping[str, torch.Tensor | int | float],
