@@ -234,3 +234,15 @@ def test_cone_multiply_add_is_not_contracted_into_fma() -> None:
     cone = ptx(cast(d * 0.3 + 7.7, I32), "int")
     assert "fma.rn.f32" not in cone and "mul.rn.f32" in cone and "add.rn.f32" in cone, cone
     assert "fma.rn.f32" in ptx(var("score") * 0.3 + 7.7, "float")
+
+
+@pytest.mark.parametrize("value,want", [(3e9, 2**31 - 1), (-3e9, -(2**31)), (float("nan"), 0),
+                                        (float("-inf"), -(2**31)), (-2.7, -2)])
+def test_simplify_folds_a_float_constant_cast_like_the_device(value: float, want: int) -> None:
+    """`(kv_idx * 0 + 3e9).long()` folds to a constant cast: it raised IRTypeError before (the
+    builders' cast rejects out-of-range constants); now the device's saturating cast."""
+    e = cast(binary("add", cast(var("kv_idx") * 0, F32), const(value)), I32)
+    out = simplify(e)
+    assert out is const(want, I32)
+    env = {"kv_idx": torch.arange(3)}
+    assert torch.equal(evaluate(e, env), torch.full((3,), want))

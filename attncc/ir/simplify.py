@@ -239,14 +239,31 @@ def _schedule(root: Node, memo: dict[Node, Node], cone: frozenset[Node]) -> list
     return order
 
 
+def _cast_i32(v: float) -> int:
+    """float -> int32 as the device's cvt.rzi does (and the evaluator's to_i32)."""
+    if math.isnan(v):
+        return 0
+    if math.isinf(v):
+        return _I32_MAX if v > 0 else _I32_MIN
+    return max(_I32_MIN, min(_I32_MAX, math.trunc(v)))
+
+
+def _rebuild(n: Node, args: tuple[Node, ...]) -> Node:
+    """`rebuild`, except that a float constant cast to int folds as the device casts it
+    (the builders' cast rejects constants outside int32)."""
+    if n.op == "to_i32" and args[0].op == "const" and args[0].dtype is F32:
+        return const(_cast_i32(args[0].attr), I32)
+    return rebuild(n, args)
+
+
 def _simplify_one(n: Node, memo: dict[Node, Node], strict: bool) -> Node:
     if not n.args:
         return n
     if strict:  # a discrete-cone node: the user's order, exact rules only
-        return _local_strict(rebuild(n, tuple(memo[a] for a in n.args)))
+        return _local_strict(_rebuild(n, tuple(memo[a] for a in n.args)))
     if not _island_op(n, n.dtype):
         done = tuple(memo[a] for a in n.args)
-        pre = _local(rebuild(n, done))
+        pre = _local(_rebuild(n, done))
     else:
         # An island: rebuild it over simplified leaves with the local rules.
         inner, leaves = _island(n)
