@@ -109,11 +109,49 @@ __device__ __forceinline__ int pymod(int a, int b) {
     if (r != 0 && ((r < 0) != (b < 0))) r += b;
     return r;
 }
-// torch.floor_divide / torch.remainder on floats.
-__device__ __forceinline__ float floordiv(float a, float b) { return floorf(a / b); }
-__device__ __forceinline__ float pymod(float a, float b) { return a - floorf(a / b) * b; }
+// torch.floor_divide on floats (aten div_floor): from the quotient q of a - fmod(a, b), which is
+// (nearly) an integer, so no rounding of a / b up to the next integer can leak into the floor;
+// the sign fix, then floor. A zero result takes the sign of z = a / b. NaN / inf as torch.
+__device__ __forceinline__ float floordiv_finish(float b, float mod, float q, float z) {
+    if (mod != 0.0f && ((b < 0.0f) != (mod < 0.0f))) q = __fsub_rn(q, 1.0f);
+    if (q == 0.0f) return copysignf(0.0f, z);
+    const float f = floorf(q);
+    return __fsub_rn(q, f) > 0.5f ? __fadd_rn(f, 1.0f) : f;
+}
+__device__ __forceinline__ float floordiv(float a, float b) {
+    if (b == 0.0f) return __fdiv_rn(a, b);
+    const float mod = fmodf(a, b);
+    return floordiv_finish(b, mod, __fdiv_rn(__fsub_rn(a, mod), b), __fdiv_rn(a, b));
+}
+// The same by a Python scalar b: torch's CUDA kernel multiplies by the float32 reciprocal
+// inv_b = 1.0f / b instead of dividing (and a zero b is a true division, a * inv_b).
+__device__ __forceinline__ float floordiv_rcp(float a, float b, float inv_b) {
+    if (b == 0.0f) return __fmul_rn(a, inv_b);
+    const float mod = fmodf(a, b);
+    return floordiv_finish(b, mod, __fmul_rn(__fsub_rn(a, mod), inv_b), __fmul_rn(a, inv_b));
+}
+// torch.remainder on floats: fmod (exact) moved to the divisor's sign.
+__device__ __forceinline__ float pymod(float a, float b) {
+    const float mod = fmodf(a, b);
+    return (mod != 0.0f && ((b < 0.0f) != (mod < 0.0f))) ? __fadd_rn(mod, b) : mod;
+}
+// x ** e for a captured scalar e: torch's scalar-exponent kernels (aten pow_tensor_scalar).
+__device__ __forceinline__ float pow_scalar(float x, float e) {
+    if (e == 0.0f) return 1.0f;
+    if (e == 1.0f) return x;
+    if (e == 0.5f) return sqrtf(x);
+    if (e == -0.5f) return rsqrtf(x);
+    if (e == -1.0f) return __frcp_rn(x);
+    if (e == 2.0f) return __fmul_rn(x, x);
+    if (e == 3.0f) return __fmul_rn(__fmul_rn(x, x), x);
+    if (e == -2.0f) return __frcp_rn(__fmul_rn(x, x));
+    return powf(x, e);
+}
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+// torch.sigmoid's CUDA kernel: 1 / (1 + exp(-x)), each step rounded once.
+__device__ __forceinline__ float sigmoid(float x) {
+    return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x)));
+}
 
 // Fast math (codegen's fast_math=True): one special-function-unit instruction each instead of the
 // multi-instruction accurate libm versions, which would make the SFU -- not the tensor cores --

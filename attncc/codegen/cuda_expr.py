@@ -27,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..ir.discrete import discrete_cone, is_closed, is_sink
 from ..ir.nodes import BOOL, F32, I32, DType, Node, walk
 from .errors import CodegenError
 
@@ -49,6 +50,15 @@ _FAST_FLOAT_CALLS = {**_FLOAT_CALLS, "exp": "attncc::fast_exp", "exp2": "attncc:
                      "log": "attncc::fast_log", "log2": "attncc::fast_log2",
                      "sin": "attncc::fast_sin", "cos": "attncc::fast_cos"}
 _INT_CALLS = {"abs": "attncc::absi"}
+# Float arithmetic that becomes a discrete value (`attncc.ir.discrete`) is spelled as torch's
+# CUDA kernels compute it, one rounding per op: round-to-nearest intrinsics, which the compiler
+# never contracts into an FMA, and the accurate libm functions even under fast_math.
+_RN_INFIX = {"add": "__fadd_rn", "sub": "__fsub_rn", "mul": "__fmul_rn"}
+# torch's x ** c for a scalar exponent (aten pow_tensor_scalar): these exponents take a
+# dedicated kernel, every other one powf.
+_POW_SPECIAL = {0.5: "sqrtf({x})", -0.5: "rsqrtf({x})", -1.0: "__frcp_rn({x})",
+                2.0: "__fmul_rn({x}, {x})", 3.0: "__fmul_rn(__fmul_rn({x}, {x}), {x})",
+                -2.0: "__frcp_rn(__fmul_rn({x}, {x}))"}
 _BINARY_CALLS = {("floordiv", F32): "attncc::floordiv", ("floordiv", I32): "attncc::floordiv",
                  ("mod", F32): "attncc::pymod", ("mod", I32): "attncc::pymod",
                  ("pow", F32): "powf", ("min", F32): "attncc::minf", ("max", F32): "attncc::maxf",
@@ -82,6 +92,14 @@ def _to_f32(v: float) -> float:
         if abs(v) >= big:
             return math.copysign(math.inf, v)
         return math.copysign(3.4028234663852886e38, v)
+
+
+def _reciprocal_literal(c: float) -> str:
+    """1 / c in float32 as torch's CUDA division by a Python scalar computes it (1.0f / c)."""
+    c = _to_f32(c)
+    if c == 0 or math.isnan(c):
+        return float_literal(math.nan if math.isnan(c) else math.copysign(math.inf, c))
+    return float_literal(_to_f32(1.0 / c))
 
 
 def float_literal(v: float) -> str:
@@ -154,9 +172,11 @@ class CudaCode:
 
 
 class _Printer:
-    def __init__(self, names: ExprNames, fast_math: bool = False) -> None:
+    def __init__(self, names: ExprNames, fast_math: bool = False,
+                 exact: frozenset[Node] = frozenset()) -> None:
         self.names = names
         self.fast_math = fast_math
+        self.exact = exact  # F32 nodes spelled as torch computes them (discrete cone, sinks)
         self.bound: dict[int, str] = {}
 
     def leaf(self, n: Node) -> tuple[str, int]:
@@ -198,6 +218,8 @@ class _Printer:
             return "!" + operand(0, _UNARY), _UNARY
         if op in ("to_f32", "to_i32"):
             return f"({'float' if op == 'to_f32' else 'int'})" + operand(0, _UNARY), _UNARY
+        if n in self.exact and op not in ("neg", "where", "min", "max", "to_f32"):
+            return self.exact_text(n, texts), _ATOM
         if op == "div" and self.fast_math and n.dtype is F32:
             return self.fast_div(n, texts, operand)
         if op in _INFIX:
@@ -224,6 +246,36 @@ class _Printer:
             raise CodegenError(f"no CUDA spelling for {op} on {n.dtype.value}")
         a, b = (texts[id(x)][0] for x in n.args)
         return f"{fn}({a}, {b})", _ATOM
+
+    def exact_text(self, n: Node, texts: Mapping[int, tuple[str, int]]) -> str:
+        """A discrete-cone float op, one IEEE rounding each, as torch's CUDA kernels do it."""
+        op = n.op
+        x = [texts[id(a)][0] for a in n.args]
+        if op in _RN_INFIX:
+            return f"{_RN_INFIX[op]}({x[0]}, {x[1]})"
+        if op in ("div", "floordiv"):
+            b = n.args[1]
+            if not is_closed(b):
+                return f"{'__fdiv_rn' if op == 'div' else 'attncc::floordiv'}({x[0]}, {x[1]})"
+            # torch divides by a Python scalar as a multiply by its float32 reciprocal
+            rcp = _reciprocal_literal(b.attr) if b.op == "const" else f"__frcp_rn({x[1]})"
+            if op == "div":
+                return f"__fmul_rn({x[0]}, {rcp})"
+            return f"attncc::floordiv_rcp({x[0]}, {x[1]}, {rcp})"
+        if op == "pow" and n.args[1].op == "const":
+            special = _POW_SPECIAL.get(float(_to_f32(n.args[1].attr)))
+            if special is not None:
+                return special.format(x=x[0])
+        if op == "pow" and is_closed(n.args[1]):
+            return f"attncc::pow_scalar({x[0]}, {x[1]})"
+        if len(n.args) == 1:
+            if op not in _FLOAT_CALLS:
+                raise CodegenError(f"no CUDA spelling for {op} on {n.dtype.value}")
+            return f"{_FLOAT_CALLS[op]}({x[0]})"
+        fn = _BINARY_CALLS.get((op, n.dtype))
+        if fn is None:
+            raise CodegenError(f"no CUDA spelling for {op} on {n.dtype.value}")
+        return f"{fn}({x[0]}, {x[1]})"
 
     def fast_div(self, n: Node, texts: Mapping[int, tuple[str, int]], operand: Any
                  ) -> tuple[str, int]:
@@ -270,7 +322,11 @@ def emit(root: Node, names: ExprNames | None = None, *, inline_limit: int = 96,
 
     `fast_math` spells exp/exp2/log/log2/tanh/sigmoid with one-instruction hardware
     approximations and float division by a constant as multiplication by its reciprocal (the
-    FA2/FA3 kernels use it; results stay well inside bf16/fp16 tolerance).
+    FA2/FA3 kernels use it; results stay well inside bf16/fp16 tolerance). Float arithmetic
+    that becomes a discrete value (an int cast, floor, comparison: `attncc.ir.discrete`) is
+    spelled as torch's CUDA kernels compute it in either mode: `__fmul_rn`-style intrinsics
+    (never contracted into an FMA), accurate libm, a Python-scalar divisor as a multiply by
+    its float32 reciprocal, torch's scalar-exponent pow.
 
     Example:
         >>> from attncc.ir.nodes import var, where, load, const
@@ -282,6 +338,10 @@ def emit(root: Node, names: ExprNames | None = None, *, inline_limit: int = 96,
         >>> emit(const(30.0) * unary("tanh", binary("div", var("score"), const(30.0))),
         ...      fast_math=True).value
         '30.0f * attncc::fast_tanh(score * 0x1.111112p-5f)'
+        >>> from attncc.ir.nodes import cast
+        >>> d = cast(var("q_idx") - var("kv_idx"), F32)
+        >>> emit(cast(binary("div", unary("log", d), const(2.5)) * 8.0, I32), fast_math=True).value
+        '(int)__fmul_rn(__fmul_rn(logf((float)(q_idx - kv_idx)), 0x1.99999ap-2f), 8.0f)'
     """
     names = names or ExprNames()
     order = list(walk(root))
@@ -294,7 +354,8 @@ def emit(root: Node, names: ExprNames | None = None, *, inline_limit: int = 96,
     for n in order:
         if n.op in ("load", "vec") or any(id(a) in reads_memory for a in n.args):
             reads_memory.add(id(n))
-    printer = _Printer(names, fast_math)
+    exact = discrete_cone(root) | {n for n in order if n.dtype is F32 and is_sink(n)}
+    printer = _Printer(names, fast_math, frozenset(exact))
     texts: dict[int, tuple[str, int]] = {}
     temps: list[str] = []
     for n in order:

@@ -13,7 +13,12 @@ optionally `expand`/`factor_terms` when the island is small, and comes back as I
 Python's floor-division and modulo never enter sympy, so integer semantics are kept exactly.
 Long islands are cut into chunks of about 16 ops so that loops building huge sums stay linear.
 
-Float rules are those of `-ffast-math` algebra (`x - x -> 0`, `x * 0 -> 0`, reassociation), except
+A float computation whose value reaches a discrete sink (an int cast, floor, a comparison, a
+float `//` / `%`: `attncc.ir.discrete`) is the exception: there one ulp can change a bucket or a
+mask, so those nodes keep the user's order -- no sympy, no reassociation, only rules that hold
+bit for bit in IEEE float32 (`x * 1`, `x / -1`, `--x`, ...) and constant folding in float32.
+
+Elsewhere float rules are those of `-ffast-math` algebra (`x - x -> 0`, `x * 0 -> 0`, reassociation), except
 that an island holding a NaN/inf *constant* is never rewritten by sympy, and `x - x` / `x * 0`
 keep an `x` that contains one: `(score + -inf) - -inf` stays NaN-producing, as written. Float
 comparisons keep NaN semantics (`~(a < b)` is not `a >= b`; `x == x` is not folded).
@@ -39,6 +44,7 @@ from typing import Callable
 
 import sympy
 
+from .discrete import discrete_cone
 from .evaluator import eval_const
 from .nodes import BOOL, F32, I32, DType, Node, binary, const, rebuild, unary, walk, where
 from .program import VariantIR, identity_expr
@@ -61,6 +67,8 @@ _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 # node -> weakref(simplified node). Keys are weak so the cache never keeps IR alive; values are
 # weak because a value that refers back to its key would otherwise pin the entry forever.
 _CACHE: "weakref.WeakKeyDictionary[Node, weakref.ref[Node]]" = weakref.WeakKeyDictionary()
+# The same for nodes simplified as discrete-cone nodes (strict rules: see `_local_strict`).
+_STRICT: "weakref.WeakKeyDictionary[Node, weakref.ref[Node]]" = weakref.WeakKeyDictionary()
 _DIGEST: "weakref.WeakKeyDictionary[Node, str]" = weakref.WeakKeyDictionary()
 _CHUNK_SIZE: "weakref.WeakKeyDictionary[Node, int]" = weakref.WeakKeyDictionary()
 
@@ -88,12 +96,15 @@ def simplify(expr: Node) -> Node:
     if not isinstance(expr, Node):
         raise TypeError(f"simplify takes an IR Node, got {type(expr).__name__}")
     memo: dict[Node, Node] = {}
-    for n in _schedule(expr, memo):
-        out = _simplify_one(n, memo)
+    cone = discrete_cone(expr)
+    for n in _schedule(expr, memo, cone):
+        strict = n in cone
+        out = _simplify_one(n, memo, strict)
         memo[n] = out
-        _CACHE[n] = weakref.ref(out)
-        if out not in _CACHE:  # a result is its own simplification: re-simplifying is free
-            _CACHE[out] = weakref.ref(out)
+        cache = _STRICT if strict else _CACHE
+        cache[n] = weakref.ref(out)
+        if out not in cache:  # a result is its own simplification: re-simplifying is free
+            cache[out] = weakref.ref(out)
     return memo[expr]
 
 
@@ -134,13 +145,14 @@ def clear_cache() -> None:
         >>> clear_cache()
     """
     _CACHE.clear()
+    _STRICT.clear()
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def _cached(n: Node) -> Node | None:
-    ref = _CACHE.get(n)
+def _cached(n: Node, strict: bool) -> Node | None:
+    ref = (_STRICT if strict else _CACHE).get(n)
     return ref() if ref is not None else None
 
 
@@ -195,14 +207,14 @@ def _island(root: Node) -> tuple[list[Node], list[Node]]:
     return inner, leaves
 
 
-def _deps(n: Node) -> list[Node]:
+def _deps(n: Node, strict: bool) -> list[Node]:
     """What must be simplified before `n`: an island's opaque leaves, else the arguments."""
-    if _island_op(n, n.dtype):
+    if _island_op(n, n.dtype) and not strict:
         return _island(n)[1]
     return list(n.args)
 
 
-def _schedule(root: Node, memo: dict[Node, Node]) -> list[Node]:
+def _schedule(root: Node, memo: dict[Node, Node], cone: frozenset[Node]) -> list[Node]:
     """Nodes to simplify, dependencies first (iterative: user expressions can be deep).
 
     Nodes already in the cache go straight into `memo` (a strong reference for this call).
@@ -218,21 +230,40 @@ def _schedule(root: Node, memo: dict[Node, Node]) -> list[Node]:
         if n in seen:
             continue
         seen.add(n)
-        hit = _cached(n)
+        hit = _cached(n, n in cone)
         if hit is not None:
             memo[n] = hit
             continue
         stack.append((n, True))
-        stack.extend((d, False) for d in reversed(_deps(n)) if d not in seen)
+        stack.extend((d, False) for d in reversed(_deps(n, n in cone)) if d not in seen)
     return order
 
 
-def _simplify_one(n: Node, memo: dict[Node, Node]) -> Node:
+def _cast_i32(v: float) -> int:
+    """float -> int32 as the device's cvt.rzi does (and the evaluator's to_i32)."""
+    if math.isnan(v):
+        return 0
+    if math.isinf(v):
+        return _I32_MAX if v > 0 else _I32_MIN
+    return max(_I32_MIN, min(_I32_MAX, math.trunc(v)))
+
+
+def _rebuild(n: Node, args: tuple[Node, ...]) -> Node:
+    """`rebuild`, except that a float constant cast to int folds as the device casts it
+    (the builders' cast rejects constants outside int32)."""
+    if n.op == "to_i32" and args[0].op == "const" and args[0].dtype is F32:
+        return const(_cast_i32(args[0].attr), I32)
+    return rebuild(n, args)
+
+
+def _simplify_one(n: Node, memo: dict[Node, Node], strict: bool) -> Node:
     if not n.args:
         return n
+    if strict:  # a discrete-cone node: the user's order, exact rules only
+        return _local_strict(_rebuild(n, tuple(memo[a] for a in n.args)))
     if not _island_op(n, n.dtype):
         done = tuple(memo[a] for a in n.args)
-        pre = _local(rebuild(n, done))
+        pre = _local(_rebuild(n, done))
     else:
         # An island: rebuild it over simplified leaves with the local rules.
         inner, leaves = _island(n)
@@ -274,9 +305,25 @@ def _fold(n: Node) -> Node | None:
         v = eval_const(n)
     except Exception:  # e.g. integer division by zero: leave it for the user to see
         return None
-    if n.dtype is I32 and not _I32_MIN <= v <= _I32_MAX:
-        return None  # does not fit i32: keep the computation (it wraps on the device)
+    if n.dtype is I32 and _overflows(n):
+        return None  # keep the computation (it wraps, here as on the device): visibly
     return const(v, n.dtype)
+
+
+_EXACT_INT = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+              "neg": lambda a: -a, "abs": abs, "floordiv": lambda a, b: a // b}
+
+
+def _overflows(n: Node) -> bool:
+    """Whether an integer op on constants leaves the int32 range (in exact arithmetic)."""
+    f = _EXACT_INT.get(n.op)
+    if f is None or any(a.dtype is not I32 for a in n.args):
+        return False
+    try:
+        v = f(*(a.attr for a in n.args))
+    except ZeroDivisionError:
+        return False
+    return not _I32_MIN <= v <= _I32_MAX
 
 
 _NEGATED = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
@@ -475,6 +522,83 @@ def _local(n: Node) -> Node:
         folded = _fold(n)
         return n if folded is None else folded
     rule = _RULES.get(n.op)
+    return rule(n) if rule is not None else n
+
+
+def _is_zero(n: Node, negative: bool) -> bool:
+    return (n.op == "const" and n.dtype is F32 and n.attr == 0
+            and (math.copysign(1.0, n.attr) < 0) == negative)
+
+
+def _s_add(n: Node) -> Node:
+    a, b = n.args
+    if _is_zero(b, True):  # x + -0.0 is x (x + 0.0 is not: -0.0 + 0.0 = 0.0)
+        return a
+    if _is_zero(a, True):
+        return b
+    if a.op == "const":  # IEEE addition commutes
+        return _local_strict(binary("add", b, a))
+    if b.op == "neg":  # a + -b is a - b by definition
+        return _local_strict(binary("sub", a, b.args[0]))
+    if a.op == "neg":
+        return _local_strict(binary("sub", b, a.args[0]))
+    return n
+
+
+def _s_sub(n: Node) -> Node:
+    a, b = n.args
+    if _is_zero(b, False):
+        return a
+    if b.op == "neg":
+        return _local_strict(binary("add", a, b.args[0]))
+    return n
+
+
+def _s_mul(n: Node) -> Node:
+    a, b = n.args
+    for x, y in ((a, b), (b, a)):
+        if _is_num(x, 1):
+            return y
+        if _is_num(x, -1):
+            return _local_strict(unary("neg", y))
+    if b.op == "const" and a.op != "const":  # IEEE multiplication commutes
+        return binary("mul", b, a)
+    return n
+
+
+def _s_div(n: Node) -> Node:
+    a, b = n.args
+    if _is_num(b, 1):
+        return a
+    if _is_num(b, -1):
+        return _local_strict(unary("neg", a))
+    return n
+
+
+def _s_abs(n: Node) -> Node:
+    x = n.args[0]
+    if x.op == "abs":
+        return x
+    if x.op == "neg":
+        return _local_strict(unary("abs", x.args[0]))
+    return n
+
+
+# Rules that hold bit for bit in IEEE float32, including NaN, infinities and signed zeros.
+_STRICT_RULES: dict[str, Callable[[Node], Node]] = {
+    "add": _s_add, "sub": _s_sub, "mul": _s_mul, "div": _s_div, "neg": _r_neg, "abs": _s_abs,
+    "floor": _r_floor, "pow": _r_pow, "min": _r_minmax, "max": _r_minmax,
+}
+
+
+def _local_strict(n: Node) -> Node:
+    """`_local` for a discrete-cone F32 node: float32 constant folding and exact rules only."""
+    if n.dtype is not F32:
+        return _local(n)
+    if n.args and n.op not in ("load", "vec") and all(a.op == "const" for a in n.args):
+        folded = _fold(n)  # evaluated in float32, as torch would
+        return n if folded is None else folded
+    rule = _STRICT_RULES.get(n.op)
     return rule(n) if rule is not None else n
 
 
