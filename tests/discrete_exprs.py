@@ -152,3 +152,21 @@ def run_torch(case: Case, grid: dict[str, torch.Tensor]) -> torch.Tensor:
     out = fn(grid["score"], grid["b"], grid["h"], grid["q_idx"], grid["kv_idx"])
     shape = (grid["q_idx"].shape[0], grid["kv_idx"].shape[1])
     return torch.as_tensor(out).double().expand(shape)
+
+
+def t5_bucket(num_buckets: int, max_distance: int
+              ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Hugging Face T5's relative-position bucket (bidirectional), with `torch.clamp` in place of
+    `torch.min(x, torch.full_like(...))`: the formula whose float32 log bucket issue 27 found."""
+
+    def bucket(q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        rel = kv_idx - q_idx
+        half = num_buckets // 2
+        ret = (rel > 0).long() * half
+        n = torch.abs(rel)
+        exact = half // 2
+        large = exact + (torch.log(n.float() / exact) / math.log(max_distance / exact)
+                         * (half - exact)).to(torch.long)
+        return ret + torch.where(n < exact, n, torch.clamp(large, max=half - 1))
+
+    return bucket

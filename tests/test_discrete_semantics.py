@@ -6,7 +6,6 @@ arithmetic wraps at 32 bits like the generated CUDA `int` code.
 """
 from __future__ import annotations
 
-import math
 import time
 import warnings
 
@@ -20,7 +19,7 @@ from attncc.ir.evaluator import evaluate
 from attncc.ir.nodes import F32, I32, binary, cast, const, unary, var
 from attncc.ir.printer import format_expr
 from attncc.ir.simplify import simplify, simplify_variant
-from tests.discrete_exprs import Case, cases, run_torch, sweep_cases, torch_grid
+from tests.discrete_exprs import Case, cases, run_torch, t5_bucket, sweep_cases, torch_grid
 
 Q, K = 64, 64
 
@@ -103,15 +102,7 @@ def test_t5_bucket_flex_attention_matches_torch_on_cpu() -> None:
 
     nb, maxd, H, S = 32, 128, 4, 200
 
-    def bucket(q_idx, kv_idx):
-        rel = kv_idx - q_idx
-        half = nb // 2
-        ret = (rel > 0).long() * half
-        n = torch.abs(rel)
-        exact = half // 2
-        large = exact + (torch.log(n.float() / exact) / math.log(maxd / exact)
-                         * (half - exact)).to(torch.long)
-        return ret + torch.where(n < exact, n, torch.clamp(large, max=half - 1))
+    bucket = t5_bucket(nb, maxd)
 
     g = torch.Generator().manual_seed(27)
     table = torch.randn(nb, H, generator=g)

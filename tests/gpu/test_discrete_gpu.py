@@ -18,7 +18,7 @@ from attncc.codegen.cuda_expr import ExprNames, emit
 from attncc.codegen.layout import struct_layout
 from attncc.frontend import Variant
 from attncc.ir.simplify import simplify_variant
-from tests.discrete_exprs import Case, cases, run_torch, torch_grid
+from tests.discrete_exprs import Case, cases, run_torch, t5_bucket, torch_grid
 
 N_CASES = 520
 Q, K = 64, 64
@@ -151,15 +151,7 @@ def test_t5_bucket_flex_attention_on_cuda_matches_torch_buckets() -> None:
 
     nb, maxd, H, S, D = 32, 128, 4, 512, 64
 
-    def bucket(q_idx, kv_idx):
-        rel = kv_idx - q_idx
-        half = nb // 2
-        ret = (rel > 0).long() * half
-        n = torch.abs(rel)
-        exact = half // 2
-        large = exact + (torch.log(n.float() / exact) / math.log(maxd / exact)
-                         * (half - exact)).to(torch.long)
-        return ret + torch.where(n < exact, n, torch.clamp(large, max=half - 1))
+    bucket = t5_bucket(nb, maxd)
 
     g = torch.Generator(device="cuda").manual_seed(27)
     table = (torch.arange(nb * H, device="cuda", dtype=torch.float32).view(nb, H) % 7) * 1.5
