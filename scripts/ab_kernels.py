@@ -16,20 +16,51 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def main() -> None:
+def compare(builds: list[tuple[str, Callable[[], None], dict[str, Any] | None]],
+            seq_lens: list[int], variants: list[str], rounds: int) -> None:
+    """Print, per (S, variant), each build's best interleaved median against the first build's.
+
+    A build is (name, setup, kernel_options): `setup()` installs its templates before it runs.
+    """
     from triton.testing import do_bench
 
+    sys.path.insert(0, str(ROOT / "bench"))
+    from prefill import HEAD_DIM, HEADS, Bench, pairs
+
+    first = builds[0][0]
+    for S in seq_lens:
+        bench = Bench(S)
+        for variant in variants:
+            flops = 4 * HEAD_DIM * bench.B * HEADS * pairs(variant, S)
+            best: dict[str, float] = {}
+            outs: dict[str, Any] = {}
+            for _ in range(rounds):
+                for name, setup, opts in builds:
+                    setup()
+                    fn = bench.fn("attncc", variant, kernel_options=opts)
+                    outs[name] = fn()
+                    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                    best[name] = max(best.get(name, 0.0), flops / ms / 1e9)
+            builds[0][1]()
+            others = "  ".join(
+                f"{name} {best[name]:6.1f} ({first}/{name} {best[first] / best[name]:.3f}, "
+                f"max|diff| {float((outs[first].float() - outs[name].float()).abs().max()):.1e})"
+                for name, _, _ in builds[1:])
+            print(f"{variant:15s} S={S:5d}: {first} {best[first]:6.1f}  {others}", flush=True)
+
+
+def main() -> None:
     import attncc.kernels as shipped
     from attncc.runtime import gpu_flex
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from prefill import HEAD_DIM, HEADS, VARIANTS, Bench, pairs
+    from prefill import VARIANTS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("base", type=Path, nargs="+", help="other revisions' kernels/ folders")
@@ -38,33 +69,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     current = shipped.read_template
-    builds = [("current", None)] + [(f.resolve().parent.name, f) for f in args.base]
 
-    def use(folder: Path | None) -> None:
-        shipped.read_template = current if folder is None else (
-            lambda name: (folder / name).read_text(encoding="utf-8"))
-        gpu_flex._KERNELS.clear()
-        gpu_flex._CALLS.clear()
+    def use(folder: Path | None) -> Callable[[], None]:
+        def setup() -> None:
+            shipped.read_template = current if folder is None else (
+                lambda name: (folder / name).read_text(encoding="utf-8"))
+            gpu_flex._KERNELS.clear()
+            gpu_flex._CALLS.clear()
+        return setup
 
-    for S in args.S:
-        bench = Bench(S)
-        for variant in args.variants:
-            flops = 4 * HEAD_DIM * bench.B * HEADS * pairs(variant, S)
-            best: dict[str, float] = {}
-            outs: dict[str, Any] = {}
-            for _ in range(args.rounds):
-                for name, folder in builds:
-                    use(folder)
-                    fn = bench.fn("attncc", variant)
-                    outs[name] = fn()
-                    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-                    best[name] = max(best.get(name, 0.0), flops / ms / 1e9)
-            use(None)
-            others = "  ".join(
-                f"{name} {best[name]:6.1f} (current/{name} {best['current'] / best[name]:.3f}, "
-                f"max|diff| {float((outs['current'].float() - outs[name].float()).abs().max()):.1e})"
-                for name, _ in builds[1:])
-            print(f"{variant:15s} S={S:5d}: current {best['current']:6.1f}  {others}", flush=True)
+    builds = [("current", use(None), None)] + [
+        (f.resolve().parent.name, use(f), None) for f in args.base]
+    compare(builds, args.S, args.variants, args.rounds)
 
 
 if __name__ == "__main__":

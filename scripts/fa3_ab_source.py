@@ -9,7 +9,7 @@ A revision from before the persistent kernel (a 2-D grid of (batch x head, query
 rewritten to take its block from a 1-D grid in the same order, and launched one CTA per tile
 (kernel_options PERSISTENT=False); a persistent revision runs as it is. The current kernel runs
 as attncc runs it by default. Variants and inputs are bench/prefill.py's (B*S = 16384, H = 16,
-D = 128, bf16); figures are the best of `--rounds` interleaved medians, in TFLOP/s.
+D = 128, bf16); figures are the best of `--rounds` interleaved medians, in TFLOP/s (`ab_kernels.compare`).
 
     python scripts/fa3_ab_source.py old.cuh --S 2048 8192 16384 --variants full causal
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -43,13 +43,14 @@ def one_d_grid(text: str) -> str:
 
 
 def main() -> None:
-    from triton.testing import do_bench
-
     import attncc.kernels as shipped
     from attncc.runtime import gpu_flex
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from prefill import HEAD_DIM, HEADS, VARIANTS, Bench, pairs
+    from prefill import VARIANTS
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from ab_kernels import compare
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("old", type=Path, nargs="+", help="one or more revisions, each timed "
@@ -68,40 +69,23 @@ def main() -> None:
         opts = {"KERNEL": "fa3"} if text == raw else {"KERNEL": "fa3", "PERSISTENT": False}
         builds[path.stem] = (text, opts)
 
-    def build(text: str | None) -> None:
-        if text is None:
-            shipped.read_template = read_template
-            return
-        # a revision from before the split holds fa3_consumer.cuh and fa3_store.cuh's code too
-        whole = "consume_tiles(int n" in text
-        shipped.read_template = lambda name: (
-            text if name == "fa3_prefill.cuh"
-            else "" if whole and name in ("fa3_consumer.cuh", "fa3_store.cuh")
-            else read_template(name))
-        gpu_flex._KERNELS.clear()
-        gpu_flex._CALLS.clear()
+    def build(text: str | None) -> Callable[[], None]:
+        def setup() -> None:
+            if text is None:
+                shipped.read_template = read_template
+                return
+            # a revision from before the split holds fa3_consumer.cuh and fa3_store.cuh's code too
+            whole = "consume_tiles(int n" in text
+            shipped.read_template = lambda name: (
+                text if name == "fa3_prefill.cuh"
+                else "" if whole and name in ("fa3_consumer.cuh", "fa3_store.cuh")
+                else read_template(name))
+            gpu_flex._KERNELS.clear()
+            gpu_flex._CALLS.clear()
+        return setup
 
-    for S in args.S:
-        bench = Bench(S)
-        for variant in args.variants:
-            flops = 4 * HEAD_DIM * bench.B * HEADS * pairs(variant, S)
-            best: dict[str, float] = {}
-            outs: dict[str, Any] = {}
-            for _ in range(args.rounds):
-                for name, (text, opts) in builds.items():
-                    build(text)
-                    fn = bench.fn("attncc", variant, kernel_options=opts)
-                    outs[name] = fn()
-                    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-                    best[name] = max(best.get(name, 0.0), flops / ms / 1e9)
-            build(None)
-            def diff(name: str) -> float:
-                return float((outs["current"].float() - outs[name].float()).abs().max())
-
-            others = "  ".join(
-                f"{name} {best[name]:6.1f} (current/{name} {best['current'] / best[name]:.3f}, "
-                f"max|diff| {diff(name):.1e})" for name in builds if name != "current")
-            print(f"{variant:15s} S={S:5d}: current {best['current']:6.1f}  {others}", flush=True)
+    compare([(name, build(text), opts) for name, (text, opts) in builds.items()],
+            args.S, args.variants, args.rounds)
 
 
 if __name__ == "__main__":
