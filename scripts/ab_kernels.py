@@ -26,7 +26,7 @@ def main() -> None:
     from triton.testing import do_bench
 
     import attncc.kernels as shipped
-    from attncc.runtime import gpu_flex
+    from attncc.runtime.flex import gpu_flex
 
     sys.path.insert(0, str(ROOT / "bench"))
     from prefill import HEAD_DIM, HEADS, VARIANTS, Bench, pairs
