@@ -71,8 +71,7 @@ def planned(batch: int, hkv: int, dist: str, device: str = "cpu"
 def cell_timers(batch: int, hkv: int, dist: str, breakdown: bool, device: str = "cpu"
                 ) -> tuple[dict[str, Callable[[], Any]], dict[str, Any]]:
     """The functions to time for one cell, and what describes it (units, CTAs)."""
-    from attncc.runtime.serving.plan import planner
-    from attncc.runtime.serving.plan import scheduler
+    from attncc.runtime.serving.plan import planner, scheduler
 
     ba, args, plan_kw = planned(batch, hkv, dist, device)
     assert ba.tiles is not None and ba.layout is not None

@@ -162,7 +162,7 @@ def test_batch_kernels_compile(name: str, tq: int, head_dim: int) -> None:
     """The persistent kernel and its merge kernel compile for sm_90a (BatchParams' layout
     static_asserts included); one-fragment configurations do not spill."""
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.flex.gpu_flex import fa2_source
+    from attncc.runtime.jit.sources import fa2_source
     from attncc.runtime.jit.nvrtc import compile_cuda
 
     ir, _ = GYM[name](1, 8, 4096, head_dim).trace()

@@ -6,8 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from attncc.runtime.serving.plan import planner
-from attncc.runtime.serving.plan import scheduler
+from attncc.runtime.serving.plan import planner, scheduler
 
 needs_cc = pytest.mark.skipif(not planner.available(), reason="no C compiler to build the planner")
 

@@ -13,7 +13,6 @@ Example (planning only; launching needs a GPU):
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 import threading
@@ -24,7 +23,7 @@ from typing import Any, Mapping
 
 import torch
 
-from attncc.codegen.fa2 import Fa2Tiles, fa3_tiles
+from attncc.codegen.fa2 import fa3_tiles
 from attncc.errors import InvalidArgument
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
@@ -38,9 +37,8 @@ from ..reference import is_noop_mask, trace_mask, validate_attention_inputs
 from .fa3_split import TailSplit, tail_split
 from .tile_choice import TilePlan, choose_tiles
 
-__all__ = ["Fa2Config", "TilePlan", "LaunchPlan", "fa2_config", "choose_tiles", "fa2_source",
-           "plan_launch", "precompile", "gpu_flex_attention", "compiled_kernel_info",
-           "HEAD_DIMS"]
+__all__ = ["LaunchPlan", "plan_launch", "precompile", "gpu_flex_attention", "compiled_kernel_info",
+           "fa3_compiled_form", "fa3_pairs", "check_forced_fa3"]
 
 _TORCH_NOOP_BLOCK = 1 << 30
 

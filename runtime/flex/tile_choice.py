@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from attncc.codegen.fa2 import FA3_TKV_CHOICES, TKV_CHOICES, TQ_CHOICES, fa3_smem_bytes, fa3_tiles
 
-from ..jit.tiles import HEAD_DIMS, SMEM_PER_CTA, fa2_config, fa3_stages
+from ..jit.tiles import SMEM_PER_CTA, fa2_config, fa3_stages
 
 __all__ = ["TilePlan", "choose_tiles"]
 

@@ -50,7 +50,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from attncc.errors import DeviceError, InvalidArgument, check_bool, check_int
+from attncc.errors import DeviceError, check_bool, check_int
 from attncc.frontend import Variant
 from attncc.ir.analysis import Shapes
 from attncc.ir.program import Bindings, VariantIR
@@ -63,8 +63,7 @@ from ..jit.sources import fa2_source
 from ..jit.tiles import HEAD_DIMS, Fa2Config, fa2_config
 from .fa3_batch import fa3_batch_maps, fa3_batch_source, fa3_batch_tiles, fa3_unsupported
 from .plan import planner, scheduler
-from .plan.checks import (KV_LAYOUTS, RAGGED_PAGE, CheckedBatch, check_batch, check_ragged_table,
-                          int_array, page_shift)
+from .plan.checks import KV_LAYOUTS, RAGGED_PAGE, CheckedBatch, check_batch, int_array, page_shift
 from .plan.lpt import lpt_schedule
 
 __all__ = ["BatchAttention", "BatchTiles", "clip_causal_units", "KV_LAYOUTS"]

@@ -17,6 +17,7 @@ import attncc
 from attncc.ir.analysis import CapturedReadError, Shapes
 from attncc.runtime.flex import gpu_flex
 from attncc.runtime.jit.policy import spill_bytes, wgmma_notes
+from attncc.runtime.jit.sources import fa2_source
 from attncc.runtime.reference import attention_reference
 from examples.gym import causal
 
@@ -73,8 +74,8 @@ def test_clamped_fa2_kernel_attncc_runs_has_no_spills_beyond_budget() -> None:
     ir = simplify_variant(_clamped_ir(4096, 16, 128))
     plan = gpu_flex.choose_tiles(128, q_len=4096, kv_len=4096, group=1, heads=16, batch=1)
     for m_frags in sorted({plan.m_frags, 1}, reverse=True):
-        src, _, _, _ = gpu_flex.fa2_source(ir, head_dim=128, dtype="bfloat16", tq=plan.tq,
-                                           tkv=plan.tkv, stages=plan.stages, m_frags=m_frags)
+        src, _, _, _ = fa2_source(ir, head_dim=128, dtype="bfloat16", tq=plan.tq,
+                                  tkv=plan.tkv, stages=plan.stages, m_frags=m_frags)
         res = compile_cuda(src, arch="sm_90a", verbose=True)
         if spill_bytes(res.log) <= gpu_flex._SPILL_BUDGET[m_frags]:
             break
@@ -90,8 +91,8 @@ def test_clamped_serving_kernels_compile_without_spills() -> None:
     from attncc.runtime.jit.nvrtc import compile_cuda
 
     ir = simplify_variant(_clamped_ir(700, 8, 128))
-    src, _, _, _ = gpu_flex.fa2_source(ir, head_dim=128, dtype="bfloat16", tq=16, tkv=64,
-                                       batch=True, kv_warps=2)
+    src, _, _, _ = fa2_source(ir, head_dim=128, dtype="bfloat16", tq=16, tkv=64,
+                              batch=True, kv_warps=2)
     assert spill_bytes(compile_cuda(src, arch="sm_90a", verbose=True).log) == 0
     gk = fa3_batch_source(ir, 128, "bfloat16")
     res, _ = gpu_flex.compile_fa3(gk.source, arch="sm_90a", name=f"{gk.kernel_name}.cu")

@@ -30,7 +30,9 @@ import attncc
 from attncc.ir.hoist import transforms_in
 from attncc.ir.program import VariantIR
 from attncc.runtime.flex import gpu_flex
-from attncc.runtime.flex.gpu_flex import choose_tiles, fa2_config, fa2_source
+from attncc.runtime.flex.tile_choice import choose_tiles
+from attncc.runtime.jit.sources import fa2_source
+from attncc.runtime.jit.tiles import fa2_config
 from examples.gym import GYM, causal
 
 HEAD_DIMS = (64, 128, 256)
