@@ -78,7 +78,7 @@ def _compile_once():  # type: ignore[no-untyped-def]
 def child(mode: str, mem_runs: int) -> dict:
     """Runs inside a fresh process with ATTNCC_CACHE_DIR set by the parent."""
     _import_runtime()
-    importlib.import_module("attncc.runtime.jit.compile")  # (imports are not part of the timed region)
+    importlib.import_module("attncc.runtime.jit.compile")  # (imports are not timed)
 
     if mode == "stages":
         return _stages()

@@ -1,4 +1,4 @@
-"""The compiled planner (runtime/serving/plan/planner.c) gives exactly the numpy scheduler's plan."""
+"""The compiled planner (serving/plan/planner.c) gives exactly the numpy scheduler's plan."""
 from __future__ import annotations
 
 import time

@@ -1,4 +1,4 @@
-"""attncc.runtime.serving.plan.scheduler: the CPU half of the load-balanced persistent-kernel scheduler."""
+"""serving.plan.scheduler: the CPU half of the load-balanced persistent-kernel scheduler."""
 from __future__ import annotations
 
 import math

@@ -879,7 +879,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     # the FA3 kernel's dynamic item order claims items past the first from this counter: zero,
     # one per launch (a memset on the stream; in a CUDA graph, a memset node) so no two launches
     # share one. At head dim 256 each CTA runs one item and claims none: no counter, no memset.
-    # With a split tail (runtime/flex/fa3_split.py) the same buffer holds the tail's arrival counters,
+    # With a split tail (fa3_split.py) the same buffer holds the tail's arrival counters,
     # and the partial states get a workspace (written before it is read: not cleared).
     counter = partials = None
     if pl.tiles.kernel == "fa3" and D in FA3_PERSISTENT_HEAD_DIMS:

@@ -3,7 +3,7 @@
 `BatchAttention(variant, workspace_buffer, kv_layout=...)` follows FlashInfer's plan/run split:
 
 - `plan(...)` (host, once per generation step) turns the batch's lengths into a load-balanced
-  plan (`attncc.runtime.serving.plan.scheduler.plan`: work units of (request, KV head, query tile, KV chunk)
+  plan (`scheduler.plan`: work units of (request, KV head, query tile, KV chunk)
   assigned longest-first to a fixed grid of CTAs, plus the merge map of split KV ranges), packs
   it with the batch's page tables into a pinned host buffer (two halves that plans take in
   turn) and copies the words in use to the workspace: the plan (one range, its sections back
@@ -93,7 +93,7 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
     """Tiles for a batch whose longest request has `max_fused_rows` (query tokens x GQA group);
     `force=(T_q, T_kv, stages[, kv_warps])` takes those instead (the grid still follows
     residency). `fa3` ("off", "auto", "on"; the caller checked the FA3 batch kernel can run the
-    batch, runtime/serving/fa3_batch.py): "on" takes the FA3 batch kernel's tiles (128 fused rows x 128
+    batch, fa3_batch.py): "on" takes the FA3 batch kernel's tiles (128 fused rows x 128
     keys, one CTA per SM), "auto" does so for prefill batches (at least 128 fused rows).
 
     Decode (up to 16 fused rows) gets 16-row tiles with 2 warps splitting each 32-row KV tile:
@@ -403,7 +403,7 @@ class BatchAttention:
         what CascadeAttention uses for a shared prefix and the suffixes after it.
         `q_data_type` is the dtype `run` will get.
 
-        Host time: with the compiled planner (runtime/serving/plan/planner.c) a plan whose tiles are the
+        Host time: with the compiled planner (plan/planner.c) a plan whose tiles are the
         last plan's (a serving loop's every step) is one C call,
         `planner.BatchPlanner.plan`: it checks the arrays, computes the plan straight into the
         pinned staging buffer, writes the page tables after it and lists the used words; other

@@ -1,4 +1,4 @@
-"""BatchAttention (runtime/serving/batch.py, kernels/fa2_batch.cuh) against the fp64 batch reference.
+"""BatchAttention (serving/batch.py, kernels/fa2_batch.cuh) against the fp64 batch reference.
 
 Paged caches (NHD and HND, page sizes 1, 16 and 64) and ragged caches; batches mixing decode
 (1 query), speculative (4) and prefill chunks with KV lengths from 1 to 32K; GQA groups 1, 4, 8;
@@ -213,7 +213,7 @@ def test_fa3_batch_is_the_prefill_default_and_bitwise_stable() -> None:
 
 
 # An MHA decode batch (Hkv 32) large enough that its decode rows' units cover several KV heads
-# (attncc.runtime.serving.plan.scheduler, "Head spans"), with split long requests (one head per unit), 4-token
+# (the scheduler's docstring, "Head spans"), with split long requests (one head per unit), 4-token
 # speculative rows and a 1-token request among them.
 SPAN_Q = [1] * 90 + [4] * 6
 SPAN_KV = ([1 + (37 * i) % 2048 for i in range(88)] + [30000, 20000]

@@ -1,4 +1,4 @@
-"""kernels/tma.cuh + attncc.runtime.jit.tma on the GPU: a TMA copy with the 128-byte swizzle lands in
+"""kernels/tma.cuh + runtime/jit/tma.py on the GPU: a TMA copy with the 128-byte swizzle lands in
 exactly the layout kernels/wgmma.cuh's descriptors read (sw128_offset), signalled by an mbarrier.
 The NVRTC test (no GPU) compiles the probe for sm_90a."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The packed plan format shared by the host scheduler (runtime/serving/plan/scheduler.py, runtime/serving/plan/planner.c)
-and the GPU kernels (kernels/batch_params.cuh, kernels/fa2_batch.cuh): the work-unit and
+"""The packed plan format shared by the host scheduler (scheduler.py, planner.c) and the GPU
+kernels (kernels/batch_params.cuh, kernels/fa2_batch.cuh): the work-unit and
 merge-target records, the int32 header, `PlanLayout` (the plan's room from the user's maxima,
 so a CUDA graph can be captured once), `packed_offsets` (where a plan's sections sit in that
 room) and `workspace_bytes`, plus the argument checks both the planner and the layout use.
@@ -175,7 +175,7 @@ class PlanLayout:
 
     ``max_batch``: requests; ``max_qo_tokens``: total query tokens of a batch; ``max_ctas``: grid
     size; ``num_qo_heads`` / ``num_kv_heads`` / ``tile_q`` must equal the plan's. Derived bounds
-    (see attncc.runtime.serving.plan.scheduler's module docstring), with ``H = num_kv_heads``, ``P = max_ctas``:
+    (see the scheduler's module docstring), with ``H = num_kv_heads``, ``P = max_ctas``:
 
     - ``max_items = H * floor((g * N + min(max_batch, N) * (tile_q - 1)) / tile_q)``,
       ``N = max_qo_tokens``

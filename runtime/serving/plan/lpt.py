@@ -1,8 +1,7 @@
 """Longest-processing-time-first assignment of weighted work units to CTAs (FlashInfer's
 Algorithm 1, step 3), vectorised in numpy, with the plain min-heap version as its reference and
-integer cost ticks that make the assignment exact and reproducible. Used by
-`attncc.runtime.serving.plan.scheduler.plan` (which re-exports these names); runtime/serving/plan/planner.c is the
-compiled twin of the same rules.
+integer cost ticks that make the assignment exact and reproducible. Used by `scheduler.plan`
+(which re-exports these names); planner.c is the compiled twin of the same rules.
 
 Example (integer costs: `cost_ticks` quantises float ones):
     >>> indptr, units = lpt_schedule([5, 3, 3, 1], num_ctas=2)
@@ -133,12 +132,12 @@ def lpt_schedule(costs: Any, num_ctas: int, tiebreak: Any = None,
     each goes to the least loaded CTA, ties to the lowest CTA index. With ``section`` (ints, one
     per unit) the units of a lower section are all taken first -- LPT section by section, on
     the loads the earlier sections left -- so CTAs that run their queues at about the same rate
-    work in one section at a time (attncc.runtime.serving.batch uses it to keep a prefill's concurrently
+    work in one section at a time (serving.batch uses it to keep a prefill's concurrently
     read K/V within the L2). Returns
     ``(cta_indptr int32 [num_ctas+1], cta_units int32 [n])``: CTA ``c`` runs units
     ``cta_units[cta_indptr[c]:cta_indptr[c+1]]`` in the order it received them. Identical to
     `lpt_schedule_reference` (a Python min-heap), but assigns whole runs of equal cost and
-    whole blocks of up to ``num_ctas`` units per numpy step (see attncc.runtime.serving.plan.scheduler's
+    whole blocks of up to ``num_ctas`` units per numpy step (see the scheduler's
     module docstring).
 
     Example:

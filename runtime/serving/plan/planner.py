@@ -1,6 +1,7 @@
-"""The compiled planner: runtime/serving/plan/planner.c, built on first use with the system C compiler.
+"""The compiled planner: planner.c (next to this module), built on first use with the system C
+compiler.
 
-`attncc.runtime.serving.plan.scheduler.plan` computes a plan with numpy (~150 numpy calls: 0.6-2 ms at
+`scheduler.plan` computes a plan with numpy (~150 numpy calls: 0.6-2 ms at
 decode batch 256 on this project's 2-core CI-class VM, most of it call overhead). planner.c is
 its compiled twin, and more: it packs the plan straight into the `PlanLayout` buffer (what
 `Plan.pack` writes, byte for byte) and makes BatchAttention.plan's input checks in one pass.

@@ -115,7 +115,7 @@ Here everything is vectorised numpy: about 150 numpy calls plus about 10 per ``n
 units for the greedy. Measured medians at batch 256 with 32/8 heads and 264 CTAs (2 per SM):
 decode (3-4k units) 0.6-1.2 ms on a noisy 2-vCPU VM (numpy 2.4), 0.8 ms on the CPU of an H200
 host (numpy 2.5); prefill with 10-22k units 1.6-3.3 ms; a one-request batch 0.13 ms. The
-compiled twin (runtime/serving/plan/planner.c, used when a C compiler is found) computes the same plan and,
+compiled twin (planner.c, used when a C compiler is found) computes the same plan and,
 through `plan_into`, packs it straight into the caller's buffer: at decode batch 256 with 792
 CTAs, 15-24 us for 1-1.3k units, 18-28 us for 2-2.3k, 38-63 us for 8k on that VM
 (`bench/plan_time.py --breakdown`, which also times BatchAttention.plan end to end). The plan
@@ -393,7 +393,7 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
         min_kv_chunk: floor of the chunk length (rounded up to ``kv_chunk_align``).
         head_span: let a unit of a one-tile, unsplit request cover several KV heads (module
             docstring, "Head spans"); False: one KV head per unit.
-        impl: "numpy", "c" (the compiled twin in runtime/serving/plan/planner.c: the same plan, tens of
+        impl: "numpy", "c" (the compiled twin in planner.c: the same plan, tens of
             microseconds instead of a millisecond at batch 256; `plan_into` skips the typed
             arrays too) or "auto" (C when a C compiler is available).
 
