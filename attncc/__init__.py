@@ -13,16 +13,16 @@ Example:
 from .errors import (AttnccError, AttnSyntaxError, CapturedReadError, CompileError, DeviceError,
                      IndexOverflowWarning, InvalidArgument, InvalidArgumentType, TraceError)
 from .frontend import Variant, and_masks, noop_mask, or_masks
-from .runtime.batch import BatchAttention
-from .runtime.block_mask import BlockMask, create_block_mask
-from .runtime.cascade import CascadeAttention
-from .runtime.compile import CompiledKernel, compile, export
-from .runtime.flex import flex_attention
-from .runtime.merge import merge_state, merge_states
+from .runtime.serving.batch import BatchAttention
+from .runtime.flex.block_mask import BlockMask, create_block_mask
+from .runtime.serving.cascade import CascadeAttention
+from .runtime.jit.compile import CompiledKernel, compile, export
+from .runtime.flex.api import flex_attention
+from .runtime.serving.merge import merge_state, merge_states
+from .version import __version__
 
 __all__ = ["AttnccError", "AttnSyntaxError", "BatchAttention", "BlockMask", "CapturedReadError",
            "CascadeAttention", "CompileError", "DeviceError", "IndexOverflowWarning",
            "InvalidArgument", "InvalidArgumentType",
            "CompiledKernel", "TraceError", "Variant", "and_masks", "compile", "create_block_mask",
            "export", "flex_attention", "merge_state", "merge_states", "noop_mask", "or_masks"]
-__version__ = "0.1.0"

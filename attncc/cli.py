@@ -148,14 +148,14 @@ def load_target(target: str) -> tuple[VariantIR, Bindings]:
 
 
 def _dtype(args: argparse.Namespace) -> str:
-    from .runtime.compile import dtype_name
+    from .runtime.jit.compile import dtype_name
 
     return dtype_name(args.dtype)
 
 
 def _arch(args: argparse.Namespace) -> str:
     from .errors import CompileError
-    from .runtime.nvrtc import normalize_arch
+    from .runtime.jit.nvrtc import normalize_arch
 
     try:
         return normalize_arch(args.arch)
@@ -202,7 +202,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                               kernel=args.kernel)
         _write_or_print(gen.source, args.output)
         return 0
-    from .runtime.compile import compile as compile_kernel
+    from .runtime.jit.compile import compile as compile_kernel
 
     kernel = compile_kernel(ir, head_dim=args.head_dim, dtype=_dtype(args), arch=_arch(args),
                             kernel=args.kernel)
@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
         >>> build_parser().parse_args(["compile", "x.attn", "--emit", "ir"]).head_dim
         128
     """
-    from . import __version__
+    from .version import __version__
 
     parser = argparse.ArgumentParser(
         prog="attncc", description="Compile attention variants (FlexAttention-style mods or "

@@ -66,7 +66,7 @@ def _variant():  # type: ignore[no-untyped-def]
 
 
 def _compile_once():  # type: ignore[no-untyped-def]
-    from attncc.runtime.compile import compile
+    from attncc.runtime.jit.compile import compile
 
     v = _variant()
     t = time.perf_counter()
@@ -78,7 +78,7 @@ def _compile_once():  # type: ignore[no-untyped-def]
 def child(mode: str, mem_runs: int) -> dict:
     """Runs inside a fresh process with ATTNCC_CACHE_DIR set by the parent."""
     _import_runtime()
-    importlib.import_module("attncc.runtime.compile")  # (imports are not part of the timed region)
+    importlib.import_module("attncc.runtime.jit.compile")  # (imports are not timed)
 
     if mode == "stages":
         return _stages()
@@ -93,7 +93,7 @@ def child(mode: str, mem_runs: int) -> dict:
         out["memory_hit_s"] = mem
         # The cache layer alone on a disk hit (key + read + validate + decode), NVRTC already
         # loaded: a new KernelCache has an empty memory layer, and the key memo is cleared.
-        from attncc.runtime import cache as cache_mod
+        from attncc.runtime.jit import cache as cache_mod
 
         cache_mod._key.cache_clear()
         kc = cache_mod.KernelCache(os.environ["ATTNCC_CACHE_DIR"])
@@ -109,7 +109,7 @@ def _stages() -> dict:
     """Where a cold compile spends its time, each stage timed on its own in a fresh process."""
     from attncc.codegen.generate import generate_source
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.nvrtc import compile_cuda, nvrtc_version
+    from attncc.runtime.jit.nvrtc import compile_cuda, nvrtc_version
 
     v = _variant()
     t0 = time.perf_counter()
@@ -142,7 +142,7 @@ def _versions() -> dict:
     _import_runtime()
     import torch
 
-    from attncc.runtime.nvrtc import nvrtc_version
+    from attncc.runtime.jit.nvrtc import nvrtc_version
 
     try:
         from importlib.metadata import version

@@ -172,7 +172,7 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
              sweep: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     import torch
 
-    from attncc.runtime.batch import BatchAttention
+    from attncc.runtime.serving.batch import BatchAttention
     from timing import median_us, spin_gpu, time_call
 
     lens = kv_lengths(dist, batch, seed=batch * 7 + hkv)

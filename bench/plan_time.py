@@ -58,7 +58,7 @@ def planned(batch: int, hkv: int, dist: str, device: str = "cpu"
             ) -> tuple[Any, tuple, dict[str, Any]]:
     """A BatchAttention on `device` that planned the cell's batch once, and plan()'s
     positional and keyword arguments for that batch."""
-    from attncc.runtime.batch import BatchAttention
+    from attncc.runtime.serving.batch import BatchAttention
 
     b = make_batch(batch, hkv, dist)
     ba = BatchAttention(None, kv_layout="NHD", max_batch=max(batch, 16),
@@ -71,7 +71,7 @@ def planned(batch: int, hkv: int, dist: str, device: str = "cpu"
 def cell_timers(batch: int, hkv: int, dist: str, breakdown: bool, device: str = "cpu"
                 ) -> tuple[dict[str, Callable[[], Any]], dict[str, Any]]:
     """The functions to time for one cell, and what describes it (units, CTAs)."""
-    from attncc.runtime import planner, scheduler
+    from attncc.runtime.serving.plan import planner, scheduler
 
     ba, args, plan_kw = planned(batch, hkv, dist, device)
     assert ba.tiles is not None and ba.layout is not None
@@ -170,7 +170,7 @@ def phases(batch: int, hkv: int, dist: str, device: str, runs: int) -> dict[str,
     """Microseconds per plan() call of each of `PHASES` (and `plan`, `other`, `copies`: the
     copy calls per plan) over `runs` calls of one cell, with the steps of this instance (and,
     while it runs, `batch.used_ranges`) wrapped in timers."""
-    from attncc.runtime import batch as batch_mod
+    from attncc.runtime.serving import batch as batch_mod
 
     ba, args, kw = planned(batch, hkv, dist, device)
 
@@ -254,7 +254,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.numpy:
         os.environ["ATTNCC_NO_C_PLANNER"] = "1"  # read when the planner is first built
-    from attncc.runtime import planner
+    from attncc.runtime.serving.plan import planner
 
     print(f"compiled planner: {planner.available()}", flush=True)
     if a.profile:

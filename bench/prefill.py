@@ -199,7 +199,7 @@ def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, 
     import torch
     from triton.testing import do_bench
 
-    from attncc.runtime import gpu_flex
+    from attncc.runtime.flex import gpu_flex
 
     results: list[dict[str, Any]] = []
     for S in seq_lens:
@@ -236,7 +236,7 @@ def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, 
                     rec["kernel_options"] = opts
                 timed.append((rec, fn, flops, label))
                 if impl == "attncc":
-                    from attncc.runtime.flex import _as_variant, _trace
+                    from attncc.runtime.flex.api import _as_variant, _trace
 
                     ir, b = _trace(_as_variant(bench.score_mod[variant]))
                     mask = bench.mask_of[variant]

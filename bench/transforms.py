@@ -3,7 +3,7 @@ against what a FlexAttention or SDPA user does instead -- rotate q and k with Py
 call the attention -- all in one process on the same inputs (bf16, H=16, D=128, B*S=16384).
 
 attncc runs the hooks three ways: both in the pre-pass (the default here: once per row,
-runtime/prepass.py), only key_mod there (`*_kv_prepass`, kernel_options PREPASS="kv"), and both
+runtime/flex/prepass.py), only key_mod there (`*_kv_prepass`, kernel_options PREPASS="kv"), and both
 inside the attention kernel (`*_in_kernel`, PREPASS="none"); `attncc_fa3_causal` (no RoPE at
 all) is the ceiling.
 

@@ -58,7 +58,7 @@ def main() -> None:
 
     # 5. Compile it to CUDA with NVRTC (no GPU needed to compile).
     try:
-        from attncc.runtime.nvrtc import available
+        from attncc.runtime.jit.nvrtc import available
     except ImportError as e:
         print(f"\ncompile step skipped: {e}")
         return

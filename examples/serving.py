@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import attncc
-from attncc.runtime.batch import batch_attention_reference
+from attncc.runtime.reference import batch_attention_reference
 
 HQ, HKV, D, PAGE = 8, 2, 64, 16
 

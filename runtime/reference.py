@@ -22,6 +22,10 @@ Semantics (the same ones the kernel templates implement, see KERNEL_INTERFACE.md
 
 GQA: query head `h` reads kv head `h // (Hq // Hkv)`.
 
+`batch_attention_reference` is the same oracle for a serving batch (paged or ragged KV caches),
+request by request: what `BatchAttention.run` is tested against, with `BatchAttention.plan`'s
+argument checks (`serving.plan.checks`).
+
 Example:
     >>> import torch
     >>> from attncc.frontend import Variant
@@ -40,11 +44,14 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from attncc.errors import TraceError
+from attncc.errors import InvalidArgument, TraceError
+from attncc.frontend import Variant
 from attncc.ir.analysis import CapturedReadError, bounds_message, load_guards
 from attncc.ir.evaluator import evaluate
 from attncc.ir.nodes import Node
 from attncc.ir.program import Bindings, VariantIR
+
+from .serving.plan.checks import CheckedBatch, check_batch, np_int
 
 # Elements of one [B, H, rows, Skv] intermediate when q_chunk is chosen automatically: the
 # evaluator keeps a handful of such buffers alive per hook, so 2**22 float64 elements (32 MiB)
@@ -111,7 +118,7 @@ def validate_attention_inputs(query: Any, key: Any, value: Any, block_mask: Any 
         _validate_block_mask(block_mask, B, Hq, Sq, Skv, query.device)
 
 
-def _block_size(block_mask: Any) -> tuple[int, int]:
+def block_size(block_mask: Any) -> tuple[int, int]:
     bs = block_mask.BLOCK_SIZE
     if isinstance(bs, int):
         return bs, bs
@@ -125,7 +132,7 @@ def _validate_block_mask(bm: Any, B: int, Hq: int, Sq: int, Skv: int,
         if not hasattr(bm, attr):
             raise TypeError(f"block_mask must be a BlockMask (attncc.create_block_mask or "
                             f"torch's create_block_mask); {type(bm).__name__} has no .{attr}")
-    bq, bkv = _block_size(bm)
+    bq, bkv = block_size(bm)
     if bq <= 0 or bkv <= 0:
         raise ValueError(f"block_mask.BLOCK_SIZE must be positive, got {(bq, bkv)}")
     num, idx = bm.kv_num_blocks, bm.kv_indices
@@ -159,7 +166,7 @@ def _validate_block_mask(bm: Any, B: int, Hq: int, Sq: int, Skv: int,
 
 
 # --------------------------------------------------------------------------------- block masks
-def _is_noop_mask(fn: Any) -> bool:
+def is_noop_mask(fn: Any) -> bool:
     """torch's and attncc's `noop_mask` keep everything (torch's cannot be traced: new_ones)."""
     if fn is None:
         return True
@@ -174,9 +181,9 @@ def _is_noop_mask(fn: Any) -> bool:
     return fn is torch_noop
 
 
-def _block_states(bm: Any, Skv: int, device: torch.device) -> torch.Tensor:
+def block_states(bm: Any, Skv: int, device: torch.device) -> torch.Tensor:
     """[Bm, Hm, q_blocks, kv_blocks] int8: 0 = absent (masked), 1 = partial, 2 = full."""
-    _, bkv = _block_size(bm)
+    _, bkv = block_size(bm)
     nkvb = max(1, -(-Skv // bkv))
     num = bm.kv_num_blocks.to(device=device, dtype=torch.long)
     Bm, Hm, nqb = num.shape
@@ -198,7 +205,7 @@ def _block_states(bm: Any, Skv: int, device: torch.device) -> torch.Tensor:
     return state[..., :nkvb]
 
 
-def _trace_mask(fn: Callable) -> tuple[VariantIR, Bindings]:
+def trace_mask(fn: Callable) -> tuple[VariantIR, Bindings]:
     from attncc.frontend import trace_mods
 
     try:
@@ -369,10 +376,10 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
     mask_expr = hooks.active("mask_mod")
     bm_state = bm_hooks = bm_expr = None
     if block_mask is not None:
-        bq, bkv = _block_size(block_mask)
-        bm_state = _block_states(block_mask, Skv, device)
-        if not _is_noop_mask(getattr(block_mask, "mask_mod", None)):
-            bm_ir, bm_bind = _trace_mask(block_mask.mask_mod)
+        bq, bkv = block_size(block_mask)
+        bm_state = block_states(block_mask, Skv, device)
+        if not is_noop_mask(getattr(block_mask, "mask_mod", None)):
+            bm_ir, bm_bind = trace_mask(block_mask.mask_mod)
             bm_hooks = _Hooks(bm_ir, bm_bind, device, float_dtype)
             bm_expr = bm_hooks.active("mask_mod")
         kv_block = torch.arange(Skv, device=device) // bkv
@@ -485,3 +492,113 @@ def _kept_matmul(w: torch.Tensor, keep: torch.Tensor | None, vg: torch.Tensor,
         vk = vg.index_select(-2, c).unsqueeze(3)  # [B, Hkv, 1, 1, n, Dv]
         o = o + torch.where(kk, wk * vk, 0).sum(-2).reshape(B, Hq, rows, Dv)
     return o
+
+
+# ------------------------------------------------------------------------------ serving batches
+def _reference_cache(kv_cache: Any, kv_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache) of the reference's `kv_cache` argument, each checked for its rank."""
+    if isinstance(kv_cache, torch.Tensor) and kv_layout != "ragged" and kv_cache.dim() == 5 \
+            and kv_cache.shape[1] == 2:
+        k, v = kv_cache[:, 0], kv_cache[:, 1]
+    elif isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
+        k, v = kv_cache
+    else:
+        raise InvalidArgument("kv_cache must be (k_cache, v_cache) or a [num_pages, 2, ...] "
+                              "tensor")
+    rank = 3 if kv_layout == "ragged" else 4
+    for name, t in (("k_cache", k), ("v_cache", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != rank:
+            raise InvalidArgument(f"{name} must be a {rank}-D tensor in the {kv_layout} layout, "
+                                  f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else t}")
+    return k, v
+
+
+def _cache_heads(k: torch.Tensor, kv_layout: str) -> int:
+    """KV heads of a cache: [pages, page, H, D] (NHD), [pages, H, page, D] (HND), [tokens, H, D]."""
+    return int(k.shape[1] if kv_layout == "HND" else k.shape[-2])
+
+
+def _check_reference_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: CheckedBatch,
+                            kv_layout: str) -> None:
+    """What `run` checks of q and the cache against the plan: every row, page id and token the
+    batch names exists, and the cache's page size is the plan's."""
+    total_q = int(b.qo[-1])
+    if q.shape[0] < total_q:
+        raise InvalidArgument(f"q has {q.shape[0]} rows but qo_indptr[-1] = {total_q}")
+    Hkv, D = _cache_heads(k, kv_layout), q.shape[2]
+    if kv_layout == "ragged":
+        want = (b.max_page, Hkv, D)
+    else:
+        want = (b.max_page, b.page, Hkv, D) if kv_layout == "NHD" else (b.max_page, Hkv, b.page, D)
+    where = "" if kv_layout == "ragged" else f", page_size={b.page}"
+    for name, t in (("k_cache", k), ("v_cache", v)):
+        if t.shape[0] < want[0] or tuple(t.shape[1:]) != want[1:]:
+            raise InvalidArgument(f"{name} has shape {tuple(t.shape)}; the batch needs "
+                                  f"[>={want[0]}, {', '.join(map(str, want[1:]))}] "
+                                  f"({kv_layout} layout{where}; every page id and token must "
+                                  f"fit)")
+
+
+def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv_indptr: Any,
+                              kv_indices: Any = None, kv_last_page_len: Any = None, *,
+                              kv_layout: str = "NHD", page_size: int = 1,
+                              variant: Variant | None = None, scale: float | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Exact (float64) batch attention, request by request: the oracle of `BatchAttention.run`.
+    The hooks see b = the request's index, q_idx counted so that the queries are the request's
+    last tokens, as in the batch kernels.
+
+    Example:
+        >>> import torch
+        >>> q = torch.randn(3, 4, 64)
+        >>> k, v = torch.randn(2, 16, 2, 64), torch.randn(2, 16, 2, 64)    # NHD pages
+        >>> out, lse = batch_attention_reference(q, (k, v), [0, 1, 3], [0, 1, 2], [1, 0],
+        ...                                      [10, 16], page_size=16)
+        >>> tuple(out.shape), out.dtype
+        ((3, 4, 64), torch.float64)
+    """
+    variant = variant if variant is not None else Variant(name="batch_plain")
+    ir, bindings = variant.trace()
+    k_all, v_all = _reference_cache(kv_cache, kv_layout)
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise InvalidArgument(f"q must be a [total_q, num_qo_heads, head_dim] tensor, got "
+                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}")
+    # plan()'s checks, with the sizes read off q and the cache
+    b = check_batch(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_layout=kv_layout,
+                    num_qo_heads=q.shape[1], num_kv_heads=_cache_heads(k_all, kv_layout),
+                    head_dim=q.shape[2], page_size=page_size, head_dims=None)
+    _check_reference_shapes(q, k_all, v_all, b, kv_layout)
+    qo, kvp = b.qo, np_int(kv_indptr, "kv_indptr")
+    H = q.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = (torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
+           if ir.use_softmax else None)
+    pages = b.pages if kv_layout != "ragged" else None
+    last = np_int(kv_last_page_len, "kv_last_page_len") if kv_last_page_len is not None else None
+    for i in range(qo.size - 1):
+        lq = int(qo[i + 1] - qo[i])
+        if lq == 0:
+            continue
+        if kv_layout == "ragged":
+            k = k_all[int(kvp[i]):int(kvp[i + 1])]
+            v = v_all[int(kvp[i]):int(kvp[i + 1])]
+        else:
+            assert pages is not None and last is not None
+            ids = torch.as_tensor(pages[int(kvp[i]):int(kvp[i + 1])], device=k_all.device)
+            if kv_layout == "NHD":
+                k, v = k_all[ids].flatten(0, 1), v_all[ids].flatten(0, 1)
+            else:
+                k = k_all[ids].transpose(1, 2).flatten(0, 1)
+                v = v_all[ids].transpose(1, 2).flatten(0, 1)
+            n = (ids.numel() - 1) * page_size + int(last[i]) if ids.numel() else 0
+            k, v = k[:n], v[:n]
+        # queries are the last lq positions of the sequence: q_idx = lkv - lq + t
+        qi = q[int(qo[i]):int(qo[i + 1])]
+        o_i, l_i = attention_reference(qi.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                       v.transpose(0, 1)[None], ir, bindings, scale=scale,
+                                       enable_gqa=H != k.shape[1], q_offset=k.shape[0] - lq,
+                                       b_offset=i)  # the kernels' hooks see b = the request
+        out[int(qo[i]):int(qo[i + 1])] = o_i[0].transpose(0, 1)
+        if lse is not None and l_i is not None:
+            lse[int(qo[i]):int(qo[i + 1])] = l_i[0].transpose(0, 1)
+    return out, lse

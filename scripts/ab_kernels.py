@@ -57,7 +57,7 @@ def compare(builds: list[tuple[str, Callable[[], None], dict[str, Any] | None]],
 
 def main() -> None:
     import attncc.kernels as shipped
-    from attncc.runtime import gpu_flex
+    from attncc.runtime.flex import gpu_flex
 
     sys.path.insert(0, str(ROOT / "bench"))
     from prefill import VARIANTS

@@ -44,7 +44,7 @@ def one_d_grid(text: str) -> str:
 
 def main() -> None:
     import attncc.kernels as shipped
-    from attncc.runtime import gpu_flex
+    from attncc.runtime.flex import gpu_flex
 
     sys.path.insert(0, str(ROOT / "bench"))
     from prefill import VARIANTS

@@ -85,7 +85,7 @@ def main() -> None:
     from triton.testing import do_bench
 
     import attncc
-    from attncc.runtime import gpu_flex
+    from attncc.runtime.flex import gpu_flex
     from prefill import HEAD_DIM, HEADS, Bench, pairs
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,7 +1,7 @@
 """The FA3 kernel's resource report: registers, spills, shared memory, and what its SASS holds.
 
 Compiles the FA3 translation unit for each AttentionGym variant x head dim at the default tiles
-(runtime/tile_choice.py) as attncc does (`compile_fa3`: again with ATTNCC_FA3_LOW_PRESSURE if the
+(flex/tile_choice.py) as attncc does (`compile_fa3`: again with ATTNCC_FA3_LOW_PRESSURE if the
 first compile spills; both spill figures are reported), reads ptxas's `-v` report from NVRTC,
 and -- where `cuobjdump` is on PATH (the H200 image has it under /usr/local/cuda/bin) -- counts
 HGMMA (wgmma), USETMAXREG (setmaxnreg) and UTMALDG (TMA load) instructions in the SASS. Writes a
@@ -36,10 +36,10 @@ def _cuobjdump() -> str | None:
 
 def report(variant: str, head_dim: int) -> dict[str, Any]:
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.cache import cached_compile
-    from attncc.runtime.gpu_flex import (_fa3_generated, _spill_bytes, _wgmma_notes,
-                                         compile_fa3)
-    from attncc.runtime.tile_choice import choose_tiles
+    from attncc.runtime.jit.cache import cached_compile
+    from attncc.runtime.flex.gpu_flex import _fa3_generated
+    from attncc.runtime.jit.policy import compile_fa3, spill_bytes, wgmma_notes
+    from attncc.runtime.flex.tile_choice import choose_tiles
     from examples.gym import GYM
 
     plan = choose_tiles(head_dim, q_len=4096, kv_len=4096, group=1, heads=16, batch=1,
@@ -53,13 +53,13 @@ def report(variant: str, head_dim: int) -> dict[str, Any]:
     res, low = compile_fa3(gk.source, arch="sm_90a", name=name)
     rec: dict[str, Any] = {
         "variant": variant, "head_dim": head_dim, "tkv": plan.tkv, "stages": plan.stages,
-        "first_spill_bytes": _spill_bytes(first.log), "low_pressure": low,
+        "first_spill_bytes": spill_bytes(first.log), "low_pressure": low,
         "registers": int(re.findall(r"Used (\d+) registers", res.log)[0]),
-        "spill_bytes": _spill_bytes(res.log),
+        "spill_bytes": spill_bytes(res.log),
         "smem_bytes": gk.shared_mem_bytes,
         # warnings, and ptxas's notes that it waited for or serialized wgmmas
         "ptxas_warnings": [ln for ln in res.log.splitlines() if "warning" in ln.lower()]
-                          + _wgmma_notes(res.log)}
+                          + wgmma_notes(res.log)}
     tool = _cuobjdump()
     if tool:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

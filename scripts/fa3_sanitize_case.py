@@ -34,8 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import attncc  # noqa: E402
-from attncc.runtime import gpu_flex  # noqa: E402
-from attncc.runtime.batch import BatchAttention, batch_attention_reference  # noqa: E402
+from attncc.runtime.flex import gpu_flex  # noqa: E402
+from attncc.runtime.reference import batch_attention_reference  # noqa: E402
+from attncc.runtime.serving.batch import BatchAttention  # noqa: E402
 from attncc.runtime.reference import attention_reference  # noqa: E402
 from examples.gym import GYM, causal  # noqa: E402
 

@@ -8,8 +8,8 @@ import torch
 sys.path.insert(0, ".")
 if len(sys.argv) == 3:
     from tests.gpu.test_wgmma import _run, probe_source, ARGS, UNUSED
-    from attncc.runtime.launcher import load_kernel
-    from attncc.runtime.nvrtc import compile_cuda
+    from attncc.runtime.jit.launcher import load_kernel
+    from attncc.runtime.jit.nvrtc import compile_cuda
     kl = load_kernel(compile_cuda(probe_source(), arch="sm_90a").cubin, "wg_rs_v", ARGS, UNUSED)
     g = torch.Generator(device="cuda").manual_seed(5)
     p = torch.randn(64, 64, generator=g, device="cuda").bfloat16()

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from decode import D, HQ, PAGE, kv_lengths, make_batch  # noqa: E402
 
-from attncc.runtime.batch import BatchAttention  # noqa: E402
+from attncc.runtime.serving.batch import BatchAttention  # noqa: E402
 
 
 def cell(batch, hkv, dist, knobs):

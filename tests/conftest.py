@@ -32,7 +32,7 @@ requires_nvrtc = pytest.mark.nvrtc
 def nvrtc_available() -> bool:
     """True when NVRTC loads (no GPU needed)."""
     try:
-        from attncc.runtime.nvrtc import available
+        from attncc.runtime.jit.nvrtc import available
     except ImportError:
         try:
             from cuda.bindings import nvrtc

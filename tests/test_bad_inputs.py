@@ -16,9 +16,11 @@ import attncc
 from attncc.errors import (AttnccError, AttnSyntaxError, CompileError, DeviceError,
                            InvalidArgument, InvalidArgumentType, TraceError)
 from attncc.frontend.text import MAX_DEPTH, parse_attn
-from attncc.runtime import gpu_flex
-from attncc.runtime.batch import BatchAttention, batch_attention_reference, check_batch
-from attncc.runtime.compile import check_kernel_arch
+from attncc.runtime.flex import gpu_flex
+from attncc.runtime.reference import batch_attention_reference
+from attncc.runtime.serving.batch import BatchAttention
+from attncc.runtime.serving.plan.checks import check_batch
+from attncc.runtime.jit.compile import check_kernel_arch
 
 
 def _qkv(rng, B=1, Hq=2, Hkv=2, Sq=8, Skv=8, D=16):
@@ -155,7 +157,7 @@ def test_deep_attn_through_lets_is_a_syntax_error() -> None:
                                          ("fa2batch", "sm_70")])
 def test_kernel_arch_mismatch_is_refused_before_nvrtc(kernel: str, arch: str,
                                                       monkeypatch) -> None:
-    from attncc.runtime import compile as compile_mod
+    from attncc.runtime.jit import compile as compile_mod
 
     def no_nvrtc(*a, **k):
         raise AssertionError("NVRTC was called")

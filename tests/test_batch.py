@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import attncc
-from attncc.runtime.batch import BatchAttention, batch_attention_reference, choose_batch_tiles
+from attncc.runtime.reference import batch_attention_reference
+from attncc.runtime.serving.batch import BatchAttention, choose_batch_tiles
 from attncc.runtime.reference import attention_reference
 from examples.gym import GYM, causal
 
@@ -66,7 +67,7 @@ def test_decode_tiles_split_kv_between_warps_and_fit_residency() -> None:
     """Decode tiles (16 fused rows) get KV-splitting warps; the CTAs per SM follow shared memory
     and the 128-register cap the kernel's __launch_bounds__ asks for (fa2_common.cuh kMinBlocks),
     and a forced 4-tuple sets kv_warps."""
-    from attncc.runtime.gpu_flex import fa2_config
+    from attncc.runtime.jit.tiles import fa2_config
 
     t = choose_batch_tiles(128, 8, 132)
     assert (t.tq, t.tkv, t.kv_warps, t.ctas_per_sm) == (16, 32, 2, 6)
@@ -161,8 +162,8 @@ def test_batch_kernels_compile(name: str, tq: int, head_dim: int) -> None:
     """The persistent kernel and its merge kernel compile for sm_90a (BatchParams' layout
     static_asserts included); one-fragment configurations do not spill."""
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.gpu_flex import fa2_source
-    from attncc.runtime.nvrtc import compile_cuda
+    from attncc.runtime.jit.sources import fa2_source
+    from attncc.runtime.jit.nvrtc import compile_cuda
 
     ir, _ = GYM[name](1, 8, 4096, head_dim).trace()
     tiles = choose_batch_tiles(head_dim, tq, 132)
@@ -179,7 +180,7 @@ def test_batch_kernels_compile(name: str, tq: int, head_dim: int) -> None:
 
 # ------------------------------------------------------------------------------------ cascade
 def test_cascade_plan_positions_and_checks() -> None:
-    from attncc.runtime.cascade import CascadeAttention
+    from attncc.runtime.serving.cascade import CascadeAttention
 
     ca = CascadeAttention(None, device="cpu")
     kw = dict(num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
@@ -271,7 +272,7 @@ def _random_plan_args(rng: np.random.Generator, layout: str) -> tuple[tuple, dic
 def _spy_one_call(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The outcomes of `BatchPlanner.plan` (the one C call that checks and stages a batch with
     the last plan's tiles) while the test runs, in call order."""
-    from attncc.runtime import planner
+    from attncc.runtime.serving.plan import planner
 
     one_call, codes = planner.BatchPlanner.plan, []
 
@@ -289,7 +290,7 @@ def test_fast_plan_path_matches_the_reference_path(layout: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """plan() with the compiled planner (checks in one C pass, plan packed straight into the
     staging buffer) raises the same errors and stages the same words as the numpy path."""
-    from attncc.runtime import planner
+    from attncc.runtime.serving.plan import planner
 
     if not planner.available():
         pytest.skip("no C compiler to build the planner")
@@ -331,7 +332,7 @@ def test_fast_plan_path_stages_what_the_reference_path_stages(
     third, with the tiles of the second, is one C call): the compiled path (plan and page tables
     written by planner.c) leaves the staging buffer word for word as the numpy path does, the
     previous plans' leftovers included."""
-    from attncc.runtime import planner
+    from attncc.runtime.serving.plan import planner
 
     if not planner.available():
         pytest.skip("no C compiler to build the planner")
@@ -361,7 +362,7 @@ def test_fast_plan_path_stages_what_the_reference_path_stages(
 def test_ragged_tables_that_do_not_fit_raise_before_staging(monkeypatch: pytest.MonkeyPatch) -> None:
     """A ragged batch with more requests than max_pages has no room for its table (one entry per
     request): the compiled and the numpy path raise the same error before staging anything."""
-    from attncc.runtime import planner
+    from attncc.runtime.serving.plan import planner
 
     args = (np.arange(7), np.arange(7) * 5)
     kw = dict(num_qo_heads=4, num_kv_heads=2, head_dim=128)
@@ -407,7 +408,7 @@ def test_plans_alternate_staging_halves() -> None:
     the copies out of the half it writes (those of the plan before last), leaves the last
     plan's half as it was, and `_staging_np` holds the current plan's words, the same bytes a
     fresh instance stages."""
-    from attncc.runtime.batch import used_ranges
+    from attncc.runtime.serving.batch import used_ranges
 
     waits: list[int] = []
     copies: list[tuple] = []
@@ -447,8 +448,8 @@ def test_cuda_plans_upload_the_ranges_planner_c_listed() -> None:
     ranges `used_ranges` lists from the staging buffer -- and the numpy path's own."""
     import types
 
-    from attncc.runtime import planner
-    from attncc.runtime.batch import used_ranges
+    from attncc.runtime.serving.plan import planner
+    from attncc.runtime.serving.batch import used_ranges
 
     copies: list[tuple] = []
 
@@ -483,8 +484,8 @@ def test_uploader_copies_each_range_then_records_the_half() -> None:
     events): one checked async copy per range at the range's byte offsets on the current
     stream, then that half's event is recorded; `wait` synchronizes a half's event once per
     copy and not at all before one."""
-    from attncc.runtime.batch import _Uploader
-    from attncc.runtime.launcher import LaunchError
+    from attncc.runtime.serving.batch import _Uploader
+    from attncc.runtime.jit.launcher import LaunchError
 
     log: list[tuple] = []
 
@@ -521,7 +522,7 @@ def test_uploader_copies_each_range_then_records_the_half() -> None:
 
 def test_coalesce_ranges() -> None:
     """Sorted, empty ranges dropped, overlapping ones and those under `gap` apart joined."""
-    from attncc.runtime.batch import coalesce_ranges
+    from attncc.runtime.serving.batch import coalesce_ranges
 
     assert coalesce_ranges([], 10) == []
     assert coalesce_ranges([(5, 5), (7, 3)], 10) == []
@@ -552,7 +553,7 @@ def test_l2_section_budget_is_the_dense_fa3_kernels() -> None:
     two are spelled in two languages: this pins them to one value."""
     from pathlib import Path
 
-    from attncc.runtime.batch import L2_SECTION_BYTES
+    from attncc.runtime.serving.batch import L2_SECTION_BYTES
 
     src = (Path(__file__).resolve().parent.parent / "kernels" / "fa3_prefill.cuh").read_text()
     m = re.search(r"#define ATTNCC_FA3_L2_SECTION_BYTES \((\d+) << (\d+)\)", src)
@@ -579,9 +580,9 @@ def test_causal_clipped_plan_executes_to_exact_causal_attention(section_tokens: 
     visits the sections in order."""
     import math
 
-    from attncc.runtime.batch import clip_causal_units
-    from attncc.runtime.merge import merge_states
-    from attncc.runtime.scheduler import WRITE_THROUGH, PlanLayout, plan_into
+    from attncc.runtime.serving.batch import clip_causal_units
+    from attncc.runtime.serving.merge import merge_states
+    from attncc.runtime.serving.plan.scheduler import WRITE_THROUGH, PlanLayout, plan_into
 
     gen = torch.Generator().manual_seed(3)
     lq = np.array([40, 1, 200, 17, 64])
@@ -682,7 +683,7 @@ def test_used_ranges_carry_everything_the_kernels_read(lq: list[int], kv: list[i
     words (gap=0; the rest left as garbage) unpacks to the same plan and page tables, and the
     merges read no slot past the used ones. The default ranges (neighbours joined) cover the
     used words in fewer copies."""
-    from attncc.runtime.batch import used_ranges
+    from attncc.runtime.serving.batch import used_ranges
 
     ba = BatchAttention(attncc.Variant(mask_mod=lambda b, h, q, k: q >= k), kv_layout="NHD",
                         device="cpu")
@@ -730,9 +731,9 @@ def test_decode_plan_with_merges_is_one_range() -> None:
     import sys
     from pathlib import Path
 
-    from attncc.runtime import planner
-    from attncc.runtime.batch import UPLOAD_GAP, used_ranges
-    from attncc.runtime.plan_format import DYNAMIC_SECTIONS, packed_offsets
+    from attncc.runtime.serving.plan import planner
+    from attncc.runtime.serving.batch import UPLOAD_GAP, used_ranges
+    from attncc.runtime.serving.plan.format import DYNAMIC_SECTIONS, packed_offsets
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     from decode import make_batch
@@ -763,7 +764,8 @@ def test_compiled_used_ranges_are_the_python_used_ranges(layout: str, gap: int,
     """The compiled planner lists the used words of the plan it staged (what _upload copies)
     exactly as `used_ranges`, the reference, lists them from the staging buffer: serving-sized
     and small random batches, a causal variant (whose clipped units keep the plan's counts)."""
-    from attncc.runtime import batch as batch_mod, planner
+    from attncc.runtime.serving import batch as batch_mod
+    from attncc.runtime.serving.plan import planner
 
     if not planner.available():
         pytest.skip("no C compiler to build the planner")
@@ -789,7 +791,7 @@ def test_page_id_scan_edges_match_the_reference_path(dtype: type,
     """The compiled planner checks and stages the page ids in one pass (vectorised while every
     id is below 2**31): ids at and past 2**31 - 1, a negative id among the used ones or in the
     unused tail, and no used ids at all plan (or raise) exactly as on the numpy path."""
-    from attncc.runtime import planner
+    from attncc.runtime.serving.plan import planner
 
     if not planner.available():
         pytest.skip("no C compiler to build the planner")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from attncc.runtime.batch import batch_attention_reference
+from attncc.runtime.reference import batch_attention_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 

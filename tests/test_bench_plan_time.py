@@ -11,7 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 def test_phases_on_the_cpu() -> None:
     from plan_time import phase_report, phases
 
-    from attncc.runtime import batch, planner
+    from attncc.runtime.serving import batch
+    from attncc.runtime.serving.plan import planner
 
     used_ranges = batch.used_ranges
     got = phases(16, 4, "uniform", "cpu", runs=5)

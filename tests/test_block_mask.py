@@ -7,7 +7,7 @@ import torch
 from torch.nn.attention import flex_attention as torch_flex
 
 from attncc.ir import tiles
-from attncc.runtime.block_mask import BlockMask, create_block_mask
+from attncc.runtime.flex.block_mask import BlockMask, create_block_mask
 
 WINDOW = 100
 SLOPE_WINDOWS = torch.tensor([16, 64, 200])

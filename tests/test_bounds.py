@@ -175,8 +175,8 @@ def test_gym_variants_run_unclamped_kernels(S: int) -> None:
     """Every AttentionGym read is proven inside its tensor: the GPU path keeps the IR (so the
     kernel source) exactly as before."""
     from attncc.ir.analysis import Shapes
-    from attncc.runtime.flex import _as_variant, _trace
-    from attncc.runtime.gpu_flex import _clamped
+    from attncc.runtime.flex.api import _as_variant, _trace
+    from attncc.runtime.flex.gpu_flex import _clamped
     from examples.gym import GYM
 
     B, H, D = 2, 8, 128
@@ -190,8 +190,8 @@ def test_clamped_gpu_ir_reads_only_inside_and_matches_the_reference() -> None:
     """What the GPU path runs for `table[q_idx - kv_idx]` under causal: every read clamped into
     the table (evaluated without `oob`, an out-of-range read would raise), same result."""
     from attncc.ir.analysis import Shapes
-    from attncc.runtime.flex import _trace
-    from attncc.runtime.gpu_flex import _clamped
+    from attncc.runtime.flex.api import _trace
+    from attncc.runtime.flex.gpu_flex import _clamped
     from attncc.runtime.reference import attention_reference
     from attncc.ir.program import Bindings
 
@@ -213,8 +213,8 @@ def test_clamped_gpu_ir_reads_only_inside_and_matches_the_reference() -> None:
 
 def test_gpu_plan_rejects_a_read_outside_at_a_kept_position_before_compiling() -> None:
     from attncc.ir.analysis import CapturedReadError, Shapes
-    from attncc.runtime.flex import _trace
-    from attncc.runtime.gpu_flex import _clamped
+    from attncc.runtime.flex.api import _trace
+    from attncc.runtime.flex.gpu_flex import _clamped
 
     table = torch.zeros(S)
 
@@ -272,8 +272,8 @@ def _indirect(S: int, bad_row: int | None):
 
 def test_undecided_reads_are_clamped_and_the_checked_mode_finds_kept_violations() -> None:
     from attncc.ir.analysis import CapturedReadError, Shapes
-    from attncc.runtime.flex import _trace
-    from attncc.runtime.gpu_flex import _check_reads_exactly, _clamped
+    from attncc.runtime.flex.api import _trace
+    from attncc.runtime.flex.gpu_flex import _check_reads_exactly, _clamped
 
     q, k, v = _qkv()
     shapes = Shapes(1, 2, 2, S, S, 16, 16)
@@ -291,7 +291,7 @@ def test_undecided_reads_are_clamped_and_the_checked_mode_finds_kept_violations(
 
 
 def _planned(variant, q_positions=None):
-    from attncc.runtime.batch import BatchAttention
+    from attncc.runtime.serving.batch import BatchAttention
 
     ba = BatchAttention(variant, kv_layout="NHD", device="cpu")
     ba.plan(torch.tensor([0, 1, 3]), torch.tensor([0, 2, 3]), torch.tensor([4, 0, 2]),
@@ -327,8 +327,8 @@ def test_gpu_witness_must_lie_in_a_block_the_block_mask_computes() -> None:
     """A witness in a block the block mask leaves out is no witness: the kernel never evaluates
     the hooks there (and the CPU never counts it)."""
     from attncc.ir.analysis import CapturedReadError, Shapes
-    from attncc.runtime.flex import _trace
-    from attncc.runtime.gpu_flex import _clamped
+    from attncc.runtime.flex.api import _trace
+    from attncc.runtime.flex.gpu_flex import _clamped
 
     table = torch.zeros(S)
     ir, bind = _trace(attncc.Variant(score_mod=lambda s, b, h, qi, ki: s + table[qi - ki]))

@@ -15,11 +15,11 @@ import pytest
 
 import attncc
 import attncc.runtime
-from attncc.runtime import cache as cache_mod
-from attncc.runtime.cache import (CorruptEntry, KernelCache, cached_compile, code_text,
-                                  decode_entry, decode_result, default_cache_dir, encode_entry,
-                                  encode_result)
-from attncc.runtime.nvrtc import NvrtcResult, available
+from attncc.runtime.jit import cache as cache_mod
+from attncc.runtime.jit.cache import (CorruptEntry, KernelCache, cached_compile, code_text,
+                                      decode_entry, decode_result, default_cache_dir, encode_entry,
+                                      encode_result)
+from attncc.runtime.jit.nvrtc import NvrtcResult, available
 
 needs_nvrtc = pytest.mark.skipif(not available(), reason="NVRTC cannot be loaded")
 
@@ -238,7 +238,7 @@ _CHILD = textwrap.dedent("""
         mod = importlib.util.module_from_spec(spec)
         sys.modules["attncc.runtime"] = mod
         spec.loader.exec_module(mod)
-    from attncc.runtime.cache import cached_compile
+    from attncc.runtime.jit.cache import cached_compile
     assert "torch" not in sys.modules
     r, hit = cached_compile(sys.argv[1], arch="sm_90a")
     print(json.dumps({{"sha": hashlib.sha256(r.cubin).hexdigest(), "hit": hit}}))

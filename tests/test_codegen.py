@@ -282,7 +282,7 @@ def test_kernel_names_are_deterministic() -> None:
     gk = generate_source(traced()["softcap_causal"], head_dim=256, dtype="float16")
     assert gk.kernel_name == "attncc_softcap_causal_simple_d256_f16"
     assert f'extern "C" __global__ void __launch_bounds__(128)\n{gk.kernel_name}(' in gk.source
-    assert gk.source.count(ENTRY_MARK) == 1  # attncc.runtime.gpu_flex splices the FA2 entry here
+    assert gk.source.count(ENTRY_MARK) == 1  # flex/gpu_flex.py splices the FA2 entry here
     assert gk.grid(q_len=9, num_q_heads=3, batch=2) == (3, 3, 2) and gk.block == (128, 1, 1)
 
 
@@ -540,7 +540,7 @@ def test_decode_batch_kernels_compile_without_spills() -> None:
     """The KV-splitting decode kernels stay under their register cap with no spills."""
     from attncc.codegen.fa2 import Fa2Tiles
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.nvrtc import compile_cuda
+    from attncc.runtime.jit.nvrtc import compile_cuda
     from examples.gym import GYM
 
     for name, d in (("noop", 64), ("softcap_causal", 128), ("alibi_causal", 128)):
@@ -561,9 +561,9 @@ def test_fa3_batch_kernels_compile_without_spills(name: str, d: int) -> None:
     the first spills), have no spills and no wgmma serialization, in the shared memory the tile
     choice allows."""
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.fa3_batch import fa3_batch_source
-    from attncc.runtime.gpu_flex import compile_fa3
-    from attncc.runtime.tile_choice import SMEM_PER_CTA
+    from attncc.runtime.serving.fa3_batch import fa3_batch_source
+    from attncc.runtime.flex.gpu_flex import compile_fa3
+    from attncc.runtime.jit.tiles import SMEM_PER_CTA
     from examples.gym import GYM
 
     gk = fa3_batch_source(simplify_variant(GYM[name](1, 8, 1024, d).trace()[0]), d, "bfloat16")
@@ -577,7 +577,7 @@ def test_fa3_batch_kernels_compile_without_spills(name: str, d: int) -> None:
 
 @pytest.mark.nvrtc
 def test_exported_fa2_compiles_with_nvrtc() -> None:
-    from attncc.runtime.nvrtc import compile_cuda
+    from attncc.runtime.jit.nvrtc import compile_cuda
     from examples.gym import GYM
 
     ir = GYM["alibi_causal"](1, 8, 256, 128).trace()[0]

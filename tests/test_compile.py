@@ -12,13 +12,13 @@ import torch
 from attncc import Variant
 from attncc.codegen import generate as generate_mod
 from attncc.errors import CompileError
-from attncc.runtime import nvrtc as nvrtc_mod
-from attncc.runtime.cache import KernelCache
-from attncc.runtime.compile import CompiledKernel, compile, dtype_name, export, trace_variant
-from attncc.runtime.nvrtc import available
+from attncc.runtime.jit import nvrtc as nvrtc_mod
+from attncc.runtime.jit.cache import KernelCache
+from attncc.runtime.jit.compile import CompiledKernel, compile, dtype_name, export, trace_variant
+from attncc.runtime.jit.nvrtc import available
 
 # By module path: a package re-export of the `compile` function must not shadow the module here.
-compile_mod = importlib.import_module("attncc.runtime.compile")
+compile_mod = importlib.import_module("attncc.runtime.jit.compile")
 needs_nvrtc = pytest.mark.skipif(not available(), reason="NVRTC cannot be loaded")
 ARCH = "sm_90a"
 

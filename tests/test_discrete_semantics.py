@@ -206,7 +206,7 @@ def test_cone_multiply_add_is_not_contracted_into_fma() -> None:
     kernels never do: the cone's PTX has a separate mul.rn and add.rn, the score's an fma."""
     from attncc.codegen.cuda_expr import emit
     from attncc.kernels import read_template
-    from attncc.runtime import nvrtc
+    from attncc.runtime.jit import nvrtc
 
     if not nvrtc.available():
         pytest.skip("NVRTC is not installed")

@@ -1,4 +1,4 @@
-"""The FA3 split tail's geometry (runtime/fa3_split.py, mirrored by kernels/fa3_split.cuh) and
+"""The FA3 split tail's geometry (runtime/flex/fa3_split.py, mirrored by kernels/fa3_split.cuh) and
 which launches split: CPU only (the kernel's results are tests/gpu/test_fa3_split.py)."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 import attncc
-from attncc.runtime.fa3_split import (MAX_PIECES_PER_ITEM, MIN_SPLIT_KEYS, SLOT_WARPS, TailSplit,
-                                     tail_split)
-from attncc.runtime.gpu_flex import _fa3_tail_split
+from attncc.runtime.flex.fa3_split import (MAX_PIECES_PER_ITEM, MIN_SPLIT_KEYS, SLOT_WARPS,
+                                           TailSplit, tail_split)
+from attncc.runtime.flex.gpu_flex import _fa3_tail_split
 
 
 @pytest.mark.parametrize("items,grid,tiles", list(itertools.product(
@@ -96,7 +96,7 @@ def test_which_launches_split() -> None:
 
 
 def test_split_tail_option_is_checked() -> None:
-    from attncc.runtime.flex import _validate_kernel_options
+    from attncc.runtime.flex.api import _validate_kernel_options
 
     _validate_kernel_options({"SPLIT_TAIL": False})
     with pytest.raises(ValueError, match="SPLIT_TAIL"):

@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
 
 import attncc
-from attncc.runtime.flex import flex_attention
+from attncc.runtime.flex.api import flex_attention
 from examples.gym import GYM, causal, rope
 
 TOL = 1e-5
@@ -192,7 +192,7 @@ def test_sigmoid_attention_with_gqa(rng: Any) -> None:
 # ------------------------------------------------------------- attncc's own create_block_mask
 @pytest.mark.parametrize("name", ["document_causal", "sliding_window"])
 def test_attncc_block_mask_matches_torch_flex(name: str, rng: Any) -> None:
-    block_mask_mod = pytest.importorskip("attncc.runtime.block_mask")
+    block_mask_mod = pytest.importorskip("attncc.runtime.flex.block_mask")
     B, H, S, D = 2, 2, 130, 64
     variant = GYM[name](B, H, S, D)
     q, k, v = rng.qkv(B, H, S, D)

@@ -1,4 +1,4 @@
-"""Hoisting query/key/value transforms into a pre-pass (attncc.ir.hoist, runtime/prepass.py):
+"""Hoisting query/key/value transforms into a pre-pass (attncc.ir.hoist, runtime/flex/prepass.py):
 the split is exact, keeps only the captures each half reads, the launch-time choice follows K/V
 reuse, and the pre-pass compiles without spills. GPU runs of both paths are in
 tests/gpu/test_fa2.py and test_fa3.py."""
@@ -96,8 +96,8 @@ def test_kv_loads_per_row_counts_query_blocks_and_sharing_heads() -> None:
 def test_prepass_compiles_without_spills(d: int, dtype: str) -> None:
     import re
 
-    from attncc.runtime import nvrtc
-    from attncc.runtime.prepass import prepass_source
+    from attncc.runtime.jit import nvrtc
+    from attncc.runtime.flex.prepass import prepass_source
 
     if not nvrtc.available():
         pytest.skip("NVRTC is not installed")
@@ -121,7 +121,7 @@ def test_prepass_is_not_exported() -> None:
 
 
 def test_prepass_choice_follows_kv_reuse_and_the_option() -> None:
-    from attncc.runtime.prepass import choose_prepass
+    from attncc.runtime.flex.prepass import choose_prepass
 
     ir, _ = _scaled_v(64).trace()
     shape = dict(num_q_heads=8, num_kv_heads=2, rows_per_cta=128, head_fusion=1)

@@ -1,4 +1,4 @@
-"""attncc.runtime.merge: the attention-state composition operator (CPU reference)."""
+"""attncc.runtime.serving.merge: the attention-state composition operator (CPU reference)."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from attncc.runtime.merge import merge_state, merge_states
+from attncc.runtime.serving.merge import merge_state, merge_states
 
 NINF = float("-inf")
 

@@ -41,7 +41,7 @@ import pytest
 import torch
 
 import attncc
-from attncc.runtime.merge import merge_pair, merge_state, merge_states
+from attncc.runtime.serving.merge import merge_pair, merge_state, merge_states
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 

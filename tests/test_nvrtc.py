@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from attncc.errors import CompileError
-from attncc.runtime import nvrtc as nv
-from attncc.runtime.nvrtc import (NvrtcResult, available, build_options, compile_cuda,
-                                  normalize_arch, nvrtc_version, offending_lines)
+from attncc.runtime.jit import nvrtc as nv
+from attncc.runtime.jit.nvrtc import (NvrtcResult, available, build_options, compile_cuda,
+                                      normalize_arch, nvrtc_version, offending_lines)
 
 needs_nvrtc = pytest.mark.skipif(not available(), reason="NVRTC cannot be loaded")
 

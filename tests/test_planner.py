@@ -1,4 +1,4 @@
-"""The compiled planner (runtime/planner.c) gives exactly the numpy scheduler's plan."""
+"""The compiled planner (serving/plan/planner.c) gives exactly the numpy scheduler's plan."""
 from __future__ import annotations
 
 import time
@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from attncc.runtime import planner, scheduler
+from attncc.runtime.serving.plan import planner, scheduler
 
 needs_cc = pytest.mark.skipif(not planner.available(), reason="no C compiler to build the planner")
 

@@ -171,9 +171,9 @@ def _compile_all(variants) -> None:
     from attncc.codegen.testing import hook_test_unit
 
     try:
-        from attncc.runtime.nvrtc import available, compile_cuda
+        from attncc.runtime.jit.nvrtc import available, compile_cuda
     except ImportError:  # pragma: no cover - runtime always ships nvrtc.py
-        pytest.skip("attncc.runtime.nvrtc missing")
+        pytest.skip("attncc.runtime.jit.nvrtc missing")
     units = [hook_test_unit(variants[i:i + 250], prefix=f"p{i}") for i in range(0, len(variants), 250)]
     assert all(units)
     if not available():

@@ -14,7 +14,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 
 import attncc
 from attncc.errors import TraceError
-from attncc.runtime.flex import flex_attention
+from attncc.runtime.flex.api import flex_attention
 from attncc.runtime.reference import attention_reference
 
 
@@ -338,7 +338,7 @@ def test_long_sequence_runs_in_bounded_memory() -> None:
 # ----------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_cuda_inputs_run_the_reference_on_the_gpu_with_a_warning(rng: Any) -> None:
-    import attncc.runtime.flex as flex_mod
+    import attncc.runtime.flex.api as flex_mod
 
     q, k, v = rng.qkv(1, 2, 33, 16)
     variant = attncc.Variant(mask_mod=causal, score_mod=lambda s, b, h, qi, ki: s * 0.5)

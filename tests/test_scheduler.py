@@ -1,4 +1,4 @@
-"""attncc.runtime.scheduler: the CPU half of the load-balanced persistent-kernel scheduler."""
+"""serving.plan.scheduler: the CPU half of the load-balanced persistent-kernel scheduler."""
 from __future__ import annotations
 
 import math
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from attncc.runtime.merge import merge_states
-from attncc.runtime import planner
-from attncc.runtime.plan_format import DYNAMIC_SECTIONS
-from attncc.runtime.scheduler import (
+from attncc.runtime.serving.merge import merge_states
+from attncc.runtime.serving.plan import planner
+from attncc.runtime.serving.plan.format import DYNAMIC_SECTIONS
+from attncc.runtime.serving.plan.scheduler import (
     HEADER_FIELDS, MERGE_TARGET_DTYPE, WORK_UNIT_DTYPE, WRITE_THROUGH, Plan, PlanLayout,
     cost_ticks, kv_chunk_size, lpt_schedule, lpt_schedule_reference, paged_kv_lens, plan,
     simulate, workspace_bytes,
@@ -531,7 +531,7 @@ def test_kernels_read_the_header_words_python_writes() -> None:
     assert dict(re.findall(r"constexpr int (kPlan\w+) = (\d+);", cuh)) == {
         k: str(v) for k, v in PLAN_HEADER_CONSTANTS}
     enum = re.search(r"enum \{ HEADER_WORDS = (\d+), AT_UNITS = (\d+)",
-                     (root / "runtime" / "planner.c").read_text())
+                     (root / "runtime" / "serving" / "plan" / "planner.c").read_text())
     assert enum and (int(enum[1]), int(enum[2])) == (len(HEADER_FIELDS),
                                                      HEADER_FIELDS.index("units_at"))
 

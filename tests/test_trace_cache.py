@@ -18,7 +18,7 @@ from attncc.errors import TraceError
 from attncc.frontend import Variant
 from attncc.frontend.trace import trace_mods, trace_mods_guarded
 from attncc.ir.evaluator import evaluate
-from attncc.runtime import flex as flex_mod
+from attncc.runtime.flex import api as flex_mod
 from examples.gym import GYM, alibi, softcap
 from tests.conftest import score_grid
 

@@ -78,7 +78,7 @@ class Fa2Tiles:
 
 def default_tiles(head_dim: int) -> Fa2Tiles:
     """The tiles `export` / `compile` use when none are given: the prefill heuristic's choice
-    for a long sequence (attncc.runtime.gpu_flex.choose_tiles has the shape-dependent one)."""
+    for a long sequence (attncc.runtime.flex.gpu_flex.choose_tiles has the shape-dependent one)."""
     if head_dim <= 128:
         return Fa2Tiles(128, 64, 2, 2)
     return Fa2Tiles(64, 32, 2, 1)

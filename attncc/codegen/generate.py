@@ -104,7 +104,7 @@ KERNELS: dict[str, KernelSpec] = {
                       "attncc::fa3::fa3_prefill", threads=0, rows_per_cta=0,
                       head_dim_multiple=64, head_dim_max=256, head_dims=(64, 128, 256),
                       entry_macro="ATTNCC_FA3_ENTRY"),
-    # the persistent serving kernel over a plan (runtime/batch.py) and its merge kernel
+    # the persistent serving kernel over a plan (runtime/serving/batch.py) and its merge kernel
     "fa2batch": KernelSpec("fa2batch", ("batch_params.cuh", "fa2_common.cuh", "fa2_attend.cuh",
                                         "fa2_batch.cuh"),
                            "attncc::fa2::fa2_batch", threads=0, rows_per_cta=0,
@@ -320,7 +320,7 @@ def generate_variant(ir: VariantIR, *, fast_math: bool = False) -> VariantCode:
 
 
 def _version() -> str:
-    from .. import __version__
+    from ..version import __version__
 
     return __version__
 

@@ -212,7 +212,7 @@ _BATCH_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
 BATCH_PARAMS: StructLayout = struct_layout("attncc::BatchParams", _BATCH_PARAMS_MEMBERS)
 
 # The packed plan's int32 header as the batch kernels read it (kernels/batch_params.cuh; the
-# scheduler's side is attncc.runtime.plan_format, which takes these from here).
+# scheduler's side is attncc.runtime.serving.plan.format, which takes these from here).
 PLAN_DYNAMIC_SECTIONS = ("units", "cta_units", "merge_indptr", "merge_out")
 """The plan sections whose sizes vary from plan to plan, in memory order: ``units`` (``8 n``
 words, WORK_UNIT_DTYPE rows), ``cta_units`` (``n``), ``merge_indptr`` (``m + 1``),
@@ -226,7 +226,7 @@ PLAN_HEADER_FIELDS = (
 )
 """The int32 header at offset 0 of a packed plan, in this order (a multiple of 4 words, so
 ``cta_indptr`` after it starts 16-byte aligned). ``<section>_at`` is the word offset of that
-section (plan_format.packed_offsets); ``layout_size`` is the PlanLayout's."""
+section (serving.plan.format.packed_offsets); ``layout_size`` is the PlanLayout's."""
 
 PLAN_HEADER_CONSTANTS = (
     ("kPlanHeaderWords", len(PLAN_HEADER_FIELDS)),

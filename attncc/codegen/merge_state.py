@@ -1,7 +1,7 @@
 """The translation unit of the attention-state merge kernel (kernels/merge_state.cuh).
 
 Unlike the attention kernels it has no variant: one kernel per storage type, merging two states
-``(o, lse)`` of the same rows (runtime/merge_kernel.py launches it). The unit is the shipped
+``(o, lse)`` of the same rows (runtime/serving/merge_kernel.py launches it). The unit is the shipped
 headers plus one entry and the static_asserts that pin `MERGE_STATE_PARAMS` to the C struct.
 
 Example:

@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 import torch
 
-from attncc.runtime import gpu_flex
+from attncc.runtime.flex import gpu_flex
 
 
 def run_fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: Any, bind: Any, g: int,

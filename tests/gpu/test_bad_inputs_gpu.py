@@ -9,8 +9,9 @@ import torch
 
 import attncc
 from attncc.errors import InvalidArgument, InvalidArgumentType, TraceError
-from attncc.runtime import gpu_flex
-from attncc.runtime.batch import BatchAttention, batch_attention_reference
+from attncc.runtime.flex import gpu_flex
+from attncc.runtime.reference import batch_attention_reference
+from attncc.runtime.serving.batch import BatchAttention
 from attncc.runtime.reference import attention_reference
 
 

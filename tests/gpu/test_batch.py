@@ -1,4 +1,4 @@
-"""BatchAttention (runtime/batch.py, kernels/fa2_batch.cuh) against the fp64 batch reference.
+"""BatchAttention (serving/batch.py, kernels/fa2_batch.cuh) against the fp64 batch reference.
 
 Paged caches (NHD and HND, page sizes 1, 16 and 64) and ragged caches; batches mixing decode
 (1 query), speculative (4) and prefill chunks with KV lengths from 1 to 32K; GQA groups 1, 4, 8;
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import attncc
-from attncc.runtime import batch as batch_module
-from attncc.runtime.batch import BatchAttention, batch_attention_reference
+from attncc.runtime.serving import batch as batch_module
+from attncc.runtime.reference import batch_attention_reference
+from attncc.runtime.serving.batch import BatchAttention
 from examples.gym import GYM
 
 pytestmark = pytest.mark.gpu
@@ -212,7 +213,7 @@ def test_fa3_batch_is_the_prefill_default_and_bitwise_stable() -> None:
 
 
 # An MHA decode batch (Hkv 32) large enough that its decode rows' units cover several KV heads
-# (attncc.runtime.scheduler, "Head spans"), with split long requests (one head per unit), 4-token
+# (the scheduler's docstring, "Head spans"), with split long requests (one head per unit), 4-token
 # speculative rows and a 1-token request among them.
 SPAN_Q = [1] * 90 + [4] * 6
 SPAN_KV = ([1 + (37 * i) % 2048 for i in range(88)] + [30000, 20000]
@@ -260,7 +261,7 @@ def test_runs_are_bitwise_equal() -> None:
 @pytest.mark.parametrize("kernel", ["fa2", "fa3"])
 def test_merge_kernel_waits_for_the_attention_kernel(kernel: str) -> None:
     """The merge kernel is launched with programmatic dependent launch (it may start during the
-    attention kernel, runtime/launcher.py `pdl`): with new queries before every run -- eager and
+    attention kernel, runtime/jit/launcher.py `pdl`): with new queries before every run -- eager and
     graph replays -- it must merge this run's partial states, not the last run's, and give the
     bits of a plain launch."""
     if kernel == "fa3":
@@ -367,7 +368,7 @@ def test_invalid_input_raises_before_launch() -> None:
                                         ("plain", 16, 1), ("sigmoid", 16, 2)])
 def test_cascade_equals_single_format(var: str, page: int, g: int) -> None:
     """Shared prefix + suffixes, merged, == one BatchAttention over prefix+suffix page lists."""
-    from attncc.runtime.cascade import CascadeAttention
+    from attncc.runtime.serving.cascade import CascadeAttention
 
     hkv, d, prefix = 2, 128, 1024
     q_lens, s_lens = [1, 3, 1, 64, 1], [1, 40, 300, 64, 2000]

@@ -15,7 +15,9 @@ import torch
 
 import attncc
 from attncc.ir.analysis import CapturedReadError, Shapes
-from attncc.runtime import gpu_flex
+from attncc.runtime.flex import gpu_flex
+from attncc.runtime.jit.policy import spill_bytes, wgmma_notes
+from attncc.runtime.jit.sources import fa2_source
 from attncc.runtime.reference import attention_reference
 from examples.gym import causal
 
@@ -36,7 +38,7 @@ def _distance_bias(table: torch.Tensor) -> Any:
 
 def _clamped_ir(S: int, H: int, D: int) -> Any:
     """The simplified, clamped IR the GPU path runs for a [H, S] distance table under causal."""
-    from attncc.runtime.flex import _trace
+    from attncc.runtime.flex.api import _trace
 
     table = torch.randn(H, S)
     ir, bind = _trace(attncc.Variant(score_mod=_distance_bias(table), mask_mod=causal,
@@ -57,8 +59,8 @@ def test_clamped_fa3_kernel_has_no_spills(d: int) -> None:
                                  kernel_options={"KERNEL": "fa3"}, fa3_ok=True)
     gk, res, _ = gpu_flex.fa3_compiled_form(ir, d, "bfloat16", plan, "sm_90a")
     assert "attncc::mini(q_idx - kv_idx, p.table_size1 - 1)" in gk.source
-    assert gpu_flex._spill_bytes(res.log) == 0, res.log
-    assert not gpu_flex._wgmma_notes(res.log), res.log
+    assert spill_bytes(res.log) == 0, res.log
+    assert not wgmma_notes(res.log), res.log
 
 
 @pytest.mark.nvrtc
@@ -67,17 +69,17 @@ def test_clamped_fa2_kernel_attncc_runs_has_no_spills_beyond_budget() -> None:
     per warp (the clamp's two integer ops took the two-fragment D 128 form from 160 to 204
     spilled bytes with NVRTC 12.9, past the 192-byte budget: the fallback then runs)."""
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.nvrtc import compile_cuda
+    from attncc.runtime.jit.nvrtc import compile_cuda
 
     ir = simplify_variant(_clamped_ir(4096, 16, 128))
     plan = gpu_flex.choose_tiles(128, q_len=4096, kv_len=4096, group=1, heads=16, batch=1)
     for m_frags in sorted({plan.m_frags, 1}, reverse=True):
-        src, _, _, _ = gpu_flex.fa2_source(ir, head_dim=128, dtype="bfloat16", tq=plan.tq,
-                                           tkv=plan.tkv, stages=plan.stages, m_frags=m_frags)
+        src, _, _, _ = fa2_source(ir, head_dim=128, dtype="bfloat16", tq=plan.tq,
+                                  tkv=plan.tkv, stages=plan.stages, m_frags=m_frags)
         res = compile_cuda(src, arch="sm_90a", verbose=True)
-        if gpu_flex._spill_bytes(res.log) <= gpu_flex._SPILL_BUDGET[m_frags]:
+        if spill_bytes(res.log) <= gpu_flex._SPILL_BUDGET[m_frags]:
             break
-    assert gpu_flex._spill_bytes(res.log) <= gpu_flex._SPILL_BUDGET[m_frags], res.log
+    assert spill_bytes(res.log) <= gpu_flex._SPILL_BUDGET[m_frags], res.log
 
 
 @pytest.mark.nvrtc
@@ -85,16 +87,16 @@ def test_clamped_serving_kernels_compile_without_spills() -> None:
     """The FA2 and FA3 batch kernels of a clamped variant, as BatchAttention compiles them
     (FA3 through compile_fa3: its low-pressure form if the first spills)."""
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.fa3_batch import fa3_batch_source
-    from attncc.runtime.nvrtc import compile_cuda
+    from attncc.runtime.serving.fa3_batch import fa3_batch_source
+    from attncc.runtime.jit.nvrtc import compile_cuda
 
     ir = simplify_variant(_clamped_ir(700, 8, 128))
-    src, _, _, _ = gpu_flex.fa2_source(ir, head_dim=128, dtype="bfloat16", tq=16, tkv=64,
-                                       batch=True, kv_warps=2)
-    assert gpu_flex._spill_bytes(compile_cuda(src, arch="sm_90a", verbose=True).log) == 0
+    src, _, _, _ = fa2_source(ir, head_dim=128, dtype="bfloat16", tq=16, tkv=64,
+                              batch=True, kv_warps=2)
+    assert spill_bytes(compile_cuda(src, arch="sm_90a", verbose=True).log) == 0
     gk = fa3_batch_source(ir, 128, "bfloat16")
     res, _ = gpu_flex.compile_fa3(gk.source, arch="sm_90a", name=f"{gk.kernel_name}.cu")
-    assert gpu_flex._spill_bytes(res.log) == 0, res.log
+    assert spill_bytes(res.log) == 0, res.log
 
 
 # ------------------------------------------------------------------------------------ GPU
@@ -155,7 +157,7 @@ def test_undecided_reads_run_clamped(kernel_options: Any, monkeypatch) -> None:
     """Undecided reads run clamped: with every kept read inside, the result is the reference's;
     with some outside, the kernel still reads only inside the tensor and computes exactly the
     clamped variant (its reference), and nothing is raised without the checked mode."""
-    from attncc.runtime.flex import _trace
+    from attncc.runtime.flex.api import _trace
 
     monkeypatch.delenv("ATTNCC_CHECK_BOUNDS", raising=False)
     S, H, D = 384, 2, 128
@@ -206,7 +208,8 @@ def test_serving_short_table_under_causal_runs_clamped(kernel: str) -> None:
     start only above the diagonal (masked); clamped, equal to the fp64 batch reference."""
     import itertools
 
-    from attncc.runtime.batch import BatchAttention, batch_attention_reference
+    from attncc.runtime.reference import batch_attention_reference
+    from attncc.runtime.serving.batch import BatchAttention
 
     if kernel == "fa3" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the FA3 batch kernel needs sm_90")

@@ -103,7 +103,7 @@ def _params(all_cases: list[Case]) -> torch.Tensor:
 def test_discrete_cases_kernel_compiles() -> None:
     """Front end and NVVM on every case's spelling (~6 s; ptxas on all 1040 functions takes
     ~50 s here, so the cubin is left to the GPU test)."""
-    from attncc.runtime import nvrtc
+    from attncc.runtime.jit import nvrtc
 
     if not nvrtc.available():
         pytest.skip("NVRTC is not installed")
@@ -113,8 +113,8 @@ def test_discrete_cases_kernel_compiles() -> None:
 
 @pytest.mark.gpu
 def test_discrete_expressions_match_torch_float32_on_cuda() -> None:
-    from attncc.runtime.launcher import load_kernel
-    from attncc.runtime.nvrtc import compile_cuda, device_arch
+    from attncc.runtime.jit.launcher import load_kernel
+    from attncc.runtime.jit.nvrtc import compile_cuda, device_arch
 
     all_cases = cases(N_CASES, seed=2027)
     res = compile_cuda(kernel_source(), arch=device_arch())

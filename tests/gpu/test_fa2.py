@@ -1,4 +1,4 @@
-"""The FA2 kernel (kernels/fa2_prefill.cuh via attncc.runtime.gpu_flex) against the fp64 reference.
+"""The FA2 kernel (kernels/fa2_prefill.cuh via runtime/flex/gpu_flex.py) against the fp64 reference.
 
 GPU tests (`@pytest.mark.gpu`, skipped without CUDA) sweep the AttentionGym variants over head
 dims {64, 128, 256}, lengths {1, 17, 128, 1000, 4096}, bf16/fp16 and GQA {1, 4, 8}: by default a
@@ -29,8 +29,10 @@ import torch
 import attncc
 from attncc.ir.hoist import transforms_in
 from attncc.ir.program import VariantIR
-from attncc.runtime import gpu_flex
-from attncc.runtime.gpu_flex import choose_tiles, fa2_config, fa2_source
+from attncc.runtime.flex import gpu_flex
+from attncc.runtime.flex.tile_choice import choose_tiles
+from attncc.runtime.jit.sources import fa2_source
+from attncc.runtime.jit.tiles import fa2_config
 from examples.gym import GYM, causal
 
 HEAD_DIMS = (64, 128, 256)
@@ -357,7 +359,7 @@ def test_default_tiles_compile_within_spill_budget(name: str, head_dim: int) -> 
     """The heuristic's default tiles compile for sm_90a with zero register spills at one MMA
     fragment per warp, and within gpu_flex's small measured budget at two."""
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.nvrtc import compile_cuda
+    from attncc.runtime.jit.nvrtc import compile_cuda
 
     ir, _ = VARIANTS[name](1, 8, 4096, head_dim).trace()
     plan = choose_tiles(head_dim, q_len=4096, kv_len=4096, group=1, heads=16, batch=4)

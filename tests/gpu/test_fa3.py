@@ -12,8 +12,8 @@ import torch
 
 import attncc
 from attncc.ir.hoist import KV_HOOKS, PREPASS_HOOKS
-from attncc.runtime import gpu_flex
-from attncc.runtime.gpu_flex import choose_tiles
+from attncc.runtime.flex import gpu_flex
+from attncc.runtime.flex.gpu_flex import choose_tiles
 from examples.gym import GYM, causal, sliding_window
 
 from .repeats import assert_repeats_bitwise
@@ -36,7 +36,7 @@ CASES = [(v, d, s, g, n) for (v, d, n), s, g in zip(
     ("alibi_causal", 256, 129, 1, 64)]
 # query/key/value/output transforms (odd lengths: rows and keys past the end are skipped), each
 # run with the transforms applied in shared memory by the attention kernel, with the key/value
-# ones and with all of them in the pre-pass (runtime/prepass.py)
+# ones and with all of them in the pre-pass (runtime/flex/prepass.py)
 TRANSFORM_CASES = [
     ("rope", 128, 1000, 4, 128), ("rope", 64, 129, 1, 128), ("rope_interleaved", 128, 300, 1, 64),
     ("value_output", 128, 1000, 1, 128), ("value_output", 64, 17, 4, 128),
@@ -119,8 +119,8 @@ def test_fa3_compiles_without_spills(name: str, d: int, tkv: int, stages: int) -
     from attncc.codegen.fa2 import fa3_tiles
     from attncc.codegen.generate import generate_source
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.gpu_flex import _wgmma_notes
-    from attncc.runtime.nvrtc import compile_cuda
+    from attncc.runtime.jit.policy import wgmma_notes
+    from attncc.runtime.jit.nvrtc import compile_cuda
 
     ir = simplify_variant(VARIANTS[name](1, 8, 1024, d).trace()[0])
     gk = generate_source(ir, head_dim=d, dtype="bfloat16", kernel="fa3",
@@ -129,7 +129,7 @@ def test_fa3_compiles_without_spills(name: str, d: int, tkv: int, stages: int) -
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.log)
     assert spills and all(a == "0" and b == "0" for a, b in spills), res.log
     # and none of ptxas's wgmma notes (C7517, an injected wait, does not say "wgmma")
-    assert "wgmma" not in res.log.lower() and not _wgmma_notes(res.log), res.log
+    assert "wgmma" not in res.log.lower() and not wgmma_notes(res.log), res.log
 
 
 @pytest.mark.nvrtc
@@ -140,9 +140,10 @@ def test_fa3_kernel_attncc_runs_has_no_spills(name: str, d: int) -> None:
     spill-free, else its ATTNCC_FA3_LOW_PRESSURE form -- spill-free in every case here (the
     first compile of document_causal and relative_bias spills 32-344 bytes with NVRTC 12.9)."""
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.cache import cached_compile
-    from attncc.runtime.gpu_flex import _fa3_generated, _spill_bytes, compile_fa3
-    from attncc.runtime.tile_choice import choose_tiles
+    from attncc.runtime.jit.cache import cached_compile
+    from attncc.runtime.flex.gpu_flex import _fa3_generated
+    from attncc.runtime.jit.policy import compile_fa3, spill_bytes
+    from attncc.runtime.flex.tile_choice import choose_tiles
 
     plan = choose_tiles(d, q_len=4096, kv_len=4096, group=1, heads=16, batch=1,
                         kernel_options=FA3)
@@ -151,8 +152,8 @@ def test_fa3_kernel_attncc_runs_has_no_spills(name: str, d: int) -> None:
     name_cu = f"{gk.kernel_name}.cu"
     first, _ = cached_compile(gk.source, arch="sm_90a", name=name_cu, verbose=True)
     res, low = compile_fa3(gk.source, arch="sm_90a", name=name_cu)
-    assert low is (_spill_bytes(first.log) > 0)
-    assert _spill_bytes(res.log) == 0, res.log
+    assert low is (spill_bytes(first.log) > 0)
+    assert spill_bytes(res.log) == 0, res.log
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: Any, bind: Any, bm: Any,

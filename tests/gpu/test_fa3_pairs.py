@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from attncc.runtime import gpu_flex
+from attncc.runtime.flex import gpu_flex
 from attncc.runtime.reference import attention_reference
 from examples.gym import GYM
 
@@ -95,7 +95,7 @@ def test_fa3_pairs_need_even_query_blocks_and_no_block_mask() -> None:
     """fa3_pairs: an odd number of 128-row query blocks, a block mask, head dim 256 (one CTA
     per item), PAIRED False or, by default, more than FA3_PAIRED_MAX_KEYS keys leave the launch
     unpaired."""
-    from attncc.runtime.tile_choice import TilePlan
+    from attncc.runtime.flex.tile_choice import TilePlan
 
     fa3 = TilePlan(128, 128, 3, 1, kernel="fa3")
     on = {"PAIRED": True}
@@ -123,9 +123,9 @@ def test_fa3_paired_kernel_attncc_runs_has_no_spills(name: str, d: int) -> None:
     import dataclasses
 
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.gpu_flex import (FA3_PAIRED, _fa3_generated, _spill_bytes,
-                                         _wgmma_notes, compile_fa3)
-    from attncc.runtime.tile_choice import choose_tiles
+    from attncc.runtime.flex.gpu_flex import FA3_PAIRED, _fa3_generated
+    from attncc.runtime.jit.policy import compile_fa3, spill_bytes, wgmma_notes
+    from attncc.runtime.flex.tile_choice import choose_tiles
 
     plan = choose_tiles(d, q_len=2048, kv_len=2048, group=1, heads=16, batch=1,
                         kernel_options={"KERNEL": "fa3"})
@@ -133,8 +133,8 @@ def test_fa3_paired_kernel_attncc_runs_has_no_spills(name: str, d: int) -> None:
     gk = _fa3_generated(ir, d, "bfloat16", dataclasses.replace(plan, paired=True))
     assert gk.source.startswith(FA3_PAIRED)
     res, _ = compile_fa3(gk.source, arch="sm_90a", name=f"{gk.kernel_name}.cu")
-    assert _spill_bytes(res.log) == 0, res.log
-    assert "wgmma" not in res.log.lower() and not _wgmma_notes(res.log), res.log
+    assert spill_bytes(res.log) == 0, res.log
+    assert "wgmma" not in res.log.lower() and not wgmma_notes(res.log), res.log
     assert ".multicast::cluster" in gk.source
 
 
@@ -147,9 +147,9 @@ def test_fa3_pair_form_that_spills_runs_unpaired(name: str) -> None:
     import dataclasses
 
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.gpu_flex import (FA3_PAIRED, _fa3_generated, _spill_bytes, compile_fa3,
-                                         fa3_compiled_form)
-    from attncc.runtime.tile_choice import choose_tiles
+    from attncc.runtime.flex.gpu_flex import FA3_PAIRED, _fa3_generated, fa3_compiled_form
+    from attncc.runtime.jit.policy import compile_fa3, spill_bytes
+    from attncc.runtime.flex.tile_choice import choose_tiles
 
     plan = dataclasses.replace(choose_tiles(128, q_len=2048, kv_len=2048, group=1, heads=16,
                                             batch=1, kernel_options={"KERNEL": "fa3"}),
@@ -157,9 +157,9 @@ def test_fa3_pair_form_that_spills_runs_unpaired(name: str) -> None:
     ir = simplify_variant(GYM[name](1, 16, 2048, 128).trace()[0])
     pair = _fa3_generated(ir, 128, "bfloat16", plan)
     pair_res, _ = compile_fa3(pair.source, arch="sm_90a", name=f"{pair.kernel_name}.cu")
-    keeps = _spill_bytes(pair_res.log) == 0
+    keeps = spill_bytes(pair_res.log) == 0
     gk, res, used = fa3_compiled_form(ir, 128, "bfloat16", plan, "sm_90a")
     assert used.paired is keeps and gk.source.startswith(FA3_PAIRED) is keeps
-    assert _spill_bytes(res.log) == 0, res.log
+    assert spill_bytes(res.log) == 0, res.log
     if name == "noop":
         assert keeps

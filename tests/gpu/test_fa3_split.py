@@ -1,4 +1,4 @@
-"""The FA3 dense kernel's split tail (kernels/fa3_split.cuh, runtime/fa3_split.py): the last,
+"""The FA3 dense kernel's split tail (kernels/fa3_split.cuh, runtime/flex/fa3_split.py): the last,
 partial round of full-length items cut by keys across every CTA, each item's units merged by
 the last consumer warp to arrive. Against the fp64 reference, against the unsplit kernel
 (kernel_options SPLIT_TAIL False), and for bitwise repeatability (eager and CUDA graph)."""
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from attncc.runtime.fa3_split import tail_split
+from attncc.runtime.flex.fa3_split import tail_split
 from attncc.runtime.reference import attention_reference
 from examples.gym import GYM
 

@@ -39,7 +39,7 @@ def _source() -> str:
 
 @pytest.mark.nvrtc
 def test_fast_math_probe_compiles() -> None:
-    from attncc.runtime import nvrtc
+    from attncc.runtime.jit import nvrtc
 
     if not nvrtc.available():
         pytest.skip("NVRTC is not installed")
@@ -49,8 +49,8 @@ def test_fast_math_probe_compiles() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("fn", ["sin", "cos"])
 def test_fast_sin_cos_within_1e6_up_to_1e5(fn: str) -> None:
-    from attncc.runtime.launcher import load_kernel
-    from attncc.runtime.nvrtc import compile_cuda, device_arch
+    from attncc.runtime.jit.launcher import load_kernel
+    from attncc.runtime.jit.nvrtc import compile_cuda, device_arch
 
     res = compile_cuda(_source(), arch=device_arch())
     kl = load_kernel(res.cubin, "fast_fns", ARGS, UNUSED)

@@ -1,4 +1,4 @@
-"""runtime/launcher.py: struct packing (CPU), and on a GPU: every field type reaches the kernel,
+"""runtime/jit/launcher.py: struct packing (CPU), and on a GPU: every field type reaches the kernel,
 host launch cost, CUDA graph capture/replay, the module cache and checked driver errors."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attncc.codegen.layout import ATTENTION_PARAMS, struct_layout
-from attncc.runtime.launcher import LaunchError, StructPacker, load_kernel
+from attncc.runtime.jit.launcher import LaunchError, StructPacker, load_kernel
 
 # Two by-value structs covering every field type the layouts use: pointers, int, i64, float,
 # arrays, and padding between them (int before pointer, float before i64).
@@ -64,7 +64,7 @@ def test_packer_matches_layout_pack() -> None:
 
 @pytest.fixture(scope="module")
 def probe() -> Any:
-    from attncc.runtime.nvrtc import compile_cuda, device_arch
+    from attncc.runtime.jit.nvrtc import compile_cuda, device_arch
 
     res = compile_cuda(_PROBE, arch=device_arch())
     return res.cubin
@@ -131,7 +131,7 @@ def test_flex_call_host_cost_and_cuda_graph() -> None:
     """gpu_flex_attention is capturable in torch.cuda.graph; replays see in-place input updates.
     Also prints the host cost of a whole cached gpu_flex_attention call."""
     import attncc
-    from attncc.runtime import gpu_flex
+    from attncc.runtime.flex import gpu_flex
     from examples.gym import causal
 
     B, H, S, D = 2, 8, 512, 128

@@ -1,4 +1,4 @@
-"""The attention-state merge kernel (kernels/merge_state.cuh, runtime/merge_kernel.py) against
+"""The attention-state merge kernel (kernels/merge_state.cuh, serving/merge_kernel.py) against
 the float64 composition formula: storage types, empty states holding garbage, unnormalised
 states, poisoned outputs, and the routing of `attncc.merge_state` to it."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 import attncc
 from attncc.codegen.merge_state import merge_state_source
-from attncc.runtime.merge import merge_pair
+from attncc.runtime.serving.merge import merge_pair
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
@@ -19,7 +19,7 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_merge_kernel_compiles_without_spills(dtype: str) -> None:
-    from attncc.runtime.nvrtc import compile_cuda
+    from attncc.runtime.jit.nvrtc import compile_cuda
 
     mk = merge_state_source(dtype)
     res = compile_cuda(mk.source, arch="sm_90a", name=f"{mk.kernel_name}.cu", verbose=True)
@@ -47,7 +47,7 @@ def _states(shape: tuple[int, ...], d: int, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,d", [((37, 32), 128), ((5,), 64), ((3, 7, 4), 256), ((9,), 8)])
 def test_merge_kernel_matches_float64(dtype: torch.dtype, shape: tuple[int, ...], d: int) -> None:
-    from attncc.runtime.merge_kernel import fits_kernel, merge_state_cuda
+    from attncc.runtime.serving.merge_kernel import fits_kernel, merge_state_cuda
 
     o_a, lse_a, o_b, lse_b = _states(shape, d, dtype, seed=d + len(shape))
     assert fits_kernel(o_a, lse_a, o_b, lse_b)
@@ -69,7 +69,7 @@ def test_merge_kernel_matches_float64(dtype: torch.dtype, shape: tuple[int, ...]
 
 @pytest.mark.gpu
 def test_merge_kernel_unnormalised_sum_and_no_lse() -> None:
-    from attncc.runtime.merge_kernel import merge_state_cuda
+    from attncc.runtime.serving.merge_kernel import merge_state_cuda
 
     g = torch.Generator(device="cuda").manual_seed(4)
     o_a, o_b = (torch.randn(50, 8, 128, generator=g, device="cuda").bfloat16() for _ in "ab")

@@ -25,9 +25,10 @@ import pytest
 import torch
 
 import attncc
-from attncc.runtime import gpu_flex
-from attncc.runtime.batch import BatchAttention, batch_attention_reference
-from attncc.runtime.merge import merge_pair
+from attncc.runtime.flex import gpu_flex
+from attncc.runtime.reference import batch_attention_reference
+from attncc.runtime.serving.batch import BatchAttention
+from attncc.runtime.serving.merge import merge_pair
 from attncc.runtime.reference import attention_reference
 
 pytestmark = pytest.mark.gpu
@@ -198,7 +199,7 @@ def test_fa3_split_tail_keeps_the_pattern() -> None:
     logit, one with a +inf logit, and a row whose every logit is -inf."""
     if not _sm90():
         pytest.skip("the FA3 kernel needs an sm_90 GPU")
-    from attncc.runtime.fa3_split import tail_split
+    from attncc.runtime.flex.fa3_split import tail_split
 
     B, h, s, d, tkv = 1, 5, 4100, 128, 128
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -285,7 +286,7 @@ def test_batch_kernels_and_merge_keep_the_pattern(kernel: str) -> None:
 def test_cascade_keeps_the_pattern() -> None:
     """Shared prefix + suffixes merged (merge kernel): a NaN value in the prefix reaches every
     query, a NaN key in one suffix only its request's queries."""
-    from attncc.runtime.cascade import CascadeAttention
+    from attncc.runtime.serving.cascade import CascadeAttention
 
     hkv, g, d, page, prefix = 2, 2, 128, 16, 256
     q_lens, s_lens = [1, 3, 1, 5], [1, 40, 300, 64]
@@ -323,7 +324,7 @@ def test_cascade_keeps_the_pattern() -> None:
 def test_merge_state_on_cuda_propagates_nan_and_inf(dtype: torch.dtype) -> None:
     """The merge kernel against the CPU merge in float64 on the same states: NaN lse, +inf lse,
     a NaN o with finite lse (also with an underflowing weight), empty states holding NaN."""
-    from attncc.runtime.merge_kernel import fits_kernel
+    from attncc.runtime.serving.merge_kernel import fits_kernel
 
     rows, d = 64, 64
     gen = torch.Generator(device="cuda").manual_seed(2)

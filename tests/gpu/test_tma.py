@@ -1,4 +1,4 @@
-"""kernels/tma.cuh + attncc.runtime.tma on the GPU: a TMA copy with the 128-byte swizzle lands in
+"""kernels/tma.cuh + runtime/jit/tma.py on the GPU: a TMA copy with the 128-byte swizzle lands in
 exactly the layout kernels/wgmma.cuh's descriptors read (sw128_offset), signalled by an mbarrier.
 The NVRTC test (no GPU) compiles the probe for sm_90a."""
 from __future__ import annotations
@@ -63,7 +63,7 @@ UNUSED = struct_layout("Unused", [("x", "int")])
 
 @pytest.mark.nvrtc
 def test_tma_probe_compiles_for_sm90a() -> None:
-    from attncc.runtime.nvrtc import compile_cuda
+    from attncc.runtime.jit.nvrtc import compile_cuda
 
     res = compile_cuda(probe_source(), arch="sm_90a", verbose=True)
     assert "tma_probe" in res.log
@@ -72,9 +72,9 @@ def test_tma_probe_compiles_for_sm90a() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("blocks", [1, 2])
 def test_tma_lands_in_the_sw128_layout(blocks: int) -> None:
-    from attncc.runtime.launcher import load_kernel
-    from attncc.runtime.nvrtc import compile_cuda
-    from attncc.runtime.tma import tensor_map_2d
+    from attncc.runtime.jit.launcher import load_kernel
+    from attncc.runtime.jit.nvrtc import compile_cuda
+    from attncc.runtime.jit.tma import tensor_map_2d
 
     src = torch.randn(200, 256, device="cuda").bfloat16()
     tmap = tensor_map_2d(src, 64, 64)
@@ -89,7 +89,7 @@ def test_tma_lands_in_the_sw128_layout(blocks: int) -> None:
 
 
 def test_tensor_map_rejects_bad_input() -> None:
-    from attncc.runtime.tma import tensor_map_2d
+    from attncc.runtime.jit.tma import tensor_map_2d
 
     with pytest.raises(ValueError, match="2-D bf16/fp16 CUDA tensor"):
         tensor_map_2d(torch.zeros(4, 4), 4, 4)

@@ -152,7 +152,7 @@ UNUSED = struct_layout("Unused", [("x", "int")])
 
 @pytest.mark.nvrtc
 def test_wgmma_probes_compile_for_sm90a() -> None:
-    from attncc.runtime.nvrtc import compile_cuda
+    from attncc.runtime.jit.nvrtc import compile_cuda
 
     res = compile_cuda(probe_source(), arch="sm_90a", verbose=True)
     assert "wg_ss" in res.log and "wg_rs_v" in res.log and "sw_offsets" in res.log
@@ -160,8 +160,8 @@ def test_wgmma_probes_compile_for_sm90a() -> None:
 
 @pytest.fixture(scope="module")
 def kernels() -> dict:
-    from attncc.runtime.launcher import load_kernel
-    from attncc.runtime.nvrtc import compile_cuda
+    from attncc.runtime.jit.launcher import load_kernel
+    from attncc.runtime.jit.nvrtc import compile_cuda
 
     res = compile_cuda(probe_source(), arch="sm_90a")
     return {n: load_kernel(res.cubin, n, ARGS, UNUSED) for n in ("wg_ss", "wg_rs_v", "sw_offsets")}

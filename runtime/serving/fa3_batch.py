@@ -21,8 +21,8 @@ import torch
 from attncc.codegen.fa2 import Fa2Tiles, fa3_tiles
 from attncc.ir.program import VariantIR
 
-from .tile_choice import fa3_stages
-from .tma import MapCache, tensor_map_2d, tensor_map_3d
+from ..jit.tiles import fa3_stages
+from ..jit.tma import MapCache, tensor_map_2d, tensor_map_3d
 
 __all__ = ["fa3_unsupported", "fa3_batch_source", "fa3_batch_maps", "fa3_batch_tiles",
            "FA3_BATCH_HEAD_DIMS"]
@@ -75,7 +75,7 @@ def fa3_batch_source(ir: VariantIR, head_dim: int, dtype: str) -> Any:
                            tiles=fa3_batch_tiles(head_dim))
 
 
-_MAPS = MapCache(64)  # q / k / v maps of recent runs (runtime/tma.py)
+_MAPS = MapCache(64)  # q / k / v maps of recent runs (runtime/jit/tma.py)
 
 
 def _rows_view(t: torch.Tensor, row_stride: int) -> torch.Tensor:

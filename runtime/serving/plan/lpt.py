@@ -1,8 +1,7 @@
 """Longest-processing-time-first assignment of weighted work units to CTAs (FlashInfer's
 Algorithm 1, step 3), vectorised in numpy, with the plain min-heap version as its reference and
-integer cost ticks that make the assignment exact and reproducible. Used by
-`attncc.runtime.scheduler.plan` (which re-exports these names); runtime/planner.c is the
-compiled twin of the same rules.
+integer cost ticks that make the assignment exact and reproducible. Used by `scheduler.plan`
+(which re-exports these names); planner.c is the compiled twin of the same rules.
 
 Example (integer costs: `cost_ticks` quantises float ones):
     >>> indptr, units = lpt_schedule([5, 3, 3, 1], num_ctas=2)
@@ -16,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from .plan_format import _as_int_array, _check_int
+from .format import as_int_array, check_plan_int
 
-__all__ = ["cost_ticks", "lpt_schedule", "lpt_schedule_reference"]
+__all__ = ["cost_ticks", "cta_queues", "lpt_schedule", "lpt_schedule_reference", "lpt_sorted",
+           "small_int"]
 
 _TICK_BUDGET = 2.0**61
 
@@ -36,21 +36,22 @@ def _as_costs(costs: Any, name: str = "costs") -> np.ndarray:
     return c
 
 
-def _small_int(a: np.ndarray, bound: int) -> np.ndarray:
+def small_int(a: np.ndarray, bound: int) -> np.ndarray:
     """`a` (values in [0, bound)) as int16 when it fits: numpy's stable sort is then a radix sort."""
     return a.astype(np.int16 if bound <= 2**15 else np.int64, copy=False)
 
 
-def _queues(order: np.ndarray, assign: np.ndarray, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
+def cta_queues(order: np.ndarray, assign: np.ndarray, num_ctas: int
+               ) -> tuple[np.ndarray, np.ndarray]:
     """CSR (cta_indptr, cta_units) from units in assignment order and their CTAs."""
-    by_cta = np.argsort(_small_int(assign, num_ctas), kind="stable")
+    by_cta = np.argsort(small_int(assign, num_ctas), kind="stable")
     cta_units = order[by_cta].astype(np.int32)
     indptr = np.zeros(num_ctas + 1, dtype=np.int32)
     np.cumsum(np.bincount(assign, minlength=num_ctas), out=indptr[1:])
     return indptr, cta_units
 
 
-def _lpt_sorted(c: np.ndarray, run_ends: np.ndarray, p: int) -> np.ndarray:
+def lpt_sorted(c: np.ndarray, run_ends: np.ndarray, p: int) -> np.ndarray:
     """The CTA of each unit of ``c`` (int64 costs, already in greedy order: descending, or
     descending within each section).
 
@@ -105,7 +106,7 @@ def _run_ends(c: np.ndarray) -> np.ndarray:
 
 
 def _unit_ints(x: Any, n: int, name: str) -> np.ndarray:
-    a = _as_int_array(x, name)
+    a = as_int_array(x, name)
     if a.size != n:
         raise ValueError(f"{name} has {a.size} entries, costs has {n}")
     return a
@@ -131,12 +132,12 @@ def lpt_schedule(costs: Any, num_ctas: int, tiebreak: Any = None,
     each goes to the least loaded CTA, ties to the lowest CTA index. With ``section`` (ints, one
     per unit) the units of a lower section are all taken first -- LPT section by section, on
     the loads the earlier sections left -- so CTAs that run their queues at about the same rate
-    work in one section at a time (attncc.runtime.batch uses it to keep a prefill's concurrently
+    work in one section at a time (serving.batch uses it to keep a prefill's concurrently
     read K/V within the L2). Returns
     ``(cta_indptr int32 [num_ctas+1], cta_units int32 [n])``: CTA ``c`` runs units
     ``cta_units[cta_indptr[c]:cta_indptr[c+1]]`` in the order it received them. Identical to
     `lpt_schedule_reference` (a Python min-heap), but assigns whole runs of equal cost and
-    whole blocks of up to ``num_ctas`` units per numpy step (see attncc.runtime.scheduler's
+    whole blocks of up to ``num_ctas`` units per numpy step (see the scheduler's
     module docstring).
 
     Example:
@@ -148,14 +149,14 @@ def lpt_schedule(costs: Any, num_ctas: int, tiebreak: Any = None,
         [[3, 5, 1, 2], [4, 0]]
     """
     c = _as_costs(costs)
-    p = _check_int(num_ctas, "num_ctas", 1)
+    p = check_plan_int(num_ctas, "num_ctas", 1)
     if c.size and float(c.sum(dtype=np.float64)) * p >= 2.0**62:
         raise OverflowError("costs too large: sum(costs) * num_ctas must stay below 2**62")
-    # (_lpt_sorted replays the heap for units in any order: its steps check, not assume, that
+    # (lpt_sorted replays the heap for units in any order: its steps check, not assume, that
     # unit j of a block goes to the j-th least loaded CTA)
     order = _greedy_order(c, tiebreak, section)
     cs = c[order]
-    return _queues(order, _lpt_sorted(cs, _run_ends(cs), p), p)
+    return cta_queues(order, lpt_sorted(cs, _run_ends(cs), p), p)
 
 
 def lpt_schedule_reference(costs: Any, num_ctas: int, tiebreak: Any = None,
@@ -168,7 +169,7 @@ def lpt_schedule_reference(costs: Any, num_ctas: int, tiebreak: Any = None,
         ([0, 3, 6], [0, 3, 5, 1, 2, 4])
     """
     c = [int(x) for x in _as_costs(costs)]
-    p = _check_int(num_ctas, "num_ctas", 1)
+    p = check_plan_int(num_ctas, "num_ctas", 1)
     tb = [0] * len(c) if tiebreak is None else [int(x) for x in tiebreak]
     sec = [0] * len(c) if section is None else [int(x) for x in section]
     order = sorted(range(len(c)), key=lambda u: (sec[u], -c[u], tb[u], u))
@@ -178,7 +179,7 @@ def lpt_schedule_reference(costs: Any, num_ctas: int, tiebreak: Any = None,
         load, cta = heapq.heappop(heap)
         assign.append(cta)
         heapq.heappush(heap, (load + c[u], cta))
-    return _queues(np.asarray(order, dtype=np.int64), np.asarray(assign, dtype=np.int64), p)
+    return cta_queues(np.asarray(order, dtype=np.int64), np.asarray(assign, dtype=np.int64), p)
 
 
 def cost_ticks(costs: Any, num_ctas: int, total: float | None = None) -> np.ndarray:

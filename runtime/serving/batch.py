@@ -3,7 +3,7 @@
 `BatchAttention(variant, workspace_buffer, kv_layout=...)` follows FlashInfer's plan/run split:
 
 - `plan(...)` (host, once per generation step) turns the batch's lengths into a load-balanced
-  plan (`attncc.runtime.scheduler.plan`: work units of (request, KV head, query tile, KV chunk)
+  plan (`scheduler.plan`: work units of (request, KV head, query tile, KV chunk)
   assigned longest-first to a fixed grid of CTAs, plus the merge map of split KV ranges), packs
   it with the batch's page tables into a pinned host buffer (two halves that plans take in
   turn) and copies the words in use to the workspace: the plan (one range, its sections back
@@ -50,24 +50,24 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from attncc.errors import DeviceError, InvalidArgument, check_bool, check_int
+from attncc.errors import DeviceError, check_bool, check_int
 from attncc.frontend import Variant
 from attncc.ir.analysis import Shapes
 from attncc.ir.program import Bindings, VariantIR
 
-from . import planner, scheduler
-from .launcher import _driver, driver_check
-from .lpt import lpt_schedule
+from ..jit.device import num_sms
+from ..jit.launch_args import captured, clamped
+from ..jit.launcher import driver, driver_check
+from ..jit.policy import compile_fa3, spill_bytes
+from ..jit.sources import fa2_source
+from ..jit.tiles import HEAD_DIMS, Fa2Config, fa2_config
 from .fa3_batch import fa3_batch_maps, fa3_batch_source, fa3_batch_tiles, fa3_unsupported
-from .gpu_flex import (HEAD_DIMS, _captured, _num_sms, _spill_bytes, compile_fa3, fa2_config,
-                       fa2_source)
-from .tile_choice import Fa2Config
+from .plan import planner, scheduler
+from .plan.checks import KV_LAYOUTS, RAGGED_PAGE, CheckedBatch, check_batch, int_array, page_shift
+from .plan.lpt import lpt_schedule
 
-__all__ = ["BatchAttention", "BatchTiles", "batch_attention_reference", "clip_causal_units",
-           "KV_LAYOUTS"]
+__all__ = ["BatchAttention", "BatchTiles", "clip_causal_units", "KV_LAYOUTS"]
 
-KV_LAYOUTS = ("NHD", "HND", "ragged")
-_RAGGED_PAGE = 1 << 30  # a ragged request is one "page" this long (see batch_params.cuh)
 _INT = np.int32
 MERGE_THREADS = 512  # kernels/fa2_batch.cuh MergeKernel::kThreads (the FA3 batch kernel's merge)
 
@@ -85,7 +85,7 @@ class BatchTiles:
     ctas_per_sm: int
     num_ctas: int
     kv_warps: int = 1
-    kernel: str = "fa2"  # "fa3": kernels/fa3_batch.cuh (sm_90; runtime/fa3_batch.py)
+    kernel: str = "fa2"  # "fa3": kernels/fa3_batch.cuh (sm_90; runtime/serving/fa3_batch.py)
 
 
 def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
@@ -93,7 +93,7 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
     """Tiles for a batch whose longest request has `max_fused_rows` (query tokens x GQA group);
     `force=(T_q, T_kv, stages[, kv_warps])` takes those instead (the grid still follows
     residency). `fa3` ("off", "auto", "on"; the caller checked the FA3 batch kernel can run the
-    batch, runtime/fa3_batch.py): "on" takes the FA3 batch kernel's tiles (128 fused rows x 128
+    batch, fa3_batch.py): "on" takes the FA3 batch kernel's tiles (128 fused rows x 128
     keys, one CTA per SM), "auto" does so for prefill batches (at least 128 fused rows).
 
     Decode (up to 16 fused rows) gets 16-row tiles with 2 warps splitting each 32-row KV tile:
@@ -135,26 +135,6 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
     return BatchTiles(tq, tkv, stages, m_frags, per_sm, per_sm * num_sms, kv_warps)
 
 
-def _int_array(x: Any, name: str) -> np.ndarray:
-    """`x` (tensor, array, list) as a 1-D numpy array of integers of its own dtype (no copy
-    where numpy need not make one); a ValueError naming `name` if it is not 1-D integers (an
-    empty array of any dtype passes)."""
-    if type(x) is not np.ndarray:  # (the cheap test first: plan() runs every step)
-        if isinstance(x, torch.Tensor):
-            x = x.detach().to("cpu").numpy()
-        x = np.asarray(x)
-    if x.ndim != 1 or (x.size and x.dtype.kind not in "iu"
-                       and not np.issubdtype(x.dtype, np.integer)):
-        raise ValueError(f"{name} must be a 1-D integer array, got shape {x.shape} dtype "
-                         f"{x.dtype}")
-    return x
-
-
-def _np_int(x: Any, name: str, copy: bool = True) -> np.ndarray:
-    """`_int_array(x, name)` as int64, a copy unless `copy=False`."""
-    return _int_array(x, name).astype(np.int64, copy=copy)
-
-
 def _is_int(x: Any) -> bool:
     """Whether `x` is an int or a numpy integer (not a bool)."""
     return type(x) is int or (isinstance(x, (int, np.integer)) and not isinstance(x, bool))
@@ -175,11 +155,6 @@ def _plain_scalars(num_qo_heads: Any, num_kv_heads: Any, head_dim: Any, page_siz
             and (kv_indices is None) == ragged and (kv_last_page_len is None) == ragged)
 
 
-def _page_shift(page_size: int) -> int:
-    """log2(page_size) for the kernel's page arithmetic, -1 when not a power of two."""
-    return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
-
-
 @functools.lru_cache(maxsize=256)
 def _batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
                  force: tuple[int, ...] | None, fa3: str) -> BatchTiles:
@@ -193,22 +168,6 @@ def _plan_layout(max_batch: int, max_qo_tokens: int, num_ctas: int, num_qo_heads
     """`scheduler.PlanLayout(...)`, memoised: plan() needs the same few every step."""
     return scheduler.PlanLayout(max_batch, max_qo_tokens, num_ctas, num_qo_heads, num_kv_heads,
                                 tile_q)
-
-
-@dataclass(slots=True)
-class _Batch:
-    """A checked batch: what `BatchAttention.plan` schedules and stages."""
-
-    qo: np.ndarray              # int64 [batch+1] query CSR (a copy: the instance keeps it)
-    kv_lens: np.ndarray         # int64 [batch]
-    page_indptr: np.ndarray     # [batch+1] CSR of `pages` (any integer dtype)
-    pages: np.ndarray           # page ids (ragged: each request's first KV token)
-    page: int                   # tokens per page (ragged: _RAGGED_PAGE)
-    shift: int                  # log2(page), -1 when not a power of two
-    max_page: int               # pages (ragged: tokens) the KV cache must hold
-    max_q_len: int              # the longest request's query tokens
-    qpos: np.ndarray | None = None
-    kvoff: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,9 +212,9 @@ class _Kernels:
                  device: int) -> None:
         from attncc.ir.simplify import simplify_variant
 
-        from .cache import cached_compile
-        from .launcher import load_kernel
-        from .nvrtc import device_arch
+        from ..jit.cache import cached_compile
+        from ..jit.launcher import load_kernel
+        from ..jit.nvrtc import device_arch
 
         with torch.cuda.device(device):
             arch = device_arch()
@@ -276,7 +235,7 @@ class _Kernels:
             res, _ = compile_fa3(src, arch=arch, name=f"{name}.cu")
         else:
             res, _ = cached_compile(src, arch=arch, name=f"{name}.cu", verbose=True)
-        self.spill_bytes = _spill_bytes(res.log)
+        self.spill_bytes = spill_bytes(res.log)
         self.attend = load_kernel(res.cubin, name, bp_layout, vp_layout, device=device,
                                   dynamic_smem=self.config.smem_bytes)
         self.merge = load_kernel(res.cubin, name + "_merge", bp_layout, vp_layout,
@@ -311,7 +270,7 @@ class _Uploader:
 
     def __init__(self, device: torch.device) -> None:
         self.index = device.index or 0
-        self.memcpy = _driver().cuMemcpyHtoDAsync
+        self.memcpy = driver().cuMemcpyHtoDAsync
         self.current_stream = torch.cuda.current_stream
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (CUDA builds of torch)
         self.raw_stream = raw or (lambda i: self.current_stream(i).cuda_stream)
@@ -348,7 +307,7 @@ def _check_device(device: Any) -> None:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError("BatchAttention(device='cuda') needs a CUDA GPU, and torch sees none "
                           "here (torch.cuda.is_available() is False). Without a GPU: "
-                          "attncc.runtime.batch.batch_attention_reference(q, kv_cache, "
+                          "attncc.runtime.reference.batch_attention_reference(q, kv_cache, "
                           "qo_indptr, kv_indptr, kv_indices, kv_last_page_len, ...) computes "
                           "the exact result on the CPU, and BatchAttention(..., device='cpu') "
                           "plans without running")
@@ -444,7 +403,7 @@ class BatchAttention:
         what CascadeAttention uses for a shared prefix and the suffixes after it.
         `q_data_type` is the dtype `run` will get.
 
-        Host time: with the compiled planner (runtime/planner.c) a plan whose tiles are the
+        Host time: with the compiled planner (plan/planner.c) a plan whose tiles are the
         last plan's (a serving loop's every step) is one C call,
         `planner.BatchPlanner.plan`: it checks the arrays, computes the plan straight into the
         pinned staging buffer, writes the page tables after it and lists the used words; other
@@ -490,7 +449,7 @@ class BatchAttention:
     def _checked_fast(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any,
                       kv_last_page_len: Any, num_qo_heads: Any, num_kv_heads: Any,
                       head_dim: Any, page_size: Any, q_dtype: Any
-                      ) -> tuple[_Batch | None, _Staged | None]:
+                      ) -> tuple[CheckedBatch | None, _Staged | None]:
         """The batch checked by the compiled planner in one pass and, when it needs the last
         plan's tiles, staged by the same C call: (batch, what `_stage_plan` returns); (batch,
         None) when the batch is checked but not staged (other tiles, or a plan its layout
@@ -502,7 +461,7 @@ class BatchAttention:
         if not _plain_scalars(num_qo_heads, num_kv_heads, head_dim, page_size, ragged,
                               kv_indices, kv_last_page_len):
             return None, None
-        page = _RAGGED_PAGE if ragged else page_size
+        page = RAGGED_PAGE if ragged else page_size
         memo, bp = self._last_config, self._planner
         if memo is None or memo[0] != self._config_key(num_qo_heads, num_kv_heads, head_dim,
                                                        page, q_dtype):
@@ -513,10 +472,10 @@ class BatchAttention:
         if not bp:
             return None, None
         try:
-            qo = _int_array(qo_indptr, "qo_indptr")
-            kvp = _int_array(kv_indptr, "kv_indptr")
-            pages = None if ragged else _int_array(kv_indices, "kv_indices")
-            last = None if ragged else _int_array(kv_last_page_len, "kv_last_page_len")
+            qo = int_array(qo_indptr, "qo_indptr")
+            kvp = int_array(kv_indptr, "kv_indptr")
+            pages = None if ragged else int_array(kv_indices, "kv_indices")
+            last = None if ragged else int_array(kv_last_page_len, "kv_last_page_len")
         except ValueError:
             return None, None
         ps = 1 if ragged else page_size
@@ -534,12 +493,12 @@ class BatchAttention:
             return None, None
         qo, kv_lens, max_q_len, max_page = checked
         if ragged:  # one "page" per request: its first token
-            return _Batch(qo, kv_lens, np.arange(qo.size), kvp[:-1], _RAGGED_PAGE, 30, max_page,
-                          max_q_len), staged
-        return _Batch(qo, kv_lens, kvp, pages, page_size, _page_shift(page_size), max_page,
-                      max_q_len), staged
+            return CheckedBatch(qo, kv_lens, np.arange(qo.size), kvp[:-1], RAGGED_PAGE, 30,
+                                max_page, max_q_len), staged
+        return CheckedBatch(qo, kv_lens, kvp, pages, page_size, page_shift(page_size), max_page,
+                            max_q_len), staged
 
-    def _stage_plan(self, b: _Batch, fast: bool, num_qo_heads: int, num_kv_heads: int,
+    def _stage_plan(self, b: CheckedBatch, fast: bool, num_qo_heads: int, num_kv_heads: int,
                     head_dim: int, q_dtype: Any) -> _Staged:
         """Batch `b`'s config, and its plan and tables written to the next staging half: by the
         compiled planner when its checks passed `b` (`fast`), else -- or when the layout cannot
@@ -558,7 +517,7 @@ class BatchAttention:
 
     def _checked(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any,
                  num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 q_positions: Any, kv_position_offset: Any) -> _Batch:
+                 q_positions: Any, kv_position_offset: Any) -> CheckedBatch:
         """`plan`'s reference checks (`check_batch` with this instance's layout and maxima)."""
         return check_batch(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                            kv_layout=self.kv_layout, num_qo_heads=num_qo_heads,
@@ -664,7 +623,7 @@ class BatchAttention:
                 self._planner, self.min_kv_chunk, self.max_batch, self.max_qo_tokens,
                 self.max_pages, self.kv_layout, self._forced_tiles, self.balance)
 
-    def _config(self, b: _Batch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+    def _config(self, b: CheckedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                 q_dtype: Any) -> _Config:
         """The tiles, layout and scheduler arguments of batch `b`: the last ones again when
         everything they depend on is the last call's (a serving loop's every step: a decode
@@ -705,7 +664,7 @@ class BatchAttention:
         """`choose_batch_tiles` for this device, keeping the captured kernel's tiles when the
         new batch fits them."""
         forced = tuple(self._forced_tiles) if self._forced_tiles is not None else None
-        tiles = _batch_tiles(head_dim, max_fused_rows, _num_sms(self.device), forced, fa3)
+        tiles = _batch_tiles(head_dim, max_fused_rows, num_sms(self.device), forced, fa3)
         if self.tiles is not None and tiles.tq != self.tiles.tq and self.tiles.tq >= tiles.tq \
                 and (self.tiles.kernel == "fa2" or fa3 != "off"):
             tiles = self.tiles  # keep the captured kernel when the new batch fits its tiles
@@ -757,7 +716,7 @@ class BatchAttention:
         return {"qo_indptr": off, "kv_page_indptr": off + mb, "kv_lens": off + 2 * mb,
                 "kv_pos": off + 3 * mb, "q_pos": off + 4 * mb, "pages": pages}
 
-    def _stage(self, buf: np.ndarray, b: _Batch, o: dict[str, int]) -> None:
+    def _stage(self, buf: np.ndarray, b: CheckedBatch, o: dict[str, int]) -> None:
         """Write the page tables at the word offsets `o` of the staging buffer `buf` (numpy:
         the compiled planner writes the same words in `BatchPlanner.plan_and_stage`)."""
         buf[o["qo_indptr"]:o["qo_indptr"] + b.qo.size] = b.qo
@@ -881,14 +840,14 @@ class BatchAttention:
                                        box_rows=min(self.page_size, self.tiles.tkv)).data_ptr()
         from attncc.codegen.generate import variant_param_values
 
-        cap = _captured(kern.ir, bindings, self.device)
+        cap = captured(kern.ir, bindings, self.device)
         vp = variant_param_values(kern.attend.vp.layout, cap["scalars"], cap["tensors"])
         stream = torch.cuda.current_stream(self.device).cuda_stream
         cfg = kern.config
         kern.attend.launch((lay.max_ctas, 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
                            kern.attend.ap.flatten(bp), kern.attend.vp.flatten(vp), stream=stream)
         if lay.max_merges:  # the split items' merge
-            grid = min(lay.max_merges, _num_sms(self.device))
+            grid = min(lay.max_merges, num_sms(self.device))
             kern.merge.launch((grid, 1, 1), (MERGE_THREADS, 1, 1), 0,
                               kern.merge.ap.flatten(bp),
                               kern.merge.vp.flatten(vp), stream=stream, pdl=self._pdl)
@@ -936,108 +895,15 @@ class BatchAttention:
         return k, v, strides
 
 
-def check_batch(qo_indptr: Any, kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any, *,
-                kv_layout: str, num_qo_heads: Any, num_kv_heads: Any, head_dim: Any,
-                page_size: Any, q_positions: Any = None, kv_position_offset: Any = None,
-                max_batch: int | None = None, max_qo_tokens: int | None = None,
-                max_pages: int | None = None, head_dims: tuple[int, ...] | None = HEAD_DIMS
-                ) -> _Batch:
-    """The checks of `BatchAttention.plan` and `batch_attention_reference` (one function, so
-    the GPU and CPU paths accept and reject the same batches): the first failure raises a
-    ValueError (TypeError for a non-int size) naming the argument and what to fix. The maxima
-    and `head_dims` (what the kernels take) are left out (None) by the reference.
-
-    Example:
-        >>> check_batch([0, 1], [0, 1], [-1], [4], kv_layout="NHD", num_qo_heads=4,
-        ...             num_kv_heads=2, head_dim=64, page_size=16)
-        Traceback (most recent call last):
-        ...
-        attncc.errors.InvalidArgument: kv_indices holds a negative page id (-1)
-    """
-    num_qo_heads = check_int("num_qo_heads", num_qo_heads, 1)
-    num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
-    head_dim = check_int("head_dim", head_dim, 1)
-    if kv_layout not in KV_LAYOUTS:
-        raise InvalidArgument(f"kv_layout={kv_layout!r}: use one of {KV_LAYOUTS}")
-    qo = _np_int(qo_indptr, "qo_indptr")
-    kvp = _np_int(kv_indptr, "kv_indptr")
-    scheduler._as_indptr(qo, "qo_indptr")  # the scheduler's messages: one wording
-    scheduler._as_indptr(kvp, "kv_indptr")
-    batch = qo.size - 1
-    if kvp.size != batch + 1:
-        raise InvalidArgument(f"kv_indptr has {kvp.size} entries, qo_indptr describes {batch} "
-                              f"requests: it needs {batch + 1}")
-    if (max_batch is not None and batch > max_batch) or \
-            (max_qo_tokens is not None and int(qo[-1]) > max_qo_tokens):
-        raise InvalidArgument(f"batch of {batch} requests / {int(qo[-1])} query tokens exceeds "
-                              f"max_batch={max_batch} / max_qo_tokens={max_qo_tokens} given to "
-                              f"BatchAttention")
-    if num_qo_heads % num_kv_heads:
-        raise InvalidArgument(f"num_qo_heads={num_qo_heads} must be a multiple of "
-                              f"num_kv_heads={num_kv_heads}")
-    if head_dims is not None and head_dim not in head_dims:
-        raise InvalidArgument(f"head_dim={head_dim}: the batch kernel supports {head_dims}")
-    if kv_layout == "ragged":
-        if kv_indices is not None or kv_last_page_len is not None:
-            raise InvalidArgument("kv_layout='ragged' takes no kv_indices / kv_last_page_len: "
-                                  "kv_indptr is the CSR of KV tokens")
-        if max_pages is not None:
-            _check_ragged_table(batch, max_pages)
-        kv_lens = np.diff(kvp)
-        pages = kvp[:-1]                      # one "page" per request: its first token
-        page_indptr = np.arange(batch + 1)
-        page, shift = _RAGGED_PAGE, 30
-        max_page = int(kvp[-1])                # tokens the cache must hold
-    else:
-        if kv_indices is None or kv_last_page_len is None:
-            raise InvalidArgument(f"kv_layout={kv_layout!r} needs kv_indices and "
-                                  f"kv_last_page_len")
-        page_size = check_int("page_size", page_size, 1, "pass the tokens per page")
-        pages = _np_int(kv_indices, "kv_indices")
-        last = _np_int(kv_last_page_len, "kv_last_page_len")
-        if pages.size < kvp[-1]:
-            raise InvalidArgument(f"kv_indices has {pages.size} entries but kv_indptr[-1] = "
-                                  f"{int(kvp[-1])}")
-        if max_pages is not None and pages.size > max_pages:
-            raise InvalidArgument(f"{pages.size} page ids exceed max_pages={max_pages}")
-        if pages.size and pages.min() < 0:
-            raise InvalidArgument(f"kv_indices holds a negative page id ({int(pages.min())})")
-        kv_lens = scheduler.paged_kv_lens(kvp, last, page_size).astype(np.int64)
-        page_indptr = kvp
-        page, shift = page_size, _page_shift(page_size)
-        used = pages[:int(kvp[-1])]
-        max_page = int(used.max()) + 1 if used.size else 0   # pages the cache needs
-    q_lens = np.diff(qo)
-    qpos = kvoff = None
-    if q_positions is not None:
-        qpos = _np_int(q_positions, "q_positions")
-        if qpos.size != int(qo[-1]) or (qpos.size and qpos.min() < 0):
-            raise InvalidArgument(f"q_positions must hold {int(qo[-1])} non-negative positions "
-                                  f"(one per query token), got {qpos.size}")
-    if kv_position_offset is not None:
-        kvoff = _np_int(kv_position_offset, "kv_position_offset")
-        if kvoff.size != batch or (kvoff.size and kvoff.min() < 0):
-            raise InvalidArgument(f"kv_position_offset must hold {batch} non-negative offsets")
-    if qpos is None and np.any(q_lens > kv_lens):
-        i = int(np.argmax(q_lens > kv_lens))
-        raise InvalidArgument(f"request {i} has {int(q_lens[i])} query tokens but only "
-                              f"{int(kv_lens[i])} KV tokens: queries are the last tokens of "
-                              f"their sequence, so the KV cache must already hold them")
-    return _Batch(qo, kv_lens, page_indptr, pages, page, shift, max_page,
-                  int(q_lens.max(initial=0)), qpos, kvoff)
-
-
 def _serving_clamps(ir: VariantIR, tensors: dict, scalars: dict, positions_unknown: bool,
                     shapes: Shapes) -> tuple[VariantIR, dict[str, int]]:
     """BatchAttention's clamped variant and clamp sizes (see BatchAttention._safe_reads)."""
     from attncc.ir.analysis import CapturedReadError, clamp_reads, load_guards
     from attncc.ir.simplify import simplify_variant
 
-    from .gpu_flex import _clamped
-
     if not positions_unknown:
         try:
-            got, sizes = _clamped(ir, shapes, tensors, scalars)
+            got, sizes = clamped(ir, shapes, tensors, scalars)
             return got, sizes
         except CapturedReadError:
             pass  # clamp every read instead
@@ -1045,14 +911,6 @@ def _serving_clamps(ir: VariantIR, tensors: dict, scalars: dict, positions_unkno
     every = {n: tuple(range(len(n.args))) for h in simple.hooks.values()
              for n, _ in load_guards(h.expr).values() if n.args}
     return clamp_reads(simple, every, tensors)
-
-
-def _check_ragged_table(requests: int, max_pages: int) -> None:
-    """A ragged batch's page table holds one entry per request (its first KV token)."""
-    if requests > max_pages:
-        raise ValueError(f"a ragged batch takes one page-table entry per request: {requests} "
-                         f"requests exceed max_pages={max_pages}; construct "
-                         f"BatchAttention(max_pages=...) with room for them")
 
 
 def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndarray,
@@ -1191,115 +1049,3 @@ def _pad4(n: int) -> int:
 
 def _round256(n: int) -> int:
     return (n + 255) // 256 * 256
-
-
-# ------------------------------------------------------------------------------ reference
-def _reference_cache(kv_cache: Any, kv_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k_cache, v_cache) of the reference's `kv_cache` argument, each checked for its rank."""
-    if isinstance(kv_cache, torch.Tensor) and kv_layout != "ragged" and kv_cache.dim() == 5 \
-            and kv_cache.shape[1] == 2:
-        k, v = kv_cache[:, 0], kv_cache[:, 1]
-    elif isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
-        k, v = kv_cache
-    else:
-        raise InvalidArgument("kv_cache must be (k_cache, v_cache) or a [num_pages, 2, ...] "
-                              "tensor")
-    rank = 3 if kv_layout == "ragged" else 4
-    for name, t in (("k_cache", k), ("v_cache", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != rank:
-            raise InvalidArgument(f"{name} must be a {rank}-D tensor in the {kv_layout} layout, "
-                                  f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else t}")
-    return k, v
-
-
-def _cache_heads(k: torch.Tensor, kv_layout: str) -> int:
-    """KV heads of a cache: [pages, page, H, D] (NHD), [pages, H, page, D] (HND), [tokens, H, D]."""
-    return int(k.shape[1] if kv_layout == "HND" else k.shape[-2])
-
-
-def _check_reference_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: _Batch,
-                            kv_layout: str) -> None:
-    """What `run` checks of q and the cache against the plan: every row, page id and token the
-    batch names exists, and the cache's page size is the plan's."""
-    total_q = int(b.qo[-1])
-    if q.shape[0] < total_q:
-        raise InvalidArgument(f"q has {q.shape[0]} rows but qo_indptr[-1] = {total_q}")
-    Hkv, D = _cache_heads(k, kv_layout), q.shape[2]
-    if kv_layout == "ragged":
-        want = (b.max_page, Hkv, D)
-    else:
-        want = (b.max_page, b.page, Hkv, D) if kv_layout == "NHD" else (b.max_page, Hkv, b.page, D)
-    where = "" if kv_layout == "ragged" else f", page_size={b.page}"
-    for name, t in (("k_cache", k), ("v_cache", v)):
-        if t.shape[0] < want[0] or tuple(t.shape[1:]) != want[1:]:
-            raise InvalidArgument(f"{name} has shape {tuple(t.shape)}; the batch needs "
-                                  f"[>={want[0]}, {', '.join(map(str, want[1:]))}] "
-                                  f"({kv_layout} layout{where}; every page id and token must "
-                                  f"fit)")
-
-
-def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv_indptr: Any,
-                              kv_indices: Any = None, kv_last_page_len: Any = None, *,
-                              kv_layout: str = "NHD", page_size: int = 1,
-                              variant: Variant | None = None, scale: float | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Exact (float64) batch attention, request by request: the oracle of `BatchAttention.run`.
-    The hooks see b = the request's index, q_idx counted so that the queries are the request's
-    last tokens, as in the batch kernels.
-
-    Example:
-        >>> import torch
-        >>> q = torch.randn(3, 4, 64)
-        >>> k, v = torch.randn(2, 16, 2, 64), torch.randn(2, 16, 2, 64)    # NHD pages
-        >>> out, lse = batch_attention_reference(q, (k, v), [0, 1, 3], [0, 1, 2], [1, 0],
-        ...                                      [10, 16], page_size=16)
-        >>> tuple(out.shape), out.dtype
-        ((3, 4, 64), torch.float64)
-    """
-    from .reference import attention_reference
-
-    variant = variant if variant is not None else Variant(name="batch_plain")
-    ir, bindings = variant.trace()
-    k_all, v_all = _reference_cache(kv_cache, kv_layout)
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise InvalidArgument(f"q must be a [total_q, num_qo_heads, head_dim] tensor, got "
-                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}")
-    # plan()'s checks, with the sizes read off q and the cache
-    b = check_batch(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_layout=kv_layout,
-                    num_qo_heads=q.shape[1], num_kv_heads=_cache_heads(k_all, kv_layout),
-                    head_dim=q.shape[2], page_size=page_size, head_dims=None)
-    _check_reference_shapes(q, k_all, v_all, b, kv_layout)
-    qo, kvp = b.qo, _np_int(kv_indptr, "kv_indptr")
-    H = q.shape[1]
-    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    lse = (torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
-           if ir.use_softmax else None)
-    pages = b.pages if kv_layout != "ragged" else None
-    last = _np_int(kv_last_page_len, "kv_last_page_len") if kv_last_page_len is not None else None
-    for i in range(qo.size - 1):
-        lq = int(qo[i + 1] - qo[i])
-        if lq == 0:
-            continue
-        if kv_layout == "ragged":
-            k = k_all[int(kvp[i]):int(kvp[i + 1])]
-            v = v_all[int(kvp[i]):int(kvp[i + 1])]
-        else:
-            assert pages is not None and last is not None
-            ids = torch.as_tensor(pages[int(kvp[i]):int(kvp[i + 1])], device=k_all.device)
-            if kv_layout == "NHD":
-                k, v = k_all[ids].flatten(0, 1), v_all[ids].flatten(0, 1)
-            else:
-                k = k_all[ids].transpose(1, 2).flatten(0, 1)
-                v = v_all[ids].transpose(1, 2).flatten(0, 1)
-            n = (ids.numel() - 1) * page_size + int(last[i]) if ids.numel() else 0
-            k, v = k[:n], v[:n]
-        # queries are the last lq positions of the sequence: q_idx = lkv - lq + t
-        qi = q[int(qo[i]):int(qo[i + 1])]
-        o_i, l_i = attention_reference(qi.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                       v.transpose(0, 1)[None], ir, bindings, scale=scale,
-                                       enable_gqa=H != k.shape[1], q_offset=k.shape[0] - lq,
-                                       b_offset=i)  # the kernels' hooks see b = the request
-        out[int(qo[i]):int(qo[i + 1])] = o_i[0].transpose(0, 1)
-        if lse is not None and l_i is not None:
-            lse[int(qo[i]):int(qo[i + 1])] = l_i[0].transpose(0, 1)
-    return out, lse

@@ -16,7 +16,7 @@ a +inf lse (a row with a +inf score) makes o NaN and lse +inf, and a NaN in a no
 NaN however small its weight (``0 * NaN``).
 
 `merge_state` merges two states, `merge_states` a stack of ``n`` states along dim 0 in index
-order; both are what the GPU kernels consuming `attncc.runtime.scheduler` plans must match
+order; both are what the GPU kernels consuming `serving.plan.scheduler` plans must match
 (the scheduler lists the partial states of a split row in ascending KV order so that the
 result is bitwise reproducible).
 
@@ -52,7 +52,7 @@ def merge_state(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
     """Merge two attention states over disjoint KV ranges: ``(o [..., D], lse [...])``.
 
     ``o_*`` is ``[..., D]``, ``lse_*`` is ``[...]`` (natural log). Computes in the promoted
-    dtype of the inputs; CUDA states that fit `runtime/merge_kernel.py`'s kernel (one storage
+    dtype of the inputs; CUDA states that fit `merge_kernel.py`'s kernel (one storage
     type, contiguous, float32 lse, head dim a multiple of 8) merge in one launch, in float32.
     A ``-inf`` lse marks an empty state: its ``o`` is ignored (even if it is nan); two empty
     states give ``o = 0``, ``lse = -inf``.

@@ -1,6 +1,7 @@
-"""The compiled planner: runtime/planner.c, built on first use with the system C compiler.
+"""The compiled planner: planner.c (next to this module), built on first use with the system C
+compiler.
 
-`attncc.runtime.scheduler.plan` computes a plan with numpy (~150 numpy calls: 0.6-2 ms at
+`scheduler.plan` computes a plan with numpy (~150 numpy calls: 0.6-2 ms at
 decode batch 256 on this project's 2-core CI-class VM, most of it call overhead). planner.c is
 its compiled twin, and more: it packs the plan straight into the `PlanLayout` buffer (what
 `Plan.pack` writes, byte for byte) and makes BatchAttention.plan's input checks in one pass.
@@ -45,14 +46,11 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from .plan_format import HEADER_FIELDS, _pad, packed_offsets
-
-if TYPE_CHECKING:
-    from .scheduler import PlanLayout
+from .format import HEADER_FIELDS, PLAN_MAGIC, PLAN_VERSION, PlanLayout, packed_offsets, pad_words
 
 __all__ = ["available", "compiled_plan", "pack_plan", "BatchPlanner", "plan_problem",
            "STAGED", "TOO_BIG", "NO_ROOM", "RETILE", "INVALID"]
@@ -102,7 +100,7 @@ class _Tables(ctypes.Structure):
 
 
 def _cache_dir() -> Path:
-    from .cache import default_cache_dir
+    from ...jit.cache import default_cache_dir
 
     return Path(default_cache_dir())
 
@@ -222,8 +220,6 @@ def _layout_args(layout: PlanLayout) -> _PlanArgs:
         return _SCRATCH.last_args
     args = _SCRATCH.plan_args.get(layout)
     if args is None:
-        from .scheduler import PLAN_MAGIC, PLAN_VERSION
-
         args = _PlanArgs(max_batch=layout.max_batch, max_qo_tokens=layout.max_qo_tokens,
                          max_ctas=layout.max_ctas, max_units=layout.max_units,
                          max_merges=layout.max_merges, max_slots=layout.max_partial_slots,
@@ -292,7 +288,7 @@ def compiled_plan(qo: np.ndarray, kv: np.ndarray, *, g: int, hk: int, tile_q: in
     chunk, n, m, slots = args.chunk, args.num_units, args.num_merges, args.num_slots
     # a layout with exactly these maxima: the plan fills it
     args.off_cta_indptr = len(HEADER_FIELDS)
-    args.off_dynamic = args.off_cta_indptr + _pad(num_ctas + 1)
+    args.off_dynamic = args.off_cta_indptr + pad_words(num_ctas + 1)
     at = packed_offsets(args.off_dynamic, n, m)
     buf = np.empty(at["end"], dtype=np.int32)
     args.max_batch, args.max_qo_tokens, args.max_ctas = kv.size, int(qo[-1]), num_ctas
@@ -333,7 +329,7 @@ class BatchPlanner:
 
     Example:
         >>> import numpy as np
-        >>> from attncc.runtime.scheduler import PlanLayout
+        >>> from attncc.runtime.serving.plan.scheduler import PlanLayout
         >>> if available():
         ...     bp = BatchPlanner(max_batch=4, max_qo_tokens=8, max_pages=8, ragged=False)
         ...     arrays = (np.array([0, 1, 3]), np.array([0, 2, 3]), np.array([4, 0, 2]),

@@ -23,7 +23,7 @@ from typing import Any, Callable, Hashable
 import numpy as np
 import torch
 
-from .launcher import _driver, driver_check
+from .launcher import driver, driver_check
 
 __all__ = ["tensor_map_2d", "tensor_map_3d", "tensor_map_4d", "MapCache"]
 
@@ -85,7 +85,7 @@ def _encode(t: torch.Tensor, box: tuple[int, ...], swizzle: str, what: str) -> t
                          f"({128 // t.element_size()} elements)")
     if any(not 1 <= n <= 256 for n in box):
         raise ValueError(f"box {box}: every box dimension must be 1..256 elements")
-    d = _driver()
+    d = driver()
     sw = {"128B": d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
           "none": d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE}[swizzle]
     rank = t.dim()

@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 
 from attncc.errors import AttnccError
 
-__all__ = ["LaunchError", "StructPacker", "KernelLauncher", "load_kernel", "driver_check",
+__all__ = ["LaunchError", "StructPacker", "KernelLauncher", "load_kernel", "driver", "driver_check",
            "clear_module_cache"]
 
 _FMT = {"int": "i", "float": "f", "attncc::i64": "q"}
@@ -47,7 +47,7 @@ class LaunchError(AttnccError, RuntimeError):
     """A CUDA driver call failed while loading or launching a kernel (message names the call)."""
 
 
-def _driver() -> Any:
+def driver() -> Any:
     from cuda.bindings import driver  # lazily: the compiler half must import without CUDA
 
     return driver
@@ -59,7 +59,7 @@ def driver_check(result: Any, call: str) -> Any:
     Returns None, the single value, or a tuple of values.
 
     Example:
-        >>> from attncc.runtime.nvrtc import available
+        >>> from attncc.runtime.jit.nvrtc import available
         >>> try:
         ...     from cuda.bindings import driver
         ... except ImportError:
@@ -82,7 +82,7 @@ def driver_check(result: Any, call: str) -> Any:
 
 
 def _error_text(err: Any) -> str:
-    drv = _driver()
+    drv = driver()
     name = desc = None
     try:
         e, n = drv.cuGetErrorName(err)
@@ -215,7 +215,7 @@ _MODULES_LOCK = threading.Lock()
 
 def _ensure_context(device: int) -> None:
     """Make `device`'s primary context (the one torch uses) current on this thread."""
-    drv = _driver()
+    drv = driver()
     import torch
 
     torch.cuda.init()
@@ -237,7 +237,7 @@ def _load_module(cubin: bytes, device: int) -> _Module:
         mod = _MODULES.get(key)
         if mod is None:
             _ensure_context(device)
-            drv = _driver()
+            drv = driver()
             handle = driver_check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
             mod = _MODULES[key] = _Module(handle, device)
         return mod
@@ -245,7 +245,7 @@ def _load_module(cubin: bytes, device: int) -> _Module:
 
 def clear_module_cache() -> None:
     """Unload every module this process loaded (kernels launched earlier must have finished)."""
-    drv = _driver()
+    drv = driver()
     with _MODULES_LOCK:
         for mod in _MODULES.values():
             try:
@@ -269,7 +269,7 @@ class KernelLauncher:
 
     def __init__(self, cubin: bytes, kernel_name: str, attention_layout: Any, params_layout: Any,
                  *, device: int = 0, dynamic_smem: int = 0) -> None:
-        drv = _driver()
+        drv = driver()
         self.kernel_name = kernel_name
         self.device = device
         self._module = _load_module(cubin, device)
@@ -303,7 +303,7 @@ class KernelLauncher:
         """Allow `nbytes` of dynamic shared memory (the opt-in above 48 KB)."""
         if nbytes <= self.dynamic_smem:
             return
-        drv = _driver()
+        drv = driver()
         if nbytes > _MAX_STATIC_SMEM:
             _ensure_context(self.device)
             optin = int(driver_check(drv.cuDeviceGetAttribute(
@@ -323,7 +323,7 @@ class KernelLauncher:
     def _stream(self, handle: int) -> Any:
         s = self._streams.get(handle)
         if s is None:
-            s = self._streams[handle] = _driver().CUstream(handle)
+            s = self._streams[handle] = driver().CUstream(handle)
         return s
 
     def _ex_config(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
@@ -333,7 +333,7 @@ class KernelLauncher:
         key = (tuple(grid), tuple(block), smem, stream, pdl, cluster)
         cfg = self._ex_configs.get(key)
         if cfg is None:
-            drv = _driver()
+            drv = driver()
             attrs = []
             if pdl:
                 attr = drv.CUlaunchAttribute()
@@ -383,11 +383,11 @@ class KernelLauncher:
                 self.vp.pack_values_fast(vp_flat)
             if pdl or cluster > 1:
                 cfg = self._ex_config(grid, block, smem, stream, pdl, cluster)
-                err, = _driver().cuLaunchKernelEx(cfg, self.function, self._args_addr, 0)
+                err, = driver().cuLaunchKernelEx(cfg, self.function, self._args_addr, 0)
             else:
-                err, = _driver().cuLaunchKernel(self.function, grid[0], grid[1], grid[2],
-                                                block[0], block[1], block[2], smem,
-                                                self._stream(stream), self._args_addr, 0)
+                err, = driver().cuLaunchKernel(self.function, grid[0], grid[1], grid[2],
+                                               block[0], block[1], block[2], smem,
+                                               self._stream(stream), self._args_addr, 0)
         if int(err) != 0:
             call = "cuLaunchKernelEx" if pdl or cluster > 1 else "cuLaunchKernel"
             raise LaunchError(f"{call}({self.kernel_name}, grid={tuple(grid)}, "
@@ -397,7 +397,7 @@ class KernelLauncher:
     def _supports_pdl(self) -> bool:
         """Programmatic dependent launch needs compute capability 9.0 (checked once)."""
         if self._pdl is None:
-            drv = _driver()
+            drv = driver()
             major = int(driver_check(drv.cuDeviceGetAttribute(
                 drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device),
                 "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MAJOR)"))

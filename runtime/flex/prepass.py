@@ -101,9 +101,9 @@ def prepass_kernel(pre: VariantIR, *, head_dim: int, dtype: str, fast_math: bool
     with _LOCK:
         hit = _KERNELS.get(key)
         if hit is None:
-            from .cache import cached_compile
-            from .launcher import load_kernel
-            from .nvrtc import device_arch
+            from ..jit.cache import cached_compile
+            from ..jit.launcher import load_kernel
+            from ..jit.nvrtc import device_arch
 
             with torch.cuda.device(device):
                 arch = device_arch()
@@ -124,7 +124,7 @@ def run_prepass(kernel: Any, pre: VariantIR, q: torch.Tensor, k: torch.Tensor, v
                 captured: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the pre-pass on the current stream: `(q', k', v')`, a transformed contiguous copy
     where `pre` has that tensor's hook and the input itself where it has not. `captured` is the
-    VariantParams values of `pre` (gpu_flex._captured)."""
+    VariantParams values of `pre` (jit.launch_args.captured)."""
     from attncc.codegen.generate import variant_param_values
 
     ins = {"q": q, "k": k, "v": v}

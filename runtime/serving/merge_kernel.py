@@ -2,7 +2,7 @@
 
 `merge_state_cuda` is what `attncc.merge_state` runs on CUDA tensors it can take (see
 `fits_kernel`) and what `CascadeAttention` joins its two passes with. It computes in float32
-whatever the storage type of o (the torch formula of `runtime/merge.py` computes in the inputs'
+whatever the storage type of o (the torch formula of `merge.py` computes in the inputs'
 dtype), writes o in that storage type and lse in float32, and needs no host synchronisation, so
 it can be captured in a CUDA graph. The kernel is compiled once per (storage type, device).
 
@@ -64,9 +64,9 @@ def _kernel(dtype: str, device: int) -> Any:
         if hit is None:
             from attncc.codegen.merge_state import merge_state_source
 
-            from .cache import cached_compile
-            from .launcher import load_kernel
-            from .nvrtc import device_arch
+            from ..jit.cache import cached_compile
+            from ..jit.launcher import load_kernel
+            from ..jit.nvrtc import device_arch
 
             with torch.cuda.device(device):
                 arch = device_arch()

@@ -7,7 +7,7 @@ parameters that accept any writable bytes-like object. We pass a fresh `bytearra
 writes into an immutable (possibly interned) `bytes` object.
 
 Example:
-    >>> from attncc.runtime.nvrtc import available, compile_cuda
+    >>> from attncc.runtime.jit.nvrtc import available, compile_cuda
     >>> src = 'extern "C" __global__ void k(float* x) { x[threadIdx.x] *= 2.0f; }'
     >>> if available():
     ...     r = compile_cuda(src, arch="sm_80")

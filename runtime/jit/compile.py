@@ -9,8 +9,8 @@ much as the trace.
 
 Example:
     >>> import torch, attncc
-    >>> from attncc.runtime.compile import compile
-    >>> from attncc.runtime.nvrtc import available
+    >>> from attncc.runtime.jit.compile import compile
+    >>> from attncc.runtime.jit.nvrtc import available
     >>> softcap = lambda score, b, h, q_idx, kv_idx: 30 * torch.tanh(score / 30)
     >>> if available():
     ...     k = compile(softcap, head_dim=128, dtype="bfloat16", arch="sm_90a")
@@ -127,7 +127,7 @@ class CompiledKernel:
 
     Example:
         >>> import tempfile
-        >>> from attncc.runtime.nvrtc import available
+        >>> from attncc.runtime.jit.nvrtc import available
         >>> if available():
         ...     k = compile(lambda b, h, q, kv: q >= kv, head_dim=64, arch="sm_90a")
         ...     assert k.ptx().lstrip().startswith("//") and k.export(tempfile.mkdtemp()).exists()
@@ -191,13 +191,13 @@ def compile(variant: Any, *, head_dim: int, dtype: Any = "bfloat16", arch: str |
     `VariantIR`. `dtype`: "bfloat16"/"float16" or a torch dtype. `arch`: "sm_80", "sm_90a", ...;
     None compiles for the current GPU. `kernel`: which template ("simple": exact, one warp per
     row; "fa2": the FlashAttention-2-style bf16/fp16 template with its default tiles). `cache`: True
-    (default directory, see `attncc.runtime.cache`), a `KernelCache`, or False (always compile).
+    (default directory, see `attncc.runtime.jit.cache`), a `KernelCache`, or False (always compile).
     Raises TraceError for unsupported Python in a mod and CompileError if NVRTC rejects the code.
 
     Example:
         >>> import torch
         >>> from attncc import Variant
-        >>> from attncc.runtime.nvrtc import available
+        >>> from attncc.runtime.jit.nvrtc import available
         >>> cap = 30.0
         >>> v = Variant(score_mod=lambda s, b, h, q, kv: cap * torch.tanh(s / cap),
         ...             mask_mod=lambda b, h, q, kv: q >= kv)

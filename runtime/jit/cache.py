@@ -16,7 +16,7 @@ are not fsynced; a torn write after a crash fails the checksum, is deleted and r
 
 Example:
     >>> import tempfile
-    >>> from attncc.runtime.cache import KernelCache
+    >>> from attncc.runtime.jit.cache import KernelCache
     >>> c = KernelCache(tempfile.mkdtemp())
     >>> k = c.key_for("__global__ void k() {}", arch="sm_90a", nvrtc=(12, 9))
     >>> c.get(k) is None
@@ -373,7 +373,7 @@ def cached_compile(source: str, *, arch: str | None, options: Sequence[str] = ()
 
     Example:
         >>> import tempfile
-        >>> from attncc.runtime.nvrtc import available
+        >>> from attncc.runtime.jit.nvrtc import available
         >>> c = KernelCache(tempfile.mkdtemp())
         >>> src = 'extern "C" __global__ void k(int* x) { x[0] = 1; }'
         >>> if available():

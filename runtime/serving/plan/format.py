@@ -1,9 +1,9 @@
-"""The packed plan format shared by the host scheduler (runtime/scheduler.py, runtime/planner.c)
-and the GPU kernels (kernels/batch_params.cuh, kernels/fa2_batch.cuh): the work-unit and
+"""The packed plan format shared by the host scheduler (scheduler.py, planner.c) and the GPU
+kernels (kernels/batch_params.cuh, kernels/fa2_batch.cuh): the work-unit and
 merge-target records, the int32 header, `PlanLayout` (the plan's room from the user's maxima,
 so a CUDA graph can be captured once), `packed_offsets` (where a plan's sections sit in that
 room) and `workspace_bytes`, plus the argument checks both the planner and the layout use.
-`attncc.runtime.scheduler` re-exports the public names.
+`attncc.runtime.serving.plan.scheduler` re-exports the public names.
 
 A packed plan is one contiguous run of used words, ``[0, end)``: the header and ``cta_indptr``
 at fixed offsets, then the sections whose sizes vary from plan to plan (`DYNAMIC_SECTIONS`)
@@ -21,19 +21,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from attncc.codegen.layout import PLAN_DYNAMIC_SECTIONS as DYNAMIC_SECTIONS
 from attncc.codegen.layout import PLAN_HEADER_FIELDS as HEADER_FIELDS
 
-if TYPE_CHECKING:
-    from .scheduler import Plan
-
 __all__ = ["TILE_Q_CHOICES", "WRITE_THROUGH", "WORK_UNIT_DTYPE", "MERGE_TARGET_DTYPE",
            "HEADER_FIELDS", "DYNAMIC_SECTIONS", "PLAN_MAGIC", "PLAN_VERSION", "PlanLayout",
-           "packed_offsets", "workspace_bytes"]
+           "packed_offsets", "workspace_bytes", "INT32_MAX", "as_int_array", "as_indptr",
+           "ceil_div", "check_coef", "check_heads", "check_plan_int", "check_tile_q", "pad_words"]
 
 TILE_Q_CHOICES = (16, 32, 64, 128)
 """Allowed query-tile heights (fused rows per CTA tile)."""
@@ -54,7 +52,7 @@ WORK_UNIT_DTYPE = np.dtype([
 """One work unit: 8 int32 (32 bytes, two 16-byte vector loads on the GPU). A unit covers
 ``kv_heads >= 1`` consecutive KV heads with the same rows and KV range (each head's rows as
 described for ``kv_head``); only write-through units of one-tile requests cover more than one
-(see attncc.runtime.scheduler, "Head spans"). The request's first query token is
+(see attncc.runtime.serving.plan.scheduler, "Head spans"). The request's first query token is
 ``qo_indptr[request]``, which the kernels read from the batch's tables."""
 
 MERGE_TARGET_DTYPE = np.dtype([
@@ -73,12 +71,12 @@ PLAN_VERSION = 6
 # went); 5: one used range (section offsets in the header); 4: small sections first; 3: units
 # carry kv_heads (was qo_offset); 2: slot_merge after merge_indptr
 _ALIGN = 4  # every packed section starts at a multiple of 4 int32 (16 bytes)
-_INT32_MAX = 2**31 - 1
+INT32_MAX = 2**31 - 1
 
 
 # --------------------------------------------------------------------------- validation helpers
 
-def _as_int_array(x: Any, name: str) -> np.ndarray:
+def as_int_array(x: Any, name: str) -> np.ndarray:
     """`x` as a 1-D int64 numpy array, or a ValueError/TypeError naming `name`."""
     a = np.asarray(x)
     if a.ndim != 1:
@@ -88,9 +86,9 @@ def _as_int_array(x: Any, name: str) -> np.ndarray:
     return a.astype(np.int64, copy=False)
 
 
-def _as_indptr(x: Any, name: str) -> np.ndarray:
+def as_indptr(x: Any, name: str) -> np.ndarray:
     """A validated CSR indptr: 1-D ints, starts at 0, non-decreasing."""
-    a = _as_int_array(x, name)
+    a = as_int_array(x, name)
     if a.size == 0:
         raise ValueError(f"{name} must have at least one entry (batch_size + 1), got 0")
     if a[0] != 0:
@@ -103,7 +101,7 @@ def _as_indptr(x: Any, name: str) -> np.ndarray:
     return a
 
 
-def _check_int(value: Any, name: str, lo: int, hi: int | None = None) -> int:
+def check_plan_int(value: Any, name: str, lo: int, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < lo:
@@ -113,37 +111,37 @@ def _check_int(value: Any, name: str, lo: int, hi: int | None = None) -> int:
     return int(value)
 
 
-def _check_heads(num_qo_heads: Any, num_kv_heads: Any) -> int:
+def check_heads(num_qo_heads: Any, num_kv_heads: Any) -> int:
     """Validate the head counts; return the GQA group size."""
-    hq = _check_int(num_qo_heads, "num_qo_heads", 1)
-    hk = _check_int(num_kv_heads, "num_kv_heads", 1)
+    hq = check_plan_int(num_qo_heads, "num_qo_heads", 1)
+    hk = check_plan_int(num_kv_heads, "num_kv_heads", 1)
     if hq % hk:
         raise ValueError(f"num_qo_heads ({hq}) must be a multiple of num_kv_heads ({hk})")
     return hq // hk
 
 
-def _check_tile_q(tile_q: Any) -> int:
+def check_tile_q(tile_q: Any) -> int:
     if isinstance(tile_q, bool) or tile_q not in TILE_Q_CHOICES:
         raise ValueError(f"tile_q must be one of {TILE_Q_CHOICES}, got {tile_q!r}")
     return int(tile_q)
 
 
-def _check_coef(value: Any, name: str) -> float:
+def check_coef(value: Any, name: str) -> float:
     v = float(value)
     if not math.isfinite(v) or v < 0:
         raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
     return v
 
 
-def _ceil_div(a: Any, b: Any) -> Any:
+def ceil_div(a: Any, b: Any) -> Any:
     return -(-a // b)
 
 
 # --------------------------------------------------------------------------- packed layout
 
-def _pad(words: int) -> int:
+def pad_words(words: int) -> int:
     """`words` rounded up to a whole number of 16-byte groups."""
-    return _ceil_div(words, _ALIGN) * _ALIGN
+    return ceil_div(words, _ALIGN) * _ALIGN
 
 
 def _section_words(num_units: int, num_merges: int) -> tuple[int, ...]:
@@ -166,7 +164,7 @@ def packed_offsets(start: int, num_units: int, num_merges: int) -> dict[str, int
     out, pos = {}, start
     for name, words in zip(DYNAMIC_SECTIONS, _section_words(num_units, num_merges)):
         out[name] = pos
-        pos += _pad(words)
+        pos += pad_words(words)
     out["end"] = out["merge_out"] + num_merges * len(MERGE_TARGET_DTYPE.names)
     return out
 
@@ -177,7 +175,7 @@ class PlanLayout:
 
     ``max_batch``: requests; ``max_qo_tokens``: total query tokens of a batch; ``max_ctas``: grid
     size; ``num_qo_heads`` / ``num_kv_heads`` / ``tile_q`` must equal the plan's. Derived bounds
-    (see attncc.runtime.scheduler's module docstring), with ``H = num_kv_heads``, ``P = max_ctas``:
+    (see the scheduler's module docstring), with ``H = num_kv_heads``, ``P = max_ctas``:
 
     - ``max_items = H * floor((g * N + min(max_batch, N) * (tile_q - 1)) / tile_q)``,
       ``N = max_qo_tokens``
@@ -215,11 +213,11 @@ class PlanLayout:
     size: int = field(init=False)
 
     def __post_init__(self) -> None:
-        b = _check_int(self.max_batch, "max_batch", 0)
-        nq = _check_int(self.max_qo_tokens, "max_qo_tokens", 0)
-        p = _check_int(self.max_ctas, "max_ctas", 1)
-        g = _check_heads(self.num_qo_heads, self.num_kv_heads)
-        t = _check_tile_q(self.tile_q)
+        b = check_plan_int(self.max_batch, "max_batch", 0)
+        nq = check_plan_int(self.max_qo_tokens, "max_qo_tokens", 0)
+        p = check_plan_int(self.max_ctas, "max_ctas", 1)
+        g = check_heads(self.num_qo_heads, self.num_kv_heads)
+        t = check_tile_q(self.tile_q)
         h = int(self.num_kv_heads)
         items = h * ((g * nq + min(b, nq) * (t - 1)) // t)
         hp = h * p
@@ -230,21 +228,21 @@ class PlanLayout:
             "max_partial_slots": max(0, min(2 * hp - 2, items + hp - 1)),
         }
         offsets = {"header": 0, "cta_indptr": len(HEADER_FIELDS)}
-        dynamic_at = offsets["cta_indptr"] + _pad(p + 1)
+        dynamic_at = offsets["cta_indptr"] + pad_words(p + 1)
         room = packed_offsets(dynamic_at, derived["max_units"], derived["max_merges"])
-        size = _pad(room["end"])
-        if size > _INT32_MAX:
+        size = pad_words(room["end"])
+        if size > INT32_MAX:
             raise ValueError(f"the packed plan would need {size} int32: lower the maxima")
         for k, v in {**derived, "offsets": offsets, "dynamic_at": dynamic_at,
                      "size": size}.items():
             object.__setattr__(self, k, v)
 
-    def check(self, p: Plan) -> None:
+    def check(self, p: Any) -> None:
         """Raise ValueError naming the maximum (or constant) that plan ``p`` does not fit.
 
         Example:
             >>> layout = PlanLayout(2, 16, 4, 1, 1, 16)
-            >>> from attncc.runtime.scheduler import plan
+            >>> from attncc.runtime.serving.plan.scheduler import plan
             >>> layout.check(plan([0, 1, 2, 3], [1, 1, 1], 1, 1, 16, 4))
             Traceback (most recent call last):
             ...
@@ -294,7 +292,7 @@ class PlanLayout:
 
         Example:
             >>> layout = PlanLayout(4, 64, 8, 2, 2, 16)
-            >>> from attncc.runtime.scheduler import plan
+            >>> from attncc.runtime.serving.plan.scheduler import plan
             >>> d = layout.unpack(plan([0, 2], [300], 2, 2, 16, 8).pack(layout))
             >>> d["kv_chunk"], d["cta_indptr"].tolist(), d["units"]["kv_end"].tolist()
             (128, [0, 1, 2, 3, 4, 5, 6, 6, 6], [128, 256, 300, 128, 256, 300])
@@ -326,7 +324,7 @@ def workspace_bytes(layout: PlanLayout, head_dim: int, num_qo_heads: int, dtype_
     Slot ``s`` holds ``tile_q`` fused rows of partial O (``head_dim`` values of ``dtype_bytes``
     each) and ``tile_q`` float32 LSE values; the O part of all slots comes first, then the LSE
     part, each 256-byte aligned. The slot count is ``layout.max_partial_slots``
-    (``<= 2 * num_kv_heads * max_ctas - 2``, see attncc.runtime.scheduler's docstring).
+    (``<= 2 * num_kv_heads * max_ctas - 2``, see attncc.runtime.serving.plan.scheduler's docstring).
     ``num_qo_heads`` must equal the layout's (the fused rows of a slot span the
     ``num_qo_heads / num_kv_heads`` query heads of one KV head).
 
@@ -336,12 +334,12 @@ def workspace_bytes(layout: PlanLayout, head_dim: int, num_qo_heads: int, dtype_
         >>> workspace_bytes(layout, head_dim=128, num_qo_heads=32, dtype_bytes=4)
         139427328
     """
-    head_dim = _check_int(head_dim, "head_dim", 1)
-    dtype_bytes = _check_int(dtype_bytes, "dtype_bytes", 1)
+    head_dim = check_plan_int(head_dim, "head_dim", 1)
+    dtype_bytes = check_plan_int(dtype_bytes, "dtype_bytes", 1)
     if num_qo_heads != layout.num_qo_heads:
         raise ValueError(f"num_qo_heads {num_qo_heads} != PlanLayout.num_qo_heads = "
                          f"{layout.num_qo_heads}")
     rows = layout.max_partial_slots * layout.tile_q
-    o_bytes = _ceil_div(rows * head_dim * dtype_bytes, 256) * 256
-    lse_bytes = _ceil_div(rows * 4, 256) * 256
+    o_bytes = ceil_div(rows * head_dim * dtype_bytes, 256) * 256
+    lse_bytes = ceil_div(rows * 4, 256) * 256
     return int(o_bytes + lse_bytes)

@@ -1,7 +1,8 @@
-/* attncc planner: the compiled twin of attncc.runtime.scheduler.plan + Plan.pack (FlashInfer's
- * Algorithm 1), and of BatchAttention.plan's input checks.
+/* attncc planner: the compiled twin of attncc.runtime.serving.plan.scheduler.plan + Plan.pack
+ * (FlashInfer's Algorithm 1), and of BatchAttention.plan's input checks.
  *
- * Built on first use with the system C compiler (runtime/planner.py) and called through ctypes.
+ * Built on first use with the system C compiler (runtime/serving/plan/planner.py) and called
+ * through ctypes.
  * It must produce exactly what the numpy implementation produces -- same units, same slots, same
  * greedy order, same CTA queues, same packed bytes -- so the two are interchangeable; tests
  * compare them on random batches. See the scheduler module docstring for the algorithm; the
@@ -562,13 +563,13 @@ static void queues(const requests* rq, const i64* g_count, const group* groups, 
     pos = enqueue_group(groups[r].id, g_count[groups[r].id], rq, assign, pos, fill, cta_units);
 }
 
-/* The packed plan's header: HEADER_WORDS int32 at word 0 (plan_format.HEADER_FIELDS), then
+/* The packed plan's header: HEADER_WORDS int32 at word 0 (format.HEADER_FIELDS), then
  * cta_indptr at a->off_cta_indptr; the word offsets of the sections whose sizes vary (units,
- * cta_units, merge_indptr, merge_out: plan_format.DYNAMIC_SECTIONS) are its words
+ * cta_units, merge_indptr, merge_out: format.DYNAMIC_SECTIONS) are its words
  * AT_UNITS .. AT_UNITS + 3. (Tests compare the packed words with Plan.pack's one by one.) */
 enum { HEADER_WORDS = 24, AT_UNITS = 14, NUM_AT = 4 };
 
-/* Where a plan with n units and m merges puts its sections (plan_format.packed_offsets):
+/* Where a plan with n units and m merges puts its sections (format.packed_offsets):
  * at[0 .. 4) the DYNAMIC_SECTIONS back to back from start, each at a multiple of 4 words, and
  * at[4] one past the last used word (the plan is [0, at[4])). */
 static void packed_offsets(i64 start, i64 n, i64 m, i64 at[NUM_AT + 1]) {
@@ -621,7 +622,7 @@ int attncc_plan_pack(plan_args* a, i32* buf, void* scratch, i64 scratch_bytes) {
   i32 header[HEADER_WORDS] = {(i32)a->magic, (i32)a->version, (i32)batch, (i32)n, (i32)P,
                               (i32)m, (i32)slots, (i32)a->chunk, (i32)a->tile_q, (i32)g,
                               (i32)a->num_qo_heads, (i32)hk, (i32)a->qo[batch],
-                              (i32)a->layout_size}; /* plan_format.HEADER_FIELDS order */
+                              (i32)a->layout_size}; /* format.HEADER_FIELDS order */
   for (int k = 0; k < NUM_AT; ++k) header[AT_UNITS + k] = (i32)at[k];
   memcpy(buf, header, sizeof header);
   write_units(a, g, &rq, buf + at[0], buf + at[2], buf + at[3]);

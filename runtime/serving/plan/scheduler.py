@@ -7,7 +7,7 @@ partial results of requests whose KV range was split. The GPU kernel that consum
 written separately; everything it needs is in `Plan`, and `Plan.pack` flattens it into one int32
 buffer with fixed offsets so that a CUDA graph captured once can replay with new plans.
 Three modules: this one (work decomposition, chunking, the typed `Plan`), `lpt` (the assignment
-of units to CTAs) and `plan_format` (record dtypes, header, `PlanLayout`, workspace size); the
+of units to CTAs) and `format` (record dtypes, header, `PlanLayout`, workspace size); the
 public names of all three are importable from here.
 
 Work decomposition
@@ -84,7 +84,7 @@ exact and machine independent the float costs are quantised to int64 *ticks*
 ``max load <= total / num_ctas + max unit cost``.
 
 The greedy never loops in Python per unit. Sorting is per cost group (at most ``4 * batch``),
-then `_lpt_sorted` replays the heap a block at a time: a run of at least ``num_ctas`` equal
+then `lpt_sorted` replays the heap a block at a time: a run of at least ``num_ctas`` equal
 costs, when all loads are within one unit of each other, is dealt round robin; otherwise the
 longest prefix of the next ``num_ctas`` units for which "unit ``j`` goes to the ``j``-th least
 loaded CTA" provably holds is assigned at once. `lpt_schedule` exposes it for any integer
@@ -96,7 +96,7 @@ A work item with one unit writes its rows straight to the output (*write-through
 The units of a split work item write a partial ``(O, LSE)`` to workspace *slots*, numbered in unit
 order, so the slots of one item are consecutive and ascending in kv start. The reduction map
 (CSR ``merge_indptr`` over the slots and one ``merge_out`` target per split item) lists them in
-that fixed order; merging in that order (`attncc.runtime.merge.merge_states`) makes results
+that fixed order; merging in that order (`attncc.runtime.serving.merge.merge_states`) makes results
 bitwise reproducible for the same lengths.
 
 Workspace bound
@@ -115,7 +115,7 @@ Here everything is vectorised numpy: about 150 numpy calls plus about 10 per ``n
 units for the greedy. Measured medians at batch 256 with 32/8 heads and 264 CTAs (2 per SM):
 decode (3-4k units) 0.6-1.2 ms on a noisy 2-vCPU VM (numpy 2.4), 0.8 ms on the CPU of an H200
 host (numpy 2.5); prefill with 10-22k units 1.6-3.3 ms; a one-request batch 0.13 ms. The
-compiled twin (runtime/planner.c, used when a C compiler is found) computes the same plan and,
+compiled twin (planner.c, used when a C compiler is found) computes the same plan and,
 through `plan_into`, packs it straight into the caller's buffer: at decode batch 256 with 792
 CTAs, 15-24 us for 1-1.3k units, 18-28 us for 2-2.3k, 38-63 us for 8k on that VM
 (`bench/plan_time.py --breakdown`, which also times BatchAttention.plan end to end). The plan
@@ -138,12 +138,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import planner
-from .lpt import _lpt_sorted, _queues, _small_int, cost_ticks, lpt_schedule, lpt_schedule_reference
-from .plan_format import (_INT32_MAX, DYNAMIC_SECTIONS, HEADER_FIELDS, MERGE_TARGET_DTYPE,
-                          PLAN_MAGIC, PLAN_VERSION, TILE_Q_CHOICES, WORK_UNIT_DTYPE, WRITE_THROUGH,
-                          PlanLayout, _as_indptr, _as_int_array, _ceil_div, _check_coef,
-                          _check_heads, _check_int, _check_tile_q, packed_offsets,
-                          workspace_bytes)
+from .lpt import cost_ticks, cta_queues, lpt_schedule, lpt_schedule_reference, lpt_sorted, small_int
+from .format import (INT32_MAX, DYNAMIC_SECTIONS, HEADER_FIELDS, MERGE_TARGET_DTYPE,
+                     PLAN_MAGIC, PLAN_VERSION, TILE_Q_CHOICES, WORK_UNIT_DTYPE, WRITE_THROUGH,
+                     PlanLayout, as_indptr, as_int_array, ceil_div, check_coef,
+                     check_heads, check_plan_int, check_tile_q, packed_offsets,
+                     workspace_bytes)
 
 __all__ = [
     "TILE_Q_CHOICES", "WRITE_THROUGH", "WORK_UNIT_DTYPE", "MERGE_TARGET_DTYPE", "HEADER_FIELDS",
@@ -165,9 +165,9 @@ def paged_kv_lens(kv_indptr: Any, kv_last_page_len: Any, page_size: int) -> np.n
         >>> paged_kv_lens([0, 2, 2, 5], [3, 0, 16], page_size=16).tolist()
         [19, 0, 48]
     """
-    page_size = _check_int(page_size, "page_size", 1)
-    indptr = _as_indptr(kv_indptr, "kv_indptr")
-    last = _as_int_array(kv_last_page_len, "kv_last_page_len")
+    page_size = check_plan_int(page_size, "page_size", 1)
+    indptr = as_indptr(kv_indptr, "kv_indptr")
+    last = as_int_array(kv_last_page_len, "kv_last_page_len")
     if last.size != indptr.size - 1:
         raise ValueError(f"kv_last_page_len has {last.size} entries, but kv_indptr describes "
                          f"{indptr.size - 1} requests")
@@ -195,10 +195,10 @@ def kv_chunk_size(tile_kv_work: int, num_ctas: int, min_kv_chunk: int = 128,
         >>> kv_chunk_size(10_000, 8, max_kv=2000), kv_chunk_size(10_000, 8, max_kv=3000)
         (2000, 1264)
     """
-    raw = _ceil_div(int(tile_kv_work), num_ctas)
-    chunk = int(_ceil_div(max(raw, min_kv_chunk), kv_chunk_align) * kv_chunk_align)
+    raw = ceil_div(int(tile_kv_work), num_ctas)
+    chunk = int(ceil_div(max(raw, min_kv_chunk), kv_chunk_align) * kv_chunk_align)
     if 0 < max_kv <= 2 * chunk:  # at most two pieces: not worth a merge
-        chunk = max(chunk, int(_ceil_div(int(max_kv), kv_chunk_align) * kv_chunk_align))
+        chunk = max(chunk, int(ceil_div(int(max_kv), kv_chunk_align) * kv_chunk_align))
     return chunk
 
 
@@ -206,8 +206,8 @@ def kv_chunk_size(tile_kv_work: int, num_ctas: int, min_kv_chunk: int = 128,
 
 def _checked_lengths(qo_indptr: Any, kv_lens: Any) -> tuple[np.ndarray, np.ndarray]:
     """`plan`'s checks of the batch: a query CSR from 0 and one KV length >= 0 per request."""
-    qo = _as_indptr(qo_indptr, "qo_indptr")
-    kv = _as_int_array(kv_lens, "kv_lens")
+    qo = as_indptr(qo_indptr, "qo_indptr")
+    kv = as_int_array(kv_lens, "kv_lens")
     batch = qo.size - 1
     if kv.size != batch:
         raise ValueError(f"kv_lens has {kv.size} entries, qo_indptr describes {batch} requests")
@@ -231,14 +231,14 @@ def _checked_params(*params: Any) -> tuple[int, int, int, float, float, int, int
 def _check_params(num_qo_heads: Any, num_kv_heads: Any, tile_q: Any, num_ctas: Any,
                   alpha: Any, beta: Any, kv_chunk_align: Any, min_kv_chunk: Any
                   ) -> tuple[int, int, int, float, float, int, int]:
-    g = _check_heads(num_qo_heads, num_kv_heads)
-    tile_q = _check_tile_q(tile_q)
-    num_ctas = _check_int(num_ctas, "num_ctas", 1)
-    alpha, beta = _check_coef(alpha, "alpha"), _check_coef(beta, "beta")
+    g = check_heads(num_qo_heads, num_kv_heads)
+    tile_q = check_tile_q(tile_q)
+    num_ctas = check_plan_int(num_ctas, "num_ctas", 1)
+    alpha, beta = check_coef(alpha, "alpha"), check_coef(beta, "beta")
     if alpha == 0.0 and beta == 0.0:
         raise ValueError("alpha and beta cannot both be 0")
-    align = _check_int(kv_chunk_align, "kv_chunk_align", 1, 2**20)
-    floor = _check_int(min_kv_chunk, "min_kv_chunk", 1, 2**30)
+    align = check_plan_int(kv_chunk_align, "kv_chunk_align", 1, 2**20)
+    floor = check_plan_int(min_kv_chunk, "min_kv_chunk", 1, 2**30)
     return g, tile_q, num_ctas, alpha, beta, align, floor
 
 
@@ -246,7 +246,7 @@ _checked_params_memo = functools.lru_cache(maxsize=256, typed=True)(_check_param
 
 
 def _check_int32_range(qo: np.ndarray, kv: np.ndarray) -> None:
-    if qo[-1] > _INT32_MAX or (kv.size and kv.max() > _INT32_MAX):
+    if qo[-1] > INT32_MAX or (kv.size and kv.max() > INT32_MAX):
         raise ValueError("qo_indptr / kv_lens exceed the int32 range of the packed plan")
 
 
@@ -393,7 +393,7 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
         min_kv_chunk: floor of the chunk length (rounded up to ``kv_chunk_align``).
         head_span: let a unit of a one-tile, unsplit request cover several KV heads (module
             docstring, "Head spans"); False: one KV head per unit.
-        impl: "numpy", "c" (the compiled twin in runtime/planner.c: the same plan, tens of
+        impl: "numpy", "c" (the compiled twin in planner.c: the same plan, tens of
             microseconds instead of a millisecond at batch 256; `plan_into` skips the typed
             arrays too) or "auto" (C when a C compiler is available).
 
@@ -436,11 +436,11 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
 
     # per request (int64 [batch]): fused rows, query tiles, KV chunks
     rows = np.diff(qo) * g
-    ntiles = _ceil_div(rows, tile_q)
+    ntiles = ceil_div(rows, tile_q)
     chunk = kv_chunk_size(int(ntiles @ kv) * hk, num_ctas, floor, align,
                           max_kv=int(kv[ntiles > 0].max(initial=0)))
-    chunk = min(chunk, _INT32_MAX // align * align)  # only absurd sizes: stays a packed int32
-    nchunks = np.where(ntiles > 0, np.maximum(_ceil_div(kv, chunk), 1), 0)
+    chunk = min(chunk, INT32_MAX // align * align)  # only absurd sizes: stays a packed int32
+    nchunks = np.where(ntiles > 0, np.maximum(ceil_div(kv, chunk), 1), 0)
     total = hk * (alpha * float(rows @ nchunks) + beta * float(ntiles @ kv))
     span = _head_spans(rows, kv, ntiles, nchunks, hk, alpha, beta, total, num_ctas, head_span)
 
@@ -460,7 +460,7 @@ def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, til
     g_count, g_ticks = _group_ticks(rows, ntiles, nchunks, kv, span, hk, tile_q, chunk, alpha,
                                     beta, num_ctas, total)
     order, c_sorted, run_ends = _greedy_order_groups(unit_group, g_count, g_ticks)
-    cta_indptr, cta_units = _queues(order, _lpt_sorted(c_sorted, run_ends, num_ctas), num_ctas)
+    cta_indptr, cta_units = cta_queues(order, lpt_sorted(c_sorted, run_ends, num_ctas), num_ctas)
     return Plan(
         batch_size=batch, num_qo_heads=int(num_qo_heads), num_kv_heads=hk, group_size=g,
         tile_q=tile_q, num_ctas=num_ctas, kv_chunk=chunk, alpha=alpha, beta=beta,
@@ -659,12 +659,12 @@ def _group_ticks(rows: np.ndarray, ntiles: np.ndarray, nchunks: np.ndarray, kv: 
 def _greedy_order_groups(unit_group: np.ndarray, g_count: np.ndarray, g_ticks: np.ndarray
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Units in greedy order (ticks descending, then group id, then unit index), their ticks
-    in that order, and the ends of the runs of equal ticks (see `_lpt_sorted`)."""
+    in that order, and the ends of the runs of equal ticks (see `lpt_sorted`)."""
     gid = np.flatnonzero(g_count)
     g_order = gid[np.argsort(-g_ticks[gid], kind="stable")]
     rank = np.empty(g_count.size, dtype=np.int64)
     rank[g_order] = np.arange(g_order.size)
-    order = np.argsort(_small_int(rank[unit_group], g_order.size), kind="stable")
+    order = np.argsort(small_int(rank[unit_group], g_order.size), kind="stable")
     ticks, count = g_ticks[g_order], g_count[g_order]
     ends = np.cumsum(count)
     run_ends = ends[np.append(ticks[1:] != ticks[:-1], True)] if ticks.size else ends

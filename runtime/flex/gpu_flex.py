@@ -13,7 +13,6 @@ Example (planning only; launching needs a GPU):
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 import threading
@@ -23,55 +22,28 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from attncc.codegen.fa2 import FA2_HEAD_DIMS as HEAD_DIMS
-from attncc.codegen.fa2 import Fa2Tiles, fa3_tiles
+from attncc.codegen.fa2 import fa3_tiles
 from attncc.errors import InvalidArgument
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
+from ..jit.device import num_sms
+from ..jit.launch_args import ELEM_NAMES, captured, clamped
+from ..jit.policy import compile_fa3, spill_bytes
+from ..jit.sources import fa2_source
+from ..jit.tiles import HEAD_DIMS, Fa2Config, fa2_config
+from ..jit.tma import MapCache
+from ..reference import is_noop_mask, trace_mask, validate_attention_inputs
 from .fa3_split import TailSplit, tail_split
-from .reference import _is_noop_mask, _trace_mask, validate_attention_inputs
-from .tile_choice import Fa2Config, TilePlan, choose_tiles, fa2_config
-from .tma import MapCache
+from .tile_choice import TilePlan, choose_tiles
 
-__all__ = ["Fa2Config", "TilePlan", "LaunchPlan", "fa2_config", "choose_tiles", "fa2_source",
-           "plan_launch", "precompile", "gpu_flex_attention", "compiled_kernel_info",
-           "HEAD_DIMS"]
+__all__ = ["LaunchPlan", "plan_launch", "precompile", "gpu_flex_attention", "compiled_kernel_info",
+           "fa3_compiled_form", "fa3_pairs", "check_forced_fa3"]
 
 _TORCH_NOOP_BLOCK = 1 << 30
-_ELEM_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
-               torch.bfloat16: "bfloat16", torch.int8: "int8", torch.uint8: "uint8",
-               torch.int16: "int16", torch.int32: "int32", torch.int64: "int64",
-               torch.bool: "bool"}
+
+
 # --------------------------------------------------------------------------------- source
-def fa2_source(ir: VariantIR, *, head_dim: int, dtype: str, tq: int, tkv: int,
-               stages: int = 2, m_frags: int = 1, fast_math: bool = True, batch: bool = False,
-               kv_warps: int = 1) -> tuple[str, str, Any, Any]:
-    """(source, kernel_name, params_layout, first_argument_layout) of an FA2 kernel for `ir`:
-    codegen's `kernel="fa2"` translation unit (first argument AttentionParams) or, with
-    `batch=True`, `kernel="fa2batch"`: the persistent serving kernel plus its merge kernel
-    `<kernel_name>_merge` (first argument BatchParams).
-
-    Example:
-        >>> src, name, _, _ = fa2_source(VariantIR(name="plain"), head_dim=64, dtype="bfloat16",
-        ...                              tq=64, tkv=64)
-        >>> name, src.count("ATTNCC_FA2_ENTRY(attncc_plain")
-        ('attncc_plain_fa2_d64_bf16_q64_k64_s2', 1)
-        >>> fa2_source(VariantIR(name="plain"), head_dim=64, dtype="bfloat16", tq=16, tkv=64,
-        ...            batch=True)[1]
-        'attncc_plain_fa2batch_d64_bf16_q16_k64_s2'
-    """
-    from attncc.codegen.generate import generate_source
-
-    fa2_config(head_dim, tq, tkv, stages, m_frags, kv_warps)  # ValueError naming a bad tile
-    if dtype not in ("bfloat16", "float16"):
-        raise ValueError(f"dtype={dtype!r}: the FA2 kernel runs bfloat16 or float16")
-    gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa2batch" if batch else "fa2",
-                         fast_math=fast_math, tiles=Fa2Tiles(tq, tkv, stages, m_frags, kv_warps))
-    return gk.source, gk.kernel_name, gk.params_layout, gk.attention_params_layout
-
-
 @dataclass
 class _Compiled:
     launcher: Any
@@ -99,9 +71,9 @@ def _kernel_for(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
             return hit
         from attncc.ir.simplify import simplify_variant
 
-        from .cache import cached_compile
-        from .launcher import load_kernel
-        from .nvrtc import device_arch
+        from ..jit.cache import cached_compile
+        from ..jit.launcher import load_kernel
+        from ..jit.nvrtc import device_arch
 
         with torch.cuda.device(device):
             arch = device_arch()
@@ -122,7 +94,7 @@ def _kernel_for(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
                 simplified, head_dim=head_dim, dtype=dtype, tq=tq, tkv=tkv, stages=plan.stages,
                 m_frags=mf, fast_math=plan.fast_math)
             res, _ = cached_compile(source, arch=arch, name=f"{name}.cu", verbose=True)
-            if (_spill_bytes(res.log) <= _SPILL_BUDGET[mf] or i == len(tiles) - 1
+            if (spill_bytes(res.log) <= _SPILL_BUDGET[mf] or i == len(tiles) - 1
                     or plan_forced(plan)):
                 break
         kl = load_kernel(res.cubin, name, ap_layout, vp_layout, device=device,
@@ -164,12 +136,12 @@ def fa3_compiled_form(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
     launch follows the returned plan. Needs NVRTC, not a GPU.
 
     Example:
-        >>> from attncc.runtime.tile_choice import TilePlan
+        >>> from attncc.runtime.flex.tile_choice import TilePlan
         >>> fa3_compiled_form(ir, 128, "bfloat16", plan, "sm_90a")  # doctest: +SKIP
     """
     gk = _fa3_generated(ir, head_dim, dtype, plan)
     res, _ = compile_fa3(gk.source, arch=arch, name=f"{gk.kernel_name}.cu")
-    if plan.paired and _spill_bytes(res.log) > 0:
+    if plan.paired and spill_bytes(res.log) > 0:
         plan = replace(plan, paired=False)
         gk = _fa3_generated(ir, head_dim, dtype, plan)
         res, _ = compile_fa3(gk.source, arch=arch, name=f"{gk.kernel_name}.cu")
@@ -179,7 +151,7 @@ def fa3_compiled_form(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
 def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: str,
                 device: int) -> _Compiled:
     """Compile and load the FA3 kernel (kernels/fa3_prefill.cuh) for a checked plan."""
-    from .launcher import load_kernel
+    from ..jit.launcher import load_kernel
 
     if not arch.startswith("sm_90"):
         raise ValueError(f"kernel_options['KERNEL']='fa3' needs an sm_90 (Hopper) GPU; this one "
@@ -192,7 +164,7 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
     return _Compiled(kl, cfg, ir, res.log, plan.paired)
 
 
-_FA3_MAPS = MapCache(64)  # the dense FA3 kernel's q/k/v maps (runtime/tma.py)
+_FA3_MAPS = MapCache(64)  # the dense FA3 kernel's q/k/v maps (runtime/jit/tma.py)
 # head dims at which the dense FA3 kernel is persistent (kernels/fa3_prefill.cuh
 # kPersistentHeadDim): its grid is then at most one CTA per SM, else one CTA per 128-row item
 FA3_PERSISTENT_HEAD_DIMS = (64, 128)
@@ -215,7 +187,7 @@ def fa3_pairs(tiles: TilePlan, masked: bool, q_len: int, kv_len: int, head_dim: 
     off. Pairs take the place of the split tail.
 
     Example:
-        >>> from attncc.runtime.tile_choice import TilePlan
+        >>> from attncc.runtime.flex.tile_choice import TilePlan
         >>> fa3 = TilePlan(128, 128, 3, 1, kernel="fa3")
         >>> fa3_pairs(fa3, False, 2048, 2048, 128, None)
         True
@@ -236,7 +208,7 @@ def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """The q, k, v TMA maps over [rows, head_dim] views and out's over [B, H, S, D] (512 bytes
     on the device; the dense FA3 kernel's epilogue stores [64 rows][64] boxes through the last;
     `out`'s strides are multiples of 16 bytes, as gpu_flex_attention requires)."""
-    from .tma import tensor_map_2d, tensor_map_4d
+    from ..jit.tma import tensor_map_2d, tensor_map_4d
 
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not t.is_contiguous():
@@ -253,51 +225,6 @@ def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def plan_forced(plan: TilePlan) -> bool:
     """True when the tiles came from kernel_options (then they are used as given)."""
     return getattr(plan, "forced", False)
-
-
-def _spill_bytes(log: str) -> int:
-    """Spill stores + loads in ptxas's `-v` report (0 when the log has no report)."""
-    import re
-
-    return sum(int(a) + int(b) for a, b in
-               re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log))
-
-
-def _wgmma_notes(log: str) -> list[str]:
-    """ptxas's C7510-C7519 notes in a `-v` log: it serialized the wgmmas (C7515, C7518) or
-    injected a wait after one (C7517) -- the kernel's pipeline is gone, spills or not.
-
-    >>> _wgmma_notes("ptxas info    : (C7517) warpgroup.wait is injected\\nptxas info : Used 168")
-    ['ptxas info    : (C7517) warpgroup.wait is injected']
-    """
-    return [ln for ln in log.splitlines() if "(C751" in ln]
-
-
-FA3_LOW_PRESSURE = "#define ATTNCC_FA3_LOW_PRESSURE 1\n"
-"""Prepended to an FA3 translation unit (dense or batch) whose first compile spilled: the
-kernels' other way to evaluate a tile's logits (kernels/fa3_prefill.cuh), fewer registers for
-more instructions."""
-
-
-def compile_fa3(source: str, *, arch: str, name: str) -> tuple[Any, bool]:
-    """Compile an FA3 translation unit (through the kernel cache) as it is and, if ptxas
-    spills, again with `FA3_LOW_PRESSURE`; returns (the NvrtcResult used, whether it is the
-    low-pressure one). The second compile is kept only if it spills less.
-
-    Example (compiling needs NVRTC):
-        >>> from attncc.runtime.nvrtc import available
-        >>> FA3_LOW_PRESSURE.startswith("#define ATTNCC_FA3_LOW_PRESSURE")
-        True
-    """
-    from .cache import cached_compile
-
-    res, _ = cached_compile(source, arch=arch, name=name, verbose=True)
-    if _spill_bytes(res.log) == 0:
-        return res, False
-    low, _ = cached_compile(FA3_LOW_PRESSURE + source, arch=arch, name=name, verbose=True)
-    if _spill_bytes(low.log) < _spill_bytes(res.log):
-        return low, True
-    return res, False
 
 
 # --------------------------------------------------------------------------------- validation
@@ -331,45 +258,6 @@ def _validate(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
                              f"kernel indexes rows with 32-bit ints")
 
 
-# keyed by tensor identity: a plain WeakKeyDictionary compares keys with ==, elementwise for
-# tensors (torch's WeakIdKeyDictionary exists for exactly this)
-_DEVICE_COPIES: Any = WeakIdKeyDictionary()
-
-
-def _on_device(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A captured tensor on the kernel's device. CPU tensors are copied once and the copy reused
-    while the CPU tensor is unchanged (its version counter), so repeated calls -- and CUDA graph
-    replays after a warm-up call -- do no host-to-device traffic."""
-    if t.device == device:
-        return t
-    if t.device.type != "cpu":
-        raise ValueError(f"captured tensor {name!r} is on {t.device} but query is on {device}; "
-                         f"move it with {name} = {name}.to({str(device)!r}) before defining "
-                         f"the mod")
-    hit = _DEVICE_COPIES.get(t)
-    if hit is not None and hit[0] == t._version and hit[1].device == device:
-        return hit[1]
-    copy = t.to(device)
-    _DEVICE_COPIES[t] = (t._version, copy)
-    return copy
-
-
-def _captured(ir: VariantIR, bindings: Bindings, device: torch.device) -> dict[str, Any]:
-    """Member values of VariantParams for the launch; checks captured tensors' device/dtype."""
-    tensors: dict[str, tuple[int, list[int], list[int]]] = {}
-    for t in ir.tensors:
-        val = bindings.tensors.get(t.name)
-        if not isinstance(val, torch.Tensor):
-            raise ValueError(f"captured tensor {t.name!r} has no value in the bindings")
-        if _ELEM_NAMES.get(val.dtype) != t.elem:
-            raise ValueError(f"captured tensor {t.name!r} is {val.dtype} but was traced as "
-                             f"{t.elem}; trace the variant again")
-        val = _on_device(t.name, val, device)
-        tensors[t.name] = (val.data_ptr(), list(val.stride()), list(val.shape))
-    scalars = {s.name: bindings.scalars[s.name] for s in ir.scalars}
-    return {"tensors": tensors, "scalars": scalars}
-
-
 # --------------------------------------------------------------------------------- block masks
 _TRACED_MASKS: "weakref.WeakKeyDictionary[Any, tuple[VariantIR, Bindings]]" = \
     weakref.WeakKeyDictionary()
@@ -388,16 +276,16 @@ def _mask_program(block_mask: Any) -> tuple[Node, tuple[ScalarParam, ...],
             if n.op == "load":
                 t = bind.tensors[n.attr]
                 idx = [a for a in n.args]
-                tens[n.attr] = TensorParam(n.attr, _ELEM_NAMES[t.dtype], len(idx), n.dtype)
+                tens[n.attr] = TensorParam(n.attr, ELEM_NAMES[t.dtype], len(idx), n.dtype)
         return expr, tuple(scal.values()), tuple(tens.values()), bind
-    if _is_noop_mask(fn):
+    if is_noop_mask(fn):
         return None
     try:
         cached = _TRACED_MASKS.get(fn)
     except TypeError:
         cached = None
     if cached is None:
-        cached = _trace_mask(fn)
+        cached = trace_mask(fn)
         try:
             _TRACED_MASKS[fn] = cached
         except TypeError:
@@ -538,15 +426,6 @@ def _bstrides(t: torch.Tensor) -> tuple[int, ...]:
 
 
 # --------------------------------------------------------------------------------- entry
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: int | torch.device) -> int:
-    """SMs of a CUDA device (index or torch.device); planning on the CPU (no GPU) assumes an
-    H100/H200's 132."""
-    if isinstance(device, torch.device) and device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @dataclass
 class LaunchPlan:
     """Everything decided before a launch: merged variant, captured values, tiles, mask lists."""
@@ -562,7 +441,7 @@ class LaunchPlan:
     mask_scalars: Mapping[str, Any] = field(default_factory=dict)
     mask_tensors: Mapping[str, Any] = field(default_factory=dict)
     # the variant's query/key/value transforms hoisted out of `ir` into the pre-pass
-    # (runtime/prepass.py), or None when the attention kernel applies them itself
+    # (runtime/flex/prepass.py), or None when the attention kernel applies them itself
     prepass: VariantIR | None = None
 
 
@@ -640,7 +519,7 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
             mtens = {k: v for k, v in merged.tensors.items() if k not in bindings.tensors}
             bindings = merged
     tiles = choose_tiles(D, q_len=Sq, kv_len=Skv, group=Hq // Hkv, heads=Hq, batch=B,
-                         num_sms=_num_sms(dev_index),
+                         num_sms=num_sms(dev_index),
                          block_q=margs.block_q if margs else None,
                          block_kv=margs.block_kv if margs else None,
                          mask_head_uniform=margs.head_uniform if margs else True,
@@ -660,7 +539,7 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
 
 
 def _compile_job(job: tuple[str, str, str, bool]) -> str:
-    from .cache import cached_compile
+    from ..jit.cache import cached_compile
 
     source, arch, name, fa3 = job
     if fa3:  # and its low-pressure form, if the first spills
@@ -689,7 +568,7 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
 
     from attncc.ir.simplify import simplify_variant
 
-    from .nvrtc import device_arch
+    from ..jit.nvrtc import device_arch
 
     jobs: dict[str, tuple[str, str, str, bool]] = {}
     for pl in plans:
@@ -767,31 +646,23 @@ _READS: "OrderedDict[tuple, _Reads]" = OrderedDict()
 def _clamped(ir: VariantIR | None, shapes: Any, tensors: Mapping[str, Any],
              scalars: Mapping[str, Any], block_mask: Any = None
              ) -> tuple[VariantIR | None, dict[str, int]]:
-    """`ir` with its unsafe captured reads clamped (the same object when none is), or
-    CapturedReadError for a read outside its tensor at a kept position (in a block
-    `block_mask` does not leave out)."""
+    """`launch_args.clamped` at the positions the kernel computes (in a block `block_mask`
+    does not leave out)."""
     if ir is None or not ir.tensors:
         return ir, {}
-    from attncc.ir.analysis import check_captured_reads, clamp_reads
-    from attncc.ir.simplify import simplify_variant
-
-    simple = simplify_variant(ir)  # the expressions the kernel runs
     computed = _block_computed(block_mask, shapes.Skv) if block_mask is not None else None
-    found = check_captured_reads(simple, shapes, tensors, scalars, computed)
-    if not found.clamp:
-        return ir, {}
-    return clamp_reads(simple, found.clamp, tensors)
+    return clamped(ir, shapes, tensors, scalars, computed)
 
 
 def _block_computed(block_mask: Any, kv_len: int) -> Any:
     """Whether the kernel evaluates the hooks at positions (b, h, q_idx, kv_idx): not in a block
     the block mask leaves out. Reads the mask's lists to the host, only when a witness is
     checked."""
-    from .reference import _block_size, _block_states
+    from ..reference import block_size, block_states
 
     def computed(env: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        st = _block_states(block_mask, kv_len, torch.device("cpu"))
-        bq, bkv = _block_size(block_mask)
+        st = block_states(block_mask, kv_len, torch.device("cpu"))
+        bq, bkv = block_size(block_mask)
         b, h = env["b"] % st.shape[0], env["h"] % st.shape[1]
         qb = (env["q_idx"] // bq).clamp(max=st.shape[2] - 1)
         kb = (env["kv_idx"] // bkv).clamp(max=st.shape[3] - 1)
@@ -807,7 +678,7 @@ def _check_reads_exactly(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     evaluate the variant exactly on the GPU (the fp32 reference, synchronising: a debug mode)
     and raise CapturedReadError at the first position the mask keeps where a read leaves its
     tensor -- what the CPU path raises -- before the kernel runs."""
-    from .reference import attention_reference
+    from ..reference import attention_reference
 
     attention_reference(query, key, value, ir, bindings, block_mask=block_mask, scale=scale,
                         enable_gqa=enable_gqa, float_dtype=torch.float32)
@@ -906,7 +777,7 @@ def _no_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: Va
     """Zero keys: every row is fully masked, so out is output_mod(0) and lse -inf -- what the
     reference computes cheaply with no keys. Nothing is compiled or launched (a TMA map of an
     empty K would be rejected by the driver)."""
-    from .reference import attention_reference
+    from ..reference import attention_reference
 
     _validate(query, key, value, enable_gqa)
     out, lse = _outputs(query, return_lse, out, lse_out)
@@ -984,7 +855,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     kern = reads.kernel
     if reads.sizes:
         bindings = Bindings({**bindings.scalars, **reads.sizes}, bindings.tensors)
-    captured = _captured(reads.ir, bindings, device)
+    captured = captured(reads.ir, bindings, device)
     out, lse = _outputs(query, return_lse, out, lse_out)
     if out.numel() == 0:
         return out, lse
@@ -992,14 +863,14 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         from .prepass import run_prepass
 
         query, key, value = run_prepass(reads.prepass_kernel, reads.prepass, query, key, value,
-                                        _captured(reads.prepass, bindings, device))
+                                        captured(reads.prepass, bindings, device))
 
     kl, cfg = kern.launcher, kern.config
     if pl.tiles.kernel == "fa3":  # kernels/fa3_prefill.cuh: one CTA per item, or persistent
         items = B * Hq * -(-Sq // cfg.tq)
         persistent = D in FA3_PERSISTENT_HEAD_DIMS and (kernel_options or {}).get("PERSISTENT",
                                                                                   True)
-        grid = (min(items, _num_sms(pl.device)) if persistent else items, 1, 1)
+        grid = (min(items, num_sms(pl.device)) if persistent else items, 1, 1)
         if kern.paired:  # whole clusters of two (items is even: fa3_pairs)
             grid = (grid[0] // 2 * 2, 1, 1)
     else:
@@ -1008,7 +879,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     # the FA3 kernel's dynamic item order claims items past the first from this counter: zero,
     # one per launch (a memset on the stream; in a CUDA graph, a memset node) so no two launches
     # share one. At head dim 256 each CTA runs one item and claims none: no counter, no memset.
-    # With a split tail (runtime/fa3_split.py) the same buffer holds the tail's arrival counters,
+    # With a split tail (fa3_split.py) the same buffer holds the tail's arrival counters,
     # and the partial states get a workspace (written before it is read: not cleared).
     counter = partials = None
     if pl.tiles.kernel == "fa3" and D in FA3_PERSISTENT_HEAD_DIMS:
@@ -1086,4 +957,4 @@ def compiled_kernel_info(query: torch.Tensor, key: torch.Tensor, value: torch.Te
             "paired": kern.paired,
             "threads": kern.config.threads,
             "smem_bytes": kern.config.smem_bytes, "registers": kl.num_regs,
-            "local_bytes": kl.local_bytes, "spill_bytes": _spill_bytes(kern.log)}
+            "local_bytes": kl.local_bytes, "spill_bytes": spill_bytes(kern.log)}

@@ -6,7 +6,7 @@
 
 On CPU tensors the exact reference runs (float64 inside, results in the input dtype; LSE float32).
 On CUDA bf16/fp16 tensors the variant is compiled (NVRTC, cached) into the FA2 template and
-launched (`attncc.runtime.gpu_flex`). CUDA float32 tensors have no compiled kernel yet: the exact
+launched (`gpu_flex`). CUDA float32 tensors have no compiled kernel yet: the exact
 reference runs on the GPU (float64) after a one-time warning.
 
 A score_mod function (or Variant) is traced once: later calls reuse its IR while the captured
@@ -44,7 +44,7 @@ from attncc.frontend.variant import TraceCache, share_trace_cache
 from attncc.ir.analysis import check_vector_indices
 from attncc.ir.program import Bindings, VariantIR
 
-from .reference import attention_reference, validate_attention_inputs
+from ..reference import attention_reference, validate_attention_inputs
 
 # kernel_options keys attncc understands: the compiled kernel's tile shape (query rows, kv
 # columns, pipeline stages, warps per CTA), two promises FlexAttention also accepts, and
@@ -54,7 +54,7 @@ from .reference import attention_reference, validate_attention_inputs
 # runtime/prepass.choose_prepass), PERSISTENT (attncc's, FA3: False launches one CTA per 128-row
 # tile instead of at most one per SM), SPLIT_TAIL (attncc's, FA3: False runs the persistent grid's
 # last, partial round of full-length items whole instead of splitting it by keys across every
-# CTA, runtime/fa3_split.py), PAIRED (attncc's, FA3: full-length items -- no block mask -- run on
+# CTA, flex/fa3_split.py), PAIRED (attncc's, FA3: full-length items -- no block mask -- run on
 # pairs of CTAs that share each K/V tile, read from L2 once and multicast into both; the default
 # up to 8192 keys, True / False forces it; see runtime/gpu_flex.fa3_pairs). The exact reference
 # path ignores them. Anything else is an error rather than a silent no-op.

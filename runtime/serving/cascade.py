@@ -37,7 +37,8 @@ import torch
 
 from attncc.frontend import Variant
 
-from .batch import BatchAttention, _np_int
+from .batch import BatchAttention
+from .plan.checks import np_int
 from .merge import merge_pair
 from .merge_kernel import fits_kernel, merge_fitting_states
 
@@ -80,14 +81,14 @@ class CascadeAttention:
         `prefix_last_page_len`: tokens in its last page. `suffix_*`: each request's own pages,
         as `BatchAttention.plan` takes them (and `q_data_type`). Every request's queries must be
         suffix tokens."""
-        qo = _np_int(qo_indptr, "qo_indptr")
-        pre = _np_int(prefix_indices, "prefix_indices")
+        qo = np_int(qo_indptr, "qo_indptr")
+        pre = np_int(prefix_indices, "prefix_indices")
         last = int(prefix_last_page_len)
         if pre.size and not 1 <= last <= page_size:
             raise ValueError(f"prefix_last_page_len={last} must be in 1..page_size={page_size}")
         P = (pre.size - 1) * page_size + last if pre.size else 0
-        sptr = _np_int(suffix_indptr, "suffix_indptr")
-        slast = _np_int(suffix_last_page_len, "suffix_last_page_len")
+        sptr = np_int(suffix_indptr, "suffix_indptr")
+        slast = np_int(suffix_last_page_len, "suffix_last_page_len")
         if sptr.size != qo.size or slast.size != qo.size - 1:
             raise ValueError(f"suffix_indptr / suffix_last_page_len must describe the "
                              f"{qo.size - 1} requests of qo_indptr")
