@@ -933,7 +933,7 @@ def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndar
     CTAs on a few heads at a time (the dense FA3 kernel's item order does the same).
 
     Example:
-        >>> from attncc.runtime import scheduler
+        >>> from attncc.runtime.serving.plan import scheduler
         >>> lay = scheduler.PlanLayout(4, 64, 2, 1, 1, 16)
         >>> buf = np.zeros(lay.size, np.int32)
         >>> qo, kv = np.array([0, 40]), np.array([40])
@@ -1030,7 +1030,7 @@ def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end:
     test_used_ranges_carry_everything_the_kernels_read, fills the rest with garbage).
 
     Example:
-        >>> from attncc.runtime import scheduler
+        >>> from attncc.runtime.serving.plan import scheduler
         >>> lay = scheduler.PlanLayout(4, 64, 2, 1, 1, 16)
         >>> buf = np.zeros(lay.size, np.int32)
         >>> scheduler.plan_into(buf, lay, np.array([0, 40]), np.array([40]), 1, 1, 16, 2)
