@@ -175,7 +175,7 @@ class PlanLayout:
 
     ``max_batch``: requests; ``max_qo_tokens``: total query tokens of a batch; ``max_ctas``: grid
     size; ``num_qo_heads`` / ``num_kv_heads`` / ``tile_q`` must equal the plan's. Derived bounds
-    (see the scheduler's module docstring), with ``H = num_kv_heads``, ``P = max_ctas``:
+    (docs/serving.md#workspace-bound), with ``H = num_kv_heads``, ``P = max_ctas``:
 
     - ``max_items = H * floor((g * N + min(max_batch, N) * (tile_q - 1)) / tile_q)``,
       ``N = max_qo_tokens``
