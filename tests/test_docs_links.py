@@ -1,9 +1,11 @@
-"""The docs name files that exist: every repository path cited in docs/*.md, README.md and
-DEVELOPERS.md (a backticked `dir/file.ext` or a Markdown link target) must be in the tree, so a
-move or rename that forgets the docs fails here. The journal (docs/journal/) is history and
-keeps the paths of its day."""
+"""The docs name files and modules that exist: every repository path cited in docs/*.md,
+README.md and DEVELOPERS.md (a backticked `dir/file.ext` or a Markdown link target) must be in the
+tree, and every backticked dotted `attncc.<subpackage>.name` must import, so a move or rename that
+forgets the docs fails here. The journal (docs/journal/) is history and keeps the names of its
+day."""
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -53,3 +55,34 @@ def test_the_rule_catches_a_missing_path(tmp_path: Path) -> None:
     doc.write_text("`runtime/gpu_flex.py` moved; [plan](runtime/serving/plan/format.py) stayed")
     missing = [p for p in cited_paths(doc.read_text()) if not _exists(doc, p)]
     assert missing == ["runtime/gpu_flex.py"]
+
+
+_DOTTED = re.compile(r"`(attncc\.(?:runtime|codegen|ir|frontend)(?:\.\w+)+)")
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether `dotted` is a module or a module's attribute (the longest importable prefix).
+
+    Example:
+        >>> _resolves("attncc.ir.nodes.DType.F32"), _resolves("attncc.ir.nodes.Nope")
+        (True, False)
+    """
+    parts = dotted.split(".")
+    for k in range(len(parts), 1, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:k]))
+        except ImportError:
+            continue
+        for name in parts[k:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_docs_cite_existing_modules(doc: Path) -> None:
+    names = set(_DOTTED.findall(doc.read_text(encoding="utf-8")))
+    missing = sorted(n for n in names if not _resolves(n))
+    assert not missing, f"{doc.relative_to(ROOT)} cites names that do not import: {missing}"
