@@ -2,7 +2,7 @@
 compiler.
 
 `scheduler.plan` computes a plan with numpy (~150 numpy calls: 0.6-2 ms at
-decode batch 256 on this project's 2-core CI-class VM, most of it call overhead). planner.c is
+decode batch 256 on a 2-core VM, most of it call overhead; docs/serving.md#host-time). planner.c is
 its compiled twin, and more: it packs the plan straight into the `PlanLayout` buffer (what
 `Plan.pack` writes, byte for byte) and makes BatchAttention.plan's input checks in one pass.
 Tests compare both halves with the numpy code on random batches. Without a C compiler
