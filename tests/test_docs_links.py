@@ -57,6 +57,19 @@ def test_the_rule_catches_a_missing_path(tmp_path: Path) -> None:
     assert missing == ["runtime/gpu_flex.py"]
 
 
+_TEST_REF = re.compile(r"`([\w/.-]+\.py)::(\w+)")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_docs_cite_existing_tests(doc: Path) -> None:
+    """A cited `tests/x.py::test_name` names a function defined in that file."""
+    refs = set(_TEST_REF.findall(doc.read_text(encoding="utf-8")))
+    missing = sorted(f"{f}::{n}" for f, n in refs
+                     if not (ROOT / f).exists()
+                     or not re.search(rf"def {n}\b", (ROOT / f).read_text(encoding="utf-8")))
+    assert not missing, f"{doc.relative_to(ROOT)} cites tests that do not exist: {missing}"
+
+
 _DOTTED = re.compile(r"`(attncc\.(?:runtime|codegen|ir|frontend)(?:\.\w+)+)")
 
 
