@@ -9,14 +9,15 @@ keeps the last `l2_mib` of tiles in an LRU. Full attention reads every tile of a
 reads tiles 0 .. query block. Counted: K/V tiles only (Q and O are read / written once either
 way).
 
-What it says (bench/NOTES.md, stop 22): with the whole 50 MB L2 as the LRU, sections up to
+What it says (docs/fa3.md#persistent-scheduling-item-order-and-l2-sections): with the whole
+50 MB L2 as the LRU, sections up to
 24 MiB read each head's K/V from DRAM once at S = 2048 and 8192; with half of it (25 MB, one of
 the H100 / H200's two L2 partitions), 24 MiB sections read full attention's K/V ~2.3 times and
 12 MiB sections once. The H200's measurements side with the 25 MB reading: 48 MiB sections cost
 full attention 7 % and causal 5 % at S = 2048 (the 50 MB model predicts much less). With the
 items' Q and O tiles in the LRU as well (`--qo`: the kernel without L2 hints) 24 MiB sections
-read it ~3.6 times and 12 MiB ones ~1.8 times (stop 23: the kernel now marks Q and O
-evict_first and uses 12 MiB).
+read it ~3.6 times and 12 MiB ones ~1.8 times (hence the kernel marks Q and O evict_first and
+uses 12 MiB).
 
     python bench/l2_order_model.py                  # table: S x section x L2 size
     python bench/l2_order_model.py --S 2048 --sections 12 24 --l2 25

@@ -193,7 +193,7 @@ def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, 
     With `rounds` > 1 every cell of a (S, variant) is timed again rounds - 1 times, the cells in
     reverse order on every other round, and its `ms` is the median of the rounds (`ms_rounds`):
     the H200's power-limited clock drifts by a few per cent over a sweep (single passes of the
-    same kernel differed by up to ~5 %, bench/NOTES.md stop 19), and interleaving makes each
+    same kernel differed by up to ~5 %; docs/fa3.md, intro), and interleaving makes each
     implementation see the drift alike.
     """
     import torch

@@ -54,7 +54,7 @@ def spin_gpu(seconds: float = 0.3) -> None:
     """Keep the GPU busy with bf16 matmuls for about `seconds`. Call it before the first timed
     call after the GPU idled (e.g. while the host compiled FlexAttention): its clocks drop when
     idle, and triton's 25 ms warm-up does not always bring them back before the measurement
-    (2026-12-01, bench/decode.py: two identical attncc plans in one cell measured 0.84 and 0.92
+    (bench/decode.py: two identical attncc plans in one cell measured 0.84 and 0.92
     of copy bandwidth, the first one timed right after the previous cell's compiles)."""
     import torch
 

@@ -5,7 +5,7 @@ compare compiled kernels against. It evaluates every hook with `attncc.ir.evalua
 (float64 by default) on whatever device the inputs live on, chunked over query rows so that the
 score matrix of a long sequence never has to exist at once.
 
-Semantics (the same ones the kernel templates implement, see KERNEL_INTERFACE.md):
+Semantics (the same ones the kernel templates implement, see docs/kernel-interface.md):
 
 1. `q' = query_mod(q)`, `k' = key_mod(k)`, `v' = value_mod(v)` (the key/value hooks see the kv
    head as `h`);

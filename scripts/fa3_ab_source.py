@@ -3,7 +3,7 @@ current one: same process, same inputs, interleaved (this machine's run-to-run s
 figures from different runs cannot separate small changes).
 
 The other revision is read from a file (e.g. `git show REV:kernels/fa3_prefill.cuh > old.cuh`):
-the dense kernel's file, which before 2026-12-01 (stop 20) also held what fa3_consumer.cuh and
+the dense kernel's file, which in older revisions also held what fa3_consumer.cuh and
 fa3_store.cuh hold now (those are then left out); a later revision replaces fa3_prefill.cuh alone.
 A revision from before the persistent kernel (a 2-D grid of (batch x head, query block)) is
 rewritten to take its block from a 1-D grid in the same order, and launched one CTA per tile

@@ -14,7 +14,7 @@ configuration instead (e.g. --config opt:PAIRED=true).
 With --repeat N the configurations run N times in turn per cell -- in the given order in even
 rounds and reversed in odd ones, so a drift of the clock or temperature over a round favours
 none of them -- and a summary gives each configuration's per-round ratio to the first one's: at
-S = 2048 one comparison moves by ~5 % between runs on the H200 (bench/NOTES.md, stop 22), so a
+S = 2048 one comparison moves by ~5 % between runs on the H200 (docs/fa3.md, intro), so a
 change of a few per cent shows only as a direction over many rounds.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ reference, so a clean sanitizer log comes from a launch that also computed the r
     compute-sanitizer --tool racecheck python scripts/fa3_sanitize_case.py dense64
 
 Under memcheck the H200 image reports 34 CUDA API errors, all failed cuGetProcAddress lookups
-made while the libraries load; `--report-api-errors no` leaves the kernels' own (0 at stop 25).
+made while the libraries load; `--report-api-errors no` leaves the kernels' own (expected: 0).
 
 Arguments pick parts (default: all): dense64, dense128, transforms, batch, document, split,
 pairs, pairs_small (the one to racecheck the pair form with), short_table (captured reads
@@ -122,8 +122,8 @@ def document(d: int = 64) -> None:
     """Document masks at odd lengths: a hook that indexes a captured [B, S] tensor by q_idx and
     kv_idx, on partial query blocks and a partial last KV tile. Run with
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 so the doc-id tensor is its own allocation and memcheck
-    sees a read past its end (the FA3 checked path gave the hooks positions past the sequence
-    before 2026-12-01). With document_causal alone memcheck saw nothing even before that fix
+    sees a read past its end (the FA3 checked path once gave the hooks positions past the
+    sequence). With document_causal alone memcheck saw nothing even before that fix
     (the causal half likely skips the loads past the diagonal); document_mask has no such
     short cut."""
     B, S, H = 2, 300, 4

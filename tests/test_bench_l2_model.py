@@ -1,5 +1,6 @@
 """bench/l2_order_model.py: the dense FA3 item order it mirrors, and the DRAM traffic it
-predicts for L2 section sizes at bench/prefill.py's S = 2048 (bench/NOTES.md, stop 22)."""
+predicts for L2 section sizes at bench/prefill.py's S = 2048
+(docs/fa3.md#persistent-scheduling-item-order-and-l2-sections)."""
 from __future__ import annotations
 
 import sys

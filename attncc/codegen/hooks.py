@@ -1,6 +1,6 @@
 """One Variant hook -> the C++ member function the kernel templates call.
 
-Each IR hook maps to one static member of `Variant_<name>` (see KERNEL_INTERFACE.md):
+Each IR hook maps to one static member of `Variant_<name>` (docs/kernel-interface.md):
 query_mod -> QueryTransform, key_mod -> KeyTransform, value_mod -> ValueTransform,
 score_mod -> LogitsTransform, mask_mod -> LogitsMask, output_mod -> OutputTransform.
 An identity hook still gets its function (`return score;`, `return true;`, `return q[d];`) but

@@ -5,9 +5,10 @@
 `normalize="none"`). The variant's mask_mod and the block mask are ANDed.
 
 On CPU tensors the exact reference runs (float64 inside, results in the input dtype; LSE float32).
-On CUDA bf16/fp16 tensors the variant is compiled (NVRTC, cached) into the FA2 template and
-launched (`gpu_flex`). CUDA float32 tensors have no compiled kernel yet: the exact
-reference runs on the GPU (float64) after a one-time warning.
+On CUDA bf16/fp16 tensors the variant is compiled (NVRTC, cached) into a kernel template (FA3
+on sm_90 where it applies, FA2 otherwise; `tile_choice`) and launched (`gpu_flex`). CUDA float32
+tensors have no compiled kernel yet: the exact reference runs on the GPU (float64) after a
+one-time warning.
 
 A score_mod function (or Variant) is traced once: later calls reuse its IR while the captured
 values it depends on would trace to the same IR (`attncc.frontend.trace.TraceGuard`), so a new

@@ -26,7 +26,7 @@ __all__ = ["TailSplit", "tail_split", "SLOT_WARPS"]
 SLOT_WARPS = 8
 # At most this many pieces per tail item (kernels/fa3_split.cuh's kMaxPiecesPerItem), and the
 # shortest items that split (kMinSplitKeys: below it the split's fixed cost per unit outweighs
-# the idle share of the last round it recovers; measured on the H200, bench/NOTES.md stop 21).
+# the idle share of the last round it recovers; docs/fa3.md#split-tail).
 MAX_PIECES_PER_ITEM = 4
 MIN_SPLIT_KEYS = 4096
 

@@ -1,4 +1,5 @@
-"""FlexAttention on CUDA tensors with attncc's FA2 kernel (kernels/fa2_prefill.cuh).
+"""FlexAttention on CUDA tensors with attncc's kernels: FA3 (kernels/fa3_prefill.cuh) on sm_90
+where it applies, FA2 (kernels/fa2_prefill.cuh) otherwise.
 
 `gpu_flex_attention(q, k, v, ir, bindings, block_mask=..., scale=..., enable_gqa=...,
 return_lse=..., kernel_options=...)` is what `attncc.flex_attention` runs for CUDA tensors: it
@@ -110,8 +111,8 @@ def _kernel_for(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
 # Spill bytes (stores + loads, ptxas -v) accepted before falling back to smaller tiles. One
 # fragment per warp: none. Two: ptxas at the 255-register cap spills a few words for some hooks
 # (causal 32, sliding window 120, softcap 144 bytes with NVRTC 13), and those kernels still beat
-# the spill-free one-fragment fallback by 12-20% on the H200 (bench/NOTES.md, 2026-11-30): the
-# spilled words are touched a few times per KV tile and stay in L1.
+# the spill-free one-fragment fallback: the spilled words are touched a few times per KV tile and
+# stay in L1 (measured: docs/journal/2026-11-30.md, "two fragments per warp").
 _SPILL_BUDGET = {1: 0, 2: 192}
 
 
@@ -169,10 +170,8 @@ _FA3_MAPS = MapCache(64)  # the dense FA3 kernel's q/k/v maps (runtime/jit/tma.p
 # kPersistentHeadDim): its grid is then at most one CTA per SM, else one CTA per 128-row item
 FA3_PERSISTENT_HEAD_DIMS = (64, 128)
 FA3_PAIRED = "#define ATTNCC_FA3_PAIRED 1\n"
-# Without kernel_options PAIRED, launches with at most this many keys pair. H200, full attention
-# (bench/prefill.py inputs, 6 alternating rounds; bench/NOTES.md stop 23), paired / unpaired
-# (with the split tail from 4096 keys): S = 512 / 1024 / 2048 / 4096 / 8192 +1.0 / +3.2 /
-# +0.9-2.4 / +2.8 / +1.3 %, 16384 -2.3 %.
+# Without kernel_options PAIRED, launches with at most this many keys pair: pairs win up to
+# 8192 keys and lose at 16384, where the split tail beats them (docs/fa3.md#cta-pairs).
 FA3_PAIRED_MAX_KEYS = 8192
 
 
@@ -796,7 +795,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        kernel_options: Mapping[str, Any] | None = None,
                        out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run a traced variant on CUDA tensors with the FA2 kernel: `(out, lse or None)`.
+    """Run a traced variant on CUDA tensors with the FA3 or FA2 kernel: `(out, lse or None)`.
 
     query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D] (bf16 or fp16, D in 64/128/256) ->
     out [B, Hq, Sq, D] in query's dtype; lse [B, Hq, Sq] float32 (natural log, -inf for a fully

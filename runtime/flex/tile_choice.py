@@ -3,7 +3,7 @@
 Tile heuristic (FlashInfer-style, on the effective query length l_q x group size): with at least
 128 fused rows, D <= 128 and a grid of >= 2 CTAs per SM, T_q = 128 as 4 warps x 32 rows (two MMA
 fragments per warp); otherwise T_q is the smallest of {16, 32, 64} that covers the fused rows.
-T_kv comes from the head dim and the register/shared-memory budget (bench/NOTES.md). Head-group
+T_kv comes from the head dim and the register/shared-memory budget (`_DEFAULT_TKV`). Head-group
 fusion (all query heads of a GQA group in one CTA's rows) is used when it keeps block-mask lists
 uniform per CTA. `kernel_options` (FlexAttention's names: BLOCK_M, BLOCK_N, num_stages,
 num_warps, plus FAST_MATH and KERNEL="fa2" | "fa3") override the choice. On sm_90 the FA3
@@ -31,12 +31,14 @@ from ..jit.tiles import SMEM_PER_CTA, fa2_config, fa3_stages
 __all__ = ["TilePlan", "choose_tiles"]
 
 # T_kv per (head_dim, T_q): the largest KV tile that compiles without register spills
-# (ptxas report, sm_90a, every hook combination; bench/NOTES.md has the table).
+# (ptxas report, sm_90a, every hook combination; table: docs/journal/2026-11-30.md,
+# "Register allocation").
 _DEFAULT_TKV = {(64, 128): 64, (64, 64): 64, (64, 32): 64, (64, 16): 64,
                 (128, 128): 64, (128, 64): 64, (128, 32): 64, (128, 16): 64,
                 (256, 128): 32, (256, 64): 32, (256, 32): 32, (256, 16): 32}
 # The FA3 kernel's KV tile when kernel_options has no BLOCK_N: 128 keys (one m64n128 wgmma per
-# k-step of S, half the waits of 64-key tiles per FLOP); bench/NOTES.md has the measurements.
+# k-step of S, half the waits of 64-key tiles per FLOP;
+# docs/fa3.md#warp-specialization-and-the-kv-ring).
 FA3_DEFAULT_TKV = 128
 
 
@@ -134,10 +136,10 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
 
     def default_tq(rows: int, gf: int) -> int:
         # D <= 128 with enough rows: T_q=128 as 4 warps x 32 rows (two MMA fragments per warp),
-        # which beat 64-row CTAs by 12-20% on the H200 (S=8192 full 365 vs 304 TFLOP/s, causal
-        # 308 vs 258), as long as the grid still holds two CTAs per SM. Otherwise at most 64 rows
-        # (4 warps x 16): T_q=128 as 8 warps x 16 rows was slower at every head dim, and D=256
-        # has no registers for a second fragment (bench/NOTES.md).
+        # which beat 64-row CTAs as long as the grid still holds two CTAs per SM. Otherwise at
+        # most 64 rows (4 warps x 16): T_q=128 as 8 warps x 16 rows was slower at every head dim,
+        # and D=256 has no registers for a second fragment (measured:
+        # docs/journal/2026-11-30.md, "two fragments per warp").
         if head_dim <= 128 and rows >= 128 and \
                 -(-rows // 128) * (heads // gf) * batch >= 2 * num_sms:
             return 128

@@ -59,8 +59,8 @@ def fa2_config(head_dim: int, tq: int, tkv: int, stages: int = 2, m_frags: int =
 
 def fa3_stages(head_dim: int, tkv: int) -> int:
     """The deepest K/V ring (at most 4 stages) whose shared memory fits one CTA, for the dense
-    and the batch FA3 kernel (the same layout): 3 stages of 128 keys beat 2 by 10-28% at head
-    dim 128 (bench/NOTES.md, 2026-11-30 night).
+    and the batch FA3 kernel (the same layout): with 2 stages the producer falls behind the
+    consumers (docs/fa3.md#warp-specialization-and-the-kv-ring).
 
     Example:
         >>> fa3_stages(64, 128), fa3_stages(128, 128), fa3_stages(256, 64)

@@ -98,7 +98,7 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
 
     Decode (up to 16 fused rows) gets 16-row tiles with 2 warps splitting each 32-row KV tile:
     the memory-bound case wants many loads in flight per SM, and a 16-row tile alone is one
-    warp (measured on the H200: bench/NOTES.md, 2026-11-30). Larger tiles are FA2's, with the
+    warp (docs/serving.md#decode). Larger tiles are FA2's, with the
     prefill kernel's 128-row tiles at D <= 128.
 
     Example:
@@ -578,9 +578,9 @@ class BatchAttention:
 
     @staticmethod
     def _section_tokens(tiles: BatchTiles, head_dim: int, dtype: torch.dtype) -> int | None:
-        """clip_causal_units' L2 sections for the FA3 batch kernel (None for FA2: on the H200
-        the sectioned order made FA2's paged causal prefill 7-12 % slower while FA3 gained up
-        to 18 %; bench/NOTES.md, stop 15)."""
+        """clip_causal_units' L2 sections for the FA3 batch kernel (None for FA2, whose paged
+        causal prefill the sectioned order slowed down; docs/serving.md, "Causal clipping and
+        L2 sections")."""
         if tiles.kernel != "fa3":
             return None
         return L2_SECTION_BYTES // (2 * head_dim * dtype.itemsize)
@@ -635,9 +635,8 @@ class BatchAttention:
         group = num_qo_heads // num_kv_heads
         fa3 = self._fa3_mode(group, head_dim, b.page, q_dtype)
         tiles = self._tiles_for(head_dim, b.max_q_len * group, fa3)
-        # 128 tokens: on the H200 (bench/NOTES.md, stop 15) a 128-token floor beat 256 on every
-        # batch-16 GQA decode cell (+6-19 %) once the merge kernel spread rows over its warps;
-        # 64 was no better, and at batch >= 64 the floor does not bind
+        # 128 tokens: it beat 256 on small GQA decode batches and 64 was no better; at batch >= 64
+        # the floor does not bind (measured: docs/journal/2026-12-01.md, "merge kernel rows")
         floor = self.min_kv_chunk or 128
         if not self.balance:  # one CTA per work item, each item's whole KV range in one unit
             items = num_kv_heads * int(np.sum(-(-(np.diff(b.qo) * group) // tiles.tq)))
@@ -980,8 +979,8 @@ L2_SECTION_BYTES = 12 << 20
 """K/V bytes of the (request, KV head) pairs a causal prefill plan's CTAs work on at a time
 (`clip_causal_units`' sections; 12 MiB of the H100 / H200's 50 MB L2, as the dense FA3 kernel's
 ATTNCC_FA3_L2_SECTION_BYTES, which tests/test_batch.py pins to this value), for K and V of
-q_data_type's element size. On the H200 paged causal prefill ran the same with 12 and 24 MiB
-(within 1.5 % either way, bench/NOTES.md stop 23), where the dense kernel gained from 12."""
+q_data_type's element size. Paged causal prefill is insensitive to 12 vs 24 MiB, the dense
+kernel prefers 12 (docs/serving.md#causal-clipping-and-l2-sections)."""
 
 UPLOAD_GAP = 16384
 """`used_ranges`' default: int32 words (64 KB) of unused room that one copy may carry between two

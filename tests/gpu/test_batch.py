@@ -164,7 +164,8 @@ def test_fa3_batch_matches_reference(layout: str, page: int, var: str, g: int, d
 # the reference. The hooks' b is the request, so the variants are made for the batch's 4
 # requests (document ids [4, 4096]); lengths stay within the 4096 positions their tables cover.
 # Every one is spill-free as used: relative_bias through the epilogue's recomputed rows, the
-# document variants through the mask bits computed when a tile lands (bench/NOTES.md, stop 20).
+# document variants through the mask bits computed when a tile lands (docs/journal/2026-12-01.md,
+# "document mask bits").
 LOW_PRESSURE_CASES = [("relative_bias", 128), ("relative_bias", 64), ("document_causal", 64),
                       ("document_causal", 128), ("document_mask", 128)]
 

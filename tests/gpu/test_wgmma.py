@@ -194,7 +194,7 @@ def test_wgmma_ss_kmajor_matches_torch(kernels: dict, k: int) -> None:
 def test_wgmma_rs_nmajor_b_descriptor_probe(kernels: dict) -> None:
     """P (registers) x V (N-major smem): which (LBO, SBO) encodings the hardware accepts.
 
-    Measured on the H200 (2026-11-30): with N = 64 the whole tile width is one 128-byte swizzle
+    Measured on the H200: with N = 64 the whole tile width is one 128-byte swizzle
     atom, so LBO is unused and SBO must be the 1024-byte distance between 8-row groups; the FA3
     template's ATTNCC_FA3_V_LBO / ATTNCC_FA3_V_SBO (8192, 1024) must be among them."""
     g = torch.Generator(device="cuda").manual_seed(5)

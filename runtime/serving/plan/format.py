@@ -8,8 +8,8 @@ room) and `workspace_bytes`, plus the argument checks both the planner and the l
 A packed plan is one contiguous run of used words, ``[0, end)``: the header and ``cta_indptr``
 at fixed offsets, then the sections whose sizes vary from plan to plan (`DYNAMIC_SECTIONS`)
 back to back, their word offsets in the header, where the kernels read them. So plan() uploads
-a plan with one copy, whatever its counts (with sections at fixed offsets sized for the maxima,
-a decode plan with split items was five copies of ~3 us of host time each).
+a plan with one copy, whatever its counts (sections at fixed offsets sized for the maxima would
+each need a copy of ~3 us host time; docs/serving.md#plan-format).
 
 Example:
     >>> layout = PlanLayout(max_batch=4, max_qo_tokens=64, max_ctas=2, num_qo_heads=2,
@@ -175,7 +175,7 @@ class PlanLayout:
 
     ``max_batch``: requests; ``max_qo_tokens``: total query tokens of a batch; ``max_ctas``: grid
     size; ``num_qo_heads`` / ``num_kv_heads`` / ``tile_q`` must equal the plan's. Derived bounds
-    (see the scheduler's module docstring), with ``H = num_kv_heads``, ``P = max_ctas``:
+    (docs/serving.md#workspace-bound), with ``H = num_kv_heads``, ``P = max_ctas``:
 
     - ``max_items = H * floor((g * N + min(max_batch, N) * (tile_q - 1)) / tile_q)``,
       ``N = max_qo_tokens``

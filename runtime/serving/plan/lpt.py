@@ -137,8 +137,8 @@ def lpt_schedule(costs: Any, num_ctas: int, tiebreak: Any = None,
     ``(cta_indptr int32 [num_ctas+1], cta_units int32 [n])``: CTA ``c`` runs units
     ``cta_units[cta_indptr[c]:cta_indptr[c+1]]`` in the order it received them. Identical to
     `lpt_schedule_reference` (a Python min-heap), but assigns whole runs of equal cost and
-    whole blocks of up to ``num_ctas`` units per numpy step (see the scheduler's
-    module docstring).
+    whole blocks of up to ``num_ctas`` units per numpy step (docs/serving.md,
+    "Assignment (longest processing time first)").
 
     Example:
         >>> indptr, units = lpt_schedule([5, 3, 3, 2, 2, 1], num_ctas=2)

@@ -2,7 +2,7 @@
 compiler.
 
 `scheduler.plan` computes a plan with numpy (~150 numpy calls: 0.6-2 ms at
-decode batch 256 on this project's 2-core CI-class VM, most of it call overhead). planner.c is
+decode batch 256 on a 2-core VM, most of it call overhead; docs/serving.md#host-time). planner.c is
 its compiled twin, and more: it packs the plan straight into the `PlanLayout` buffer (what
 `Plan.pack` writes, byte for byte) and makes BatchAttention.plan's input checks in one pass.
 Tests compare both halves with the numpy code on random batches. Without a C compiler
@@ -59,7 +59,7 @@ _SRC = Path(__file__).with_name("planner.c")
 _LOCK = threading.Lock()
 _LIB: Any = None  # None: not tried yet; False: unavailable
 _I64, _F64, _PTR = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
-# -O3: its vectoriser (the page-id scans) and unrolling, 5-15% of a plan on the dev VM.
+# -O3: its vectoriser (the page-id scans) and unrolling shorten a plan measurably.
 # -ffp-contract=off: the costs' `a * b + c` must round as numpy's separate multiply and add do
 # (ticks are compared bit for bit); GCC fuses them into FMAs by default where the target has
 # them (aarch64, x86-64 with -march=haswell and later).

@@ -2,124 +2,18 @@
 
 This is the host-side scheduler of FlashInfer's serving runtime (arXiv 2501.01005, section 3.3,
 "Algorithm 1"), rewritten for attncc. It turns one batch of ragged requests into a *plan*: a
-fixed-size grid of CTAs, each with a queue of work units, plus a reduction map that merges the
-partial results of requests whose KV range was split. The GPU kernel that consumes the plan is
-written separately; everything it needs is in `Plan`, and `Plan.pack` flattens it into one int32
-buffer with fixed offsets so that a CUDA graph captured once can replay with new plans.
-Three modules: this one (work decomposition, chunking, the typed `Plan`), `lpt` (the assignment
-of units to CTAs) and `format` (record dtypes, header, `PlanLayout`, workspace size); the
-public names of all three are importable from here.
+fixed-size grid of CTAs, each with a queue of work units (one unit: a KV chunk of one
+(request, KV head, query tile) work item, or a span of KV heads of a decode row), plus a
+reduction map that merges the partial results of requests whose KV range was split.
+`Plan.pack` flattens it into one int32 buffer with fixed offsets so that a CUDA graph captured
+once can replay with new plans. Three modules: this one (work decomposition, chunking, the typed
+`Plan`), `lpt` (the assignment of units to CTAs) and `format` (record dtypes, header,
+`PlanLayout`, workspace size); the public names of all three are importable from here. The
+compiled twin (`planner.c`, used when a C compiler is found) computes the same plan.
 
-Work decomposition
-------------------
-Request ``i`` has ``l_q[i] = qo_indptr[i+1] - qo_indptr[i]`` query tokens and ``l_kv[i]`` KV
-tokens. With GQA group size ``g = num_qo_heads // num_kv_heads`` the ``g`` query heads that share
-a KV head are *fused* into the rows of one query tile: fused row ``r`` of request ``i`` and KV
-head ``h`` is query token ``qo_indptr[i] + r // g`` and query head ``h * g + r % g``. A request
-has ``l_q[i] * g`` fused rows per KV head, cut into ``ceil(l_q[i] * g / tile_q)`` query tiles.
-A *work item* is one (request, kv_head, query tile).
-
-KV chunk length
----------------
-    L_kv = round_up(max(ceil(num_kv_heads * sum_i ceil(l_q[i] * g / tile_q) * l_kv[i]
-                             / num_ctas), min_kv_chunk), kv_chunk_align)
-
-The paper's formula (the KV work of one head over the CTAs) applied to the CTAs one KV head gets
-when all heads share the grid, ``num_ctas / num_kv_heads``: a chunk is the average work of a CTA,
-so a batch with at least one work item per CTA is not split at all. (Dividing one head's work by
-all CTAs instead split every request of a large MHA batch into ~num_kv_heads pieces: on the
-H200, B=64 x 32 heads x 1K tokens became 8,192 units and 2,048 merges for 792 CTAs, and the
-no-split ablation was faster.) The floor keeps chunks long enough to amortise their fixed cost,
-the alignment (a page size) keeps chunk boundaries on page boundaries.
-
-When the longest KV range (of a request with query rows) is at most ``2 * L_kv``, ``L_kv``
-becomes that length rounded up to the alignment: nothing is split. (With equal lengths that is
-a batch of at least about ``num_ctas / 2`` work items: up to half the CTAs may get no unit.)
-Cutting requests into at most two pieces buys little balance and costs the merge of every split
-item -- a second kernel and a round trip of the partial states. On the H200 (bench/NOTES.md,
-stop 19; decode, 792 CTAs, 1K keys) the unsplit plan took batch 64 x 8 KV heads from 92.4 to
-88.4 us, with uniform lengths it was as fast, and plans whose longest range is over twice the
-chunk (batch 16, batch 64 x 4 KV heads, Zipf lengths) still needed their splits.
-
-The KV range of every work item is cut into chunks of at most ``L_kv`` tokens; each chunk is a
-*work unit* with cost ``alpha * q_rows + beta * kv_len``. A work item with ``l_kv = 0`` still
-gets one unit with an empty KV range: it must write its output (0) and LSE (-inf). Requests with
-``l_q = 0`` get no unit at all.
-
-Head spans
-----------
-A work item of a request with one query tile per KV head whose KV range is not split (a decode
-or speculative-decode row: ``ceil(l_q * g / tile_q) == 1`` and ``l_kv <= L_kv``) may share its
-unit with the items of the next KV heads: the unit's ``kv_heads`` consecutive heads (its *span*)
-run one after another on one CTA, with the same rows and KV range. Request ``i``'s span is the
-largest divisor ``s`` of ``num_kv_heads`` with
-
-    s * c_i <= total_cost / (2 * num_ctas),    c_i = alpha * l_q[i] * g + beta * l_kv[i]
-
-(``c_i`` is one head's cost, ``total_cost`` that of the whole plan: a spanned unit costs at most
-half a CTA's mean load; ``s = 1`` when no divisor above 1 qualifies); every other item keeps
-``kv_heads = 1``, and so does every split unit. The unit costs ``s * c_i`` in the assignment.
-Rationale: every unit is part of the host's per-plan work (written, assigned, uploaded: at
-decode batch 256 with 32 KV heads the 8,192 one-head units were most of a ~60 us plan), and the
-list-scheduling bound below (``max load <= mean + max unit cost``) stays as tight as the chunk
-already makes it (a split unit costs up to ``L_kv``, about the mean load). Measured LPT makespan
-/ mean CTA load on bench/decode.py's batches (792 CTAs, Hq 32, page 16), one-head units -> spans:
-batch 256 x Hkv 32: constant 1.063 -> 1.160 (8,192 -> 2,048 units), uniform 1.043 -> 1.083
-(8,192 -> 2,184), Zipf 1.018 -> 1.058 (8,320 -> 1,956); per SM (6 CTAs each) 1.015 / 1.032 /
-1.002 -> 1.031 / 1.062 / 1.042. Batches 16 and 64 and Hkv 4 and 8 are unchanged but for batch 256
-x Hkv 8 Zipf (2,336 -> 1,652 units, 1.047 -> 1.056). A bound of the mean load instead of half of
-it spans more (about 1,100 units) but costs 1.24-1.55; a quarter keeps 3,300-4,400 units.
-``plan(head_span=False)`` keeps one head per unit (the FA3 batch kernel runs one head per unit).
-
-Assignment (longest processing time first)
-------------------------------------------
-Each unit in turn goes to the least loaded CTA (ties: lowest CTA index), exactly as a min-heap
-of ``(load, cta)`` would do; a CTA's queue is the order in which it received units. Units are
-taken by cost, descending; ties are broken by a fixed work-unit order: the unit's *cost group*
-``4 * request + 2 * last_tile + last_chunk`` (a request's units have at most four distinct
-costs: full or last query tile, full or last KV chunk), then unit index. To make the greedy
-exact and machine independent the float costs are quantised to int64 *ticks*
-(`cost_ticks`: ``rint(cost * 2**61 / (num_ctas * total_cost))``, so the heap key
-``load * num_ctas + cta`` fits int64). The classic list-scheduling bound holds:
-``max load <= total / num_ctas + max unit cost``.
-
-The greedy never loops in Python per unit. Sorting is per cost group (at most ``4 * batch``),
-then `lpt_sorted` replays the heap a block at a time: a run of at least ``num_ctas`` equal
-costs, when all loads are within one unit of each other, is dealt round robin; otherwise the
-longest prefix of the next ``num_ctas`` units for which "unit ``j`` goes to the ``j``-th least
-loaded CTA" provably holds is assigned at once. `lpt_schedule` exposes it for any integer
-costs, `lpt_schedule_reference` is the plain heap; tests check they agree unit for unit.
-
-Outputs and reduction
----------------------
-A work item with one unit writes its rows straight to the output (*write-through*, ``slot = -1``).
-The units of a split work item write a partial ``(O, LSE)`` to workspace *slots*, numbered in unit
-order, so the slots of one item are consecutive and ascending in kv start. The reduction map
-(CSR ``merge_indptr`` over the slots and one ``merge_out`` target per split item) lists them in
-that fixed order; merging in that order (`attncc.runtime.serving.merge.merge_states`) makes results
-bitwise reproducible for the same lengths.
-
-Workspace bound
----------------
-With ``H = num_kv_heads``, ``P = num_ctas``, ``S`` the per-head sum above and ``L = L_kv >= S/P``:
-a split item has ``l_kv > L``, and the split items' KV sum is at most ``H * S <= H * P * L``, so
-the number of split items is ``W_split <= H*P - 1``; the number of partial slots is
-``sum ceil(l_kv / L) < H*S/L + W_split <= H*P + W_split``, hence
-``num_partial_slots <= H*P + min(W_split, H*P - 1) - 1 <= 2*H*P - 2``: independent of the batch.
-Units number at most ``W + H*P - 1`` (``W`` = work items; head spans only lower it).
-`PlanLayout` derives all its sizes from these bounds; `workspace_bytes` sizes the partial-(O, LSE) workspace from them.
-
-Host time
----------
-Here everything is vectorised numpy: about 150 numpy calls plus about 10 per ``num_ctas``
-units for the greedy. Measured medians at batch 256 with 32/8 heads and 264 CTAs (2 per SM):
-decode (3-4k units) 0.6-1.2 ms on a noisy 2-vCPU VM (numpy 2.4), 0.8 ms on the CPU of an H200
-host (numpy 2.5); prefill with 10-22k units 1.6-3.3 ms; a one-request batch 0.13 ms. The
-compiled twin (planner.c, used when a C compiler is found) computes the same plan and,
-through `plan_into`, packs it straight into the caller's buffer: at decode batch 256 with 792
-CTAs, 15-24 us for 1-1.3k units, 18-28 us for 2-2.3k, 38-63 us for 8k on that VM
-(`bench/plan_time.py --breakdown`, which also times BatchAttention.plan end to end). The plan
-layout does not depend on how the plan is computed.
+The design -- work decomposition, KV chunk length, head spans, the LPT assignment, outputs and
+reduction, the workspace bound and host time, with the measurements behind each choice -- is
+in docs/serving.md, "The scheduler (LPT)".
 
 Example:
     >>> p = plan([0, 1, 2, 3], [100, 1000, 5000], num_qo_heads=8, num_kv_heads=2, tile_q=16,
@@ -183,7 +77,7 @@ def paged_kv_lens(kv_indptr: Any, kv_last_page_len: Any, page_size: int) -> np.n
 
 def kv_chunk_size(tile_kv_work: int, num_ctas: int, min_kv_chunk: int = 128,
                   kv_chunk_align: int = 16, max_kv: int = 0) -> int:
-    """The maximum KV chunk length ``L_kv`` (see the module docstring).
+    """The maximum KV chunk length ``L_kv`` (docs/serving.md#kv-chunk-length).
 
     ``tile_kv_work`` is ``num_kv_heads * sum_i ceil(l_q[i] * g / tile_q) * l_kv[i]`` (the work
     of every KV head); ``max_kv`` the longest KV range of a request with query rows (0: not
@@ -257,7 +151,7 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """A scheduled batch (see the module docstring). All arrays are read-only numpy arrays.
+    """A scheduled batch (docs/serving.md#the-scheduler-lpt); arrays are read-only numpy arrays.
 
     Attributes:
         batch_size, num_qo_heads, num_kv_heads, group_size, tile_q, num_ctas: the problem.
@@ -380,7 +274,7 @@ class Plan:
 def plan(qo_indptr: Any, kv_lens: Any, num_qo_heads: int, num_kv_heads: int, tile_q: int,
          num_ctas: int, *, alpha: float = 1.0, beta: float = 1.0, kv_chunk_align: int = 16,
          min_kv_chunk: int = 128, head_span: bool = True, impl: str = "auto") -> Plan:
-    """Schedule one batch (Algorithm 1, see the module docstring).
+    """Schedule one batch (Algorithm 1, docs/serving.md#the-scheduler-lpt).
 
     Args:
         qo_indptr: ``[batch+1]`` CSR of query tokens per request (ragged, starts at 0).
@@ -529,7 +423,7 @@ def _divisors(n: int) -> list[int]:
 def _head_spans(rows: np.ndarray, kv: np.ndarray, ntiles: np.ndarray, nchunks: np.ndarray,
                 hk: int, alpha: float, beta: float, total: float, num_ctas: int,
                 enabled: bool = True) -> np.ndarray:
-    """Each request's head span, int64 ``[batch]`` (module docstring, "Head spans"): the largest
+    """Each request's head span, int64 ``[batch]`` (docs/serving.md#head-spans): the largest
     divisor ``s`` of ``hk`` with ``s * c_i <= total / (2 * num_ctas)`` for a one-tile request
     whose KV range is one chunk, else 1. (planner.c computes ``c_i`` with the same float
     operations and decides ``s * c_i <= limit`` exactly, as one compare of ``c_i`` with the
