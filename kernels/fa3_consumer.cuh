@@ -154,13 +154,12 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (
 
 // ATTNCC_FA3_LOW_PRESSURE: the runtime compiles each FA3 kernel as it is first and, only if ptxas
 // spills, again with this defined to 1 (runtime/gpu_flex.py compile_fa3). The low-pressure form
-// (Q descriptors rebuilt per tile, the mask evaluated unconditionally, a score_mod's logits
-// key-outer) takes document_causal and relative_bias to 0 spills, but as the only form it cost
-// softcap/alibi + causal 2-7 % at S = 2048 (H200 A/B, bench/NOTES.md 2026-12-01).
+// (the mask evaluated unconditionally, a score_mod's logits key-outer) takes document_causal and
+// relative_bias to 0 spills, but as the only form it cost softcap/alibi + causal 2-7 % at
+// S = 2048 (H200 A/B, bench/NOTES.md 2026-12-01).
 #ifndef ATTNCC_FA3_LOW_PRESSURE
 #define ATTNCC_FA3_LOW_PRESSURE 0
 #endif
-
 
 // Whether softmax_step applies the logits scale itself (softmax variants without a score_mod,
 // whose logits are just S * scale): apply_logits then leaves S unscaled and each element's
