@@ -122,11 +122,9 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
           for (int blk = 0; blk < BLOCKS; ++blk) {
             const fa2_u32 dst = sq + (c * BLOCKS + blk) * kBoxBytes;
             const int row = qo_offset + (u.q_start + 64 * c) / gf;
-            if constexpr (ATTNCC_FA3_L2_HINTS >= 1)  // Q is read once (tma.cuh)
-              tma::load_3d_hint(dst, tm_q, q_full, 64 * blk, u.kv_head * gf, row,
-                                tma::l2_evict_first());
-            else
-              tma::load_3d(dst, tm_q, q_full, 64 * blk, u.kv_head * gf, row);
+            // Q is read once: marked L2 evict_first (tma.cuh)
+            tma::load_3d_hint(dst, tm_q, q_full, 64 * blk, u.kv_head * gf, row,
+                              tma::l2_evict_first());
           }
       }
       // K/V tiles of [kv_start, kv_end)
@@ -325,8 +323,8 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     const QRelease<Variant, true> q_release{q_empty};
     auto last_s_done = [&] { q_release.last_s_done(); };
     if (n > 0) {
-      consume_tiles<DType, D, TKV, rebuild_q<Variant>()>(n, tile, sq_w, ring, turns, o,
-                                                        logits_softmax, landed, last_s_done);
+      consume_tiles<DType, D, TKV>(n, tile, sq_w, ring, turns, o, logits_softmax, landed,
+                                   last_s_done);
     } else {
       last_s_done();  // nothing reads it (an empty KV range)
     }

@@ -19,15 +19,6 @@
 #define ATTNCC_FA3_V_SBO 1024
 #endif
 
-#ifndef ATTNCC_FA3_PINGPONG
-#define ATTNCC_FA3_PINGPONG 1
-#endif
-// Whether consumer 1 hands the turn back right after its last GEMM of an item (1) or only when
-// it starts the next item (0, the A/B's old form): see Turns.
-#ifndef ATTNCC_FA3_TAIL_PASS
-#define ATTNCC_FA3_TAIL_PASS 1
-#endif
-
 namespace attncc {
 namespace fa3 {
 
@@ -75,22 +66,21 @@ struct Smem {
 // Consumer 0 issues first at every issue point. Consumer 1 passes the turn once before its
 // first GEMM of the CTA and then after each of its issue points, the item's last (the tail's
 // P V) included: so consumer 0 issues the next item's S(0) as soon as its own epilogue is done,
-// while consumer 1 still stores its rows (with ATTNCC_FA3_TAIL_PASS 0 consumer 1 passed at the
-// start of each item instead, and consumer 0's S(0) waited for consumer 1's whole epilogue).
+// while consumer 1 still stores its rows.
 // An arrival is always consumed before the next one: between two passes consumer 1 waits for
 // consumer 0's, which follows consumer 0's wait. The last item's tail pass is consumed by
 // finish() (a barrier is not left half-arrived when the CTA exits).
 struct Turns {
   int me;  // 0 or 1: which consumer warpgroup this thread belongs to
   __device__ __forceinline__ void wait_mine() const {
-    if (ATTNCC_FA3_PINGPONG) asm volatile("bar.sync %0, 256;\n" ::"r"(1 + me) : "memory");
+    asm volatile("bar.sync %0, 256;\n" ::"r"(1 + me) : "memory");
   }
   __device__ __forceinline__ void pass() const {
-    if (ATTNCC_FA3_PINGPONG) asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - me) : "memory");
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - me) : "memory");
   }
   // After a consumer's last item, when it consumed ring tiles (issued GEMMs) at all.
   __device__ __forceinline__ void finish(int tiles_consumed) const {
-    if (ATTNCC_FA3_TAIL_PASS && me == 0 && tiles_consumed > 0) wait_mine();
+    if (me == 0 && tiles_consumed > 0) wait_mine();
   }
 };
 
@@ -100,12 +90,9 @@ struct Turns {
 
 // Issue S = Q K^T for one K tile (D/16 k-steps, each a 32-byte step inside a 64-column block;
 // the K operand's TKV rows are 8-row swizzle atoms 1024 bytes apart) and commit it as a group.
-// kRebuildQ: make sq_w opaque to the optimizer, so that Q's D/16 64-bit descriptors are rebuilt
-// at each tile (a few integer ops) rather than hoisted out of the tile loop, where they pin D/8
-// registers across it and were what ptxas spilled first. With 64-bit descriptors built in vector
-// registers it cost variants with a score_mod 1-7 % on the H200 (bench/NOTES.md, 2026-12-01), and
-// rebuild_q() kept it to mask-only variants; with the uniform descriptor words below a rebuild is
-// one add per k-step, and it is on for every variant (rebuild_q).
+// Q's descriptor words are made opaque to the optimizer, so that Q's D/16 descriptors are rebuilt
+// at each tile (one add per k-step) rather than hoisted out of the tile loop, where they pin D/8
+// registers across it and were what ptxas spilled first.
 // Descriptors are 32-bit word pairs (wg::DescWords) from warp-uniform addresses, so they live in
 // the uniform registers wgmma reads: a k-step is one UIADD3 per operand (before: an R2UR pair,
 // IMAD.MOV and UMOVs, ~7 instructions per S k-step). Q comes as its descriptor words
@@ -119,15 +106,13 @@ struct Turns {
 // alone, one m64n64 chain into that half of the accumulators (K rows 64..127 start 64 swizzled
 // 128-byte rows into each column block); the other half keeps whatever it held, which the band
 // mask then sets to -inf. 0: the whole tile.
-template <typename DType, int D, int TKV, bool kRebuildQ, int HALF = 0>
+template <typename DType, int D, int TKV, int HALF = 0>
 __device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], wg::DescWords q, fa2_u32 sk_tile) {
   constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
   static_assert(HALF == 0 || (TKV == 128 && (HALF == 1 || HALF == 2)),
                 "half 1 (keys 0..63) or 2 (keys 64..127) of a 128-key tile");
-  if constexpr (kRebuildQ) {
-    asm volatile("" : "+r"(q.lo), "+r"(q.hi));
-    q.hi += wg::opaque_zero(sk_tile);
-  }
+  asm volatile("" : "+r"(q.lo), "+r"(q.hi));
+  q.hi += wg::opaque_zero(sk_tile);
   const wg::DescWords k0 = wg::desc_words(sk_tile + (HALF > 0 ? (HALF - 1) * 64 * 128 : 0), 16,
                                           1024);
 #pragma unroll
@@ -169,24 +154,12 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (
 
 // ATTNCC_FA3_LOW_PRESSURE: the runtime compiles each FA3 kernel as it is first and, only if ptxas
 // spills, again with this defined to 1 (runtime/gpu_flex.py compile_fa3). The low-pressure form
-// (Q descriptors rebuilt per tile, the mask evaluated unconditionally, a score_mod's logits
-// key-outer) takes document_causal and relative_bias to 0 spills, but as the only form it cost
-// softcap/alibi + causal 2-7 % at S = 2048 (H200 A/B, bench/NOTES.md 2026-12-01).
+// (the mask evaluated unconditionally, a score_mod's logits key-outer) takes document_causal and
+// relative_bias to 0 spills, but as the only form it cost softcap/alibi + causal 2-7 % at
+// S = 2048 (H200 A/B, bench/NOTES.md 2026-12-01).
 #ifndef ATTNCC_FA3_LOW_PRESSURE
 #define ATTNCC_FA3_LOW_PRESSURE 0
 #endif
-
-// issue_qk's kRebuildQ for a variant: every variant since the descriptors became uniform words
-// (H200, same process, two A/Bs: alibi + causal 0-8 % faster, softcap + causal within +-2 %);
-// before, only variants without a score_mod and the low-pressure form, which
-// ATTNCC_FA3_REBUILD_Q_ALL 0 restores for an A/B.
-#ifndef ATTNCC_FA3_REBUILD_Q_ALL
-#define ATTNCC_FA3_REBUILD_Q_ALL 1
-#endif
-template <typename Variant>
-__device__ __forceinline__ constexpr bool rebuild_q() {
-  return ATTNCC_FA3_REBUILD_Q_ALL || !Variant::has_logits_transform || ATTNCC_FA3_LOW_PRESSURE;
-}
 
 // Whether softmax_step applies the logits scale itself (softmax variants without a score_mod,
 // whose logits are just S * scale): apply_logits then leaves S unscaled and each element's
@@ -730,7 +703,7 @@ template <int H>
 struct Half {
   static constexpr int value = H;
 };
-template <typename DType, int D, int TKV, bool kRebuildQ, int kTrims = 0,
+template <typename DType, int D, int TKV, int kTrims = 0,
           typename LogitsSoftmax, typename Landed, typename LastS>
 __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const Ring& ring,
                                               const Turns& turns, float (&o)[D / 64][32],
@@ -748,7 +721,7 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
   // wgmma; read from lane 0 it is provably warp-uniform. (The ring's addresses already are.)
   const wg::DescWords q = wg::desc_words(__shfl_sync(0xffffffffu, sq_w, 0), 16, 1024);
   // consumer 0 issues first at every issue point (Turns: consumer 1's first pass of the CTA)
-  if (turns.me == 1 && (t0 == 0 || !ATTNCC_FA3_TAIL_PASS)) turns.pass();
+  if (turns.me == 1 && t0 == 0) turns.pass();
   // the trimmed halves this kernel has code for (kTrims bit 0: half 1, bit 1: half 2), and only
   // where P(0) V(0) is issued in the loop (n >= 2). Each form's GEMMs complete inside its own
   // branch: a wgmma in flight across the join would make ptxas serialize every wgmma (C7515).
@@ -766,14 +739,14 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
   if constexpr ((kTrims & 1) != 0) {
     if (half0 == 1) {
       wg::fence();  // (in each branch: ptxas wants it in the wgmma's block)
-      issue_qk<DType, D, TKV, kRebuildQ, 1>(s, q, ring.k_of(t0));
+      issue_qk<DType, D, TKV, 1>(s, q, ring.k_of(t0));
       s0_done();
     }
   }
   if constexpr ((kTrims & 2) != 0) {
     if (half0 == 2) {
       wg::fence();  // (in each branch: ptxas wants it in the wgmma's block)
-      issue_qk<DType, D, TKV, kRebuildQ, 2>(s, q, ring.k_of(t0));
+      issue_qk<DType, D, TKV, 2>(s, q, ring.k_of(t0));
       s0_done();
     }
   }
@@ -782,10 +755,10 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
     if constexpr (kTrims != 0) {
       // as the two halves: one m64n128 chain here, next to the trimmed form's m64n64 one on
       // the same registers, made ptxas serialize every wgmma of causal D 64 (C7511)
-      issue_qk<DType, D, TKV, kRebuildQ, 1>(s, q, ring.k_of(t0));
-      issue_qk<DType, D, TKV, kRebuildQ, 2>(s, q, ring.k_of(t0));
+      issue_qk<DType, D, TKV, 1>(s, q, ring.k_of(t0));
+      issue_qk<DType, D, TKV, 2>(s, q, ring.k_of(t0));
     } else {
-      issue_qk<DType, D, TKV, kRebuildQ>(s, q, ring.k_of(t0));
+      issue_qk<DType, D, TKV>(s, q, ring.k_of(t0));
     }
     s0_done();
   }
@@ -803,7 +776,7 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
     wg::fence_operands(o);
     turns.wait_mine();
     wg::fence();  // pa and o were written by ordinary instructions
-    issue_qk<DType, D, TKV, kRebuildQ>(s, q, ring.k_of(t));
+    issue_qk<DType, D, TKV>(s, q, ring.k_of(t));
     rescale<D>(o, corr);  // by tile i-1's factors, while S(i) runs; before P(i-1) V(i-1)
     wg::fence_operands(o);
     wg::fence();
@@ -835,7 +808,7 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const
   wg::fence();
   issue_pv<DType, D, TKV>(o, pa, ring.v_of(t0 + n - 1));
   // (consumer 1's pass: for the next item's S(0), or for Turns::finish)
-  if (turns.me == 0 || ATTNCC_FA3_TAIL_PASS) turns.pass();
+  turns.pass();
   wg::wait<0>();
   wg::fence_operands(o);
   if (held != nullptr) held->tile = hold_last ? t0 + n - 1 : -1;

@@ -25,10 +25,10 @@
 // share a basic block; a loop that kept the softmax above it measured 2-5 % slower on the
 // H200, bench/NOTES.md stop 17 -- the softmax overlaps the other warpgroup's GEMMs instead.)
 // The softmax is lazy (softmax_step), so O's 64 multiplies are skipped on most tiles. Across
-// warpgroups (ping-pong, when ATTNCC_FA3_PINGPONG is 1), the two consumers take turns issuing
-// their GEMMs through two named barriers, so one's softmax runs while the other's GEMMs own the
-// tensor cores instead of both computing softmax at once. A stage is released once the P V that
-// reads its V completed, one iteration after its K was read.
+// warpgroups (ping-pong), the two consumers take turns issuing their GEMMs through two named
+// barriers, so one's softmax runs while the other's GEMMs own the tensor cores instead of both
+// computing softmax at once. A stage is released once the P V that reads its V completed, one
+// iteration after its K was read.
 //
 // Tiles: 128 query rows x TKV keys, TKV = 64 or 128 (S is one m64nTKVk16 wgmma per 16-wide
 // k-step; 128 halves the waits and fences per FLOP but needs twice the shared memory per stage).
@@ -76,45 +76,12 @@ struct DenseItem {
 // made the kernel memory-bound there (bench/NOTES.md, 2026-12-01). 12 MiB rather than the whole
 // L2: an SM's loads are served by one of the L2's two 25 MB partitions, and bench/l2_order_model.py
 // (an LRU of that size) has 24 MiB sections read full attention's K/V ~2.3 times from DRAM, 12
-// MiB ones once. 12 MiB sections with Q and O marked evict_first (ATTNCC_FA3_L2_HINTS, tma.cuh),
+// MiB ones once. 12 MiB sections with Q and O marked evict_first (tma.cuh's l2_evict_first),
 // against 24 MiB without: full +3-7 % at S = 2048, +2-3 % at 8192 and 16384, causal +0-1 % on
 // the H200 (stop 23). The sections need the dynamic order below when item lengths differ (a
-// block mask): with snake rounds they broke the rounds' balance (causal -4 % at S = 16384), so
-// then there is one section. 0: no sections.
+// block mask), which next_item gives. 0: no sections.
 #ifndef ATTNCC_FA3_L2_SECTION_BYTES
 #define ATTNCC_FA3_L2_SECTION_BYTES (12 << 20)
-#endif
-
-// ATTNCC_FA3_BAND_MASK 1 (the default): a block mask's partial tiles of a variant whose mask is
-// exactly a band (causal) are masked by mask_band (fa3_consumer.cuh) where they lie inside both
-// sequences, instead of by the checked path. 0: the checked path (the A/B).
-#ifndef ATTNCC_FA3_BAND_MASK
-#define ATTNCC_FA3_BAND_MASK 1
-#endif
-
-// ATTNCC_FA3_TRIM 1 (the default): an item's tile 0, when it is a band mask's partial tile
-// whose keys a consumer's 64 rows see only one half of, runs that half only in that consumer
-// (consume_tiles' half0). 0: whole tiles (the A/B).
-#ifndef ATTNCC_FA3_TRIM
-#define ATTNCC_FA3_TRIM 1
-#endif
-
-// ATTNCC_FA3_TILE_META 1 (the default): the consumers take each K/V tile's first key and whether
-// it is a full block from its ring stage (TileMeta, written by the producer), not from the
-// block mask's lists. 0: their logits read the lists (the A/B; document masks always do, see
-// run_item).
-#ifndef ATTNCC_FA3_TILE_META
-#define ATTNCC_FA3_TILE_META 1
-#endif
-
-// ATTNCC_FA3_DYNAMIC (the default): instead of snake rounds, a CTA's first item is blockIdx.x
-// and every later one the next unclaimed item of the list, from a counter in global memory (a
-// fresh zero for each launch: AttentionParams::item_counter), so the CTA that finishes first
-// takes the next longest item whatever the lengths, and the L2 sections apply with a block mask
-// too. Same process on the H200, against snake rounds over all heads: full +11 % at S = 2048
-// and 4096, causal +10 % and sliding window +9 % at 2048, +0-2 % at 16384.
-#ifndef ATTNCC_FA3_DYNAMIC
-#define ATTNCC_FA3_DYNAMIC 1
 #endif
 
 // Item w of B * Hq * nqb: sections of sec head slots each (a slot is b * Hq + hq; whole GQA
@@ -127,16 +94,13 @@ struct DenseItem {
 // while the grid was finishing, and an H200 trace of causal S = 2048 showed the CTAs' last items
 // at 13-16 tiles and their spans spread over 447-491 K cycles (max / mean ~1.045). A simulation
 // of the claims (bench/NOTES.md, stop 19) gives makespan / mean 1.04-1.05 at every S with the
-// remainder last and 1.00-1.01 with it first. ATTNCC_FA3_REMAINDER_FIRST 0: last (the A/B).
-#ifndef ATTNCC_FA3_REMAINDER_FIRST
-#define ATTNCC_FA3_REMAINDER_FIRST 1
-#endif
+// remainder last and 1.00-1.01 with it first.
 template <int D>
 __device__ __forceinline__ DenseItem dense_item(const attncc::AttentionParams& p, int w, int nqb) {
   const int heads = p.batch * p.num_q_heads;
   const int group = p.num_q_heads / p.num_kv_heads;
   int sec = heads;
-  if (ATTNCC_FA3_L2_SECTION_BYTES > 0 && (p.kv_num_blocks == nullptr || ATTNCC_FA3_DYNAMIC)) {
+  if (ATTNCC_FA3_L2_SECTION_BYTES > 0) {
     // in KiB and 32 bits (a 64-bit division is a call): K and V of one KV head, 16-bit
     const unsigned kv_head_kib = max(1u, ((unsigned)p.kv_len >> 2) * (D / 64));
     const unsigned kv_heads = max(1u, (unsigned)(ATTNCC_FA3_L2_SECTION_BYTES >> 10) / kv_head_kib);
@@ -144,10 +108,7 @@ __device__ __forceinline__ DenseItem dense_item(const attncc::AttentionParams& p
   }
   int s0, n;
   const int first = heads - (heads - 1) / sec * sec;  // the remainder section: 1 .. sec slots
-  if (!ATTNCC_FA3_REMAINDER_FIRST) {
-    s0 = w / (sec * nqb) * sec;
-    n = min(sec, heads - s0);
-  } else if (w < first * nqb) {
+  if (w < first * nqb) {
     s0 = 0;
     n = first;
   } else {
@@ -191,26 +152,13 @@ __device__ __forceinline__ fa2::TileList item_tiles(const attncc::AttentionParam
 template <int D>
 constexpr bool kPersistentHeadDim = D <= 128;
 
-// The k-th item of this CTA in a persistent grid, or -1 when there is none: round k of the grid
-// hands out items k * grid .. (k + 1) * grid - 1 (the longest first), going left to right in even
-// rounds and right to left in odd ones, so the CTA that got a round's longest item gets the next
-// round's shortest and causal totals stay level (a plain stride made CTA 0 the last to finish:
-// causal lost 5-10% at S = 8192, bench/NOTES.md).
-__device__ __forceinline__ int snake_item(int k, int num_items) {
-  const int c = (k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int w = k * gridDim.x + c;
-  return w < num_items ? w : -1;
-}
-
-// The k-th item of this CTA (the producer asks once per item), or -1 when there is none;
-// `counter` (AttentionParams::item_counter) is zero at launch.
+// The k-th item of this CTA (the producer asks once per item), or -1 when there is none: a
+// CTA's first item is blockIdx.x and every later one the next unclaimed item of the list, from a
+// counter in global memory (AttentionParams::item_counter, zero at launch), so the CTA that
+// finishes first takes the next longest item whatever the lengths.
 __device__ __forceinline__ int next_item(int k, int num_items, int* counter) {
-  if constexpr (!ATTNCC_FA3_DYNAMIC) {
-    return snake_item(k, num_items);
-  } else {
-    const int w = k == 0 ? (int)blockIdx.x : (int)gridDim.x + atomicAdd(counter, 1);
-    return w < num_items ? w : -1;
-  }
+  const int w = k == 0 ? (int)blockIdx.x : (int)gridDim.x + atomicAdd(counter, 1);
+  return w < num_items ? w : -1;
 }
 
 // CTA pairs (the ATTNCC_FA3_PAIRED form, fa3_consumer.cuh; runtime/gpu_flex.fa3_pairs launches
@@ -296,7 +244,7 @@ __device__ __forceinline__ TileMeta get_meta(fa2_u32 at) {
 }
 
 // The item's Q tile (both consumers' 64 rows from map row q_row0 on) into shared memory at sq,
-// completing q_full; read once, so marked L2 evict_first (ATTNCC_FA3_L2_HINTS, tma.cuh).
+// completing q_full; read once, so marked L2 evict_first (tma.cuh).
 template <int D>
 __device__ __forceinline__ void load_q(fa2_u32 sq, const void* tm_q, fa2_u32 q_full,
                                        int q_row0) {
@@ -307,10 +255,7 @@ __device__ __forceinline__ void load_q(fa2_u32 sq, const void* tm_q, fa2_u32 q_f
 #pragma unroll
     for (int blk = 0; blk < BLOCKS; ++blk) {
       const fa2_u32 dst = sq + (c * BLOCKS + blk) * kBoxBytes;
-      if constexpr (ATTNCC_FA3_L2_HINTS >= 1)
-        tma::load_2d_hint(dst, tm_q, q_full, 64 * blk, q_row0 + 64 * c, tma::l2_evict_first());
-      else
-        tma::load_2d(dst, tm_q, q_full, 64 * blk, q_row0 + 64 * c);
+      tma::load_2d_hint(dst, tm_q, q_full, 64 * blk, q_row0 + 64 * c, tma::l2_evict_first());
     }
 }
 
@@ -388,18 +333,18 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   // on to the next item while the copy engine writes. Persistent head dims only (a one-item CTA has
   // nothing to overlap), not with an output transform (O is staged in the Q tile then), and
   // not in the low-pressure form (its variants spilled 8 bytes with it: document_causal D 128).
-  constexpr bool kBulkO = ATTNCC_FA3_BULK_STORE && kPersistentHeadDim<D> && TKV == 128 &&
+  constexpr bool kBulkO = kPersistentHeadDim<D> && TKV == 128 &&
                           !Variant::has_output_transform && !ATTNCC_FA3_LOW_PRESSURE;
   static_assert(!kBulkO || S::kKvTileBytes >= kTQ * 2 * D, "O does not fit in a K tile");
-  // The split tail (fa3_split.cuh): for the dynamic order's persistent CTAs, where a unit's
-  // state is softmax statistics and nothing is staged in Q after the loop.
-  constexpr bool kSplit = ATTNCC_FA3_DYNAMIC && kPersistentHeadDim<D> && kSoftmax &&
+  // The split tail (fa3_split.cuh): for persistent CTAs, where a unit's state is softmax
+  // statistics and nothing is staged in Q after the loop.
+  constexpr bool kSplit = kPersistentHeadDim<D> && kSoftmax &&
                           !Variant::has_output_transform && !paired_ctas();
 
   // Tile 0 trimmed to a 64-key half (consume_tiles): for a band mask's bounded sides, 128-key
   // tiles -- bit 0 an upper bound (causal), bit 1 a lower bound (a sliding window).
   constexpr int kTrims =
-      (ATTNCC_FA3_TRIM && TKV == 128 && Variant::has_kv_window)
+      (TKV == 128 && Variant::has_kv_window)
           ? (Variant::kv_window_hi < (1LL << 40) ? 1 : 0) |
                 (Variant::kv_window_lo > -(1LL << 40) ? 2 : 0)
           : 0;
@@ -497,14 +442,8 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
 #pragma unroll
           for (int h = 0; h < TKV / 64; ++h) {
             const fa2_u32 off = st * S::kKvTileBytes + blk * S::kKvBlockBytes + h * kBoxBytes;
-            if constexpr (ATTNCC_FA3_L2_HINTS >= 2) {
-              const unsigned long long keep = tma::l2_evict_last();
-              tma::load_2d_hint(sk + off, tm_k, full, 64 * blk, kv_row0 + kv0 + 64 * h, keep);
-              tma::load_2d_hint(sv + off, tm_v, full, 64 * blk, kv_row0 + kv0 + 64 * h, keep);
-            } else {
-              tma::load_2d(sk + off, tm_k, full, 64 * blk, kv_row0 + kv0 + 64 * h);
-              tma::load_2d(sv + off, tm_v, full, 64 * blk, kv_row0 + kv0 + 64 * h);
-            }
+            tma::load_2d(sk + off, tm_k, full, 64 * blk, kv_row0 + kv0 + 64 * h);
+            tma::load_2d(sv + off, tm_v, full, 64 * blk, kv_row0 + kv0 + 64 * h);
           }
       }
     }
@@ -565,7 +504,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     // the positions (document masks) read the lists instead, in their logits: with the stage's
     // word (read early or late, one word or two) ptxas spilled document_causal 32 B at D = 64
     // and 64 B at D = 128 (NVRTC 12.9), with the lists it spills nothing.
-    constexpr bool kListTiles = !ATTNCC_FA3_TILE_META || Variant::loads_at_positions;
+    constexpr bool kListTiles = Variant::loads_at_positions;
     TileMeta cur{0};
     auto logits_softmax = [&](float (&s)[TKV / 2], int i, float (&corr)[2]) {
       if constexpr (kListTiles) {
@@ -576,7 +515,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
       const bool is_full = cur.full();
       const int kv0 = cur.kv0() + kv_skip;
       // a block mask's partial tile of a band mask (causal) inside both sequences: mask_band
-      const bool band = ATTNCC_FA3_BAND_MASK && Variant::has_kv_window && !is_full;
+      const bool band = Variant::has_kv_window && !is_full;
       const bool interior = rows_inside && kv0 + TKV <= kv_len &&
                             (is_full || !Variant::has_logits_mask || band);
       logits_softmax_step<Variant, TKV, true>(s, vp, qk_scale, b, row_hq, row_qi, row_ok, kv0,
@@ -616,7 +555,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     const QRelease<Variant, kPersistentHeadDim<D>> q_release{q_empty};
     auto last_s_done = [&] { q_release.last_s_done(); };
     if (n > 0) {
-      consume_tiles<DType, D, TKV, rebuild_q<Variant>(), kTrims>(
+      consume_tiles<DType, D, TKV, kTrims>(
           n, tile, sq_w, ring, turns, o, logits_softmax, landed, last_s_done,
           kBulkO ? &held : nullptr, kBulkO && o_v4() && part < 0, half0);
     } else {
@@ -665,11 +604,8 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
         const void* tm_o = reinterpret_cast<const unsigned char*>(p.tma) + 384;
 #pragma unroll
         for (int blk = 0; blk < BLOCKS; ++blk)
-          if constexpr (ATTNCC_FA3_L2_HINTS >= 1)
-            tma::store_4d_hint(tm_o, rows + blk * kBoxBytes, 64 * blk, row0, hq, b,
-                               tma::l2_evict_first());
-          else
-            tma::store_4d(tm_o, rows + blk * kBoxBytes, 64 * blk, row0, hq, b);
+          tma::store_4d_hint(tm_o, rows + blk * kBoxBytes, 64 * blk, row0, hq, b,
+                             tma::l2_evict_first());
         tma::bulk_commit();
       }
       held.owe = warp == 0 ? 4 : 0;

@@ -68,19 +68,8 @@ __device__ __forceinline__ uint4 o_chunk(const float (&o)[D / 64][32], float inv
 // four chunks at a time are transposed across the quad (two shfl.xor rounds) and lane t stores
 // chunk t -- a quarter of store_row's store instructions, each writing whole 32-byte sectors.
 // Every lane of the warp must call it (shuffles); row pointers must be 16-byte aligned
-// (v4_aligned). On the H200 (same process, bitwise-equal outputs) it took 2-5 % off S = 2048
-// (causal, sliding window, alibi, full) and 0-2 % at 8192 and 16384: with no O stores at all a
-// diagnostic build ran causal and the sliding window at S = 2048 ~10 % faster, so the epilogue's
-// 4-byte stores were a real share of a short item (bench/NOTES.md, 2026-12-01).
-// ATTNCC_FA3_STORE_V4 0 keeps store_row.
-#ifndef ATTNCC_FA3_STORE_V4
-#define ATTNCC_FA3_STORE_V4 1
-#endif
-// ATTNCC_FA3_BULK_STORE 1: the dense kernel stages O in shared memory and writes it with TMA
-// tensor stores where it can (fa3_prefill's kBulkO); 0: store_rows_v4 from registers.
-#ifndef ATTNCC_FA3_BULK_STORE
-#define ATTNCC_FA3_BULK_STORE 1
-#endif
+// (v4_aligned); unaligned rows take store_row. (The dense kernel stages O in shared memory and
+// writes it with TMA tensor stores where it can: fa3_prefill's kBulkO.)
 template <typename DType, int D, typename RowPtr>
 __device__ __forceinline__ void store_rows_v4(const float (&o)[D / 64][32], const float (&inv)[2],
                                               RowPtr&& row_ptr) {
@@ -130,7 +119,7 @@ __device__ __forceinline__ void stage_rows_sw(const float (&o)[D / 64][32], cons
 
 // Whether O at `o` with element strides whose OR is `strides` takes store_rows_v4.
 __device__ __forceinline__ bool v4_aligned(const void* o, long long strides) {
-  return ATTNCC_FA3_STORE_V4 && (strides & 7) == 0 &&
+  return (strides & 7) == 0 &&
          (reinterpret_cast<unsigned long long>(o) & 15) == 0;
 }
 

@@ -68,26 +68,15 @@ __device__ __forceinline__ void load_2d(u32 dst, const void* tmap, u32 bar, int 
 // opaque 64-bit policy (fraction 1.0: every line the copy touches gets the priority). Lines
 // marked evict_first are replaced before normal ones, evict_last after them -- so a tile read
 // once (Q) or written once (O) need not push out K/V tiles that other CTAs read again soon.
-//
-// ATTNCC_FA3_L2_HINTS, the FA3 kernels' use of them: 1 (the default) marks Q loads and the
-// dense kernel's O stores evict_first -- each Q and O tile is touched once, and an item's 64 KB
-// of them would otherwise push out K/V tiles that the L2 section's other query blocks read
-// again (bench/NOTES.md, stop 23); 2 also marks K/V loads evict_last (measured slower: 2 % at
-// S = 2048 full); 0: no hints.
-#ifndef ATTNCC_FA3_L2_HINTS
-#define ATTNCC_FA3_L2_HINTS 1
-#endif
+// The FA3 kernels mark their Q loads and the dense kernel's O stores evict_first: an item's
+// 64 KB of them would otherwise push out K/V tiles that the L2 section's other query blocks
+// read again. (K/V marked evict_last measured slower.)
 __device__ __forceinline__ unsigned long long l2_evict_first() {
   unsigned long long policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
   return policy;
 }
-__device__ __forceinline__ unsigned long long l2_evict_last() {
-  unsigned long long policy;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-// load_2d with an L2 eviction policy (l2_evict_first / l2_evict_last).
+// load_2d with an L2 eviction policy (l2_evict_first).
 __device__ __forceinline__ void load_2d_hint(u32 dst, const void* tmap, u32 bar, int col0,
                                              int row0, unsigned long long policy) {
   asm volatile(

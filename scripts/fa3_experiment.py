@@ -1,15 +1,18 @@
-"""Time the FA3 kernel with compile-time switches flipped, on the same inputs in one process.
+"""Time the FA3 kernel with its macros or kernel_options changed, on the same inputs in one process.
 
-A kernel experiment without new product options: each configuration prepends `#define`s to the
-FA3 translation unit (e.g. ATTNCC_FA3_PINGPONG=0, which the kernel reads with #ifndef), compiles
-it under its own cache key, and times attncc.flex_attention with bench/prefill.py's inputs and
-masks (triton do_bench median). Outputs are compared with the first configuration's.
+Each configuration prepends `#define`s to the FA3 translation unit -- only the macros the kernels
+read with `#ifndef` (`kernel_switches()`: ATTNCC_FA3_L2_SECTION_BYTES, ATTNCC_FA3_LOW_PRESSURE,
+the V descriptor offsets; a name the kernels do not read is an error, not a silent no-op) --
+compiles it under its own cache key, and times attncc.flex_attention with bench/prefill.py's
+inputs and masks (triton do_bench median). Outputs are compared with the first configuration's.
 
     python scripts/fa3_experiment.py --S 2048 8192 --variants full causal softcap_causal \
-        --config "" --config ATTNCC_FA3_PINGPONG=0 --repeat 5
+        --config "" --config ATTNCC_FA3_LOW_PRESSURE=1 --repeat 5
 
 A configuration item `opt:NAME=VALUE` sets kernel_options NAME to the JSON VALUE for that
-configuration instead (e.g. --config opt:PAIRED=true).
+configuration instead (e.g. --config opt:PAIRED=true; CTA pairs need the cluster launch that
+kernel_options PAIRED gives, so do not define ATTNCC_FA3_PAIRED here). To A/B a change to the
+kernels themselves, compare template folders of git revisions with `scripts/ab_kernels.py`.
 
 With --repeat N the configurations run N times in turn per cell -- in the given order in even
 rounds and reversed in odd ones, so a drift of the clock or temperature over a round favours
@@ -68,6 +71,42 @@ def pair_summary(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def kernel_switches() -> set[str]:
+    """The macros the shipped kernels read with `#ifndef NAME` / `#define NAME` (include guards
+    aside): the only names a configuration may define.
+
+    >>> sorted(kernel_switches())  # doctest: +NORMALIZE_WHITESPACE
+    ['ATTNCC_FA3_L2_SECTION_BYTES', 'ATTNCC_FA3_LOW_PRESSURE', 'ATTNCC_FA3_PAIRED',
+     'ATTNCC_FA3_V_LBO', 'ATTNCC_FA3_V_SBO']
+    """
+    import re
+
+    names: set[str] = set()
+    for f in sorted((ROOT / "kernels").glob("*.cuh")):
+        names |= set(re.findall(r"^#ifndef (\w+)\n#define \1\b", f.read_text(), re.M))
+    return {n for n in names if not n.endswith("_CUH")}
+
+
+def check_configs(configs: list[str]) -> None:
+    """SystemExit naming a configuration's define that the kernels do not read (a retired A/B
+    switch, a typo): it would time the shipped kernel under another name.
+
+    >>> check_configs(["", "ATTNCC_FA3_LOW_PRESSURE=1,opt:PAIRED=false"])
+    >>> check_configs(["ATTNCC_FA3_PINGPONG=0"])
+    Traceback (most recent call last):
+    ...
+    SystemExit: --config ATTNCC_FA3_PINGPONG=0: the kernels do not read ATTNCC_FA3_PINGPONG (they read ATTNCC_FA3_L2_SECTION_BYTES, ATTNCC_FA3_LOW_PRESSURE, ATTNCC_FA3_PAIRED, ATTNCC_FA3_V_LBO, ATTNCC_FA3_V_SBO); A/B a kernel change against a git revision with scripts/ab_kernels.py
+    """
+    known = kernel_switches()
+    for cfg in configs:
+        for item in (d for d in cfg.split(",") if d and not d.startswith("opt:")):
+            name = item.split("=", 1)[0]
+            if name not in known:
+                raise SystemExit(f"--config {cfg}: the kernels do not read {name} (they read "
+                                 f"{', '.join(sorted(known))}); A/B a kernel change against a "
+                                 f"git revision with scripts/ab_kernels.py")
+
+
 def heat(fn: Any, seconds: float) -> None:
     """Call `fn` (a GPU launch) for about `seconds` of wall time, then synchronize."""
     import time
@@ -102,6 +141,7 @@ def main() -> None:
                          "cell runs at the clock the power cap settles at")
     args = ap.parse_args()
     order = args.config or [""]
+    check_configs(order)
     # (round, configuration): even rounds in the given order, odd ones reversed
     configs = [(r, c) for r in range(args.repeat) for c in (order if r % 2 == 0 else order[::-1])]
     opts = {"KERNEL": "fa3", **json.loads(args.options)}

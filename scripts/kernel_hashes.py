@@ -1,0 +1,279 @@
+"""SHA-256 of the cubin of every shipped kernel form for the AttentionGym variants.
+
+A behaviour-preserving change to `kernels/` or codegen leaves this list unchanged: run it before
+and after, and diff. Each form goes through the runtime's own generate -> compile path
+(`gpu_flex.fa2_source` / `fa3_compiled_form` / `compile_fa3`, `fa3_batch.fa3_batch_source`,
+`prepass.prepass_source`, `codegen.merge_state.merge_state_source`) with NVRTC, no GPU needed.
+One line a form, sorted by what follows the hash:
+
+    <sha256>  <kind> <variant> D=<d> <arch> <kernel name> <form details>
+
+Kinds: `fa2` (FlexAttention-style prefill, with the runtime's spill fallback tiles), `fa2-batch`
+(serving prefill tiles) and `fa2-decode` (serving decode tiles, T_q = 16), `fa3-single`,
+`fa3-pair`, `fa3-split` (a split-tail launch: the tail is a runtime branch of the single
+form's cubin, so its hash equals `fa3-single`'s), `fa3-lowpressure` / `fa3-pair-lowpressure`
+(ATTNCC_FA3_LOW_PRESSURE forced, whether or not the runtime needs it for the variant),
+`fa3-batch` and `fa3-batch-lowpressure`, `fa3-hoisted` (the attention kernel left after the
+pre-pass takes a variant's q/k/v transforms), `prepass`, `merge` (variant `-`, D=-).
+Inputs are bfloat16 (the merge kernel: bfloat16 and float16). Block-mask launches, whose mask
+is merged into the variant's IR at run time, are not listed.
+
+    python scripts/kernel_hashes.py --out bench/results/kernel-hashes.txt
+    python scripts/kernel_hashes.py --kinds fa3-single,fa3-pair --variants causal --dims 128
+
+Compiles go through the runtime's disk cache; point `ATTNCC_CACHE_DIR` at a scratch folder to
+reuse compiles between runs. The hash is always of the cubin bytes NVRTC returned.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterator
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+FA2_KINDS = ("fa2", "fa2-batch", "fa2-decode")
+FA3_KINDS = ("fa3-single", "fa3-pair", "fa3-split", "fa3-lowpressure", "fa3-pair-lowpressure",
+             "fa3-batch", "fa3-batch-lowpressure", "fa3-hoisted")
+KINDS = FA2_KINDS + FA3_KINDS + ("prepass", "merge")
+ARCH = "sm_90a"
+PREFILL_S = 4096   # FlexAttention-style prefill shape: B=1, H=16, S x S
+SPLIT_S = 16384    # long enough that a dense FA3 launch runs unpaired with a split tail
+
+Job = tuple[str, str, int, str]  # kind, variant, head dim, arch
+
+
+def _sha(cubin: bytes) -> str:
+    return hashlib.sha256(cubin).hexdigest()
+
+
+def _line(cubin: bytes, kind: str, variant: str, d: Any, arch: str, name: str,
+          details: str = "") -> str:
+    return f"{_sha(cubin)}  {kind} {variant} D={d} {arch} {name}" + (f" {details}" if details
+                                                                     else "")
+
+
+def _ir(variant: str, d: int) -> Any:
+    from attncc.ir.simplify import simplify_variant
+    from examples.gym import GYM
+
+    return simplify_variant(GYM[variant](1, 16, PREFILL_S, d).trace()[0])
+
+
+def _fa2_prefill(variant: str, d: int, arch: str) -> list[str]:
+    """The FA2 prefill kernel at the planned tiles and, where ptxas spills past the budget, the
+    fallback tiles `gpu_flex._kernel_for` walks to (each compiled form listed)."""
+    from attncc.runtime.cache import cached_compile
+    from attncc.runtime.gpu_flex import _SPILL_BUDGET, _spill_bytes, fa2_source
+    from attncc.runtime.tile_choice import choose_tiles
+
+    ir = _ir(variant, d)
+    plan = choose_tiles(d, q_len=PREFILL_S, kv_len=PREFILL_S, group=1, heads=16, batch=1)
+    tiles = [(plan.tq, plan.tkv, plan.m_frags)]
+    tiles += [(plan.tq, plan.tkv, 1)] if plan.m_frags > 1 else []
+    tiles += [(plan.tq, t, 1) for t in (32,) if t < plan.tkv]
+    tiles += [(q, min(plan.tkv, 64), 1) for q in (64,) if q < plan.tq]
+    lines = []
+    for i, (tq, tkv, mf) in enumerate(tiles):
+        src, name, _, _ = fa2_source(ir, head_dim=d, dtype="bfloat16", tq=tq, tkv=tkv,
+                                     stages=plan.stages, m_frags=mf, fast_math=plan.fast_math)
+        res, _ = cached_compile(src, arch=arch, name=f"{name}.cu", verbose=True)
+        spill = _spill_bytes(res.log)
+        lines.append(_line(res.cubin, "fa2", variant, d, arch, name,
+                           f"m_frags={mf} fallback={i} spill={spill}"))
+        if spill <= _SPILL_BUDGET[mf] or i == len(tiles) - 1:
+            break
+    return lines
+
+
+def _fa2_batch(kind: str, variant: str, d: int, arch: str) -> list[str]:
+    from attncc.runtime.batch import choose_batch_tiles
+    from attncc.runtime.cache import cached_compile
+    from attncc.runtime.gpu_flex import _spill_bytes, fa2_source
+
+    rows = 1 if kind == "fa2-decode" else PREFILL_S
+    t = choose_batch_tiles(d, rows, 132)
+    src, name, _, _ = fa2_source(_ir(variant, d), head_dim=d, dtype="bfloat16", tq=t.tq,
+                                 tkv=t.tkv, stages=t.stages, m_frags=t.m_frags, batch=True,
+                                 kv_warps=t.kv_warps)
+    res, _ = cached_compile(src, arch=arch, name=f"{name}.cu", verbose=True)
+    return [_line(res.cubin, kind, variant, d, arch, name,
+                  f"kv_warps={t.kv_warps} spill={_spill_bytes(res.log)}")]
+
+
+def _fa3_plan(d: int, paired: bool) -> Any:
+    from attncc.runtime.tile_choice import choose_tiles
+
+    plan = choose_tiles(d, q_len=PREFILL_S, kv_len=PREFILL_S, group=1, heads=16, batch=1,
+                        kernel_options={"KERNEL": "fa3"})
+    return replace(plan, paired=paired)
+
+
+def _forced_low(gk: Any, kind: str, variant: str, d: int, arch: str) -> list[str]:
+    from attncc.runtime.cache import cached_compile
+    from attncc.runtime.gpu_flex import FA3_LOW_PRESSURE, _spill_bytes
+
+    res, _ = cached_compile(FA3_LOW_PRESSURE + gk.source, arch=arch,
+                            name=f"{gk.kernel_name}.cu", verbose=True)
+    return [_line(res.cubin, kind, variant, d, arch, gk.kernel_name,
+                  f"spill={_spill_bytes(res.log)}")]
+
+
+def _fa3_dense(kind: str, variant: str, d: int, arch: str, ir: Any = None) -> list[str]:
+    from attncc.runtime.gpu_flex import (FA3_PERSISTENT_HEAD_DIMS, _fa3_generated, _spill_bytes,
+                                         fa3_compiled_form)
+
+    paired = kind.startswith("fa3-pair")
+    if paired and d not in FA3_PERSISTENT_HEAD_DIMS:
+        return []
+    ir = ir if ir is not None else _ir(variant, d)
+    plan = _fa3_plan(d, paired)
+    if kind.endswith("lowpressure"):
+        return _forced_low(_fa3_generated(ir, d, "bfloat16", plan), kind, variant, d, arch)
+    gk, res, ran = fa3_compiled_form(ir, d, "bfloat16", plan, arch)
+    low = res.cubin != _fa3_cubin_plain(gk, arch)
+    details = (f"paired={int(ran.paired)} low_pressure={int(low)} "
+               f"spill={_spill_bytes(res.log)}")
+    if kind == "fa3-split":
+        details += f" S={SPLIT_S}"
+    return [_line(res.cubin, kind, variant, d, arch, gk.kernel_name, details)]
+
+
+def _fa3_cubin_plain(gk: Any, arch: str) -> bytes:
+    """The cubin of the translation unit as generated (a cache hit after compile_fa3)."""
+    from attncc.runtime.cache import cached_compile
+
+    return cached_compile(gk.source, arch=arch, name=f"{gk.kernel_name}.cu", verbose=True)[0].cubin
+
+
+def _fa3_batch(kind: str, variant: str, d: int, arch: str) -> list[str]:
+    from attncc.runtime.fa3_batch import FA3_BATCH_HEAD_DIMS, fa3_batch_source
+    from attncc.runtime.gpu_flex import _spill_bytes, compile_fa3
+
+    if d not in FA3_BATCH_HEAD_DIMS:
+        return []
+    gk = fa3_batch_source(_ir(variant, d), d, "bfloat16")
+    if kind.endswith("lowpressure"):
+        return _forced_low(gk, kind, variant, d, arch)
+    res, low = compile_fa3(gk.source, arch=arch, name=f"{gk.kernel_name}.cu")
+    return [_line(res.cubin, kind, variant, d, arch, gk.kernel_name,
+                  f"low_pressure={int(low)} spill={_spill_bytes(res.log)}")]
+
+
+def _hoisted(variant: str, d: int) -> tuple[Any, Any] | None:
+    """(pre-pass IR, attention IR) when the runtime hoists all of the variant's q/k/v
+    transforms (kernel_options PREPASS 'qkv', the choice for prefill shapes); None without
+    transforms."""
+    from attncc.ir.hoist import split_transforms, transforms_in
+    from attncc.runtime.prepass import choose_prepass
+
+    ir = _ir(variant, d)
+    if not transforms_in(ir):
+        return None
+    hooks = choose_prepass(ir, option="qkv", q_len=PREFILL_S, num_q_heads=16, num_kv_heads=16,
+                           rows_per_cta=128, head_fusion=1)
+    return split_transforms(ir, hooks)
+
+
+def _prepass(kind: str, variant: str, d: int, arch: str) -> list[str]:
+    from attncc.runtime.cache import cached_compile
+    from attncc.runtime.prepass import prepass_source
+
+    split = _hoisted(variant, d)
+    if split is None:
+        return []
+    pre, attn = split
+    if kind == "fa3-hoisted":
+        return [ln.replace(" fa3-single ", " fa3-hoisted ", 1)
+                for ln in _fa3_dense("fa3-single", variant, d, arch, attn)]
+    gk = prepass_source(pre, head_dim=d, dtype="bfloat16")
+    res, _ = cached_compile(gk.source, arch=arch, name=f"{gk.kernel_name}.cu", verbose=True)
+    return [_line(res.cubin, kind, variant, d, arch, gk.kernel_name)]
+
+
+def _merge(dtype: str, arch: str) -> list[str]:
+    from attncc.codegen.merge_state import merge_state_source
+    from attncc.runtime.cache import cached_compile
+
+    mk = merge_state_source(dtype)
+    res, _ = cached_compile(mk.source, arch=arch, name=f"{mk.kernel_name}.cu")
+    return [_line(res.cubin, "merge", "-", "-", arch, mk.kernel_name, f"dtype={dtype}")]
+
+
+def run_job(job: Job) -> list[str]:
+    """The hash lines of one (kind, variant, head dim, arch); [] where the form does not exist."""
+    kind, variant, d, arch = job
+    if kind == "merge":
+        return _merge(variant, arch)
+    if kind == "fa2":
+        return _fa2_prefill(variant, d, arch)
+    if kind in ("fa2-batch", "fa2-decode"):
+        return _fa2_batch(kind, variant, d, arch)
+    if kind.startswith("fa3-batch"):
+        return _fa3_batch(kind, variant, d, arch)
+    if kind in ("prepass", "fa3-hoisted"):
+        return _prepass(kind, variant, d, arch)
+    return _fa3_dense(kind, variant, d, arch)
+
+
+def jobs(kinds: list[str], variants: list[str], dims: list[int], fa2_archs: list[str]
+         ) -> Iterator[Job]:
+    for kind in kinds:
+        if kind == "merge":
+            yield from (("merge", dt, 0, ARCH) for dt in ("bfloat16", "float16"))
+            continue
+        archs = fa2_archs if kind in FA2_KINDS else [ARCH]
+        yield from ((kind, v, d, a) for v in variants for d in dims for a in archs)
+
+
+def _csv(text: str | None, allowed: Any, what: str) -> list[str] | None:
+    if text is None:
+        return None
+    items = [s for s in text.split(",") if s]
+    bad = [s for s in items if s not in allowed]
+    if bad:
+        raise SystemExit(f"--{what}: unknown {bad}; choose from {', '.join(map(str, allowed))}")
+    return items
+
+
+def main(argv: list[str] | None = None) -> None:
+    from attncc.codegen.fa2 import FA2_HEAD_DIMS
+    from examples.gym import GYM
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kinds", help=f"comma-separated, from {','.join(KINDS)} (default: all)")
+    ap.add_argument("--variants", help="comma-separated AttentionGym names (default: all)")
+    ap.add_argument("--dims", help="comma-separated head dims (default: 64,128,256)")
+    ap.add_argument("--fa2-sm80", action="store_true", help="also the FA2 forms at sm_80")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
+    ap.add_argument("--header", action="append", default=[],
+                    help="a '# ' line to write above the list (repeatable)")
+    ap.add_argument("--out", help="write the list here (else stdout)")
+    args = ap.parse_args(argv)
+    kinds = _csv(args.kinds, KINDS, "kinds") or list(KINDS)
+    variants = _csv(args.variants, GYM, "variants") or list(GYM)
+    dims = [int(x) for x in (_csv(args.dims, [str(d) for d in FA2_HEAD_DIMS], "dims")
+                             or FA2_HEAD_DIMS)]
+    todo = list(jobs(kinds, variants, dims, [ARCH] + (["sm_80"] if args.fa2_sm80 else [])))
+    if args.jobs <= 1:
+        results = [run_job(j) for j in todo]
+    else:
+        with ProcessPoolExecutor(args.jobs) as ex:
+            results = list(ex.map(run_job, todo))
+    lines = sorted((ln for r in results for ln in r), key=lambda ln: ln.split("  ", 1)[::-1])
+    text = "".join(f"# {h}\n" for h in args.header) + "".join(ln + "\n" for ln in lines)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"{len(lines)} forms -> {args.out}")
+    else:
+        sys.stdout.write(text)
+
+
+if __name__ == "__main__":
+    main()
