@@ -69,9 +69,11 @@ def _ir(variant: str, d: int) -> Any:
 def _fa2_prefill(variant: str, d: int, arch: str) -> list[str]:
     """The FA2 prefill kernel at the planned tiles and, where ptxas spills past the budget, the
     fallback tiles `gpu_flex._kernel_for` walks to (each compiled form listed)."""
-    from attncc.runtime.cache import cached_compile
-    from attncc.runtime.gpu_flex import _SPILL_BUDGET, _spill_bytes, fa2_source
-    from attncc.runtime.tile_choice import choose_tiles
+    from attncc.runtime.jit.cache import cached_compile
+    from attncc.runtime.flex.gpu_flex import _SPILL_BUDGET
+    from attncc.runtime.jit.policy import spill_bytes
+    from attncc.runtime.jit.sources import fa2_source
+    from attncc.runtime.flex.tile_choice import choose_tiles
 
     ir = _ir(variant, d)
     plan = choose_tiles(d, q_len=PREFILL_S, kv_len=PREFILL_S, group=1, heads=16, batch=1)
@@ -84,7 +86,7 @@ def _fa2_prefill(variant: str, d: int, arch: str) -> list[str]:
         src, name, _, _ = fa2_source(ir, head_dim=d, dtype="bfloat16", tq=tq, tkv=tkv,
                                      stages=plan.stages, m_frags=mf, fast_math=plan.fast_math)
         res, _ = cached_compile(src, arch=arch, name=f"{name}.cu", verbose=True)
-        spill = _spill_bytes(res.log)
+        spill = spill_bytes(res.log)
         lines.append(_line(res.cubin, "fa2", variant, d, arch, name,
                            f"m_frags={mf} fallback={i} spill={spill}"))
         if spill <= _SPILL_BUDGET[mf] or i == len(tiles) - 1:
@@ -93,9 +95,10 @@ def _fa2_prefill(variant: str, d: int, arch: str) -> list[str]:
 
 
 def _fa2_batch(kind: str, variant: str, d: int, arch: str) -> list[str]:
-    from attncc.runtime.batch import choose_batch_tiles
-    from attncc.runtime.cache import cached_compile
-    from attncc.runtime.gpu_flex import _spill_bytes, fa2_source
+    from attncc.runtime.serving.batch import choose_batch_tiles
+    from attncc.runtime.jit.cache import cached_compile
+    from attncc.runtime.jit.policy import spill_bytes
+    from attncc.runtime.jit.sources import fa2_source
 
     rows = 1 if kind == "fa2-decode" else PREFILL_S
     t = choose_batch_tiles(d, rows, 132)
@@ -104,11 +107,11 @@ def _fa2_batch(kind: str, variant: str, d: int, arch: str) -> list[str]:
                                  kv_warps=t.kv_warps)
     res, _ = cached_compile(src, arch=arch, name=f"{name}.cu", verbose=True)
     return [_line(res.cubin, kind, variant, d, arch, name,
-                  f"kv_warps={t.kv_warps} spill={_spill_bytes(res.log)}")]
+                  f"kv_warps={t.kv_warps} spill={spill_bytes(res.log)}")]
 
 
 def _fa3_plan(d: int, paired: bool) -> Any:
-    from attncc.runtime.tile_choice import choose_tiles
+    from attncc.runtime.flex.tile_choice import choose_tiles
 
     plan = choose_tiles(d, q_len=PREFILL_S, kv_len=PREFILL_S, group=1, heads=16, batch=1,
                         kernel_options={"KERNEL": "fa3"})
@@ -116,18 +119,19 @@ def _fa3_plan(d: int, paired: bool) -> Any:
 
 
 def _forced_low(gk: Any, kind: str, variant: str, d: int, arch: str) -> list[str]:
-    from attncc.runtime.cache import cached_compile
-    from attncc.runtime.gpu_flex import FA3_LOW_PRESSURE, _spill_bytes
+    from attncc.runtime.jit.cache import cached_compile
+    from attncc.runtime.jit.policy import FA3_LOW_PRESSURE, spill_bytes
 
     res, _ = cached_compile(FA3_LOW_PRESSURE + gk.source, arch=arch,
                             name=f"{gk.kernel_name}.cu", verbose=True)
     return [_line(res.cubin, kind, variant, d, arch, gk.kernel_name,
-                  f"spill={_spill_bytes(res.log)}")]
+                  f"spill={spill_bytes(res.log)}")]
 
 
 def _fa3_dense(kind: str, variant: str, d: int, arch: str, ir: Any = None) -> list[str]:
-    from attncc.runtime.gpu_flex import (FA3_PERSISTENT_HEAD_DIMS, _fa3_generated, _spill_bytes,
-                                         fa3_compiled_form)
+    from attncc.runtime.flex.gpu_flex import (FA3_PERSISTENT_HEAD_DIMS, _fa3_generated,
+                                              fa3_compiled_form)
+    from attncc.runtime.jit.policy import spill_bytes
 
     paired = kind.startswith("fa3-pair")
     if paired and d not in FA3_PERSISTENT_HEAD_DIMS:
@@ -139,7 +143,7 @@ def _fa3_dense(kind: str, variant: str, d: int, arch: str, ir: Any = None) -> li
     gk, res, ran = fa3_compiled_form(ir, d, "bfloat16", plan, arch)
     low = res.cubin != _fa3_cubin_plain(gk, arch)
     details = (f"paired={int(ran.paired)} low_pressure={int(low)} "
-               f"spill={_spill_bytes(res.log)}")
+               f"spill={spill_bytes(res.log)}")
     if kind == "fa3-split":
         details += f" S={SPLIT_S}"
     return [_line(res.cubin, kind, variant, d, arch, gk.kernel_name, details)]
@@ -147,14 +151,14 @@ def _fa3_dense(kind: str, variant: str, d: int, arch: str, ir: Any = None) -> li
 
 def _fa3_cubin_plain(gk: Any, arch: str) -> bytes:
     """The cubin of the translation unit as generated (a cache hit after compile_fa3)."""
-    from attncc.runtime.cache import cached_compile
+    from attncc.runtime.jit.cache import cached_compile
 
     return cached_compile(gk.source, arch=arch, name=f"{gk.kernel_name}.cu", verbose=True)[0].cubin
 
 
 def _fa3_batch(kind: str, variant: str, d: int, arch: str) -> list[str]:
-    from attncc.runtime.fa3_batch import FA3_BATCH_HEAD_DIMS, fa3_batch_source
-    from attncc.runtime.gpu_flex import _spill_bytes, compile_fa3
+    from attncc.runtime.serving.fa3_batch import FA3_BATCH_HEAD_DIMS, fa3_batch_source
+    from attncc.runtime.jit.policy import compile_fa3, spill_bytes
 
     if d not in FA3_BATCH_HEAD_DIMS:
         return []
@@ -163,7 +167,7 @@ def _fa3_batch(kind: str, variant: str, d: int, arch: str) -> list[str]:
         return _forced_low(gk, kind, variant, d, arch)
     res, low = compile_fa3(gk.source, arch=arch, name=f"{gk.kernel_name}.cu")
     return [_line(res.cubin, kind, variant, d, arch, gk.kernel_name,
-                  f"low_pressure={int(low)} spill={_spill_bytes(res.log)}")]
+                  f"low_pressure={int(low)} spill={spill_bytes(res.log)}")]
 
 
 def _hoisted(variant: str, d: int) -> tuple[Any, Any] | None:
@@ -171,7 +175,7 @@ def _hoisted(variant: str, d: int) -> tuple[Any, Any] | None:
     transforms (kernel_options PREPASS 'qkv', the choice for prefill shapes); None without
     transforms."""
     from attncc.ir.hoist import split_transforms, transforms_in
-    from attncc.runtime.prepass import choose_prepass
+    from attncc.runtime.flex.prepass import choose_prepass
 
     ir = _ir(variant, d)
     if not transforms_in(ir):
@@ -182,8 +186,8 @@ def _hoisted(variant: str, d: int) -> tuple[Any, Any] | None:
 
 
 def _prepass(kind: str, variant: str, d: int, arch: str) -> list[str]:
-    from attncc.runtime.cache import cached_compile
-    from attncc.runtime.prepass import prepass_source
+    from attncc.runtime.jit.cache import cached_compile
+    from attncc.runtime.flex.prepass import prepass_source
 
     split = _hoisted(variant, d)
     if split is None:
@@ -199,7 +203,7 @@ def _prepass(kind: str, variant: str, d: int, arch: str) -> list[str]:
 
 def _merge(dtype: str, arch: str) -> list[str]:
     from attncc.codegen.merge_state import merge_state_source
-    from attncc.runtime.cache import cached_compile
+    from attncc.runtime.jit.cache import cached_compile
 
     mk = merge_state_source(dtype)
     res, _ = cached_compile(mk.source, arch=arch, name=f"{mk.kernel_name}.cu")
