@@ -854,7 +854,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     kern = reads.kernel
     if reads.sizes:
         bindings = Bindings({**bindings.scalars, **reads.sizes}, bindings.tensors)
-    captured = captured(reads.ir, bindings, device)
+    values = captured(reads.ir, bindings, device)
     out, lse = _outputs(query, return_lse, out, lse_out)
     if out.numel() == 0:
         return out, lse
@@ -917,7 +917,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                   bi_stride_q=m.idx.stride(2), block_q=m.block_q, block_kv=m.block_kv)
     from attncc.codegen.generate import variant_param_values
 
-    vp = variant_param_values(kl.vp.layout, captured["scalars"], captured["tensors"])
+    vp = variant_param_values(kl.vp.layout, values["scalars"], values["tensors"])
     kl.launch(grid, (cfg.threads, 1, 1), cfg.smem_bytes, kl.ap.flatten(ap), kl.vp.flatten(vp),
               stream=torch.cuda.current_stream(device).cuda_stream,
               cluster=2 if kern.paired else 1)
