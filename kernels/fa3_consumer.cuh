@@ -153,10 +153,9 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (
 }
 
 // ATTNCC_FA3_LOW_PRESSURE: the runtime compiles each FA3 kernel as it is first and, only if ptxas
-// spills, again with this defined to 1 (runtime/gpu_flex.py compile_fa3). The low-pressure form
-// (the mask evaluated unconditionally, a score_mod's logits key-outer) takes document_causal and
-// relative_bias to 0 spills, but as the only form it cost softcap/alibi + causal 2-7 % at
-// S = 2048 (H200 A/B, bench/NOTES.md 2026-12-01).
+// spills, again with this defined to 1 (runtime/jit/policy.py compile_fa3). The low-pressure form
+// (the mask evaluated unconditionally, a score_mod's logits key-outer) needs fewer registers but
+// is slower as the only form (docs/fa3.md, "Low-pressure form and the spill policy").
 #ifndef ATTNCC_FA3_LOW_PRESSURE
 #define ATTNCC_FA3_LOW_PRESSURE 0
 #endif
