@@ -159,7 +159,7 @@ __device__ __forceinline__ int next_item(int k, int num_items, int* counter) {
   return w < num_items ? w : -1;
 }
 
-// CTA pairs (the ATTNCC_FA3_PAIRED form, fa3_consumer.cuh; runtime/flex/gpu_flex.fa3_pairs
+// CTA pairs (the ATTNCC_FA3_PAIRED form, fa3_consumer.cuh; fa3_pairs in runtime/flex/gpu_flex.py
 // launches it in clusters of two for full-length items -- no block mask -- with an even number
 // of query blocks per head, by default up to 8192 keys, and no split tail; docs/fa3.md, "CTA
 // pairs"):
