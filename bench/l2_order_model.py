@@ -15,7 +15,7 @@ What it says (docs/fa3.md#persistent-scheduling-item-order-and-l2-sections): wit
 the H100 / H200's two L2 partitions), 24 MiB sections read full attention's K/V ~2.3 times and
 12 MiB sections once. The H200's measurements side with the 25 MB reading: 48 MiB sections cost
 full attention 7 % and causal 5 % at S = 2048 (the 50 MB model predicts much less). With the
-items' Q and O tiles in the LRU as well (`--qo`: the kernel without L2 hints) 24 MiB sections
+items' Q and O tiles in the LRU as well (`--qo`: Q and O not marked evict_first) 24 MiB sections
 read it ~3.6 times and 12 MiB ones ~1.8 times (hence the kernel marks Q and O evict_first and
 uses 12 MiB).
 
@@ -35,7 +35,7 @@ TQ, TKV = 128, 128  # the dense kernel's query rows and keys per tile at head di
 def dense_order(slots: int, nqb: int, sec: int) -> list[tuple[int, int]]:
     """The dense kernel's items as (head slot, query block), in list order: sections of `sec`
     head slots, the first one taking the remainder; within a section the last query block of
-    every slot first (`dense_item` in kernels/fa3_prefill.cuh, ATTNCC_FA3_REMAINDER_FIRST).
+    every slot first (`dense_item` in kernels/fa3_prefill.cuh).
 
     >>> dense_order(3, 2, 2)
     [(0, 1), (0, 0), (1, 1), (2, 1), (1, 0), (2, 0)]
@@ -57,8 +57,9 @@ def simulate(S: int, section_mib: float, l2_mib: float, *, causal: bool = False,
     """K/V MiB read from DRAM (`dram_mib`) for bench/prefill.py's inputs at sequence length S,
     against `ideal_mib` (each head's K and V once); `heads_per_section` as the kernel computes it
     (0 MiB: one section). With `qo`, each item's Q tile (read at its start) and O tile (written
-    at its end) pass through the LRU too, as they do without L2 eviction hints; without it they
-    take none of it, as if marked evict_first (`ATTNCC_FA3_L2_HINTS`).
+    at its end) pass through the LRU too, as they would without the kernel's L2 eviction hints;
+    without it they take none of it, as the kernel marks them evict_first (`l2_evict_first` in
+    kernels/tma.cuh).
 
     >>> r = simulate(2048, 24, 50)
     >>> (r["heads_per_section"], r["dram_mib"], r["ideal_mib"])

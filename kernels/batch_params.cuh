@@ -13,11 +13,11 @@
 //             A ragged (contiguous) cache is the same with one "page" per request: page id = the
 //             request's first token, page_size = 2^30, kv_stride_page = kv_stride_slot.
 //   partial_o / partial_lse   workspace: slot s holds TQ rows of fp32 O [TQ, D] and LSE [TQ].
-//   plan      the packed plan (attncc.runtime.plan_format, PLAN_VERSION 6): its int32 header,
-//             cta_indptr right after it, then the sections whose sizes vary from plan to plan
-//             (units, per-CTA queues, merge map) back to back at word offsets the header holds
-//             -- so a plan is one contiguous range, one host-to-device copy. plan_section()
-//             finds a section.
+//   plan      the packed plan (attncc.runtime.serving.plan.format, PLAN_VERSION 6): its int32
+//             header, cta_indptr right after it, then the sections whose sizes vary from plan
+//             to plan (units, per-CTA queues, merge map) back to back at word offsets the header
+//             holds -- so a plan is one contiguous range, one host-to-device copy.
+//             plan_section() finds a section.
 #ifndef ATTNCC_BATCH_PARAMS_CUH
 #define ATTNCC_BATCH_PARAMS_CUH
 
@@ -73,7 +73,7 @@ __device__ __forceinline__ const int* plan_section(const BatchParams& p, int at)
 }
 
 // Programmatic dependent launch (sm_90+). The merge kernel is launched with the programmatic
-// stream-serialization attribute (runtime/launcher.py, `pdl=True`), so its CTAs may start while
+// stream-serialization attribute (runtime/jit/launcher.py, `pdl=True`), so its CTAs may start while
 // the attention kernel's last units still run: the attention kernel calls allow_dependents() as
 // it starts (its grid is persistent, so every CTA is resident by then, and a merge CTA only takes
 // an SM's room that attention CTAs left), and the merge kernel reads the plan -- written before

@@ -1,7 +1,7 @@
 // attncc FlashAttention-2-style attention of one CTA tile, for sm_80+ (Ampere, Hopper).
 //
-// Written for attncc from the FlashAttention-2 paper's algorithm; see KERNEL_INTERFACE.md for the
-// functor interface. Self-contained: no #include; comes after fa2_common.cuh.
+// Written for attncc from the FlashAttention-2 paper's algorithm; see docs/kernel-interface.md for
+// the functor interface. Self-contained: no #include; comes after fa2_common.cuh.
 //
 // fa2_attend computes TQ "fused rows" of one (batch, KV head) against a list of KV tiles:
 //   Q tile [TQ x D] -> shared memory (cp.async), QueryTransform in place;

@@ -5,17 +5,17 @@
 // fa2_attend.cuh, and before the generated Variant_<name> functors' entry point
 // (ATTNCC_FA2_BATCH_ENTRY at the bottom).
 //
-// The plan (attncc.runtime.scheduler.plan) is made on the host and copied to the workspace in one
-// asynchronous copy (its sections sit back to back: batch_params.cuh). The attention kernel's
-// grid is fixed (k x #SMs): CTA c runs the work units cta_units[cta_indptr[c] .. cta_indptr[c+1])
-// one after another. A unit is (request, KV heads kv_head .. kv_head + kv_heads - 1, a tile of
-// up to TQ fused query rows, a KV range); its heads run one after another, each as a one-head
-// unit would (only write-through units of one-tile requests cover several heads: decode rows).
-// A unit that covers its rows' whole KV range writes the output directly; the units of a split
-// range write fp32 partial states to the workspace, and the merge kernel combines them -- in the
-// plan's fixed order, so the same lengths give bitwise the same output -- then applies the
-// OutputTransform. Because every pointer and both grid sizes are fixed, the pair of launches can
-// be captured once in a CUDA graph and replayed with new plans.
+// The plan (attncc.runtime.serving.plan.scheduler.plan) is made on the host and copied to the
+// workspace in one asynchronous copy (its sections sit back to back: batch_params.cuh). The
+// attention kernel's grid is fixed (k x #SMs): CTA c runs the work units cta_units[cta_indptr[c]
+// .. cta_indptr[c+1]) one after another. A unit is (request, KV heads kv_head .. kv_head +
+// kv_heads - 1, a tile of up to TQ fused query rows, a KV range); its heads run one after another,
+// each as a one-head unit would (only write-through units of one-tile requests cover several
+// heads: decode rows). A unit that covers its rows' whole KV range writes the output directly; the
+// units of a split range write fp32 partial states to the workspace, and the merge kernel combines
+// them -- in the plan's fixed order, so the same lengths give bitwise the same output -- then
+// applies the OutputTransform. Because every pointer and both grid sizes are fixed, the pair of
+// launches can be captured once in a CUDA graph and replayed with new plans.
 //
 // Query positions: token t of a request with q_len queries and kv_len keys is query position
 // kv_len - q_len + t (the queries are the last q_len tokens of the sequence), which is what the
@@ -27,9 +27,9 @@
 namespace attncc {
 namespace fa2 {
 
-// One work unit, as attncc.runtime.scheduler.WORK_UNIT_DTYPE lays it out (8 int32): KV heads
-// kv_head .. kv_head + kv_heads - 1 (kv_heads is 1 for a split unit, slot >= 0). The request's
-// first query token is qo_indptr[request] (unit_qo_offset).
+// One work unit, as attncc.runtime.serving.plan.format.WORK_UNIT_DTYPE lays it out (8 int32): KV
+// heads kv_head .. kv_head + kv_heads - 1 (kv_heads is 1 for a split unit, slot >= 0). The
+// request's first query token is qo_indptr[request] (unit_qo_offset).
 struct WorkUnit {
   int request, kv_head, kv_heads, q_start, q_rows, kv_start, kv_end, slot;
 };
@@ -180,9 +180,10 @@ struct BatchWork {
 // The merge kernel (fa2_merge) merges every split item, of the FA2 and the FA3 batch kernels
 // alike, as a programmatic dependent launch that starts under the attention kernel's tail. (The
 // FA2 kernel once merged small items in place -- the CTA writing an item's last part, found by a
-// per-item arrival counter. With the dependent launch that lost 4-7 us on skewed decode batches,
+// per-item arrival counter. With the dependent launch that lost time on skewed decode batches,
 // whose CTAs holding short requests' parts also carried merges the plan's costs do not count,
-// and gained nothing elsewhere: bench/NOTES.md, stop 19.)
+// and gained nothing elsewhere: docs/serving.md, "Merge kernel and programmatic dependent
+// launch".)
 //
 // The partials were just written and sit in L2, so a row's merge is bound by load latency, not
 // bandwidth: a long request split into many chunks must not walk its slots one dependent load at
@@ -315,12 +316,12 @@ __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
 
 // The merge kernel: a fixed grid (at most one CTA per SM) walks the split items m = blockIdx.x,
 // + gridDim.x, ..., up to the plan's num_merges. Thread t reads item base + t * gridDim.x -- one
-// round of loads per kThreads items (a walk item by item took 3.5 us for 512 items on the
-// H200) -- and stages it in shared memory;
-// a block-wide prefix sum of the items' rows then numbers all their rows, and warp w merges rows
-// w, w + WARPS, ... of that numbering. Spreading rows, not items, over the warps matters for
-// decode: a GQA-8 item has 8 rows, so one item at a time kept half of the 16 warps idle and the
-// CTA's items ran one after another (7.7 us of a 48 us GQA-4 batch-64 step on the H200).
+// round of loads per kThreads items, not a dependent walk item by item -- and stages it in shared
+// memory; a block-wide prefix sum of the items' rows then numbers all their rows, and warp w
+// merges rows w, w + WARPS, ... of that numbering. Spreading rows, not items, over the warps
+// matters for decode: a GQA-8 item has 8 rows, so one item at a time kept half of the 16 warps
+// idle and the CTA's items ran one after another (docs/journal/2026-12-01.md, "paged producer
+// warp, merge kernel rows, ALiBi bisect").
 template <typename Variant, typename DType, int HEAD_DIM, int TQ>
 __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp) {

@@ -212,7 +212,7 @@ __device__ __forceinline__ void transform_row(fa2_u16* tile, int row, int lane, 
 
 // ---------------------------------------------------------------------------------------------
 // Compile-time configuration shared by the kernel, the entry-point macro and (mirrored) the Python
-// launcher (attncc.runtime.gpu_flex.fa2_config).
+// launcher (attncc.runtime.jit.tiles.fa2_config).
 // ---------------------------------------------------------------------------------------------
 template <int HEAD_DIM, int TQ, int TKV, int STAGES, int M_FRAGS, int KV_WARPS = 1>
 struct Config {
@@ -224,7 +224,7 @@ struct Config {
   // feed two MMAs, halving shared-memory traffic per MMA -- at one fragment per warp ldmatrix
   // bandwidth, not the tensor cores, bounds the loop. The price is registers: the O and S
   // accumulators take M_FRAGS*(D/8 + TKV/8)*4 of them, so the launcher uses 2 only where ptxas
-  // reports no spills (bench/NOTES.md).
+  // reports no spills (docs/journal/2026-11-30.md, "two fragments per warp").
   static_assert(M_FRAGS == 1 || M_FRAGS == 2, "1 or 2 fragments per warp");
   static_assert(TQ % (16 * M_FRAGS) == 0, "TQ must be a multiple of 16 * M_FRAGS");
   // KV_WARPS > 1 (decode): the warps share one 16-row Q fragment and split every KV tile into
@@ -244,7 +244,7 @@ struct Config {
   // CTAs per SM asked of ptxas (__launch_bounds__): one (up to 255 registers) for the compute
   // bound tiles; decode CTAs (KV_WARPS > 1) as many as 227 KB of shared memory and 128 registers
   // per thread allow, so several CTAs' loads are in flight per SM and ptxas gets every register
-  // that residency leaves. Mirrored by attncc.runtime.batch.choose_batch_tiles.
+  // that residency leaves. Mirrored by attncc.runtime.serving.batch.choose_batch_tiles.
   static constexpr int kFitByRegs = 65536 / (kThreads * 128);
   static constexpr int kFitBySmem = (227 * 1024) / kSmemBytes;
   static constexpr int kMinBlocks =

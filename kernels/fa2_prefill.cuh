@@ -150,7 +150,7 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
 
 // The one line codegen emits per kernel: the extern "C" entry point with the interface's signature.
 // Launch it with grid (ceil(q_len * gf / TQ), num_q_heads / gf, batch), block (kThreads), dynamic
-// shared memory kSmemBytes (attncc.runtime.gpu_flex.fa2_config mirrors both in Python; the
+// shared memory kSmemBytes (attncc.runtime.jit.tiles.fa2_config mirrors both in Python; the
 // launcher checks kThreads against the function's CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK).
 // Launch bounds (Config::kMinBlocks): one CTA per SM is all we ask of the prefill tiles, so ptxas
 // may use up to 255 registers (with no minimum it sometimes capped small CTAs at 128 registers

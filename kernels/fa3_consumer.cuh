@@ -188,16 +188,15 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
   const int lane = threadIdx.x & 31;
   // kOneHead (the dense kernel): both rows are head hq[0], at positions qi[0] and qi[0] + 8.
   // Spelled so in the score_mod loop, a per-head load (ALiBi's slope) has one address and
-  // kv - q folds to a constant offset per element: on the H200 alibi + causal +6 % / +8 % at
-  // S = 2048 / 8192 against the per-row spelling, softcap +-2 % (same process, bitwise-equal
-  // outputs; bench/NOTES.md, stop 15). The lambda loop keeps the per-row spelling.
+  // kv - q folds to a constant offset per element, which made ALiBi + causal faster with
+  // bitwise-equal outputs (docs/journal/2026-12-01.md, "merge kernel rows, ALiBi bisect").
+  // The lambda loop keeps the per-row spelling.
   auto head = [&](int hr) { return kOneHead ? hq[0] : hq[hr]; };
   auto qpos = [&](int hr) { return kOneHead ? qi[0] + 8 * hr : qi[hr]; };
-  // Two ways to write the same loop, each where the H200 measured it faster (bench/NOTES.md,
-  // 2026-12-01; ptxas schedules and allocates them differently): a variant with a score_mod
-  // runs the plain nested loop below (the lambda cost softcap / alibi + causal up to 7 % at
-  // S = 2048); mask-only variants, and every variant's low-pressure form, run the lambda (the
-  // sliding window +10 %).
+  // Two ways to write the same loop, each where it measured faster (ptxas schedules and
+  // allocates them differently): a variant with a score_mod runs the plain nested loop below;
+  // mask-only variants, and every variant's low-pressure form, run the lambda
+  // (docs/journal/2026-12-01.md, "a shared-counter scheduler (reverted), FA3 spill-free").
   if constexpr (Variant::has_logits_transform && !ATTNCC_FA3_LOW_PRESSURE) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -329,9 +328,8 @@ __device__ __forceinline__ void softmax_step(float (&s)[TKV / 2], float (&row_m)
 // (Variant::has_kv_window: causal, a causal sliding window) on a tile inside both sequences:
 // column c = 8 j + 2 (lane & 3) + e of row hr keeps its key iff c lies in the row's range of
 // columns, so each logit costs one compare of a constant with a per-row bound and a select --
-// instead of the checked path's hook, row check and key bounds check (on the H200 that path
-// made causal S = 2048 3.4 % slower than the same kernel with the diagonal tiles unmasked,
-// bench/NOTES.md stop 24). `kv` is the hooks' position of the tile's key 0.
+// instead of the checked path's hook, row check and key bounds check (docs/fa3.md, "Band mask
+// and trim"). `kv` is the hooks' position of the tile's key 0.
 template <typename Variant, int TKV>
 __device__ __forceinline__ void mask_band(float (&s)[TKV / 2], const int (&qi)[2], int kv) {
   constexpr bool kLo = Variant::kv_window_lo > -(1LL << 40);  // (unbounded: -+2^62)
@@ -583,7 +581,7 @@ __device__ __forceinline__ void transform_o(float (&o)[D / 64][32], float (&inv)
 // consumer warp arrives on when it has read a stage. Tile t (counted across everything this
 // CTA ran) sits in stage t % STAGES, phase (t / STAGES) & 1.
 // ATTNCC_FA3_PAIRED 1: the dense kernel built to run as CTA pairs, launched by the host in
-// clusters of two (fa3_prefill.cuh, tma.cuh; runtime/gpu_flex.py compiles this form for the
+// clusters of two (fa3_prefill.cuh, tma.cuh; runtime/flex/gpu_flex.py compiles this form for the
 // launches that pair): both CTAs of a pair run the same K/V tiles, each tile is read from L2
 // once and multicast into both rings, so a stage is free only once the consumers of both CTAs
 // released it -- each warp's release arrives on its own CTA's empty barrier and on the peer's.

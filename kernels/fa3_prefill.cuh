@@ -1,5 +1,5 @@
 // attncc FA3 prefill for sm_90a: TMA loads completed on mbarriers, wgmma tensor-core math, and
-// warp specialization (issue 5; see bench/NOTES.md). The default on sm_90 where it applies.
+// warp specialization (design by topic: docs/fa3.md). The default on sm_90 where it applies.
 // Self-contained: no #include. Comes after attncc_types.cuh, attention_params.cuh,
 // fa2_common.cuh, wgmma.cuh, tma.cuh, fa3_consumer.cuh (the consumer warpgroups' building
 // blocks and their pass over the K/V ring), fa3_store.cuh (the epilogue's stores) and
@@ -22,8 +22,8 @@
 // S(i) only (wgmma groups retire in order) to run tile i's logits hooks while the tensor cores
 // still work on P(i-1) V(i-1); then it waits for the P V and runs the softmax and packs P(i).
 // (ptxas puts that P V wait ahead of the softmax whatever the source order, as long as the two
-// share a basic block; a loop that kept the softmax above it measured 2-5 % slower on the
-// H200, bench/NOTES.md stop 17 -- the softmax overlaps the other warpgroup's GEMMs instead.)
+// share a basic block; a loop that kept the softmax above it measured slower, docs/fa3.md,
+// "Warp specialization and the K/V ring" -- the softmax overlaps the other warpgroup's GEMMs.)
 // The softmax is lazy (softmax_step), so O's 64 multiplies are skipped on most tiles. Across
 // warpgroups (ping-pong), the two consumers take turns issuing their GEMMs through two named
 // barriers, so one's softmax runs while the other's GEMMs own the tensor cores instead of both
@@ -73,13 +73,12 @@ struct DenseItem {
 // CTAs then run many query blocks of a few heads at a time, which read the same K/V tiles at
 // about the same time, so most tile loads hit in L2. Numbered over all heads at once, a round at
 // S = 2048 (8 x 16 heads) read 128 heads' K/V once each -- about 128 MB a round from HBM, which
-// made the kernel memory-bound there (bench/NOTES.md, 2026-12-01). 12 MiB rather than the whole
-// L2: an SM's loads are served by one of the L2's two 25 MB partitions, and bench/l2_order_model.py
-// (an LRU of that size) has 24 MiB sections read full attention's K/V ~2.3 times from DRAM, 12
-// MiB ones once. 12 MiB sections with Q and O marked evict_first (tma.cuh's l2_evict_first),
-// against 24 MiB without: full +3-7 % at S = 2048, +2-3 % at 8192 and 16384, causal +0-1 % on
-// the H200 (stop 23). The sections need the dynamic order below when item lengths differ (a
-// block mask), which next_item gives. 0: no sections.
+// made the kernel memory-bound there. 12 MiB rather than the whole L2: an SM's loads are served
+// by one of the L2's two 25 MB partitions, and bench/l2_order_model.py (an LRU of that size)
+// has 24 MiB sections read full attention's K/V ~2.3 times from DRAM, 12 MiB ones once; used
+// with Q and O marked evict_first (tma.cuh's l2_evict_first). docs/fa3.md, "Persistent
+// scheduling, item order and L2 sections". The sections need the dynamic order below when item
+// lengths differ (a block mask), which next_item gives. 0: no sections.
 #ifndef ATTNCC_FA3_L2_SECTION_BYTES
 #define ATTNCC_FA3_L2_SECTION_BYTES (12 << 20)
 #endif
@@ -92,9 +91,8 @@ struct DenseItem {
 // the list's tail is short items: a remainder section at the end (8 heads of 24 at S = 2048, one
 // of 3 at 16384, B * S = 16384 x 16 heads) restarted the list with its longest query blocks
 // while the grid was finishing, and an H200 trace of causal S = 2048 showed the CTAs' last items
-// at 13-16 tiles and their spans spread over 447-491 K cycles (max / mean ~1.045). A simulation
-// of the claims (bench/NOTES.md, stop 19) gives makespan / mean 1.04-1.05 at every S with the
-// remainder last and 1.00-1.01 with it first.
+// at 13-16 tiles and their spans spread over 447-491 K cycles (max / mean ~1.045); a simulation
+// of the claims agrees (docs/fa3.md, "Persistent scheduling, item order and L2 sections").
 template <int D>
 __device__ __forceinline__ DenseItem dense_item(const attncc::AttentionParams& p, int w, int nqb) {
   const int heads = p.batch * p.num_q_heads;
@@ -148,7 +146,7 @@ __device__ __forceinline__ fa2::TileList item_tiles(const attncc::AttentionParam
 // Whether the dense kernel is persistent at head dim D: at D = 256 the consumers' 240 registers
 // hold 128 O accumulators and have none left for the item loop's state (sliding-window and
 // prefix-LM masks spilled 8 bytes), so there each CTA runs one item (grid = the items).
-// runtime/gpu_flex.py mirrors this (FA3_PERSISTENT_HEAD_DIMS).
+// runtime/flex/gpu_flex.py mirrors this (FA3_PERSISTENT_HEAD_DIMS).
 template <int D>
 constexpr bool kPersistentHeadDim = D <= 128;
 
@@ -161,9 +159,10 @@ __device__ __forceinline__ int next_item(int k, int num_items, int* counter) {
   return w < num_items ? w : -1;
 }
 
-// CTA pairs (the ATTNCC_FA3_PAIRED form, fa3_consumer.cuh; runtime/gpu_flex.fa3_pairs launches
-// it in clusters of two for full-length items -- no block mask -- with an even number of query
-// blocks per head, by default up to 8192 keys, and no split tail; bench/NOTES.md stop 23):
+// CTA pairs (the ATTNCC_FA3_PAIRED form, fa3_consumer.cuh; fa3_pairs in runtime/flex/gpu_flex.py
+// launches it in clusters of two for full-length items -- no block mask -- with an even number
+// of query blocks per head, by default up to 8192 keys, and no split tail; docs/fa3.md, "CTA
+// pairs"):
 // pair w is query blocks 2 q + 1 (rank 0) and 2 q (rank 1) of one (batch, head),
 // q and the head as item w of a list with nqb / 2 blocks per head, so the pairs keep the L2
 // sections' order. Both CTAs run the same K/V tiles; each issues half of every tile (K from rank
@@ -221,7 +220,7 @@ __device__ __forceinline__ int pending_piece(fa2_u32 slot) {
 // lists themselves: that was, at every tile, an integer division (the mask block of tile i)
 // and a dependent load from global memory between S's wait and the logits -- the tile loop's
 // critical path -- and at an item's start two dependent L2 reads (the list's length, its
-// first block) before S(0) could issue (bench/NOTES.md, stop 25).
+// first block) before S(0) could issue (docs/fa3.md, "TileMeta").
 // One word, so a consumer holds one register from the step's start to its logits. 2 * kv0 fits
 // an int: a key position is below 2^30 for any K and V that fit in a GPU's memory (gpu_flex
 // bounds heads x positions by 2^31), and the signed form lets the compiler fold

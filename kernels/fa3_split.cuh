@@ -4,7 +4,7 @@
 // reads every key) on G CTAs. When G does not divide num_items, the last R = num_items % G items
 // run as one more round on R CTAs while the other G - R sit idle: at B * S = 16384 with 16
 // heads, 2048 items on 132 CTAs, 68 CTAs run a 16th item -- the launch takes 16 item-times for
-// 15.5 of work, 3 % at every S (a clock64 trace, bench/NOTES.md stop 19).
+// 15.5 of work (a clock64 trace: docs/journal/2026-12-01.md, "where an FA3 item's time goes").
 //
 // What. The R tail items' R * T K/V tiles (T per item), counted item by item, are cut into P =
 // min(G, 4 R, R * T) pieces of consecutive tiles: piece j is tail tiles [j R T / P, (j + 1) R T /
@@ -23,11 +23,10 @@
 // No warp waits for another CTA (the last arrival merges; nobody spins), so a CTA that is not
 // resident yet cannot deadlock the others.
 //
-// What it is worth (H200, D = 128, bench/NOTES.md stop 21): +0.8 / 1.3 / 1.6 % at 4096 / 8192 /
-// 16384 keys from a cold GPU, +0.7 / 0.9 % at 8192 / 16384 at the power cap -- less than the
-// idle 3 %: the CTAs' 15th items do not end together (part of the last round's idle time is
-// spread out already), parking and merging cost ~1 % at 2048 keys (where the split lost and is
-// off, kMinSplitKeys), and at the power cap idle SMs were partly paid back in clock.
+// It recovers less than the idle time: the CTAs' 15th items do not end together (part of the
+// last round's idle time is spread out already), parking and merging have a fixed cost (hence
+// kMinSplitKeys), and at the power cap idle SMs were partly paid back in clock. Figures:
+// docs/fa3.md, "Split tail".
 //
 // Self-contained: no #include. Comes after fa3_consumer.cuh, before fa3_prefill.cuh.
 #ifndef ATTNCC_FA3_SPLIT_CUH
@@ -83,20 +82,18 @@ struct TailSplit {
 // At most this many pieces per tail item (so at most 5 units, and 5 slots for the merge to
 // read): when few items are left (R small) the grid would otherwise cut each into many one-tile
 // units whose parking and merging cost more than the balance gains. One piece per CTA, not
-// more: on the H200 two and four pieces per CTA were 3 % and 10 % slower at S = 2048 than one
-// (bench/NOTES.md, stop 21).
+// more: two and four pieces per CTA measured slower than one (docs/fa3.md, "Split tail").
 constexpr int kMaxPiecesPerItem = 4;
 // Split only items of at least this many keys. A split costs each unit its own pipeline fill,
 // parking and (for the last) a merge, a fixed cost, while what it recovers is a share of an
-// item's length: on the H200 (D = 128, full attention, bench/NOTES.md stop 21) it lost 0.8 % at
-// 2048 keys and won 0.8 / 1.3 / 1.6 % at 4096 / 8192 / 16384 (calls from a cold GPU).
+// item's length: it lost at 2048 keys and won from 4096 up (docs/fa3.md, "Split tail").
 constexpr int kMinSplitKeys = 4096;
 
-// The split of this launch: pieces = 0 unless the runtime passed the partials' workspace (it
-// does for full-length items: no block mask, softmax, no output transform; runtime/gpu_flex.py
-// sizes it the same way) and the grid leaves a partial last round of items at least 2 tiles
-// long. The runtime's counter buffer holds the claim counter and then 8 arrival counters (one
-// per consumer warp) for each of the R tail items, all zero at launch.
+// The split of this launch: pieces = 0 unless the runtime passed the partials' workspace (it does
+// for full-length items: no block mask, softmax, no output transform; runtime/flex/gpu_flex.py
+// sizes it the same way) and the grid leaves a partial last round of items at least 2 tiles long.
+// The runtime's counter buffer holds the claim counter and then 8 arrival counters (one per
+// consumer warp) for each of the R tail items, all zero at launch.
 // kAllowed: the kernel's variant and head dim allow it (fa3_prefill's kSplit).
 template <int TKV, bool kAllowed>
 __device__ __forceinline__ TailSplit tail_split(const attncc::AttentionParams& p, int num_items) {

@@ -96,7 +96,7 @@ __device__ __forceinline__ void store_rows_v4(const float (&o)[D / 64][32], cons
 // swizzle puts a matrix's 8 rows in 8 different 16-byte bank groups, so each store is
 // conflict-free. (Unswizzled rows, staged for plain bulk copies, needed the quad transposes --
 // shuffles -- to write whole 16-byte chunks: 2 D/32 shuffle rounds where this takes D/16
-// stores; bench/NOTES.md, stop 19.)
+// stores; docs/fa3.md, "TMA, O through shared memory, L2 hints".)
 template <typename DType, int D>
 __device__ __forceinline__ void stage_rows_sw(const float (&o)[D / 64][32], const float (&inv)[2],
                                               fa2_u32 tile) {

@@ -3,10 +3,10 @@
 //
 //     lse = log(exp(lse_a) + exp(lse_b)),   o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b
 //
-// (natural logs, as runtime/merge.py's reference). Used by CascadeAttention to join the shared
-// prefix's pass with the suffixes' pass, and by attncc.merge_state on CUDA tensors. One launch
-// instead of the dozen elementwise torch ops the same formula costs -- at decode sizes each of
-// those is a launch of a few microseconds doing nanoseconds of work.
+// (natural logs, as runtime/serving/merge.py's reference). Used by CascadeAttention to join the
+// shared prefix's pass with the suffixes' pass, and by attncc.merge_state on CUDA tensors. One
+// launch instead of the dozen elementwise torch ops the same formula costs -- at decode sizes each
+// of those is a launch of a few microseconds doing nanoseconds of work.
 //
 // Work: one thread per 8 consecutive elements of a row (one 16-byte load of a 16-bit type, two
 // of float), so a warp reads 512 contiguous bytes of a bf16 row pair. Each thread recomputes its

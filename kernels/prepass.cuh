@@ -1,16 +1,16 @@
 // prepass.cuh: a variant's QueryTransform / KeyTransform / ValueTransform applied once to every
 // row of q / k / v, as a pre-pass before attention.
 //
-// Why a pre-pass: key_mod and value_mod see only the row and its position (b, KV head, kv_idx,
-// d), never the query, yet an attention kernel re-applies them to every tile it loads -- once
-// per query block and per query head sharing the KV head. For RoPE on keys at 8K tokens that
-// is 64+ recomputations of each row and made attention 4-8x slower than rotating first
-// (bench/NOTES.md). A query transform runs once per row inside attention too, but there it sits
-// on the CTA's critical path at one CTA per SM, before the first GEMM; here it runs at full
-// occupancy. attncc.ir.hoist splits the hooks off; this kernel writes transformed copies, and
-// attention then runs with identity hooks on them. The transformed element is rounded to the
-// storage type here, as the attention kernels round it into their shared-memory tiles, so both
-// paths give the same values.
+// Why a pre-pass: key_mod and value_mod see only the row and its position (b, KV head, kv_idx, d),
+// never the query, yet an attention kernel re-applies them to every tile it loads -- once per
+// query block and per query head sharing the KV head. For RoPE on keys at 8K tokens that is 64+
+// recomputations of each row and made attention several times slower than rotating first
+// (docs/journal/2026-12-01.md, "transform pre-pass, loop-hoistable fast math"). A query transform
+// runs once per row inside attention too, but there it sits on the CTA's critical path at one CTA
+// per SM, before the first GEMM; here it runs at full occupancy. attncc.ir.hoist splits the hooks
+// off; this kernel writes transformed copies, and attention then runs with identity hooks on them.
+// The transformed element is rounded to the storage type here, as the attention kernels round it
+// into their shared-memory tiles, so both paths give the same values.
 //
 // Work: one task = kRowsPerWarp consecutive rows of one tensor (flat row (b * heads + h) * len +
 // s), one warp per task, kWarps tasks per CTA; the q tasks come first, then k, then v. A warp

@@ -1,16 +1,16 @@
-// attncc Hopper TMA and mbarrier building blocks, for the FA3 template (issue 5).
+// attncc Hopper TMA and mbarrier building blocks, for the FA3 kernels (docs/fa3.md).
 //
-// Status: compiled with NVRTC for sm_90a; tests/gpu/test_tma.py checks them on an H200 (not run
-// yet when this file was written). Self-contained: no #include.
+// Compiled with NVRTC for sm_90a; tests/gpu/test_tma.py checks them on the GPU.
+// Self-contained: no #include.
 //
 // A producer thread arms an mbarrier with the bytes it expects (arrive.expect_tx), issues bulk
 // tensor copies (TMA) that complete_tx on that barrier as they land, and consumers wait on the
 // barrier's phase parity -- so a K/V tile arriving in shared memory is signalled by the copy
 // engine itself, with no cp.async.wait_group or __syncthreads in the consumers' loop.
 //
-// Tensor maps are built on the host (attncc.runtime.tma.tensor_map_2d) and passed as a pointer to
-// 128 bytes in global memory (64-byte aligned). With the 128-byte swizzle a box row is at most 128
-// bytes (64 bf16), and the copy lands in exactly wgmma.cuh's sw128 layout: a [rows][128 B] box
+// Tensor maps are built on the host (attncc.runtime.jit.tma.tensor_map_2d) and passed as a pointer
+// to 128 bytes in global memory (64-byte aligned). With the 128-byte swizzle a box row is at most
+// 128 bytes (64 bf16), and the copy lands in exactly wgmma.cuh's sw128 layout: a [rows][128 B] box
 // per TMA copy, so a D = 128 tile is two copies into two column blocks.
 #ifndef ATTNCC_TMA_CUH
 #define ATTNCC_TMA_CUH

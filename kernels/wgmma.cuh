@@ -1,7 +1,7 @@
-// attncc Hopper warpgroup MMA (wgmma) building blocks, for the FA3 template (issue 5).
+// attncc Hopper warpgroup MMA (wgmma) building blocks, for the FA3 kernels (docs/fa3.md).
 //
-// Status: compiled with NVRTC for sm_90a; tests/gpu/test_wgmma.py checks them against torch on
-// an H200 (not run yet when this file was written). Self-contained: no #include; needs
+// Compiled with NVRTC for sm_90a; tests/gpu/test_wgmma.py checks them against torch on the
+// GPU. Self-contained: no #include; needs
 // fa2_common.cuh's fa2_u32 (and comes after it).
 //
 // wgmma.mma_async: one warpgroup (4 consecutive warps, 128 threads) computes D[64 x N] (+)= A[64 x
@@ -30,8 +30,8 @@ typedef unsigned long long u64;
 // the column is 8j + 2*(lane & 3) + 1 -- an odd column assembled from disjoint bits, as an
 // accumulator's second element is. The PTX XORed the whole column, not its chunk (col >> 3),
 // into the row's swizzle bits, so such elements landed in the wrong 16-byte chunk
-// (tests/gpu/test_wgmma.py checks every accumulator offset on the GPU; bench/NOTES.md has the
-// story).
+// (tests/gpu/test_wgmma.py checks every accumulator offset on the GPU; the story is in
+// docs/journal/2026-11-30.md, "an NVRTC miscompile").
 __device__ __forceinline__ unsigned sw128_offset(int row, int col, int rows) {
   const unsigned c = (unsigned)col, r = (unsigned)row;
   const unsigned chunk = (c >> 3) & 7u;  // 16-byte chunk within the 128-byte row
