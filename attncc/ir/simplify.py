@@ -566,27 +566,11 @@ def _s_mul(n: Node) -> Node:
     return n
 
 
-def _s_div(n: Node) -> Node:
-    a, b = n.args
-    if _is_num(b, 1):
-        return a
-    if _is_num(b, -1):
-        return _local_strict(unary("neg", a))
-    return n
-
-
-def _s_abs(n: Node) -> Node:
-    x = n.args[0]
-    if x.op == "abs":
-        return x
-    if x.op == "neg":
-        return _local_strict(unary("abs", x.args[0]))
-    return n
-
-
-# Rules that hold bit for bit in IEEE float32, including NaN, infinities and signed zeros.
+# Rules that hold bit for bit in IEEE float32, including NaN, infinities and signed zeros. The
+# div and abs rules are the general ones: x / 1, x / -1 = -x, |-x| and ||x|| are exact, and
+# what they build (neg, abs) goes through rules both tables share.
 _STRICT_RULES: dict[str, Callable[[Node], Node]] = {
-    "add": _s_add, "sub": _s_sub, "mul": _s_mul, "div": _s_div, "neg": _r_neg, "abs": _s_abs,
+    "add": _s_add, "sub": _s_sub, "mul": _s_mul, "div": _r_div, "neg": _r_neg, "abs": _r_abs,
     "floor": _r_floor, "pow": _r_pow, "min": _r_minmax, "max": _r_minmax,
 }
 
