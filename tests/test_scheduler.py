@@ -1,6 +1,7 @@
 """serving.plan.scheduler: the CPU half of the load-balanced persistent-kernel scheduler."""
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 import time
@@ -12,9 +13,10 @@ import torch
 from attncc.runtime.serving.merge import merge_states
 from attncc.runtime.serving.plan import planner
 from attncc.runtime.serving.plan.format import DYNAMIC_SECTIONS
+from attncc.runtime.serving.plan.lpt import cta_queues
 from attncc.runtime.serving.plan.scheduler import (
     HEADER_FIELDS, MERGE_TARGET_DTYPE, WORK_UNIT_DTYPE, WRITE_THROUGH, Plan, PlanLayout,
-    cost_ticks, kv_chunk_size, lpt_schedule, lpt_schedule_reference, paged_kv_lens, plan,
+    cost_ticks, kv_chunk_size, lpt_schedule, paged_kv_lens, plan,
     simulate, workspace_bytes,
 )
 
@@ -25,6 +27,24 @@ NUM_SMS = 132   # H100 / H200
 
 def indptr(lengths) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def lpt_schedule_reference(costs, num_ctas: int, tiebreak=None, section=None
+                           ) -> tuple[np.ndarray, np.ndarray]:
+    """The specification of `lpt_schedule` (and planner.c): a plain Python min-heap of
+    ``(load, cta)`` over the units taken by section, cost descending, tiebreak, index."""
+    c = [int(x) for x in costs]
+    tb = [0] * len(c) if tiebreak is None else [int(x) for x in tiebreak]
+    sec = [0] * len(c) if section is None else [int(x) for x in section]
+    order = sorted(range(len(c)), key=lambda u: (sec[u], -c[u], tb[u], u))
+    heap = [(0, cta) for cta in range(num_ctas)]
+    assign = []
+    for u in order:
+        load, cta = heapq.heappop(heap)
+        assign.append(cta)
+        heapq.heappush(heap, (load + c[u], cta))
+    return cta_queues(np.asarray(order, dtype=np.int64), np.asarray(assign, dtype=np.int64),
+                      num_ctas)
 
 
 def zipf_lengths(rng: np.random.Generator, n: int, scale: int, cap: int, a: float = 1.5) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Longest-processing-time-first assignment of weighted work units to CTAs (FlashInfer's
-Algorithm 1, step 3), vectorised in numpy, with the plain min-heap version as its reference and
-integer cost ticks that make the assignment exact and reproducible. Used by `scheduler.plan`
-(which re-exports these names); planner.c is the compiled twin of the same rules.
+Algorithm 1, step 3), vectorised in numpy, with integer cost ticks that make the assignment
+exact and reproducible. Used by `scheduler.plan` (which re-exports these names); planner.c is
+the compiled twin of the same rules; the tests hold the plain min-heap they are checked against.
 
 Example (integer costs: `cost_ticks` quantises float ones):
     >>> indptr, units = lpt_schedule([5, 3, 3, 1], num_ctas=2)
@@ -10,15 +10,13 @@ Example (integer costs: `cost_ticks` quantises float ones):
 """
 from __future__ import annotations
 
-import heapq
 from typing import Any
 
 import numpy as np
 
 from .format import as_int_array, check_plan_int
 
-__all__ = ["cost_ticks", "cta_queues", "lpt_schedule", "lpt_schedule_reference", "lpt_sorted",
-           "small_int"]
+__all__ = ["cost_ticks", "cta_queues", "lpt_schedule", "lpt_sorted", "small_int"]
 
 _TICK_BUDGET = 2.0**61
 
@@ -135,8 +133,8 @@ def lpt_schedule(costs: Any, num_ctas: int, tiebreak: Any = None,
     work in one section at a time (serving.batch uses it to keep a prefill's concurrently
     read K/V within the L2). Returns
     ``(cta_indptr int32 [num_ctas+1], cta_units int32 [n])``: CTA ``c`` runs units
-    ``cta_units[cta_indptr[c]:cta_indptr[c+1]]`` in the order it received them. Identical to
-    `lpt_schedule_reference` (a Python min-heap), but assigns whole runs of equal cost and
+    ``cta_units[cta_indptr[c]:cta_indptr[c+1]]`` in the order it received them. Identical to a
+    plain Python min-heap of ``(load, cta)`` (the tests' reference), but assigns whole runs of equal cost and
     whole blocks of up to ``num_ctas`` units per numpy step (docs/serving.md,
     "Assignment (longest processing time first)").
 
@@ -157,29 +155,6 @@ def lpt_schedule(costs: Any, num_ctas: int, tiebreak: Any = None,
     order = _greedy_order(c, tiebreak, section)
     cs = c[order]
     return cta_queues(order, lpt_sorted(cs, _run_ends(cs), p), p)
-
-
-def lpt_schedule_reference(costs: Any, num_ctas: int, tiebreak: Any = None,
-                           section: Any = None) -> tuple[np.ndarray, np.ndarray]:
-    """`lpt_schedule` with a plain Python min-heap of ``(load, cta)``: the specification.
-
-    Example:
-        >>> indptr, units = lpt_schedule_reference([5, 3, 3, 2, 2, 1], num_ctas=2)
-        >>> indptr.tolist(), units.tolist()
-        ([0, 3, 6], [0, 3, 5, 1, 2, 4])
-    """
-    c = [int(x) for x in _as_costs(costs)]
-    p = check_plan_int(num_ctas, "num_ctas", 1)
-    tb = [0] * len(c) if tiebreak is None else [int(x) for x in tiebreak]
-    sec = [0] * len(c) if section is None else [int(x) for x in section]
-    order = sorted(range(len(c)), key=lambda u: (sec[u], -c[u], tb[u], u))
-    heap = [(0, cta) for cta in range(p)]
-    assign = []
-    for u in order:
-        load, cta = heapq.heappop(heap)
-        assign.append(cta)
-        heapq.heappush(heap, (load + c[u], cta))
-    return cta_queues(np.asarray(order, dtype=np.int64), np.asarray(assign, dtype=np.int64), p)
 
 
 def cost_ticks(costs: Any, num_ctas: int, total: float | None = None) -> np.ndarray:

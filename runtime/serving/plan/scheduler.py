@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import planner
-from .lpt import cost_ticks, cta_queues, lpt_schedule, lpt_schedule_reference, lpt_sorted, small_int
+from .lpt import cost_ticks, cta_queues, lpt_schedule, lpt_sorted, small_int
 from .format import (INT32_MAX, DYNAMIC_SECTIONS, HEADER_FIELDS, MERGE_TARGET_DTYPE,
                      PLAN_MAGIC, PLAN_VERSION, TILE_Q_CHOICES, WORK_UNIT_DTYPE, WRITE_THROUGH,
                      PlanLayout, as_indptr, as_int_array, ceil_div, check_coef,
@@ -41,7 +41,7 @@ from .format import (INT32_MAX, DYNAMIC_SECTIONS, HEADER_FIELDS, MERGE_TARGET_DT
 
 __all__ = [
     "TILE_Q_CHOICES", "WRITE_THROUGH", "WORK_UNIT_DTYPE", "MERGE_TARGET_DTYPE", "HEADER_FIELDS",
-    "paged_kv_lens", "kv_chunk_size", "cost_ticks", "lpt_schedule", "lpt_schedule_reference",
+    "paged_kv_lens", "kv_chunk_size", "cost_ticks", "lpt_schedule",
     "plan", "plan_into", "Plan",
     "PlanLayout", "workspace_bytes", "simulate",
 ]
