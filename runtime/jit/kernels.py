@@ -6,9 +6,9 @@ device) -> `generate` (one function per kind: the translation unit) -> `compile_
 cache of `jit/cache.py`, and the single place where a spill or a ptxas wgmma note picks the
 fallback form) -> `launcher.load_kernel`. One dict, one lock, one double-checked lookup.
 
-ptxas's output is not always a pure function of its input (docs/kernel-interface.md#the-kernel-
-cache: a fresh H200 machine returned a spilled cubin for a source that compiles spill-free
-everywhere else), so a form that spills past what it is expected to (`spill_budget`) is compiled
+ptxas's output is not always a pure function of its input (a fresh H200 machine returned a
+spilled cubin for a source that compiles spill-free everywhere else:
+docs/kernel-interface.md#8-the-kernel-cache), so a form that spills past what it is expected to (`spill_budget`) is compiled
 again in a fresh NVRTC program, then once in a fresh subprocess, before a fallback form is
 considered; such a cubin is never written to the disk cache; and a kernel loaded with local
 memory where none was expected is a `ResourceError` under ATTNCC_STRICT_RESOURCES=1 (a warning
@@ -440,7 +440,7 @@ def check_resources(record: KernelRecord) -> None:
         return
     msg = (f"{record.kernel_name}: {problem}, after {record.retries} recompile(s); its form is "
            f"expected to run without local memory. ptxas returned a spilled cubin for this "
-           f"source (docs/kernel-interface.md#the-kernel-cache); clear the kernel cache "
+           f"source (docs/kernel-interface.md#8-the-kernel-cache); clear the kernel cache "
            f"(ATTNCC_CACHE_DIR) and run again, and report it with the NVRTC version if it stays")
     if os.environ.get(STRICT_ENV, "0") not in ("", "0"):
         raise ResourceError(msg)
