@@ -4,7 +4,6 @@ spilled cubin, and the resource check on load (with a fake launcher)."""
 from __future__ import annotations
 
 import ast
-import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -336,7 +335,7 @@ def test_a_kernel_loaded_with_local_memory_is_an_error_in_strict_mode(
     """The driver reports local memory for a form expected to have none: ResourceError naming
     the kernel, the bytes and the fix (strict, as the test suite runs), nothing is kept, and
     the next call tries again; outside strict mode a RuntimeWarning and the kernel."""
-    assert os.environ.get(kernels.STRICT_ENV) == "1"  # tests/conftest.py sets strict mode
+    monkeypatch.setenv(kernels.STRICT_ENV, "1")  # as tests/conftest.py sets it
     FakeCompiler(monkeypatch, lambda form, n: 0)
     loaded = _fake_load(monkeypatch, 8)
     spec = KernelSpec("merge", dtype="bfloat16", device=0)
