@@ -358,3 +358,41 @@ def test_resource_budgets() -> None:
     assert "8 B of local" in KernelRecord("k", 0, 8, 168, 0, 0).problem()
     assert KernelRecord("k", 300, 256, 255, 0, None).problem() is None
     assert KernelRecord("k", 0, 0, 168, 0, 0).problem() is None
+
+
+# ------------------------------------------------------------------------------------ launch args
+def test_flex_launch_arguments_fill_every_attention_param() -> None:
+    """gpu_flex's launch-argument builders give every AttentionParams member the prefill
+    kernels read (the packer accepts them as they are), with the block mask's lists and, for a
+    persistent FA3 launch with a split tail, a zeroed counter and a partial-state workspace
+    held until the launch."""
+    import torch
+
+    import attncc
+    from attncc.runtime.flex import gpu_flex
+    from attncc.runtime.flex.fa3_split import tail_split
+    from attncc.runtime.jit.launcher import StructPacker
+
+    q, k, v = (torch.zeros(2, 4, 300, 64, dtype=torch.bfloat16) for _ in "qkv")
+    out, lse = torch.empty_like(q), torch.empty(2, 4, 300)
+    layout = generate(KernelSpec("fa2_prefill", _ir(), 64, "bfloat16",
+                                 Fa2Tiles(128, 64, 2, 1))).attention_layout
+    args = gpu_flex._attention_args(q, k, v, out, lse, 0.125, None)
+    flat = StructPacker(layout).flatten(args)
+    assert len(flat) == len(StructPacker(layout).names) and args["lse_stride_h"] == 300
+    assert (args["tma"], args["item_counter"], args["split_partials"]) == (0, 0, 0)
+    whole = gpu_flex._fa3_split_args(tail_split(24, 5, 300, 128), 64, torch.device("cpu"),
+                                     dict(args))
+    assert len(whole) == 1 and whole[0].dtype == torch.int32 and not whole[0].any()
+    split = tail_split(24, 5, 4096, 128)  # 4 items in the last round of 5 CTAs: split
+    keep = gpu_flex._fa3_split_args(split, 64, torch.device("cpu"), args)
+    assert split.pieces and len(keep) == 2 and not keep[0].any()
+    assert (args["item_counter"], args["split_partials"]) == tuple(t.data_ptr() for t in keep)
+    assert keep[0].numel() == split.counter_ints()
+    assert keep[1].numel() == split.partial_floats(64)
+    bm = attncc.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
+                                  300, 300, BLOCK_SIZE=128)
+    m = gpu_flex._mask_args(bm, False, 2, 4, 300, 300, torch.device("cpu"))
+    masked = gpu_flex._attention_args(q, k, v, out, lse, 0.125, m)
+    assert masked["kv_indices"] == m.idx.data_ptr() and masked["block_q"] == 128
+    assert len(StructPacker(layout).flatten(masked)) == len(flat)

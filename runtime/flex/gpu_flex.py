@@ -727,26 +727,9 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if key.dim() == 4 and key.shape[2] == 0:
         return _no_keys(query, key, value, ir, bindings, block_mask, scale, enable_gqa,
                         return_lse, out, lse_out)
-    ckey = _call_key(query, key, value, ir, block_mask, enable_gqa, kernel_options)
-    entry = _CALLS.get(ckey)
-    if entry is not None and entry.block_mask is block_mask:
-        _CALLS.move_to_end(ckey)
-        if (query.data_ptr() | key.data_ptr() | value.data_ptr()) % 16:
-            _validate(query, key, value, enable_gqa)  # raises, naming the misaligned argument
-    else:
-        pl = plan_launch(query, key, value, ir, bindings, block_mask=block_mask,
-                         enable_gqa=enable_gqa, kernel_options=kernel_options)
-        entry = _CallEntry(pl, None, block_mask)
-        if pl.mask is None or not pl.mask.derived:  # derived lists would go stale if cached
-            with _CALLS_LOCK:
-                _CALLS[ckey] = entry
-                while len(_CALLS) > _CALL_CACHE_SIZE:
-                    _CALLS.popitem(last=False)
+    entry = _call_entry(query, key, value, ir, bindings, block_mask, enable_gqa, kernel_options)
     pl = entry.plan
-    B, Hq, Sq, D = query.shape
-    Hkv, Skv = key.shape[1], key.shape[2]
     device = query.device
-    sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if pl.mask_scalars or pl.mask_tensors:
         bindings = Bindings({**bindings.scalars, **pl.mask_scalars},
                             {**bindings.tensors, **pl.mask_tensors})
@@ -754,7 +737,6 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if reads.sizes and os.environ.get("ATTNCC_CHECK_BOUNDS", "0") not in ("", "0"):
         _check_reads_exactly(query, key, value, ir, user_bindings, block_mask, scale,
                              enable_gqa)
-    kern = reads.kernel
     if reads.sizes:
         bindings = Bindings({**bindings.scalars, **reads.sizes}, bindings.tensors)
     values = captured(reads.ir, bindings, device)
@@ -766,30 +748,57 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
         query, key, value = run_prepass(reads.prepass_kernel, reads.prepass, query, key, value,
                                         captured(reads.prepass, bindings, device))
-
-    kl, cfg = kern.launcher, kern.config
-    if pl.tiles.kernel == "fa3":  # kernels/fa3_prefill.cuh: one CTA per item, or persistent
-        items = B * Hq * -(-Sq // cfg.tq)
-        persistent = D in FA3_PERSISTENT_HEAD_DIMS and (kernel_options or {}).get("PERSISTENT",
-                                                                                  True)
-        grid = (min(items, num_sms(pl.device)) if persistent else items, 1, 1)
-        if kern.paired:  # whole clusters of two (items is even: fa3_pairs)
-            grid = (grid[0] // 2 * 2, 1, 1)
+    sm_scale = 1.0 / math.sqrt(query.shape[3]) if scale is None else float(scale)
+    kern = reads.kernel
+    args = _attention_args(query, key, value, out, lse, sm_scale, pl.mask)
+    if pl.tiles.kernel == "fa3":
+        launch = _fa3_launch(pl, kern, kernel_options, args, query, key, value, out)
     else:
-        grid = (-(-(Sq * pl.tiles.gf) // cfg.tq), Hq // pl.tiles.gf, B)
-    maps = _fa3_tensor_maps(query, key, value, out) if pl.tiles.kernel == "fa3" else None
-    # the FA3 kernel's dynamic item order claims items past the first from this counter: zero,
-    # one per launch (a memset on the stream; in a CUDA graph, a memset node) so no two launches
-    # share one. At head dim 256 each CTA runs one item and claims none: no counter, no memset.
-    # With a split tail (fa3_split.py) the same buffer holds the tail's arrival counters,
-    # and the partial states get a workspace (written before it is read: not cleared).
-    counter = partials = None
-    if pl.tiles.kernel == "fa3" and D in FA3_PERSISTENT_HEAD_DIMS:
-        split = _fa3_tail_split(pl, kernel_options, items, grid[0], Skv, cfg.tkv, persistent,
-                                kern.paired)
-        counter = torch.zeros(split.counter_ints(), dtype=torch.int32, device=query.device)
-        if split.pieces:
-            partials = torch.empty(split.partial_floats(D), dtype=torch.float32, device=device)
+        launch = _fa2_launch(pl, kern, args, query)
+    _launch(kern, launch, values, device)
+    return out, lse
+
+
+def _call_entry(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: VariantIR,
+                bindings: Bindings, block_mask: Any, enable_gqa: bool,
+                kernel_options: Mapping[str, Any] | None) -> _CallEntry:
+    """The call's launch plan: cached per `_call_key` (alignment checked again per call), or
+    planned now (and cached unless its mask lists were rebuilt for this call)."""
+    ckey = _call_key(query, key, value, ir, block_mask, enable_gqa, kernel_options)
+    entry = _CALLS.get(ckey)
+    if entry is not None and entry.block_mask is block_mask:
+        _CALLS.move_to_end(ckey)
+        if (query.data_ptr() | key.data_ptr() | value.data_ptr()) % 16:
+            _validate(query, key, value, enable_gqa)  # raises, naming the misaligned argument
+        return entry
+    pl = plan_launch(query, key, value, ir, bindings, block_mask=block_mask,
+                     enable_gqa=enable_gqa, kernel_options=kernel_options)
+    entry = _CallEntry(pl, None, block_mask)
+    if pl.mask is None or not pl.mask.derived:  # derived lists would go stale if cached
+        with _CALLS_LOCK:
+            _CALLS[ckey] = entry
+            while len(_CALLS) > _CALL_CACHE_SIZE:
+                _CALLS.popitem(last=False)
+    return entry
+
+
+@dataclass
+class _Launch:
+    """One attention launch: grid, AttentionParams values, cluster size, and the buffers its
+    arguments point into (held until the launch is enqueued)."""
+
+    grid: tuple[int, int, int]
+    args: dict[str, Any]
+    cluster: int = 1
+    keep: tuple[Any, ...] = ()
+
+
+def _attention_args(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor | None, sm_scale: float,
+                    m: _MaskArgs | None) -> dict[str, Any]:
+    """The AttentionParams values every prefill kernel reads: tensors, strides, sizes, scale
+    and the block mask's lists (kernels/params.cuh); the FA3-only members are 0 here."""
+    B, Hq, Sq, _ = query.shape
     ap = {
         "q": query.data_ptr(), "k": key.data_ptr(), "v": value.data_ptr(), "o": out.data_ptr(),
         "lse": lse.data_ptr() if lse is not None else 0,
@@ -801,16 +810,13 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         "o_stride_b": out.stride(0), "o_stride_h": out.stride(1), "o_stride_s": out.stride(2),
         "lse_stride_b": lse.stride(0) if lse is not None else 0,
         "lse_stride_h": lse.stride(1) if lse is not None else 0,
-        "batch": B, "num_q_heads": Hq, "num_kv_heads": Hkv, "q_len": Sq, "kv_len": Skv,
-        "sm_scale": sm_scale,
+        "batch": B, "num_q_heads": Hq, "num_kv_heads": key.shape[1], "q_len": Sq,
+        "kv_len": key.shape[2], "sm_scale": sm_scale,
         "kv_num_blocks": 0, "kv_indices": 0, "full_kv_num_blocks": 0, "full_kv_indices": 0,
         "bm_stride_b": 0, "bm_stride_h": 0, "bi_stride_b": 0, "bi_stride_h": 0,
         "bi_stride_q": 0, "block_q": 0, "block_kv": 0,
-        "tma": maps.data_ptr() if maps is not None else 0,
-        "item_counter": counter.data_ptr() if counter is not None else 0,
-        "split_partials": partials.data_ptr() if partials is not None else 0,
+        "tma": 0, "item_counter": 0, "split_partials": 0,
     }
-    m = pl.mask
     if m is not None:
         nb, ix = _bstrides(m.num), _bstrides(m.idx)
         ap.update(kv_num_blocks=m.num.data_ptr(), kv_indices=m.idx.data_ptr(),
@@ -818,13 +824,67 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                   full_kv_indices=m.fidx.data_ptr() if m.fidx is not None else 0,
                   bm_stride_b=nb[0], bm_stride_h=nb[1], bi_stride_b=ix[0], bi_stride_h=ix[1],
                   bi_stride_q=m.idx.stride(2), block_q=m.block_q, block_kv=m.block_kv)
+    return ap
+
+
+def _fa2_launch(pl: LaunchPlan, kern: LoadedKernel, args: dict[str, Any],
+                query: torch.Tensor) -> _Launch:
+    """kernels/fa2_prefill.cuh: one CTA per (query tile of gf fused heads, head group, batch)."""
+    B, Hq, Sq, _ = query.shape
+    gf = pl.tiles.gf
+    return _Launch((-(-(Sq * gf) // kern.config.tq), Hq // gf, B), args)
+
+
+def _fa3_launch(pl: LaunchPlan, kern: LoadedKernel, kernel_options: Mapping[str, Any] | None,
+                args: dict[str, Any], query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, out: torch.Tensor) -> _Launch:
+    """kernels/fa3_prefill.cuh: one CTA per 128-row item, or persistent CTAs (at most one per
+    SM; whole clusters of two on CTA pairs) reading q/k/v/out through TMA maps."""
+    B, Hq, Sq, D = query.shape
+    items = B * Hq * -(-Sq // kern.config.tq)
+    persistent = D in FA3_PERSISTENT_HEAD_DIMS and (kernel_options or {}).get("PERSISTENT",
+                                                                              True)
+    grid = min(items, num_sms(pl.device)) if persistent else items
+    if kern.paired:  # whole clusters of two (items is even: fa3_pairs)
+        grid = grid // 2 * 2
+    maps = _fa3_tensor_maps(query, key, value, out)
+    keep: tuple[Any, ...] = (maps,)
+    args["tma"] = maps.data_ptr()
+    if D in FA3_PERSISTENT_HEAD_DIMS:
+        split = _fa3_tail_split(pl, kernel_options, items, grid, key.shape[2],
+                                kern.config.tkv, persistent, kern.paired)
+        keep += _fa3_split_args(split, D, query.device, args)
+    return _Launch((grid, 1, 1), args, 2 if kern.paired else 1, keep)
+
+
+def _fa3_split_args(split: TailSplit, head_dim: int, device: torch.device,
+                    args: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """The persistent FA3 kernel's item counter and, with a split tail (fa3_split.py), the
+    tail's arrival counters (one zeroed buffer) and its partial-state workspace (written before
+    it is read: not cleared); sets their AttentionParams members, returns the buffers.
+
+    The dynamic item order claims items past the first from the counter: zeroed once per
+    launch (a memset on the stream; in a CUDA graph, a memset node), so no two launches share
+    one. At head dim 256 each CTA runs one item and claims none: no counter, no memset."""
+    counter = torch.zeros(split.counter_ints(), dtype=torch.int32, device=device)
+    args["item_counter"] = counter.data_ptr()
+    if not split.pieces:
+        return (counter,)
+    partials = torch.empty(split.partial_floats(head_dim), dtype=torch.float32, device=device)
+    args["split_partials"] = partials.data_ptr()
+    return counter, partials
+
+
+def _launch(kern: LoadedKernel, launch: _Launch, values: Mapping[str, Any],
+            device: torch.device) -> None:
+    """Pack the variant's captured values and launch on torch's current stream."""
     from attncc.codegen.generate import variant_param_values
 
+    kl, cfg = kern.launcher, kern.config
     vp = variant_param_values(kl.vp.layout, values["scalars"], values["tensors"])
-    kl.launch(grid, (cfg.threads, 1, 1), cfg.smem_bytes, kl.ap.flatten(ap), kl.vp.flatten(vp),
-              stream=torch.cuda.current_stream(device).cuda_stream,
-              cluster=2 if kern.paired else 1)
-    return out, lse
+    kl.launch(launch.grid, (cfg.threads, 1, 1), cfg.smem_bytes, kl.ap.flatten(launch.args),
+              kl.vp.flatten(vp), stream=torch.cuda.current_stream(device).cuda_stream,
+              cluster=launch.cluster)
 
 
 def _fa3_tail_split(pl: LaunchPlan, kernel_options: Mapping[str, Any] | None, items: int,
