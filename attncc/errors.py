@@ -57,6 +57,12 @@ class InvalidArgumentType(AttnccError, TypeError):
     """An argument has the wrong type (a float where an int belongs, a string for a bool)."""
 
 
+class ResourceError(AttnccError, RuntimeError):
+    """A kernel was loaded with spills or local memory its form is expected to run without
+    (an error under ATTNCC_STRICT_RESOURCES=1, a warning otherwise); the message names the
+    kernel, the bytes and what to do."""
+
+
 class DeviceError(AttnccError, RuntimeError):
     """The call needs a device this machine lacks (a CUDA GPU, or a GPU of another arch)."""
 

@@ -4,6 +4,9 @@ All implementations run in one process on the same inputs (bf16, H=16, D=128, B*
 TFLOP/s count 4*D FLOPs per unmasked (query, key) pair: causal counts half of S^2, the sliding
 window its exact pair count. Every attncc cell is also checked against another implementation's
 output on the same inputs (relative error recorded), so a fast wrong kernel cannot pass.
+Each timed attncc kernel prints the kernel cache's record (`spill=`, `local=`, `retries=`);
+under ATTNCC_STRICT_RESOURCES=1 (scripts/gpu_check.sh) a kernel loaded with local memory its
+form is expected to run without stops the run with a ResourceError.
 
     python bench/prefill.py                       # full sweep -> bench/results/prefill-h200.json
     python bench/prefill.py --S 4096 --variants causal --impls attncc sdpa_flash
@@ -199,6 +202,7 @@ def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, 
     import torch
     from triton.testing import do_bench
 
+    from attncc.errors import ResourceError
     from attncc.runtime.flex import gpu_flex
 
     results: list[dict[str, Any]] = []
@@ -222,6 +226,8 @@ def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, 
                     torch.cuda.synchronize()
                     first_s = time.time() - t0
                     ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                except ResourceError:  # a kernel with unexpected local memory: never timed
+                    raise
                 except Exception as e:  # a comparison that cannot run is reported, not fatal
                     print(f"S={S:6d} {variant:15s} {label:28s} FAILED {type(e).__name__}: "
                           f"{str(e)[:200]}", flush=True)
@@ -244,11 +250,12 @@ def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, 
                         bench.q, bench.k, bench.v, ir, b,
                         block_mask=bench.attncc_bm[mask] if mask else None,
                         kernel_options=opts)
-                    # spill_bytes: ptxas's log; local_bytes: the loaded kernel's local memory,
-                    # as the driver reports it (spills land there)
-                    rec["kernel"] = {k: info[k] for k in ("kernel", "tq", "tkv", "stages", "m_frags",
-                                                          "threads", "registers", "spill_bytes",
-                                                          "local_bytes", "smem_bytes")}
+                    # the kernel cache's record (runtime/jit/kernels.py): spill_bytes from
+                    # ptxas's log, local_bytes as the driver reports them for the loaded kernel
+                    # (spills land there), retries: recompiles of a form that spilled
+                    rec["kernel"] = {k: info[k] for k in (
+                        "kernel", "tq", "tkv", "stages", "m_frags", "threads", "registers",
+                        "spill_bytes", "local_bytes", "retries", "smem_bytes")}
                     ref_impl = next((r for r in ("flex", "sdpa_flash") if r in outs), None)
                     if ref_impl is not None:
                         rec["rel_err_vs"] = ref_impl
@@ -263,7 +270,8 @@ def run(seq_lens: tuple[int, ...], variants: tuple[str, ...], impls: tuple[str, 
                     kk = rec["kernel"]
                     extra += (f" [{'fa3' if '_fa3_' in kk['kernel'] else 'fa2'} tq={kk['tq']} "
                               f"tkv={kk['tkv']} s={kk['stages']} m={kk['m_frags']} "
-                              f"regs={kk['registers']} spill={kk['spill_bytes']}]")
+                              f"regs={kk['registers']} spill={kk['spill_bytes']} "
+                              f"local={kk['local_bytes']} retries={kk['retries']}]")
                 print(f"S={S:6d} {variant:15s} {label:28s} {ms:8.3f} ms "
                       f"{rec['tflops']:7.1f} TFLOP/s{extra}", flush=True)
             for r in range(1, rounds):

@@ -58,6 +58,7 @@ def compare(builds: list[tuple[str, Callable[[], None], dict[str, Any] | None]],
 def main() -> None:
     import attncc.kernels as shipped
     from attncc.runtime.flex import gpu_flex
+    from attncc.runtime.jit import kernels
 
     sys.path.insert(0, str(ROOT / "bench"))
     from prefill import VARIANTS
@@ -74,7 +75,7 @@ def main() -> None:
         def setup() -> None:
             shipped.read_template = current if folder is None else (
                 lambda name: (folder / name).read_text(encoding="utf-8"))
-            gpu_flex._KERNELS.clear()
+            kernels.clear_loaded()
             gpu_flex._CALLS.clear()
         return setup
 

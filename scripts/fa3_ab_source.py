@@ -45,6 +45,7 @@ def one_d_grid(text: str) -> str:
 def main() -> None:
     import attncc.kernels as shipped
     from attncc.runtime.flex import gpu_flex
+    from attncc.runtime.jit import kernels
 
     sys.path.insert(0, str(ROOT / "bench"))
     from prefill import VARIANTS
@@ -80,7 +81,7 @@ def main() -> None:
                 text if name == "fa3_prefill.cuh"
                 else "" if whole and name in ("fa3_consumer.cuh", "fa3_store.cuh")
                 else read_template(name))
-            gpu_flex._KERNELS.clear()
+            kernels.clear_loaded()
             gpu_flex._CALLS.clear()
         return setup
 

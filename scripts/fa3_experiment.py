@@ -125,6 +125,7 @@ def main() -> None:
 
     import attncc
     from attncc.runtime.flex import gpu_flex
+    from attncc.runtime.jit import kernels
     from prefill import HEAD_DIM, HEADS, Bench, pairs
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -145,7 +146,7 @@ def main() -> None:
     # (round, configuration): even rounds in the given order, odd ones reversed
     configs = [(r, c) for r in range(args.repeat) for c in (order if r % 2 == 0 else order[::-1])]
     opts = {"KERNEL": "fa3", **json.loads(args.options)}
-    original = gpu_flex._fa3_generated
+    original = kernels.generate
     records: list[dict[str, Any]] = []
     for S in args.S:
         bench = Bench(S)
@@ -161,11 +162,13 @@ def main() -> None:
                 cell_opts = {**opts, **{d[4:].split("=", 1)[0]: json.loads(d.split("=", 1)[1])
                                         for d in items if d.startswith("opt:")}}
 
-                def patched(*a: Any, _d: str = defines, **k: Any) -> Any:
-                    gk = original(*a, **k)
-                    return dataclasses.replace(gk, source=_d + gk.source)
-                gpu_flex._fa3_generated = patched
-                gpu_flex._KERNELS.clear()
+                def patched(spec: Any, _d: str = defines) -> Any:
+                    gen = original(spec)
+                    if spec.kind != "fa3_prefill":
+                        return gen
+                    return dataclasses.replace(gen, source=_d + gen.source)
+                kernels.generate = patched
+                kernels.clear_loaded()
                 gpu_flex._CALLS.clear()
                 mask = bench.mask_of[variant]
                 bm = bench.attncc_bm[mask] if mask else None
@@ -187,7 +190,7 @@ def main() -> None:
                                 "rel_diff": err})
                 print(f"S={S:6d} {variant:15s} {cfg or 'shipped':40s} {ms:8.3f} ms "
                       f"{tf:7.1f} TFLOP/s  diff vs first {err:.1e}", flush=True)
-    gpu_flex._fa3_generated = original
+    kernels.generate = original
     if len(configs) > 1 and len(order) > 1:
         print("\n".join(pair_summary(records)))
     if args.out:

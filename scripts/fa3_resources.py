@@ -1,8 +1,8 @@
 """The FA3 kernel's resource report: registers, spills, shared memory, and what its SASS holds.
 
 Compiles the FA3 translation unit for each AttentionGym variant x head dim at the default tiles
-(flex/tile_choice.py) as attncc does (`compile_fa3`: again with ATTNCC_FA3_LOW_PRESSURE if the
-first compile spills; both spill figures are reported), reads ptxas's `-v` report from NVRTC,
+(flex/tile_choice.py) as attncc does (the kernel cache, runtime/jit/kernels.py: again with
+ATTNCC_FA3_LOW_PRESSURE if the first compile spills; both spill figures are reported), reads ptxas's `-v` report from NVRTC,
 and -- where `cuobjdump` is on PATH (the H200 image has it under /usr/local/cuda/bin) -- counts
 HGMMA (wgmma), USETMAXREG (setmaxnreg) and UTMALDG (TMA load) instructions in the SASS. Writes a
 markdown table (and JSON with --out).
@@ -36,27 +36,26 @@ def _cuobjdump() -> str | None:
 
 def report(variant: str, head_dim: int) -> dict[str, Any]:
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.jit.cache import cached_compile
-    from attncc.runtime.flex.gpu_flex import _fa3_generated
-    from attncc.runtime.jit.policy import compile_fa3, spill_bytes, wgmma_notes
+    from attncc.runtime.flex.gpu_flex import kernel_spec
     from attncc.runtime.flex.tile_choice import choose_tiles
+    from attncc.runtime.jit.kernels import compile_spec
+    from attncc.runtime.jit.policy import wgmma_notes
     from examples.gym import GYM
 
     plan = choose_tiles(head_dim, q_len=4096, kv_len=4096, group=1, heads=16, batch=1,
                         kernel_options={"KERNEL": "fa3"})
     ir = simplify_variant(GYM[variant](1, 16, 4096, head_dim).trace()[0])
-    gk = _fa3_generated(ir, head_dim, "bfloat16", plan)  # the translation unit attncc compiles
-    name = f"{gk.kernel_name}.cu"
-    first, _ = cached_compile(gk.source, arch="sm_90a", name=name, verbose=True)
-    # what attncc runs: the kernel as it is (the cached compile above), or its low-pressure
-    # form if that one spilled
-    res, low = compile_fa3(gk.source, arch="sm_90a", name=name)
+    # what attncc runs (the kernel cache): the kernel as it is, or its low-pressure form if
+    # that one spilled; trail[0] is the first compile
+    trail: list[Any] = []
+    form = compile_spec(kernel_spec(ir, head_dim, "bfloat16", plan), "sm_90a", trail)
+    res = form.result
     rec: dict[str, Any] = {
         "variant": variant, "head_dim": head_dim, "tkv": plan.tkv, "stages": plan.stages,
-        "first_spill_bytes": spill_bytes(first.log), "low_pressure": low,
+        "first_spill_bytes": trail[0].spill_bytes, "low_pressure": form.spec.low_pressure,
         "registers": int(re.findall(r"Used (\d+) registers", res.log)[0]),
-        "spill_bytes": spill_bytes(res.log),
-        "smem_bytes": gk.shared_mem_bytes,
+        "spill_bytes": form.spill_bytes, "retries": sum(f.retries for f in trail),
+        "smem_bytes": form.gen.smem_bytes,
         # warnings, and ptxas's notes that it waited for or serialized wgmmas
         "ptxas_warnings": [ln for ln in res.log.splitlines() if "warning" in ln.lower()]
                           + wgmma_notes(res.log)}

@@ -20,6 +20,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # a fresh kernel cache per run, inside the machine (cubins of another NVRTC are never reused)
 export ATTNCC_CACHE_DIR="${ATTNCC_CACHE_DIR:-/tmp/attncc-cache}"
+# a kernel loaded with spills or local memory its form is expected to run without is an error
+# (runtime/jit/kernels.py check_resources), in the tests and the benchmarks alike
+export ATTNCC_STRICT_RESOURCES=1
 
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps .whl/*.whl || exit 1

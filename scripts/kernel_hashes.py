@@ -1,9 +1,9 @@
 """SHA-256 of the cubin of every shipped kernel form for the AttentionGym variants.
 
 A behaviour-preserving change to `kernels/` or codegen leaves this list unchanged: run it before
-and after, and diff. Each form goes through the runtime's own generate -> compile path
-(`gpu_flex.fa2_source` / `fa3_compiled_form` / `compile_fa3`, `fa3_batch.fa3_batch_source`,
-`prepass.prepass_source`, `codegen.merge_state.merge_state_source`) with NVRTC, no GPU needed.
+and after, and diff. Each form goes through the runtime's own kernel cache
+(runtime/jit/kernels.py: a `KernelSpec` -> `generate` -> `compile_spec` with its fallback forms,
+or `compile_form` for one form) with NVRTC, no GPU needed.
 One line a form, sorted by what follows the hash:
 
     <sha256>  <kind> <variant> D=<d> <arch> <kernel name> <form details>
@@ -68,46 +68,30 @@ def _ir(variant: str, d: int) -> Any:
 
 def _fa2_prefill(variant: str, d: int, arch: str) -> list[str]:
     """The FA2 prefill kernel at the planned tiles and, where ptxas spills past the budget, the
-    fallback tiles `gpu_flex._kernel_for` walks to (each compiled form listed)."""
-    from attncc.runtime.jit.cache import cached_compile
-    from attncc.runtime.flex.gpu_flex import _SPILL_BUDGET
-    from attncc.runtime.jit.policy import spill_bytes
-    from attncc.runtime.jit.sources import fa2_source
+    fallback tiles the kernel cache walks to (each compiled form listed)."""
+    from attncc.runtime.flex.gpu_flex import kernel_spec
     from attncc.runtime.flex.tile_choice import choose_tiles
+    from attncc.runtime.jit.kernels import compile_spec
 
-    ir = _ir(variant, d)
     plan = choose_tiles(d, q_len=PREFILL_S, kv_len=PREFILL_S, group=1, heads=16, batch=1)
-    tiles = [(plan.tq, plan.tkv, plan.m_frags)]
-    tiles += [(plan.tq, plan.tkv, 1)] if plan.m_frags > 1 else []
-    tiles += [(plan.tq, t, 1) for t in (32,) if t < plan.tkv]
-    tiles += [(q, min(plan.tkv, 64), 1) for q in (64,) if q < plan.tq]
-    lines = []
-    for i, (tq, tkv, mf) in enumerate(tiles):
-        src, name, _, _ = fa2_source(ir, head_dim=d, dtype="bfloat16", tq=tq, tkv=tkv,
-                                     stages=plan.stages, m_frags=mf, fast_math=plan.fast_math)
-        res, _ = cached_compile(src, arch=arch, name=f"{name}.cu", verbose=True)
-        spill = spill_bytes(res.log)
-        lines.append(_line(res.cubin, "fa2", variant, d, arch, name,
-                           f"m_frags={mf} fallback={i} spill={spill}"))
-        if spill <= _SPILL_BUDGET[mf] or i == len(tiles) - 1:
-            break
-    return lines
+    trail: list[Any] = []
+    compile_spec(kernel_spec(_ir(variant, d), d, "bfloat16", plan), arch, trail)
+    return [_line(f.result.cubin, "fa2", variant, d, arch, f.gen.kernel_name,
+                  f"m_frags={f.spec.tiles.m_frags} fallback={i} spill={f.spill_bytes}")
+            for i, f in enumerate(trail)]
 
 
 def _fa2_batch(kind: str, variant: str, d: int, arch: str) -> list[str]:
+    from attncc.runtime.jit.kernels import Fa2Tiles, KernelSpec, compile_spec
     from attncc.runtime.serving.batch import choose_batch_tiles
-    from attncc.runtime.jit.cache import cached_compile
-    from attncc.runtime.jit.policy import spill_bytes
-    from attncc.runtime.jit.sources import fa2_source
 
     rows = 1 if kind == "fa2-decode" else PREFILL_S
     t = choose_batch_tiles(d, rows, 132)
-    src, name, _, _ = fa2_source(_ir(variant, d), head_dim=d, dtype="bfloat16", tq=t.tq,
-                                 tkv=t.tkv, stages=t.stages, m_frags=t.m_frags, batch=True,
-                                 kv_warps=t.kv_warps)
-    res, _ = cached_compile(src, arch=arch, name=f"{name}.cu", verbose=True)
-    return [_line(res.cubin, kind, variant, d, arch, name,
-                  f"kv_warps={t.kv_warps} spill={spill_bytes(res.log)}")]
+    spec = KernelSpec("decode" if t.kv_warps > 1 else "fa2_batch", _ir(variant, d), d,
+                      "bfloat16", Fa2Tiles(t.tq, t.tkv, t.stages, t.m_frags, t.kv_warps))
+    f = compile_spec(spec, arch)
+    return [_line(f.result.cubin, kind, variant, d, arch, f.gen.kernel_name,
+                  f"kv_warps={t.kv_warps} spill={f.spill_bytes}")]
 
 
 def _fa3_plan(d: int, paired: bool) -> Any:
@@ -118,56 +102,45 @@ def _fa3_plan(d: int, paired: bool) -> Any:
     return replace(plan, paired=paired)
 
 
-def _forced_low(gk: Any, kind: str, variant: str, d: int, arch: str) -> list[str]:
-    from attncc.runtime.jit.cache import cached_compile
-    from attncc.runtime.jit.policy import FA3_LOW_PRESSURE, spill_bytes
+def _forced_low(spec: Any, kind: str, variant: str, d: int, arch: str) -> list[str]:
+    from attncc.runtime.jit.kernels import compile_form
 
-    res, _ = cached_compile(FA3_LOW_PRESSURE + gk.source, arch=arch,
-                            name=f"{gk.kernel_name}.cu", verbose=True)
-    return [_line(res.cubin, kind, variant, d, arch, gk.kernel_name,
-                  f"spill={spill_bytes(res.log)}")]
+    f = compile_form(replace(spec, low_pressure=True), arch)
+    return [_line(f.result.cubin, kind, variant, d, arch, f.gen.kernel_name,
+                  f"spill={f.spill_bytes}")]
 
 
 def _fa3_dense(kind: str, variant: str, d: int, arch: str, ir: Any = None) -> list[str]:
-    from attncc.runtime.flex.gpu_flex import (FA3_PERSISTENT_HEAD_DIMS, _fa3_generated,
-                                              fa3_compiled_form)
-    from attncc.runtime.jit.policy import spill_bytes
+    from attncc.runtime.flex.gpu_flex import FA3_PERSISTENT_HEAD_DIMS, kernel_spec
+    from attncc.runtime.jit.kernels import compile_spec
 
     paired = kind.startswith("fa3-pair")
     if paired and d not in FA3_PERSISTENT_HEAD_DIMS:
         return []
     ir = ir if ir is not None else _ir(variant, d)
-    plan = _fa3_plan(d, paired)
+    spec = kernel_spec(ir, d, "bfloat16", _fa3_plan(d, paired))
     if kind.endswith("lowpressure"):
-        return _forced_low(_fa3_generated(ir, d, "bfloat16", plan), kind, variant, d, arch)
-    gk, res, ran = fa3_compiled_form(ir, d, "bfloat16", plan, arch)
-    low = res.cubin != _fa3_cubin_plain(gk, arch)
-    details = (f"paired={int(ran.paired)} low_pressure={int(low)} "
-               f"spill={spill_bytes(res.log)}")
+        return _forced_low(spec, kind, variant, d, arch)
+    f = compile_spec(spec, arch)
+    details = (f"paired={int(f.spec.paired)} low_pressure={int(f.spec.low_pressure)} "
+               f"spill={f.spill_bytes}")
     if kind == "fa3-split":
         details += f" S={SPLIT_S}"
-    return [_line(res.cubin, kind, variant, d, arch, gk.kernel_name, details)]
-
-
-def _fa3_cubin_plain(gk: Any, arch: str) -> bytes:
-    """The cubin of the translation unit as generated (a cache hit after compile_fa3)."""
-    from attncc.runtime.jit.cache import cached_compile
-
-    return cached_compile(gk.source, arch=arch, name=f"{gk.kernel_name}.cu", verbose=True)[0].cubin
+    return [_line(f.result.cubin, kind, variant, d, arch, f.gen.kernel_name, details)]
 
 
 def _fa3_batch(kind: str, variant: str, d: int, arch: str) -> list[str]:
-    from attncc.runtime.serving.fa3_batch import FA3_BATCH_HEAD_DIMS, fa3_batch_source
-    from attncc.runtime.jit.policy import compile_fa3, spill_bytes
+    from attncc.runtime.jit.kernels import KernelSpec, compile_spec
+    from attncc.runtime.serving.fa3_batch import FA3_BATCH_HEAD_DIMS, fa3_batch_tiles
 
     if d not in FA3_BATCH_HEAD_DIMS:
         return []
-    gk = fa3_batch_source(_ir(variant, d), d, "bfloat16")
+    spec = KernelSpec("fa3_batch", _ir(variant, d), d, "bfloat16", fa3_batch_tiles(d))
     if kind.endswith("lowpressure"):
-        return _forced_low(gk, kind, variant, d, arch)
-    res, low = compile_fa3(gk.source, arch=arch, name=f"{gk.kernel_name}.cu")
-    return [_line(res.cubin, kind, variant, d, arch, gk.kernel_name,
-                  f"low_pressure={int(low)} spill={spill_bytes(res.log)}")]
+        return _forced_low(spec, kind, variant, d, arch)
+    f = compile_spec(spec, arch)
+    return [_line(f.result.cubin, kind, variant, d, arch, f.gen.kernel_name,
+                  f"low_pressure={int(f.spec.low_pressure)} spill={f.spill_bytes}")]
 
 
 def _hoisted(variant: str, d: int) -> tuple[Any, Any] | None:
@@ -186,8 +159,7 @@ def _hoisted(variant: str, d: int) -> tuple[Any, Any] | None:
 
 
 def _prepass(kind: str, variant: str, d: int, arch: str) -> list[str]:
-    from attncc.runtime.jit.cache import cached_compile
-    from attncc.runtime.flex.prepass import prepass_source
+    from attncc.runtime.jit.kernels import KernelSpec, compile_spec
 
     split = _hoisted(variant, d)
     if split is None:
@@ -196,18 +168,15 @@ def _prepass(kind: str, variant: str, d: int, arch: str) -> list[str]:
     if kind == "fa3-hoisted":
         return [ln.replace(" fa3-single ", " fa3-hoisted ", 1)
                 for ln in _fa3_dense("fa3-single", variant, d, arch, attn)]
-    gk = prepass_source(pre, head_dim=d, dtype="bfloat16")
-    res, _ = cached_compile(gk.source, arch=arch, name=f"{gk.kernel_name}.cu", verbose=True)
-    return [_line(res.cubin, kind, variant, d, arch, gk.kernel_name)]
+    f = compile_spec(KernelSpec("prepass", pre, d, "bfloat16"), arch)
+    return [_line(f.result.cubin, kind, variant, d, arch, f.gen.kernel_name)]
 
 
 def _merge(dtype: str, arch: str) -> list[str]:
-    from attncc.codegen.merge_state import merge_state_source
-    from attncc.runtime.jit.cache import cached_compile
+    from attncc.runtime.jit.kernels import KernelSpec, compile_spec
 
-    mk = merge_state_source(dtype)
-    res, _ = cached_compile(mk.source, arch=arch, name=f"{mk.kernel_name}.cu")
-    return [_line(res.cubin, "merge", "-", "-", arch, mk.kernel_name, f"dtype={dtype}")]
+    f = compile_spec(KernelSpec("merge", dtype=dtype), arch)
+    return [_line(f.result.cubin, "merge", "-", "-", arch, f.gen.kernel_name, f"dtype={dtype}")]
 
 
 def run_job(job: Job) -> list[str]:

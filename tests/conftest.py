@@ -5,6 +5,8 @@
   (`requires_gpu` / `requires_nvrtc` below are the same marks under descriptive names.)
 - `ATTNCC_TEST_SHARD=i/n` keeps every n-th collected test starting at the i-th (0-based), so n
   pytest processes can share one machine (scripts/gpu_check.sh runs the GPU matrix that way).
+- ATTNCC_STRICT_RESOURCES=1 (unless set): a kernel loaded with unexpected spills or local
+  memory raises ResourceError.
 - `rng` fixture: `rng.randn(*shape)` gives fresh random tensors from a generator seeded by the
   test's id, so every test is deterministic and independent of test order.
 """
@@ -23,6 +25,10 @@ import torch
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+# A kernel loaded with spills or local memory its form is expected to run without is an error
+# in tests (runtime/jit/kernels.py check_resources), not a warning.
+os.environ.setdefault("ATTNCC_STRICT_RESOURCES", "1")
 
 requires_gpu = pytest.mark.gpu
 requires_nvrtc = pytest.mark.nvrtc

@@ -557,19 +557,22 @@ def test_decode_batch_kernels_compile_without_spills() -> None:
                                     ("sliding_window", 64), ("document_causal", 128)])
 def test_fa3_batch_kernels_compile_without_spills(name: str, d: int) -> None:
     """kernel="fa3batch" (kernels/fa3_batch.cuh): the attention kernel (384 threads, setmaxnreg)
-    and its merge kernel, as attncc compiles them (`compile_fa3`: the low-pressure form where
-    the first spills), have no spills and no wgmma serialization, in the shared memory the tile
+    and its merge kernel, as attncc compiles them (the kernel cache's `compile_spec`: the
+    low-pressure form where the first spills), have no spills and no wgmma serialization, in the shared memory the tile
     choice allows."""
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.serving.fa3_batch import fa3_batch_source
-    from attncc.runtime.flex.gpu_flex import compile_fa3
+    from attncc.runtime.jit.kernels import KernelSpec, compile_spec
+    from attncc.runtime.serving.fa3_batch import fa3_batch_source, fa3_batch_tiles
     from attncc.runtime.jit.tiles import SMEM_PER_CTA
     from examples.gym import GYM
 
-    gk = fa3_batch_source(simplify_variant(GYM[name](1, 8, 1024, d).trace()[0]), d, "bfloat16")
+    ir = simplify_variant(GYM[name](1, 8, 1024, d).trace()[0])
+    gk = fa3_batch_source(ir, d, "bfloat16")
     assert gk.threads == 384 and gk.shared_mem_bytes <= SMEM_PER_CTA
     assert f"ATTNCC_FA3_BATCH_ENTRY({gk.kernel_name}, " in gk.source
-    log = compile_fa3(gk.source, arch="sm_90a", name=f"{gk.kernel_name}.cu")[0].log
+    form = compile_spec(KernelSpec("fa3_batch", ir, d, "bfloat16", fa3_batch_tiles(d)), "sm_90a")
+    assert form.gen.source.endswith(gk.source)
+    log = form.result.log
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(spills) == 2 and all(a == "0" and b == "0" for a, b in spills), log
     assert "wgmma" not in log.lower(), log

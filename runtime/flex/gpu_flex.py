@@ -24,152 +24,68 @@ from typing import Any, Mapping
 
 import torch
 
-from attncc.codegen.fa2 import fa3_tiles
+from attncc.codegen.fa2 import Fa2Tiles, fa3_tiles
 from attncc.errors import InvalidArgument
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
 from ..jit.device import num_sms
 from ..jit.launch_args import ELEM_NAMES, captured, clamped
-from ..jit.policy import compile_fa3, spill_bytes
-from ..jit.sources import fa2_source
-from ..jit.tiles import HEAD_DIMS, Fa2Config, fa2_config
+from ..jit.kernels import KernelSpec, LoadedKernel, compile_spec, get_kernel
+from ..jit.tiles import HEAD_DIMS, fa2_config
 from ..jit.tma import MapCache
 from ..reference import is_noop_mask, trace_mask, validate_attention_inputs
 from .fa3_split import TailSplit, tail_split
 from .tile_choice import TilePlan, choose_tiles
 
 __all__ = ["LaunchPlan", "plan_launch", "precompile", "gpu_flex_attention", "compiled_kernel_info",
-           "fa3_compiled_form", "fa3_pairs", "check_forced_fa3"]
+           "fa3_compiled_form", "fa3_pairs", "check_forced_fa3", "kernel_spec"]
 
 _TORCH_NOOP_BLOCK = 1 << 30
 
 
-# --------------------------------------------------------------------------------- source
-@dataclass
-class _Compiled:
-    launcher: Any
-    config: Fa2Config  # the tiles actually compiled (may be smaller than planned: no spills)
-    ir: VariantIR
-    log: str  # NVRTC log with ptxas's resource report
-    paired: bool = False  # the dense FA3 kernel's CTA-pair form (launched in clusters of two)
+# --------------------------------------------------------------------------------- kernels
+def kernel_spec(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
+                device: int | None = None) -> KernelSpec:
+    """The kernel cache's spec (runtime/jit/kernels.py) of a checked plan: FA3 at the plan's
+    tiles and pair form, or FA2 at its tiles (forced ones compiled as given).
 
-
-_KERNELS: dict[tuple, _Compiled] = {}
-_KERNELS_LOCK = threading.Lock()
+    Example:
+        >>> from attncc.runtime.flex.tile_choice import TilePlan
+        >>> kernel_spec(VariantIR(), 128, "bfloat16", TilePlan(128, 64, 2, 1, 2)).tiles
+        Fa2Tiles(tq=128, tkv=64, stages=2, m_frags=2, kv_warps=1)
+    """
+    if plan.kernel == "fa3":
+        return KernelSpec("fa3_prefill", ir, head_dim, dtype, fa3_tiles(plan.stages, plan.tkv),
+                          paired=plan.paired, fast_math=plan.fast_math, device=device)
+    return KernelSpec("fa2_prefill", ir, head_dim, dtype,
+                      Fa2Tiles(plan.tq, plan.tkv, plan.stages, plan.m_frags),
+                      fast_math=plan.fast_math, forced=plan_forced(plan), device=device)
 
 
 def _kernel_for(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
-                device: int) -> _Compiled:
-    hooks = tuple((n, h.expr) for n, h in ir.hooks.items())
-    key = (hooks, ir.normalize, ir.name, ir.scalars, ir.tensors, head_dim, dtype, plan.tq,
-           plan.tkv, plan.stages, plan.m_frags, plan.fast_math, plan.kernel, plan.paired, device)
-    hit = _KERNELS.get(key)
-    if hit is not None:
-        return hit
-    with _KERNELS_LOCK:
-        hit = _KERNELS.get(key)
-        if hit is not None:
-            return hit
-        from attncc.ir.simplify import simplify_variant
-
-        from ..jit.cache import cached_compile
-        from ..jit.launcher import load_kernel
-        from ..jit.nvrtc import device_arch
-
-        with torch.cuda.device(device):
-            arch = device_arch()
-        simplified = simplify_variant(ir)
-        if plan.kernel == "fa3":
-            hit = _KERNELS[key] = _fa3_kernel(simplified, head_dim, dtype, plan, arch, device)
-            return hit
-        # ptxas decides register allocation per variant; if this one spills, fall back to one
-        # fragment per warp (half the accumulators per thread), then smaller KV tiles (fewer S
-        # accumulators), then smaller query tiles (more CTAs, same registers per thread).
-        tiles = [(plan.tq, plan.tkv, plan.m_frags)]
-        tiles += [(plan.tq, plan.tkv, 1)] if plan.m_frags > 1 else []
-        tiles += [(plan.tq, t, 1) for t in (32,) if t < plan.tkv]
-        tiles += [(q, min(plan.tkv, 64), 1) for q in (64,) if q < plan.tq]
-        for i, (tq, tkv, mf) in enumerate(tiles):
-            cfg = fa2_config(head_dim, tq, tkv, plan.stages, mf)
-            source, name, vp_layout, ap_layout = fa2_source(
-                simplified, head_dim=head_dim, dtype=dtype, tq=tq, tkv=tkv, stages=plan.stages,
-                m_frags=mf, fast_math=plan.fast_math)
-            res, _ = cached_compile(source, arch=arch, name=f"{name}.cu", verbose=True)
-            if (spill_bytes(res.log) <= _SPILL_BUDGET[mf] or i == len(tiles) - 1
-                    or plan_forced(plan)):
-                break
-        kl = load_kernel(res.cubin, name, ap_layout, vp_layout, device=device,
-                         dynamic_smem=cfg.smem_bytes)
-        if kl.max_threads < cfg.threads:
-            raise RuntimeError(f"{name}: the module allows {kl.max_threads} threads per block "
-                               f"but the FA2 config needs {cfg.threads}; fa2_config and "
-                               f"attncc::fa2::Config disagree")
-        hit = _KERNELS[key] = _Compiled(kl, cfg, simplified, res.log)
-        return hit
-
-
-# Spill bytes (stores + loads, ptxas -v) accepted before falling back to smaller tiles. One
-# fragment per warp: none. Two: ptxas at the 255-register cap spills a few words for some hooks
-# (causal 32, sliding window 120, softcap 144 bytes with NVRTC 13), and those kernels still beat
-# the spill-free one-fragment fallback: the spilled words are touched a few times per KV tile and
-# stay in L1 (measured: docs/journal/2026-11-30.md, "two fragments per warp").
-_SPILL_BUDGET = {1: 0, 2: 192}
-
-
-def _fa3_generated(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan) -> Any:
-    """Codegen's FA3 translation unit for a checked plan (`ir` simplified); what _fa3_kernel
-    compiles and precompile warms, so both hit one cache entry."""
-    from attncc.codegen.generate import generate_source
-
-    gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa3",
-                         fast_math=plan.fast_math, tiles=fa3_tiles(plan.stages, plan.tkv))
-    if plan.paired:  # the CTA-pair form (kernels/fa3_consumer.cuh ATTNCC_FA3_PAIRED)
-        gk = replace(gk, source=FA3_PAIRED + gk.source)
-    return gk
+                device: int) -> LoadedKernel:
+    return get_kernel(kernel_spec(ir, head_dim, dtype, plan, device))
 
 
 def fa3_compiled_form(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
                       arch: str) -> tuple[Any, Any, TilePlan]:
     """The FA3 translation unit attncc runs for a checked plan (`ir` simplified), compiled
-    (`compile_fa3`: its low-pressure form if the first spills): (generated kernel, NVRTC
-    result, plan). A CTA-pair plan whose pair form still spills -- where the single-CTA form
-    does not (document_causal at head dim 128, NVRTC 12.9) -- comes back unpaired, and the
-    launch follows the returned plan. Needs NVRTC, not a GPU.
+    (jit/kernels.py compile_spec: its low-pressure form if the first spills; a CTA-pair plan
+    whose pair forms still spill comes back unpaired, and the launch follows the returned
+    plan): (generated kernel, NVRTC result, plan). Needs NVRTC, not a GPU.
 
     Example:
         >>> from attncc.runtime.flex.tile_choice import TilePlan
         >>> fa3_compiled_form(ir, 128, "bfloat16", plan, "sm_90a")  # doctest: +SKIP
     """
-    gk = _fa3_generated(ir, head_dim, dtype, plan)
-    res, _ = compile_fa3(gk.source, arch=arch, name=f"{gk.kernel_name}.cu")
-    if plan.paired and spill_bytes(res.log) > 0:
-        plan = replace(plan, paired=False)
-        gk = _fa3_generated(ir, head_dim, dtype, plan)
-        res, _ = compile_fa3(gk.source, arch=arch, name=f"{gk.kernel_name}.cu")
-    return gk, res, plan
-
-
-def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: str,
-                device: int) -> _Compiled:
-    """Compile and load the FA3 kernel (kernels/fa3_prefill.cuh) for a checked plan."""
-    from ..jit.launcher import load_kernel
-
-    if not arch.startswith("sm_90"):
-        raise ValueError(f"kernel_options['KERNEL']='fa3' needs an sm_90 (Hopper) GPU; this one "
-                         f"is {arch}")
-    gk, res, plan = fa3_compiled_form(ir, head_dim, dtype, plan, arch)
-    kl = load_kernel(res.cubin, gk.kernel_name, gk.attention_params_layout, gk.params_layout,
-                     device=device, dynamic_smem=gk.shared_mem_bytes)
-    cfg = Fa2Config(head_dim, plan.tq, plan.tkv, plan.stages, 1, gk.threads // 32, gk.threads,
-                    gk.shared_mem_bytes)
-    return _Compiled(kl, cfg, ir, res.log, plan.paired)
+    form = compile_spec(kernel_spec(ir, head_dim, dtype, plan), arch)
+    return form.gen, form.result, replace(plan, paired=form.spec.paired)
 
 
 _FA3_MAPS = MapCache(64)  # the dense FA3 kernel's q/k/v maps (runtime/jit/tma.py)
 # head dims at which the dense FA3 kernel is persistent (kernels/fa3_prefill.cuh
 # kPersistentHeadDim): its grid is then at most one CTA per SM, else one CTA per 128-row item
 FA3_PERSISTENT_HEAD_DIMS = (64, 128)
-FA3_PAIRED = "#define ATTNCC_FA3_PAIRED 1\n"
 # Without kernel_options PAIRED, launches with at most this many keys pair: pairs win up to
 # 8192 keys and lose at 16384, where the split tail beats them (docs/fa3.md#cta-pairs).
 FA3_PAIRED_MAX_KEYS = 8192
@@ -537,22 +453,17 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
     return LaunchPlan(ir, bindings, tiles, margs, dtype, D, dev_index, mscal, mtens, pre)
 
 
-def _compile_job(job: tuple[str, str, str, bool]) -> str:
-    from ..jit.cache import cached_compile
-
-    source, arch, name, fa3 = job
-    if fa3:  # and its low-pressure form, if the first spills
-        compile_fa3(source, arch=arch, name=name)
-    else:
-        cached_compile(source, arch=arch, name=name, verbose=True)
-    return name
+def _compile_job(job: tuple[KernelSpec, str]) -> str:
+    spec, arch = job
+    return compile_spec(spec, arch).gen.kernel_name  # with its fallback forms
 
 
 def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int:
     """Compile the kernels `plans` need in parallel processes, into the on-disk cache.
 
     NVRTC holds the GIL, so threads do not help; a process pool does. Later calls then load the
-    cubins from the cache. Returns how many distinct kernels were compiled or found.
+    cubins from the cache (a form that spilled past its budget is not cached: jit/kernels.py).
+    Returns how many distinct kernels were compiled or found.
 
     Example:
         >>> precompile([])
@@ -569,25 +480,16 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
 
     from ..jit.nvrtc import device_arch
 
-    jobs: dict[str, tuple[str, str, str, bool]] = {}
+    jobs: dict[KernelSpec, tuple[KernelSpec, str]] = {}
     for pl in plans:
         with torch.cuda.device(pl.device):
             arch = device_arch()
-        if pl.tiles.kernel == "fa3":
-            gk = _fa3_generated(simplify_variant(pl.ir), pl.head_dim, pl.dtype, pl.tiles)
-            src, name = gk.source, gk.kernel_name
-        else:
-            src, name, _, _ = fa2_source(simplify_variant(pl.ir), head_dim=pl.head_dim,
-                                         dtype=pl.dtype, tq=pl.tiles.tq, tkv=pl.tiles.tkv,
-                                         stages=pl.tiles.stages, m_frags=pl.tiles.m_frags,
-                                         fast_math=pl.tiles.fast_math)
-        jobs[src] = (src, arch, f"{name}.cu", pl.tiles.kernel == "fa3")
+        spec = kernel_spec(simplify_variant(pl.ir), pl.head_dim, pl.dtype, pl.tiles)
+        jobs[spec] = (spec, arch)
         if pl.prepass is not None:
-            from .prepass import prepass_source
-
-            gk = prepass_source(pl.prepass, head_dim=pl.head_dim, dtype=pl.dtype,
-                                fast_math=pl.tiles.fast_math)
-            jobs[gk.source] = (gk.source, arch, f"{gk.kernel_name}.cu", False)
+            spec = KernelSpec("prepass", pl.prepass, pl.head_dim, pl.dtype,
+                              fast_math=pl.tiles.fast_math)
+            jobs[spec] = (spec, arch)
     workers = max_workers or min(len(jobs), os.cpu_count() or 1)
     if workers <= 1:
         for job in jobs.values():
@@ -605,7 +507,7 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
 @dataclass
 class _CallEntry:
     plan: LaunchPlan
-    kernel: _Compiled | None  # compiled on first use (_safe_reads): a call may need clamps
+    kernel: LoadedKernel | None  # compiled on first use (_safe_reads): a call may need clamps
     block_mask: Any  # held so its id cannot be reused while cached; compared by identity
     prepass: Any = None  # the pre-pass's KernelLauncher when plan.prepass is set
     read_names: tuple[str, ...] | None = None  # captured tensors its IRs read (_safe_reads)
@@ -621,6 +523,7 @@ def _prepass_for(pl: LaunchPlan) -> Any:
 
 
 _CALLS: "OrderedDict[tuple, _CallEntry]" = OrderedDict()
+_CALLS_LOCK = threading.Lock()  # guards _CALLS and _READS
 _CALL_CACHE_SIZE = 256
 
 
@@ -635,7 +538,7 @@ class _Reads:
     ir: VariantIR
     prepass: VariantIR | None
     sizes: Mapping[str, int]
-    kernel: _Compiled
+    kernel: LoadedKernel
     prepass_kernel: Any
 
 
@@ -727,7 +630,7 @@ def _safe_reads(entry: _CallEntry, bindings: Bindings, query: torch.Tensor, key:
                                     fast_math=pl.tiles.fast_math, device=pl.device)
     got = _Reads(pl, ir, pre, {**sizes, **pre_sizes}, kernel, pre_kernel)
     if rkey is not None:
-        with _KERNELS_LOCK:
+        with _CALLS_LOCK:
             _READS[rkey] = got
             while len(_READS) > _CALL_CACHE_SIZE:
                 _READS.popitem(last=False)
@@ -824,26 +727,9 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if key.dim() == 4 and key.shape[2] == 0:
         return _no_keys(query, key, value, ir, bindings, block_mask, scale, enable_gqa,
                         return_lse, out, lse_out)
-    ckey = _call_key(query, key, value, ir, block_mask, enable_gqa, kernel_options)
-    entry = _CALLS.get(ckey)
-    if entry is not None and entry.block_mask is block_mask:
-        _CALLS.move_to_end(ckey)
-        if (query.data_ptr() | key.data_ptr() | value.data_ptr()) % 16:
-            _validate(query, key, value, enable_gqa)  # raises, naming the misaligned argument
-    else:
-        pl = plan_launch(query, key, value, ir, bindings, block_mask=block_mask,
-                         enable_gqa=enable_gqa, kernel_options=kernel_options)
-        entry = _CallEntry(pl, None, block_mask)
-        if pl.mask is None or not pl.mask.derived:  # derived lists would go stale if cached
-            with _KERNELS_LOCK:
-                _CALLS[ckey] = entry
-                while len(_CALLS) > _CALL_CACHE_SIZE:
-                    _CALLS.popitem(last=False)
+    entry = _call_entry(query, key, value, ir, bindings, block_mask, enable_gqa, kernel_options)
     pl = entry.plan
-    B, Hq, Sq, D = query.shape
-    Hkv, Skv = key.shape[1], key.shape[2]
     device = query.device
-    sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if pl.mask_scalars or pl.mask_tensors:
         bindings = Bindings({**bindings.scalars, **pl.mask_scalars},
                             {**bindings.tensors, **pl.mask_tensors})
@@ -851,7 +737,6 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if reads.sizes and os.environ.get("ATTNCC_CHECK_BOUNDS", "0") not in ("", "0"):
         _check_reads_exactly(query, key, value, ir, user_bindings, block_mask, scale,
                              enable_gqa)
-    kern = reads.kernel
     if reads.sizes:
         bindings = Bindings({**bindings.scalars, **reads.sizes}, bindings.tensors)
     values = captured(reads.ir, bindings, device)
@@ -863,30 +748,57 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
         query, key, value = run_prepass(reads.prepass_kernel, reads.prepass, query, key, value,
                                         captured(reads.prepass, bindings, device))
-
-    kl, cfg = kern.launcher, kern.config
-    if pl.tiles.kernel == "fa3":  # kernels/fa3_prefill.cuh: one CTA per item, or persistent
-        items = B * Hq * -(-Sq // cfg.tq)
-        persistent = D in FA3_PERSISTENT_HEAD_DIMS and (kernel_options or {}).get("PERSISTENT",
-                                                                                  True)
-        grid = (min(items, num_sms(pl.device)) if persistent else items, 1, 1)
-        if kern.paired:  # whole clusters of two (items is even: fa3_pairs)
-            grid = (grid[0] // 2 * 2, 1, 1)
+    sm_scale = 1.0 / math.sqrt(query.shape[3]) if scale is None else float(scale)
+    kern = reads.kernel
+    args = _attention_args(query, key, value, out, lse, sm_scale, pl.mask)
+    if pl.tiles.kernel == "fa3":
+        launch = _fa3_launch(pl, kern, kernel_options, args, query, key, value, out)
     else:
-        grid = (-(-(Sq * pl.tiles.gf) // cfg.tq), Hq // pl.tiles.gf, B)
-    maps = _fa3_tensor_maps(query, key, value, out) if pl.tiles.kernel == "fa3" else None
-    # the FA3 kernel's dynamic item order claims items past the first from this counter: zero,
-    # one per launch (a memset on the stream; in a CUDA graph, a memset node) so no two launches
-    # share one. At head dim 256 each CTA runs one item and claims none: no counter, no memset.
-    # With a split tail (fa3_split.py) the same buffer holds the tail's arrival counters,
-    # and the partial states get a workspace (written before it is read: not cleared).
-    counter = partials = None
-    if pl.tiles.kernel == "fa3" and D in FA3_PERSISTENT_HEAD_DIMS:
-        split = _fa3_tail_split(pl, kernel_options, items, grid[0], Skv, cfg.tkv, persistent,
-                                kern.paired)
-        counter = torch.zeros(split.counter_ints(), dtype=torch.int32, device=query.device)
-        if split.pieces:
-            partials = torch.empty(split.partial_floats(D), dtype=torch.float32, device=device)
+        launch = _fa2_launch(pl, kern, args, query)
+    _launch(kern, launch, values, device)
+    return out, lse
+
+
+def _call_entry(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: VariantIR,
+                bindings: Bindings, block_mask: Any, enable_gqa: bool,
+                kernel_options: Mapping[str, Any] | None) -> _CallEntry:
+    """The call's launch plan: cached per `_call_key` (alignment checked again per call), or
+    planned now (and cached unless its mask lists were rebuilt for this call)."""
+    ckey = _call_key(query, key, value, ir, block_mask, enable_gqa, kernel_options)
+    entry = _CALLS.get(ckey)
+    if entry is not None and entry.block_mask is block_mask:
+        _CALLS.move_to_end(ckey)
+        if (query.data_ptr() | key.data_ptr() | value.data_ptr()) % 16:
+            _validate(query, key, value, enable_gqa)  # raises, naming the misaligned argument
+        return entry
+    pl = plan_launch(query, key, value, ir, bindings, block_mask=block_mask,
+                     enable_gqa=enable_gqa, kernel_options=kernel_options)
+    entry = _CallEntry(pl, None, block_mask)
+    if pl.mask is None or not pl.mask.derived:  # derived lists would go stale if cached
+        with _CALLS_LOCK:
+            _CALLS[ckey] = entry
+            while len(_CALLS) > _CALL_CACHE_SIZE:
+                _CALLS.popitem(last=False)
+    return entry
+
+
+@dataclass
+class _Launch:
+    """One attention launch: grid, AttentionParams values, cluster size, and the buffers its
+    arguments point into (held until the launch is enqueued)."""
+
+    grid: tuple[int, int, int]
+    args: dict[str, Any]
+    cluster: int = 1
+    keep: tuple[Any, ...] = ()
+
+
+def _attention_args(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor | None, sm_scale: float,
+                    m: _MaskArgs | None) -> dict[str, Any]:
+    """The AttentionParams values every prefill kernel reads: tensors, strides, sizes, scale
+    and the block mask's lists (kernels/params.cuh); the FA3-only members are 0 here."""
+    B, Hq, Sq, _ = query.shape
     ap = {
         "q": query.data_ptr(), "k": key.data_ptr(), "v": value.data_ptr(), "o": out.data_ptr(),
         "lse": lse.data_ptr() if lse is not None else 0,
@@ -898,16 +810,13 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         "o_stride_b": out.stride(0), "o_stride_h": out.stride(1), "o_stride_s": out.stride(2),
         "lse_stride_b": lse.stride(0) if lse is not None else 0,
         "lse_stride_h": lse.stride(1) if lse is not None else 0,
-        "batch": B, "num_q_heads": Hq, "num_kv_heads": Hkv, "q_len": Sq, "kv_len": Skv,
-        "sm_scale": sm_scale,
+        "batch": B, "num_q_heads": Hq, "num_kv_heads": key.shape[1], "q_len": Sq,
+        "kv_len": key.shape[2], "sm_scale": sm_scale,
         "kv_num_blocks": 0, "kv_indices": 0, "full_kv_num_blocks": 0, "full_kv_indices": 0,
         "bm_stride_b": 0, "bm_stride_h": 0, "bi_stride_b": 0, "bi_stride_h": 0,
         "bi_stride_q": 0, "block_q": 0, "block_kv": 0,
-        "tma": maps.data_ptr() if maps is not None else 0,
-        "item_counter": counter.data_ptr() if counter is not None else 0,
-        "split_partials": partials.data_ptr() if partials is not None else 0,
+        "tma": 0, "item_counter": 0, "split_partials": 0,
     }
-    m = pl.mask
     if m is not None:
         nb, ix = _bstrides(m.num), _bstrides(m.idx)
         ap.update(kv_num_blocks=m.num.data_ptr(), kv_indices=m.idx.data_ptr(),
@@ -915,13 +824,67 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                   full_kv_indices=m.fidx.data_ptr() if m.fidx is not None else 0,
                   bm_stride_b=nb[0], bm_stride_h=nb[1], bi_stride_b=ix[0], bi_stride_h=ix[1],
                   bi_stride_q=m.idx.stride(2), block_q=m.block_q, block_kv=m.block_kv)
+    return ap
+
+
+def _fa2_launch(pl: LaunchPlan, kern: LoadedKernel, args: dict[str, Any],
+                query: torch.Tensor) -> _Launch:
+    """kernels/fa2_prefill.cuh: one CTA per (query tile of gf fused heads, head group, batch)."""
+    B, Hq, Sq, _ = query.shape
+    gf = pl.tiles.gf
+    return _Launch((-(-(Sq * gf) // kern.config.tq), Hq // gf, B), args)
+
+
+def _fa3_launch(pl: LaunchPlan, kern: LoadedKernel, kernel_options: Mapping[str, Any] | None,
+                args: dict[str, Any], query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, out: torch.Tensor) -> _Launch:
+    """kernels/fa3_prefill.cuh: one CTA per 128-row item, or persistent CTAs (at most one per
+    SM; whole clusters of two on CTA pairs) reading q/k/v/out through TMA maps."""
+    B, Hq, Sq, D = query.shape
+    items = B * Hq * -(-Sq // kern.config.tq)
+    persistent = D in FA3_PERSISTENT_HEAD_DIMS and (kernel_options or {}).get("PERSISTENT",
+                                                                              True)
+    grid = min(items, num_sms(pl.device)) if persistent else items
+    if kern.paired:  # whole clusters of two (items is even: fa3_pairs)
+        grid = grid // 2 * 2
+    maps = _fa3_tensor_maps(query, key, value, out)
+    keep: tuple[Any, ...] = (maps,)
+    args["tma"] = maps.data_ptr()
+    if D in FA3_PERSISTENT_HEAD_DIMS:
+        split = _fa3_tail_split(pl, kernel_options, items, grid, key.shape[2],
+                                kern.config.tkv, persistent, kern.paired)
+        keep += _fa3_split_args(split, D, query.device, args)
+    return _Launch((grid, 1, 1), args, 2 if kern.paired else 1, keep)
+
+
+def _fa3_split_args(split: TailSplit, head_dim: int, device: torch.device,
+                    args: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """The persistent FA3 kernel's item counter and, with a split tail (fa3_split.py), the
+    tail's arrival counters (one zeroed buffer) and its partial-state workspace (written before
+    it is read: not cleared); sets their AttentionParams members, returns the buffers.
+
+    The dynamic item order claims items past the first from the counter: zeroed once per
+    launch (a memset on the stream; in a CUDA graph, a memset node), so no two launches share
+    one. At head dim 256 each CTA runs one item and claims none: no counter, no memset."""
+    counter = torch.zeros(split.counter_ints(), dtype=torch.int32, device=device)
+    args["item_counter"] = counter.data_ptr()
+    if not split.pieces:
+        return (counter,)
+    partials = torch.empty(split.partial_floats(head_dim), dtype=torch.float32, device=device)
+    args["split_partials"] = partials.data_ptr()
+    return counter, partials
+
+
+def _launch(kern: LoadedKernel, launch: _Launch, values: Mapping[str, Any],
+            device: torch.device) -> None:
+    """Pack the variant's captured values and launch on torch's current stream."""
     from attncc.codegen.generate import variant_param_values
 
+    kl, cfg = kern.launcher, kern.config
     vp = variant_param_values(kl.vp.layout, values["scalars"], values["tensors"])
-    kl.launch(grid, (cfg.threads, 1, 1), cfg.smem_bytes, kl.ap.flatten(ap), kl.vp.flatten(vp),
-              stream=torch.cuda.current_stream(device).cuda_stream,
-              cluster=2 if kern.paired else 1)
-    return out, lse
+    kl.launch(launch.grid, (cfg.threads, 1, 1), cfg.smem_bytes, kl.ap.flatten(launch.args),
+              kl.vp.flatten(vp), stream=torch.cuda.current_stream(device).cuda_stream,
+              cluster=launch.cluster)
 
 
 def _fa3_tail_split(pl: LaunchPlan, kernel_options: Mapping[str, Any] | None, items: int,
@@ -940,8 +903,9 @@ def _fa3_tail_split(pl: LaunchPlan, kernel_options: Mapping[str, Any] | None, it
 
 def compiled_kernel_info(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          ir: VariantIR, bindings: Bindings | None = None, **kw: Any) -> dict:
-    """Which kernel a call would run and its resources (registers, spills, tiles), compiling it
-    if needed. For benchmarks and notes.
+    """Which kernel a call would run and its resources (tiles, and the kernel cache's record:
+    registers, ptxas's spill bytes, the driver's local bytes, recompiles), compiling it if
+    needed. For benchmarks and notes.
 
     Example:
         >>> import torch
@@ -950,10 +914,9 @@ def compiled_kernel_info(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     """
     pl = plan_launch(query, key, value, ir, bindings, **kw)
     kern = _kernel_for(pl.ir, pl.head_dim, pl.dtype, pl.tiles, pl.device)
-    kl = kern.launcher
-    return {"kernel": kl.kernel_name, "tq": kern.config.tq, "tkv": kern.config.tkv,
-            "stages": kern.config.stages, "m_frags": kern.config.m_frags, "gf": pl.tiles.gf,
-            "paired": kern.paired,
-            "threads": kern.config.threads,
-            "smem_bytes": kern.config.smem_bytes, "registers": kl.num_regs,
-            "local_bytes": kl.local_bytes, "spill_bytes": spill_bytes(kern.log)}
+    rec, cfg = kern.record, kern.config
+    return {"kernel": rec.kernel_name, "tq": cfg.tq, "tkv": cfg.tkv, "stages": cfg.stages,
+            "m_frags": cfg.m_frags, "gf": pl.tiles.gf, "paired": kern.paired,
+            "threads": cfg.threads, "smem_bytes": cfg.smem_bytes, "registers": rec.registers,
+            "local_bytes": rec.local_bytes, "spill_bytes": rec.spill_bytes,
+            "retries": rec.retries}

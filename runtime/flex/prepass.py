@@ -2,8 +2,8 @@
 GPU, before attention.
 
 `attncc.ir.hoist.split_transforms` splits the hooks off a variant; `choose_prepass` decides which
-to move for a launch, `prepass_kernel` compiles them into kernels/prepass.cuh (cached like the
-attention kernels) and `run_prepass` writes transformed, contiguous copies of q, k and/or v on
+to move for a launch, `prepass_kernel` compiles them into kernels/prepass.cuh (from the kernel
+cache, like the attention kernels) and `run_prepass` writes transformed, contiguous copies of q, k and/or v on
 the current stream, which the attention kernel then reads with identity hooks. The copies are
 new tensors from torch's allocator (so a CUDA-graph capture takes them from its private pool);
 the inputs are never written.
@@ -14,7 +14,6 @@ Example (compiling and launching need a GPU):
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, Mapping
 
 import torch
@@ -27,9 +26,6 @@ ROWS_PER_WARP = 16  # kRowsPerWarp
 THREADS = 32 * WARPS
 # kernel_options PREPASS: which hooks the pre-pass takes ("auto": decided per launch)
 PREPASS_CHOICES = {"none": (), "kv": KV_HOOKS, "qkv": PREPASS_HOOKS}
-
-_KERNELS: dict[tuple, Any] = {}
-_LOCK = threading.Lock()
 
 
 def choose_prepass(ir: VariantIR, *, option: str | None, q_len: int, num_q_heads: int,
@@ -91,29 +87,12 @@ def prepass_source(pre: VariantIR, *, head_dim: int, dtype: str, fast_math: bool
 
 def prepass_kernel(pre: VariantIR, *, head_dim: int, dtype: str, fast_math: bool,
                    device: int) -> Any:
-    """The loaded pre-pass kernel (a KernelLauncher) for `pre` (simplified), compiled once per
-    (hooks, captures, head dim, dtype, fast_math, device) and kept."""
-    key = (tuple((n, h.expr) for n, h in pre.hooks.items()), pre.name, pre.scalars, pre.tensors,
-           head_dim, dtype, fast_math, device)
-    hit = _KERNELS.get(key)
-    if hit is not None:
-        return hit
-    with _LOCK:
-        hit = _KERNELS.get(key)
-        if hit is None:
-            from ..jit.cache import cached_compile
-            from ..jit.launcher import load_kernel
-            from ..jit.nvrtc import device_arch
+    """The loaded pre-pass kernel (a KernelLauncher) for `pre` (simplified), from the kernel
+    cache (runtime/jit/kernels.py)."""
+    from ..jit.kernels import KernelSpec, get_kernel
 
-            with torch.cuda.device(device):
-                arch = device_arch()
-            gk = prepass_source(pre, head_dim=head_dim, dtype=dtype, fast_math=fast_math)
-            res, _ = cached_compile(gk.source, arch=arch, name=f"{gk.kernel_name}.cu",
-                                    verbose=True)
-            hit = _KERNELS[key] = load_kernel(res.cubin, gk.kernel_name,
-                                              gk.attention_params_layout, gk.params_layout,
-                                              device=device)
-        return hit
+    return get_kernel(KernelSpec("prepass", pre, head_dim, dtype, fast_math=fast_math,
+                                 device=device)).launcher
 
 
 def _strides(prefix: str, t: torch.Tensor) -> dict[str, int]:

@@ -40,7 +40,7 @@ import time
 import warnings
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from .nvrtc import NvrtcResult, build_options, compile_cuda, normalize_arch, nvrtc_version
 
@@ -363,8 +363,13 @@ def _resolve_cache(cache: "KernelCache | bool | None") -> KernelCache | None:
 def cached_compile(source: str, *, arch: str | None, options: Sequence[str] = (),
                    cache: KernelCache | bool | None = None, name: str = "attncc.cu",
                    include_dirs: Sequence[str] = (), emit: str = "cubin",
-                   verbose: bool = False) -> tuple[NvrtcResult, bool]:
+                   verbose: bool = False,
+                   keep: Callable[[NvrtcResult], bool] | None = None
+                   ) -> tuple[NvrtcResult, bool]:
     """`compile_cuda` through the cache; returns (result, hit).
+
+    `keep(result)` False leaves a fresh compile out of the disk cache (the kernel cache keeps a
+    cubin that spilled past its form's budget out of it: jit/kernels.py).
 
     `cache=None`/True uses `KernelCache.default()`, False compiles without any caching. Only
     successful compiles are stored. Concurrent processes compiling the same key wait on a
@@ -397,13 +402,41 @@ def cached_compile(source: str, *, arch: str | None, options: Sequence[str] = ()
             return hit, True
         result = compile_cuda(source, arch=arch, name=name, options=options,
                               include_dirs=include_dirs, emit=emit, verbose=verbose)
-        try:
-            kc.put(key, encode_result(result))
-        except OSError as e:  # a full or read-only disk must not fail the compile itself
-            warnings.warn(f"attncc cache: could not write to {kc.dir} ({e}); the kernel works "
-                          f"but will be recompiled next time. Set ATTNCC_CACHE_DIR to a "
-                          f"writable directory", RuntimeWarning, stacklevel=2)
+        if keep is None or keep(result):
+            _put(kc, key, result)
     return result, False
+
+
+def store_compile(source: str, result: NvrtcResult, *, arch: str, name: str = "attncc.cu",
+                  options: Sequence[str] = (), verbose: bool = False,
+                  cache: KernelCache | bool | None = None) -> None:
+    """Write `result` (compiled elsewhere: a retry) under the key `cached_compile` would use
+    for the same arguments, replacing what is there.
+
+    Example:
+        >>> import tempfile
+        >>> from attncc.runtime.jit.nvrtc import available
+        >>> c = KernelCache(tempfile.mkdtemp())
+        >>> if available():  # the key names the NVRTC version
+        ...     store_compile("src", NvrtcResult(b"cubin", None, "log", ()), arch="sm_90a",
+        ...                   cache=c)
+        ...     assert len(c.entries()) == 1
+    """
+    kc = _resolve_cache(cache)
+    if kc is None:
+        return
+    arch = normalize_arch(arch)
+    opts = build_options(arch, options=options, verbose=verbose)
+    _put(kc, _key(source, arch, opts, name), result)
+
+
+def _put(kc: KernelCache, key: str, result: NvrtcResult) -> None:
+    try:
+        kc.put(key, encode_result(result))
+    except OSError as e:  # a full or read-only disk must not fail the compile itself
+        warnings.warn(f"attncc cache: could not write to {kc.dir} ({e}); the kernel works "
+                      f"but will be recompiled next time. Set ATTNCC_CACHE_DIR to a "
+                      f"writable directory", RuntimeWarning, stacklevel=3)
 
 
 @functools.lru_cache(maxsize=256)

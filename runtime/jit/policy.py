@@ -1,5 +1,5 @@
-"""The compile policy flex and serving share: reading ptxas's `-v` report (spill bytes, wgmma
-serialization notes) and the FA3 fallback to the low-pressure form when the first compile spills.
+"""Reading ptxas's `-v` report: spill bytes and wgmma serialization notes (what the kernel
+cache's fallback forms in jit/kernels.py act on).
 
 Example:
     >>> spill_bytes("ptxas info : 8 bytes spill stores, 8 bytes spill loads")
@@ -8,9 +8,8 @@ Example:
 from __future__ import annotations
 
 import re
-from typing import Any
 
-__all__ = ["FA3_LOW_PRESSURE", "compile_fa3", "spill_bytes", "wgmma_notes"]
+__all__ = ["spill_bytes", "wgmma_notes"]
 
 
 def spill_bytes(log: str) -> int:
@@ -27,29 +26,3 @@ def wgmma_notes(log: str) -> list[str]:
     ['ptxas info    : (C7517) warpgroup.wait is injected']
     """
     return [ln for ln in log.splitlines() if "(C751" in ln]
-
-
-FA3_LOW_PRESSURE = "#define ATTNCC_FA3_LOW_PRESSURE 1\n"
-"""Prepended to an FA3 translation unit (dense or batch) whose first compile spilled: the
-kernels' other way to evaluate a tile's logits (kernels/fa3_prefill.cuh), fewer registers for
-more instructions."""
-
-
-def compile_fa3(source: str, *, arch: str, name: str) -> tuple[Any, bool]:
-    """Compile an FA3 translation unit (through the kernel cache) as it is and, if ptxas
-    spills, again with `FA3_LOW_PRESSURE`; returns (the NvrtcResult used, whether it is the
-    low-pressure one). The second compile is kept only if it spills less.
-
-    Example (compiling needs NVRTC):
-        >>> FA3_LOW_PRESSURE.startswith("#define ATTNCC_FA3_LOW_PRESSURE")
-        True
-    """
-    from .cache import cached_compile
-
-    res, _ = cached_compile(source, arch=arch, name=name, verbose=True)
-    if spill_bytes(res.log) == 0:
-        return res, False
-    low, _ = cached_compile(FA3_LOW_PRESSURE + source, arch=arch, name=name, verbose=True)
-    if spill_bytes(low.log) < spill_bytes(res.log):
-        return low, True
-    return res, False

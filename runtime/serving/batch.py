@@ -43,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import threading
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -58,10 +57,9 @@ from attncc.ir.program import Bindings, VariantIR
 from ..jit.device import num_sms
 from ..jit.launch_args import captured, clamped
 from ..jit.launcher import driver, driver_check
-from ..jit.policy import compile_fa3, spill_bytes
-from ..jit.sources import fa2_source
-from ..jit.tiles import HEAD_DIMS, Fa2Config, fa2_config
-from .fa3_batch import fa3_batch_maps, fa3_batch_source, fa3_batch_tiles, fa3_unsupported
+from ..jit.kernels import Fa2Tiles, KernelRecord, KernelSpec, LoadedKernel, get_kernel
+from ..jit.tiles import HEAD_DIMS, fa2_config
+from .fa3_batch import fa3_batch_maps, fa3_batch_tiles, fa3_unsupported
 from .plan import planner, scheduler
 from .plan.checks import KV_LAYOUTS, RAGGED_PAGE, CheckedBatch, check_batch, int_array, page_shift
 from .plan.lpt import lpt_schedule
@@ -205,57 +203,18 @@ class _LazyPlan:
         return getattr(self._plan, name)
 
 
-class _Kernels:
-    """The compiled batch kernel and its merge kernel for one (variant, head dim, dtype, tiles)."""
-
-    def __init__(self, ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
-                 device: int) -> None:
-        from attncc.ir.simplify import simplify_variant
-
-        from ..jit.cache import cached_compile
-        from ..jit.launcher import load_kernel
-        from ..jit.nvrtc import device_arch
-
-        with torch.cuda.device(device):
-            arch = device_arch()
-        self.ir = simplify_variant(ir)
-        if tiles.kernel == "fa3":
-            gk = fa3_batch_source(self.ir, head_dim, dtype)
-            src, name = gk.source, gk.kernel_name
-            vp_layout, bp_layout = gk.params_layout, gk.attention_params_layout
-            self.config = Fa2Config(head_dim, tiles.tq, tiles.tkv, tiles.stages, 1,
-                                    gk.threads // 32, gk.threads, gk.shared_mem_bytes)
-        else:
-            self.config = fa2_config(head_dim, tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
-                                     tiles.kv_warps)
-            src, name, vp_layout, bp_layout = fa2_source(
-                self.ir, head_dim=head_dim, dtype=dtype, tq=tiles.tq, tkv=tiles.tkv,
-                stages=tiles.stages, m_frags=tiles.m_frags, batch=True, kv_warps=tiles.kv_warps)
-        if tiles.kernel == "fa3":
-            res, _ = compile_fa3(src, arch=arch, name=f"{name}.cu")
-        else:
-            res, _ = cached_compile(src, arch=arch, name=f"{name}.cu", verbose=True)
-        self.spill_bytes = spill_bytes(res.log)
-        self.attend = load_kernel(res.cubin, name, bp_layout, vp_layout, device=device,
-                                  dynamic_smem=self.config.smem_bytes)
-        self.merge = load_kernel(res.cubin, name + "_merge", bp_layout, vp_layout,
-                                 device=device)
-
-
-_KERNELS: dict[tuple, _Kernels] = {}
-_KERNELS_LOCK = threading.Lock()
-
-
 def _kernels_for(ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
-                 device: int) -> _Kernels:
-    key = (tuple((n, h.expr) for n, h in ir.hooks.items()), ir.normalize, ir.name, ir.scalars,
-           ir.tensors, head_dim, dtype, tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
-           tiles.kv_warps, tiles.kernel, device)
-    with _KERNELS_LOCK:
-        hit = _KERNELS.get(key)
-        if hit is None:
-            hit = _KERNELS[key] = _Kernels(ir, head_dim, dtype, tiles, device)
-        return hit
+                 device: int) -> LoadedKernel:
+    """The batch kernel and its merge kernel (`.launcher`, `.merge`) for one (variant, head
+    dim, dtype, tiles), from the kernel cache (runtime/jit/kernels.py)."""
+    if tiles.kernel == "fa3":
+        spec = KernelSpec("fa3_batch", ir, head_dim, dtype, fa3_batch_tiles(head_dim),
+                          device=device)
+    else:
+        spec = KernelSpec("decode" if tiles.kv_warps > 1 else "fa2_batch", ir, head_dim, dtype,
+                          Fa2Tiles(tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
+                                   tiles.kv_warps), device=device)
+    return get_kernel(spec)
 
 
 class _Uploader:
@@ -766,6 +725,12 @@ class BatchAttention:
         self._ws_checked = (ws, lay, self.head_dim, self._int_words())
         return ws
 
+    def kernel_record(self) -> KernelRecord | None:
+        """The kernel cache's record (ptxas's spill bytes, the driver's local bytes, registers,
+        recompiles) of the batch kernel the last run() launched; None before the first run."""
+        kern = getattr(self, "_last_kernel", None)
+        return kern.record if kern is not None else None
+
     # ------------------------------------------------------------------------------ run
     def run(self, q: torch.Tensor, kv_cache: Any, *, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None, return_lse: bool = False,
@@ -796,8 +761,9 @@ class BatchAttention:
         ir, bindings = self._safe_reads(*self.variant.trace())
         if not ir.use_softmax and (return_lse or lse is not None):
             raise ValueError("return_lse=True but the variant has normalize='none'")
-        kern = _kernels_for(ir, D, "bfloat16" if q.dtype == torch.bfloat16 else "float16",
-                            self.tiles, self.device.index or 0)
+        kern = self._last_kernel = _kernels_for(
+            ir, D, "bfloat16" if q.dtype == torch.bfloat16 else "float16", self.tiles,
+            self.device.index or 0)
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
@@ -840,11 +806,12 @@ class BatchAttention:
         from attncc.codegen.generate import variant_param_values
 
         cap = captured(kern.ir, bindings, self.device)
-        vp = variant_param_values(kern.attend.vp.layout, cap["scalars"], cap["tensors"])
+        vp = variant_param_values(kern.launcher.vp.layout, cap["scalars"], cap["tensors"])
         stream = torch.cuda.current_stream(self.device).cuda_stream
         cfg = kern.config
-        kern.attend.launch((lay.max_ctas, 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
-                           kern.attend.ap.flatten(bp), kern.attend.vp.flatten(vp), stream=stream)
+        kern.launcher.launch((lay.max_ctas, 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
+                             kern.launcher.ap.flatten(bp), kern.launcher.vp.flatten(vp),
+                             stream=stream)
         if lay.max_merges:  # the split items' merge
             grid = min(lay.max_merges, num_sms(self.device))
             kern.merge.launch((grid, 1, 1), (MERGE_THREADS, 1, 1), 0,

@@ -4,7 +4,8 @@
 `fits_kernel`) and what `CascadeAttention` joins its two passes with. It computes in float32
 whatever the storage type of o (the torch formula of `merge.py` computes in the inputs'
 dtype), writes o in that storage type and lse in float32, and needs no host synchronisation, so
-it can be captured in a CUDA graph. The kernel is compiled once per (storage type, device).
+it can be captured in a CUDA graph. The kernel comes from the kernel cache
+(runtime/jit/kernels.py), one per (storage type, device).
 
 Example (launching needs a GPU):
     >>> import torch
@@ -13,7 +14,6 @@ Example (launching needs a GPU):
 """
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -22,8 +22,6 @@ __all__ = ["fits_kernel", "merge_fitting_states", "merge_state_cuda"]
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _THREADS = 256  # kernels/merge_state.cuh merge::kThreads
-_KERNELS: dict[tuple[str, int], Any] = {}
-_LOCK = threading.Lock()
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -56,25 +54,9 @@ def fits_kernel(o_a: torch.Tensor, lse_a: torch.Tensor | None, o_b: torch.Tensor
 
 
 def _kernel(dtype: str, device: int) -> Any:
-    hit = _KERNELS.get((dtype, device))
-    if hit is not None:
-        return hit
-    with _LOCK:
-        hit = _KERNELS.get((dtype, device))
-        if hit is None:
-            from attncc.codegen.merge_state import merge_state_source
+    from ..jit.kernels import KernelSpec, get_kernel
 
-            from ..jit.cache import cached_compile
-            from ..jit.launcher import load_kernel
-            from ..jit.nvrtc import device_arch
-
-            with torch.cuda.device(device):
-                arch = device_arch()
-            mk = merge_state_source(dtype)
-            res, _ = cached_compile(mk.source, arch=arch, name=f"{mk.kernel_name}.cu")
-            hit = _KERNELS[(dtype, device)] = load_kernel(res.cubin, mk.kernel_name,
-                                                          mk.params_layout, None, device=device)
-        return hit
+    return get_kernel(KernelSpec("merge", dtype=dtype, device=device)).launcher
 
 
 def merge_state_cuda(o_a: torch.Tensor, lse_a: torch.Tensor | None, o_b: torch.Tensor,

@@ -16,6 +16,7 @@ import torch
 import attncc
 from attncc.ir.analysis import CapturedReadError, Shapes
 from attncc.runtime.flex import gpu_flex
+from attncc.runtime.jit.kernels import FA2_SPILL_BUDGET
 from attncc.runtime.jit.policy import spill_bytes, wgmma_notes
 from attncc.runtime.jit.sources import fa2_source
 from attncc.runtime.reference import attention_reference
@@ -65,7 +66,7 @@ def test_clamped_fa3_kernel_has_no_spills(d: int) -> None:
 
 @pytest.mark.nvrtc
 def test_clamped_fa2_kernel_attncc_runs_has_no_spills_beyond_budget() -> None:
-    """What `_kernel_for` runs: the planned tiles if within the spill budget, else one fragment
+    """What the kernel cache runs: the planned tiles if within the spill budget, else one fragment
     per warp (the clamp's two integer ops took the two-fragment D 128 form from 160 to 204
     spilled bytes with NVRTC 12.9, past the 192-byte budget: the fallback then runs)."""
     from attncc.ir.simplify import simplify_variant
@@ -77,25 +78,26 @@ def test_clamped_fa2_kernel_attncc_runs_has_no_spills_beyond_budget() -> None:
         src, _, _, _ = fa2_source(ir, head_dim=128, dtype="bfloat16", tq=plan.tq,
                                   tkv=plan.tkv, stages=plan.stages, m_frags=m_frags)
         res = compile_cuda(src, arch="sm_90a", verbose=True)
-        if spill_bytes(res.log) <= gpu_flex._SPILL_BUDGET[m_frags]:
+        if spill_bytes(res.log) <= FA2_SPILL_BUDGET[m_frags]:
             break
-    assert spill_bytes(res.log) <= gpu_flex._SPILL_BUDGET[m_frags], res.log
+    assert spill_bytes(res.log) <= FA2_SPILL_BUDGET[m_frags], res.log
 
 
 @pytest.mark.nvrtc
 def test_clamped_serving_kernels_compile_without_spills() -> None:
     """The FA2 and FA3 batch kernels of a clamped variant, as BatchAttention compiles them
-    (FA3 through compile_fa3: its low-pressure form if the first spills)."""
+    (FA3 through the kernel cache: its low-pressure form if the first spills)."""
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.serving.fa3_batch import fa3_batch_source
+    from attncc.runtime.jit.kernels import KernelSpec, compile_spec
     from attncc.runtime.jit.nvrtc import compile_cuda
+    from attncc.runtime.serving.fa3_batch import fa3_batch_tiles
 
     ir = simplify_variant(_clamped_ir(700, 8, 128))
     src, _, _, _ = fa2_source(ir, head_dim=128, dtype="bfloat16", tq=16, tkv=64,
                               batch=True, kv_warps=2)
     assert spill_bytes(compile_cuda(src, arch="sm_90a", verbose=True).log) == 0
-    gk = fa3_batch_source(ir, 128, "bfloat16")
-    res, _ = gpu_flex.compile_fa3(gk.source, arch="sm_90a", name=f"{gk.kernel_name}.cu")
+    res = compile_spec(KernelSpec("fa3_batch", ir, 128, "bfloat16", fa3_batch_tiles(128)),
+                       "sm_90a").result
     assert spill_bytes(res.log) == 0, res.log
 
 

@@ -14,6 +14,7 @@ import attncc
 from attncc.ir.hoist import KV_HOOKS, PREPASS_HOOKS
 from attncc.runtime.flex import gpu_flex
 from attncc.runtime.flex.gpu_flex import choose_tiles
+from attncc.runtime.jit.kernels import generate
 from examples.gym import GYM, causal, sliding_window
 
 from .repeats import assert_repeats_bitwise
@@ -136,24 +137,21 @@ def test_fa3_compiles_without_spills(name: str, d: int, tkv: int, stages: int) -
 @pytest.mark.parametrize("name,d", [("document_causal", 64), ("document_causal", 128),
                                     ("relative_bias", 128), ("causal", 128)])
 def test_fa3_kernel_attncc_runs_has_no_spills(name: str, d: int) -> None:
-    """`compile_fa3` (what attncc runs): the kernel as it is when its first compile is
-    spill-free, else its ATTNCC_FA3_LOW_PRESSURE form -- spill-free in every case here (the
-    first compile of document_causal and relative_bias spills 32-344 bytes with NVRTC 12.9)."""
+    """The kernel cache's `compile_spec` (what attncc runs): the kernel as it is when its first
+    compile is spill-free, else its ATTNCC_FA3_LOW_PRESSURE form -- spill-free in every case
+    here (the first compile of document_causal and relative_bias spills 32-344 bytes with NVRTC
+    12.9)."""
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.jit.cache import cached_compile
-    from attncc.runtime.flex.gpu_flex import _fa3_generated
-    from attncc.runtime.jit.policy import compile_fa3, spill_bytes
     from attncc.runtime.flex.tile_choice import choose_tiles
+    from attncc.runtime.jit.kernels import compile_spec
 
     plan = choose_tiles(d, q_len=4096, kv_len=4096, group=1, heads=16, batch=1,
                         kernel_options=FA3)
     ir = simplify_variant(VARIANTS[name](1, 16, 4096, d).trace()[0])
-    gk = _fa3_generated(ir, d, "bfloat16", plan)  # the translation unit attncc compiles
-    name_cu = f"{gk.kernel_name}.cu"
-    first, _ = cached_compile(gk.source, arch="sm_90a", name=name_cu, verbose=True)
-    res, low = compile_fa3(gk.source, arch="sm_90a", name=name_cu)
-    assert low is (spill_bytes(first.log) > 0)
-    assert spill_bytes(res.log) == 0, res.log
+    trail: list = []
+    form = compile_spec(gpu_flex.kernel_spec(ir, d, "bfloat16", plan), "sm_90a", trail)
+    assert form.spec.low_pressure is (trail[0].spill_bytes > 0)
+    assert form.spill_bytes == 0, form.result.log
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: Any, bind: Any, bm: Any,
@@ -372,6 +370,6 @@ def test_fa3_band_mask_on_partial_tiles(band: str, S: int, block: Any, rng: Any)
     bm = attncc.create_block_mask(BANDS[band], None, None, S, S, device="cuda", BLOCK_SIZE=block)
     ir, bind = attncc.Variant(score_mod=GYM["softcap"](2, 4, S, d).score_mod).trace()
     pl = gpu_flex.plan_launch(q, k, v, ir, bind, block_mask=bm, kernel_options=FA3)
-    source = gpu_flex._fa3_generated(pl.ir, d, "bfloat16", pl.tiles).source
+    source = generate(gpu_flex.kernel_spec(pl.ir, d, "bfloat16", pl.tiles)).source
     assert "has_kv_window = true" in source  # the kernel takes the band path
     _check(q, k, v, ir, bind, bm, 1)

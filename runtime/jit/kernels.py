@@ -1,0 +1,529 @@
+"""The one kernel cache: every kernel attncc launches (flex FA2 / FA3 prefill, the transform
+pre-pass, serving FA2 / FA3 batch and decode, the merge kernel) comes from `get_kernel(spec)`.
+
+A `KernelSpec` (kernel kind, the variant's IR key, head dim, dtype, tiles, form, fast_math,
+device) -> `generate` (one function per kind: the translation unit) -> `compile_spec` (the disk
+cache of `jit/cache.py`, and the single place where a spill or a ptxas wgmma note picks the
+fallback form) -> `launcher.load_kernel`. One dict, one lock, one double-checked lookup.
+
+ptxas's output is not always a pure function of its input (a fresh H200 machine returned a
+spilled cubin for a source that compiles spill-free everywhere else:
+docs/kernel-interface.md#8-the-kernel-cache), so a form that spills past what it is expected
+to (`spill_budget`) is compiled again in a fresh NVRTC program, then once in a fresh
+subprocess, before a fallback form is considered; such a cubin is never written to the disk
+cache; and a kernel loaded with local memory where none was expected is a `ResourceError`
+under ATTNCC_STRICT_RESOURCES=1 (a warning otherwise).
+
+Example (generating needs neither NVRTC nor a GPU):
+    >>> spec = KernelSpec("merge", dtype="bfloat16")
+    >>> generate(spec).kernel_name
+    'attncc_merge_state_bf16'
+    >>> spill_budget(KernelSpec("fa2_prefill", tiles=Fa2Tiles(128, 64, 2, 2)))
+    192
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from attncc.codegen.fa2 import Fa2Tiles
+from attncc.errors import ResourceError
+from attncc.ir.program import VariantIR
+
+from .cache import cached_compile, store_compile
+from .nvrtc import NvrtcResult, compile_cuda
+from .policy import spill_bytes, wgmma_notes
+from .tiles import Fa2Config, fa2_config
+
+__all__ = ["KINDS", "FA2_SPILL_BUDGET", "FA3_PAIRED", "FA3_LOW_PRESSURE", "STRICT_ENV",
+           "KernelSpec", "Generated", "CompiledForm", "KernelRecord", "LoadedKernel",
+           "variant_key", "generate", "spill_budget", "compile_form", "compile_spec",
+           "get_kernel", "check_resources", "clear_loaded", "Fa2Tiles"]
+
+KINDS = ("fa2_prefill", "fa3_prefill", "fa2_batch", "decode", "fa3_batch", "prepass", "merge")
+
+# Spill bytes (stores + loads, ptxas -v) an FA2 form may have before the prefill path falls back
+# to smaller tiles. One fragment per warp: none. Two: ptxas at the 255-register cap spills a few
+# words for some hooks, and those kernels still beat the spill-free one-fragment fallback
+# (docs/journal/2026-11-30.md, "two fragments per warp").
+FA2_SPILL_BUDGET = {1: 0, 2: 192}
+
+# The FA3 forms, prepended to the translation unit (kernels/fa3_consumer.cuh, fa3_prefill.cuh).
+FA3_PAIRED = "#define ATTNCC_FA3_PAIRED 1\n"
+FA3_LOW_PRESSURE = "#define ATTNCC_FA3_LOW_PRESSURE 1\n"
+
+STRICT_ENV = "ATTNCC_STRICT_RESOURCES"
+
+
+def variant_key(ir: VariantIR | None) -> tuple:
+    """What identifies a variant's kernels: its hooks' (interned) expressions, normalization,
+    name and captured declarations.
+
+    Example:
+        >>> variant_key(VariantIR(name="plain")) == variant_key(VariantIR(name="plain"))
+        True
+    """
+    if ir is None:
+        return ()
+    return (tuple((n, h.expr) for n, h in ir.hooks.items()), ir.normalize, ir.name, ir.scalars,
+            ir.tensors)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel to build: hashable, compared by the variant's key (`ir_key`), not the IR object.
+
+    `kind` is one of KINDS; `tiles` the FA2/FA3 tiles (None for prepass and merge); `paired` /
+    `low_pressure` the FA3 forms; `fast_math` the hooks' math (the FA3 batch kernel uses the
+    template's default); `forced` marks FA2 tiles the user gave (kernel_options): compiled as
+    given, no fallback, no resource check; `device` the CUDA device (None: compile only).
+
+    Example:
+        >>> a = KernelSpec("prepass", ir=VariantIR(name="x"), head_dim=64)
+        >>> a == replace(a, ir=VariantIR(name="x")), a == replace(a, head_dim=128)
+        (True, False)
+    """
+
+    kind: str
+    ir: VariantIR | None = field(default=None, compare=False, repr=False)
+    head_dim: int = 0
+    dtype: str = "bfloat16"
+    tiles: Fa2Tiles | None = None
+    paired: bool = False
+    low_pressure: bool = False
+    fast_math: bool = True
+    forced: bool = False
+    device: int | None = None
+    ir_key: tuple = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kernel kind {self.kind!r}: use one of {', '.join(KINDS)}")
+        object.__setattr__(self, "ir_key", variant_key(self.ir))
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A spec's translation unit (its form's macros prepended) and what launching it needs."""
+
+    spec: KernelSpec
+    source: str
+    kernel_name: str
+    attention_layout: Any  # the first argument struct (AttentionParams / BatchParams / ...)
+    params_layout: Any  # VariantParams_<name>, None for the merge kernel
+    threads: int
+    smem_bytes: int  # dynamic shared memory to request
+    config: Fa2Config | None  # the attention kernels' tiles as launched
+
+
+# ------------------------------------------------------------------------------- generate
+def _fa2(spec: KernelSpec) -> Generated:
+    from .sources import fa2_source
+
+    t = spec.tiles
+    cfg = fa2_config(spec.head_dim, t.tq, t.tkv, t.stages, t.m_frags, t.kv_warps)
+    src, name, vp, ap = fa2_source(spec.ir, head_dim=spec.head_dim, dtype=spec.dtype, tq=t.tq,
+                                   tkv=t.tkv, stages=t.stages, m_frags=t.m_frags,
+                                   fast_math=spec.fast_math, batch=spec.kind != "fa2_prefill",
+                                   kv_warps=t.kv_warps)
+    return Generated(spec, src, name, ap, vp, cfg.threads, cfg.smem_bytes, cfg)
+
+
+def _fa3(spec: KernelSpec) -> Generated:
+    from attncc.codegen.generate import generate_source
+
+    t = spec.tiles
+    if spec.kind == "fa3_batch":  # the batch kernel's hooks use the template's default math
+        gk = generate_source(spec.ir, head_dim=spec.head_dim, dtype=spec.dtype,
+                             kernel="fa3batch", tiles=t)
+    else:
+        gk = generate_source(spec.ir, head_dim=spec.head_dim, dtype=spec.dtype, kernel="fa3",
+                             fast_math=spec.fast_math, tiles=t)
+    cfg = Fa2Config(spec.head_dim, t.tq, t.tkv, t.stages, 1, gk.threads // 32, gk.threads,
+                    gk.shared_mem_bytes)
+    return Generated(spec, gk.source, gk.kernel_name, gk.attention_params_layout,
+                     gk.params_layout, gk.threads, gk.shared_mem_bytes, cfg)
+
+
+def _prepass(spec: KernelSpec) -> Generated:
+    from attncc.codegen.generate import generate_source
+
+    gk = generate_source(spec.ir, head_dim=spec.head_dim, dtype=spec.dtype, kernel="prepass",
+                         fast_math=spec.fast_math)
+    return Generated(spec, gk.source, gk.kernel_name, gk.attention_params_layout,
+                     gk.params_layout, gk.threads, 0, None)
+
+
+def _merge(spec: KernelSpec) -> Generated:
+    from attncc.codegen.merge_state import merge_state_source
+
+    mk = merge_state_source(spec.dtype)
+    return Generated(spec, mk.source, mk.kernel_name, mk.params_layout, None, 0, 0, None)
+
+
+_GENERATORS: dict[str, Callable[[KernelSpec], Generated]] = {
+    "fa2_prefill": _fa2, "fa2_batch": _fa2, "decode": _fa2, "fa3_prefill": _fa3,
+    "fa3_batch": _fa3, "prepass": _prepass, "merge": _merge}
+
+
+def generate(spec: KernelSpec) -> Generated:
+    """The translation unit of `spec` (its IR as given: callers simplify). The FA3 forms are
+    prepended macros, here and nowhere else (the order keeps today's cubins).
+
+    Example:
+        >>> from attncc.codegen.fa2 import fa3_tiles
+        >>> g = generate(KernelSpec("fa3_prefill", ir=VariantIR(name="p"), head_dim=128,
+        ...                         tiles=fa3_tiles(3), paired=True, low_pressure=True))
+        >>> g.source.startswith(FA3_LOW_PRESSURE + FA3_PAIRED), g.kernel_name
+        (True, 'attncc_p_fa3_d128_bf16_q128_k128_s3')
+    """
+    gen = _GENERATORS[spec.kind](spec)
+    source = gen.source
+    if spec.paired:
+        source = FA3_PAIRED + source
+    if spec.low_pressure:
+        source = FA3_LOW_PRESSURE + source
+    return replace(gen, source=source)
+
+
+# ------------------------------------------------------------------------------- compile
+def spill_budget(spec: KernelSpec) -> int:
+    """Spill bytes `spec`'s form is expected to stay within: FA2 two-fragment forms
+    FA2_SPILL_BUDGET[2], every other form none (it is the spill-free form)."""
+    if spec.kind == "fa2_prefill" and spec.tiles is not None:
+        return FA2_SPILL_BUDGET[spec.tiles.m_frags]
+    return 0
+
+
+@dataclass(frozen=True)
+class CompiledForm:
+    """One compiled form: what NVRTC returned and what ptxas reported."""
+
+    gen: Generated
+    result: NvrtcResult
+    spill_bytes: int
+    notes: tuple[str, ...]  # ptxas wgmma serialization notes (policy.wgmma_notes)
+    retries: int  # recompiles because the form spilled past its budget
+    budget: int
+
+    @property
+    def spec(self) -> KernelSpec:
+        return self.gen.spec
+
+    @property
+    def pressure(self) -> tuple[int, int]:
+        """(spill bytes, wgmma notes): what the FA3 fallback compares."""
+        return self.spill_bytes, len(self.notes)
+
+
+# Forms that spilled past their budget in every retry: kept for this process only, never on disk.
+_UNTRUSTED: dict[tuple[str, str, str], CompiledForm] = {}
+_UNTRUSTED_LOCK = threading.Lock()
+
+
+def _verbose(spec: KernelSpec) -> bool:
+    return spec.kind != "merge"  # the merge kernel is compiled without ptxas's report
+
+
+def compile_form(spec: KernelSpec, arch: str) -> CompiledForm:
+    """Compile exactly `spec`'s form (through the disk cache). A result that spills past
+    `spill_budget(spec)` is compiled again in a fresh NVRTC program, then once in a fresh
+    subprocess; only a result within budget is written to the disk cache."""
+    gen = generate(spec)
+    budget, verbose, name = spill_budget(spec), _verbose(spec), f"{gen.kernel_name}.cu"
+    memo = (hashlib.sha256(gen.source.encode()).hexdigest(), arch, name)
+    with _UNTRUSTED_LOCK:
+        hit = _UNTRUSTED.get(memo)
+    if hit is not None:
+        return replace(hit, gen=gen)
+
+    def within(r: NvrtcResult) -> bool:
+        return spill_bytes(r.log) <= budget
+
+    res, _ = cached_compile(gen.source, arch=arch, name=name, verbose=verbose, keep=within)
+    retries = 0
+    for again in (_compile_fresh, _compile_in_subprocess):
+        if within(res):
+            break
+        retries += 1
+        res = again(gen.source, arch, name, verbose) or res
+        if within(res):
+            store_compile(gen.source, res, arch=arch, name=name, verbose=verbose)
+    form = CompiledForm(gen, res, spill_bytes(res.log), tuple(wgmma_notes(res.log)), retries,
+                        budget)
+    if not within(res):
+        with _UNTRUSTED_LOCK:
+            _UNTRUSTED[memo] = form
+    return form
+
+
+def _compile_fresh(source: str, arch: str, name: str, verbose: bool) -> NvrtcResult:
+    """A new NVRTC program in this process (no cache)."""
+    return compile_cuda(source, arch=arch, name=name, verbose=verbose)
+
+
+_SUBPROCESS = r"""
+import importlib.util, json, sys, types
+errors_py, nvrtc_py, work = sys.argv[1:4]
+pkg = types.ModuleType("attncc"); pkg.__path__ = []; sys.modules["attncc"] = pkg
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec); sys.modules[name] = mod
+    spec.loader.exec_module(mod); return mod
+load("attncc.errors", errors_py)
+nv = load("attncc_nvrtc_only", nvrtc_py)
+args = json.load(open(work + "/args.json"))
+r = nv.compile_cuda(open(work + "/source.cu").read(), **args)
+open(work + "/cubin", "wb").write(r.cubin)
+json.dump({"log": r.log, "options": list(r.options)}, open(work + "/result.json", "w"))
+"""
+
+
+def _compile_in_subprocess(source: str, arch: str, name: str,
+                           verbose: bool) -> NvrtcResult | None:
+    """A compile in a fresh Python process that imports only jit/nvrtc.py (and the errors it
+    raises): no torch, no CUDA context, nothing this process did before. None (and a warning)
+    if that process fails: the spilled result then stands and the fallback forms follow."""
+    import attncc.errors
+
+    with tempfile.TemporaryDirectory(prefix="attncc-recompile-") as work:
+        Path(work, "source.cu").write_text(source)
+        Path(work, "args.json").write_text(json.dumps(
+            {"arch": arch, "name": name, "verbose": verbose}))
+        cmd = [sys.executable, "-c", _SUBPROCESS, attncc.errors.__file__,
+               str(Path(__file__).with_name("nvrtc.py")), work]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            warnings.warn(f"attncc: {name} spilled where its form is expected not to, and the "
+                          f"recompile in a fresh process failed:\n{done.stderr[-2000:]}",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        meta = json.loads(Path(work, "result.json").read_text())
+        return NvrtcResult(Path(work, "cubin").read_bytes(), None, meta["log"],
+                           tuple(meta["options"]))
+
+
+def _fa2_fallback(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -> CompiledForm:
+    """One fragment per warp (half the accumulators per thread), then smaller KV tiles (fewer S
+    accumulators), then smaller query tiles (more CTAs, same registers per thread), until a
+    form is within its budget; tiles the user forced are compiled as given."""
+    t = spec.tiles
+    tiles = [(t.tq, t.tkv, t.m_frags)]
+    tiles += [(t.tq, t.tkv, 1)] if t.m_frags > 1 else []
+    tiles += [(t.tq, k, 1) for k in (32,) if k < t.tkv]
+    tiles += [(q, min(t.tkv, 64), 1) for q in (64,) if q < t.tq]
+    for i, (tq, tkv, mf) in enumerate(tiles):
+        fa2_config(spec.head_dim, tq, tkv, t.stages, mf)  # ValueError naming a bad tile
+        form = compile_form(replace(spec, tiles=Fa2Tiles(tq, tkv, t.stages, mf, t.kv_warps)),
+                            arch)
+        trail.append(form)
+        if form.spill_bytes <= form.budget or i == len(tiles) - 1 or spec.forced:
+            return form
+    raise AssertionError("unreachable: the last tile returns")
+
+
+def _fa3_low_pressure(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -> CompiledForm:
+    """The form as it is and, if it spills or loses its wgmma pipeline, its low-pressure form,
+    kept only if that does better."""
+    first = compile_form(spec, arch)
+    trail.append(first)
+    if first.pressure == (0, 0):
+        return first
+    low = compile_form(replace(spec, low_pressure=True), arch)
+    trail.append(low)
+    return low if low.pressure < first.pressure else first
+
+
+def _fa3_fallback(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -> CompiledForm:
+    """A CTA pair whose forms all spill (where the single-CTA form does not: document_causal
+    at head dim 128, NVRTC 12.9) runs unpaired: the caller launches the returned spec."""
+    form = _fa3_low_pressure(spec, arch, trail)
+    if spec.paired and form.pressure != (0, 0):
+        form = _fa3_low_pressure(replace(spec, paired=False), arch, trail)
+    return form
+
+
+def compile_spec(spec: KernelSpec, arch: str,
+                 trail: list[CompiledForm] | None = None) -> CompiledForm:
+    """The form attncc runs for `spec` (IR simplified), compiled: FA2 prefill walks its
+    fallback tiles, FA3 (dense and batch) its low-pressure and unpaired forms, every other kind
+    is one form. `trail`, if given, receives every form compiled, in order. Needs NVRTC only.
+
+    Example (compiling needs NVRTC):
+        >>> from attncc.runtime.jit.nvrtc import available
+        >>> if available():
+        ...     f = compile_spec(KernelSpec("merge", dtype="float16"), "sm_90a")
+        ...     assert f.spill_bytes == 0 and f.spec.kind == "merge"
+    """
+    trail = trail if trail is not None else []
+    if spec.kind == "fa2_prefill" and spec.tiles is not None:
+        return _fa2_fallback(spec, arch, trail)
+    if spec.kind in ("fa3_prefill", "fa3_batch"):
+        return _fa3_fallback(spec, arch, trail)
+    form = compile_form(spec, arch)
+    trail.append(form)
+    return form
+
+
+# ------------------------------------------------------------------------------- load
+@dataclass(frozen=True)
+class KernelRecord:
+    """The resources of a loaded kernel: ptxas's spill bytes, the driver's local bytes (the
+    largest of its functions), registers, recompiles, and the spill budget of its form (None:
+    tiles forced by the user, not checked)."""
+
+    kernel_name: str
+    spill_bytes: int
+    local_bytes: int
+    registers: int
+    retries: int
+    spill_budget: int | None
+
+    def problem(self) -> str | None:
+        """What is wrong with these resources (None: as expected).
+
+        Example:
+            >>> print(KernelRecord("k", 16, 8, 168, 2, 0).problem())
+            ptxas spilled 16 B (budget 0 B) and the loaded kernel uses 8 B of local memory ...
+            >>> KernelRecord("k", 112, 112, 255, 0, 192).problem() is None
+            True
+        """
+        if self.spill_budget is None:
+            return None
+        parts = []
+        if self.spill_bytes > self.spill_budget:
+            parts.append(f"ptxas spilled {self.spill_bytes} B (budget {self.spill_budget} B)")
+        if self.local_bytes and (self.spill_budget == 0 or self.spill_bytes > self.spill_budget):
+            parts.append(f"the loaded kernel uses {self.local_bytes} B of local memory "
+                         f"(budget {self.spill_budget} B)")
+        return " and ".join(parts) or None
+
+
+@dataclass
+class LoadedKernel:
+    """A spec's kernel as loaded: the form compiled (`spec`: the fallback applied), its
+    launcher (and the batch kernels' merge kernel), tiles, simplified IR, log and record."""
+
+    spec: KernelSpec
+    launcher: Any  # launcher.KernelLauncher
+    merge: Any | None
+    config: Fa2Config | None
+    ir: VariantIR | None
+    log: str
+    record: KernelRecord
+
+    @property
+    def paired(self) -> bool:
+        return self.spec.paired
+
+
+def check_resources(record: KernelRecord) -> None:
+    """Raise ResourceError (ATTNCC_STRICT_RESOURCES=1) or warn when a kernel was loaded with
+    spills or local memory its form was not expected to have.
+
+    Example:
+        >>> import os
+        >>> saved = os.environ.get(STRICT_ENV)
+        >>> os.environ[STRICT_ENV] = "1"
+        >>> try:
+        ...     check_resources(KernelRecord("attncc_k", 16, 8, 168, 2, 0))
+        ... except ResourceError as e:
+        ...     print(str(e)[:60])
+        attncc_k: ptxas spilled 16 B (budget 0 B) and the loaded ker
+        >>> _ = os.environ.pop(STRICT_ENV) if saved is None else os.environ.update(
+        ...     {STRICT_ENV: saved})
+    """
+    problem = record.problem()
+    if problem is None:
+        return
+    msg = (f"{record.kernel_name}: {problem}, after {record.retries} recompile(s); its form is "
+           f"expected to run without local memory. ptxas returned a spilled cubin for this "
+           f"source (docs/kernel-interface.md#8-the-kernel-cache); clear the kernel cache "
+           f"(ATTNCC_CACHE_DIR) and run again, and report it with the NVRTC version if it stays")
+    if os.environ.get(STRICT_ENV, "0") not in ("", "0"):
+        raise ResourceError(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+_LOADED: dict[KernelSpec, LoadedKernel] = {}
+_LOCK = threading.Lock()
+
+
+def get_kernel(spec: KernelSpec) -> LoadedKernel:
+    """The loaded kernel of `spec` (its device must be set), compiled and loaded on first use.
+
+    Example:
+        >>> import torch
+        >>> if torch.cuda.is_available():  # doctest: +SKIP
+        ...     k = get_kernel(KernelSpec("merge", dtype="bfloat16", device=0))
+    """
+    hit = _LOADED.get(spec)
+    if hit is not None:
+        return hit
+    with _LOCK:
+        hit = _LOADED.get(spec)
+        if hit is None:
+            hit = _load(spec)
+            _LOADED[spec] = hit
+        return hit
+
+
+def clear_loaded() -> None:
+    """Forget every loaded kernel and every untrusted compile (the next use rebuilds)."""
+    with _LOCK:
+        _LOADED.clear()
+    with _UNTRUSTED_LOCK:
+        _UNTRUSTED.clear()
+
+
+def _arch(device: int) -> str:
+    import torch
+
+    from .nvrtc import device_arch
+
+    with torch.cuda.device(device):
+        return device_arch()
+
+
+def _load(spec: KernelSpec) -> LoadedKernel:
+    from .launcher import load_kernel
+
+    if spec.device is None:
+        raise ValueError(f"{spec.kind} kernel spec has device=None: get_kernel loads onto a "
+                         f"device; use compile_spec to compile only")
+    arch = _arch(spec.device)
+    if spec.kind == "fa3_prefill" and not arch.startswith("sm_90"):
+        raise ValueError(f"kernel_options['KERNEL']='fa3' needs an sm_90 (Hopper) GPU; this one "
+                         f"is {arch}")
+    ir = spec.ir
+    if ir is not None and spec.kind != "prepass":  # the pre-pass's IR comes simplified (hoist)
+        from attncc.ir.simplify import simplify_variant
+
+        ir = simplify_variant(ir)
+    form = compile_spec(replace(spec, ir=ir), arch)
+    gen = form.gen
+    kl = load_kernel(form.result.cubin, gen.kernel_name, gen.attention_layout, gen.params_layout,
+                     device=spec.device, dynamic_smem=gen.smem_bytes)
+    merge = None
+    if spec.kind in ("fa2_batch", "decode", "fa3_batch"):
+        merge = load_kernel(form.result.cubin, gen.kernel_name + "_merge", gen.attention_layout,
+                            gen.params_layout, device=spec.device)
+    if gen.config is not None and kl.max_threads < gen.config.threads:
+        raise RuntimeError(f"{gen.kernel_name}: the module allows {kl.max_threads} threads per "
+                           f"block but the config needs {gen.config.threads}; the Python tiles "
+                           f"and the kernel's Config disagree")
+    local = max(kl.local_bytes, merge.local_bytes if merge is not None else 0)
+    as_given = spec.forced and spec.kind == "fa2_prefill"  # the user's tiles, no fallback
+    record = KernelRecord(gen.kernel_name, form.spill_bytes, local, kl.num_regs, form.retries,
+                          None if as_given else form.budget)
+    check_resources(record)
+    return LoadedKernel(gen.spec, kl, merge, gen.config, ir, form.result.log, record)
