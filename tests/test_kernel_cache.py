@@ -86,8 +86,9 @@ def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> cache_mod.Ke
 
 
 def _disk_cubins(kc: cache_mod.KernelCache) -> list[bytes]:
-    return sorted(cache_mod.decode_result(cache_mod.decode_entry(p.read_bytes())).cubin
-                  for p in kc.entries())
+    payloads = (cache_mod.decode_entry(p.read_bytes()) for p in kc.entries())
+    return sorted(cache_mod.decode_result(b).cubin for b in payloads
+                  if b != cache_mod.CONFIRMED_MARK)
 
 
 def _fa3(ir: VariantIR | None = None, **kw: Any) -> KernelSpec:
@@ -190,16 +191,22 @@ def test_a_second_spill_goes_to_a_fresh_subprocess(fresh_cache: cache_mod.Kernel
     assert _disk_cubins(fresh_cache) == [form.result.cubin]
 
 
-def test_a_form_that_always_spills_stays_out_of_the_disk_cache(
+def test_a_form_that_always_spills_is_cached_once_confirmed(
         fresh_cache: cache_mod.KernelCache, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three compiles, all spilled: the result is kept for this process only (asked again,
-    nothing is recompiled) and never written to disk."""
+    """Three compiles, all spilled: asked again in this process, nothing is recompiled; the
+    result goes to disk marked confirmed, so a later process (memory cleared) reads it without
+    any compile, and one spilled compile alone is never persisted."""
     fake = FakeCompiler(monkeypatch, lambda form, n: 16)
     spec = KernelSpec("decode", _ir(), 64, "bfloat16", Fa2Tiles(16, 32, 2, 1, 2))
     form = compile_form(spec, ARCH)
     assert (form.spill_bytes, form.retries, form.budget) == (16, 2, 0)
-    assert _disk_cubins(fresh_cache) == []
     assert compile_form(spec, ARCH).result == form.result and len(fake.calls) == 3
+    assert _disk_cubins(fresh_cache) == [form.result.cubin]
+    fresh_cache.clear_memory()
+    kernels.clear_loaded()
+    again = compile_form(spec, ARCH)
+    assert again.result.cubin == form.result.cubin and again.retries == 0
+    assert len(fake.calls) == 3
 
 
 def test_a_spilled_entry_already_on_disk_is_not_trusted(fresh_cache: cache_mod.KernelCache,
@@ -231,7 +238,14 @@ def test_fa3_retries_before_the_low_pressure_form(fresh_cache: cache_mod.KernelC
     assert [f for _, f in fake.calls] == [
         "pair", "pair", "pair", "low+pair", "low+pair", "low+pair", "plain"]
     assert [w for w, _ in fake.calls[:3]] == ["cache", "fresh", "subprocess"]
-    assert len(_disk_cubins(fresh_cache)) == 1  # only the clean single-CTA form
+    # the two confirmed spills (the third compile of each) and the clean single-CTA form
+    assert _disk_cubins(fresh_cache) == [b"cubin low+pair #3 spill 24", b"cubin pair #3 spill 24",
+                                         b"cubin plain #1 spill 0"]
+    # a later process reads all three: no compile at all
+    fresh_cache.clear_memory()
+    kernels.clear_loaded()
+    again = compile_spec(_fa3(paired=True), ARCH)
+    assert not again.spec.paired and len(fake.calls) == 7
 
 
 def test_fa3_keeps_the_first_form_when_a_retry_clears_it(fresh_cache: cache_mod.KernelCache,

@@ -409,7 +409,7 @@ def cached_compile(source: str, *, arch: str | None, options: Sequence[str] = ()
 
 def store_compile(source: str, result: NvrtcResult, *, arch: str, name: str = "attncc.cu",
                   options: Sequence[str] = (), verbose: bool = False,
-                  cache: KernelCache | bool | None = None) -> None:
+                  cache: KernelCache | bool | None = None, confirmed: bool = False) -> None:
     """Write `result` (compiled elsewhere: a retry) under the key `cached_compile` would use
     for the same arguments, replacing what is there.
 
@@ -427,7 +427,45 @@ def store_compile(source: str, result: NvrtcResult, *, arch: str, name: str = "a
         return
     arch = normalize_arch(arch)
     opts = build_options(arch, options=options, verbose=verbose)
-    _put(kc, _key(source, arch, opts, name), result)
+    key = _key(source, arch, opts, name)
+    _put(kc, key, result)
+    if confirmed:
+        kc.put(_confirmed_key(key), CONFIRMED_MARK)
+
+
+def is_confirmed(source: str, *, arch: str, name: str = "attncc.cu",
+                 options: Sequence[str] = (), verbose: bool = False,
+                 cache: KernelCache | bool | None = None) -> bool:
+    """Whether the entry `cached_compile` would read for these arguments was written with
+    `store_compile(..., confirmed=True)`: a result the kernel cache compiled three times
+    (twice in this process, once in a fresh one) with the same outcome, so a later process may
+    trust it without compiling again (jit/kernels.py, `compile_form`).
+
+    Example:
+        >>> import tempfile
+        >>> from attncc.runtime.jit.nvrtc import available
+        >>> c = KernelCache(tempfile.mkdtemp())
+        >>> if available():
+        ...     r = NvrtcResult(b"cubin", None, "log", ())
+        ...     store_compile("a", r, arch="sm_90a", cache=c)
+        ...     store_compile("b", r, arch="sm_90a", cache=c, confirmed=True)
+        ...     assert not is_confirmed("a", arch="sm_90a", cache=c)
+        ...     assert is_confirmed("b", arch="sm_90a", cache=c)
+    """
+    kc = _resolve_cache(cache)
+    if kc is None:
+        return False
+    arch = normalize_arch(arch)
+    key = _key(source, arch, build_options(arch, options=options, verbose=verbose), name)
+    return kc.get(_confirmed_key(key)) is not None
+
+
+# The payload of a confirmed mark: an entry of its own beside the result it confirms.
+CONFIRMED_MARK = b"attncc: confirmed by three compiles"
+
+
+def _confirmed_key(key: str) -> str:
+    return hashlib.sha256(f"confirmed:{key}".encode()).hexdigest()
 
 
 def _put(kc: KernelCache, key: str, result: NvrtcResult) -> None:

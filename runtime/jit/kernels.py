@@ -10,8 +10,8 @@ ptxas's output is not always a pure function of its input (a fresh H200 machine 
 spilled cubin for a source that compiles spill-free everywhere else:
 docs/kernel-interface.md#8-the-kernel-cache), so a form that spills past what it is expected
 to (`spill_budget`) is compiled again in a fresh NVRTC program, then once in a fresh
-subprocess, before a fallback form is considered; such a cubin is never written to the disk
-cache; and a kernel loaded with local memory where none was expected is a `ResourceError`
+subprocess, before a fallback form is considered; a spilled cubin reaches the disk cache only
+when all three compiles agree (marked confirmed, so later processes trust it); and a kernel loaded with local memory where none was expected is a `ResourceError`
 under ATTNCC_STRICT_RESOURCES=1 (a warning otherwise).
 
 Example (generating needs neither NVRTC nor a GPU):
@@ -39,7 +39,7 @@ from attncc.codegen.fa2 import Fa2Tiles
 from attncc.errors import ResourceError
 from attncc.ir.program import VariantIR
 
-from .cache import cached_compile, store_compile
+from .cache import cached_compile, is_confirmed, store_compile
 from .nvrtc import NvrtcResult, compile_cuda
 from .policy import spill_bytes, wgmma_notes
 from .tiles import Fa2Config, fa2_config
@@ -225,7 +225,8 @@ class CompiledForm:
         return self.spill_bytes, len(self.notes)
 
 
-# Forms that spilled past their budget in every retry: kept for this process only, never on disk.
+# Forms that spilled past their budget in every retry (also on disk, confirmed): asked again in
+# this process, they are not even looked up.
 _UNTRUSTED: dict[tuple[str, str, str], CompiledForm] = {}
 _UNTRUSTED_LOCK = threading.Lock()
 
@@ -237,7 +238,8 @@ def _verbose(spec: KernelSpec) -> bool:
 def compile_form(spec: KernelSpec, arch: str) -> CompiledForm:
     """Compile exactly `spec`'s form (through the disk cache). A result that spills past
     `spill_budget(spec)` is compiled again in a fresh NVRTC program, then once in a fresh
-    subprocess; only a result within budget is written to the disk cache."""
+    subprocess. A spilled result is written to the disk cache only once all three agree, marked
+    confirmed; an unconfirmed spilled entry read from disk (an older cache) is recompiled."""
     gen = generate(spec)
     budget, verbose, name = spill_budget(spec), _verbose(spec), f"{gen.kernel_name}.cu"
     memo = (hashlib.sha256(gen.source.encode()).hexdigest(), arch, name)
@@ -249,18 +251,22 @@ def compile_form(spec: KernelSpec, arch: str) -> CompiledForm:
     def within(r: NvrtcResult) -> bool:
         return spill_bytes(r.log) <= budget
 
-    res, _ = cached_compile(gen.source, arch=arch, name=name, verbose=verbose, keep=within)
+    res, hit = cached_compile(gen.source, arch=arch, name=name, verbose=verbose, keep=within)
     retries = 0
+    if within(res) or (hit and is_confirmed(gen.source, arch=arch, name=name, verbose=verbose)):
+        return CompiledForm(gen, res, spill_bytes(res.log), tuple(wgmma_notes(res.log)), 0,
+                            budget)
     for again in (_compile_fresh, _compile_in_subprocess):
-        if within(res):
-            break
         retries += 1
         res = again(gen.source, arch, name, verbose) or res
         if within(res):
             store_compile(gen.source, res, arch=arch, name=name, verbose=verbose)
+            break
     form = CompiledForm(gen, res, spill_bytes(res.log), tuple(wgmma_notes(res.log)), retries,
                         budget)
     if not within(res):
+        # three compiles agree: later processes may trust it (no recompiles on every start)
+        store_compile(gen.source, res, arch=arch, name=name, verbose=verbose, confirmed=True)
         with _UNTRUSTED_LOCK:
             _UNTRUSTED[memo] = form
     return form
