@@ -172,6 +172,7 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
              sweep: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     import torch
 
+    from attncc.errors import ResourceError
     from attncc.runtime.serving.batch import BatchAttention
     from timing import median_us, spin_gpu, time_call
 
@@ -225,9 +226,11 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
                 torch.cuda.synchronize()
                 t = time_call(lambda: ba.run(q, (k_cache, v_cache)))
                 ms = t.get("ms_graph", t["ms_eager"])
+                kr = ba.kernel_record()  # ptxas's spill bytes, the driver's local bytes
                 extra: dict[str, Any] = {**t, "plan_us": plan_us, "num_ctas": ba.tiles.num_ctas,
                                          "tq": ba.tiles.tq, "tkv": ba.tiles.tkv,
-                                         "stages": ba.tiles.stages}
+                                         "stages": ba.tiles.stages, "spill": kr.spill_bytes,
+                                         "local": kr.local_bytes, "retries": kr.retries}
                 if opts:
                     extra["knobs"] = json.dumps(opts, sort_keys=True)
                 if ref is not None:
@@ -255,6 +258,8 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
                 if ref is not None:
                     extra["rel_err"] = float((res.float() - ref).norm() / ref.norm())
                 record(impl, ms, **extra)
+        except ResourceError:  # a kernel run with local memory it should not have: stop
+            raise
         except Exception as e:  # a comparison that cannot run is reported, not fatal
             print(f"B={batch} Hkv={hkv} {dist} {impl} FAILED {type(e).__name__}: "
                   f"{str(e)[:300]}", flush=True)
