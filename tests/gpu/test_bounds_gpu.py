@@ -19,7 +19,7 @@ from attncc.runtime.flex import gpu_flex
 from attncc.runtime.jit.policy import spill_bytes, wgmma_notes
 from attncc.runtime.jit.sources import fa2_source
 from attncc.runtime.reference import attention_reference
-from examples.gym import causal
+from attncc.gym import causal
 
 FA2 = {"KERNEL": "fa2"}
 

@@ -1,10 +1,10 @@
 """Issue 27, finding 1 on CUDA: float arithmetic that becomes a discrete value gives exactly what
 torch gives on float32 CUDA tensors (docs/semantics.md).
 
-One kernel holds every case of `tests/discrete_exprs.py` twice, as `cuda_expr.emit` spells it
-for the hooks with fast_math=False and with fast_math=True (the FA2/FA3 kernels' setting), and
-writes each case's values over a q_idx x kv_idx grid; torch runs the same Python on CUDA int32 /
-float32 tensors. Zero mismatches are allowed.
+One kernel holds every case of `tests/helpers/discrete_exprs.py` twice, as `cuda_expr.emit`
+spells it for the hooks with fast_math=False and with fast_math=True (the FA2/FA3 kernels'
+setting), and writes each case's values over a q_idx x kv_idx grid; torch runs the same
+Python on CUDA int32 / float32 tensors. Zero mismatches are allowed.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from attncc.codegen.cuda_expr import ExprNames, emit
 from attncc.codegen.layout import struct_layout
 from attncc.frontend import Variant
 from attncc.ir.simplify import simplify_variant
-from tests.discrete_exprs import Case, cases, run_torch, t5_bucket, torch_grid
+from tests.helpers.discrete_exprs import Case, cases, run_torch, t5_bucket, torch_grid
 
 N_CASES = 520
 Q, K = 64, 64

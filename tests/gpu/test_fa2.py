@@ -33,7 +33,7 @@ from attncc.runtime.flex import gpu_flex
 from attncc.runtime.flex.tile_choice import choose_tiles
 from attncc.runtime.jit.sources import fa2_source
 from attncc.runtime.jit.tiles import fa2_config
-from examples.gym import GYM, causal
+from attncc.gym import GYM, causal
 
 HEAD_DIMS = (64, 128, 256)
 LENGTHS = (1, 17, 128, 1000, 4096)

@@ -14,9 +14,9 @@ import attncc
 from attncc.ir.hoist import KV_HOOKS, PREPASS_HOOKS
 from attncc.runtime.flex import gpu_flex
 from attncc.runtime.flex.gpu_flex import choose_tiles
-from examples.gym import GYM, causal, sliding_window
+from attncc.gym import GYM, causal, sliding_window
 
-from .repeats import assert_repeats_bitwise
+from tests.helpers.repeats import assert_repeats_bitwise
 
 FA3 = {"KERNEL": "fa3"}
 

@@ -12,10 +12,10 @@ import torch
 
 from attncc.runtime.flex import gpu_flex
 from attncc.runtime.reference import attention_reference
-from examples.gym import GYM
+from attncc.gym import GYM
 
-from .fa3_launch import run_fa3
-from .repeats import assert_repeats_bitwise
+from tests.helpers.fa3_launch import run_fa3
+from tests.helpers.repeats import assert_repeats_bitwise
 
 # (variant, head dim, B, Hq, Hkv, q_len, kv_len): fewer pairs than clusters and several rounds
 # of them (2 x 12 x 16 items: 192 pairs on the H200's 66 clusters), a partial last query block

@@ -132,7 +132,7 @@ def test_flex_call_host_cost_and_cuda_graph() -> None:
     Also prints the host cost of a whole cached gpu_flex_attention call."""
     import attncc
     from attncc.runtime.flex import gpu_flex
-    from examples.gym import causal
+    from attncc.gym import causal
 
     B, H, S, D = 2, 8, 512, 128
     g = torch.Generator(device="cuda").manual_seed(3)
