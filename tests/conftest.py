@@ -3,6 +3,9 @@
 - `@pytest.mark.gpu`: skipped when torch sees no CUDA device.
 - `@pytest.mark.nvrtc`: skipped when NVRTC (cuda-bindings) cannot be loaded.
   (`requires_gpu` / `requires_nvrtc` below are the same marks under descriptive names.)
+- `@pytest.mark.speed`: the test asserts a time (a host-time bound, a ratio of timings, a time
+  budget). It runs with the rest; the run ends with one line of these tests' outcomes, so a
+  failure there reads as a slow or loaded machine first (`-m "not speed"` leaves them out).
 - `ATTNCC_TEST_SHARD=i/n` keeps every n-th collected test starting at the i-th (0-based), so n
   pytest processes can share one machine (scripts/gpu_check.sh runs the GPU matrix that way).
 - `rng` fixture: `rng.randn(*shape)` gives fresh random tensors from a generator seeded by the
@@ -39,6 +42,10 @@ def nvrtc_available() -> bool:
     return available()
 
 
+_SPEED_IDS: set[str] = set()
+_SPEED_OUTCOMES: dict[str, str] = {}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     no_nvrtc = pytest.mark.skip(reason="needs NVRTC from cuda-bindings, which cannot load here")
@@ -56,6 +63,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_gpu)
         if item.get_closest_marker("nvrtc") and not nvrtc_available():
             item.add_marker(no_nvrtc)
+        if item.get_closest_marker("speed"):
+            _SPEED_IDS.add(item.nodeid)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Keep each speed test's outcome: its first failed or skipped phase, else passed."""
+    if report.nodeid not in _SPEED_IDS or _SPEED_OUTCOMES.get(report.nodeid, "passed") != "passed":
+        return
+    if report.failed or report.skipped or report.when == "call":
+        _SPEED_OUTCOMES[report.nodeid] = report.outcome
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line for the tests that assert timings (`speed`), apart from the others'."""
+    if not _SPEED_OUTCOMES:
+        return
+    counts: dict[str, int] = {}
+    for outcome in _SPEED_OUTCOMES.values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    line = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
+    terminalreporter.write_line(f"speed (timing assertions): {line}")
+    for nodeid, outcome in sorted(_SPEED_OUTCOMES.items()):
+        if outcome == "failed":
+            terminalreporter.write_line(f"speed FAILED {nodeid}")
 
 
 class RandomTensors:

@@ -46,6 +46,7 @@ def _mismatch(case: Case, simplified: bool = True) -> str | None:
             f"q_idx={i} kv_idx={j}: attncc {float(got[i, j])} torch {float(want[i, j])}")
 
 
+@pytest.mark.speed
 def test_random_discrete_expressions_match_torch_float32_on_cpu() -> None:
     """600 random float -> int expressions (fixed seed), simplified and as traced: zero
     mismatches against torch."""

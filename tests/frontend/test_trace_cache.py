@@ -381,6 +381,7 @@ def test_flex_attention_cache_does_not_keep_functions_alive() -> None:
     assert len(flex_mod._FN_TRACE_CACHES) <= before
 
 
+@pytest.mark.speed
 def test_cached_flex_trace_is_fast() -> None:
     mod = alibi(16)
 

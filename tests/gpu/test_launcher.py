@@ -104,6 +104,7 @@ def test_module_cache_and_driver_errors(probe: bytes) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.speed
 def test_host_launch_cost(probe: bytes) -> None:
     """A launch of a cached kernel costs <= 15 us of host time (median over batches)."""
     kl = load_kernel(probe, "probe", _A, _B)

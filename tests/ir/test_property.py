@@ -121,6 +121,7 @@ def _run_float32(fn, env: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.as_tensor(out).double()
 
 
+@pytest.mark.speed
 def test_random_score_mods_trace_simplify_evaluate_and_compile() -> None:
     env = _env()
     tab = torch.randn(H, K, dtype=torch.float64)

@@ -241,6 +241,7 @@ def test_simplify_variant_keeps_real_hooks_and_their_captures() -> None:
     assert simple.hooks["score_mod"].source == ir.hooks["score_mod"].source
 
 
+@pytest.mark.speed
 def test_typical_hooks_simplify_in_milliseconds() -> None:
     slopes = torch.rand(8)
     D = 64
@@ -361,6 +362,7 @@ class _RandomExpr:
         return where(sub("b"), sub("b"), sub("b"))
 
 
+@pytest.mark.speed
 def test_random_expressions_evaluate_the_same_after_simplify() -> None:
     """~300 random expressions of every op and dtype, evaluated in float64 on a full grid."""
     env, tensors = _env(), _tensors()
@@ -413,6 +415,7 @@ def test_simplify_is_idempotent_without_the_cache() -> None:
         assert simplify(once) is once, format_hook("once", once)
 
 
+@pytest.mark.speed
 def test_long_chains_do_not_recurse_or_go_quadratic() -> None:
     total = q
     for i in range(3000):  # a sum built in a Python loop: one very deep island

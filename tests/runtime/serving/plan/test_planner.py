@@ -48,6 +48,7 @@ def test_compiled_plan_equals_numpy_plan() -> None:
                      scheduler.plan(*args, **kw, impl="c"))
 
 
+@pytest.mark.speed
 @needs_cc
 def test_compiled_plan_is_faster() -> None:
     """Prints the medians; asserts only that C beats numpy (CI machines are noisy)."""

@@ -643,6 +643,7 @@ def _median_us(fn, runs: int) -> float:
     return statistics.median(times) * 1e6
 
 
+@pytest.mark.speed
 @pytest.mark.parametrize("case", ["decode-uniform", "decode-zipf", "prefill-uniform", "prefill-zipf"])
 def test_plan_host_time_batch_256(case: str) -> None:
     """Host time of plan() at batch 256 (Llama-3-8B heads: 32 query, 8 KV; 2 CTAs per SM of an
