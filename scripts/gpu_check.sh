@@ -48,8 +48,11 @@ if [[ "$MODE" == "all" || "$MODE" == "tests" ]]; then
         echo "shard $i/$SHARDS: $(tail -1 "$OUT/pytest-shard$i.log")" | tee -a "$OUT/pytest.log"
     done
     grep -h "^FAILED\|^ERROR" "$OUT"/pytest-shard*.log | tee -a "$OUT/pytest.log"
-    # the NVRTC checks of tests/gpu (no GPU needed; also run in CI)
-    python3 -m pytest -m "nvrtc and not gpu" tests/gpu -q -p no:cacheprovider --tb=short \
+    # the NVRTC-only checks of the kernels (spills, ptxas notes, probes) with this machine's
+    # NVRTC (no GPU needed; also run in CI)
+    python3 -m pytest -m "nvrtc and not gpu" tests/kernels tests/codegen/test_discrete_kernel.py \
+        tests/runtime/flex/test_kernel_spills.py tests/runtime/serving/test_kernel_spills.py \
+        -q -p no:cacheprovider --tb=short \
         2>&1 | tail -3 | tee -a "$OUT/pytest.log"
 fi
 

@@ -7,7 +7,7 @@ Three small kernels, each one warpgroup, checked against torch in fp32:
   N-major in shared memory (the transposed-B descriptor). Its leading/stride byte offsets are a
   probe: the test tries the candidate encodings and reports which one the hardware accepts, so
   the FA3 template can be written against a measured fact.
-The NVRTC test (no GPU) compiles them for sm_90a.
+tests/kernels/test_probes_compile.py compiles them for sm_90a (NVRTC only).
 """
 from __future__ import annotations
 
@@ -15,14 +15,6 @@ import pytest
 import torch
 
 from tests.helpers.wgmma_probe import ARGS, UNUSED, probe_source, run_probe, sw128_offset
-
-
-@pytest.mark.nvrtc
-def test_wgmma_probes_compile_for_sm90a() -> None:
-    from attncc.runtime.jit.nvrtc import compile_cuda
-
-    res = compile_cuda(probe_source(), arch="sm_90a", verbose=True)
-    assert "wg_ss" in res.log and "wg_rs_v" in res.log and "sw_offsets" in res.log
 
 
 @pytest.fixture(scope="module")
