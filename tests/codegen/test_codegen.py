@@ -330,7 +330,7 @@ def test_band_masks_carry_their_kv_window() -> None:
 
 def test_hooks_carry_source_and_ir_comments() -> None:
     vc = generate_variant(traced()["softcap_causal"])
-    assert re.search(r"// score_mod: tests/test_codegen\.py:\d+ \(softcap\)\n", vc.variant_struct)
+    assert re.search(r"// score_mod: codegen/test_codegen\.py:\d+ \(softcap\)\n", vc.variant_struct)
     assert "    // IR: 30.0 * tanh(score / 30.0)\n" in vc.variant_struct
     assert "        return 30.0f * tanhf(score / 30.0f);\n" in vc.variant_struct
 
