@@ -19,7 +19,6 @@ from attncc.ir.analysis import CapturedReadError, Shapes
 from attncc.runtime.flex import gpu_flex
 from attncc.runtime.reference import attention_reference
 from attncc.gym import causal
-from tests.helpers.clamped import distance_bias
 
 FA2 = {"KERNEL": "fa2"}
 
@@ -27,6 +26,13 @@ FA2 = {"KERNEL": "fa2"}
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert not torch.isnan(out).any(), "NaN in output"
     return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _distance_bias(table: torch.Tensor) -> Any:
+    def distance_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx]
+
+    return distance_bias
 
 
 # ------------------------------------------------------------------------------------ GPU
@@ -41,7 +47,7 @@ def test_short_table_under_causal_runs_clamped_and_matches_reference(S: int,
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
                for _ in range(3))
     table = torch.randn(H, S, device="cuda", generator=g)
-    var = attncc.Variant(score_mod=distance_bias(table), mask_mod=causal)
+    var = attncc.Variant(score_mod=_distance_bias(table), mask_mod=causal)
     out = torch.full_like(q, float("nan"))
     gpu_out, _ = gpu_flex.gpu_flex_attention(q, k, v, var.trace()[0], var.trace()[1], out=out,
                                              kernel_options=kernel_options)
@@ -59,7 +65,7 @@ def test_short_table_without_mask_is_an_error_before_launch() -> None:
     q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     table = torch.randn(H, S, device="cuda")
     out = torch.full_like(q, 7.0)
-    ir, bind = attncc.Variant(score_mod=distance_bias(table)).trace()
+    ir, bind = attncc.Variant(score_mod=_distance_bias(table)).trace()
     with pytest.raises(CapturedReadError, match=r"test_bounds_gpu.py:\d+ \(distance_bias\): "
                        r"score_mod reads table\[h, q_idx - kv_idx\]"):
         gpu_flex.gpu_flex_attention(q, k, v, ir, bind, out=out)
@@ -154,7 +160,7 @@ def test_serving_short_table_under_causal_runs_clamped(kernel: str) -> None:
     k, v = (torch.randn(sum(n_pages) + 3, page, Hkv, d, device="cuda", dtype=torch.bfloat16)
             for _ in "kv")
     table = torch.randn(Hkv * g, max(kv_lens), device="cuda")
-    variant = attncc.Variant(score_mod=distance_bias(table), mask_mod=causal)
+    variant = attncc.Variant(score_mod=_distance_bias(table), mask_mod=causal)
     ba = BatchAttention(variant, kv_layout="NHD", kernel=kernel)
     ba.plan(qo, kv_indptr, ids, last, num_qo_heads=Hkv * g, num_kv_heads=Hkv, head_dim=d,
             page_size=page)

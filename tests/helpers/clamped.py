@@ -1,6 +1,7 @@
 """A captured-table read the bounds analysis clamps (issue 27, finding 4): the score_mod and the
-simplified, clamped IR the GPU path runs (tests/gpu/test_bounds_gpu.py, and the spill checks in
-tests/runtime/flex/ and tests/runtime/serving/)."""
+simplified, clamped IR the GPU path runs, for the spill checks in tests/runtime/flex/ and
+tests/runtime/serving/. tests/gpu/test_bounds_gpu.py keeps its own copy of the score_mod,
+because its error-message tests name the file the mod is defined in."""
 from __future__ import annotations
 
 from typing import Any
