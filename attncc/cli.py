@@ -36,7 +36,8 @@ from .errors import AttnccError, AttnSyntaxError
 from .ir.program import Bindings, VariantIR
 
 EMITS = ("ir", "cuda", "ptx", "cubin")
-# Every template attncc.codegen.generate.KERNELS has (tests/test_bad_inputs.py checks the keys).
+# Every template attncc.codegen.generate.KERNELS has (tests/runtime/test_bad_inputs.py checks
+# the keys).
 KERNEL_HELP = {
     "simple": "exact, any dtype and GPU",
     "fa2": "FlashAttention-2-style bf16/fp16, sm_80+",

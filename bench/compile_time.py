@@ -10,7 +10,7 @@ Each number is timed around the `compile()` call only (interpreter start and `im
 included). Prints a table and writes bench/results/compile-time-cpu.json.
 
 Usage:
-    python bench/compile_time.py [--runs 5]
+    python -m bench.compile_time [--runs 5]
 """
 from __future__ import annotations
 
@@ -32,21 +32,6 @@ OUT = REPO / "bench" / "results" / "compile-time-cpu.json"
 COLD_TARGET_S, WARM_TARGET_S = 3.0, 0.020
 CONFIG = {"variant": "softcap(30)+causal", "head_dim": 128, "dtype": "bfloat16", "arch": "sm_90a",
           "kernel": "simple"}
-
-
-def _import_runtime() -> None:
-    """Make `attncc.runtime` importable from a source checkout that was not pip-installed."""
-    sys.path.insert(0, str(REPO))
-    try:
-        importlib.import_module("attncc.runtime")
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "attncc.runtime", REPO / "runtime" / "__init__.py",
-            submodule_search_locations=[str(REPO / "runtime")])
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["attncc.runtime"] = mod
-        spec.loader.exec_module(mod)
 
 
 def _variant():  # type: ignore[no-untyped-def]
@@ -77,7 +62,6 @@ def _compile_once():  # type: ignore[no-untyped-def]
 
 def child(mode: str, mem_runs: int) -> dict:
     """Runs inside a fresh process with ATTNCC_CACHE_DIR set by the parent."""
-    _import_runtime()
     importlib.import_module("attncc.runtime.jit.compile")  # (imports are not timed)
 
     if mode == "stages":
@@ -131,15 +115,15 @@ def _stages() -> dict:
 
 def _spawn(mode: str, cache_dir: str, mem_runs: int = 0) -> dict:
     env = {**os.environ, "ATTNCC_CACHE_DIR": cache_dir}
-    p = subprocess.run([sys.executable, __file__, "--child", mode, "--mem-runs", str(mem_runs)],
-                       env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-m", "bench.compile_time", "--child", mode, "--mem-runs",
+                        str(mem_runs)], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=REPO)
     if p.returncode != 0:
         raise SystemExit(f"child {mode} failed:\n{p.stderr}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def _versions() -> dict:
-    _import_runtime()
     import torch
 
     from attncc.runtime.jit.nvrtc import nvrtc_version

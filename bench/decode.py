@@ -19,9 +19,9 @@ FlexAttention and SDPA get the same KV in a padded [B, Hkv, max_len, D] cache wi
 FlexAttention's own paged helper (torch.nn.attention.experimental._paged_attention) over the same
 pages, no padding (`flex_paged_call`; checked against the fp64 reference on the CPU).
 
-    python bench/decode.py                               -> bench/results/decode-h200.json
-    python bench/decode.py --batch 16 --hkv 8 --dist constant
-    python bench/decode.py --report bench/results/decode-h200.json   # table + PNG (CPU ok)
+    python -m bench.decode                               -> bench/results/decode-h200.json
+    python -m bench.decode --batch 16 --hkv 8 --dist constant
+    python -m bench.decode --report bench/results/decode-h200.json   # table + PNG (CPU ok)
 
 Example (the length distributions are deterministic):
     >>> [int(x) for x in kv_lengths("uniform", 4, seed=0)]
@@ -39,9 +39,6 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 HQ, D, PAGE = 32, 128, 16
 BATCHES, HKVS, DISTS = (16, 64, 256), (32, 8, 4), ("constant", "uniform", "skewed")
@@ -76,8 +73,8 @@ def copy_bandwidth() -> float:
 
 def make_batch(batch: int, hkv: int, dist: str) -> dict[str, Any]:
     """plan()'s arguments for one cell: the `kv_lengths` of the cell, pages of PAGE tokens listed
-    in a random (seeded) order. run_cell, bench/plan_time.py and scripts/profile_decode.py all
-    plan these.
+    in a random (seeded) order. run_cell, bench/plan_time.py and
+    scripts/experiments/profile_decode.py all plan these.
 
     Example (the batches are deterministic):
         >>> b = make_batch(16, 8, "uniform")
@@ -174,7 +171,7 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
 
     from attncc.errors import ResourceError
     from attncc.runtime.serving.batch import BatchAttention
-    from timing import median_us, spin_gpu, time_call
+    from bench.timing import median_us, spin_gpu, time_call
 
     lens = kv_lengths(dist, batch, seed=batch * 7 + hkv)
     pt = make_batch(batch, hkv, dist)
@@ -341,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                     help='extra attncc cells, e.g. \'{"tiles": [16, 32, 4], "min_kv_chunk": 512}\' '
                          'or \'{"pdl": false}\'')
     args = ap.parse_args(argv)
-    from prefill import _meta, report, save
-    from timing import TIME_CALL_TIMING
+    from bench.prefill import _meta, report, save
+    from bench.timing import TIME_CALL_TIMING
 
     if args.report is not None:
         report(args.report, table, plot)

@@ -19,15 +19,15 @@ items' Q and O tiles in the LRU as well (`--qo`: Q and O not marked evict_first)
 read it ~3.6 times and 12 MiB ones ~1.8 times (hence the kernel marks Q and O evict_first and
 uses 12 MiB).
 
-    python bench/l2_order_model.py                  # table: S x section x L2 size
-    python bench/l2_order_model.py --S 2048 --sections 12 24 --l2 25
+    python -m bench.l2_order_model                  # table: S x section x L2 size
+    python -m bench.l2_order_model --S 2048 --sections 12 24 --l2 25
 """
 from __future__ import annotations
 
 import argparse
 from collections import OrderedDict
 
-from prefill import HEAD_DIM, HEADS, TOKENS
+from bench.prefill import HEAD_DIM, HEADS, TOKENS
 
 TQ, TKV = 128, 128  # the dense kernel's query rows and keys per tile at head dim 128
 

@@ -9,33 +9,29 @@ variant evaluates the mask on every tile of the request's KV range (twice a caus
 work); the causal rows are reported with that caveat. GPU time of one CUDA-graph replay for the
 batch paths (bench/timing.py) and do_bench for the dense call; outputs compared.
 
-    python bench/paged_prefill.py --S 2048 8192          -> bench/results/paged-prefill-h200.json
-    python bench/paged_prefill.py --report bench/results/paged-prefill-h200.json
+    python -m bench.paged_prefill --S 2048 8192          -> bench/results/paged-prefill-h200.json
+    python -m bench.paged_prefill --report bench/results/paged-prefill-h200.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 TOKENS, HQ, D, PAGE = 16384, 16, 128, 16
 
 
 def run_cell(S: int, hkv: int, variant: str) -> list[dict[str, Any]]:
     import torch
-    from timing import time_call
+    from bench.timing import time_call
     from triton.testing import do_bench
 
     import attncc
-    from examples.gym import causal
+    from attncc.gym import causal
 
     B = TOKENS // S
     g = torch.Generator(device="cuda").manual_seed(S + hkv)
@@ -93,7 +89,7 @@ def ragged_cell(q: Any, k: Any, v: Any, dense_out: Any, var: Any, S: int, hkv: i
     """The same batch with a ragged (contiguous [tokens, H_kv, D]) KV cache on the persistent
     FA3 batch kernel: one TMA box per K/V tile, no page table -- what a persistent dense kernel
     would cost."""
-    from timing import time_call
+    from bench.timing import time_call
 
     import attncc
 
@@ -162,7 +158,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    from prefill import _prefill_meta, report, save
+    from bench.prefill import _prefill_meta, report, save
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--S", type=int, nargs="+", default=[2048, 8192])

@@ -9,11 +9,11 @@ the plan before last. Each cell is the median of `--runs` plan() calls with the 
 after one warm-up call, as decode.py times it; `--repeat` measures every cell that many times,
 interleaved, and keeps the lowest median (the CPUs these run on are shared and noisy).
 
-    python bench/plan_time.py                       # batches 16/64/256 x Hkv 32/8/4 x 3 dists
-    python bench/plan_time.py --batch 256 --hkv 8 --breakdown
-    python bench/plan_time.py --numpy               # the numpy planner (no C compiler)
-    python bench/plan_time.py --profile --batch 256 --hkv 4 --dist uniform
-    python bench/plan_time.py --phases --batch 256 --hkv 32 8 4 --dist uniform   # on CUDA
+    python -m bench.plan_time                       # batches 16/64/256 x Hkv 32/8/4 x 3 dists
+    python -m bench.plan_time --batch 256 --hkv 8 --breakdown
+    python -m bench.plan_time --numpy               # the numpy planner (no C compiler)
+    python -m bench.plan_time --profile --batch 256 --hkv 4 --dist uniform
+    python -m bench.plan_time --phases --batch 256 --hkv 32 8 4 --dist uniform   # on CUDA
 
 `--phases` times the steps inside one plan() call (on CUDA unless `--device cpu`; without CUDA
 the upload steps are skipped): `phases` wraps this instance's steps in perf_counter timers
@@ -38,7 +38,6 @@ import cProfile
 import json
 import os
 import pstats
-import sys
 import time
 import types
 from pathlib import Path
@@ -46,12 +45,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from decode import BATCHES, DISTS, HKVS, HQ, make_batch  # noqa: E402
-from timing import median_us  # noqa: E402
+from bench.decode import BATCHES, DISTS, HKVS, HQ, make_batch
+from bench.timing import median_us
 
 
 def planned(batch: int, hkv: int, dist: str, device: str = "cpu"

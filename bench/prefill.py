@@ -8,9 +8,9 @@ Each timed attncc kernel prints the kernel cache's record (`spill=`, `local=`, `
 under ATTNCC_STRICT_RESOURCES=1 (scripts/gpu_check.sh) a kernel loaded with local memory its
 form is expected to run without stops the run with a ResourceError.
 
-    python bench/prefill.py                       # full sweep -> bench/results/prefill-h200.json
-    python bench/prefill.py --S 4096 --variants causal --impls attncc sdpa_flash
-    python bench/prefill.py --report bench/results/prefill-h200.json   # table + PNG (CPU ok)
+    python -m bench.prefill                       # full sweep -> bench/results/prefill-h200.json
+    python -m bench.prefill --S 4096 --variants causal --impls attncc sdpa_flash
+    python -m bench.prefill --report bench/results/prefill-h200.json   # table + PNG (CPU ok)
 
 Example (what one record looks like; the FLOP count of a causal cell):
     >>> pairs("causal", 4096) == 4096 * 4096 / 2
@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 VARIANTS = ("full", "causal", "softcap_causal", "alibi_causal", "sliding1024")
 IMPLS = ("attncc", "flex", "sdpa_flash", "sdpa_cudnn")
@@ -106,7 +105,7 @@ class Bench:
         import torch
 
         import attncc
-        from examples.gym import alibi_slopes, causal, sliding_window, softcap
+        from attncc.gym import alibi_slopes, causal, sliding_window, softcap
 
         self.S, self.B = S, TOKENS // S
         g = torch.Generator(device="cuda").manual_seed(S)

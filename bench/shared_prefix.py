@@ -6,8 +6,8 @@ the prefix pages in every request's page table, so each request reads the prefix
 attention reads it once for the whole batch and merges. Reported: time of each (GPU time of a
 CUDA-graph replay, bench/timing.py; the eager times are kept too) and the speedup.
 
-    python bench/shared_prefix.py               -> bench/results/shared-prefix-h200.json
-    python bench/shared_prefix.py --report bench/results/shared-prefix-h200.json
+    python -m bench.shared_prefix               -> bench/results/shared-prefix-h200.json
+    python -m bench.shared_prefix --report bench/results/shared-prefix-h200.json
 
 Example (the page lists of one configuration):
     >>> pre, suf = page_lists(prefix=64, batch=2, suffix=32, page=16)
@@ -23,9 +23,6 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 HQ, D, PAGE, SUFFIX = 32, 128, 16, 128
 PREFIXES, BATCHES = (1024, 8192, 32768), (16, 64)
@@ -41,7 +38,7 @@ def page_lists(prefix: int, batch: int, suffix: int, page: int
 
 def run_cell(prefix: int, batch: int, hkv: int) -> dict[str, Any]:
     import torch
-    from timing import time_call
+    from bench.timing import time_call
 
     import attncc
 
@@ -125,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--report", type=Path, default=None)
     args = ap.parse_args(argv)
-    from prefill import _meta, report, save
-    from timing import TIME_CALL_TIMING
+    from bench.prefill import _meta, report, save
+    from bench.timing import TIME_CALL_TIMING
 
     if args.report is not None:
         report(args.report, table, plot)

@@ -11,8 +11,8 @@ TFLOP/s count 4*D FLOPs per unmasked (query, key) pair (causal: half of S^2), as
 bench/prefill.py does; the rotate-then-attend cells include the rotation's time, because that is
 the work the in-kernel transform replaces. Every cell is checked against the FA2 output.
 
-    python bench/transforms.py --out bench/results/transforms-h200.json
-    python bench/transforms.py --report bench/results/transforms-h200.json   # table + PNG
+    python -m bench.transforms --out bench/results/transforms-h200.json
+    python -m bench.transforms --report bench/results/transforms-h200.json   # table + PNG
 
 Example:
     >>> rotate_half_tables(8, 4)[0].shape
@@ -23,12 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from bench.prefill import (HEAD_DIM, HEADS, TOKENS, _compiled_flex, _prefill_meta,  # noqa: E402
                            _rel_err)
@@ -44,7 +41,7 @@ SEQ_LENS = (2048, 8192)
 
 
 def rotate_half_tables(D: int, S: int, base: float = 10000.0) -> tuple[Any, Any]:
-    """cos and sin [S, D] of examples.gym.rope's half-rotated layout (pair i, i + D/2)."""
+    """cos and sin [S, D] of attncc.gym.rope's half-rotated layout (pair i, i + D/2)."""
     import torch
 
     i = torch.arange(D) % (D // 2)
@@ -69,7 +66,7 @@ def cells(S: int) -> dict[str, Callable[[], Any]]:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     import attncc
-    from examples.gym import causal, rope
+    from attncc.gym import causal, rope
 
     B = TOKENS // S
     g = torch.Generator(device="cuda").manual_seed(S)

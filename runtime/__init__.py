@@ -9,5 +9,5 @@
   the plan format, the batch argument checks, LPT, the scheduler and the C planner.
 - `reference.py`: the exact fp64 oracle both flex and serving are tested against.
 
-Serving never imports flex; both import jit and the reference (tests/test_layering.py).
+Serving never imports flex; both import jit and the reference (tests/project/test_layering.py).
 """

@@ -3,7 +3,7 @@ the current templates: same process, same inputs, interleaved rounds (a change o
 cannot be judged from two separate runs).
 
     git archive REV kernels | tar -x -C /tmp/rev      # then, on the GPU machine:
-    python scripts/ab_kernels.py /tmp/rev/kernels [/tmp/rev2/kernels ...] --S 2048 --variants causal
+    python -m scripts.ab_kernels /tmp/rev/kernels [/tmp/rev2/kernels ...] --S 2048 --variants causal
 
 The current codegen generates both translation units; only the templates differ, so a revision
 whose templates expect another codegen does not compile. Variants and inputs are
@@ -14,12 +14,8 @@ compares each output with the current one.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any, Callable
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def compare(builds: list[tuple[str, Callable[[], None], dict[str, Any] | None]],
@@ -30,8 +26,7 @@ def compare(builds: list[tuple[str, Callable[[], None], dict[str, Any] | None]],
     """
     from triton.testing import do_bench
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from prefill import HEAD_DIM, HEADS, Bench, pairs
+    from bench.prefill import HEAD_DIM, HEADS, Bench, pairs
 
     first = builds[0][0]
     for S in seq_lens:
@@ -60,8 +55,7 @@ def main() -> None:
     from attncc.runtime.flex import gpu_flex
     from attncc.runtime.jit import kernels
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from prefill import VARIANTS
+    from bench.prefill import VARIANTS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("base", type=Path, nargs="+", help="other revisions' kernels/ folders")

@@ -7,8 +7,8 @@ and -- where `cuobjdump` is on PATH (the H200 image has it under /usr/local/cuda
 HGMMA (wgmma), USETMAXREG (setmaxnreg) and UTMALDG (TMA load) instructions in the SASS. Writes a
 markdown table (and JSON with --out).
 
-    python scripts/fa3_resources.py --out $OUT/fa3-resources.json
-    python scripts/fa3_resources.py --all      # every AttentionGym variant
+    python -m scripts.fa3_resources --out $OUT/fa3-resources.json
+    python -m scripts.fa3_resources --all      # every AttentionGym variant
 """
 from __future__ import annotations
 
@@ -18,13 +18,10 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 VARIANTS = ("noop", "causal", "softcap_causal", "alibi_causal", "sliding_window")
 
@@ -38,9 +35,9 @@ def report(variant: str, head_dim: int) -> dict[str, Any]:
     from attncc.ir.simplify import simplify_variant
     from attncc.runtime.flex.gpu_flex import kernel_spec
     from attncc.runtime.flex.tile_choice import choose_tiles
+    from attncc.gym import GYM
     from attncc.runtime.jit.kernels import compile_spec
     from attncc.runtime.jit.policy import wgmma_notes
-    from examples.gym import GYM
 
     plan = choose_tiles(head_dim, q_len=4096, kv_len=4096, group=1, heads=16, batch=1,
                         kernel_options={"KERNEL": "fa3"})
@@ -78,7 +75,7 @@ def main() -> None:
                     help="every AttentionGym variant, not only the benchmarked five")
     args = ap.parse_args()
     if args.all:
-        from examples.gym import GYM
+        from attncc.gym import GYM
     variants = tuple(GYM) if args.all else VARIANTS
     recs = [report(v, d) for v in variants for d in (64, 128, 256)]
     cols = ["variant", "head_dim", "tkv", "stages", "first_spill_bytes", "low_pressure",

@@ -1,8 +1,8 @@
 """One small FA3 launch for compute-sanitizer (memcheck, racecheck): checked against the fp64
 reference, so a clean sanitizer log comes from a launch that also computed the right thing.
 
-    compute-sanitizer --tool memcheck python scripts/fa3_sanitize_case.py
-    compute-sanitizer --tool racecheck python scripts/fa3_sanitize_case.py dense64
+    compute-sanitizer --tool memcheck python -m scripts.fa3_sanitize_case
+    compute-sanitizer --tool racecheck python -m scripts.fa3_sanitize_case dense64
 
 Under memcheck the H200 image reports 34 CUDA API errors, all failed cuGetProcAddress lookups
 made while the libraries load; `--report-api-errors no` leaves the kernels' own (expected: 0).
@@ -26,19 +26,15 @@ from __future__ import annotations
 
 import itertools
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import attncc  # noqa: E402
-from attncc.runtime.flex import gpu_flex  # noqa: E402
-from attncc.runtime.reference import batch_attention_reference  # noqa: E402
-from attncc.runtime.serving.batch import BatchAttention  # noqa: E402
-from attncc.runtime.reference import attention_reference  # noqa: E402
-from examples.gym import GYM, causal  # noqa: E402
+import attncc
+from attncc.gym import GYM, causal
+from attncc.runtime.flex import gpu_flex
+from attncc.runtime.reference import attention_reference, batch_attention_reference
+from attncc.runtime.serving.batch import BatchAttention
 
 
 def _value_output(d: int) -> attncc.Variant:

@@ -4,7 +4,7 @@
 # a temp dir elsewhere).
 #
 #   scripts/gpu_check.sh                 # tests + benchmark
-#   scripts/gpu_check.sh tests [ARGS]    # GPU tests only: pytest -m gpu tests/gpu, in SHARDS processes
+#   scripts/gpu_check.sh tests [ARGS]    # GPU tests only: pytest -m gpu tests, in SHARDS processes
 #   scripts/gpu_check.sh bench [ARGS]    # bench/prefill.py only (ARGS go to it)
 #   scripts/gpu_check.sh decode [ARGS]   # bench/decode.py only (ARGS go to it)
 #   scripts/gpu_check.sh shared_prefix   # bench/shared_prefix.py (cascade vs single format)
@@ -42,7 +42,7 @@ if [[ "$MODE" == "all" || "$MODE" == "tests" ]]; then
     SHARDS="${SHARDS:-4}"
     pids=()
     for ((i = 0; i < SHARDS; i++)); do
-        ATTNCC_TEST_SHARD="$i/$SHARDS" ATTNCC_FULL_MATRIX=1 python3 -m pytest -m gpu tests/gpu -q -rs \
+        ATTNCC_TEST_SHARD="$i/$SHARDS" ATTNCC_FULL_MATRIX=1 python3 -m pytest -m gpu tests -q -rs \
             -p no:cacheprovider --tb=short --durations=5 "${@:2}" >"$OUT/pytest-shard$i.log" 2>&1 &
         pids+=($!)
     done
@@ -51,26 +51,29 @@ if [[ "$MODE" == "all" || "$MODE" == "tests" ]]; then
         echo "shard $i/$SHARDS: $(tail -1 "$OUT/pytest-shard$i.log")" | tee -a "$OUT/pytest.log"
     done
     grep -h "^FAILED\|^ERROR" "$OUT"/pytest-shard*.log | tee -a "$OUT/pytest.log"
-    # the NVRTC checks of tests/gpu (no GPU needed; also run in CI)
-    python3 -m pytest -m "nvrtc and not gpu" tests/gpu -q -p no:cacheprovider --tb=short \
+    # the NVRTC-only checks of the kernels (spills, ptxas notes, probes) with this machine's
+    # NVRTC (no GPU needed; also run in CI)
+    python3 -m pytest -m "nvrtc and not gpu" tests/kernels tests/codegen/test_discrete_kernel.py \
+        tests/runtime/flex/test_kernel_spills.py tests/runtime/serving/test_kernel_spills.py \
+        -q -p no:cacheprovider --tb=short \
         2>&1 | tail -3 | tee -a "$OUT/pytest.log"
 fi
 
 if [[ "$MODE" == "all" || "$MODE" == "bench" ]]; then
     # attncc vs FlexAttention vs SDPA flash/cuDNN; extra arguments go to bench/prefill.py
     # (e.g. `scripts/gpu_check.sh bench --S 2048 --variants causal`)
-    ATTNCC_COMMIT="${ATTNCC_COMMIT:-unknown}" python3 bench/prefill.py --out "$OUT/prefill-h200.json" \
+    ATTNCC_COMMIT="${ATTNCC_COMMIT:-unknown}" python3 -m bench.prefill --out "$OUT/prefill-h200.json" \
         "${@:2}" 2>&1 | tee "$OUT/bench.log"
     [[ ${PIPESTATUS[0]} -ne 0 ]] && status=1
 fi
 if [[ "$MODE" == "decode" ]]; then
     # BatchAttention decode vs FlexAttention vs SDPA; extra arguments go to bench/decode.py
-    ATTNCC_COMMIT="${ATTNCC_COMMIT:-unknown}" python3 bench/decode.py --out "$OUT/decode-h200.json" \
+    ATTNCC_COMMIT="${ATTNCC_COMMIT:-unknown}" python3 -m bench.decode --out "$OUT/decode-h200.json" \
         "${@:2}" 2>&1 | tee "$OUT/decode.log"
     [[ ${PIPESTATUS[0]} -ne 0 ]] && status=1
 fi
 if [[ "$MODE" == "shared_prefix" ]]; then
-    ATTNCC_COMMIT="${ATTNCC_COMMIT:-unknown}" python3 bench/shared_prefix.py \
+    ATTNCC_COMMIT="${ATTNCC_COMMIT:-unknown}" python3 -m bench.shared_prefix \
         --out "$OUT/shared-prefix-h200.json" "${@:2}" 2>&1 | tee "$OUT/shared-prefix.log"
     [[ ${PIPESTATUS[0]} -ne 0 ]] && status=1
 fi

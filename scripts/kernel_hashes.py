@@ -18,8 +18,8 @@ pre-pass takes a variant's q/k/v transforms), `prepass`, `merge` (variant `-`, D
 Inputs are bfloat16 (the merge kernel: bfloat16 and float16). Block-mask launches, whose mask
 is merged into the variant's IR at run time, are not listed.
 
-    python scripts/kernel_hashes.py --out bench/results/kernel-hashes.txt
-    python scripts/kernel_hashes.py --kinds fa3-single,fa3-pair --variants causal --dims 128
+    python -m scripts.kernel_hashes --out bench/results/kernel-hashes.txt
+    python -m scripts.kernel_hashes --kinds fa3-single,fa3-pair --variants causal --dims 128
 
 Compiles go through the runtime's disk cache; point `ATTNCC_CACHE_DIR` at a scratch folder to
 reuse compiles between runs. The hash is always of the cubin bytes NVRTC returned.
@@ -35,8 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]
 
 FA2_KINDS = ("fa2", "fa2-batch", "fa2-decode")
 FA3_KINDS = ("fa3-single", "fa3-pair", "fa3-split", "fa3-lowpressure", "fa3-pair-lowpressure",
@@ -61,7 +60,7 @@ def _line(cubin: bytes, kind: str, variant: str, d: Any, arch: str, name: str,
 
 def _ir(variant: str, d: int) -> Any:
     from attncc.ir.simplify import simplify_variant
-    from examples.gym import GYM
+    from attncc.gym import GYM
 
     return simplify_variant(GYM[variant](1, 16, PREFILL_S, d).trace()[0])
 
@@ -215,9 +214,21 @@ def _csv(text: str | None, allowed: Any, what: str) -> list[str] | None:
     return items
 
 
+def _check_checkout() -> None:
+    """The list must be of this checkout's kernels: `python scripts/kernel_hashes.py` run from
+    another folder imports the pip-installed attncc, which may be another checkout's."""
+    import attncc
+
+    where = Path(attncc.__file__).resolve().parents[1]
+    if where != ROOT:
+        raise SystemExit(f"attncc is imported from {where}, not from this checkout {ROOT}: run "
+                         f"`python -m scripts.kernel_hashes` from {ROOT}")
+
+
 def main(argv: list[str] | None = None) -> None:
+    _check_checkout()
     from attncc.codegen.fa2 import FA2_HEAD_DIMS
-    from examples.gym import GYM
+    from attncc.gym import GYM
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", help=f"comma-separated, from {','.join(KINDS)} (default: all)")

@@ -3,6 +3,9 @@
 - `@pytest.mark.gpu`: skipped when torch sees no CUDA device.
 - `@pytest.mark.nvrtc`: skipped when NVRTC (cuda-bindings) cannot be loaded.
   (`requires_gpu` / `requires_nvrtc` below are the same marks under descriptive names.)
+- `@pytest.mark.speed`: the test asserts a time (a host-time bound, a ratio of timings, a time
+  budget). It runs with the rest; the run ends with one line of these tests' outcomes, so a
+  failure there reads as a slow or loaded machine first (`-m "not speed"` leaves them out).
 - `ATTNCC_TEST_SHARD=i/n` keeps every n-th collected test starting at the i-th (0-based), so n
   pytest processes can share one machine (scripts/gpu_check.sh runs the GPU matrix that way).
 - ATTNCC_STRICT_RESOURCES=1 (unless set): a kernel loaded with unexpected spills or local
@@ -14,17 +17,11 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import zlib
 from typing import Any
 
 import pytest
 import torch
-
-# examples/ is not a package: make `from examples.gym import GYM` importable from tests
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
 
 # A kernel loaded with spills or local memory its form is expected to run without is an error
 # in tests (runtime/jit/kernels.py check_resources), not a warning.
@@ -51,6 +48,10 @@ def nvrtc_available() -> bool:
     return available()
 
 
+_SPEED_IDS: set[str] = set()
+_SPEED_OUTCOMES: dict[str, str] = {}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     no_nvrtc = pytest.mark.skip(reason="needs NVRTC from cuda-bindings, which cannot load here")
@@ -68,6 +69,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_gpu)
         if item.get_closest_marker("nvrtc") and not nvrtc_available():
             item.add_marker(no_nvrtc)
+        if item.get_closest_marker("speed"):
+            _SPEED_IDS.add(item.nodeid)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Keep each speed test's outcome: its first failed or skipped phase, else passed."""
+    if report.nodeid not in _SPEED_IDS or _SPEED_OUTCOMES.get(report.nodeid, "passed") != "passed":
+        return
+    if report.failed or report.skipped or report.when == "call":
+        _SPEED_OUTCOMES[report.nodeid] = report.outcome
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line for the tests that assert timings (`speed`), apart from the others'."""
+    if not _SPEED_OUTCOMES:
+        return
+    counts: dict[str, int] = {}
+    for outcome in _SPEED_OUTCOMES.values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    line = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
+    terminalreporter.write_line(f"speed (timing assertions): {line}")
+    for nodeid, outcome in sorted(_SPEED_OUTCOMES.items()):
+        if outcome == "failed":
+            terminalreporter.write_line(f"speed FAILED {nodeid}")
 
 
 class RandomTensors:
@@ -100,16 +125,3 @@ class RandomTensors:
 @pytest.fixture
 def rng(request: pytest.FixtureRequest) -> RandomTensors:
     return RandomTensors(zlib.crc32(request.node.nodeid.encode()))
-
-
-def score_grid(B: int, H: int, Q: int, K: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The broadcast grid a traced score_mod/mask_mod is evaluated on: a random fp64 score
-    [B, H, Q, K] and the index tensors b, h, q_idx, kv_idx shaped to broadcast against it."""
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "score": torch.randn(B, H, Q, K, generator=g, dtype=torch.float64) * 3,
-        "b": torch.arange(B).view(B, 1, 1, 1),
-        "h": torch.arange(H).view(1, H, 1, 1),
-        "q_idx": torch.arange(Q).view(1, 1, Q, 1),
-        "kv_idx": torch.arange(K).view(1, 1, 1, K),
-    }

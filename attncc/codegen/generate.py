@@ -255,7 +255,7 @@ def loads_at_positions(ir: VariantIR) -> bool:
     sequence: the load would read past the tensor).
 
     Example:
-        >>> from examples.gym import GYM
+        >>> from attncc.gym import GYM
         >>> [loads_at_positions(GYM[n](1, 4, 64, 64).trace()[0])
         ...  for n in ("alibi_causal", "document_causal")]
         [False, True]

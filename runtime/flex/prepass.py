@@ -37,7 +37,7 @@ def choose_prepass(ir: VariantIR, *, option: str | None, q_len: int, num_q_heads
     (measured: docs/journal/2026-12-01.md, "transform pre-pass"); otherwise none.
 
     Example:
-        >>> from examples.gym import rope
+        >>> from attncc.gym import rope
         >>> ir, _ = rope(64).trace()
         >>> choose_prepass(ir, option=None, q_len=4096, num_q_heads=8, num_kv_heads=8,
         ...                rows_per_cta=128, head_fusion=1)

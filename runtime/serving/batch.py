@@ -945,9 +945,9 @@ def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndar
 L2_SECTION_BYTES = 12 << 20
 """K/V bytes of the (request, KV head) pairs a causal prefill plan's CTAs work on at a time
 (`clip_causal_units`' sections; 12 MiB of the H100 / H200's 50 MB L2, as the dense FA3 kernel's
-ATTNCC_FA3_L2_SECTION_BYTES, which tests/test_batch.py pins to this value), for K and V of
-q_data_type's element size. Paged causal prefill is insensitive to 12 vs 24 MiB, the dense
-kernel prefers 12 (docs/serving.md#causal-clipping-and-l2-sections)."""
+ATTNCC_FA3_L2_SECTION_BYTES, which tests/runtime/serving/test_batch.py pins to this value), for
+K and V of q_data_type's element size. Paged causal prefill is insensitive to 12 vs 24 MiB, the
+dense kernel prefers 12 (docs/serving.md#causal-clipping-and-l2-sections)."""
 
 UPLOAD_GAP = 16384
 """`used_ranges`' default: int32 words (64 KB) of unused room that one copy may carry between two
@@ -992,7 +992,7 @@ def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end:
     which is the plan's num_ctas (BatchAttention sizes the layout by it), and CTA c reads
     cta_indptr[c], [c + 1], then cta_units in [0, num_units) and the units those name; the
     merge kernel's CTAs read merge_out[m], merge_indptr[m], [m + 1] for m < num_merges only;
-    the page tables are read per planned request (tests/test_batch.py,
+    the page tables are read per planned request (tests/runtime/serving/test_batch.py,
     test_used_ranges_carry_everything_the_kernels_read, fills the rest with garbage).
 
     Example:

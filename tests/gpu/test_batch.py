@@ -18,7 +18,7 @@ import attncc
 from attncc.runtime.serving import batch as batch_module
 from attncc.runtime.reference import batch_attention_reference
 from attncc.runtime.serving.batch import BatchAttention
-from examples.gym import GYM
+from attncc.gym import GYM
 
 pytestmark = pytest.mark.gpu
 

@@ -3,8 +3,9 @@
 A read that can leave its tensor only at masked positions runs clamped (same result as the fp64
 reference, which accepts it like torch); one that leaves it at a kept position is an error before
 any launch, naming the hook's line; one the analysis cannot decide runs clamped, and with
-ATTNCC_CHECK_BOUNDS=1 the kernel reports the first violation after the launch. The NVRTC tests
-(no GPU needed) pin that the clamped kernels stay spill-free.
+ATTNCC_CHECK_BOUNDS=1 the kernel reports the first violation after the launch. The NVRTC checks
+that the clamped kernels stay spill-free are in tests/runtime/flex/test_kernel_spills.py and
+tests/runtime/serving/test_kernel_spills.py.
 """
 from __future__ import annotations
 
@@ -16,11 +17,8 @@ import torch
 import attncc
 from attncc.ir.analysis import CapturedReadError, Shapes
 from attncc.runtime.flex import gpu_flex
-from attncc.runtime.jit.kernels import FA2_SPILL_BUDGET
-from attncc.runtime.jit.policy import spill_bytes, wgmma_notes
-from attncc.runtime.jit.sources import fa2_source
 from attncc.runtime.reference import attention_reference
-from examples.gym import causal
+from attncc.gym import causal
 
 FA2 = {"KERNEL": "fa2"}
 
@@ -35,70 +33,6 @@ def _distance_bias(table: torch.Tensor) -> Any:
         return score + table[h, q_idx - kv_idx]
 
     return distance_bias
-
-
-def _clamped_ir(S: int, H: int, D: int) -> Any:
-    """The simplified, clamped IR the GPU path runs for a [H, S] distance table under causal."""
-    from attncc.runtime.flex.api import _trace
-
-    table = torch.randn(H, S)
-    ir, bind = _trace(attncc.Variant(score_mod=_distance_bias(table), mask_mod=causal,
-                                     name="distance_bias"))
-    got, sizes = gpu_flex._clamped(ir, Shapes(1, H, H, S, S, D, D), bind.tensors, bind.scalars)
-    assert got is not ir and set(sizes) == {"table_size1"}
-    return got
-
-
-# ------------------------------------------------------------------------------------ NVRTC
-@pytest.mark.nvrtc
-@pytest.mark.parametrize("d", [64, 128])
-def test_clamped_fa3_kernel_has_no_spills(d: int) -> None:
-    from attncc.ir.simplify import simplify_variant
-
-    ir = simplify_variant(_clamped_ir(4096, 16, d))
-    plan = gpu_flex.choose_tiles(d, q_len=4096, kv_len=4096, group=1, heads=16, batch=1,
-                                 kernel_options={"KERNEL": "fa3"}, fa3_ok=True)
-    gk, res, _ = gpu_flex.fa3_compiled_form(ir, d, "bfloat16", plan, "sm_90a")
-    assert "attncc::mini(q_idx - kv_idx, p.table_size1 - 1)" in gk.source
-    assert spill_bytes(res.log) == 0, res.log
-    assert not wgmma_notes(res.log), res.log
-
-
-@pytest.mark.nvrtc
-def test_clamped_fa2_kernel_attncc_runs_has_no_spills_beyond_budget() -> None:
-    """What the kernel cache runs: the planned tiles if within the spill budget, else one fragment
-    per warp (the clamp's two integer ops took the two-fragment D 128 form from 160 to 204
-    spilled bytes with NVRTC 12.9, past the 192-byte budget: the fallback then runs)."""
-    from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.jit.nvrtc import compile_cuda
-
-    ir = simplify_variant(_clamped_ir(4096, 16, 128))
-    plan = gpu_flex.choose_tiles(128, q_len=4096, kv_len=4096, group=1, heads=16, batch=1)
-    for m_frags in sorted({plan.m_frags, 1}, reverse=True):
-        src, _, _, _ = fa2_source(ir, head_dim=128, dtype="bfloat16", tq=plan.tq,
-                                  tkv=plan.tkv, stages=plan.stages, m_frags=m_frags)
-        res = compile_cuda(src, arch="sm_90a", verbose=True)
-        if spill_bytes(res.log) <= FA2_SPILL_BUDGET[m_frags]:
-            break
-    assert spill_bytes(res.log) <= FA2_SPILL_BUDGET[m_frags], res.log
-
-
-@pytest.mark.nvrtc
-def test_clamped_serving_kernels_compile_without_spills() -> None:
-    """The FA2 and FA3 batch kernels of a clamped variant, as BatchAttention compiles them
-    (FA3 through the kernel cache: its low-pressure form if the first spills)."""
-    from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.jit.kernels import KernelSpec, compile_spec
-    from attncc.runtime.jit.nvrtc import compile_cuda
-    from attncc.runtime.serving.fa3_batch import fa3_batch_tiles
-
-    ir = simplify_variant(_clamped_ir(700, 8, 128))
-    src, _, _, _ = fa2_source(ir, head_dim=128, dtype="bfloat16", tq=16, tkv=64,
-                              batch=True, kv_warps=2)
-    assert spill_bytes(compile_cuda(src, arch="sm_90a", verbose=True).log) == 0
-    res = compile_spec(KernelSpec("fa3_batch", ir, 128, "bfloat16", fa3_batch_tiles(128)),
-                       "sm_90a").result
-    assert spill_bytes(res.log) == 0, res.log
 
 
 # ------------------------------------------------------------------------------------ GPU

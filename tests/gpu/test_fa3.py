@@ -1,10 +1,10 @@
 """The FA3 kernel (kernels/fa3_prefill.cuh: TMA + wgmma, warp-specialized), selected with
 kernel_options={"KERNEL": "fa3"}, against the fp64 reference. GPU tests need an sm_90 GPU; the
-CPU tests pin the option's checks and that every case compiles for sm_90a."""
+CPU tests pin the option's checks; tests/runtime/flex/test_kernel_spills.py that the cases
+compile for sm_90a without spills."""
 from __future__ import annotations
 
 import itertools
-import re
 from typing import Any
 
 import pytest
@@ -14,22 +14,15 @@ import attncc
 from attncc.ir.hoist import KV_HOOKS, PREPASS_HOOKS
 from attncc.runtime.flex import gpu_flex
 from attncc.runtime.flex.gpu_flex import choose_tiles
+from attncc.gym import GYM, causal, sliding_window
 from attncc.runtime.jit.kernels import generate
-from examples.gym import GYM, causal, sliding_window
 
-from .repeats import assert_repeats_bitwise
+from tests.helpers.repeats import assert_repeats_bitwise
+from tests.helpers.variants import VARIANTS
 
 FA3 = {"KERNEL": "fa3"}
 
 
-def _value_output(B: int, H: int, S: int, D: int, seed: int = 0) -> attncc.Variant:
-    """value_mod and output_mod reading other elements of the vector, plus a score_mod."""
-    return attncc.Variant(value_mod=lambda v, b, h, kv, d: v[d] - 0.5 * v[(d + 1) % D],
-                          output_mod=lambda o, b, h, q, d: 2.0 * o[d] + o[D - 1 - d],
-                          score_mod=lambda s, b, h, q, kv: s * 1.5, name="value_output")
-
-
-VARIANTS = {**GYM, "value_output": _value_output}
 CASES = [(v, d, s, g, n) for (v, d, n), s, g in zip(
     itertools.product(("noop", "causal", "softcap_causal", "alibi_causal"), (64, 128), (64, 128)),
     itertools.cycle((1, 17, 300, 1000, 4096, 129)), itertools.cycle((1, 4, 1)))] + [
@@ -103,55 +96,6 @@ def test_fa3_option_checks() -> None:
     with pytest.raises(ValueError, match="'fa2' \\(default\\) or 'fa3'"):
         choose_tiles(64, q_len=5, kv_len=5, group=1, heads=1, batch=1,
                      kernel_options={"KERNEL": "fa4"})
-
-
-@pytest.mark.nvrtc
-@pytest.mark.parametrize("name,d,tkv,stages", [("causal", 128, 128, 2), ("softcap_causal", 64, 128, 2),
-                                              ("alibi_causal", 128, 64, 2),
-                                              ("softcap_causal", 128, 128, 3),
-                                              ("rope", 128, 128, 3), ("rope", 64, 128, 4),
-                                              ("value_output", 128, 128, 3),
-                                              ("value_output", 256, 64, 2),
-                                              ("rope", 256, 64, 2)])
-def test_fa3_compiles_without_spills(name: str, d: int, tkv: int, stages: int) -> None:
-    """Zero spills, and the software pipeline intact: ptxas did not serialize the wgmmas (it
-    does, with a "Potential Performance Loss" warning, when registers an in-flight wgmma uses
-    are touched before its wait)."""
-    from attncc.codegen.fa2 import fa3_tiles
-    from attncc.codegen.generate import generate_source
-    from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.jit.policy import wgmma_notes
-    from attncc.runtime.jit.nvrtc import compile_cuda
-
-    ir = simplify_variant(VARIANTS[name](1, 8, 1024, d).trace()[0])
-    gk = generate_source(ir, head_dim=d, dtype="bfloat16", kernel="fa3",
-                         tiles=fa3_tiles(stages, tkv))
-    res = compile_cuda(gk.source, arch="sm_90a", verbose=True)
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.log)
-    assert spills and all(a == "0" and b == "0" for a, b in spills), res.log
-    # and none of ptxas's wgmma notes (C7517, an injected wait, does not say "wgmma")
-    assert "wgmma" not in res.log.lower() and not wgmma_notes(res.log), res.log
-
-
-@pytest.mark.nvrtc
-@pytest.mark.parametrize("name,d", [("document_causal", 64), ("document_causal", 128),
-                                    ("relative_bias", 128), ("causal", 128)])
-def test_fa3_kernel_attncc_runs_has_no_spills(name: str, d: int) -> None:
-    """The kernel cache's `compile_spec` (what attncc runs): the kernel as it is when its first
-    compile is spill-free, else its ATTNCC_FA3_LOW_PRESSURE form -- spill-free in every case
-    here (the first compile of document_causal and relative_bias spills 32-344 bytes with NVRTC
-    12.9)."""
-    from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.flex.tile_choice import choose_tiles
-    from attncc.runtime.jit.kernels import compile_spec
-
-    plan = choose_tiles(d, q_len=4096, kv_len=4096, group=1, heads=16, batch=1,
-                        kernel_options=FA3)
-    ir = simplify_variant(VARIANTS[name](1, 16, 4096, d).trace()[0])
-    trail: list = []
-    form = compile_spec(gpu_flex.kernel_spec(ir, d, "bfloat16", plan), "sm_90a", trail)
-    assert form.spec.low_pressure is (trail[0].spill_bytes > 0)
-    assert form.spill_bytes == 0, form.result.log
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: Any, bind: Any, bm: Any,

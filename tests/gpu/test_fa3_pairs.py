@@ -12,10 +12,10 @@ import torch
 
 from attncc.runtime.flex import gpu_flex
 from attncc.runtime.reference import attention_reference
-from examples.gym import GYM
+from attncc.gym import GYM
 
-from .fa3_launch import run_fa3
-from .repeats import assert_repeats_bitwise
+from tests.helpers.fa3_launch import run_fa3
+from tests.helpers.repeats import assert_repeats_bitwise
 
 # (variant, head dim, B, Hq, Hkv, q_len, kv_len): fewer pairs than clusters and several rounds
 # of them (2 x 12 x 16 items: 192 pairs on the H200's 66 clusters), a partial last query block
@@ -111,59 +111,3 @@ def test_fa3_pairs_need_even_query_blocks_and_no_block_mask() -> None:
     long = gpu_flex.FA3_PAIRED_MAX_KEYS + 128
     assert not gpu_flex.fa3_pairs(fa3, False, 256, long, 128, None)
     assert gpu_flex.fa3_pairs(fa3, False, 256, long, 128, on)
-
-
-@pytest.mark.nvrtc
-@pytest.mark.parametrize("name,d", [("noop", 128), ("noop", 64), ("softcap", 128),
-                                    ("alibi", 128), ("rope", 64), ("document_mask", 128)])
-def test_fa3_paired_kernel_attncc_runs_has_no_spills(name: str, d: int) -> None:
-    """The CTA-pair form as attncc compiles it (the kernel cache's FA3 fallback: the first
-    compile, or its low-pressure form if that one spills; here kept paired) is spill-free, keeps its wgmma pipeline, and its
-    producer issues multicast copies."""
-    import dataclasses
-
-    from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.flex.gpu_flex import kernel_spec
-    from attncc.runtime.flex.tile_choice import choose_tiles
-    from attncc.runtime.jit.kernels import FA3_PAIRED, compile_spec
-    from attncc.runtime.jit.policy import spill_bytes, wgmma_notes
-
-    plan = choose_tiles(d, q_len=2048, kv_len=2048, group=1, heads=16, batch=1,
-                        kernel_options={"KERNEL": "fa3"})
-    ir = simplify_variant(GYM[name](1, 16, 2048, d).trace()[0])
-    form = compile_spec(kernel_spec(ir, d, "bfloat16", dataclasses.replace(plan, paired=True)),
-                        "sm_90a")
-    gk, res = form.gen, form.result
-    assert form.spec.paired and FA3_PAIRED in gk.source[:80]  # the pair form is what runs
-    assert spill_bytes(res.log) == 0, res.log
-    assert "wgmma" not in res.log.lower() and not wgmma_notes(res.log), res.log
-    assert ".multicast::cluster" in gk.source
-
-
-@pytest.mark.nvrtc
-@pytest.mark.parametrize("name", ["document_causal", "noop"])
-def test_fa3_pair_form_that_spills_runs_unpaired(name: str) -> None:
-    """A pair plan keeps its pairs when the pair form compiles spill-free and otherwise runs the
-    single-CTA kernel (spill-free). document_causal at head dim 128 is the case that falls back
-    with NVRTC 12.9 (its pair form spills 16 bytes in the tile loop); noop keeps its pairs."""
-    import dataclasses
-
-    from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.flex.gpu_flex import fa3_compiled_form, kernel_spec
-    from attncc.runtime.flex.tile_choice import choose_tiles
-    from attncc.runtime.jit.kernels import FA3_PAIRED, compile_spec
-    from attncc.runtime.jit.policy import spill_bytes
-
-    plan = dataclasses.replace(choose_tiles(128, q_len=2048, kv_len=2048, group=1, heads=16,
-                                            batch=1, kernel_options={"KERNEL": "fa3"}),
-                               paired=True)
-    ir = simplify_variant(GYM[name](1, 16, 2048, 128).trace()[0])
-    trail: list = []
-    compile_spec(kernel_spec(ir, 128, "bfloat16", plan), "sm_90a", trail)
-    pair_forms = [f for f in trail if f.spec.paired]  # the pair form and its low-pressure form
-    keeps = min(f.spill_bytes for f in pair_forms) == 0
-    gk, res, used = fa3_compiled_form(ir, 128, "bfloat16", plan, "sm_90a")
-    assert used.paired is keeps and (FA3_PAIRED in gk.source[:80]) is keeps
-    assert spill_bytes(res.log) == 0, res.log
-    if name == "noop":
-        assert keeps

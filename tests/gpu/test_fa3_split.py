@@ -11,10 +11,10 @@ import torch
 
 from attncc.runtime.flex.fa3_split import tail_split
 from attncc.runtime.reference import attention_reference
-from examples.gym import GYM
+from attncc.gym import GYM
 
-from .fa3_launch import run_fa3
-from .repeats import assert_repeats_bitwise
+from tests.helpers.fa3_launch import run_fa3
+from tests.helpers.repeats import assert_repeats_bitwise
 
 # (variant, head dim, B, Hq, Hkv, S, tkv): every case has more items than the H200's 132 CTAs,
 # a partial last round and at least MIN_SPLIT_KEYS keys; items cut in 2 to 5 units (4 items left

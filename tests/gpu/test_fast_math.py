@@ -8,42 +8,7 @@ import math
 import pytest
 import torch
 
-from attncc.codegen.layout import struct_layout
-
-SRC = r"""
-struct FnArgs {
-  const float* x;
-  float* y;
-  int n;
-  int fn;
-};
-struct Unused { int x; };
-
-extern "C" __global__ void fast_fns(FnArgs a, Unused) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= a.n) return;
-  const float x = a.x[i];
-  a.y[i] = a.fn == 0 ? attncc::fast_sin(x) : attncc::fast_cos(x);
-}
-"""
-ARGS = struct_layout("FnArgs", [("x", "const float*"), ("y", "float*"), ("n", "int"),
-                                ("fn", "int")])
-UNUSED = struct_layout("Unused", [("x", "int")])
-
-
-def _source() -> str:
-    from attncc.kernels import read_template
-
-    return read_template("attncc_types.cuh") + SRC
-
-
-@pytest.mark.nvrtc
-def test_fast_math_probe_compiles() -> None:
-    from attncc.runtime.jit import nvrtc
-
-    if not nvrtc.available():
-        pytest.skip("NVRTC is not installed")
-    nvrtc.compile_cuda(_source(), arch="sm_90a")
+from tests.helpers.fast_math_probe import ARGS, UNUSED, source
 
 
 @pytest.mark.gpu
@@ -52,7 +17,7 @@ def test_fast_sin_cos_within_1e6_up_to_1e5(fn: str) -> None:
     from attncc.runtime.jit.launcher import load_kernel
     from attncc.runtime.jit.nvrtc import compile_cuda, device_arch
 
-    res = compile_cuda(_source(), arch=device_arch())
+    res = compile_cuda(source(), arch=device_arch())
     kl = load_kernel(res.cubin, "fast_fns", ARGS, UNUSED)
     g = torch.Generator(device="cuda").manual_seed(len(fn))
     # RoPE-like angles (integer positions times frequencies), uniform ones, and near-multiples of

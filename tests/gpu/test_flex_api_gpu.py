@@ -10,7 +10,7 @@ import torch
 
 import attncc
 from attncc.runtime.reference import attention_reference
-from examples.gym import causal
+from attncc.gym import causal
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:

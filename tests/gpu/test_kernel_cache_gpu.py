@@ -13,7 +13,7 @@ import attncc
 from attncc.errors import ResourceError
 from attncc.runtime.flex import gpu_flex
 from attncc.runtime.jit import kernels
-from examples.gym import GYM
+from attncc.gym import GYM
 
 # a per-thread array indexed at run time: nvcc keeps it in local memory (a stack frame)
 _LOCAL_SOURCE = r'''

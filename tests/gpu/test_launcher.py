@@ -104,6 +104,7 @@ def test_module_cache_and_driver_errors(probe: bytes) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.speed
 def test_host_launch_cost(probe: bytes) -> None:
     """A launch of a cached kernel costs <= 15 us of host time (median over batches)."""
     kl = load_kernel(probe, "probe", _A, _B)
@@ -132,7 +133,7 @@ def test_flex_call_host_cost_and_cuda_graph() -> None:
     Also prints the host cost of a whole cached gpu_flex_attention call."""
     import attncc
     from attncc.runtime.flex import gpu_flex
-    from examples.gym import causal
+    from attncc.gym import causal
 
     B, H, S, D = 2, 8, 512, 128
     g = torch.Generator(device="cuda").manual_seed(3)

@@ -1,5 +1,6 @@
-"""NaN and inf on the GPU: every kernel gives the CPU reference's pattern (tests/test_nan_inf.py
-pins the reference to torch's flex_attention; docs/semantics.md, "NaN and inf").
+"""NaN and inf on the GPU: every kernel gives the CPU reference's pattern
+(tests/runtime/serving/test_nan_inf.py pins the reference to torch's flex_attention;
+docs/semantics.md, "NaN and inf").
 
 FA2 and FA3 dense (single CTA, CTA pairs, the split tail), the batch kernels (FA3 prefill, FA2
 decode with split rows and the merge kernel), `attncc.merge_state` on CUDA and cascade attention.
@@ -84,8 +85,9 @@ def _score_at_row(i: int, val: float) -> Callable:
     return lambda s, b, h, q, kv: torch.where(q == i, val, s)
 
 
-# (id, poke, score_mod, mask_mod): the CPU cases of tests/test_nan_inf.py at GPU sizes; every
-# nonfinite value row sits at a key all rows keep, so the pattern is exact on every kernel
+# (id, poke, score_mod, mask_mod): the CPU cases of tests/runtime/serving/test_nan_inf.py at GPU
+# sizes; every nonfinite value row sits at a key all rows keep, so the pattern is exact on every
+# kernel
 DENSE = [
     ("nan_q_row", _poke(("q", 0, 37, 5, NAN)), None, None),
     ("nan_k_key_causal", _poke(("k", 0, 300, 5, NAN)), None, causal),

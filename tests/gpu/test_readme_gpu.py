@@ -14,7 +14,8 @@ README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 
 def python_blocks(text: str) -> list[str]:
-    """The ```python fenced blocks of a Markdown text, in order (as tests/test_packaging.py)."""
+    """The ```python fenced blocks of a Markdown text, in order (as
+    tests/project/test_packaging.py)."""
     return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
 
 

@@ -1,0 +1,1 @@
+"""attncc's tests; the folders mirror the packages (DEVELOPERS.md, "Tests")."""

@@ -1,0 +1,1 @@
+"""Tests of attncc.codegen: generated CUDA source and its semantics."""

@@ -1,0 +1,1 @@
+"""Tests of attncc.frontend: tracing Python mods and the .attn text format."""

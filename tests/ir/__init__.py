@@ -1,0 +1,1 @@
+"""Tests of attncc.ir: analysis, simplification, bounds, tiles, hoisting."""

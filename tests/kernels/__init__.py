@@ -1,0 +1,1 @@
+"""Tests of the kernel building blocks in kernels/ (attncc.kernels) that need no GPU."""

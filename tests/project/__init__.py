@@ -1,0 +1,1 @@
+"""Cross-cutting checks: docs links, packaging, layering, CLI, examples, bench and script tools."""

@@ -1,0 +1,1 @@
+"""Tests of attncc.runtime.flex: the FlexAttention-style API, block masks, tiles, split tail."""

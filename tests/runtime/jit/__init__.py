@@ -1,0 +1,1 @@
+"""Tests of attncc.runtime.jit: NVRTC, the kernel cache, compile/export, spill policy."""

@@ -1,0 +1,1 @@
+"""Tests of attncc.runtime.serving: BatchAttention, cascade, merge."""

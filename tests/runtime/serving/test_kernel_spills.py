@@ -1,0 +1,40 @@
+"""NVRTC only (no GPU): the serving kernels compile spill-free -- the FA2 and FA3 batch kernels
+of the clamped captured-read variant, and the attention-state merge kernel for each storage
+type. tests/gpu/test_bounds_gpu.py and test_merge_kernel.py run them."""
+from __future__ import annotations
+
+import pytest
+
+from attncc.codegen.merge_state import merge_state_source
+from attncc.runtime.jit.policy import spill_bytes
+from attncc.runtime.jit.sources import fa2_source
+from tests.helpers.clamped import clamped_ir
+
+
+@pytest.mark.nvrtc
+def test_clamped_serving_kernels_compile_without_spills() -> None:
+    """The FA2 and FA3 batch kernels of a clamped variant, as BatchAttention compiles them
+    (FA3 through the kernel cache: its low-pressure form if the first spills)."""
+    from attncc.ir.simplify import simplify_variant
+    from attncc.runtime.jit.kernels import KernelSpec, compile_spec
+    from attncc.runtime.jit.nvrtc import compile_cuda
+    from attncc.runtime.serving.fa3_batch import fa3_batch_tiles
+
+    ir = simplify_variant(clamped_ir(700, 8, 128))
+    src, _, _, _ = fa2_source(ir, head_dim=128, dtype="bfloat16", tq=16, tkv=64,
+                              batch=True, kv_warps=2)
+    assert spill_bytes(compile_cuda(src, arch="sm_90a", verbose=True).log) == 0
+    res = compile_spec(KernelSpec("fa3_batch", ir, 128, "bfloat16", fa3_batch_tiles(128)),
+                       "sm_90a").result
+    assert spill_bytes(res.log) == 0, res.log
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_merge_kernel_compiles_without_spills(dtype: str) -> None:
+    from attncc.runtime.jit.nvrtc import compile_cuda
+
+    mk = merge_state_source(dtype)
+    res = compile_cuda(mk.source, arch="sm_90a", name=f"{mk.kernel_name}.cu", verbose=True)
+    assert f"Compiling entry function '{mk.kernel_name}'" in res.log
+    assert "0 bytes spill stores, 0 bytes spill loads" in res.log
