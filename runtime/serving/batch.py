@@ -72,12 +72,10 @@ from .reads import SafeReads
 from .staging import UPLOAD_GAP, Staging, Uploader, int_words, stage_tables, table_offsets
 from .staging import used_ranges  # (looked up here at each upload: bench/plan_time.py times it)
 from .tiles import BatchTiles, PlanConfig, batch_tiles, fa3_mode, keep_captured_tiles, plan_config
-
-# importable from here as before (tests, bench/, scripts/); the roles' modules own them
-from .causal import L2_SECTION_BYTES  # noqa: F401,E402
-from .staging import Uploader as _Uploader  # noqa: F401,E402
-from .staging import coalesce_ranges  # noqa: F401,E402
-from .tiles import choose_batch_tiles  # noqa: F401,E402
+# importable from here as before (tests, bench/, scripts/); the role modules own them
+from .causal import L2_SECTION_BYTES  # noqa: F401
+from .staging import Uploader as _Uploader, coalesce_ranges  # noqa: F401
+from .tiles import choose_batch_tiles  # noqa: F401
 
 __all__ = ["BatchAttention", "BatchTiles", "clip_causal_units", "KV_LAYOUTS"]
 
