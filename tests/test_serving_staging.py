@@ -69,37 +69,37 @@ class _Uploader:
         self.waits.append(half)
 
 
-def test_halves_alternate_and_sizes_are_asked_once_per_layout() -> None:
-    """Plans take the halves in turn, each waiting for the copies out of its own half only;
-    the sizes and offsets are computed only when the layout object changes; the buffer is
-    reallocated only when a layout needs more words (after waiting for both halves)."""
+def test_halves_alternate_and_the_buffer_grows_only_when_needed() -> None:
+    """Plans take the halves in turn, each waiting for the copies out of its own half only; a
+    layout that fits keeps the buffer (and its addresses), one that does not gets a new buffer
+    after waiting for both halves' copies."""
     st, up = Staging(), _Uploader()
-    asked: list[str] = []
     small, big = PlanLayout(4, 64, 2, 1, 1, 16), PlanLayout(64, 4096, 32, 8, 2, 16)
 
-    def take(layout: PlanLayout, words: int) -> tuple[int, np.ndarray]:
-        half, buf, offsets = st.take(layout, lambda: asked.append("words") or words,
-                                     lambda: asked.append("offsets") or {"n": words}, up)
-        assert offsets == {"n": words}
+    def take() -> tuple[int, np.ndarray]:
+        half, buf, offsets = st.take(up)
+        assert offsets is st.offsets
         st.commit(half, buf)
         return half, buf
 
-    h0, b0 = take(small, 100)
-    h1, b1 = take(small, 100)
-    h2, b2 = take(small, 100)
+    st.fit(small, 100, {"n": 100}, up, pinned=False)
+    assert up.waits == [0, 1] and st.layout is small   # (a new buffer: both halves)
+    (h0, b0), (h1, b1), (h2, b2) = take(), take(), take()
     assert (h0, h1, h2) == (0, 1, 0) and b2 is b0 and b1 is not b0 and st.current is b2
-    assert asked == ["words", "offsets"] and up.waits == [0, 1, 0, 1, 0]  # (new buffer: both)
-    buffer = st.buffer
-    h3, b3 = take(PlanLayout(4, 64, 2, 1, 1, 16), 80)   # another layout that fits
-    assert st.buffer is buffer and b3.size == 100 and h3 == 1
-    assert asked == ["words", "offsets"] * 2 and up.waits[5:] == [1]
-    take(big, 5000)                                     # one that does not: a new buffer
-    assert st.buffer is not buffer and st.current.size == 5000
-    assert up.waits[6:] == [0, 1, 0] and st.halves_at[1] - st.halves_at[0] == 4 * 5000
+    assert up.waits[2:] == [0, 1, 0] and b0.size == 100 and not b0.any()
+    buffer, at = st.buffer, st.halves_at
+    st.fit(PlanLayout(4, 64, 2, 1, 1, 16), 80, {"n": 80}, up, pinned=False)  # fits
+    assert st.buffer is buffer and st.halves_at == at and st.offsets == {"n": 80}
+    assert take() == (1, b1) and up.waits[5:] == [1]
+    st.fit(big, 5000, {"n": 5000}, up, pinned=False)    # does not fit: a new buffer
+    assert st.buffer is not buffer and up.waits[6:] == [0, 1]
+    half, buf = take()
+    assert half == 0 and buf.size == 5000 and st.halves_at[1] - st.halves_at[0] == 4 * 5000
     assert st.halves[0].ctypes.data == st.halves_at[0]
 
 
 def test_staging_without_copies_waits_for_nothing() -> None:
     st = Staging()
-    half, buf, _ = st.take(PlanLayout(4, 64, 2, 1, 1, 16), lambda: 10, dict, None)
+    st.fit(PlanLayout(4, 64, 2, 1, 1, 16), 10, {}, None, pinned=False)
+    half, buf, _ = st.take(None)
     assert half == 0 and buf.size == 10 and not buf.any()

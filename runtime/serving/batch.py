@@ -514,11 +514,13 @@ class BatchAttention:
     def _staging_for(self, layout: scheduler.PlanLayout
                      ) -> tuple[int, np.ndarray, dict[str, int]]:
         """The staging half the next plan writes, its numpy view and the page tables' word
-        offsets after `layout`'s plan (`staging.Staging.take`: waits only for the copy of the
-        plan before last)."""
-        return self._stager.take(layout, lambda: self._int_words(layout),
-                                 lambda: self._table_offsets(layout), self._uploader,
-                                 pinned=self.device.type == "cuda")
+        offsets after `layout`'s plan (`staging.Staging`: resized only for another layout;
+        waits only for the copy of the plan before last)."""
+        st = self._stager
+        if layout is not st.layout:
+            st.fit(layout, self._int_words(layout), self._table_offsets(layout), self._uploader,
+                   pinned=self.device.type == "cuda")
+        return st.take(self._uploader)
 
     def _upload(self, used: int, ranges: list[tuple[int, int]] | None = None) -> None:
         """Copy the current plan's staged words to the workspace (CUDA), allocating the

@@ -16,7 +16,7 @@ Example (the word map of a plan room of 112 words, maxima of 4 requests and 64 q
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -176,11 +176,11 @@ class Staging:
     Example (on the CPU the buffer is not pinned and there are no copies to wait for):
         >>> from attncc.runtime.serving.plan import scheduler
         >>> st = Staging()
-        >>> lay = scheduler.PlanLayout(4, 64, 2, 1, 1, 16)
-        >>> half, buf, offsets = st.take(lay, lambda: 220, lambda: {"pages": 208}, None)
+        >>> st.fit(scheduler.PlanLayout(4, 64, 2, 1, 1, 16), 220, {"pages": 208}, None, False)
+        >>> half, buf, offsets = st.take(None)
         >>> half, buf.size, offsets
         (0, 220, {'pages': 208})
-        >>> st.commit(half, buf); st.take(lay, lambda: 220, dict, None)[0]
+        >>> st.commit(half, buf); st.take(None)[0]
         1
     """
 
@@ -190,31 +190,31 @@ class Staging:
         self.halves_at: tuple[int, ...] = ()  # and their addresses
         self.half = 1  # the half the current plan staged (the next plan takes the other)
         self.current = np.zeros(0, dtype=np.int32)  # the current plan's half
-        self._layout: scheduler.PlanLayout | None = None  # take()'s memo: the last layout
-        self._offsets: dict[str, int] = {}  # and its table offsets
+        self.layout: Any = None  # the layout `fit` last sized the halves for
+        self.offsets: dict[str, int] = {}  # and the table offsets after its plan
 
-    def take(self, layout: scheduler.PlanLayout, words: Callable[[], int],
-             offsets: Callable[[], dict[str, int]], uploader: Uploader | None,
-             pinned: bool = False) -> tuple[int, np.ndarray, dict[str, int]]:
-        """The half the next plan writes (its index and a numpy view, at least `words()` long)
-        and the table offsets `offsets()` after `layout`'s plan; both asked for only when the
-        layout is not the last one's (the same layout step after step: no sizes). Waits, through
-        `uploader`, until the copies that still read the half are done. A new buffer is in
-        page-locked memory when `pinned` (CUDA: the copies are asynchronous only from it)."""
-        if layout is not self._layout:
-            n = words()
-            if not self.halves or self.halves[0].size < n:
-                if uploader is not None:  # copies still reading the old buffer finish
-                    uploader.wait(0)
-                    uploader.wait(1)
-                self.buffer = st = torch.zeros(2 * n, dtype=torch.int32, pin_memory=pinned)
-                self.halves = (st[:n].numpy(), st[n:].numpy())
-                self.halves_at = (st.data_ptr(), st.data_ptr() + 4 * n)
-            self._layout, self._offsets = layout, offsets()
+    def fit(self, layout: Any, words: int, offsets: dict[str, int],
+            uploader: Uploader | None, pinned: bool) -> None:
+        """Size the halves for `layout` (at least `words` int32 words each; a new buffer, in
+        page-locked memory when `pinned`, only when the old one is too small, after the copies
+        that still read it) and keep its table `offsets`. Called only when the layout object
+        changes (the same layout step after step: no sizes)."""
+        if not self.halves or self.halves[0].size < words:
+            if uploader is not None:  # copies still reading the old buffer finish
+                uploader.wait(0)
+                uploader.wait(1)
+            self.buffer = st = torch.zeros(2 * words, dtype=torch.int32, pin_memory=pinned)
+            self.halves = (st[:words].numpy(), st[words:].numpy())
+            self.halves_at = (st.data_ptr(), st.data_ptr() + 4 * words)
+        self.layout, self.offsets = layout, offsets
+
+    def take(self, uploader: Uploader | None) -> tuple[int, np.ndarray, dict[str, int]]:
+        """The half the next plan writes (its index and a numpy view) and the table offsets,
+        once the copies that still read that half (those of the plan before last) are done."""
         half = 1 - self.half
         if uploader is not None:
-            uploader.wait(half)  # the copy of the plan before last has read this half
-        return half, self.halves[half], self._offsets
+            uploader.wait(half)
+        return half, self.halves[half], self.offsets
 
     def commit(self, half: int, buf: np.ndarray) -> None:
         """Make `buf` (staging half `half`, from `take`) the current plan's words."""
