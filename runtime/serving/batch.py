@@ -615,9 +615,10 @@ class BatchAttention:
         build = launch.decode_args if self.tiles.kv_warps > 1 else launch.fa2_batch_args
         return build(pointers, q, k, v, out, lse, strides, **shape)
 
-    def _launch(self, kern: _Kernels, params: dict[str, Any], bindings: Bindings) -> None:
+    def _launch(self, kern: Any, params: dict[str, Any], bindings: Bindings) -> None:
         """The attention kernel over the plan, then the merge of its split items (if the layout
-        has room for any) on the current stream."""
+        has room for any) on the current stream. `kern`: what `_kernels_for` returns (the
+        attend and merge kernels, their config and simplified IR)."""
         from attncc.codegen.generate import variant_param_values
 
         cap = captured(kern.ir, bindings, self.device)
