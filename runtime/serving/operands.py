@@ -1,0 +1,128 @@
+"""run()'s checks of its tensors against the plan: the KV cache's views and strides, q, and the
+optional out / lse, each raising a ValueError that names the argument before any launch
+(docs/serving.md#plan--run for the layouts).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["PlannedShape", "cache_views", "check_kv_dtype", "check_lse", "check_out", "check_q"]
+
+
+class PlannedShape:
+    """What the current plan fixes about run()'s tensors: the layout, the heads and head dim,
+    the page size, and the page rows (or ragged tokens) every page id and token must fit."""
+
+    __slots__ = ("kv_layout", "device", "num_qo_heads", "num_kv_heads", "head_dim", "page_size",
+                 "max_page")
+
+    def __init__(self, kv_layout: str, device: torch.device, num_qo_heads: int,
+                 num_kv_heads: int, head_dim: int, page_size: int, max_page: int) -> None:
+        self.kv_layout, self.device = kv_layout, device
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.page_size, self.max_page = page_size, max_page
+
+
+def _split_cache(kv_cache: Any, ragged: bool) -> tuple[Any, Any]:
+    """(k, v) of `kv_cache`: a (k, v) pair, or (paged layouts) one [num_pages, 2, ...] tensor."""
+    if isinstance(kv_cache, torch.Tensor) and not ragged:
+        if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+            raise ValueError(f"kv_cache as one tensor must be [num_pages, 2, ...] (k and v); "
+                             f"got {tuple(kv_cache.shape)}")
+        return kv_cache[:, 0], kv_cache[:, 1]
+    if isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
+        return kv_cache[0], kv_cache[1]
+    raise ValueError("kv_cache must be (k_cache, v_cache) or a [num_pages, 2, ...] tensor")
+
+
+def _check_cache_tensor(name: str, t: Any, s: PlannedShape) -> None:
+    """`name` ("k_cache" / "v_cache") holds every page id and token of the plan, with a
+    contiguous, 16-byte aligned head dim."""
+    if not isinstance(t, torch.Tensor) or t.device != s.device:
+        raise ValueError(f"{name} must be a tensor on {s.device}")
+    Hkv, D = s.num_kv_heads, s.head_dim
+    if s.kv_layout == "ragged":
+        want = (s.max_page, Hkv, D)
+        ok = t.dim() == 3 and t.shape[0] >= want[0] and t.shape[1:] == want[1:]
+    else:
+        pg = s.page_size
+        want = ((s.max_page, pg, Hkv, D) if s.kv_layout == "NHD" else (s.max_page, Hkv, pg, D))
+        ok = t.dim() == 4 and t.shape[0] >= want[0] and t.shape[1:] == want[1:]
+    if not ok:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; the plan needs "
+                         f"{'[>=' + str(want[0]) + ', ' + ', '.join(map(str, want[1:]))}]"
+                         f" ({s.kv_layout} layout; every page id and token must fit)")
+    if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st % 8 for st in t.stride()[:-1]):
+        raise ValueError(f"{name} needs a contiguous, 16-byte aligned head dim")
+
+
+def cache_views(kv_cache: Any, s: PlannedShape) -> tuple[torch.Tensor, torch.Tensor,
+                                                          tuple[int, int, int]]:
+    """(k, v, (stride_page, stride_slot, stride_head)) in elements; checks the shapes.
+
+    Example:
+        >>> s = PlannedShape("NHD", torch.device("cpu"), 4, 2, 64, 16, 3)
+        >>> k = torch.zeros(3, 16, 2, 64, dtype=torch.bfloat16)
+        >>> cache_views((k, k.clone()), s)[2]
+        (2048, 128, 64)
+        >>> cache_views((k[:2], k), s)
+        Traceback (most recent call last):
+        ValueError: k_cache has shape (2, 16, 2, 64); the plan needs [>=3, 16, 2, 64] (NHD layout; every page id and token must fit)
+    """
+    k, v = _split_cache(kv_cache, s.kv_layout == "ragged")
+    for name, t in (("k_cache", k), ("v_cache", v)):
+        _check_cache_tensor(name, t, s)
+    if k.stride() != v.stride():
+        raise ValueError(f"k_cache and v_cache must have the same strides; got {k.stride()} "
+                         f"and {v.stride()}")
+    if s.kv_layout == "ragged":
+        strides = (k.stride(0), k.stride(0), k.stride(1))
+    elif s.kv_layout == "NHD":
+        strides = (k.stride(0), k.stride(1), k.stride(2))
+    else:
+        strides = (k.stride(0), k.stride(2), k.stride(1))
+    return k, v, strides
+
+
+def check_q(q: Any, total_q: int, s: PlannedShape) -> None:
+    """q is a bf16/fp16 tensor on the plan's device with at least the plan's `total_q` rows,
+    the plan's heads and head dim, and a contiguous, 16-byte aligned head dim."""
+    H, D = s.num_qo_heads, s.head_dim
+    if (not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] < total_q
+            or q.shape[1:] != (H, D) or q.device != s.device
+            or q.dtype not in (torch.bfloat16, torch.float16) or q.stride(2) != 1
+            or q.data_ptr() % 16 or q.stride(0) % 8 or q.stride(1) % 8):
+        raise ValueError(f"q must be a bf16/fp16 CUDA tensor [{total_q}, {H}, {D}] (the "
+                         f"planned batch; more rows are allowed) with a contiguous, 16-byte "
+                         f"aligned head dim; got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}")
+
+
+def check_kv_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The cache holds q's dtype (the kernels read both as one element type)."""
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"kv_cache dtype {k.dtype} != q dtype {q.dtype}")
+
+
+def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """`out`, or a new contiguous tensor like q when None; a given one has q's shape and dtype
+    and a contiguous head dim."""
+    if out is None:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be a {tuple(q.shape)} {q.dtype} tensor")
+    return out
+
+
+def check_lse(lse: torch.Tensor | None, want: bool, q: torch.Tensor,
+              device: torch.device) -> torch.Tensor | None:
+    """`lse` (made when `want` and not given): a (q rows, heads) float32 tensor with unit head
+    stride; None when neither asked for nor given."""
+    if want and lse is None:
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=device)
+    if lse is not None and (lse.shape != (q.shape[0], q.shape[1])
+                            or lse.dtype != torch.float32 or lse.stride(1) != 1):
+        raise ValueError(f"lse must be a ({q.shape[0]}, {q.shape[1]}) float32 tensor")
+    return lse

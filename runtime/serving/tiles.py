@@ -1,0 +1,184 @@
+"""Tiles for the batch kernels and the plan config that follows from them: the layout the plan
+is packed in and the scheduler's arguments (docs/serving.md#decode, #the-fa3-batch-kernel).
+
+Pure functions of the batch's shape and the instance's knobs; BatchAttention memoises them per
+step (a serving loop plans the same shape step after step).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..jit.tiles import HEAD_DIMS, fa2_config
+from .fa3_batch import fa3_batch_tiles
+from .plan import planner, scheduler
+
+__all__ = ["BatchTiles", "PlanConfig", "batch_tiles", "choose_batch_tiles", "fa3_mode",
+           "keep_captured_tiles", "plan_config", "plan_layout"]
+
+
+@dataclass(frozen=True)
+class BatchTiles:
+    """The FA2 configuration of a plan: fused query rows per tile, KV rows per tile, pipeline
+    depth, 16-row MMA fragments per warp, the persistent grid, and (decode) the warps that split
+    each KV tile."""
+
+    tq: int
+    tkv: int
+    stages: int
+    m_frags: int
+    ctas_per_sm: int
+    num_ctas: int
+    kv_warps: int = 1
+    kernel: str = "fa2"  # "fa3": kernels/fa3_batch.cuh (sm_90; runtime/serving/fa3_batch.py)
+
+
+def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
+                       force: tuple[int, ...] | None = None, fa3: str = "off") -> BatchTiles:
+    """Tiles for a batch whose longest request has `max_fused_rows` (query tokens x GQA group);
+    `force=(T_q, T_kv, stages[, kv_warps])` takes those instead (the grid still follows
+    residency). `fa3` ("off", "auto", "on"; the caller checked the FA3 batch kernel can run the
+    batch, fa3_batch.py): "on" takes the FA3 batch kernel's tiles (128 fused rows x 128
+    keys, one CTA per SM), "auto" does so for prefill batches (at least 128 fused rows).
+
+    Decode (up to 16 fused rows) gets 16-row tiles with 2 warps splitting each 32-row KV tile:
+    the memory-bound case wants many loads in flight per SM, and a 16-row tile alone is one
+    warp (docs/serving.md#decode). Larger tiles are FA2's, with the
+    prefill kernel's 128-row tiles at D <= 128.
+
+    Example:
+        >>> choose_batch_tiles(128, 8, 132)
+        BatchTiles(tq=16, tkv=32, stages=2, m_frags=1, ctas_per_sm=6, num_ctas=792, kv_warps=2, kernel='fa2')
+        >>> choose_batch_tiles(128, 4096, 132).tq
+        128
+        >>> choose_batch_tiles(128, 4096, 132, fa3="auto")
+        BatchTiles(tq=128, tkv=128, stages=3, m_frags=1, ctas_per_sm=1, num_ctas=132, kv_warps=1, kernel='fa3')
+    """
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim}: the batch kernel supports {HEAD_DIMS}")
+    if fa3 == "on" or (fa3 == "auto" and force is None and max_fused_rows >= 128):
+        t = fa3_batch_tiles(head_dim)
+        return BatchTiles(t.tq, t.tkv, t.stages, 1, 1, num_sms, 1, "fa3")
+    tq = next((t for t in (16, 32, 64) if t >= max_fused_rows), 128 if head_dim <= 128 else 64)
+    # small tiles are bandwidth-bound: 32-row KV tiles halve the shared memory per CTA so twice
+    # as many CTAs (and their loads) are in flight per SM
+    tkv = 32 if head_dim == 256 or tq <= 32 else 64
+    stages, kv_warps = 2, 1
+    if tq == 16:
+        kv_warps = 2
+    if force is not None:
+        tq, tkv, stages = force[:3]
+        kv_warps = force[3] if len(force) > 3 else 1
+    m_frags = 2 if tq == 128 and head_dim <= 128 else 1
+    cfg = fa2_config(head_dim, tq, tkv, stages, m_frags, kv_warps)
+    # residency: 64K registers and 227 KB of shared memory per SM, with registers per thread as
+    # the kernel's __launch_bounds__ caps them (fa2_common.cuh's kMinBlocks: decode CTAs fit 128
+    # registers per thread, the others may take 255)
+    by_regs = 65536 // (cfg.threads * (128 if kv_warps > 1 else 256))
+    by_smem = (227 * 1024) // cfg.smem_bytes
+    per_sm = max(1, min(by_regs, by_smem, 16))
+    return BatchTiles(tq, tkv, stages, m_frags, per_sm, per_sm * num_sms, kv_warps)
+
+
+@functools.lru_cache(maxsize=256)
+def batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
+                force: tuple[int, ...] | None, fa3: str) -> BatchTiles:
+    """`choose_batch_tiles`, memoised: plan() runs every generation step."""
+    return choose_batch_tiles(head_dim, max_fused_rows, num_sms, force, fa3)
+
+
+def keep_captured_tiles(current: BatchTiles | None, new: BatchTiles, fa3: str) -> BatchTiles:
+    """`current` (the tiles of the kernel run() last used, which a CUDA graph may have
+    captured) when the new batch fits them -- larger query tiles of the same kind, or of FA2
+    while FA3 may run -- else `new`.
+
+    Example:
+        >>> big, small = choose_batch_tiles(128, 4096, 132), choose_batch_tiles(128, 8, 132)
+        >>> keep_captured_tiles(big, small, "off") is big, keep_captured_tiles(small, big, "off") is big
+        (True, True)
+    """
+    if current is not None and new.tq != current.tq and current.tq >= new.tq \
+            and (current.kernel == "fa2" or fa3 != "off"):
+        return current
+    return new
+
+
+def fa3_mode(kernel: str | None, forced_tiles: Any, why: str | None) -> str:
+    """choose_batch_tiles' `fa3` for BatchAttention(kernel=`kernel`, tiles=`forced_tiles`) on a
+    batch the FA3 batch kernel cannot run for reason `why` (None: it can): "off" when it cannot
+    (or kernel="fa2", or tiles forced with kernel=None), "on" when forced (kernel="fa3"; raises
+    if it cannot), else "auto".
+
+    Example:
+        >>> fa3_mode(None, None, None), fa3_mode(None, None, "sm_90"), fa3_mode("fa3", None, None)
+        ('auto', 'off', 'on')
+    """
+    if kernel == "fa2" or (kernel is None and forced_tiles is not None):
+        return "off"
+    if kernel == "fa3":
+        if why is not None:
+            raise ValueError(f"BatchAttention(kernel='fa3') needs {why}; use kernel=None "
+                             f"or 'fa2'")
+        return "on"
+    return "off" if why is not None else "auto"
+
+
+@functools.lru_cache(maxsize=64)
+def plan_layout(max_batch: int, max_qo_tokens: int, num_ctas: int, num_qo_heads: int,
+                num_kv_heads: int, tile_q: int) -> scheduler.PlanLayout:
+    """`scheduler.PlanLayout(...)`, memoised: plan() needs the same few every step."""
+    return scheduler.PlanLayout(max_batch, max_qo_tokens, num_ctas, num_qo_heads, num_kv_heads,
+                                tile_q)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanConfig:
+    """What a plan's schedule depends on besides the batch: the tiles, the packed layout, the
+    scheduler's keyword arguments, and (compiled planner) its C arguments for them."""
+
+    tiles: BatchTiles
+    layout: scheduler.PlanLayout
+    kwargs: dict            # scheduler.plan's kv_chunk_align / min_kv_chunk / head_span
+    problem: Any = None     # planner.plan_problem(...) when the compiled planner is in use
+
+
+def plan_config(tiles: BatchTiles, qo: np.ndarray, kv_lens: np.ndarray, *, num_qo_heads: int,
+                num_kv_heads: int, max_batch: int, max_qo_tokens: int, balance: bool,
+                min_kv_chunk: int | None, compiled: bool) -> PlanConfig:
+    """The layout and scheduler arguments of a batch (`qo` query CSR, `kv_lens`) planned with
+    `tiles`; `balance=False` is one CTA per work item with its whole KV range in one unit.
+    `compiled`: also the compiled planner's arguments (`PlanConfig.problem`).
+
+    Example:
+        >>> t = choose_batch_tiles(128, 8, 132)
+        >>> cfg = plan_config(t, np.array([0, 1, 2]), np.array([40, 9]), num_qo_heads=8,
+        ...                   num_kv_heads=2, max_batch=4, max_qo_tokens=64, balance=False,
+        ...                   min_kv_chunk=None, compiled=False)
+        >>> cfg.tiles.num_ctas, cfg.kwargs
+        (4, {'kv_chunk_align': 32, 'min_kv_chunk': 40, 'head_span': True})
+    """
+    group = num_qo_heads // num_kv_heads
+    # 128 tokens: it beat 256 on small GQA decode batches and 64 was no better; at batch >= 64
+    # the floor does not bind (measured: docs/journal/2026-12-01.md, "merge kernel rows")
+    floor = min_kv_chunk or 128
+    if not balance:  # one CTA per work item, each item's whole KV range in one unit
+        items = num_kv_heads * int(np.sum(-(-(np.diff(qo) * group) // tiles.tq)))
+        tiles = dataclasses.replace(tiles, num_ctas=max(items, 1))
+        floor = max(int(kv_lens.max(initial=0)), 1)
+    layout = plan_layout(max_batch, max_qo_tokens, tiles.num_ctas, num_qo_heads, num_kv_heads,
+                         tiles.tq)
+    # the FA3 batch kernel runs one KV head per unit (kernels/fa3_batch.cuh)
+    span = tiles.kernel != "fa3"
+    kwargs = dict(kv_chunk_align=tiles.tkv, min_kv_chunk=floor, head_span=span)
+    problem = None
+    if compiled:
+        # scheduler.plan's checks of these (the same errors as plan_into would raise)
+        _, tq, ctas, alpha, beta, align, floor = scheduler._checked_params(
+            num_qo_heads, num_kv_heads, tiles.tq, tiles.num_ctas, 1.0, 1.0, tiles.tkv, floor)
+        problem = planner.plan_problem(layout, num_ctas=ctas, alpha=alpha, beta=beta,
+                                       align=align, floor=floor, head_span=span)
+    return PlanConfig(tiles, layout, kwargs, problem)

@@ -1,0 +1,106 @@
+"""runtime/serving/tiles.py: the rules that pick a batch's kernel and tiles and the plan config
+that follows from them (CPU, pure)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from attncc.runtime.serving.plan import planner, scheduler
+from attncc.runtime.serving.tiles import (BatchTiles, batch_tiles, choose_batch_tiles, fa3_mode,
+                                          keep_captured_tiles, plan_config, plan_layout)
+
+FA2_DECODE = choose_batch_tiles(128, 8, 132)
+FA2_PREFILL = choose_batch_tiles(128, 4096, 132)
+FA3 = choose_batch_tiles(128, 4096, 132, fa3="on")
+
+
+@pytest.mark.parametrize("current,new,fa3,kept", [
+    (None, FA2_DECODE, "off", False),            # nothing captured yet
+    (FA2_PREFILL, FA2_DECODE, "off", True),      # a decode step fits the prefill tiles
+    (FA2_DECODE, FA2_PREFILL, "off", False),     # a prefill does not fit decode tiles
+    (FA2_PREFILL, dataclasses.replace(FA2_PREFILL, num_ctas=7), "off", False),  # same rows
+    (FA3, FA2_DECODE, "off", False),             # FA3 tiles are not kept where FA3 cannot run
+    (FA3, FA2_DECODE, "auto", True),             # ... and are where it can
+    (FA2_PREFILL, FA3, "auto", False),           # equal rows: the new kernel
+])
+def test_keep_captured_tiles(current: BatchTiles | None, new: BatchTiles, fa3: str,
+                             kept: bool) -> None:
+    """A captured kernel's tiles stay while the new batch fits them (so a CUDA graph keeps
+    replaying one kernel), never an FA3 kernel for a batch FA3 cannot run."""
+    got = keep_captured_tiles(current, new, fa3)
+    assert got is (current if kept else new)
+
+
+@pytest.mark.parametrize("kernel,forced,why,want", [
+    (None, None, None, "auto"), (None, None, "sm_90", "off"), (None, (64, 64, 2), None, "off"),
+    ("fa2", None, None, "off"), ("fa3", None, None, "on"), ("fa3", (64, 64, 2), None, "on"),
+])
+def test_fa3_mode(kernel: str | None, forced: tuple | None, why: str | None, want: str) -> None:
+    assert fa3_mode(kernel, forced, why) == want
+
+
+def test_fa3_mode_forced_where_it_cannot_run_says_why() -> None:
+    with pytest.raises(ValueError, match=r"BatchAttention\(kernel='fa3'\) needs an sm_90 GPU; "
+                                         r"use kernel=None or 'fa2'"):
+        fa3_mode("fa3", None, "an sm_90 GPU")
+
+
+def test_batch_tiles_is_choose_batch_tiles_memoised() -> None:
+    for args in ((128, 8, 132, None, "off"), (64, 300, 80, (32, 32, 2), "off"),
+                 (128, 4096, 132, None, "auto")):
+        assert batch_tiles(*args) == choose_batch_tiles(*args)
+        assert batch_tiles(*args) is batch_tiles(*args)
+
+
+def test_plan_layout_is_one_object_per_shape() -> None:
+    """plan() stages into a buffer it resizes only when the layout object changes: equal
+    arguments must give the identical layout."""
+    a = plan_layout(8, 64, 16, 8, 2, 16)
+    assert a is plan_layout(8, 64, 16, 8, 2, 16)
+    assert a == scheduler.PlanLayout(8, 64, 16, 8, 2, 16)
+    assert plan_layout(9, 64, 16, 8, 2, 16) is not a
+
+
+def _config(tiles: BatchTiles, lq: list[int], kv: list[int], **kw: object):
+    qo = np.concatenate([[0], np.cumsum(lq)])
+    args = dict(num_qo_heads=8, num_kv_heads=2, max_batch=16, max_qo_tokens=4096,
+                balance=True, min_kv_chunk=None, compiled=False)
+    return plan_config(tiles, qo, np.array(kv), **{**args, **kw})
+
+
+def test_balanced_config_keeps_the_grid_and_floors_chunks() -> None:
+    cfg = _config(FA2_DECODE, [1, 1, 1], [900, 40, 7])
+    assert cfg.tiles is FA2_DECODE and cfg.problem is None
+    assert cfg.kwargs == dict(kv_chunk_align=FA2_DECODE.tkv, min_kv_chunk=128, head_span=True)
+    assert cfg.layout is plan_layout(16, 4096, FA2_DECODE.num_ctas, 8, 2, FA2_DECODE.tq)
+    assert _config(FA2_DECODE, [1], [9], min_kv_chunk=48).kwargs["min_kv_chunk"] == 48
+
+
+def test_fa3_units_run_one_kv_head() -> None:
+    assert _config(FA3, [300], [300]).kwargs["head_span"] is False
+
+
+@pytest.mark.parametrize("tiles", [FA2_DECODE, FA2_PREFILL, FA3])
+def test_unbalanced_config_is_one_cta_per_work_item(tiles: BatchTiles) -> None:
+    """balance=False: one CTA per (request, KV head, query tile) -- counted here request by
+    request -- each with its request's whole KV range (the floor is the longest KV length)."""
+    lq, kv = [1, 300, 17, 0], [50, 300, 900, 3]
+    cfg = _config(tiles, lq, kv, balance=False)
+    group = 8 // 2
+    items = sum(2 * -(-n * group // tiles.tq) for n in lq)
+    assert cfg.tiles == dataclasses.replace(tiles, num_ctas=items)
+    assert cfg.kwargs["min_kv_chunk"] == 900 and cfg.layout.max_ctas == items
+    empty = _config(tiles, [0], [0], balance=False)
+    assert empty.tiles.num_ctas == 1 and empty.kwargs["min_kv_chunk"] == 1
+
+
+def test_compiled_config_carries_the_planners_arguments() -> None:
+    if not planner.available():
+        pytest.skip("no C compiler to build the planner")
+    cfg = _config(FA2_PREFILL, [300, 20], [300, 900], compiled=True)
+    assert cfg.problem is not None
+    assert cfg.layout is _config(FA2_PREFILL, [300, 20], [300, 900]).layout
+    with pytest.raises(ValueError):  # scheduler.plan's own checks, before the planner runs
+        _config(dataclasses.replace(FA2_PREFILL, num_ctas=0), [3], [3], compiled=True)
