@@ -41,7 +41,7 @@ from attncc.ir.program import VariantIR
 
 from .cache import cached_compile, is_confirmed, store_compile
 from .nvrtc import NvrtcResult, compile_cuda
-from .policy import spill_bytes, wgmma_notes
+from .policy import spill_bytes, stack_frame, wgmma_notes
 from .tiles import Fa2Config, fa2_config
 
 __all__ = ["KINDS", "FA2_SPILL_BUDGET", "FA3_PAIRED", "FA3_LOW_PRESSURE", "STRICT_ENV",
@@ -197,10 +197,10 @@ def generate(spec: KernelSpec) -> Generated:
 
 # ------------------------------------------------------------------------------- compile
 def spill_budget(spec: KernelSpec) -> int:
-    """Spill bytes `spec`'s form is expected to stay within: FA2 two-fragment forms
-    FA2_SPILL_BUDGET[2], every other form none (it is the spill-free form)."""
-    if spec.kind == "fa2_prefill" and spec.tiles is not None:
-        return FA2_SPILL_BUDGET[spec.tiles.m_frags]
+    """Spill bytes `spec`'s form is expected to stay within: FA2 two-fragment forms (prefill
+    and batch) FA2_SPILL_BUDGET[2], every other form none (it is the spill-free form)."""
+    if spec.kind in ("fa2_prefill", "fa2_batch") and spec.tiles is not None:
+        return FA2_SPILL_BUDGET[spec.tiles.m_frags]  # one mainloop (kernels/fa2/fa2_attend.cuh)
     return 0
 
 
@@ -214,6 +214,7 @@ class CompiledForm:
     notes: tuple[str, ...]  # ptxas wgmma serialization notes (policy.wgmma_notes)
     retries: int  # recompiles because the form spilled past its budget
     budget: int
+    confirmed: bool = False  # spilled past its budget in every compile (here or in a cache)
 
     @property
     def spec(self) -> KernelSpec:
@@ -253,9 +254,12 @@ def compile_form(spec: KernelSpec, arch: str) -> CompiledForm:
 
     res, hit = cached_compile(gen.source, arch=arch, name=name, verbose=verbose, keep=within)
     retries = 0
-    if within(res) or (hit and is_confirmed(gen.source, arch=arch, name=name, verbose=verbose)):
+    if within(res):
         return CompiledForm(gen, res, spill_bytes(res.log), tuple(wgmma_notes(res.log)), 0,
                             budget)
+    if hit and is_confirmed(gen.source, arch=arch, name=name, verbose=verbose):
+        return CompiledForm(gen, res, spill_bytes(res.log), tuple(wgmma_notes(res.log)), 0,
+                            budget, confirmed=True)
     for again in (_compile_fresh, _compile_in_subprocess):
         retries += 1
         res = again(gen.source, arch, name, verbose) or res
@@ -263,7 +267,7 @@ def compile_form(spec: KernelSpec, arch: str) -> CompiledForm:
             store_compile(gen.source, res, arch=arch, name=name, verbose=verbose)
             break
     form = CompiledForm(gen, res, spill_bytes(res.log), tuple(wgmma_notes(res.log)), retries,
-                        budget)
+                        budget, confirmed=not within(res))
     if not within(res):
         # three compiles agree: later processes may trust it (no recompiles on every start)
         store_compile(gen.source, res, arch=arch, name=name, verbose=verbose, confirmed=True)
@@ -384,8 +388,10 @@ def compile_spec(spec: KernelSpec, arch: str,
 @dataclass(frozen=True)
 class KernelRecord:
     """The resources of a loaded kernel: ptxas's spill bytes, the driver's local bytes (the
-    largest of its functions), registers, recompiles, and the spill budget of its form (None:
-    tiles forced by the user, not checked)."""
+    largest of its functions), registers, recompiles, the spill budget of its form (None:
+    tiles forced by the user, not checked), ptxas's stack frame (the largest of its functions:
+    what the driver's local bytes must match) and whether a spill past the budget was
+    confirmed (the compiler returned it in every compile the cache made, here or earlier)."""
 
     kernel_name: str
     spill_bytes: int
@@ -393,25 +399,33 @@ class KernelRecord:
     registers: int
     retries: int
     spill_budget: int | None
+    stack_bytes: int = 0
+    confirmed: bool = False
 
     def problem(self) -> str | None:
-        """What is wrong with these resources (None: as expected).
+        """What cannot be (None: nothing): a loaded kernel with more local memory than ptxas
+        reported for the cubin, or a spill past the budget that was never recompiled.
 
         Example:
-            >>> print(KernelRecord("k", 16, 8, 168, 2, 0).problem())
-            ptxas spilled 16 B (budget 0 B) and the loaded kernel uses 8 B of local memory ...
-            >>> KernelRecord("k", 112, 112, 255, 0, 192).problem() is None
+            >>> print(KernelRecord("k", 16, 8, 168, 0, 0, 8).problem())
+            ptxas spilled 16 B (budget 0 B) and the result was not recompiled
+            >>> print(KernelRecord("k", 0, 32, 168, 0, 0, 0).problem())
+            the loaded kernel uses 32 B of local memory where ptxas reported a 0 B stack frame
+            >>> KernelRecord("k", 0, 32, 168, 0, 0, 32).problem() is None  # a local array
             True
         """
-        if self.spill_budget is None:
-            return None
         parts = []
-        if self.spill_bytes > self.spill_budget:
-            parts.append(f"ptxas spilled {self.spill_bytes} B (budget {self.spill_budget} B)")
-        if self.local_bytes and (self.spill_budget == 0 or self.spill_bytes > self.spill_budget):
-            parts.append(f"the loaded kernel uses {self.local_bytes} B of local memory "
-                         f"(budget {self.spill_budget} B)")
+        if self.local_bytes > self.stack_bytes:
+            parts.append(f"the loaded kernel uses {self.local_bytes} B of local memory where "
+                         f"ptxas reported a {self.stack_bytes} B stack frame")
+        if self.over_budget() and not self.confirmed:
+            parts.append(f"ptxas spilled {self.spill_bytes} B (budget {self.spill_budget} B) "
+                         f"and the result was not recompiled")
         return " and ".join(parts) or None
+
+    def over_budget(self) -> bool:
+        """Whether ptxas spilled past the form's budget (a forced tile has none)."""
+        return self.spill_budget is not None and self.spill_bytes > self.spill_budget
 
 
 @dataclass
@@ -433,31 +447,38 @@ class LoadedKernel:
 
 
 def check_resources(record: KernelRecord) -> None:
-    """Raise ResourceError (ATTNCC_STRICT_RESOURCES=1) or warn when a kernel was loaded with
-    spills or local memory its form was not expected to have.
+    """What cannot be (`KernelRecord.problem`) raises ResourceError under
+    ATTNCC_STRICT_RESOURCES=1 and warns otherwise; a spill past the budget that every compile
+    confirmed (a form the compiler cannot fit: docs/kernel-interface.md#8-the-kernel-cache)
+    always warns, so a benchmark or a user sees that the kernel runs with local memory.
 
     Example:
         >>> import os
         >>> saved = os.environ.get(STRICT_ENV)
         >>> os.environ[STRICT_ENV] = "1"
         >>> try:
-        ...     check_resources(KernelRecord("attncc_k", 16, 8, 168, 2, 0))
+        ...     check_resources(KernelRecord("attncc_k", 0, 8, 168, 0, 0, 0))
         ... except ResourceError as e:
         ...     print(str(e)[:60])
-        attncc_k: ptxas spilled 16 B (budget 0 B) and the loaded ker
+        attncc_k: the loaded kernel uses 8 B of local memory where p
         >>> _ = os.environ.pop(STRICT_ENV) if saved is None else os.environ.update(
         ...     {STRICT_ENV: saved})
     """
     problem = record.problem()
-    if problem is None:
-        return
-    msg = (f"{record.kernel_name}: {problem}, after {record.retries} recompile(s); its form is "
-           f"expected to run without local memory. ptxas returned a spilled cubin for this "
-           f"source (docs/kernel-interface.md#8-the-kernel-cache); clear the kernel cache "
-           f"(ATTNCC_CACHE_DIR) and run again, and report it with the NVRTC version if it stays")
-    if os.environ.get(STRICT_ENV, "0") not in ("", "0"):
-        raise ResourceError(msg)
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    if problem is not None:
+        msg = (f"{record.kernel_name}: {problem}, after {record.retries} recompile(s). The "
+               f"kernel cache should make this impossible (docs/kernel-interface.md#8-the-"
+               f"kernel-cache); clear the kernel cache (ATTNCC_CACHE_DIR) and run again, and "
+               f"report it with the NVRTC version if it stays")
+        if os.environ.get(STRICT_ENV, "0") not in ("", "0"):
+            raise ResourceError(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    elif record.over_budget():
+        warnings.warn(f"{record.kernel_name} runs with {record.spill_bytes} B of register "
+                      f"spills ({record.local_bytes} B of local memory; budget "
+                      f"{record.spill_budget} B): every compile of every fallback form spilled "
+                      f"with this NVRTC (docs/kernel-interface.md#8-the-kernel-cache)",
+                      RuntimeWarning, stacklevel=3)
 
 
 _LOADED: dict[KernelSpec, LoadedKernel] = {}
@@ -530,6 +551,7 @@ def _load(spec: KernelSpec) -> LoadedKernel:
     local = max(kl.local_bytes, merge.local_bytes if merge is not None else 0)
     as_given = spec.forced and spec.kind == "fa2_prefill"  # the user's tiles, no fallback
     record = KernelRecord(gen.kernel_name, form.spill_bytes, local, kl.num_regs, form.retries,
-                          None if as_given else form.budget)
+                          None if as_given else form.budget, stack_frame(form.result.log),
+                          form.confirmed)
     check_resources(record)
     return LoadedKernel(gen.spec, kl, merge, gen.config, ir, form.result.log, record)

@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["spill_bytes", "wgmma_notes"]
+__all__ = ["spill_bytes", "stack_frame", "wgmma_notes"]
 
 
 def spill_bytes(log: str) -> int:
     """Spill stores + loads in ptxas's `-v` report (0 when the log has no report)."""
     return sum(int(a) + int(b) for a, b in
                re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log))
+
+
+def stack_frame(log: str) -> int:
+    """The largest stack frame (bytes) ptxas's `-v` report gives any function: the local
+    memory the loaded kernel may use (0 when the log has no report).
+
+    >>> stack_frame("ptxas . 8 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads")
+    8
+    """
+    return max((int(a) for a in re.findall(r"(\d+) bytes stack frame", log)), default=0)
 
 
 def wgmma_notes(log: str) -> list[str]:

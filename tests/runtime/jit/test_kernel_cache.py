@@ -206,7 +206,7 @@ def test_a_form_that_always_spills_is_cached_once_confirmed(
     kernels.clear_loaded()
     again = compile_form(spec, ARCH)
     assert again.result.cubin == form.result.cubin and again.retries == 0
-    assert len(fake.calls) == 3
+    assert form.confirmed and again.confirmed and len(fake.calls) == 3
 
 
 def test_a_spilled_entry_already_on_disk_is_not_trusted(fresh_cache: cache_mod.KernelCache,
@@ -340,7 +340,7 @@ def test_get_kernel_loads_each_spec_once(fresh_cache: cache_mod.KernelCache,
     k = get_kernel(spec)
     assert get_kernel(replace(spec, ir=_ir("causal", 128))) is k
     assert loaded == [k.record.kernel_name, k.record.kernel_name + "_merge"]
-    assert k.record == KernelRecord(k.record.kernel_name, 0, 0, 168, 1, 0)
+    assert k.record == KernelRecord(k.record.kernel_name, 0, 0, 168, 1, 0, 0, False)
     assert k.merge is not None and k.config.threads == 384
 
 
@@ -364,14 +364,32 @@ def test_a_kernel_loaded_with_local_memory_is_an_error_in_strict_mode(
         assert get_kernel(spec).record.local_bytes == 8
 
 
-def test_resource_budgets() -> None:
-    """Local memory is expected only of FA2 two-fragment forms within their spill budget;
-    tiles the user forced are not checked."""
-    assert KernelRecord("k", 112, 96, 255, 0, 192).problem() is None
-    assert "300 B" in KernelRecord("k", 300, 256, 255, 2, 192).problem()
-    assert "8 B of local" in KernelRecord("k", 0, 8, 168, 0, 0).problem()
-    assert KernelRecord("k", 300, 256, 255, 0, None).problem() is None
+def test_resource_rules() -> None:
+    """What cannot be: driver local bytes above ptxas's stack frame (a local array within its
+    frame is fine), or a spill past the budget that was never recompiled. A spill past the
+    budget that every compile confirmed is not a problem but warns (check_resources); FA2
+    two-fragment forms within their budget and tiles the user forced are neither."""
+    assert KernelRecord("k", 112, 96, 255, 0, 192, 96).problem() is None
+    assert "300 B" in KernelRecord("k", 300, 256, 255, 2, 192, 256).problem()
+    assert KernelRecord("k", 300, 256, 255, 2, 192, 256, True).problem() is None
+    assert KernelRecord("k", 300, 256, 255, 2, 192, 256, True).over_budget()
+    assert "8 B of local" in KernelRecord("k", 0, 8, 168, 0, 0, 0).problem()
+    assert KernelRecord("k", 0, 32, 168, 0, 0, 32).problem() is None  # rope's local array
+    assert KernelRecord("k", 300, 256, 255, 0, None, 256).problem() is None
+    assert not KernelRecord("k", 300, 256, 255, 0, None, 256).over_budget()
     assert KernelRecord("k", 0, 0, 168, 0, 0).problem() is None
+    # the FA2 batch kernels share the prefill mainloop, and its two-fragment budget
+    assert kernels.spill_budget(KernelSpec("fa2_batch", tiles=Fa2Tiles(128, 64, 2, 2))) == 192
+    assert kernels.spill_budget(KernelSpec("decode", tiles=Fa2Tiles(16, 32, 2, 1, 2))) == 0
+
+
+def test_a_confirmed_spill_warns_even_outside_strict_mode(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A form the compiler cannot fit (every compile spilled) runs, with a RuntimeWarning
+    naming the kernel and the bytes, in strict mode too."""
+    monkeypatch.setenv(kernels.STRICT_ENV, "1")
+    with pytest.warns(RuntimeWarning, match=r"attncc_k runs with 420 B of register spills"):
+        kernels.check_resources(KernelRecord("attncc_k", 420, 192, 168, 2, 0, 192, True))
 
 
 # ------------------------------------------------------------------------------------ launch args
