@@ -287,7 +287,7 @@ def _csv(text: str | None, allowed: Any, what: str) -> list[str] | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from attncc.codegen.fa2 import FA2_HEAD_DIMS
+    from attncc.codegen.tiles import FA2_HEAD_DIMS
     from examples.gym import GYM
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -65,7 +65,7 @@ def test_choose_batch_tiles_fits_the_sm() -> None:
 
 def test_decode_tiles_split_kv_between_warps_and_fit_residency() -> None:
     """Decode tiles (16 fused rows) get KV-splitting warps; the CTAs per SM follow shared memory
-    and the 128-register cap the kernel's __launch_bounds__ asks for (fa2_common.cuh kMinBlocks),
+    and the 128-register cap the kernel's __launch_bounds__ asks for (fa2_config.cuh kMinBlocks),
     and a forced 4-tuple sets kv_warps."""
     from attncc.runtime.jit.tiles import fa2_config
 

@@ -32,7 +32,7 @@ import jinja2
 from ..ir.program import HOOK_ORDER, VariantIR
 from .errors import CodegenError
 from .hooks import EMITTERS, HookCode
-from .fa2 import FA2_HEAD_DIMS, FA3_TKV_CHOICES, Fa2Tiles, default_tiles, fa3_smem_bytes, fa3_tiles
+from .tiles import FA2_HEAD_DIMS, FA3_TKV_CHOICES, KernelTiles, default_tiles, fa3_smem_bytes, fa3_tiles
 from .layout import (ATTENTION_PARAMS, BATCH_PARAMS, PREPASS_PARAMS, StructLayout,
                      c_identifier, plan_header_static_asserts, variant_params_layout)
 
@@ -93,26 +93,27 @@ KERNELS: dict[str, KernelSpec] = {
     "simple": KernelSpec("simple", ("simple_attention.cuh",), "attncc::simple_attention",
                          threads=128, rows_per_cta=4, head_dim_multiple=32, head_dim_max=256),
     # FlashAttention-2-style prefill (dense or BlockMask-sparse): threads / rows come from tiles
-    "fa2": KernelSpec("fa2", ("fa2_common.cuh", "fa2_attend.cuh", "fa2_prefill.cuh"),
+    "fa2": KernelSpec("fa2", ("common.cuh", "fa2_config.cuh", "fa2_attend.cuh",
+                              "fa2_prefill.cuh"),
                       "attncc::fa2::fa2_prefill", threads=0, rows_per_cta=0,
                       head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
                       entry_macro="ATTNCC_FA2_ENTRY"),
     # Hopper: TMA + wgmma, warp-specialized, 64 query rows per consumer warpgroup
     # (kernels/fa3_prefill.cuh)
-    "fa3": KernelSpec("fa3", ("fa2_common.cuh", "wgmma.cuh", "tma.cuh", "fa3_consumer.cuh",
+    "fa3": KernelSpec("fa3", ("common.cuh", "wgmma.cuh", "tma.cuh", "fa3_consumer.cuh",
                               "fa3_store.cuh", "fa3_split.cuh", "fa3_prefill.cuh"),
                       "attncc::fa3::fa3_prefill", threads=0, rows_per_cta=0,
                       head_dim_multiple=64, head_dim_max=256, head_dims=(64, 128, 256),
                       entry_macro="ATTNCC_FA3_ENTRY"),
     # the persistent serving kernel over a plan (runtime/serving/batch.py) and its merge kernel
-    "fa2batch": KernelSpec("fa2batch", ("batch_params.cuh", "fa2_common.cuh", "fa2_attend.cuh",
-                                        "fa2_batch.cuh"),
+    "fa2batch": KernelSpec("fa2batch", ("batch_params.cuh", "common.cuh", "fa2_config.cuh",
+                                        "fa2_attend.cuh", "fa2_batch.cuh"),
                            "attncc::fa2::fa2_batch", threads=0, rows_per_cta=0,
                            head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
                            entry_macro="ATTNCC_FA2_BATCH_ENTRY", batch=True),
     # the same plans run by the FA3 pipeline (sm_90a; prefill-shaped batches)
-    "fa3batch": KernelSpec("fa3batch", ("batch_params.cuh", "fa2_common.cuh", "fa2_attend.cuh",
-                                        "fa2_batch.cuh", "wgmma.cuh", "tma.cuh",
+    "fa3batch": KernelSpec("fa3batch", ("batch_params.cuh", "common.cuh", "fa2_config.cuh",
+                                        "fa2_attend.cuh", "fa2_batch.cuh", "wgmma.cuh", "tma.cuh",
                                         "fa3_consumer.cuh", "fa3_store.cuh", "fa3_batch.cuh"),
                            "attncc::fa3::fa3_batch", threads=0, rows_per_cta=0,
                            head_dim_multiple=64, head_dim_max=128, head_dims=(64, 128),
@@ -348,7 +349,7 @@ def _check_options(head_dim: int, dtype: str, kernel: str) -> KernelSpec:
 
 
 def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
-           fast_math: bool | None = None, tiles: Fa2Tiles | None = None) -> GeneratedKernel:
+           fast_math: bool | None = None, tiles: KernelTiles | None = None) -> GeneratedKernel:
     from ..kernels import read_template
 
     spec = _check_options(head_dim, dtype, kernel)
@@ -405,7 +406,7 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
 
 
 def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",
-                    fast_math: bool | None = None, tiles: Fa2Tiles | None = None
+                    fast_math: bool | None = None, tiles: KernelTiles | None = None
                     ) -> GeneratedKernel:
     """One self-contained translation unit (for NVRTC) running `ir` on a kernel template.
 
@@ -423,7 +424,7 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
         >>> 'extern "C" __global__' in gk.source and "#include" not in gk.source
         True
         >>> fa = generate_source(VariantIR(name="plain"), head_dim=128, dtype="bfloat16",
-        ...                      kernel="fa2", tiles=Fa2Tiles(64, 64, 2, 1))
+        ...                      kernel="fa2", tiles=KernelTiles(64, 64, 2, 1))
         >>> fa.kernel_name, fa.block, fa.shared_mem_bytes
         ('attncc_plain_fa2_d128_bf16_q64_k64_s2', (128, 1, 1), 81920)
     """
@@ -431,7 +432,7 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
 
 
 def export_kernel(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",
-                  fast_math: bool | None = None, tiles: Fa2Tiles | None = None
+                  fast_math: bool | None = None, tiles: KernelTiles | None = None
                   ) -> GeneratedKernel:
     """Like generate_source, plus a documented header and a host launcher (for nvcc users).
 

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import torch
 
-from attncc.codegen.fa2 import fa3_tiles
+from attncc.codegen.tiles import fa3_tiles
 from attncc.errors import InvalidArgument
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
@@ -32,7 +32,7 @@ from ..jit.device import num_sms
 from ..jit.launch_args import ELEM_NAMES, captured, clamped
 from ..jit.policy import compile_fa3, spill_bytes
 from ..jit.sources import fa2_source
-from ..jit.tiles import HEAD_DIMS, Fa2Config, fa2_config
+from ..jit.tiles import HEAD_DIMS, LaunchConfig, fa2_config
 from ..jit.tma import MapCache
 from ..reference import is_noop_mask, trace_mask, validate_attention_inputs
 from .fa3_split import TailSplit, tail_split
@@ -48,7 +48,7 @@ _TORCH_NOOP_BLOCK = 1 << 30
 @dataclass
 class _Compiled:
     launcher: Any
-    config: Fa2Config  # the tiles actually compiled (may be smaller than planned: no spills)
+    config: LaunchConfig  # the tiles actually compiled (may be smaller than planned: no spills)
     ir: VariantIR
     log: str  # NVRTC log with ptxas's resource report
     paired: bool = False  # the dense FA3 kernel's CTA-pair form (launched in clusters of two)
@@ -160,7 +160,7 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
     gk, res, plan = fa3_compiled_form(ir, head_dim, dtype, plan, arch)
     kl = load_kernel(res.cubin, gk.kernel_name, gk.attention_params_layout, gk.params_layout,
                      device=device, dynamic_smem=gk.shared_mem_bytes)
-    cfg = Fa2Config(head_dim, plan.tq, plan.tkv, plan.stages, 1, gk.threads // 32, gk.threads,
+    cfg = LaunchConfig(head_dim, plan.tq, plan.tkv, plan.stages, 1, gk.threads // 32, gk.threads,
                     gk.shared_mem_bytes)
     return _Compiled(kl, cfg, ir, res.log, plan.paired)
 

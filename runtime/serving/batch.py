@@ -60,7 +60,7 @@ from ..jit.launch_args import captured, clamped
 from ..jit.launcher import driver, driver_check
 from ..jit.policy import compile_fa3, spill_bytes
 from ..jit.sources import fa2_source
-from ..jit.tiles import HEAD_DIMS, Fa2Config, fa2_config
+from ..jit.tiles import HEAD_DIMS, LaunchConfig, fa2_config
 from .fa3_batch import fa3_batch_maps, fa3_batch_source, fa3_batch_tiles, fa3_unsupported
 from .plan import planner, scheduler
 from .plan.checks import KV_LAYOUTS, RAGGED_PAGE, CheckedBatch, check_batch, int_array, page_shift
@@ -127,7 +127,7 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
     m_frags = 2 if tq == 128 and head_dim <= 128 else 1
     cfg = fa2_config(head_dim, tq, tkv, stages, m_frags, kv_warps)
     # residency: 64K registers and 227 KB of shared memory per SM, with registers per thread as
-    # the kernel's __launch_bounds__ caps them (fa2_common.cuh's kMinBlocks: decode CTAs fit 128
+    # the kernel's __launch_bounds__ caps them (fa2_config.cuh's kMinBlocks: decode CTAs fit 128
     # registers per thread, the others may take 255)
     by_regs = 65536 // (cfg.threads * (128 if kv_warps > 1 else 256))
     by_smem = (227 * 1024) // cfg.smem_bytes
@@ -223,7 +223,7 @@ class _Kernels:
             gk = fa3_batch_source(self.ir, head_dim, dtype)
             src, name = gk.source, gk.kernel_name
             vp_layout, bp_layout = gk.params_layout, gk.attention_params_layout
-            self.config = Fa2Config(head_dim, tiles.tq, tiles.tkv, tiles.stages, 1,
+            self.config = LaunchConfig(head_dim, tiles.tq, tiles.tkv, tiles.stages, 1,
                                     gk.threads // 32, gk.threads, gk.shared_mem_bytes)
         else:
             self.config = fa2_config(head_dim, tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from attncc.codegen.fa2 import Fa2Tiles, fa3_tiles
+from attncc.codegen.tiles import KernelTiles, fa3_tiles
 from attncc.ir.program import VariantIR
 
 from ..jit.tiles import fa3_stages
@@ -50,13 +50,13 @@ def fa3_unsupported(device: Any, *, head_dim: int, group: int, kv_layout: str,
     return None
 
 
-def fa3_batch_tiles(head_dim: int) -> Fa2Tiles:
+def fa3_batch_tiles(head_dim: int) -> KernelTiles:
     """The FA3 batch kernel's tiles: 128 fused query rows x 128 keys, the deepest K/V ring its
     shared memory allows (kernels/fa3_prefill.cuh Smem).
 
     Example:
         >>> fa3_batch_tiles(128)
-        Fa2Tiles(tq=128, tkv=128, stages=3, m_frags=1, kv_warps=1)
+        KernelTiles(tq=128, tkv=128, stages=3, m_frags=1, kv_warps=1)
     """
     return fa3_tiles(fa3_stages(head_dim, 128), 128)
 

@@ -116,7 +116,7 @@ def test_fa3_compiles_without_spills(name: str, d: int, tkv: int, stages: int) -
     """Zero spills, and the software pipeline intact: ptxas did not serialize the wgmmas (it
     does, with a "Potential Performance Loss" warning, when registers an in-flight wgmma uses
     are touched before its wait)."""
-    from attncc.codegen.fa2 import fa3_tiles
+    from attncc.codegen.tiles import fa3_tiles
     from attncc.codegen.generate import generate_source
     from attncc.ir.simplify import simplify_variant
     from attncc.runtime.jit.policy import wgmma_notes

@@ -52,7 +52,7 @@ extern "C" __global__ void __launch_bounds__(128) tma_probe(TmaArgs p, Unused) {
 def probe_source() -> str:
     from attncc.kernels import read_template
 
-    return "\n".join(read_template(f) for f in ("attncc_types.cuh", "fa2_common.cuh",
+    return "\n".join(read_template(f) for f in ("attncc_types.cuh", "common.cuh",
                                                 "wgmma.cuh", "tma.cuh")) + PROBE_SRC
 
 

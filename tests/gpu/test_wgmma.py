@@ -96,7 +96,7 @@ extern "C" __global__ void __launch_bounds__(128) wg_rs_v(ProbeArgs p, Unused) {
   attncc::wg::fence();
   for (int ks = 0; ks < 4; ++ks) {
     const int k = 16 * ks + q;
-    attncc::fa2::fa2_u32 a[4];
+    attncc::u32 a[4];
     a[0] = P[r * 64 + k] | ((probe::u32)P[r * 64 + k + 1] << 16);
     a[1] = P[(r + 8) * 64 + k] | ((probe::u32)P[(r + 8) * 64 + k + 1] << 16);
     a[2] = P[r * 64 + k + 8] | ((probe::u32)P[r * 64 + k + 9] << 16);
@@ -138,10 +138,10 @@ def sw128_offset(row: int, col: int, rows: int) -> int:
 
 
 def probe_source() -> str:
-    """The probe translation unit: shipped types, FA2 common helpers, wgmma.cuh, the kernels."""
+    """The probe translation unit: shipped types, common.cuh helpers, wgmma.cuh, the kernels."""
     from attncc.kernels import read_template
 
-    return "\n".join(read_template(f) for f in ("attncc_types.cuh", "fa2_common.cuh",
+    return "\n".join(read_template(f) for f in ("attncc_types.cuh", "common.cuh",
                                                 "wgmma.cuh")) + PROBE_SRC
 
 
