@@ -82,7 +82,7 @@ def kernel_switches() -> set[str]:
     import re
 
     names: set[str] = set()
-    for f in sorted((ROOT / "kernels").glob("*.cuh")):
+    for f in sorted((ROOT / "kernels").rglob("*.cuh")):
         names |= set(re.findall(r"^#ifndef (\w+)\n#define \1\b", f.read_text(), re.M))
     return {n for n in names if not n.endswith("_CUH")}
 

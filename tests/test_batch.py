@@ -555,7 +555,8 @@ def test_l2_section_budget_is_the_dense_fa3_kernels() -> None:
 
     from attncc.runtime.serving.batch import L2_SECTION_BYTES
 
-    src = (Path(__file__).resolve().parent.parent / "kernels" / "fa3_prefill.cuh").read_text()
+    root = Path(__file__).resolve().parent.parent
+    src = (root / "kernels" / "fa3" / "fa3_prefill.cuh").read_text()
     m = re.search(r"#define ATTNCC_FA3_L2_SECTION_BYTES \((\d+) << (\d+)\)", src)
     assert m is not None, "fa3_prefill.cuh no longer spells its L2 section default as (a << b)"
     assert int(m[1]) << int(m[2]) == L2_SECTION_BYTES

@@ -556,7 +556,7 @@ def test_decode_batch_kernels_compile_without_spills() -> None:
 @pytest.mark.parametrize("name,d", [("noop", 64), ("softcap_causal", 128), ("alibi_causal", 128),
                                     ("sliding_window", 64), ("document_causal", 128)])
 def test_fa3_batch_kernels_compile_without_spills(name: str, d: int) -> None:
-    """kernel="fa3batch" (kernels/fa3_batch.cuh): the attention kernel (384 threads, setmaxnreg)
+    """kernel="fa3batch" (kernels/fa3/fa3_batch.cuh): the attention kernel (384 threads, setmaxnreg)
     and its merge kernel, as attncc compiles them (`compile_fa3`: the low-pressure form where
     the first spills), have no spills and no wgmma serialization, in the shared memory the tile
     choice allows."""

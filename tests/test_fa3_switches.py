@@ -30,7 +30,7 @@ def test_kernels_read_only_the_kept_switches() -> None:
 def test_retired_switches_are_gone_from_kernels() -> None:
     """Not read anywhere, not even in a comment that would send a reader looking for one."""
     pattern = re.compile(r"ATTNCC_FA3_(" + "|".join(RETIRED) + r")\b")
-    hits = [f"{f.name}: {m.group(0)}" for f in sorted((ROOT / "kernels").glob("*.cuh"))
+    hits = [f"{f.name}: {m.group(0)}" for f in sorted((ROOT / "kernels").rglob("*.cuh"))
             for m in pattern.finditer(f.read_text())]
     assert hits == []
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = sorted((ROOT / "kernels").glob("*.cuh"))
+KERNELS = sorted((ROOT / "kernels").rglob("*.cuh"))
 
 _STALE = re.compile(r"NOTES\.md|\bstop \d+|KERNEL_INTERFACE")
 _SECTION = re.compile(r'(docs/[\w/.-]+\.md),? "([^"]+)"')

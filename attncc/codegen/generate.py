@@ -40,8 +40,8 @@ __all__ = ["KernelSpec", "KERNELS", "DTYPES", "VariantCode", "GeneratedKernel",
            "generate_variant", "generate_source", "render"]
 
 # Shipped templates every translation unit starts with, in this order.
-COMMON_TEMPLATES = ("attncc_types.cuh", "attention_params.cuh")
-FA3_THREADS = 384  # kernels/fa3_prefill.cuh kThreads: a producer and two consumer warpgroups
+COMMON_TEMPLATES = ("common/attncc_types.cuh", "common/attention_params.cuh")
+FA3_THREADS = 384  # kernels/fa3/fa3_prefill.cuh kThreads: a producer, two consumer warpgroups
 
 
 @dataclass(frozen=True)
@@ -90,37 +90,41 @@ class KernelSpec:
 
 
 KERNELS: dict[str, KernelSpec] = {
-    "simple": KernelSpec("simple", ("simple_attention.cuh",), "attncc::simple_attention",
+    "simple": KernelSpec("simple", ("small/simple_attention.cuh",), "attncc::simple_attention",
                          threads=128, rows_per_cta=4, head_dim_multiple=32, head_dim_max=256),
     # FlashAttention-2-style prefill (dense or BlockMask-sparse): threads / rows come from tiles
-    "fa2": KernelSpec("fa2", ("common.cuh", "fa2_config.cuh", "fa2_attend.cuh",
-                              "fa2_prefill.cuh"),
+    "fa2": KernelSpec("fa2", ("common/common.cuh", "fa2/fa2_config.cuh", "fa2/fa2_attend.cuh",
+                              "fa2/fa2_prefill.cuh"),
                       "attncc::fa2::fa2_prefill", threads=0, rows_per_cta=0,
                       head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
                       entry_macro="ATTNCC_FA2_ENTRY"),
     # Hopper: TMA + wgmma, warp-specialized, 64 query rows per consumer warpgroup
-    # (kernels/fa3_prefill.cuh)
-    "fa3": KernelSpec("fa3", ("common.cuh", "wgmma.cuh", "tma.cuh", "fa3_consumer.cuh",
-                              "fa3_store.cuh", "fa3_split.cuh", "fa3_prefill.cuh"),
+    # (kernels/fa3/fa3_prefill.cuh)
+    "fa3": KernelSpec("fa3", ("common/common.cuh", "hopper/wgmma.cuh", "hopper/tma.cuh",
+                              "fa3/fa3_consumer.cuh", "fa3/fa3_store.cuh", "fa3/fa3_split.cuh",
+                              "fa3/fa3_prefill.cuh"),
                       "attncc::fa3::fa3_prefill", threads=0, rows_per_cta=0,
                       head_dim_multiple=64, head_dim_max=256, head_dims=(64, 128, 256),
                       entry_macro="ATTNCC_FA3_ENTRY"),
     # the persistent serving kernel over a plan (runtime/serving/batch.py) and its merge kernel
-    "fa2batch": KernelSpec("fa2batch", ("batch_params.cuh", "common.cuh", "fa2_config.cuh",
-                                        "fa2_attend.cuh", "fa2_batch.cuh"),
+    "fa2batch": KernelSpec("fa2batch", ("common/batch_params.cuh", "common/common.cuh",
+                                        "fa2/fa2_config.cuh", "fa2/fa2_attend.cuh",
+                                        "fa2/fa2_batch.cuh"),
                            "attncc::fa2::fa2_batch", threads=0, rows_per_cta=0,
                            head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
                            entry_macro="ATTNCC_FA2_BATCH_ENTRY", batch=True),
     # the same plans run by the FA3 pipeline (sm_90a; prefill-shaped batches)
-    "fa3batch": KernelSpec("fa3batch", ("batch_params.cuh", "common.cuh", "fa2_config.cuh",
-                                        "fa2_attend.cuh", "fa2_batch.cuh", "wgmma.cuh", "tma.cuh",
-                                        "fa3_consumer.cuh", "fa3_store.cuh", "fa3_batch.cuh"),
+    "fa3batch": KernelSpec("fa3batch", ("common/batch_params.cuh", "common/common.cuh",
+                                        "fa2/fa2_config.cuh", "fa2/fa2_attend.cuh",
+                                        "fa2/fa2_batch.cuh", "hopper/wgmma.cuh", "hopper/tma.cuh",
+                                        "fa3/fa3_consumer.cuh", "fa3/fa3_store.cuh",
+                                        "fa3/fa3_batch.cuh"),
                            "attncc::fa3::fa3_batch", threads=0, rows_per_cta=0,
                            head_dim_multiple=64, head_dim_max=128, head_dims=(64, 128),
                            entry_macro="ATTNCC_FA3_BATCH_ENTRY", batch=True),
     # a variant's Query/Key/ValueTransform applied once per q/k/v row before attention
-    # (kernels/prepass.cuh; attncc.ir.hoist splits the hooks off); 8 warps of 16 rows per CTA
-    "prepass": KernelSpec("prepass", ("prepass.cuh",), "attncc::prepass::prepass",
+    # (kernels/small/prepass.cuh; attncc.ir.hoist splits the hooks off); 8 warps of 16 rows a CTA
+    "prepass": KernelSpec("prepass", ("small/prepass.cuh",), "attncc::prepass::prepass",
                           threads=256, rows_per_cta=128, head_dim_multiple=64,
                           head_dim_max=256, prepass=True),
 }

@@ -85,7 +85,7 @@ def default_tiles(head_dim: int) -> KernelTiles:
 
 
 def fa3_tiles(stages: int = 2, tkv: int = 128) -> KernelTiles:
-    """The FA3 kernel's tiles (kernels/fa3_prefill.cuh: 128 query rows = two consumer
+    """The FA3 kernel's tiles (kernels/fa3/fa3_prefill.cuh: 128 query rows = two consumer
     warpgroups of 64; KV tiles of 64 or 128 keys); the KV tile width and the pipeline depth vary.
 
     Example:
@@ -105,7 +105,7 @@ def fa3_tiles(stages: int = 2, tkv: int = 128) -> KernelTiles:
 
 
 def fa3_smem_bytes(head_dim: int, tiles: KernelTiles) -> int:
-    """Dynamic shared memory of an FA3 kernel, dense or batch (kernels/fa3_prefill.cuh Smem):
+    """Dynamic shared memory of an FA3 kernel, dense or batch (kernels/fa3/fa3_prefill.cuh Smem):
     the Q tile and the K/V ring, 2 * stages mbarriers plus Q's two (full and empty: both kernels
     are persistent), the dense kernel's 32-byte work-item slot, 16-byte split-tail record and
     8-byte record of each stage's tile, and 1 KB of slack that aligns the tiles to 1024 bytes.

@@ -1,5 +1,5 @@
-"""FlexAttention on CUDA tensors with attncc's kernels: FA3 (kernels/fa3_prefill.cuh) on sm_90
-where it applies, FA2 (kernels/fa2_prefill.cuh) otherwise.
+"""FlexAttention on CUDA tensors with attncc's kernels: FA3 (kernels/fa3/fa3_prefill.cuh) on sm_90
+where it applies, FA2 (kernels/fa2/fa2_prefill.cuh) otherwise.
 
 `gpu_flex_attention(q, k, v, ir, bindings, block_mask=..., scale=..., enable_gqa=...,
 return_lse=..., kernel_options=...)` is what `attncc.flex_attention` runs for CUDA tensors: it
@@ -123,7 +123,7 @@ def _fa3_generated(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan) -> 
 
     gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa3",
                          fast_math=plan.fast_math, tiles=fa3_tiles(plan.stages, plan.tkv))
-    if plan.paired:  # the CTA-pair form (kernels/fa3_consumer.cuh ATTNCC_FA3_PAIRED)
+    if plan.paired:  # the CTA-pair form (kernels/fa3/fa3_consumer.cuh ATTNCC_FA3_PAIRED)
         gk = replace(gk, source=FA3_PAIRED + gk.source)
     return gk
 
@@ -151,7 +151,7 @@ def fa3_compiled_form(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
 
 def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: str,
                 device: int) -> _Compiled:
-    """Compile and load the FA3 kernel (kernels/fa3_prefill.cuh) for a checked plan."""
+    """Compile and load the FA3 kernel (kernels/fa3/fa3_prefill.cuh) for a checked plan."""
     from ..jit.launcher import load_kernel
 
     if not arch.startswith("sm_90"):
@@ -166,7 +166,7 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
 
 
 _FA3_MAPS = MapCache(64)  # the dense FA3 kernel's q/k/v maps (runtime/jit/tma.py)
-# head dims at which the dense FA3 kernel is persistent (kernels/fa3_prefill.cuh
+# head dims at which the dense FA3 kernel is persistent (kernels/fa3/fa3_prefill.cuh
 # kPersistentHeadDim): its grid is then at most one CTA per SM, else one CTA per 128-row item
 FA3_PERSISTENT_HEAD_DIMS = (64, 128)
 FA3_PAIRED = "#define ATTNCC_FA3_PAIRED 1\n"
@@ -177,7 +177,7 @@ FA3_PAIRED_MAX_KEYS = 8192
 
 def fa3_pairs(tiles: TilePlan, masked: bool, q_len: int, kv_len: int, head_dim: int,
               kernel_options: Mapping[str, Any] | None) -> bool:
-    """Whether a dense FA3 launch runs on CTA pairs (kernels/fa3_prefill.cuh produce_pairs):
+    """Whether a dense FA3 launch runs on CTA pairs (kernels/fa3/fa3_prefill.cuh produce_pairs):
     clusters of two CTAs that run two query blocks of one head over the same K/V tiles, each
     tile read from L2 once and multicast into both CTAs' shared memory. Needs what makes the
     two blocks' tile lists equal and the pairs whole: no block mask (`masked` False), an even
@@ -865,7 +865,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                                         captured(reads.prepass, bindings, device))
 
     kl, cfg = kern.launcher, kern.config
-    if pl.tiles.kernel == "fa3":  # kernels/fa3_prefill.cuh: one CTA per item, or persistent
+    if pl.tiles.kernel == "fa3":  # kernels/fa3/fa3_prefill.cuh: one CTA per item, or persistent
         items = B * Hq * -(-Sq // cfg.tq)
         persistent = D in FA3_PERSISTENT_HEAD_DIMS and (kernel_options or {}).get("PERSISTENT",
                                                                                   True)
@@ -927,7 +927,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 def _fa3_tail_split(pl: LaunchPlan, kernel_options: Mapping[str, Any] | None, items: int,
                     grid: int, kv_len: int, tkv: int, persistent: bool,
                     paired: bool = False) -> TailSplit:
-    """The split tail of a dense FA3 launch (kernels/fa3_split.cuh): persistent CTAs over
+    """The split tail of a dense FA3 launch (kernels/fa3/fa3_split.cuh): persistent CTAs over
     full-length items (no block mask) of a softmax variant with no output transform, not on CTA
     pairs (`paired`), unless kernel_options SPLIT_TAIL is False. The kernel checks the same
     conditions."""

@@ -31,7 +31,7 @@ def wgmma_notes(log: str) -> list[str]:
 
 FA3_LOW_PRESSURE = "#define ATTNCC_FA3_LOW_PRESSURE 1\n"
 """Prepended to an FA3 translation unit (dense or batch) whose first compile spilled: the
-kernels' other way to evaluate a tile's logits (kernels/fa3_prefill.cuh), fewer registers for
+kernels' other way to evaluate a tile's logits (kernels/fa3/fa3_prefill.cuh), fewer registers for
 more instructions."""
 
 

@@ -22,7 +22,7 @@ SMEM_PER_CTA = 227 * 1024
 @dataclass(frozen=True)
 class LaunchConfig:
     """Launch geometry of one tiled kernel instantiation (`fa2_config` computes FA2's, mirroring
-    attncc::fa2::Config in kernels/fa2_config.cuh; the FA3 paths fill it from their tiles)."""
+    attncc::fa2::Config in kernels/fa2/fa2_config.cuh; the FA3 paths fill it from their tiles)."""
 
     head_dim: int
     tq: int

@@ -10,7 +10,7 @@
   to back) and the page tables (at fixed offsets after the plan's room), one or two
   asynchronous copies.
 - `run(q, kv_cache)` launches the persistent FA2 (or FA3) kernel over the plan and the merge kernel
-  of its split items (kernels/fa2_batch.cuh). On sm_90 the merge kernel is a programmatic dependent
+  of its split items (kernels/fa2/fa2_batch.cuh). On sm_90 the merge kernel is a programmatic dependent
   launch: its launch and its reads of the plan overlap the attention kernel's last units, and it
   waits (griddepcontrol.wait) only before the partial states. Every pointer and both grid sizes are
   fixed by the workspace, so `run` can be captured once in a CUDA graph and replayed after new
@@ -69,7 +69,7 @@ from .plan.lpt import lpt_schedule
 __all__ = ["BatchAttention", "BatchTiles", "clip_causal_units", "KV_LAYOUTS"]
 
 _INT = np.int32
-MERGE_THREADS = 512  # kernels/fa2_batch.cuh MergeKernel::kThreads (the FA3 batch kernel's merge)
+MERGE_THREADS = 512  # kernels/fa2/fa2_batch.cuh MergeKernel::kThreads (the FA3 batch kernel's merge)
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class BatchTiles:
     ctas_per_sm: int
     num_ctas: int
     kv_warps: int = 1
-    kernel: str = "fa2"  # "fa3": kernels/fa3_batch.cuh (sm_90; runtime/serving/fa3_batch.py)
+    kernel: str = "fa2"  # "fa3": kernels/fa3/fa3_batch.cuh (sm_90; runtime/serving/fa3_batch.py)
 
 
 def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
@@ -325,7 +325,7 @@ class BatchAttention:
     kv_warps])` overrides the heuristic's tiles, `min_kv_chunk` is the scheduler's smallest KV
     chunk (fewer, longer units: fewer pipeline restarts and partial states; default 128
     tokens). `kernel`: None picks the FA3 batch kernel (TMA + wgmma,
-    kernels/fa3_batch.cuh) for prefill batches it can run on an sm_90 GPU and FA2 otherwise;
+    kernels/fa3/fa3_batch.cuh) for prefill batches it can run on an sm_90 GPU and FA2 otherwise;
     "fa2" or "fa3" forces one (a batch "fa3" cannot run raises at plan, saying why).
     """
 
@@ -383,7 +383,7 @@ class BatchAttention:
         # _config's memo: (_config_key, longest query, _Config) of the last config
         self._last_config: tuple[tuple, int, _Config] | None = None
         # launch the merge kernel with programmatic dependent launch (sm_90+): its launch and
-        # plan prologue overlap the attention kernel's tail (kernels/batch_params.cuh)
+        # plan prologue overlap the attention kernel's tail (kernels/common/batch_params.cuh)
         self._pdl = True
 
     # ------------------------------------------------------------------------------ plan
@@ -644,7 +644,7 @@ class BatchAttention:
             floor = max(int(b.kv_lens.max(initial=0)), 1)
         layout = _plan_layout(self.max_batch, self.max_qo_tokens, tiles.num_ctas, num_qo_heads,
                               num_kv_heads, tiles.tq)
-        # the FA3 batch kernel runs one KV head per unit (kernels/fa3_batch.cuh)
+        # the FA3 batch kernel runs one KV head per unit (kernels/fa3/fa3_batch.cuh)
         span = tiles.kernel != "fa3"
         kwargs = dict(kv_chunk_align=tiles.tkv, min_kv_chunk=floor, head_span=span)
         problem = None
@@ -1020,7 +1020,7 @@ def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end:
 
     The words in the plan's range that no section uses (padding to 16 bytes, cta_indptr's room
     past num_ctas + 1, which Plan.pack fills) and those in a gap are copied too, harmlessly:
-    the kernels (kernels/fa2_batch.cuh, fa3_batch.cuh and the merge) read only used words. They
+    the kernels (kernels/fa2/fa2_batch.cuh, fa3_batch.cuh and the merge) read only used words. They
     read the header's section offsets and counts; the attention grid is layout.max_ctas CTAs,
     which is the plan's num_ctas (BatchAttention sizes the layout by it), and CTA c reads
     cta_indptr[c], [c + 1], then cta_units in [0, num_units) and the units those name; the

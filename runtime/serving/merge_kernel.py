@@ -1,4 +1,4 @@
-"""Two attention states merged on the GPU in one launch (kernels/merge_state.cuh).
+"""Two attention states merged on the GPU in one launch (kernels/small/merge_state.cuh).
 
 `merge_state_cuda` is what `attncc.merge_state` runs on CUDA tensors it can take (see
 `fits_kernel`) and what `CascadeAttention` joins its two passes with. It computes in float32
@@ -21,7 +21,7 @@ import torch
 __all__ = ["fits_kernel", "merge_fitting_states", "merge_state_cuda"]
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_THREADS = 256  # kernels/merge_state.cuh merge::kThreads
+_THREADS = 256  # kernels/small/merge_state.cuh merge::kThreads
 _KERNELS: dict[tuple[str, int], Any] = {}
 _LOCK = threading.Lock()
 

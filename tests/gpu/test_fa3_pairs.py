@@ -1,5 +1,5 @@
 """The FA3 dense kernel on CTA pairs (kernel_options PAIRED; runtime/gpu_flex.fa3_pairs,
-kernels/fa3_prefill.cuh produce_pairs): clusters of two CTAs run two query blocks of one head
+kernels/fa3/fa3_prefill.cuh produce_pairs): clusters of two CTAs run two query blocks of one head
 over the same K/V tiles, each tile multicast into both CTAs' rings. Against the fp64
 reference, bitwise against the unpaired kernel (each item's arithmetic is the same), and for
 bitwise repeats eagerly and in a CUDA graph."""

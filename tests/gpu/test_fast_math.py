@@ -1,4 +1,4 @@
-"""The fast-math functions of kernels/attncc_types.cuh (codegen's fast_math=True spelling of the
+"""The fast-math functions of kernels/common/attncc_types.cuh (codegen's fast_math=True spelling of the
 hooks' math) against float64 torch on the GPU: each one's documented error bound holds over the
 range it claims, and NaN / inf / huge arguments give what libm gives."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ UNUSED = struct_layout("Unused", [("x", "int")])
 def _source() -> str:
     from attncc.kernels import read_template
 
-    return read_template("attncc_types.cuh") + SRC
+    return read_template("common/attncc_types.cuh") + SRC
 
 
 @pytest.mark.nvrtc

@@ -1,5 +1,5 @@
-"""kernels/tma.cuh + runtime/jit/tma.py on the GPU: a TMA copy with the 128-byte swizzle lands in
-exactly the layout kernels/wgmma.cuh's descriptors read (sw128_offset), signalled by an mbarrier.
+"""kernels/hopper/tma.cuh + runtime/jit/tma.py on the GPU: a TMA copy with the 128-byte swizzle lands in
+exactly the layout kernels/hopper/wgmma.cuh's descriptors read (sw128_offset), signalled by an mbarrier.
 The NVRTC test (no GPU) compiles the probe for sm_90a."""
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ extern "C" __global__ void __launch_bounds__(128) tma_probe(TmaArgs p, Unused) {
 def probe_source() -> str:
     from attncc.kernels import read_template
 
-    return "\n".join(read_template(f) for f in ("attncc_types.cuh", "common.cuh",
-                                                "wgmma.cuh", "tma.cuh")) + PROBE_SRC
+    return "\n".join(read_template(f) for f in ("common/attncc_types.cuh", "common/common.cuh",
+                                                "hopper/wgmma.cuh", "hopper/tma.cuh")) + PROBE_SRC
 
 
 ARGS = struct_layout("TmaArgs", [("tmap", "const void*"), ("out", "void*"), ("row0", "int"),

@@ -1,4 +1,4 @@
-"""kernels/wgmma.cuh on the GPU: the Hopper warpgroup MMA building blocks of the FA3 template.
+"""kernels/hopper/wgmma.cuh on the GPU: the Hopper warpgroup MMA building blocks of the FA3 template.
 
 Three small kernels, each one warpgroup, checked against torch in fp32:
 - S = Q K^T with both operands in shared memory, K-major, 128-byte swizzle (D = 64 and 128: the
@@ -113,8 +113,8 @@ extern "C" __global__ void __launch_bounds__(128) wg_rs_v(ProbeArgs p, Unused) {
 }
 
 // Offsets of a 64-row accumulator's elements in the swizzled layout, spelled exactly as the FA3
-// epilogue stages O (kernels/fa3_prefill.cuh transform_o): the unrolled odd columns
-// 8j + 2*(lane & 3) + 1 are the pattern NVRTC once miscompiled (kernels/wgmma.cuh).
+// epilogue stages O (kernels/fa3/fa3_prefill.cuh transform_o): the unrolled odd columns
+// 8j + 2*(lane & 3) + 1 are the pattern NVRTC once miscompiled (kernels/hopper/wgmma.cuh).
 extern "C" __global__ void __launch_bounds__(128) sw_offsets(ProbeArgs p, Unused) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r0 = 16 * warp + (lane >> 2);
@@ -132,7 +132,7 @@ extern "C" __global__ void __launch_bounds__(128) sw_offsets(ProbeArgs p, Unused
 
 
 def sw128_offset(row: int, col: int, rows: int) -> int:
-    """The 128-byte swizzle in Python (kernels/wgmma.cuh's top comment)."""
+    """The 128-byte swizzle in Python (kernels/hopper/wgmma.cuh's top comment)."""
     return (col // 64) * rows * 128 + row * 128 + ((((col % 64) >> 3) ^ (row % 8)) << 4) \
         + (col % 8) * 2
 
@@ -141,8 +141,8 @@ def probe_source() -> str:
     """The probe translation unit: shipped types, common.cuh helpers, wgmma.cuh, the kernels."""
     from attncc.kernels import read_template
 
-    return "\n".join(read_template(f) for f in ("attncc_types.cuh", "common.cuh",
-                                                "wgmma.cuh")) + PROBE_SRC
+    return "\n".join(read_template(f) for f in ("common/attncc_types.cuh", "common/common.cuh",
+                                                "hopper/wgmma.cuh")) + PROBE_SRC
 
 
 ARGS = struct_layout("ProbeArgs", [("a", "const void*"), ("b", "const void*"), ("d", "float*"),
