@@ -549,17 +549,16 @@ def test_coalesce_ranges() -> None:
 
 def test_l2_section_budget_is_the_dense_fa3_kernels() -> None:
     """Causal batch plans run heads in L2 sections of batch.L2_SECTION_BYTES; the dense FA3
-    kernel orders its items by the same budget (its ATTNCC_FA3_L2_SECTION_BYTES default). The
-    two are spelled in two languages: this pins them to one value."""
-    from pathlib import Path
-
+    kernel orders its items by the same budget (its ATTNCC_FA3_L2_SECTION_BYTES default): both
+    come from attncc.codegen.constants, which every dense FA3 unit static_asserts."""
+    from attncc.codegen import constants
+    from attncc.codegen.generate import generate_source
     from attncc.runtime.serving.batch import L2_SECTION_BYTES
 
-    root = Path(__file__).resolve().parent.parent
-    src = (root / "kernels" / "fa3" / "fa3_prefill.cuh").read_text()
-    m = re.search(r"#define ATTNCC_FA3_L2_SECTION_BYTES \((\d+) << (\d+)\)", src)
-    assert m is not None, "fa3_prefill.cuh no longer spells its L2 section default as (a << b)"
-    assert int(m[1]) << int(m[2]) == L2_SECTION_BYTES
+    assert L2_SECTION_BYTES == constants.L2_SECTION_BYTES == 12 << 20
+    ir, _ = attncc.Variant(name="full").trace()
+    src = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3").source
+    assert "static_assert((ATTNCC_FA3_L2_SECTION_BYTES_DEFAULT) == 12582912," in src
 
 
 def test_lazy_plan_is_the_packed_plan() -> None:

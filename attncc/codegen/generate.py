@@ -30,6 +30,7 @@ from typing import Any, Mapping, Sequence
 import jinja2
 
 from ..ir.program import HOOK_ORDER, VariantIR
+from .constants import FA3_THREADS, static_asserts, tile_static_asserts
 from .errors import CodegenError
 from .hooks import EMITTERS, HookCode
 from .tiles import FA2_HEAD_DIMS, FA3_TKV_CHOICES, KernelTiles, default_tiles, fa3_smem_bytes, fa3_tiles
@@ -41,7 +42,6 @@ __all__ = ["KernelSpec", "KERNELS", "DTYPES", "VariantCode", "GeneratedKernel",
 
 # Shipped templates every translation unit starts with, in this order.
 COMMON_TEMPLATES = ("common/attncc_types.cuh", "common/attention_params.cuh")
-FA3_THREADS = 384  # kernels/fa3/fa3_prefill.cuh kThreads: a producer, two consumer warpgroups
 
 
 @dataclass(frozen=True)
@@ -397,7 +397,11 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
                                          for f in (*COMMON_TEMPLATES, *spec.files)]
     asserts = (ATTENTION_PARAMS.static_asserts() + vc.params_layout.static_asserts()
                + (first_arg.static_asserts() if first_arg is not ATTENTION_PARAMS else [])
-               + (plan_header_static_asserts() if spec.batch else []))
+               + (plan_header_static_asserts() if spec.batch else [])
+               + static_asserts(kernel, head_dim))
+    if tiles is not None:
+        asserts += tile_static_asserts(kernel, head_dim, threads, smem, (
+            tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags, tiles.kv_warps))
     source = render("translation_unit.cu.j2", version=_version(), v=vc, spec=spec,
                     head_dim=head_dim, dtype=dtype, dtype_ctype=DTYPES[dtype][0],
                     kernel_name=name, shipped=shipped, variant_text=vc.text, asserts=asserts,

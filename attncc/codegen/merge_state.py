@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from attncc.kernels import read_template
 
+from .constants import static_asserts
 from .errors import CodegenError
 from .generate import DTYPES
 from .layout import MERGE_STATE_PARAMS, StructLayout
@@ -52,6 +53,7 @@ def merge_state_source(dtype: str) -> MergeStateKernel:
         read_template("small/merge_state.cuh"),
         "namespace attncc {",
         *MERGE_STATE_PARAMS.static_asserts(),
+        *static_asserts("merge"),
         "}  // namespace attncc",
         f"ATTNCC_MERGE_STATE_ENTRY({name}, {ctype})",
         "",

@@ -79,8 +79,11 @@ struct DenseItem {
 // with Q and O marked evict_first (tma.cuh's l2_evict_first). docs/fa3.md, "Persistent
 // scheduling, item order and L2 sections". The sections need the dynamic order below when item
 // lengths differ (a block mask), which next_item gives. 0: no sections.
+// The default is attncc.codegen.constants.L2_SECTION_BYTES (static_asserted in every unit). A
+// macro, not a constexpr: a namespace-scope constexpr would add a symbol to every cubin.
+#define ATTNCC_FA3_L2_SECTION_BYTES_DEFAULT (12 << 20)
 #ifndef ATTNCC_FA3_L2_SECTION_BYTES
-#define ATTNCC_FA3_L2_SECTION_BYTES (12 << 20)
+#define ATTNCC_FA3_L2_SECTION_BYTES ATTNCC_FA3_L2_SECTION_BYTES_DEFAULT
 #endif
 
 // Item w of B * Hq * nqb: sections of sec head slots each (a slot is b * Hq + hq; whole GQA

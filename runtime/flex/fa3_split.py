@@ -20,15 +20,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from attncc.codegen import constants
+
 __all__ = ["TailSplit", "tail_split", "SLOT_WARPS"]
 
 # Consumer warps per CTA (two warpgroups of four): one slot and one arrival counter each per unit.
-SLOT_WARPS = 8
+SLOT_WARPS = constants.FA3_SLOT_WARPS
 # At most this many pieces per tail item (kernels/fa3/fa3_split.cuh's kMaxPiecesPerItem), and the
 # shortest items that split (kMinSplitKeys: below it the split's fixed cost per unit outweighs
 # the idle share of the last round it recovers; docs/fa3.md#split-tail).
-MAX_PIECES_PER_ITEM = 4
-MIN_SPLIT_KEYS = 4096
+MAX_PIECES_PER_ITEM = constants.MAX_PIECES_PER_ITEM
+MIN_SPLIT_KEYS = constants.MIN_SPLIT_KEYS
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 import torch
 
+from attncc.codegen import constants
 from attncc.codegen.tiles import fa3_tiles
 from attncc.errors import InvalidArgument
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
@@ -168,7 +169,7 @@ def _fa3_kernel(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan, arch: 
 _FA3_MAPS = MapCache(64)  # the dense FA3 kernel's q/k/v maps (runtime/jit/tma.py)
 # head dims at which the dense FA3 kernel is persistent (kernels/fa3/fa3_prefill.cuh
 # kPersistentHeadDim): its grid is then at most one CTA per SM, else one CTA per 128-row item
-FA3_PERSISTENT_HEAD_DIMS = (64, 128)
+FA3_PERSISTENT_HEAD_DIMS = constants.FA3_PERSISTENT_HEAD_DIMS
 FA3_PAIRED = "#define ATTNCC_FA3_PAIRED 1\n"
 # Without kernel_options PAIRED, launches with at most this many keys pair: pairs win up to
 # 8192 keys and lose at 16384, where the split tail beats them (docs/fa3.md#cta-pairs).

@@ -19,10 +19,11 @@ from typing import Any, Mapping
 
 import torch
 
+from attncc.codegen import constants
 from attncc.ir.hoist import KV_HOOKS, PREPASS_HOOKS, kv_loads_per_row, transforms_in
 from attncc.ir.program import VariantIR
 
-WARPS = 8  # kernels/small/prepass.cuh kWarps
+WARPS = constants.PREPASS_WARPS  # kernels/small/prepass.cuh kWarps
 ROWS_PER_WARP = 16  # kRowsPerWarp
 THREADS = 32 * WARPS
 # kernel_options PREPASS: which hooks the pre-pass takes ("auto": decided per launch)

@@ -50,6 +50,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from attncc.codegen import constants
 from attncc.errors import DeviceError, check_bool, check_int
 from attncc.frontend import Variant
 from attncc.ir.analysis import Shapes
@@ -69,7 +70,7 @@ from .plan.lpt import lpt_schedule
 __all__ = ["BatchAttention", "BatchTiles", "clip_causal_units", "KV_LAYOUTS"]
 
 _INT = np.int32
-MERGE_THREADS = 512  # kernels/fa2/fa2_batch.cuh MergeKernel::kThreads (the FA3 batch kernel's merge)
+MERGE_THREADS = constants.MERGE_THREADS  # the batch kernels' NAME_merge block size
 
 
 @dataclass(frozen=True)
@@ -975,10 +976,10 @@ def clip_causal_units(buf: np.ndarray, layout: scheduler.PlanLayout, qo: np.ndar
         (u["q_rows"].astype(np.int64) + keys) * heads, p["num_ctas"], section=section)
 
 
-L2_SECTION_BYTES = 12 << 20
+L2_SECTION_BYTES = constants.L2_SECTION_BYTES
 """K/V bytes of the (request, KV head) pairs a causal prefill plan's CTAs work on at a time
 (`clip_causal_units`' sections; 12 MiB of the H100 / H200's 50 MB L2, as the dense FA3 kernel's
-ATTNCC_FA3_L2_SECTION_BYTES, which tests/test_batch.py pins to this value), for K and V of
+ATTNCC_FA3_L2_SECTION_BYTES: attncc.codegen.constants), for K and V of
 q_data_type's element size. Paged causal prefill is insensitive to 12 vs 24 MiB, the dense
 kernel prefers 12 (docs/serving.md#causal-clipping-and-l2-sections)."""
 

@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 
+from attncc.codegen import constants
+
 __all__ = ["fits_kernel", "merge_fitting_states", "merge_state_cuda"]
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_THREADS = 256  # kernels/small/merge_state.cuh merge::kThreads
+_THREADS = constants.MERGE_STATE_THREADS  # kernels/small/merge_state.cuh merge::kThreads
 _KERNELS: dict[tuple[str, int], Any] = {}
 _LOCK = threading.Lock()
 
