@@ -12,7 +12,7 @@ Kinds: `fa2` (FlexAttention-style prefill, with the runtime's spill fallback til
 (serving prefill tiles) and `fa2-decode` (serving decode tiles, T_q = 16), `fa3-single`,
 `fa3-pair`, `fa3-split` (a split-tail launch: the tail is a runtime branch of the single
 form's cubin, so its hash equals `fa3-single`'s), `fa3-lowpressure` / `fa3-pair-lowpressure`
-(ATTNCC_FA3_LOW_PRESSURE forced, whether or not the runtime needs it for the variant),
+(the low-pressure form forced, whether or not the runtime needs it for the variant),
 `fa3-batch` and `fa3-batch-lowpressure`, `fa3-hoisted` (the attention kernel left after the
 pre-pass takes a variant's q/k/v transforms), `prepass`, `merge` (variant `-`, D=-).
 Inputs are bfloat16 (the merge kernel: bfloat16 and float16). Block-mask launches, whose mask
@@ -160,9 +160,10 @@ def _fa3_plan(d: int, paired: bool) -> Any:
 
 def _forced_low(gk: Any, kind: str, variant: str, d: int, arch: str) -> list[str]:
     from attncc.runtime.jit.cache import cached_compile
-    from attncc.runtime.jit.policy import FA3_LOW_PRESSURE, spill_bytes
+    from attncc.codegen.generate import with_form
+    from attncc.runtime.jit.policy import spill_bytes
 
-    res, _ = cached_compile(FA3_LOW_PRESSURE + gk.source, arch=arch,
+    res, _ = cached_compile(with_form(gk.source, low_pressure=True), arch=arch,
                             name=f"{gk.kernel_name}.cu", verbose=True)
     return [_line(res.cubin, kind, variant, d, arch, gk.kernel_name,
                   f"spill={spill_bytes(res.log)}")]

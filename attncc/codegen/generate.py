@@ -30,7 +30,8 @@ from typing import Any, Mapping, Sequence
 import jinja2
 
 from ..ir.program import HOOK_ORDER, VariantIR
-from .constants import FA3_THREADS, static_asserts, tile_static_asserts
+from .constants import (FA3_PERSISTENT_HEAD_DIMS, FA3_THREADS, static_asserts,
+                        tile_static_asserts)
 from .errors import CodegenError
 from .hooks import EMITTERS, HookCode
 from .tiles import FA2_HEAD_DIMS, FA3_TKV_CHOICES, KernelTiles, default_tiles, fa3_smem_bytes, fa3_tiles
@@ -38,10 +39,52 @@ from .layout import (ATTENTION_PARAMS, BATCH_PARAMS, PREPASS_PARAMS, StructLayou
                      c_identifier, plan_header_static_asserts, variant_params_layout)
 
 __all__ = ["KernelSpec", "KERNELS", "DTYPES", "VariantCode", "GeneratedKernel",
-           "generate_variant", "generate_source", "render"]
+           "generate_variant", "generate_source", "render", "form_text", "with_form"]
 
 # Shipped templates every translation unit starts with, in this order.
 COMMON_TEMPLATES = ("common/attncc_types.cuh", "common/attention_params.cuh")
+FORM_KERNELS = ("fa3", "fa3batch")  # templates compiled in forms (form_text precedes them)
+
+
+def form_text(*, paired: bool = False, low_pressure: bool = False) -> str:
+    """The kernel form as C++: the block codegen puts ahead of the FA3 templates, which read
+    it with `if constexpr` (docs/kernel-interface.md, section 4). Constexpr functions, not
+    variables: a namespace-scope constexpr variable is a symbol in the cubin.
+
+    Example:
+        >>> print(form_text(paired=True).splitlines()[2])
+        __host__ __device__ __forceinline__ constexpr bool paired() { return true; }
+    """
+    return ("namespace attncc {\nnamespace form {\n"
+            f"__host__ __device__ __forceinline__ constexpr bool paired() {{ return "
+            f"{str(bool(paired)).lower()}; }}\n"
+            f"__host__ __device__ __forceinline__ constexpr bool low_pressure() {{ return "
+            f"{str(bool(low_pressure)).lower()}; }}\n"
+            "}  // namespace form\n}  // namespace attncc\n")
+
+
+_LOW = "__host__ __device__ __forceinline__ constexpr bool low_pressure() {{ return {}; }}"
+
+
+def with_form(source: str, *, low_pressure: bool) -> str:
+    """A generated FA3 unit in the other low-pressure form (what the spill fallback,
+    runtime/jit/policy.py compile_fa3, compiles): the same text but the form block's line.
+
+    Example:
+        >>> src = generate_source(VariantIR(name="plain"), head_dim=64, dtype="bfloat16",
+        ...                       kernel="fa3").source
+        >>> with_form(with_form(src, low_pressure=True), low_pressure=False) == src
+        True
+        >>> with_form("not a unit", low_pressure=True)
+        Traceback (most recent call last):
+        ...
+        attncc.codegen.errors.CodegenError: with_form: the source has no form block (generate it with kernel='fa3' or 'fa3batch')
+    """
+    old, new = (_LOW.format(str(not low_pressure).lower()), _LOW.format(str(low_pressure).lower()))
+    if source.count(old) + source.count(new) != 1:
+        raise CodegenError("with_form: the source has no form block (generate it with "
+                           "kernel='fa3' or 'fa3batch')")
+    return source.replace(old, new)
 
 
 @dataclass(frozen=True)
@@ -352,11 +395,23 @@ def _check_options(head_dim: int, dtype: str, kernel: str) -> KernelSpec:
     return spec
 
 
+def _check_form(kernel: str, head_dim: int, paired: bool, low_pressure: bool) -> None:
+    if (paired or low_pressure) and kernel not in FORM_KERNELS:
+        raise CodegenError(f"paired / low_pressure are forms of the FA3 kernels "
+                           f"{FORM_KERNELS}, not of {kernel!r}")
+    if paired and (kernel != "fa3" or head_dim not in FA3_PERSISTENT_HEAD_DIMS):
+        raise CodegenError(f"paired=True: CTA pairs are a form of the persistent dense 'fa3' "
+                           f"kernel (head dims {FA3_PERSISTENT_HEAD_DIMS}); got kernel="
+                           f"{kernel!r}, head dim {head_dim}")
+
+
 def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
-           fast_math: bool | None = None, tiles: KernelTiles | None = None) -> GeneratedKernel:
+           fast_math: bool | None = None, tiles: KernelTiles | None = None,
+           paired: bool = False, low_pressure: bool = False) -> GeneratedKernel:
     from ..kernels import read_template
 
     spec = _check_options(head_dim, dtype, kernel)
+    _check_form(kernel, head_dim, paired, low_pressure)
     if fast_math is None:  # the performance templates approximate, the simple one is exact
         fast_math = bool(spec.entry_macro)
     vc = generate_variant(ir, fast_math=fast_math)
@@ -393,8 +448,11 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
             raise CodegenError(f"the {kernel!r} pre-pass runs inside attncc's launches and is "
                                f"not exported; export 'fa2' or 'simple' (they apply key/value "
                                f"transforms in-kernel)")
-    shipped: Sequence[tuple[str, str]] = [(f, read_template(f).rstrip("\n") + "\n")
-                                         for f in (*COMMON_TEMPLATES, *spec.files)]
+    shipped: list[tuple[str, str]] = [(f, read_template(f).rstrip("\n") + "\n")
+                                      for f in (*COMMON_TEMPLATES, *spec.files)]
+    if kernel in FORM_KERNELS:
+        shipped.insert(len(COMMON_TEMPLATES), ("kernel form", form_text(
+            paired=paired, low_pressure=low_pressure)))
     asserts = (ATTENTION_PARAMS.static_asserts() + vc.params_layout.static_asserts()
                + (first_arg.static_asserts() if first_arg is not ATTENTION_PARAMS else [])
                + (plan_header_static_asserts() if spec.batch else [])
@@ -414,14 +472,16 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
 
 
 def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",
-                    fast_math: bool | None = None, tiles: KernelTiles | None = None
-                    ) -> GeneratedKernel:
+                    fast_math: bool | None = None, tiles: KernelTiles | None = None,
+                    paired: bool = False, low_pressure: bool = False) -> GeneratedKernel:
     """One self-contained translation unit (for NVRTC) running `ir` on a kernel template.
 
     `dtype` is the storage type of q, k, v and o: "bfloat16", "float16" or "float32".
     `kernel`: "simple" (one warp per query row, any dtype), "fa2" (the FlashAttention-2-style
     prefill template, bf16/fp16, `tiles` or `fa2.default_tiles`) or "fa2batch" (the persistent
-    serving kernel and its merge kernel). `fast_math=True` spells the hooks' math with
+    serving kernel and its merge kernel), "fa3" / "fa3batch" (sm_90a). The FA3 kernels come in
+    forms: `paired` (dense "fa3" at a persistent head dim: CTA pairs) and `low_pressure` (fewer
+    registers; the spill fallback), emitted as `attncc::form` (form_text). `fast_math=True` spells the hooks' math with
     one-instruction approximations (see `cuda_expr.emit`); None (default) means True for the
     FA2 templates, False for "simple".
 
@@ -436,7 +496,8 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
         >>> fa.kernel_name, fa.block, fa.shared_mem_bytes
         ('attncc_plain_fa2_d128_bf16_q64_k64_s2', (128, 1, 1), 81920)
     """
-    return _build(ir, head_dim, dtype, kernel, export=False, fast_math=fast_math, tiles=tiles)
+    return _build(ir, head_dim, dtype, kernel, export=False, fast_math=fast_math, tiles=tiles,
+                  paired=paired, low_pressure=low_pressure)
 
 
 def export_kernel(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",

@@ -221,7 +221,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     // same loads and compares as apply_logits' checked path (clamped positions; invalid rows,
     // keys past the range and the mask), just earlier in the same iteration, and the same
     // logits (tests/gpu/test_batch.py checks them against the fp64 reference).
-    constexpr bool kMaskBits = ATTNCC_FA3_LOW_PRESSURE && Variant::has_logits_mask &&
+    constexpr bool kMaskBits = form::low_pressure() && Variant::has_logits_mask &&
                                !Variant::has_logits_transform && Variant::loads_at_positions;
     unsigned keep[2] = {~0u, ~0u};
     auto mask_bits = [&](int it) {
@@ -341,13 +341,12 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     if constexpr (Variant::has_output_transform) {
       if (part_o == nullptr) transform_o<Variant, DType, D>(o, inv_r, vp, sq_w, u.request, row_at);
     }
-#if ATTNCC_FA3_LOW_PRESSURE
     // (low-pressure form) the rows' tokens and query heads again, for the stores below: kept
     // from the unit's start they were live through the whole tile loop for these few stores, and
     // were among what ptxas spilled (relative_bias D = 64 and 128: 8 B and 108 B in this form
     // before). A few integer ops a unit; q_start goes through an empty asm, or the compiler
     // would reuse the values of the unit's start (and keep them live again).
-    {
+    if constexpr (form::low_pressure()) {
       int q_start = u.q_start;
       asm volatile("" : "+r"(q_start));
 #pragma unroll
@@ -357,7 +356,6 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
         row_hq[hr] = u.kv_head * gf + (fr - row_tok[hr] * gf);
       }
     }
-#endif
     // this thread's output row hr (a write-through unit's)
     auto out_row = [&](int hr) -> DType* {
       return reinterpret_cast<DType*>(p.o) + (qo_offset + row_tok[hr]) * p.o_stride_tok +

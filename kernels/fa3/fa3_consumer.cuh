@@ -150,13 +150,11 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const u32 (&pa)
   wg::commit();
 }
 
-// ATTNCC_FA3_LOW_PRESSURE: the runtime compiles each FA3 kernel as it is first and, only if ptxas
-// spills, again with this defined to 1 (runtime/jit/policy.py compile_fa3). The low-pressure form
-// (the mask evaluated unconditionally, a score_mod's logits key-outer) needs fewer registers but
-// is slower as the only form (docs/fa3.md, "Low-pressure form and the spill policy").
-#ifndef ATTNCC_FA3_LOW_PRESSURE
-#define ATTNCC_FA3_LOW_PRESSURE 0
-#endif
+// form::low_pressure() (codegen's low_pressure=True): the runtime compiles each FA3 kernel as it
+// is first and, only if ptxas spills, again in this form (runtime/jit/policy.py compile_fa3). The
+// low-pressure form (the mask evaluated unconditionally, a score_mod's logits key-outer) needs
+// fewer registers but is slower as the only form (docs/fa3.md, "Low-pressure form and the spill
+// policy").
 
 // Whether softmax_step applies the logits scale itself (softmax variants without a score_mod,
 // whose logits are just S * scale): apply_logits then leaves S unscaled and each element's
@@ -164,7 +162,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const u32 (&pa)
 // Not in the low-pressure form (document_mask D 64 spilled 24 bytes there with it).
 template <typename Variant>
 __device__ __forceinline__ constexpr bool folds_scale() {
-  return Variant::use_softmax && !Variant::has_logits_transform && !ATTNCC_FA3_LOW_PRESSURE;
+  return Variant::use_softmax && !Variant::has_logits_transform && !form::low_pressure();
 }
 
 // Logits of one tile in place: scale, the variant's hooks, the mask. Each thread holds two rows
@@ -195,7 +193,7 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
   // allocates them differently): a variant with a score_mod runs the plain nested loop below;
   // mask-only variants, and every variant's low-pressure form, run the lambda
   // (docs/journal/2026-12-01.md, "a shared-counter scheduler (reverted), FA3 spill-free").
-  if constexpr (Variant::has_logits_transform && !ATTNCC_FA3_LOW_PRESSURE) {
+  if constexpr (Variant::has_logits_transform && !form::low_pressure()) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
 #pragma unroll
@@ -232,7 +230,7 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
       if constexpr (CHECKED) {
         if (!row_ok[hr] || (unsigned)kv >= (unsigned)kv_len) sc = masked;
         if constexpr (Variant::has_logits_mask) {
-          if constexpr (ATTNCC_FA3_LOW_PRESSURE) {
+          if constexpr (form::low_pressure()) {
             // evaluated whether or not the tile is full (then ignored): behind the is_full
             // branch each element's loads sat in a block of their own and were not shared
             // (document_causal loaded its row's and its key's doc id once per element, 128
@@ -578,16 +576,13 @@ __device__ __forceinline__ void transform_o(float (&o)[D / 64][32], float (&inv)
 // at k + st * kKvTileBytes / v + ...; "full" barriers the copies complete, "empty" barriers each
 // consumer warp arrives on when it has read a stage. Tile t (counted across everything this
 // CTA ran) sits in stage t % STAGES, phase (t / STAGES) & 1.
-// ATTNCC_FA3_PAIRED 1: the dense kernel built to run as CTA pairs, launched by the host in
+// form::paired() (codegen's paired=True): the dense kernel built to run as CTA pairs, launched by the host in
 // clusters of two (fa3_prefill.cuh, tma.cuh; runtime/flex/gpu_flex.py compiles this form for the
 // launches that pair): both CTAs of a pair run the same K/V tiles, each tile is read from L2
 // once and multicast into both rings, so a stage is free only once the consumers of both CTAs
 // released it -- each warp's release arrives on its own CTA's empty barrier and on the peer's.
 // A compile-time form, not a runtime branch: the 24-register producer spilled with both loops.
-#ifndef ATTNCC_FA3_PAIRED
-#define ATTNCC_FA3_PAIRED 0
-#endif
-__device__ __forceinline__ constexpr bool paired_ctas() { return ATTNCC_FA3_PAIRED != 0; }
+__device__ __forceinline__ constexpr bool paired_ctas() { return form::paired(); }
 // `count` arrivals on the ring barrier `bar`, in this CTA and, when paired, in the peer CTA;
 // without a count, one (the plain local arrive, no count operand).
 __device__ __forceinline__ void arrive_both(u32 bar, unsigned count) {

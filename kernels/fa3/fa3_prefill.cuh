@@ -162,7 +162,7 @@ __device__ __forceinline__ int next_item(int k, int num_items, int* counter) {
   return w < num_items ? w : -1;
 }
 
-// CTA pairs (the ATTNCC_FA3_PAIRED form, fa3_consumer.cuh; fa3_pairs in runtime/flex/gpu_flex.py
+// CTA pairs (the paired form, fa3_consumer.cuh; fa3_pairs in runtime/flex/gpu_flex.py
 // launches it in clusters of two for full-length items -- no block mask -- with an even number
 // of query blocks per head, by default up to 8192 keys, and no split tail; docs/fa3.md, "CTA
 // pairs"):
@@ -336,7 +336,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   // nothing to overlap), not with an output transform (O is staged in the Q tile then), and
   // not in the low-pressure form (its variants spilled 8 bytes with it: document_causal D 128).
   constexpr bool kBulkO = kPersistentHeadDim<D> && TKV == 128 &&
-                          !Variant::has_output_transform && !ATTNCC_FA3_LOW_PRESSURE;
+                          !Variant::has_output_transform && !form::low_pressure();
   static_assert(!kBulkO || S::kKvTileBytes >= kTQ * 2 * D, "O does not fit in a K tile");
   // The split tail (fa3_split.cuh): for persistent CTAs, where a unit's state is softmax
   // statistics and nothing is staged in Q after the loop.

@@ -52,16 +52,12 @@ __device__ __forceinline__ unsigned sw128_offset(int row, int col, int rows) {
 //    uniform register the wgmma reads, instead of a constant it re-materializes (UMOV) before
 //    every wgmma. Two descriptors from different addresses keep distinct high words for the
 //    same reason (A's and B's slots of the wgmma each keep theirs).
-// In a cluster launch (the dense FA3 kernel's CTA pairs: ATTNCC_FA3_PAIRED, defined ahead of
-// this file in that form) a shared::cta address also carries the CTA's rank in the cluster from
+// In a cluster launch (the dense FA3 kernel's CTA pairs: the paired form, attncc::form::paired()
+// from codegen's form block ahead of this file) a shared::cta address also carries the CTA's rank in the cluster from
 // bit 24; a descriptor takes the offset only. Without the mask, rank 1's bit 24 landed in the
 // leading byte offset and every wgmma of that CTA read the wrong rows. The unprovable zero is
 // then addr >> 31 (ranks stay below 2^7).
-#if defined(ATTNCC_FA3_PAIRED) && ATTNCC_FA3_PAIRED
-constexpr bool kClusterSmemAddrs = true;
-#else
-constexpr bool kClusterSmemAddrs = false;
-#endif
+constexpr bool kClusterSmemAddrs = attncc::form::paired();
 // The descriptor's view of a shared-memory address, and a zero ptxas cannot prove (above).
 __device__ __forceinline__ unsigned smem_offset(unsigned addr) {
   return kClusterSmemAddrs ? addr & 0xFFFFFFu : addr;

@@ -122,11 +122,9 @@ def _fa3_generated(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan) -> 
     compiles and precompile warms, so both hit one cache entry."""
     from attncc.codegen.generate import generate_source
 
-    gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa3",
-                         fast_math=plan.fast_math, tiles=fa3_tiles(plan.stages, plan.tkv))
-    if plan.paired:  # the CTA-pair form (kernels/fa3/fa3_consumer.cuh ATTNCC_FA3_PAIRED)
-        gk = replace(gk, source=FA3_PAIRED + gk.source)
-    return gk
+    return generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa3",
+                           fast_math=plan.fast_math, tiles=fa3_tiles(plan.stages, plan.tkv),
+                           paired=plan.paired)  # the CTA-pair form (kernels/fa3/fa3_consumer.cuh)
 
 
 def fa3_compiled_form(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
@@ -170,7 +168,6 @@ _FA3_MAPS = MapCache(64)  # the dense FA3 kernel's q/k/v maps (runtime/jit/tma.p
 # head dims at which the dense FA3 kernel is persistent (kernels/fa3/fa3_prefill.cuh
 # kPersistentHeadDim): its grid is then at most one CTA per SM, else one CTA per 128-row item
 FA3_PERSISTENT_HEAD_DIMS = constants.FA3_PERSISTENT_HEAD_DIMS
-FA3_PAIRED = "#define ATTNCC_FA3_PAIRED 1\n"
 # Without kernel_options PAIRED, launches with at most this many keys pair: pairs win up to
 # 8192 keys and lose at 16384, where the split tail beats them (docs/fa3.md#cta-pairs).
 FA3_PAIRED_MAX_KEYS = 8192

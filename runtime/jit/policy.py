@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["FA3_LOW_PRESSURE", "compile_fa3", "spill_bytes", "wgmma_notes"]
+__all__ = ["compile_fa3", "spill_bytes", "wgmma_notes"]
 
 
 def spill_bytes(log: str) -> int:
@@ -29,27 +29,23 @@ def wgmma_notes(log: str) -> list[str]:
     return [ln for ln in log.splitlines() if "(C751" in ln]
 
 
-FA3_LOW_PRESSURE = "#define ATTNCC_FA3_LOW_PRESSURE 1\n"
-"""Prepended to an FA3 translation unit (dense or batch) whose first compile spilled: the
-kernels' other way to evaluate a tile's logits (kernels/fa3/fa3_prefill.cuh), fewer registers for
-more instructions."""
-
-
 def compile_fa3(source: str, *, arch: str, name: str) -> tuple[Any, bool]:
-    """Compile an FA3 translation unit (through the kernel cache) as it is and, if ptxas
-    spills, again with `FA3_LOW_PRESSURE`; returns (the NvrtcResult used, whether it is the
-    low-pressure one). The second compile is kept only if it spills less.
-
-    Example (compiling needs NVRTC):
-        >>> FA3_LOW_PRESSURE.startswith("#define ATTNCC_FA3_LOW_PRESSURE")
-        True
+    """Compile an FA3 translation unit (dense or batch; through the kernel cache) as it is and,
+    if ptxas spills, again in the low-pressure form (codegen's `with_form(source,
+    low_pressure=True)`: the kernels' other way to evaluate a tile's logits, fewer registers for
+    more instructions; docs/fa3.md, "Low-pressure form and the spill policy"); returns (the
+    NvrtcResult used, whether it is the low-pressure one). The second compile is kept only if
+    it spills less. Needs NVRTC.
     """
+    from attncc.codegen.generate import with_form
+
     from .cache import cached_compile
 
     res, _ = cached_compile(source, arch=arch, name=name, verbose=True)
     if spill_bytes(res.log) == 0:
         return res, False
-    low, _ = cached_compile(FA3_LOW_PRESSURE + source, arch=arch, name=name, verbose=True)
+    low, _ = cached_compile(with_form(source, low_pressure=True), arch=arch, name=name,
+                            verbose=True)
     if spill_bytes(low.log) < spill_bytes(res.log):
         return low, True
     return res, False

@@ -137,7 +137,7 @@ def test_fa3_compiles_without_spills(name: str, d: int, tkv: int, stages: int) -
                                     ("relative_bias", 128), ("causal", 128)])
 def test_fa3_kernel_attncc_runs_has_no_spills(name: str, d: int) -> None:
     """`compile_fa3` (what attncc runs): the kernel as it is when its first compile is
-    spill-free, else its ATTNCC_FA3_LOW_PRESSURE form -- spill-free in every case here (the
+    spill-free, else its low-pressure form -- spill-free in every case here (the
     first compile of document_causal and relative_bias spills 32-344 bytes with NVRTC 12.9)."""
     from attncc.ir.simplify import simplify_variant
     from attncc.runtime.jit.cache import cached_compile

@@ -50,10 +50,12 @@ extern "C" __global__ void __launch_bounds__(128) tma_probe(TmaArgs p, Unused) {
 
 
 def probe_source() -> str:
+    from attncc.codegen.generate import form_text
     from attncc.kernels import read_template
 
-    return "\n".join(read_template(f) for f in ("common/attncc_types.cuh", "common/common.cuh",
-                                                "hopper/wgmma.cuh", "hopper/tma.cuh")) + PROBE_SRC
+    return "\n".join([read_template("common/attncc_types.cuh"), form_text(),
+                      *(read_template(f) for f in ("common/common.cuh", "hopper/wgmma.cuh",
+                                                   "hopper/tma.cuh"))]) + PROBE_SRC
 
 
 ARGS = struct_layout("TmaArgs", [("tmap", "const void*"), ("out", "void*"), ("row0", "int"),

@@ -138,11 +138,14 @@ def sw128_offset(row: int, col: int, rows: int) -> int:
 
 
 def probe_source() -> str:
-    """The probe translation unit: shipped types, common.cuh helpers, wgmma.cuh, the kernels."""
+    """The probe translation unit: shipped types, the (unpaired) kernel form, common.cuh
+    helpers, wgmma.cuh, the kernels."""
+    from attncc.codegen.generate import form_text
     from attncc.kernels import read_template
 
-    return "\n".join(read_template(f) for f in ("common/attncc_types.cuh", "common/common.cuh",
-                                                "hopper/wgmma.cuh")) + PROBE_SRC
+    return "\n".join([read_template("common/attncc_types.cuh"), form_text(),
+                      read_template("common/common.cuh"),
+                      read_template("hopper/wgmma.cuh")]) + PROBE_SRC
 
 
 ARGS = struct_layout("ProbeArgs", [("a", "const void*"), ("b", "const void*"), ("d", "float*"),
