@@ -315,6 +315,92 @@ __device__ __forceinline__ void produce_pairs(const attncc::AttentionParams& p, 
   }
 }
 
+// What the producer of unpaired CTAs works with, computed once in the kernel's prologue (shared
+// memory addresses, the q/k/v tensor maps, the problem's sizes).
+struct ProducerView {
+  u32 sq, sk, sv, full_bar, empty_bar, q_full, q_empty, item_slot, tail_at;
+  const void* tm_q;
+  const void* tm_k;
+  const void* tm_v;
+  int q_len, kv_len, nqb, num_items;
+};
+
+// The producer of unpaired CTAs (one thread): claims units -- whole items, then (with a split
+// tail, fa3_split.cuh) pieces -- publishes each in the item slot, loads its Q once the consumers
+// released the last one, and streams its K/V tiles into the ring as stages free up.
+template <int D, int TKV, int STAGES>
+__device__ __forceinline__ void produce_items(const attncc::AttentionParams& p,
+                                              const ProducerView& v) {
+  using S = Smem<D, TKV, STAGES>;
+  constexpr int BLOCKS = D / 64;
+  const u32 sq = v.sq, sk = v.sk, sv = v.sv, full_bar = v.full_bar, empty_bar = v.empty_bar;
+  const u32 q_full = v.q_full, q_empty = v.q_empty, item_slot = v.item_slot, tail_at = v.tail_at;
+  const void* tm_q = v.tm_q;
+  const void* tm_k = v.tm_k;
+  const void* tm_v = v.tm_v;
+  const int q_len = v.q_len, kv_len = v.kv_len, nqb = v.nqb, num_items = v.num_items;
+  int tile = 0;  // tiles issued by this CTA so far: stage tile % STAGES, phase tile / STAGES
+  // the list's entries: whole items, then (with a split tail, fa3_split.cuh) pieces; a piece
+  // of two units runs its second (`pending`, noted in the item slot) before the next claim
+#pragma unroll 1
+  for (int k = 0;; ++k) {  // k: units (items, or parts of them) run by this CTA so far
+    // one item per CTA at D = 256: its consumers never hand Q back, and stop by themselves
+    if (!kPersistentHeadDim<D> && k > 0) break;
+    const TailSplit tail = get_tail(tail_at);
+    // the last unit's note (the slot is unchanged until this iteration publishes)
+    const int pending = k > 0 ? pending_piece(item_slot) : -1;
+    const int side = pending >= 0 ? 1 : 0;
+    // (the CTA's first unit is its first claim: next_item's k == 0)
+    const int w = side ? pending : next_item(k, tail.entries(num_items), p.item_counter);
+    // Q of this item (and the item in item_slot) once both consumers are done with the last
+    // one's: they read the slot before they release Q
+    if (k > 0) tma::mbar_wait(q_empty, (k - 1) & 1);
+    if (w < 0) {  // no more items: an arrival without bytes wakes the consumers to stop
+      publish_item(item_slot, DenseItem{-1, 0, 0, 0}, UnitRange{0, -1, -1}, -1);
+      tma::mbar_arrive(q_full);
+      break;
+    }
+    UnitRange u{0, -1, -1};  // the whole item
+    int item = w, next_piece = -1;
+    if (w >= tail.first) {  // a piece of the split tail: unit `side` of piece w - tail.first
+      int t;
+      tail.unit(w - tail.first, side, t, u);
+      item = tail.first + t;
+      UnitRange next;
+      if (side == 0 && tail.unit(w - tail.first, 1, t, next)) next_piece = w;
+    }
+    const DenseItem it = dense_item<D>(p, item, nqb);
+    common::TileList tiles = item_tiles<TKV>(p, it);
+    if (u.count >= 0) tiles.count = u.count;
+    const int q_row0 = (it.b * p.num_q_heads + it.hq) * q_len + it.q0;  // map row of q0
+    // map row of the unit's key 0 (a tail piece's first tile: dense items only)
+    const int kv_row0 = (it.b * p.num_kv_heads + it.h_kv) * kv_len + u.first * TKV;
+    // released to the consumers by the q_full arrival, with the unit's resolved tile count
+    publish_item(item_slot, it, UnitRange{u.first, tiles.count, u.part}, next_piece);
+    load_q<D>(sq, tm_q, q_full, q_row0);
+#pragma unroll 1
+    for (int i = 0; i < tiles.count; ++i, ++tile) {
+      const int st = tile % STAGES;
+      // refill stage st once every consumer warp released its previous tile (tile - STAGES):
+      // that was phase (tile / STAGES - 1) of the stage's empty barrier
+      if (tile >= STAGES) tma::mbar_wait(empty_bar + 8 * st, ((tile / STAGES) - 1) & 1);
+      bool f;
+      const int kv0 = tiles.start(i, f);
+      const u32 full = full_bar + 8 * st;
+      put_meta(full + (S::kMeta - S::kBar), TileMeta::of(kv0, f));  // published by the arrival
+      tma::mbar_arrive_expect_tx(full, 2 * S::kKvTileBytes);
+#pragma unroll
+      for (int blk = 0; blk < BLOCKS; ++blk)
+#pragma unroll
+        for (int h = 0; h < TKV / 64; ++h) {
+          const u32 off = st * S::kKvTileBytes + blk * S::kKvBlockBytes + h * kBoxBytes;
+          tma::load_2d(sk + off, tm_k, full, 64 * blk, kv_row0 + kv0 + 64 * h);
+          tma::load_2d(sv + off, tm_v, full, 64 * blk, kv_row0 + kv0 + 64 * h);
+        }
+    }
+  }
+}
+
 // Persistent (D <= 128): the grid is at most one CTA per SM (the ring takes the shared memory)
 // and CTA c runs item c and then those next_item claims. The producer loads the next item's Q as
 // soon as both consumers issued their last S GEMM of the current one (q_empty), and its K/V
@@ -389,66 +475,9 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
       return;
     }
     if (tid != 0) return;
-    int tile = 0;  // tiles issued by this CTA so far: stage tile % STAGES, phase tile / STAGES
-    // the list's entries: whole items, then (with a split tail, fa3_split.cuh) pieces; a piece
-    // of two units runs its second (`pending`, noted in the item slot) before the next claim
-#pragma unroll 1
-    for (int k = 0;; ++k) {  // k: units (items, or parts of them) run by this CTA so far
-      // one item per CTA at D = 256: its consumers never hand Q back, and stop by themselves
-      if (!kPersistentHeadDim<D> && k > 0) break;
-      const TailSplit tail = get_tail(tail_at);
-      // the last unit's note (the slot is unchanged until this iteration publishes)
-      const int pending = k > 0 ? pending_piece(item_slot) : -1;
-      const int side = pending >= 0 ? 1 : 0;
-      // (the CTA's first unit is its first claim: next_item's k == 0)
-      const int w = side ? pending : next_item(k, tail.entries(num_items), p.item_counter);
-      // Q of this item (and the item in item_slot) once both consumers are done with the last
-      // one's: they read the slot before they release Q
-      if (k > 0) tma::mbar_wait(q_empty, (k - 1) & 1);
-      if (w < 0) {  // no more items: an arrival without bytes wakes the consumers to stop
-        publish_item(item_slot, DenseItem{-1, 0, 0, 0}, UnitRange{0, -1, -1}, -1);
-        tma::mbar_arrive(q_full);
-        break;
-      }
-      UnitRange u{0, -1, -1};  // the whole item
-      int item = w, next_piece = -1;
-      if (w >= tail.first) {  // a piece of the split tail: unit `side` of piece w - tail.first
-        int t;
-        tail.unit(w - tail.first, side, t, u);
-        item = tail.first + t;
-        UnitRange next;
-        if (side == 0 && tail.unit(w - tail.first, 1, t, next)) next_piece = w;
-      }
-      const DenseItem it = dense_item<D>(p, item, nqb);
-      common::TileList tiles = item_tiles<TKV>(p, it);
-      if (u.count >= 0) tiles.count = u.count;
-      const int q_row0 = (it.b * p.num_q_heads + it.hq) * q_len + it.q0;  // map row of q0
-      // map row of the unit's key 0 (a tail piece's first tile: dense items only)
-      const int kv_row0 = (it.b * p.num_kv_heads + it.h_kv) * kv_len + u.first * TKV;
-      // released to the consumers by the q_full arrival, with the unit's resolved tile count
-      publish_item(item_slot, it, UnitRange{u.first, tiles.count, u.part}, next_piece);
-      load_q<D>(sq, tm_q, q_full, q_row0);
-#pragma unroll 1
-      for (int i = 0; i < tiles.count; ++i, ++tile) {
-        const int st = tile % STAGES;
-        // refill stage st once every consumer warp released its previous tile (tile - STAGES):
-        // that was phase (tile / STAGES - 1) of the stage's empty barrier
-        if (tile >= STAGES) tma::mbar_wait(empty_bar + 8 * st, ((tile / STAGES) - 1) & 1);
-        bool f;
-        const int kv0 = tiles.start(i, f);
-        const u32 full = full_bar + 8 * st;
-        put_meta(full + (S::kMeta - S::kBar), TileMeta::of(kv0, f));  // published by the arrival
-        tma::mbar_arrive_expect_tx(full, 2 * S::kKvTileBytes);
-#pragma unroll
-        for (int blk = 0; blk < BLOCKS; ++blk)
-#pragma unroll
-          for (int h = 0; h < TKV / 64; ++h) {
-            const u32 off = st * S::kKvTileBytes + blk * S::kKvBlockBytes + h * kBoxBytes;
-            tma::load_2d(sk + off, tm_k, full, 64 * blk, kv_row0 + kv0 + 64 * h);
-            tma::load_2d(sv + off, tm_v, full, 64 * blk, kv_row0 + kv0 + 64 * h);
-          }
-      }
-    }
+    const ProducerView view{sq,      sk,   sv,   full_bar, empty_bar, q_full, q_empty, item_slot,
+                            tail_at, tm_q, tm_k, tm_v,     q_len,     kv_len, nqb,     num_items};
+    produce_items<D, TKV, STAGES>(p, view);
     return;
   }
 
