@@ -1,7 +1,7 @@
 """An LRU model of the L2 traffic of the dense FA3 kernel's item order: how many K/V bytes come
 from DRAM for a given L2 section size (`ATTNCC_FA3_L2_SECTION_BYTES`).
 
-The item list is kernels/fa3_prefill.cuh's `dense_item` (mirrored in `dense_order`: sections of
+The item list is kernels/fa3/fa3_prefill.cuh's `dense_item` (mirrored in `dense_order`: sections of
 heads whose K and V fit in the section size, the remainder section first, within a section
 query blocks from the last, then head). The model runs `ctas` CTAs at equal speed, one K/V tile
 per step each, every CTA claiming the next item when it finishes one (the dynamic order), and
@@ -35,7 +35,7 @@ TQ, TKV = 128, 128  # the dense kernel's query rows and keys per tile at head di
 def dense_order(slots: int, nqb: int, sec: int) -> list[tuple[int, int]]:
     """The dense kernel's items as (head slot, query block), in list order: sections of `sec`
     head slots, the first one taking the remainder; within a section the last query block of
-    every slot first (`dense_item` in kernels/fa3_prefill.cuh).
+    every slot first (`dense_item` in kernels/fa3/fa3_prefill.cuh).
 
     >>> dense_order(3, 2, 2)
     [(0, 1), (0, 0), (1, 1), (2, 1), (1, 0), (2, 0)]
@@ -59,7 +59,7 @@ def simulate(S: int, section_mib: float, l2_mib: float, *, causal: bool = False,
     (0 MiB: one section). With `qo`, each item's Q tile (read at its start) and O tile (written
     at its end) pass through the LRU too, as they would without the kernel's L2 eviction hints;
     without it they take none of it, as the kernel marks them evict_first (`l2_evict_first` in
-    kernels/tma.cuh).
+    kernels/hopper/tma.cuh).
 
     >>> r = simulate(2048, 24, 50)
     >>> (r["heads_per_section"], r["dram_mib"], r["ideal_mib"])

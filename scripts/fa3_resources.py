@@ -1,8 +1,8 @@
 """The FA3 kernel's resource report: registers, spills, shared memory, and what its SASS holds.
 
 Compiles the FA3 translation unit for each AttentionGym variant x head dim at the default tiles
-(flex/tile_choice.py) as attncc does (the kernel cache, runtime/jit/kernels.py: again with
-ATTNCC_FA3_LOW_PRESSURE if the first compile spills; both spill figures are reported), reads ptxas's `-v` report from NVRTC,
+(flex/tile_choice.py) as attncc does (the kernel cache, runtime/jit/kernels.py: again in the
+low-pressure form if the first compile spills; both spill figures are reported), reads ptxas's `-v` report from NVRTC,
 and -- where `cuobjdump` is on PATH (the H200 image has it under /usr/local/cuda/bin) -- counts
 HGMMA (wgmma), USETMAXREG (setmaxnreg) and UTMALDG (TMA load) instructions in the SASS. Writes a
 markdown table (and JSON with --out).

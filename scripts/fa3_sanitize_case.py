@@ -13,12 +13,12 @@ clamped by attncc, under PYTORCH_NO_CUDA_MEMORY_CACHING=1).
 Racecheck instruments every shared-memory access, so the whole script takes minutes under it;
 one part does not.
 
-Dense FA3 (kernels/fa3_prefill.cuh, persistent): odd lengths (a partial last query block and a
+Dense FA3 (kernels/fa3/fa3_prefill.cuh, persistent): odd lengths (a partial last query block and a
 partial last KV tile), GQA 2, a causal block mask (partial and full blocks) and a softcap
 score_mod, at head dims 64 and 128, with more 128-row items than SMs so CTAs run several; then
 RoPE (query/key transforms) and value/output transforms at head dim 64, in the kernel and in the
-transform pre-pass (kernels/prepass.cuh).
-FA3 batch (kernels/fa3_batch.cuh): a paged (page 16) and a ragged batch of odd-length prefill
+transform pre-pass (kernels/small/prepass.cuh).
+FA3 batch (kernels/fa3/fa3_batch.cuh): a paged (page 16) and a ragged batch of odd-length prefill
 chunks with a long request split across CTAs (so the merge kernel runs), causal, RoPE and
 value/output variants.
 """

@@ -12,7 +12,7 @@ Kinds: `fa2` (FlexAttention-style prefill, with the runtime's spill fallback til
 (serving prefill tiles) and `fa2-decode` (serving decode tiles, T_q = 16), `fa3-single`,
 `fa3-pair`, `fa3-split` (a split-tail launch: the tail is a runtime branch of the single
 form's cubin, so its hash equals `fa3-single`'s), `fa3-lowpressure` / `fa3-pair-lowpressure`
-(ATTNCC_FA3_LOW_PRESSURE forced, whether or not the runtime needs it for the variant),
+(the low-pressure form forced, whether or not the runtime needs it for the variant),
 `fa3-batch` and `fa3-batch-lowpressure`, `fa3-hoisted` (the attention kernel left after the
 pre-pass takes a variant's q/k/v transforms), `prepass`, `merge` (variant `-`, D=-).
 Inputs are bfloat16 (the merge kernel: bfloat16 and float16). Block-mask launches, whose mask
@@ -20,6 +20,10 @@ is merged into the variant's IR at run time, are not listed.
 
     python -m scripts.kernel_hashes --out bench/results/kernel-hashes.txt
     python -m scripts.kernel_hashes --kinds fa3-single,fa3-pair --variants causal --dims 128
+
+`--code` appends ` code=<sha256>` to each line: the hash of the cubin's executable sections
+(`.text.*`, the SASS) alone. A rename of a struct with static members changes the mangled names
+in the cubin's symbol table, and so its hash, but not the code; this shows which it was.
 
 Compiles go through the runtime's disk cache; point `ATTNCC_CACHE_DIR` at a scratch folder to
 reuse compiles between runs. The hash is always of the cubin bytes NVRTC returned.
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import struct
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -52,10 +57,45 @@ def _sha(cubin: bytes) -> str:
     return hashlib.sha256(cubin).hexdigest()
 
 
+CODE = os.environ.get("ATTNCC_HASH_CODE") == "1"  # set by --code (inherited by the workers)
+
+
+def code_sections(cubin: bytes) -> dict[str, bytes]:
+    """The `.text.*` sections (the SASS of each function) of an ELF64 cubin, by name.
+
+    Example:
+        >>> code_sections(b"not an ELF")
+        Traceback (most recent call last):
+        ...
+        ValueError: not an ELF64 cubin
+    """
+    if cubin[:5] != b"\x7fELF\x02":
+        raise ValueError("not an ELF64 cubin")
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    strtab_off, strtab_size = heads[shstrndx][4], heads[shstrndx][5]
+    names = cubin[strtab_off:strtab_off + strtab_size]
+    out = {}
+    for name_at, _type, _flags, _addr, off, size in heads:
+        name = names[name_at:names.index(b"\0", name_at)].decode()
+        if name.startswith(".text."):
+            out[name] = cubin[off:off + size]
+    return out
+
+
+def _code_sha(cubin: bytes) -> str:
+    h = hashlib.sha256()
+    for name, code in sorted(code_sections(cubin).items()):
+        h.update(name.encode() + b"\0" + len(code).to_bytes(8, "little") + code)
+    return h.hexdigest()
+
+
 def _line(cubin: bytes, kind: str, variant: str, d: Any, arch: str, name: str,
           details: str = "") -> str:
-    return f"{_sha(cubin)}  {kind} {variant} D={d} {arch} {name}" + (f" {details}" if details
+    line = f"{_sha(cubin)}  {kind} {variant} D={d} {arch} {name}" + (f" {details}" if details
                                                                      else "")
+    return line + (f" code={_code_sha(cubin)}" if CODE else "")
 
 
 def _ir(variant: str, d: int) -> Any:
@@ -81,13 +121,13 @@ def _fa2_prefill(variant: str, d: int, arch: str) -> list[str]:
 
 
 def _fa2_batch(kind: str, variant: str, d: int, arch: str) -> list[str]:
-    from attncc.runtime.jit.kernels import Fa2Tiles, KernelSpec, compile_spec
+    from attncc.runtime.jit.kernels import KernelTiles, KernelSpec, compile_spec
     from attncc.runtime.serving.batch import choose_batch_tiles
 
     rows = 1 if kind == "fa2-decode" else PREFILL_S
     t = choose_batch_tiles(d, rows, 132)
     spec = KernelSpec("decode" if t.kv_warps > 1 else "fa2_batch", _ir(variant, d), d,
-                      "bfloat16", Fa2Tiles(t.tq, t.tkv, t.stages, t.m_frags, t.kv_warps))
+                      "bfloat16", KernelTiles(t.tq, t.tkv, t.stages, t.m_frags, t.kv_warps))
     f = compile_spec(spec, arch)
     return [_line(f.result.cubin, kind, variant, d, arch, f.gen.kernel_name,
                   f"kv_warps={t.kv_warps} spill={f.spill_bytes}")]
@@ -227,7 +267,7 @@ def _check_checkout() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     _check_checkout()
-    from attncc.codegen.fa2 import FA2_HEAD_DIMS
+    from attncc.codegen.tiles import FA2_HEAD_DIMS
     from attncc.gym import GYM
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -239,7 +279,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--header", action="append", default=[],
                     help="a '# ' line to write above the list (repeatable)")
     ap.add_argument("--out", help="write the list here (else stdout)")
+    ap.add_argument("--code", action="store_true",
+                    help="append code=<sha256 of the cubin's .text sections> to each line")
     args = ap.parse_args(argv)
+    if args.code:
+        global CODE
+        CODE = True
+        os.environ["ATTNCC_HASH_CODE"] = "1"  # the ProcessPoolExecutor workers read it
     kinds = _csv(args.kinds, KINDS, "kinds") or list(KINDS)
     variants = _csv(args.variants, GYM, "variants") or list(GYM)
     dims = [int(x) for x in (_csv(args.dims, [str(d) for d in FA2_HEAD_DIMS], "dims")

@@ -30,18 +30,61 @@ from typing import Any, Mapping, Sequence
 import jinja2
 
 from ..ir.program import HOOK_ORDER, VariantIR
+from .constants import (FA3_PERSISTENT_HEAD_DIMS, FA3_THREADS, static_asserts,
+                        tile_static_asserts)
 from .errors import CodegenError
 from .hooks import EMITTERS, HookCode
-from .fa2 import FA2_HEAD_DIMS, FA3_TKV_CHOICES, Fa2Tiles, default_tiles, fa3_smem_bytes, fa3_tiles
+from .tiles import FA2_HEAD_DIMS, FA3_TKV_CHOICES, KernelTiles, default_tiles, fa3_smem_bytes, fa3_tiles
 from .layout import (ATTENTION_PARAMS, BATCH_PARAMS, PREPASS_PARAMS, StructLayout,
                      c_identifier, plan_header_static_asserts, variant_params_layout)
 
 __all__ = ["KernelSpec", "KERNELS", "DTYPES", "VariantCode", "GeneratedKernel",
-           "generate_variant", "generate_source", "render"]
+           "generate_variant", "generate_source", "render", "form_text", "with_form"]
 
 # Shipped templates every translation unit starts with, in this order.
-COMMON_TEMPLATES = ("attncc_types.cuh", "attention_params.cuh")
-FA3_THREADS = 384  # kernels/fa3_prefill.cuh kThreads: a producer and two consumer warpgroups
+COMMON_TEMPLATES = ("common/attncc_types.cuh", "common/attention_params.cuh")
+FORM_KERNELS = ("fa3", "fa3batch")  # templates compiled in forms (form_text precedes them)
+
+
+def form_text(*, paired: bool = False, low_pressure: bool = False) -> str:
+    """The kernel form as C++: the block codegen puts ahead of the FA3 templates, which read
+    it with `if constexpr` (docs/kernel-interface.md, section 4). Constexpr functions, not
+    variables: a namespace-scope constexpr variable is a symbol in the cubin.
+
+    Example:
+        >>> print(form_text(paired=True).splitlines()[2])
+        __host__ __device__ __forceinline__ constexpr bool paired() { return true; }
+    """
+    return ("namespace attncc {\nnamespace form {\n"
+            f"__host__ __device__ __forceinline__ constexpr bool paired() {{ return "
+            f"{str(bool(paired)).lower()}; }}\n"
+            f"__host__ __device__ __forceinline__ constexpr bool low_pressure() {{ return "
+            f"{str(bool(low_pressure)).lower()}; }}\n"
+            "}  // namespace form\n}  // namespace attncc\n")
+
+
+_LOW = "__host__ __device__ __forceinline__ constexpr bool low_pressure() {{ return {}; }}"
+
+
+def with_form(source: str, *, low_pressure: bool) -> str:
+    """A generated FA3 unit in the other low-pressure form (what the spill fallback,
+    runtime/jit/policy.py compile_fa3, compiles): the same text but the form block's line.
+
+    Example:
+        >>> src = generate_source(VariantIR(name="plain"), head_dim=64, dtype="bfloat16",
+        ...                       kernel="fa3").source
+        >>> with_form(with_form(src, low_pressure=True), low_pressure=False) == src
+        True
+        >>> with_form("not a unit", low_pressure=True)
+        Traceback (most recent call last):
+        ...
+        attncc.codegen.errors.CodegenError: with_form: the source has no form block (generate it with kernel='fa3' or 'fa3batch')
+    """
+    old, new = (_LOW.format(str(not low_pressure).lower()), _LOW.format(str(low_pressure).lower()))
+    if source.count(old) + source.count(new) != 1:
+        raise CodegenError("with_form: the source has no form block (generate it with "
+                           "kernel='fa3' or 'fa3batch')")
+    return source.replace(old, new)
 
 
 @dataclass(frozen=True)
@@ -90,36 +133,41 @@ class KernelSpec:
 
 
 KERNELS: dict[str, KernelSpec] = {
-    "simple": KernelSpec("simple", ("simple_attention.cuh",), "attncc::simple_attention",
+    "simple": KernelSpec("simple", ("small/simple_attention.cuh",), "attncc::simple_attention",
                          threads=128, rows_per_cta=4, head_dim_multiple=32, head_dim_max=256),
     # FlashAttention-2-style prefill (dense or BlockMask-sparse): threads / rows come from tiles
-    "fa2": KernelSpec("fa2", ("fa2_common.cuh", "fa2_attend.cuh", "fa2_prefill.cuh"),
+    "fa2": KernelSpec("fa2", ("common/common.cuh", "fa2/fa2_config.cuh", "fa2/fa2_attend.cuh",
+                              "fa2/fa2_prefill.cuh"),
                       "attncc::fa2::fa2_prefill", threads=0, rows_per_cta=0,
                       head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
                       entry_macro="ATTNCC_FA2_ENTRY"),
     # Hopper: TMA + wgmma, warp-specialized, 64 query rows per consumer warpgroup
-    # (kernels/fa3_prefill.cuh)
-    "fa3": KernelSpec("fa3", ("fa2_common.cuh", "wgmma.cuh", "tma.cuh", "fa3_consumer.cuh",
-                              "fa3_store.cuh", "fa3_split.cuh", "fa3_prefill.cuh"),
+    # (kernels/fa3/fa3_prefill.cuh)
+    "fa3": KernelSpec("fa3", ("common/common.cuh", "hopper/wgmma.cuh", "hopper/tma.cuh",
+                              "fa3/fa3_consumer.cuh", "fa3/fa3_store.cuh", "fa3/fa3_split.cuh",
+                              "fa3/fa3_prefill.cuh"),
                       "attncc::fa3::fa3_prefill", threads=0, rows_per_cta=0,
                       head_dim_multiple=64, head_dim_max=256, head_dims=(64, 128, 256),
                       entry_macro="ATTNCC_FA3_ENTRY"),
     # the persistent serving kernel over a plan (runtime/serving/batch.py) and its merge kernel
-    "fa2batch": KernelSpec("fa2batch", ("batch_params.cuh", "fa2_common.cuh", "fa2_attend.cuh",
-                                        "fa2_batch.cuh"),
+    "fa2batch": KernelSpec("fa2batch", ("common/batch_params.cuh", "common/common.cuh",
+                                        "fa2/fa2_config.cuh", "fa2/fa2_attend.cuh",
+                                        "fa2/fa2_batch.cuh"),
                            "attncc::fa2::fa2_batch", threads=0, rows_per_cta=0,
                            head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
                            entry_macro="ATTNCC_FA2_BATCH_ENTRY", batch=True),
     # the same plans run by the FA3 pipeline (sm_90a; prefill-shaped batches)
-    "fa3batch": KernelSpec("fa3batch", ("batch_params.cuh", "fa2_common.cuh", "fa2_attend.cuh",
-                                        "fa2_batch.cuh", "wgmma.cuh", "tma.cuh",
-                                        "fa3_consumer.cuh", "fa3_store.cuh", "fa3_batch.cuh"),
+    "fa3batch": KernelSpec("fa3batch", ("common/batch_params.cuh", "common/common.cuh",
+                                        "fa2/fa2_config.cuh", "fa2/fa2_attend.cuh",
+                                        "fa2/fa2_batch.cuh", "hopper/wgmma.cuh", "hopper/tma.cuh",
+                                        "fa3/fa3_consumer.cuh", "fa3/fa3_store.cuh",
+                                        "fa3/fa3_batch.cuh"),
                            "attncc::fa3::fa3_batch", threads=0, rows_per_cta=0,
                            head_dim_multiple=64, head_dim_max=128, head_dims=(64, 128),
                            entry_macro="ATTNCC_FA3_BATCH_ENTRY", batch=True),
     # a variant's Query/Key/ValueTransform applied once per q/k/v row before attention
-    # (kernels/prepass.cuh; attncc.ir.hoist splits the hooks off); 8 warps of 16 rows per CTA
-    "prepass": KernelSpec("prepass", ("prepass.cuh",), "attncc::prepass::prepass",
+    # (kernels/small/prepass.cuh; attncc.ir.hoist splits the hooks off); 8 warps of 16 rows a CTA
+    "prepass": KernelSpec("prepass", ("small/prepass.cuh",), "attncc::prepass::prepass",
                           threads=256, rows_per_cta=128, head_dim_multiple=64,
                           head_dim_max=256, prepass=True),
 }
@@ -347,11 +395,23 @@ def _check_options(head_dim: int, dtype: str, kernel: str) -> KernelSpec:
     return spec
 
 
+def _check_form(kernel: str, head_dim: int, paired: bool, low_pressure: bool) -> None:
+    if (paired or low_pressure) and kernel not in FORM_KERNELS:
+        raise CodegenError(f"paired / low_pressure are forms of the FA3 kernels "
+                           f"{FORM_KERNELS}, not of {kernel!r}")
+    if paired and (kernel != "fa3" or head_dim not in FA3_PERSISTENT_HEAD_DIMS):
+        raise CodegenError(f"paired=True: CTA pairs are a form of the persistent dense 'fa3' "
+                           f"kernel (head dims {FA3_PERSISTENT_HEAD_DIMS}); got kernel="
+                           f"{kernel!r}, head dim {head_dim}")
+
+
 def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
-           fast_math: bool | None = None, tiles: Fa2Tiles | None = None) -> GeneratedKernel:
+           fast_math: bool | None = None, tiles: KernelTiles | None = None,
+           paired: bool = False, low_pressure: bool = False) -> GeneratedKernel:
     from ..kernels import read_template
 
     spec = _check_options(head_dim, dtype, kernel)
+    _check_form(kernel, head_dim, paired, low_pressure)
     if fast_math is None:  # the performance templates approximate, the simple one is exact
         fast_math = bool(spec.entry_macro)
     vc = generate_variant(ir, fast_math=fast_math)
@@ -388,11 +448,18 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
             raise CodegenError(f"the {kernel!r} pre-pass runs inside attncc's launches and is "
                                f"not exported; export 'fa2' or 'simple' (they apply key/value "
                                f"transforms in-kernel)")
-    shipped: Sequence[tuple[str, str]] = [(f, read_template(f).rstrip("\n") + "\n")
-                                         for f in (*COMMON_TEMPLATES, *spec.files)]
+    shipped: list[tuple[str, str]] = [(f, read_template(f).rstrip("\n") + "\n")
+                                      for f in (*COMMON_TEMPLATES, *spec.files)]
+    if kernel in FORM_KERNELS:
+        shipped.insert(len(COMMON_TEMPLATES), ("kernel form", form_text(
+            paired=paired, low_pressure=low_pressure)))
     asserts = (ATTENTION_PARAMS.static_asserts() + vc.params_layout.static_asserts()
                + (first_arg.static_asserts() if first_arg is not ATTENTION_PARAMS else [])
-               + (plan_header_static_asserts() if spec.batch else []))
+               + (plan_header_static_asserts() if spec.batch else [])
+               + static_asserts(kernel, head_dim))
+    if tiles is not None:
+        asserts += tile_static_asserts(kernel, head_dim, threads, smem, (
+            tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags, tiles.kv_warps))
     source = render("translation_unit.cu.j2", version=_version(), v=vc, spec=spec,
                     head_dim=head_dim, dtype=dtype, dtype_ctype=DTYPES[dtype][0],
                     kernel_name=name, shipped=shipped, variant_text=vc.text, asserts=asserts,
@@ -405,14 +472,16 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
 
 
 def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",
-                    fast_math: bool | None = None, tiles: Fa2Tiles | None = None
-                    ) -> GeneratedKernel:
+                    fast_math: bool | None = None, tiles: KernelTiles | None = None,
+                    paired: bool = False, low_pressure: bool = False) -> GeneratedKernel:
     """One self-contained translation unit (for NVRTC) running `ir` on a kernel template.
 
     `dtype` is the storage type of q, k, v and o: "bfloat16", "float16" or "float32".
     `kernel`: "simple" (one warp per query row, any dtype), "fa2" (the FlashAttention-2-style
     prefill template, bf16/fp16, `tiles` or `fa2.default_tiles`) or "fa2batch" (the persistent
-    serving kernel and its merge kernel). `fast_math=True` spells the hooks' math with
+    serving kernel and its merge kernel), "fa3" / "fa3batch" (sm_90a). The FA3 kernels come in
+    forms: `paired` (dense "fa3" at a persistent head dim: CTA pairs) and `low_pressure` (fewer
+    registers; the spill fallback), emitted as `attncc::form` (form_text). `fast_math=True` spells the hooks' math with
     one-instruction approximations (see `cuda_expr.emit`); None (default) means True for the
     FA2 templates, False for "simple".
 
@@ -423,15 +492,16 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
         >>> 'extern "C" __global__' in gk.source and "#include" not in gk.source
         True
         >>> fa = generate_source(VariantIR(name="plain"), head_dim=128, dtype="bfloat16",
-        ...                      kernel="fa2", tiles=Fa2Tiles(64, 64, 2, 1))
+        ...                      kernel="fa2", tiles=KernelTiles(64, 64, 2, 1))
         >>> fa.kernel_name, fa.block, fa.shared_mem_bytes
         ('attncc_plain_fa2_d128_bf16_q64_k64_s2', (128, 1, 1), 81920)
     """
-    return _build(ir, head_dim, dtype, kernel, export=False, fast_math=fast_math, tiles=tiles)
+    return _build(ir, head_dim, dtype, kernel, export=False, fast_math=fast_math, tiles=tiles,
+                  paired=paired, low_pressure=low_pressure)
 
 
 def export_kernel(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",
-                  fast_math: bool | None = None, tiles: Fa2Tiles | None = None
+                  fast_math: bool | None = None, tiles: KernelTiles | None = None
                   ) -> GeneratedKernel:
     """Like generate_source, plus a documented header and a host launcher (for nvcc users).
 

@@ -178,7 +178,7 @@ def struct_layout(name: str, members: Iterable[Sequence[Any]]) -> StructLayout:
     return StructLayout(name, tuple(fields), max(total, 0), align)
 
 
-# Mirrors kernels/attention_params.cuh member by member.
+# Mirrors kernels/common/attention_params.cuh member by member.
 _ATTENTION_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("q", "const void*"), ("k", "const void*"), ("v", "const void*"), ("o", "void*"),
     ("lse", "float*"),
@@ -196,7 +196,7 @@ _ATTENTION_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
 
 ATTENTION_PARAMS: StructLayout = struct_layout("attncc::AttentionParams", _ATTENTION_PARAMS_MEMBERS)
 
-# Mirrors kernels/batch_params.cuh member by member (the persistent batch kernels' argument).
+# Mirrors kernels/common/batch_params.cuh member by member (the persistent batch kernels' argument).
 _BATCH_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("q", "const void*"), ("k", "const void*"), ("v", "const void*"), ("o", "void*"),
     ("lse", "float*"), ("partial_o", "float*"), ("partial_lse", "float*"),
@@ -211,7 +211,7 @@ _BATCH_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
 
 BATCH_PARAMS: StructLayout = struct_layout("attncc::BatchParams", _BATCH_PARAMS_MEMBERS)
 
-# The packed plan's int32 header as the batch kernels read it (kernels/batch_params.cuh; the
+# The packed plan's int32 header as the batch kernels read it (kernels/common/batch_params.cuh; the
 # scheduler's side is attncc.runtime.serving.plan.format, which takes these from here).
 PLAN_DYNAMIC_SECTIONS = ("units", "cta_units", "merge_indptr", "merge_out")
 """The plan sections whose sizes vary from plan to plan, in memory order: ``units`` (``8 n``
@@ -235,11 +235,11 @@ PLAN_HEADER_CONSTANTS = (
       for s in PLAN_DYNAMIC_SECTIONS),
 )
 """The header's size and the word indices the kernels read, by their names in
-kernels/batch_params.cuh (`plan_header_static_asserts` pins them in every batch kernel)."""
+kernels/common/batch_params.cuh (`plan_header_static_asserts` pins them in every batch kernel)."""
 
 
 def plan_header_static_asserts() -> list[str]:
-    """C++ static_asserts pinning kernels/batch_params.cuh's plan header constants to
+    """C++ static_asserts pinning kernels/common/batch_params.cuh's plan header constants to
     `PLAN_HEADER_CONSTANTS` (every batch translation unit carries them, as it carries
     BatchParams' layout).
 
@@ -251,7 +251,7 @@ def plan_header_static_asserts() -> list[str]:
             for name, value in PLAN_HEADER_CONSTANTS]
 
 
-# Mirrors kernels/prepass.cuh's PrepassParams (the q/k/v transform pre-pass's argument): the
+# Mirrors kernels/small/prepass.cuh's PrepassParams (the q/k/v transform pre-pass's argument): the
 # tensors read and the transformed copies written, [batch, heads, len, head_dim] each with
 # element strides and a contiguous head dim, and each tensor's number of warp tasks.
 _PREPASS_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
@@ -265,7 +265,7 @@ _PREPASS_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
 
 PREPASS_PARAMS: StructLayout = struct_layout("attncc::PrepassParams", _PREPASS_PARAMS_MEMBERS)
 
-# Mirrors kernels/merge_state.cuh's MergeStateParams (two attention states merged into one).
+# Mirrors kernels/small/merge_state.cuh's MergeStateParams (two attention states merged into one).
 _MERGE_STATE_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("o_a", "const void*"), ("lse_a", "const float*"), ("o_b", "const void*"),
     ("lse_b", "const float*"), ("o_out", "void*"), ("lse_out", "float*"),

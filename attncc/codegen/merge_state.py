@@ -1,4 +1,4 @@
-"""The translation unit of the attention-state merge kernel (kernels/merge_state.cuh).
+"""The translation unit of the attention-state merge kernel (kernels/small/merge_state.cuh).
 
 Unlike the attention kernels it has no variant: one kernel per storage type, merging two states
 ``(o, lse)`` of the same rows (runtime/serving/merge_kernel.py launches it). The unit is the shipped
@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from attncc.kernels import read_template
 
+from .constants import static_asserts
 from .errors import CodegenError
 from .generate import DTYPES
 from .layout import MERGE_STATE_PARAMS, StructLayout
@@ -47,11 +48,12 @@ def merge_state_source(dtype: str) -> MergeStateKernel:
     ctype, short = DTYPES[dtype]
     name = f"attncc_merge_state_{short}"
     source = "\n".join([
-        f"// attncc: attention-state merge kernel for {dtype} (kernels/merge_state.cuh)",
-        read_template("attncc_types.cuh"),
-        read_template("merge_state.cuh"),
+        f"// attncc: attention-state merge kernel for {dtype} (kernels/small/merge_state.cuh)",
+        read_template("common/attncc_types.cuh"),
+        read_template("small/merge_state.cuh"),
         "namespace attncc {",
         *MERGE_STATE_PARAMS.static_asserts(),
+        *static_asserts("merge"),
         "}  // namespace attncc",
         f"ATTNCC_MERGE_STATE_ENTRY({name}, {ctype})",
         "",

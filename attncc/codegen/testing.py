@@ -54,7 +54,7 @@ def hook_test_unit(variants: Sequence[VariantIR], prefix: str = "v") -> str:
     """
     from ..kernels import read_template
 
-    parts = [read_template("attncc_types.cuh").rstrip("\n") + "\n", _PRELUDE]
+    parts = [read_template("common/attncc_types.cuh").rstrip("\n") + "\n", _PRELUDE]
     for i, ir in enumerate(variants):
         vc = generate_variant(replace(ir, name=f"{prefix}_{i}"))
         calls = [c for flag, c in _CALLS.items() if getattr(vc, flag)]

@@ -5,7 +5,7 @@
 Inside an attention kernel the key/value ones still run once per query block that loads the
 tile (S_q / T_q times per key, times the query heads sharing the KV head), so a RoPE on keys
 costs more than the attention; the query one runs once per row but on the CTA's critical path.
-Split off, they run once per row in a pre-pass (kernels/prepass.cuh) that writes transformed
+Split off, they run once per row in a pre-pass (kernels/small/prepass.cuh) that writes transformed
 copies, and the attention runs with identity hooks on those copies. Both paths round the
 transformed row to the storage type before the GEMMs, so the results agree.
 

@@ -1,5 +1,5 @@
 """The FA3 dense kernel's split tail, host side: which launches split their last round by keys and
-how large the workspace is (the kernel's geometry is kernels/fa3_split.cuh; this mirrors it).
+how large the workspace is (the kernel's geometry is kernels/fa3/fa3_split.cuh; this mirrors it).
 
 When the persistent grid of G CTAs does not divide the num_items equal items, the last
 R = num_items % G items are cut into P = min(G, 4 R, R * T) pieces of consecutive K/V tiles (T
@@ -20,20 +20,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from attncc.codegen import constants
+
 __all__ = ["TailSplit", "tail_split", "SLOT_WARPS"]
 
 # Consumer warps per CTA (two warpgroups of four): one slot and one arrival counter each per unit.
-SLOT_WARPS = 8
-# At most this many pieces per tail item (kernels/fa3_split.cuh's kMaxPiecesPerItem), and the
+SLOT_WARPS = constants.FA3_SLOT_WARPS
+# At most this many pieces per tail item (kernels/fa3/fa3_split.cuh's kMaxPiecesPerItem), and the
 # shortest items that split (kMinSplitKeys: below it the split's fixed cost per unit outweighs
 # the idle share of the last round it recovers; docs/fa3.md#split-tail).
-MAX_PIECES_PER_ITEM = 4
-MIN_SPLIT_KEYS = 4096
+MAX_PIECES_PER_ITEM = constants.MAX_PIECES_PER_ITEM
+MIN_SPLIT_KEYS = constants.MIN_SPLIT_KEYS
 
 
 @dataclass(frozen=True)
 class TailSplit:
-    """The tail's geometry (kernels/fa3_split.cuh's TailSplit): list index of the first tail
+    """The tail's geometry (kernels/fa3/fa3_split.cuh's TailSplit): list index of the first tail
     item, tiles per item, the tail's tiles, pieces (0: no split)."""
     first: int
     tiles: int
@@ -79,7 +81,7 @@ class TailSplit:
 
 def tail_split(num_items: int, grid: int, kv_len: int, tkv: int) -> TailSplit:
     """The split of a persistent dense FA3 launch of `num_items` full-length items on `grid`
-    CTAs (kernels/fa3_split.cuh's tail_split; pieces 0 when the last round is full, items are one
+    CTAs (kernels/fa3/fa3_split.cuh's tail_split; pieces 0 when the last round is full, items are one
     tile or shorter than MIN_SPLIT_KEYS, or the 32-bit piece arithmetic would overflow).
 
     Example:

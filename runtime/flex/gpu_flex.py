@@ -1,5 +1,5 @@
-"""FlexAttention on CUDA tensors with attncc's kernels: FA3 (kernels/fa3_prefill.cuh) on sm_90
-where it applies, FA2 (kernels/fa2_prefill.cuh) otherwise.
+"""FlexAttention on CUDA tensors with attncc's kernels: FA3 (kernels/fa3/fa3_prefill.cuh) on sm_90
+where it applies, FA2 (kernels/fa2/fa2_prefill.cuh) otherwise.
 
 `gpu_flex_attention(q, k, v, ir, bindings, block_mask=..., scale=..., enable_gqa=...,
 return_lse=..., kernel_options=...)` is what `attncc.flex_attention` runs for CUDA tensors: it
@@ -24,14 +24,15 @@ from typing import Any, Mapping
 
 import torch
 
-from attncc.codegen.fa2 import Fa2Tiles, fa3_tiles
+from attncc.codegen import constants
+from attncc.codegen.tiles import KernelTiles, fa3_tiles
 from attncc.errors import InvalidArgument
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
 from ..jit.device import num_sms
 from ..jit.launch_args import ELEM_NAMES, captured, clamped
 from ..jit.kernels import KernelSpec, LoadedKernel, compile_spec, get_kernel
-from ..jit.tiles import HEAD_DIMS, fa2_config
+from ..jit.tiles import HEAD_DIMS
 from ..jit.tma import MapCache
 from ..reference import is_noop_mask, trace_mask, validate_attention_inputs
 from .fa3_split import TailSplit, tail_split
@@ -52,13 +53,13 @@ def kernel_spec(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
     Example:
         >>> from attncc.runtime.flex.tile_choice import TilePlan
         >>> kernel_spec(VariantIR(), 128, "bfloat16", TilePlan(128, 64, 2, 1, 2)).tiles
-        Fa2Tiles(tq=128, tkv=64, stages=2, m_frags=2, kv_warps=1)
+        KernelTiles(tq=128, tkv=64, stages=2, m_frags=2, kv_warps=1)
     """
     if plan.kernel == "fa3":
         return KernelSpec("fa3_prefill", ir, head_dim, dtype, fa3_tiles(plan.stages, plan.tkv),
                           paired=plan.paired, fast_math=plan.fast_math, device=device)
     return KernelSpec("fa2_prefill", ir, head_dim, dtype,
-                      Fa2Tiles(plan.tq, plan.tkv, plan.stages, plan.m_frags),
+                      KernelTiles(plan.tq, plan.tkv, plan.stages, plan.m_frags),
                       fast_math=plan.fast_math, forced=plan_forced(plan), device=device)
 
 
@@ -83,9 +84,9 @@ def fa3_compiled_form(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
 
 
 _FA3_MAPS = MapCache(64)  # the dense FA3 kernel's q/k/v maps (runtime/jit/tma.py)
-# head dims at which the dense FA3 kernel is persistent (kernels/fa3_prefill.cuh
+# head dims at which the dense FA3 kernel is persistent (kernels/fa3/fa3_prefill.cuh
 # kPersistentHeadDim): its grid is then at most one CTA per SM, else one CTA per 128-row item
-FA3_PERSISTENT_HEAD_DIMS = (64, 128)
+FA3_PERSISTENT_HEAD_DIMS = constants.FA3_PERSISTENT_HEAD_DIMS
 # Without kernel_options PAIRED, launches with at most this many keys pair: pairs win up to
 # 8192 keys and lose at 16384, where the split tail beats them (docs/fa3.md#cta-pairs).
 FA3_PAIRED_MAX_KEYS = 8192
@@ -93,7 +94,7 @@ FA3_PAIRED_MAX_KEYS = 8192
 
 def fa3_pairs(tiles: TilePlan, masked: bool, q_len: int, kv_len: int, head_dim: int,
               kernel_options: Mapping[str, Any] | None) -> bool:
-    """Whether a dense FA3 launch runs on CTA pairs (kernels/fa3_prefill.cuh produce_pairs):
+    """Whether a dense FA3 launch runs on CTA pairs (kernels/fa3/fa3_prefill.cuh produce_pairs):
     clusters of two CTAs that run two query blocks of one head over the same K/V tiles, each
     tile read from L2 once and multicast into both CTAs' shared memory. Needs what makes the
     two blocks' tile lists equal and the pairs whole: no block mask (`masked` False), an even
@@ -829,7 +830,7 @@ def _attention_args(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def _fa2_launch(pl: LaunchPlan, kern: LoadedKernel, args: dict[str, Any],
                 query: torch.Tensor) -> _Launch:
-    """kernels/fa2_prefill.cuh: one CTA per (query tile of gf fused heads, head group, batch)."""
+    """kernels/fa2/fa2_prefill.cuh: one CTA per (query tile of gf fused heads, head group, batch)."""
     B, Hq, Sq, _ = query.shape
     gf = pl.tiles.gf
     return _Launch((-(-(Sq * gf) // kern.config.tq), Hq // gf, B), args)
@@ -838,7 +839,7 @@ def _fa2_launch(pl: LaunchPlan, kern: LoadedKernel, args: dict[str, Any],
 def _fa3_launch(pl: LaunchPlan, kern: LoadedKernel, kernel_options: Mapping[str, Any] | None,
                 args: dict[str, Any], query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, out: torch.Tensor) -> _Launch:
-    """kernels/fa3_prefill.cuh: one CTA per 128-row item, or persistent CTAs (at most one per
+    """kernels/fa3/fa3_prefill.cuh: one CTA per 128-row item, or persistent CTAs (at most one per
     SM; whole clusters of two on CTA pairs) reading q/k/v/out through TMA maps."""
     B, Hq, Sq, D = query.shape
     items = B * Hq * -(-Sq // kern.config.tq)
@@ -890,7 +891,7 @@ def _launch(kern: LoadedKernel, launch: _Launch, values: Mapping[str, Any],
 def _fa3_tail_split(pl: LaunchPlan, kernel_options: Mapping[str, Any] | None, items: int,
                     grid: int, kv_len: int, tkv: int, persistent: bool,
                     paired: bool = False) -> TailSplit:
-    """The split tail of a dense FA3 launch (kernels/fa3_split.cuh): persistent CTAs over
+    """The split tail of a dense FA3 launch (kernels/fa3/fa3_split.cuh): persistent CTAs over
     full-length items (no block mask) of a softmax variant with no output transform, not on CTA
     pairs (`paired`), unless kernel_options SPLIT_TAIL is False. The kernel checks the same
     conditions."""

@@ -2,7 +2,7 @@
 GPU, before attention.
 
 `attncc.ir.hoist.split_transforms` splits the hooks off a variant; `choose_prepass` decides which
-to move for a launch, `prepass_kernel` compiles them into kernels/prepass.cuh (from the kernel
+to move for a launch, `prepass_kernel` compiles them into kernels/small/prepass.cuh (from the kernel
 cache, like the attention kernels) and `run_prepass` writes transformed, contiguous copies of q, k and/or v on
 the current stream, which the attention kernel then reads with identity hooks. The copies are
 new tensors from torch's allocator (so a CUDA-graph capture takes them from its private pool);
@@ -18,10 +18,11 @@ from typing import Any, Mapping
 
 import torch
 
+from attncc.codegen import constants
 from attncc.ir.hoist import KV_HOOKS, PREPASS_HOOKS, kv_loads_per_row, transforms_in
 from attncc.ir.program import VariantIR
 
-WARPS = 8  # kernels/prepass.cuh kWarps
+WARPS = constants.PREPASS_WARPS  # kernels/small/prepass.cuh kWarps
 ROWS_PER_WARP = 16  # kRowsPerWarp
 THREADS = 32 * WARPS
 # kernel_options PREPASS: which hooks the pre-pass takes ("auto": decided per launch)

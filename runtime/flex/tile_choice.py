@@ -11,7 +11,7 @@ kernel (TMA + wgmma, 128 query rows x 128 keys) runs what it supports, FA2 the r
 
 Example:
     >>> fa2_config(128, 128, 64, 2)
-    Fa2Config(head_dim=128, tq=128, tkv=64, stages=2, m_frags=1, warps=8, threads=256, smem_bytes=98304, kv_warps=1)
+    LaunchConfig(head_dim=128, tq=128, tkv=64, stages=2, m_frags=1, warps=8, threads=256, smem_bytes=98304, kv_warps=1)
     >>> choose_tiles(128, q_len=4096, kv_len=4096, group=1, heads=16, batch=1, num_sms=132)
     TilePlan(tq=128, tkv=64, stages=2, gf=1, m_frags=2)
     >>> choose_tiles(128, q_len=1, kv_len=4096, group=8, heads=32, batch=4, num_sms=132).tq
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from attncc.codegen.fa2 import FA3_TKV_CHOICES, TKV_CHOICES, TQ_CHOICES, fa3_smem_bytes, fa3_tiles
+from attncc.codegen.tiles import FA3_TKV_CHOICES, TKV_CHOICES, TQ_CHOICES, fa3_smem_bytes, fa3_tiles
 
 from ..jit.tiles import SMEM_PER_CTA, fa2_config, fa3_stages
 

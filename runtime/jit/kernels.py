@@ -18,7 +18,7 @@ Example (generating needs neither NVRTC nor a GPU):
     >>> spec = KernelSpec("merge", dtype="bfloat16")
     >>> generate(spec).kernel_name
     'attncc_merge_state_bf16'
-    >>> spill_budget(KernelSpec("fa2_prefill", tiles=Fa2Tiles(128, 64, 2, 2)))
+    >>> spill_budget(KernelSpec("fa2_prefill", tiles=KernelTiles(128, 64, 2, 2)))
     192
 """
 from __future__ import annotations
@@ -35,19 +35,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from attncc.codegen.fa2 import Fa2Tiles
+from attncc.codegen.tiles import KernelTiles
 from attncc.errors import ResourceError
 from attncc.ir.program import VariantIR
 
 from .cache import cached_compile, is_confirmed, store_compile
 from .nvrtc import NvrtcResult, compile_cuda
 from .policy import spill_bytes, stack_frame, wgmma_notes
-from .tiles import Fa2Config, fa2_config
+from .tiles import LaunchConfig, fa2_config
 
-__all__ = ["KINDS", "FA2_SPILL_BUDGET", "FA3_PAIRED", "FA3_LOW_PRESSURE", "STRICT_ENV",
+__all__ = ["KINDS", "FA2_SPILL_BUDGET", "STRICT_ENV",
            "KernelSpec", "Generated", "CompiledForm", "KernelRecord", "LoadedKernel",
            "variant_key", "generate", "spill_budget", "compile_form", "compile_spec",
-           "get_kernel", "check_resources", "clear_loaded", "Fa2Tiles"]
+           "get_kernel", "check_resources", "clear_loaded", "KernelTiles"]
 
 KINDS = ("fa2_prefill", "fa3_prefill", "fa2_batch", "decode", "fa3_batch", "prepass", "merge")
 
@@ -56,10 +56,6 @@ KINDS = ("fa2_prefill", "fa3_prefill", "fa2_batch", "decode", "fa3_batch", "prep
 # words for some hooks, and those kernels still beat the spill-free one-fragment fallback
 # (docs/journal/2026-11-30.md, "two fragments per warp").
 FA2_SPILL_BUDGET = {1: 0, 2: 192}
-
-# The FA3 forms, prepended to the translation unit (kernels/fa3_consumer.cuh, fa3_prefill.cuh).
-FA3_PAIRED = "#define ATTNCC_FA3_PAIRED 1\n"
-FA3_LOW_PRESSURE = "#define ATTNCC_FA3_LOW_PRESSURE 1\n"
 
 STRICT_ENV = "ATTNCC_STRICT_RESOURCES"
 
@@ -97,7 +93,7 @@ class KernelSpec:
     ir: VariantIR | None = field(default=None, compare=False, repr=False)
     head_dim: int = 0
     dtype: str = "bfloat16"
-    tiles: Fa2Tiles | None = None
+    tiles: KernelTiles | None = None
     paired: bool = False
     low_pressure: bool = False
     fast_math: bool = True
@@ -122,7 +118,7 @@ class Generated:
     params_layout: Any  # VariantParams_<name>, None for the merge kernel
     threads: int
     smem_bytes: int  # dynamic shared memory to request
-    config: Fa2Config | None  # the attention kernels' tiles as launched
+    config: LaunchConfig | None  # the attention kernels' tiles as launched
 
 
 # ------------------------------------------------------------------------------- generate
@@ -144,11 +140,12 @@ def _fa3(spec: KernelSpec) -> Generated:
     t = spec.tiles
     if spec.kind == "fa3_batch":  # the batch kernel's hooks use the template's default math
         gk = generate_source(spec.ir, head_dim=spec.head_dim, dtype=spec.dtype,
-                             kernel="fa3batch", tiles=t)
+                             kernel="fa3batch", tiles=t, low_pressure=spec.low_pressure)
     else:
         gk = generate_source(spec.ir, head_dim=spec.head_dim, dtype=spec.dtype, kernel="fa3",
-                             fast_math=spec.fast_math, tiles=t)
-    cfg = Fa2Config(spec.head_dim, t.tq, t.tkv, t.stages, 1, gk.threads // 32, gk.threads,
+                             fast_math=spec.fast_math, tiles=t, paired=spec.paired,
+                             low_pressure=spec.low_pressure)
+    cfg = LaunchConfig(spec.head_dim, t.tq, t.tkv, t.stages, 1, gk.threads // 32, gk.threads,
                     gk.shared_mem_bytes)
     return Generated(spec, gk.source, gk.kernel_name, gk.attention_params_layout,
                      gk.params_layout, gk.threads, gk.shared_mem_bytes, cfg)
@@ -177,22 +174,20 @@ _GENERATORS: dict[str, Callable[[KernelSpec], Generated]] = {
 
 def generate(spec: KernelSpec) -> Generated:
     """The translation unit of `spec` (its IR as given: callers simplify). The FA3 forms are
-    prepended macros, here and nowhere else (the order keeps today's cubins).
+    codegen parameters (`generate_source(paired=, low_pressure=)`: constexpr in the unit).
 
     Example:
-        >>> from attncc.codegen.fa2 import fa3_tiles
+        >>> from attncc.codegen.generate import form_text
+        >>> from attncc.codegen.tiles import fa3_tiles
         >>> g = generate(KernelSpec("fa3_prefill", ir=VariantIR(name="p"), head_dim=128,
         ...                         tiles=fa3_tiles(3), paired=True, low_pressure=True))
-        >>> g.source.startswith(FA3_LOW_PRESSURE + FA3_PAIRED), g.kernel_name
+        >>> form_text(paired=True, low_pressure=True) in g.source, g.kernel_name
         (True, 'attncc_p_fa3_d128_bf16_q128_k128_s3')
     """
-    gen = _GENERATORS[spec.kind](spec)
-    source = gen.source
-    if spec.paired:
-        source = FA3_PAIRED + source
-    if spec.low_pressure:
-        source = FA3_LOW_PRESSURE + source
-    return replace(gen, source=source)
+    if (spec.paired and spec.kind != "fa3_prefill") or (
+            spec.low_pressure and spec.kind not in ("fa3_prefill", "fa3_batch")):
+        raise ValueError(f"a {spec.kind} kernel has no paired / low-pressure form")
+    return _GENERATORS[spec.kind](spec)
 
 
 # ------------------------------------------------------------------------------- compile
@@ -333,7 +328,7 @@ def _fa2_fallback(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -> Com
     tiles += [(q, min(t.tkv, 64), 1) for q in (64,) if q < t.tq]
     for i, (tq, tkv, mf) in enumerate(tiles):
         fa2_config(spec.head_dim, tq, tkv, t.stages, mf)  # ValueError naming a bad tile
-        form = compile_form(replace(spec, tiles=Fa2Tiles(tq, tkv, t.stages, mf, t.kv_warps)),
+        form = compile_form(replace(spec, tiles=KernelTiles(tq, tkv, t.stages, mf, t.kv_warps)),
                             arch)
         trail.append(form)
         if form.spill_bytes <= form.budget or i == len(tiles) - 1 or spec.forced:
@@ -436,7 +431,7 @@ class LoadedKernel:
     spec: KernelSpec
     launcher: Any  # launcher.KernelLauncher
     merge: Any | None
-    config: Fa2Config | None
+    config: LaunchConfig | None
     ir: VariantIR | None
     log: str
     record: KernelRecord

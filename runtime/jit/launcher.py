@@ -365,7 +365,7 @@ class KernelLauncher:
         `pdl=True` launches with programmatic stream serialization (sm_90+; ignored below): the
         kernel may start before the previous kernel in the stream finished, once that kernel's
         CTAs all ran `griddepcontrol.launch_dependents`, and must itself run
-        `griddepcontrol.wait` before it reads what that kernel wrote (kernels/batch_params.cuh
+        `griddepcontrol.wait` before it reads what that kernel wrote (kernels/common/batch_params.cuh
         wait_for_primary). Captured into a CUDA graph, it becomes a programmatic edge.
         `cluster` > 1 launches clusters of that many consecutive CTAs along x (sm_90; the grid's
         x must be a multiple of it), which run together and share shared memory.

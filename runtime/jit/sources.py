@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from attncc.codegen.fa2 import Fa2Tiles
+from attncc.codegen.tiles import KernelTiles
 from attncc.ir.program import VariantIR
 
 from .tiles import fa2_config
@@ -39,5 +39,5 @@ def fa2_source(ir: VariantIR, *, head_dim: int, dtype: str, tq: int, tkv: int,
     if dtype not in ("bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r}: the FA2 kernel runs bfloat16 or float16")
     gk = generate_source(ir, head_dim=head_dim, dtype=dtype, kernel="fa2batch" if batch else "fa2",
-                         fast_math=fast_math, tiles=Fa2Tiles(tq, tkv, stages, m_frags, kv_warps))
+                         fast_math=fast_math, tiles=KernelTiles(tq, tkv, stages, m_frags, kv_warps))
     return gk.source, gk.kernel_name, gk.params_layout, gk.attention_params_layout

@@ -4,24 +4,25 @@ head dims the kernels take.
 
 Example:
     >>> fa2_config(128, 128, 64, 2)
-    Fa2Config(head_dim=128, tq=128, tkv=64, stages=2, m_frags=1, warps=8, threads=256, smem_bytes=98304, kv_warps=1)
+    LaunchConfig(head_dim=128, tq=128, tkv=64, stages=2, m_frags=1, warps=8, threads=256, smem_bytes=98304, kv_warps=1)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attncc.codegen.fa2 import FA2_HEAD_DIMS as HEAD_DIMS
-from attncc.codegen.fa2 import Fa2Tiles, fa3_smem_bytes, fa3_tiles
+from attncc.codegen.tiles import FA2_HEAD_DIMS as HEAD_DIMS
+from attncc.codegen.tiles import KernelTiles, fa3_smem_bytes, fa3_tiles
 
-__all__ = ["Fa2Config", "fa2_config", "fa3_stages", "HEAD_DIMS", "SMEM_PER_CTA"]
+__all__ = ["LaunchConfig", "fa2_config", "fa3_stages", "HEAD_DIMS", "SMEM_PER_CTA"]
 
 # Dynamic shared memory one CTA may opt into on sm_90 (227 KB of the SM's 228).
 SMEM_PER_CTA = 227 * 1024
 
 
 @dataclass(frozen=True)
-class Fa2Config:
-    """Launch geometry of one FA2 instantiation; mirrors attncc::fa2::Config in the .cuh."""
+class LaunchConfig:
+    """Launch geometry of one tiled kernel instantiation (`fa2_config` computes FA2's, mirroring
+    attncc::fa2::Config in kernels/fa2/fa2_config.cuh; the FA3 paths fill it from their tiles)."""
 
     head_dim: int
     tq: int
@@ -35,7 +36,7 @@ class Fa2Config:
 
 
 def fa2_config(head_dim: int, tq: int, tkv: int, stages: int = 2, m_frags: int = 1,
-               kv_warps: int = 1) -> Fa2Config:
+               kv_warps: int = 1) -> LaunchConfig:
     """Threads and dynamic shared memory of fa2_prefill<.., head_dim, tq, tkv, stages, m_frags>.
 
     `m_frags` is the number of 16-row MMA fragments per warp; `kv_warps` (decode, tq = 16) warps
@@ -52,8 +53,8 @@ def fa2_config(head_dim: int, tq: int, tkv: int, stages: int = 2, m_frags: int =
     """
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}: the FA2 kernel supports {HEAD_DIMS}")
-    t = Fa2Tiles(tq, tkv, stages, m_frags, kv_warps)  # CodegenError (a ValueError) if bad
-    return Fa2Config(head_dim, tq, tkv, stages, m_frags, t.warps, t.threads,
+    t = KernelTiles(tq, tkv, stages, m_frags, kv_warps)  # CodegenError (a ValueError) if bad
+    return LaunchConfig(head_dim, tq, tkv, stages, m_frags, t.warps, t.threads,
                      t.smem_bytes(head_dim), kv_warps)
 
 

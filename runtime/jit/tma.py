@@ -1,4 +1,4 @@
-"""Host side of TMA: CUDA tensor maps for kernels/tma.cuh (Hopper bulk tensor copies).
+"""Host side of TMA: CUDA tensor maps for kernels/hopper/tma.cuh (Hopper bulk tensor copies).
 
 `tensor_map_2d(t, box_rows, box_cols)` describes a 2-D row-major CUDA tensor `t` (bf16/fp16;
 any row stride that is a multiple of 16 bytes) as tiles of `box_rows x box_cols` with the

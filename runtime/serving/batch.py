@@ -10,7 +10,7 @@
   to back) and the page tables (at fixed offsets after the plan's room), one or two
   asynchronous copies.
 - `run(q, kv_cache)` launches the persistent FA2 (or FA3) kernel over the plan and the merge kernel
-  of its split items (kernels/fa2_batch.cuh). On sm_90 the merge kernel is a programmatic dependent
+  of its split items (kernels/fa2/fa2_batch.cuh). On sm_90 the merge kernel is a programmatic dependent
   launch: its launch and its reads of the plan overlap the attention kernel's last units, and it
   waits (griddepcontrol.wait) only before the partial states. Every pointer and both grid sizes are
   fixed by the workspace, so `run` can be captured once in a CUDA graph and replayed after new
@@ -58,7 +58,7 @@ from attncc.ir.program import Bindings, VariantIR
 
 from ..jit.device import num_sms
 from ..jit.launch_args import captured
-from ..jit.kernels import Fa2Tiles, KernelRecord, KernelSpec, LoadedKernel, get_kernel
+from ..jit.kernels import KernelTiles, KernelRecord, KernelSpec, LoadedKernel, get_kernel
 from ..jit.tiles import HEAD_DIMS
 from . import launch
 from .causal import clip_causal_units, mask_causal_bound, section_tokens
@@ -131,7 +131,7 @@ def _kernels_for(ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
                           device=device)
     else:
         spec = KernelSpec("decode" if tiles.kv_warps > 1 else "fa2_batch", ir, head_dim, dtype,
-                          Fa2Tiles(tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
+                          KernelTiles(tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
                                    tiles.kv_warps), device=device)
     return get_kernel(spec)
 
@@ -162,7 +162,7 @@ class BatchAttention:
     kv_warps])` overrides the heuristic's tiles, `min_kv_chunk` is the scheduler's smallest KV
     chunk (fewer, longer units: fewer pipeline restarts and partial states; default 128
     tokens). `kernel`: None picks the FA3 batch kernel (TMA + wgmma,
-    kernels/fa3_batch.cuh) for prefill batches it can run on an sm_90 GPU and FA2 otherwise;
+    kernels/fa3/fa3_batch.cuh) for prefill batches it can run on an sm_90 GPU and FA2 otherwise;
     "fa2" or "fa3" forces one (a batch "fa3" cannot run raises at plan, saying why).
     """
 
@@ -211,7 +211,7 @@ class BatchAttention:
         # _config's memo: (_config_key, longest query, PlanConfig) of the last config
         self._last_config: tuple[tuple, int, PlanConfig] | None = None
         # launch the merge kernel with programmatic dependent launch (sm_90+): its launch and
-        # plan prologue overlap the attention kernel's tail (kernels/batch_params.cuh)
+        # plan prologue overlap the attention kernel's tail (kernels/common/batch_params.cuh)
         self._pdl = True
 
     # the current plan's staging half, as the staging role holds it (tests and bench/ read them)

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from attncc.codegen import constants
 from attncc.ir.program import VariantIR
 
 from .plan import scheduler
@@ -18,11 +19,11 @@ from .plan.lpt import lpt_schedule
 
 __all__ = ["L2_SECTION_BYTES", "clip_causal_units", "mask_causal_bound", "section_tokens"]
 
-L2_SECTION_BYTES = 12 << 20
+L2_SECTION_BYTES = constants.L2_SECTION_BYTES
 """K/V bytes of the (request, KV head) pairs a causal prefill plan's CTAs work on at a time
 (`clip_causal_units`' sections; 12 MiB of the H100 / H200's 50 MB L2, as the dense FA3 kernel's
-ATTNCC_FA3_L2_SECTION_BYTES, which tests/test_batch.py pins to this value), for K and V of
-q_data_type's element size. Paged causal prefill is insensitive to 12 vs 24 MiB, the dense
+ATTNCC_FA3_L2_SECTION_BYTES: both read attncc.codegen.constants), for K and V of q_data_type's
+element size. Paged causal prefill is insensitive to 12 vs 24 MiB, the dense
 kernel prefers 12 (docs/serving.md#causal-clipping-and-l2-sections)."""
 
 

@@ -1,4 +1,4 @@
-"""Host side of the FA3 batch kernel (kernels/fa3_batch.cuh): when `BatchAttention` may use it,
+"""Host side of the FA3 batch kernel (kernels/fa3/fa3_batch.cuh): when `BatchAttention` may use it,
 its generated source, and its TMA maps.
 
 The FA3 batch kernel runs the same plans as the FA2 one (units of 128 fused query rows x a KV
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from attncc.codegen.fa2 import Fa2Tiles, fa3_tiles
+from attncc.codegen.tiles import KernelTiles, fa3_tiles
 from attncc.ir.program import VariantIR
 
 from ..jit.tiles import fa3_stages
@@ -50,13 +50,13 @@ def fa3_unsupported(device: Any, *, head_dim: int, group: int, kv_layout: str,
     return None
 
 
-def fa3_batch_tiles(head_dim: int) -> Fa2Tiles:
+def fa3_batch_tiles(head_dim: int) -> KernelTiles:
     """The FA3 batch kernel's tiles: 128 fused query rows x 128 keys, the deepest K/V ring its
-    shared memory allows (kernels/fa3_prefill.cuh Smem).
+    shared memory allows (kernels/fa3/fa3_prefill.cuh Smem).
 
     Example:
         >>> fa3_batch_tiles(128)
-        Fa2Tiles(tq=128, tkv=128, stages=3, m_frags=1, kv_warps=1)
+        KernelTiles(tq=128, tkv=128, stages=3, m_frags=1, kv_warps=1)
     """
     return fa3_tiles(fa3_stages(head_dim, 128), 128)
 
@@ -81,7 +81,7 @@ _MAPS = MapCache(64)  # q / k / v maps of recent runs (runtime/jit/tma.py)
 def _rows_view(t: torch.Tensor, row_stride: int) -> torch.Tensor:
     """`t`'s memory from its first element to its last as a 2-D [rows, row_stride] view: the
     kernel addresses cache element (page, slot, head, col) as row page * rows_per_page +
-    head_row + slot of this view (kernels/fa3_batch.cuh)."""
+    head_row + slot of this view (kernels/fa3/fa3_batch.cuh)."""
     span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     rows = -(-span // row_stride)
     return t.as_strided((rows, row_stride), (row_stride, 1))

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from attncc.codegen import constants
+
 from .fa3_batch import fa3_batch_maps
 from .plan import scheduler
 from .tiles import BatchTiles
@@ -29,7 +31,7 @@ from .tiles import BatchTiles
 __all__ = ["MERGE_THREADS", "decode_args", "fa2_batch_args", "fa3_batch_args", "launch_attention",
            "launch_merge", "merge_grid", "workspace_pointers"]
 
-MERGE_THREADS = 512  # kernels/fa2_batch.cuh MergeKernel::kThreads (the FA3 batch kernel's merge)
+MERGE_THREADS = constants.MERGE_THREADS  # the batch kernels' NAME_merge block size
 
 
 def round256(n: int) -> int:
@@ -61,7 +63,7 @@ def fa2_batch_args(pointers: dict[str, int], q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                    strides: tuple[int, int, int], *, num_kv_heads: int, page_size: int,
                    page_shift: int, sm_scale: float) -> dict[str, Any]:
-    """BatchParams of the FA2 batch kernel (kernels/fa2_batch.cuh) and its merge: `pointers`
+    """BatchParams of the FA2 batch kernel (kernels/fa2/fa2_batch.cuh) and its merge: `pointers`
     from `workspace_pointers`, the operands, the KV cache's (page, slot, head) `strides` in
     elements, and the shape; no tensor maps."""
     return {
@@ -92,7 +94,7 @@ def fa3_batch_args(pointers: dict[str, int], q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                    strides: tuple[int, int, int], *, tiles: BatchTiles,
                    **shape: Any) -> dict[str, Any]:
-    """BatchParams of the FA3 batch kernel (kernels/fa3_batch.cuh): the FA2 members plus its
+    """BatchParams of the FA3 batch kernel (kernels/fa3/fa3_batch.cuh): the FA2 members plus its
     q / k / v tensor maps (fa3_batch_maps, cached per operand), whose K/V boxes are a page or a
     KV tile, whichever is shorter."""
     args = fa2_batch_args(pointers, q, k, v, out, lse, strides, **shape)

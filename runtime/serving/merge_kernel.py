@@ -1,4 +1,4 @@
-"""Two attention states merged on the GPU in one launch (kernels/merge_state.cuh).
+"""Two attention states merged on the GPU in one launch (kernels/small/merge_state.cuh).
 
 `merge_state_cuda` is what `attncc.merge_state` runs on CUDA tensors it can take (see
 `fits_kernel`) and what `CascadeAttention` joins its two passes with. It computes in float32
@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 
+from attncc.codegen import constants
+
 __all__ = ["fits_kernel", "merge_fitting_states", "merge_state_cuda"]
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_THREADS = 256  # kernels/merge_state.cuh merge::kThreads
+_THREADS = constants.MERGE_STATE_THREADS  # kernels/small/merge_state.cuh merge::kThreads
 
 
 def _aligned(t: torch.Tensor) -> bool:

@@ -103,12 +103,12 @@ def used_ranges(buf: np.ndarray, layout: scheduler.PlanLayout, tables: int, end:
 
     The words in the plan's range that no section uses (padding to 16 bytes, cta_indptr's room
     past num_ctas + 1, which Plan.pack fills) and those in a gap are copied too, harmlessly:
-    the kernels (kernels/fa2_batch.cuh, fa3_batch.cuh and the merge) read only used words. They
+    the kernels (kernels/fa2/fa2_batch.cuh, fa3_batch.cuh and the merge) read only used words. They
     read the header's section offsets and counts; the attention grid is layout.max_ctas CTAs,
     which is the plan's num_ctas (BatchAttention sizes the layout by it), and CTA c reads
     cta_indptr[c], [c + 1], then cta_units in [0, num_units) and the units those name; the
     merge kernel's CTAs read merge_out[m], merge_indptr[m], [m + 1] for m < num_merges only;
-    the page tables are read per planned request (tests/test_batch.py,
+    the page tables are read per planned request (tests/runtime/serving/test_batch.py,
     test_used_ranges_carry_everything_the_kernels_read, fills the rest with garbage).
 
     Example:

@@ -34,7 +34,7 @@ class BatchTiles:
     ctas_per_sm: int
     num_ctas: int
     kv_warps: int = 1
-    kernel: str = "fa2"  # "fa3": kernels/fa3_batch.cuh (sm_90; runtime/serving/fa3_batch.py)
+    kernel: str = "fa2"  # "fa3": kernels/fa3/fa3_batch.cuh (sm_90; runtime/serving/fa3_batch.py)
 
 
 def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
@@ -76,7 +76,7 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
     m_frags = 2 if tq == 128 and head_dim <= 128 else 1
     cfg = fa2_config(head_dim, tq, tkv, stages, m_frags, kv_warps)
     # residency: 64K registers and 227 KB of shared memory per SM, with registers per thread as
-    # the kernel's __launch_bounds__ caps them (fa2_common.cuh's kMinBlocks: decode CTAs fit 128
+    # the kernel's __launch_bounds__ caps them (fa2_config.cuh's kMinBlocks: decode CTAs fit 128
     # registers per thread, the others may take 255)
     by_regs = 65536 // (cfg.threads * (128 if kv_warps > 1 else 256))
     by_smem = (227 * 1024) // cfg.smem_bytes
@@ -171,7 +171,7 @@ def plan_config(tiles: BatchTiles, qo: np.ndarray, kv_lens: np.ndarray, *, num_q
         floor = max(int(kv_lens.max(initial=0)), 1)
     layout = plan_layout(max_batch, max_qo_tokens, tiles.num_ctas, num_qo_heads, num_kv_heads,
                          tiles.tq)
-    # the FA3 batch kernel runs one KV head per unit (kernels/fa3_batch.cuh)
+    # the FA3 batch kernel runs one KV head per unit (kernels/fa3/fa3_batch.cuh)
     span = tiles.kernel != "fa3"
     kwargs = dict(kv_chunk_align=tiles.tkv, min_kv_chunk=floor, head_span=span)
     problem = None

@@ -1,8 +1,8 @@
-"""Time the dense FA3 kernel built from another revision of kernels/fa3_prefill.cuh against the
+"""Time the dense FA3 kernel built from another revision of kernels/fa3/fa3_prefill.cuh against the
 current one: same process, same inputs, interleaved (this machine's run-to-run spread is ~5%, so
 figures from different runs cannot separate small changes).
 
-The other revision is read from a file (e.g. `git show REV:kernels/fa3_prefill.cuh > old.cuh`):
+The other revision is read from a file (e.g. `git show REV:kernels/fa3/fa3_prefill.cuh > old.cuh`):
 the dense kernel's file, which in older revisions also held what fa3_consumer.cuh and
 fa3_store.cuh hold now (those are then left out); a later revision replaces fa3_prefill.cuh alone.
 A revision from before the persistent kernel (a 2-D grid of (batch x head, query block)) is
@@ -72,8 +72,8 @@ def main() -> None:
             # a revision from before the split holds fa3_consumer.cuh and fa3_store.cuh's code too
             whole = "consume_tiles(int n" in text
             shipped.read_template = lambda name: (
-                text if name == "fa3_prefill.cuh"
-                else "" if whole and name in ("fa3_consumer.cuh", "fa3_store.cuh")
+                text if name == "fa3/fa3_prefill.cuh"
+                else "" if whole and name in ("fa3/fa3_consumer.cuh", "fa3/fa3_store.cuh")
                 else read_template(name))
             kernels.clear_loaded()
             gpu_flex._CALLS.clear()

@@ -1,18 +1,19 @@
 """Time the FA3 kernel with its macros or kernel_options changed, on the same inputs in one process.
 
 Each configuration prepends `#define`s to the FA3 translation unit -- only the macros the kernels
-read with `#ifndef` (`kernel_switches()`: ATTNCC_FA3_L2_SECTION_BYTES, ATTNCC_FA3_LOW_PRESSURE,
-the V descriptor offsets; a name the kernels do not read is an error, not a silent no-op) --
+read with `#ifndef` (`kernel_switches()`: ATTNCC_FA3_L2_SECTION_BYTES and the V descriptor
+offsets; a name the kernels do not read is an error, not a silent no-op) --
 compiles it under its own cache key, and times attncc.flex_attention with bench/prefill.py's
 inputs and masks (triton do_bench median). Outputs are compared with the first configuration's.
 
     python -m scripts.experiments.fa3_experiment --S 2048 8192 \
         --variants full causal softcap_causal \
-        --config "" --config ATTNCC_FA3_LOW_PRESSURE=1 --repeat 5
+        --config "" --config ATTNCC_FA3_L2_SECTION_BYTES=25165824 --repeat 5
 
 A configuration item `opt:NAME=VALUE` sets kernel_options NAME to the JSON VALUE for that
 configuration instead (e.g. --config opt:PAIRED=true; CTA pairs need the cluster launch that
-kernel_options PAIRED gives, so do not define ATTNCC_FA3_PAIRED here). To A/B a change to the
+kernel_options PAIRED gives). The paired and low-pressure forms are codegen parameters
+(`generate_source(paired=, low_pressure=)`), not macros. To A/B a change to the
 kernels themselves, compare template folders of git revisions with `scripts/ab_kernels.py`.
 
 With --repeat N the configurations run N times in turn per cell -- in the given order in even
@@ -74,13 +75,12 @@ def kernel_switches() -> set[str]:
     aside): the only names a configuration may define.
 
     >>> sorted(kernel_switches())  # doctest: +NORMALIZE_WHITESPACE
-    ['ATTNCC_FA3_L2_SECTION_BYTES', 'ATTNCC_FA3_LOW_PRESSURE', 'ATTNCC_FA3_PAIRED',
-     'ATTNCC_FA3_V_LBO', 'ATTNCC_FA3_V_SBO']
+    ['ATTNCC_FA3_L2_SECTION_BYTES', 'ATTNCC_FA3_V_LBO', 'ATTNCC_FA3_V_SBO']
     """
     import re
 
     names: set[str] = set()
-    for f in sorted((ROOT / "kernels").glob("*.cuh")):
+    for f in sorted((ROOT / "kernels").rglob("*.cuh")):
         names |= set(re.findall(r"^#ifndef (\w+)\n#define \1\b", f.read_text(), re.M))
     return {n for n in names if not n.endswith("_CUH")}
 
@@ -89,11 +89,11 @@ def check_configs(configs: list[str]) -> None:
     """SystemExit naming a configuration's define that the kernels do not read (a retired A/B
     switch, a typo): it would time the shipped kernel under another name.
 
-    >>> check_configs(["", "ATTNCC_FA3_LOW_PRESSURE=1,opt:PAIRED=false"])
+    >>> check_configs(["", "ATTNCC_FA3_L2_SECTION_BYTES=0,opt:PAIRED=false"])
     >>> check_configs(["ATTNCC_FA3_PINGPONG=0"])
     Traceback (most recent call last):
     ...
-    SystemExit: --config ATTNCC_FA3_PINGPONG=0: the kernels do not read ATTNCC_FA3_PINGPONG (they read ATTNCC_FA3_L2_SECTION_BYTES, ATTNCC_FA3_LOW_PRESSURE, ATTNCC_FA3_PAIRED, ATTNCC_FA3_V_LBO, ATTNCC_FA3_V_SBO); A/B a kernel change against a git revision with scripts/ab_kernels.py
+    SystemExit: --config ATTNCC_FA3_PINGPONG=0: the kernels do not read ATTNCC_FA3_PINGPONG (they read ATTNCC_FA3_L2_SECTION_BYTES, ATTNCC_FA3_V_LBO, ATTNCC_FA3_V_SBO); A/B a kernel change against a git revision with scripts/ab_kernels.py
     """
     known = kernel_switches()
     for cfg in configs:

@@ -214,7 +214,7 @@ def test_cone_multiply_add_is_not_contracted_into_fma() -> None:
 
     def ptx(expr, ctype: str) -> str:
         code = emit(expr, fast_math=True)
-        src = read_template("attncc_types.cuh") + (
+        src = read_template("common/attncc_types.cuh") + (
             f"extern \"C\" __global__ void k({ctype}* out, const int* q, const int* kv, "
             f"const float* s) {{\n  const int q_idx = q[threadIdx.x], kv_idx = kv[threadIdx.x];"
             f"\n  const float score = s[threadIdx.x];\n"

@@ -1,4 +1,4 @@
-"""BatchAttention (serving/batch.py, kernels/fa2_batch.cuh) against the fp64 batch reference.
+"""BatchAttention (serving/batch.py, kernels/fa2/fa2_batch.cuh) against the fp64 batch reference.
 
 Paged caches (NHD and HND, page sizes 1, 16 and 64) and ragged caches; batches mixing decode
 (1 query), speculative (4) and prefill chunks with KV lengths from 1 to 32K; GQA groups 1, 4, 8;
@@ -122,7 +122,7 @@ def _plan_on_cache(ba: BatchAttention, q_lens: list[int], kv_lens: list[int], ca
     return dict(qo=qo, kv_indptr=indptr, kv_indices=ids[:int(indptr[-1])], last=last)
 
 
-# Prefill-shaped batches for the FA3 batch kernel (kernels/fa3_batch.cuh; sm_90 only): long
+# Prefill-shaped batches for the FA3 batch kernel (kernels/fa3/fa3_batch.cuh; sm_90 only): long
 # chunks with odd lengths (partial query tiles, partial last KV tiles, splits merged), a decode
 # row and a 1-token KV request among them.
 PREFILL = ([300, 1, 4096, 129, 1000, 17], [300, 5, 32768, 1000, 1000, 17])

@@ -1,4 +1,4 @@
-"""The FA2 kernel (kernels/fa2_prefill.cuh via runtime/flex/gpu_flex.py) against the fp64 reference.
+"""The FA2 kernel (kernels/fa2/fa2_prefill.cuh via runtime/flex/gpu_flex.py) against the fp64 reference.
 
 GPU tests (`@pytest.mark.gpu`, skipped without CUDA) sweep the AttentionGym variants over head
 dims {64, 128, 256}, lengths {1, 17, 128, 1000, 4096}, bf16/fp16 and GQA {1, 4, 8}: by default a

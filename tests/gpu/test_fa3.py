@@ -1,4 +1,4 @@
-"""The FA3 kernel (kernels/fa3_prefill.cuh: TMA + wgmma, warp-specialized), selected with
+"""The FA3 kernel (kernels/fa3/fa3_prefill.cuh: TMA + wgmma, warp-specialized), selected with
 kernel_options={"KERNEL": "fa3"}, against the fp64 reference. GPU tests need an sm_90 GPU; the
 CPU tests pin the option's checks; tests/runtime/flex/test_kernel_spills.py that the cases
 compile for sm_90a without spills."""
@@ -302,7 +302,7 @@ BANDS = {"shifted_causal": lambda b, h, q, kv: q - kv >= 3,
 @pytest.mark.parametrize("band", sorted(BANDS))
 @pytest.mark.parametrize("S,block", [(2048, 128), (1500, (128, 256))])
 def test_fa3_band_mask_on_partial_tiles(band: str, S: int, block: Any, rng: Any) -> None:
-    """A block mask's partial tiles of a mask that is exactly a band (kernels/fa3_consumer.cuh
+    """A block mask's partial tiles of a mask that is exactly a band (kernels/fa3/fa3_consumer.cuh
     mask_band: one compare a logit against the row's bound) with bounds off the tile grid, a key
     window reaching past the diagonal, rows with no key at all (q < 3), 256-key mask blocks of
     two tiles (one of them wholly outside the band) and a length that leaves edge tiles to the

@@ -1,5 +1,5 @@
 """The FA3 dense kernel on CTA pairs (kernel_options PAIRED; runtime/gpu_flex.fa3_pairs,
-kernels/fa3_prefill.cuh produce_pairs): clusters of two CTAs run two query blocks of one head
+kernels/fa3/fa3_prefill.cuh produce_pairs): clusters of two CTAs run two query blocks of one head
 over the same K/V tiles, each tile multicast into both CTAs' rings. Against the fp64
 reference, bitwise against the unpaired kernel (each item's arithmetic is the same), and for
 bitwise repeats eagerly and in a CUDA graph."""
@@ -29,6 +29,9 @@ CASES = [
     ("document_mask", 64, 2, 3, 1, 768, 768),
     ("rope", 64, 1, 4, 4, 1280, 1280),
 ]
+
+# the paired form's line in codegen's form block (attncc.codegen.generate.form_text)
+PAIRED = "constexpr bool paired() { return true; }"
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: Any, bind: Any, g: int,

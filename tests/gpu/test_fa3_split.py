@@ -1,4 +1,4 @@
-"""The FA3 dense kernel's split tail (kernels/fa3_split.cuh, runtime/flex/fa3_split.py): the last,
+"""The FA3 dense kernel's split tail (kernels/fa3/fa3_split.cuh, runtime/flex/fa3_split.py): the last,
 partial round of full-length items cut by keys across every CTA, each item's units merged by
 the last consumer warp to arrive. Against the fp64 reference, against the unsplit kernel
 (kernel_options SPLIT_TAIL False), and for bitwise repeatability (eager and CUDA graph)."""

@@ -1,4 +1,4 @@
-"""The fast-math functions of kernels/attncc_types.cuh (codegen's fast_math=True spelling of the
+"""The fast-math functions of kernels/common/attncc_types.cuh (codegen's fast_math=True spelling of the
 hooks' math) against float64 torch on the GPU: each one's documented error bound holds over the
 range it claims, and NaN / inf / huge arguments give what libm gives."""
 from __future__ import annotations

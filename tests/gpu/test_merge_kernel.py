@@ -1,4 +1,4 @@
-"""The attention-state merge kernel (kernels/merge_state.cuh, serving/merge_kernel.py) against
+"""The attention-state merge kernel (kernels/small/merge_state.cuh, serving/merge_kernel.py) against
 the float64 composition formula: storage types, empty states holding garbage, unnormalised
 states, poisoned outputs, and the routing of `attncc.merge_state` to it."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""kernels/tma.cuh + runtime/jit/tma.py on the GPU: a TMA copy with the 128-byte swizzle lands in
-exactly the layout kernels/wgmma.cuh's descriptors read (sw128_offset), signalled by an mbarrier.
+"""kernels/hopper/tma.cuh + runtime/jit/tma.py on the GPU: a TMA copy with the 128-byte swizzle lands in
+exactly the layout kernels/hopper/wgmma.cuh's descriptors read (sw128_offset), signalled by an mbarrier.
 tests/kernels/test_probes_compile.py compiles the probe for sm_90a (NVRTC only)."""
 from __future__ import annotations
 

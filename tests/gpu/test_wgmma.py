@@ -1,4 +1,4 @@
-"""kernels/wgmma.cuh on the GPU: the Hopper warpgroup MMA building blocks of the FA3 template.
+"""kernels/hopper/wgmma.cuh on the GPU: the Hopper warpgroup MMA building blocks of the FA3 template.
 
 Three small kernels, each one warpgroup, checked against torch in fp32:
 - S = Q K^T with both operands in shared memory, K-major, 128-byte swizzle (D = 64 and 128: the

@@ -76,6 +76,6 @@ def kernel_source() -> str:
             c = j + (N_CASES if fast else 0)
             functions.append(_function(f"case_{c}", case, fast))
             switch.append(f"    case {c}: r = case_{c}(0, 0, q_idx, kv_idx, 0.0f, p); break;")
-    return read_template("attncc_types.cuh") + _KERNEL % {
+    return read_template("common/attncc_types.cuh") + _KERNEL % {
         "functions": "\n\n".join(functions), "switch": "\n".join(switch),
         "n_params": N_PARAMS, "n_cases": N_CASES}

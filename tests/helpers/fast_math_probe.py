@@ -32,4 +32,4 @@ def source() -> str:
     """The probe translation unit: the shipped types header and the kernel."""
     from attncc.kernels import read_template
 
-    return read_template("attncc_types.cuh") + SRC
+    return read_template("common/attncc_types.cuh") + SRC

@@ -1,4 +1,4 @@
-"""The TMA probe kernel of kernels/tma.cuh (tests/gpu/test_tma.py runs it, tests/kernels/
+"""The TMA probe kernel of kernels/hopper/tma.cuh (tests/gpu/test_tma.py runs it, tests/kernels/
 test_probes_compile.py compiles it): its source and argument structs."""
 from __future__ import annotations
 
@@ -47,10 +47,12 @@ extern "C" __global__ void __launch_bounds__(128) tma_probe(TmaArgs p, Unused) {
 
 
 def probe_source() -> str:
+    from attncc.codegen.generate import form_text
     from attncc.kernels import read_template
 
-    return "\n".join(read_template(f) for f in ("attncc_types.cuh", "fa2_common.cuh",
-                                                "wgmma.cuh", "tma.cuh")) + PROBE_SRC
+    return "\n".join([read_template("common/attncc_types.cuh"), form_text(),
+                      *(read_template(f) for f in ("common/common.cuh", "hopper/wgmma.cuh",
+                                                   "hopper/tma.cuh"))]) + PROBE_SRC
 
 
 ARGS = struct_layout("TmaArgs", [("tmap", "const void*"), ("out", "void*"), ("row0", "int"),

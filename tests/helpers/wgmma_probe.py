@@ -1,4 +1,4 @@
-"""The wgmma probe kernels of kernels/wgmma.cuh (tests/gpu/test_wgmma.py; the descriptor sweep
+"""The wgmma probe kernels of kernels/hopper/wgmma.cuh (tests/gpu/test_wgmma.py; the descriptor sweep
 one process per encoding in scripts/experiments/probe_wgmma_rs.py): their source, argument
 structs and a launch helper."""
 from __future__ import annotations
@@ -89,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(128) wg_rs_v(ProbeArgs p, Unused) {
   attncc::wg::fence();
   for (int ks = 0; ks < 4; ++ks) {
     const int k = 16 * ks + q;
-    attncc::fa2::fa2_u32 a[4];
+    attncc::u32 a[4];
     a[0] = P[r * 64 + k] | ((probe::u32)P[r * 64 + k + 1] << 16);
     a[1] = P[(r + 8) * 64 + k] | ((probe::u32)P[(r + 8) * 64 + k + 1] << 16);
     a[2] = P[r * 64 + k + 8] | ((probe::u32)P[r * 64 + k + 9] << 16);
@@ -106,8 +106,8 @@ extern "C" __global__ void __launch_bounds__(128) wg_rs_v(ProbeArgs p, Unused) {
 }
 
 // Offsets of a 64-row accumulator's elements in the swizzled layout, spelled exactly as the FA3
-// epilogue stages O (kernels/fa3_prefill.cuh transform_o): the unrolled odd columns
-// 8j + 2*(lane & 3) + 1 are the pattern NVRTC once miscompiled (kernels/wgmma.cuh).
+// epilogue stages O (kernels/fa3/fa3_prefill.cuh transform_o): the unrolled odd columns
+// 8j + 2*(lane & 3) + 1 are the pattern NVRTC once miscompiled (kernels/hopper/wgmma.cuh).
 extern "C" __global__ void __launch_bounds__(128) sw_offsets(ProbeArgs p, Unused) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r0 = 16 * warp + (lane >> 2);
@@ -125,17 +125,20 @@ extern "C" __global__ void __launch_bounds__(128) sw_offsets(ProbeArgs p, Unused
 
 
 def sw128_offset(row: int, col: int, rows: int) -> int:
-    """The 128-byte swizzle in Python (kernels/wgmma.cuh's top comment)."""
+    """The 128-byte swizzle in Python (kernels/hopper/wgmma.cuh's top comment)."""
     return (col // 64) * rows * 128 + row * 128 + ((((col % 64) >> 3) ^ (row % 8)) << 4) \
         + (col % 8) * 2
 
 
 def probe_source() -> str:
-    """The probe translation unit: shipped types, FA2 common helpers, wgmma.cuh, the kernels."""
+    """The probe translation unit: shipped types, the (unpaired) kernel form, common.cuh
+    helpers, wgmma.cuh, the kernels."""
+    from attncc.codegen.generate import form_text
     from attncc.kernels import read_template
 
-    return "\n".join(read_template(f) for f in ("attncc_types.cuh", "fa2_common.cuh",
-                                                "wgmma.cuh")) + PROBE_SRC
+    return "\n".join([read_template("common/attncc_types.cuh"), form_text(),
+                      read_template("common/common.cuh"),
+                      read_template("hopper/wgmma.cuh")]) + PROBE_SRC
 
 
 ARGS = struct_layout("ProbeArgs", [("a", "const void*"), ("b", "const void*"), ("d", "float*"),

@@ -1,4 +1,4 @@
-"""The probe kernels of the Hopper building blocks (kernels/wgmma.cuh, kernels/tma.cuh) and of the
+"""The probe kernels of the Hopper building blocks (kernels/hopper/wgmma.cuh, kernels/hopper/tma.cuh) and of the
 fast sin/cos compile for sm_90a with NVRTC (no GPU); tests/gpu/test_wgmma.py, test_tma.py and
 test_fast_math.py run them."""
 from __future__ import annotations

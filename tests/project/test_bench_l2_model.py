@@ -30,7 +30,7 @@ def test_sections_half_the_l2_read_each_head_once() -> None:
 def test_q_and_o_through_the_lru_evict_k_and_v() -> None:
     """Without L2 hints each item's Q and O tiles pass through the L2 too (`qo=True`): 12 MiB
     sections then read full attention's K/V ~1.8 times at S = 2048 and 24 MiB ~3.6 times --
-    the traffic the FA3 kernels' evict_first hints on Q and O (kernels/tma.cuh) remove."""
+    the traffic the FA3 kernels' evict_first hints on Q and O (kernels/hopper/tma.cuh) remove."""
     from bench.l2_order_model import simulate
 
     assert round(simulate(2048, 12, 25, qo=True)["dram_mib"] / 128, 2) == 1.82

@@ -21,14 +21,13 @@ def _experiment() -> object:
 
 def test_kernels_read_only_the_kept_switches() -> None:
     assert _experiment().kernel_switches() == {  # type: ignore[attr-defined]
-        "ATTNCC_FA3_L2_SECTION_BYTES", "ATTNCC_FA3_LOW_PRESSURE", "ATTNCC_FA3_PAIRED",
-        "ATTNCC_FA3_V_LBO", "ATTNCC_FA3_V_SBO"}
+        "ATTNCC_FA3_L2_SECTION_BYTES", "ATTNCC_FA3_V_LBO", "ATTNCC_FA3_V_SBO"}
 
 
 def test_retired_switches_are_gone_from_kernels() -> None:
     """Not read anywhere, not even in a comment that would send a reader looking for one."""
     pattern = re.compile(r"ATTNCC_FA3_(" + "|".join(RETIRED) + r")\b")
-    hits = [f"{f.name}: {m.group(0)}" for f in sorted((ROOT / "kernels").glob("*.cuh"))
+    hits = [f"{f.name}: {m.group(0)}" for f in sorted((ROOT / "kernels").rglob("*.cuh"))
             for m in pattern.finditer(f.read_text())]
     assert hits == []
 
@@ -42,4 +41,4 @@ def test_experiment_rejects_a_define_the_kernels_do_not_read(name: str) -> None:
 
 def test_experiment_accepts_kept_switches_and_options() -> None:
     _experiment().check_configs(  # type: ignore[attr-defined]
-        ["", "ATTNCC_FA3_LOW_PRESSURE=1", "ATTNCC_FA3_L2_SECTION_BYTES=25165824,opt:PAIRED=true"])
+        ["", "ATTNCC_FA3_V_LBO=8192", "ATTNCC_FA3_L2_SECTION_BYTES=25165824,opt:PAIRED=true"])

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import ROOT
 
-KERNELS = sorted((ROOT / "kernels").glob("*.cuh"))
+KERNELS = sorted((ROOT / "kernels").rglob("*.cuh"))
 
 _STALE = re.compile(r"NOTES\.md|\bstop \d+|KERNEL_INTERFACE")
 _SECTION = re.compile(r'(docs/[\w/.-]+\.md),? "([^"]+)"')

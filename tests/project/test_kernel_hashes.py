@@ -42,3 +42,23 @@ def test_kernel_hashes_rejects_unknown_kind() -> None:
 
     with pytest.raises(SystemExit, match="--kinds: unknown \\['fa4'\\]"):
         main(["--kinds", "fa4"])
+
+
+_RENAMED = """
+namespace {ns} {{ template <typename T> struct Traits {{ static constexpr bool kOne = true; }}; }}
+extern "C" __global__ void k(float* x) {{ if ({ns}::Traits<float>::kOne) x[0] = x[0] * 2.f; }}
+"""
+
+
+@pytest.mark.nvrtc
+def test_code_hash_sees_through_renamed_static_members() -> None:
+    """A struct's static constexpr member is a global symbol in the cubin, so renaming its
+    namespace changes the cubin's hash; `--code` hashes only the .text sections, which stay."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from kernel_hashes import _code_sha, _sha, code_sections
+    from attncc.runtime.jit.nvrtc import compile_cuda
+
+    a, b = (compile_cuda(_RENAMED.format(ns=ns), arch="sm_90a").cubin for ns in ("fa2", "common"))
+    assert _sha(a) != _sha(b)
+    assert _code_sha(a) == _code_sha(b)
+    assert list(code_sections(a)) == [".text.k"] and code_sections(a)[".text.k"]

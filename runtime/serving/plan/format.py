@@ -1,5 +1,5 @@
 """The packed plan format shared by the host scheduler (scheduler.py, planner.c) and the GPU
-kernels (kernels/batch_params.cuh, kernels/fa2_batch.cuh): the work-unit and
+kernels (kernels/common/batch_params.cuh, kernels/fa2/fa2_batch.cuh): the work-unit and
 merge-target records, the int32 header, `PlanLayout` (the plan's room from the user's maxima,
 so a CUDA graph can be captured once), `packed_offsets` (where a plan's sections sit in that
 room) and `workspace_bytes`, plus the argument checks both the planner and the layout use.

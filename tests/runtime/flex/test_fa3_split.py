@@ -1,4 +1,4 @@
-"""The FA3 split tail's geometry (runtime/flex/fa3_split.py, mirrored by kernels/fa3_split.cuh) and
+"""The FA3 split tail's geometry (runtime/flex/fa3_split.py, mirrored by kernels/fa3/fa3_split.cuh) and
 which launches split: CPU only (the kernel's results are tests/gpu/test_fa3_split.py)."""
 from __future__ import annotations
 

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from attncc.codegen.fa2 import Fa2Tiles, fa3_tiles
+from attncc.codegen.tiles import KernelTiles, fa3_tiles
 from attncc.errors import ResourceError
 from attncc.ir.program import VariantIR
 from attncc.runtime.jit import cache as cache_mod
 from attncc.runtime.jit import kernels
-from attncc.runtime.jit.kernels import (FA3_LOW_PRESSURE, FA3_PAIRED, KernelRecord, KernelSpec,
-                                        compile_form, compile_spec, generate, get_kernel)
+from attncc.runtime.jit.kernels import (KernelRecord, KernelSpec, compile_form, compile_spec,
+                                        generate, get_kernel)
 from attncc.runtime.jit.nvrtc import NvrtcResult
 from attncc.gym import GYM
 
@@ -70,9 +70,8 @@ class FakeCompiler:
 
 def _form(source: str) -> str:
     """'low+pair', 'pair', 'low' or 'plain', and '_m2' for an FA2 two-fragment form."""
-    head = source[:80]
-    form = "+".join(n for n, m in (("low", FA3_LOW_PRESSURE), ("pair", FA3_PAIRED))
-                    if m in head) or "plain"
+    form = "+".join(n for n, m in (("low", "low_pressure() { return true; }"),
+                                   ("pair", "paired() { return true; }")) if m in source) or "plain"
     return form + ("_m2" if re.search(r"_fa2_d\d+_\w+_s\d_m2\b", source) else "")
 
 
@@ -124,15 +123,18 @@ def test_generate_matches_each_subsystems_generator() -> None:
                             tiles=fa3_tiles(4))
     spec = KernelSpec("fa3_prefill", ir, 64, "bfloat16", fa3_tiles(4))
     assert generate(spec).source == dense.source
-    assert generate(replace(spec, paired=True)).source == FA3_PAIRED + dense.source
-    assert (generate(replace(spec, paired=True, low_pressure=True)).source
-            == FA3_LOW_PRESSURE + FA3_PAIRED + dense.source)
+    for paired, low in ((True, False), (False, True), (True, True)):
+        form = generate_source(ir, head_dim=64, dtype="bfloat16", kernel="fa3", fast_math=True,
+                               tiles=fa3_tiles(4), paired=paired, low_pressure=low)
+        assert generate(replace(spec, paired=paired, low_pressure=low)).source == form.source
+    with pytest.raises(ValueError, match="no paired"):
+        generate(KernelSpec("fa3_batch", ir, 64, "bfloat16", fa3_tiles(4), paired=True))
     batch = KernelSpec("fa3_batch", ir, 64, "bfloat16", fa3_batch_tiles(64))
     assert generate(batch).source == fa3_batch_source(ir, 64, "bfloat16").source
-    fa2 = KernelSpec("fa2_prefill", ir, 64, "bfloat16", Fa2Tiles(128, 64, 2, 2))
+    fa2 = KernelSpec("fa2_prefill", ir, 64, "bfloat16", KernelTiles(128, 64, 2, 2))
     assert generate(fa2).source == fa2_source(ir, head_dim=64, dtype="bfloat16", tq=128,
                                               tkv=64, stages=2, m_frags=2)[0]
-    dec = KernelSpec("decode", ir, 64, "bfloat16", Fa2Tiles(16, 32, 2, 1, 2))
+    dec = KernelSpec("decode", ir, 64, "bfloat16", KernelTiles(16, 32, 2, 1, 2))
     assert generate(dec).source == fa2_source(ir, head_dim=64, dtype="bfloat16", tq=16,
                                               tkv=32, batch=True, kv_warps=2)[0]
     assert generate(dec).config.threads == 64
@@ -197,7 +199,7 @@ def test_a_form_that_always_spills_is_cached_once_confirmed(
     result goes to disk marked confirmed, so a later process (memory cleared) reads it without
     any compile, and one spilled compile alone is never persisted."""
     fake = FakeCompiler(monkeypatch, lambda form, n: 16)
-    spec = KernelSpec("decode", _ir(), 64, "bfloat16", Fa2Tiles(16, 32, 2, 1, 2))
+    spec = KernelSpec("decode", _ir(), 64, "bfloat16", KernelTiles(16, 32, 2, 1, 2))
     form = compile_form(spec, ARCH)
     assert (form.spill_bytes, form.retries, form.budget) == (16, 2, 0)
     assert compile_form(spec, ARCH).result == form.result and len(fake.calls) == 3
@@ -274,7 +276,7 @@ def test_fa2_two_fragments_within_budget_are_not_retried(
     the form is retried, then the one-fragment form runs."""
     fake = FakeCompiler(monkeypatch, lambda form, n: 112 if form.endswith("_m2") else 0)
     spec = KernelSpec("fa2_prefill", _ir("causal", 128), 128, "bfloat16",
-                      Fa2Tiles(128, 64, 2, 2))
+                      KernelTiles(128, 64, 2, 2))
     form = compile_spec(spec, ARCH)
     assert (form.spill_bytes, form.retries, form.spec.tiles.m_frags) == (112, 0, 2)
     assert len(fake.calls) == 1 and len(_disk_cubins(fresh_cache)) == 1
@@ -289,7 +291,7 @@ def test_fa2_forced_tiles_are_compiled_as_given(fresh_cache: cache_mod.KernelCac
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     FakeCompiler(monkeypatch, lambda form, n: 300)
     spec = KernelSpec("fa2_prefill", _ir("causal", 128), 128, "bfloat16",
-                      Fa2Tiles(128, 64, 2, 2), forced=True)
+                      KernelTiles(128, 64, 2, 2), forced=True)
     trail: list = []
     assert compile_spec(spec, ARCH, trail).spec == spec and len(trail) == 1
 
@@ -379,8 +381,8 @@ def test_resource_rules() -> None:
     assert not KernelRecord("k", 300, 256, 255, 0, None, 256).over_budget()
     assert KernelRecord("k", 0, 0, 168, 0, 0).problem() is None
     # the FA2 batch kernels share the prefill mainloop, and its two-fragment budget
-    assert kernels.spill_budget(KernelSpec("fa2_batch", tiles=Fa2Tiles(128, 64, 2, 2))) == 192
-    assert kernels.spill_budget(KernelSpec("decode", tiles=Fa2Tiles(16, 32, 2, 1, 2))) == 0
+    assert kernels.spill_budget(KernelSpec("fa2_batch", tiles=KernelTiles(128, 64, 2, 2))) == 192
+    assert kernels.spill_budget(KernelSpec("decode", tiles=KernelTiles(16, 32, 2, 1, 2))) == 0
 
 
 def test_a_confirmed_spill_warns_even_outside_strict_mode(
@@ -408,7 +410,7 @@ def test_flex_launch_arguments_fill_every_attention_param() -> None:
     q, k, v = (torch.zeros(2, 4, 300, 64, dtype=torch.bfloat16) for _ in "qkv")
     out, lse = torch.empty_like(q), torch.empty(2, 4, 300)
     layout = generate(KernelSpec("fa2_prefill", _ir(), 64, "bfloat16",
-                                 Fa2Tiles(128, 64, 2, 1))).attention_layout
+                                 KernelTiles(128, 64, 2, 1))).attention_layout
     args = gpu_flex._attention_args(q, k, v, out, lse, 0.125, None)
     flat = StructPacker(layout).flatten(args)
     assert len(flat) == len(StructPacker(layout).names) and args["lse_stride_h"] == 300

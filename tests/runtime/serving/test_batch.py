@@ -14,7 +14,6 @@ from attncc.runtime.reference import batch_attention_reference
 from attncc.runtime.serving.batch import BatchAttention, choose_batch_tiles
 from attncc.runtime.reference import attention_reference
 from attncc.gym import GYM, causal
-from tests.helpers import ROOT
 
 
 def _ba(layout: str = "NHD") -> BatchAttention:
@@ -66,7 +65,7 @@ def test_choose_batch_tiles_fits_the_sm() -> None:
 
 def test_decode_tiles_split_kv_between_warps_and_fit_residency() -> None:
     """Decode tiles (16 fused rows) get KV-splitting warps; the CTAs per SM follow shared memory
-    and the 128-register cap the kernel's __launch_bounds__ asks for (fa2_common.cuh kMinBlocks),
+    and the 128-register cap the kernel's __launch_bounds__ asks for (fa2_config.cuh kMinBlocks),
     and a forced 4-tuple sets kv_warps."""
     from attncc.runtime.jit.tiles import fa2_config
 
@@ -550,14 +549,16 @@ def test_coalesce_ranges() -> None:
 
 def test_l2_section_budget_is_the_dense_fa3_kernels() -> None:
     """Causal batch plans run heads in L2 sections of batch.L2_SECTION_BYTES; the dense FA3
-    kernel orders its items by the same budget (its ATTNCC_FA3_L2_SECTION_BYTES default). The
-    two are spelled in two languages: this pins them to one value."""
+    kernel orders its items by the same budget (its ATTNCC_FA3_L2_SECTION_BYTES default): both
+    come from attncc.codegen.constants, which every dense FA3 unit static_asserts."""
+    from attncc.codegen import constants
+    from attncc.codegen.generate import generate_source
     from attncc.runtime.serving.batch import L2_SECTION_BYTES
 
-    src = (ROOT / "kernels" / "fa3_prefill.cuh").read_text()
-    m = re.search(r"#define ATTNCC_FA3_L2_SECTION_BYTES \((\d+) << (\d+)\)", src)
-    assert m is not None, "fa3_prefill.cuh no longer spells its L2 section default as (a << b)"
-    assert int(m[1]) << int(m[2]) == L2_SECTION_BYTES
+    assert L2_SECTION_BYTES == constants.L2_SECTION_BYTES == 12 << 20
+    ir, _ = attncc.Variant(name="full").trace()
+    src = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3").source
+    assert "static_assert((ATTNCC_FA3_L2_SECTION_BYTES_DEFAULT) == 12582912," in src
 
 
 def test_lazy_plan_is_the_packed_plan() -> None:

@@ -539,7 +539,7 @@ def test_pack_out_validation() -> None:
 
 
 def test_kernels_read_the_header_words_python_writes() -> None:
-    """kernels/batch_params.cuh's header constants are codegen.layout.PLAN_HEADER_CONSTANTS
+    """kernels/common/batch_params.cuh's header constants are codegen.layout.PLAN_HEADER_CONSTANTS
     (every batch translation unit static_asserts them too, but only NVRTC sees those), and
     planner.c's header size is the same."""
     import re
@@ -547,7 +547,7 @@ def test_kernels_read_the_header_words_python_writes() -> None:
     from attncc.codegen.layout import PLAN_HEADER_CONSTANTS
 
     root = ROOT
-    cuh = (root / "kernels" / "batch_params.cuh").read_text()
+    cuh = (root / "kernels" / "common" / "batch_params.cuh").read_text()
     assert dict(re.findall(r"constexpr int (kPlan\w+) = (\d+);", cuh)) == {
         k: str(v) for k, v in PLAN_HEADER_CONSTANTS}
     enum = re.search(r"enum \{ HEADER_WORDS = (\d+), AT_UNITS = (\d+)",

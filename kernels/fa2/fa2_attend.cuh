@@ -1,7 +1,7 @@
 // attncc FlashAttention-2-style attention of one CTA tile, for sm_80+ (Ampere, Hopper).
 //
 // Written for attncc from the FlashAttention-2 paper's algorithm; see docs/kernel-interface.md for
-// the functor interface. Self-contained: no #include; comes after fa2_common.cuh.
+// the functor interface. Self-contained: no #include; comes after common.cuh.
 //
 // fa2_attend computes TQ "fused rows" of one (batch, KV head) against a list of KV tiles:
 //   Q tile [TQ x D] -> shared memory (cp.async), QueryTransform in place;
@@ -137,9 +137,9 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   constexpr bool kSoftmax = Variant::use_softmax;
 
   extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa2_smem[];
-  fa2_u16* sQ = reinterpret_cast<fa2_u16*>(attncc_fa2_smem);
-  fa2_u16* sK = sQ + TQ * D;
-  fa2_u16* sV = sK + STAGES * Cfg::kTileElems;
+  u16* sQ = reinterpret_cast<u16*>(attncc_fa2_smem);
+  u16* sK = sQ + TQ * D;
+  u16* sV = sK + STAGES * Cfg::kTileElems;
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -233,24 +233,24 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   // Per-lane fragment address bases (see the ldmatrix comments below for the lane -> row/chunk
   // mapping). Every row index used with them is (multiple of 8) + (lane & 7), so row % 8 == lane & 7
   // and the swizzle key of each operand is a per-lane constant.
-  const fa2_u32 l7 = lane & 7;
-  const fa2_u32 q_row_addr =
+  const u32 l7 = lane & 7;
+  const u32 q_row_addr =
       smem_addr(sQ) + 2 * D * ((warp * M_FRAGS) * 16 + (lane & 15));
-  const fa2_u32 q_x = (fa2_u32)(lane >> 4) ^ l7;
-  const fa2_u32 k_lane_off = 2 * D * ((lane >> 4) * 8 + l7);
-  const fa2_u32 k_x = (fa2_u32)((lane >> 3) & 1) ^ l7;
-  const fa2_u32 v_lane_off = 2 * D * (((lane >> 3) & 1) * 8 + l7);
-  const fa2_u32 v_x = (fa2_u32)(lane >> 4) ^ l7;
+  const u32 q_x = (u32)(lane >> 4) ^ l7;
+  const u32 k_lane_off = 2 * D * ((lane >> 4) * 8 + l7);
+  const u32 k_x = (u32)((lane >> 3) & 1) ^ l7;
+  const u32 v_lane_off = 2 * D * (((lane >> 3) & 1) * 8 + l7);
+  const u32 v_x = (u32)(lane >> 4) ^ l7;
   // this warp's KV slice starts TKVW rows into each tile
-  const fa2_u32 sK_addr = smem_addr(sK) + 2 * D * TKVW * kvw;
-  const fa2_u32 sV_addr = smem_addr(sV) + 2 * D * TKVW * kvw;
+  const u32 sK_addr = smem_addr(sK) + 2 * D * TKVW * kvw;
+  const u32 sV_addr = smem_addr(sV) + 2 * D * TKVW * kvw;
 
   // Q fragments stay in registers for the whole KV loop when they fit (D/16 * 4 registers per
   // 16-row fragment: 32 at D=128): saves D/16 ldmatrix per KV tile. At D=256 (64 registers on top
   // of a 128-register O accumulator) they are re-read from shared memory instead, and so in decode
   // (KV_WARPS > 1), which is bound by memory, not ldmatrix, and runs under a 128-register cap.
   constexpr bool kQInRegs = D * M_FRAGS <= 128 && KV_WARPS == 1;
-  fa2_u32 q_frag[kQInRegs ? M_FRAGS : 1][kQInRegs ? D / 16 : 1][4];
+  u32 q_frag[kQInRegs ? M_FRAGS : 1][kQInRegs ? D / 16 : 1][4];
   if constexpr (kQInRegs) {
 #pragma unroll
     for (int mf = 0; mf < M_FRAGS; ++mf)
@@ -278,8 +278,8 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
 
     bool is_full;
     const int kv0 = tile_start(it, is_full);
-    fa2_u16* sKs = sK + stage * Cfg::kTileElems;
-    fa2_u16* sVs = sV + stage * Cfg::kTileElems;
+    u16* sKs = sK + stage * Cfg::kTileElems;
+    u16* sVs = sV + stage * Cfg::kTileElems;
     if constexpr (Variant::has_key_transform || Variant::has_value_transform) {
 #pragma unroll 1
       for (int r = tid >> 5; r < TKV; r += Cfg::kWarps) {
@@ -307,11 +307,11 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
         for (int i = 0; i < 4; ++i) s_acc[mf][nf][i] = 0.f;
 
     {
-      const fa2_u32 qa = opaque(q_row_addr), qx = opaque(q_x), kx = opaque(k_x);
-      const fa2_u32 ka = opaque(sK_addr + 2 * stage * Cfg::kTileElems + k_lane_off);
+      const u32 qa = opaque(q_row_addr), qx = opaque(q_x), kx = opaque(k_x);
+      const u32 ka = opaque(sK_addr + 2 * stage * Cfg::kTileElems + k_lane_off);
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
-        fa2_u32 a[M_FRAGS][4];
+        u32 a[M_FRAGS][4];
 #pragma unroll
         for (int mf = 0; mf < M_FRAGS; ++mf) {
           // A fragment (16x16): lanes 0-15 address rows 0-15 at k-chunk 2ks, lanes 16-31 the same
@@ -327,7 +327,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
         for (int np = 0; np < TKVW / 16; ++np) {
           // B fragments of two 8-column n-fragments (K rows are the n index); lane groups of 8
           // address matrices (n0-7,k0-7) (n0-7,k8-15) (n8-15,k0-7) (n8-15,k8-15).
-          fa2_u32 bk[4];
+          u32 bk[4];
           ldmatrix_x4(bk, chunk_addr(ka + np * 16 * 2 * D, 2 * ks, kx));
 #pragma unroll
           for (int mf = 0; mf < M_FRAGS; ++mf) {
@@ -442,7 +442,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
     // O += P V. The S accumulator of n-fragments 2kk, 2kk+1 is exactly the A-fragment layout of
     // k-step kk (rows lane/4, lane/4+8; k = 2*(lane%4) + {0,1} and + 8), so P never leaves
     // registers; it is packed to 16 bits once, halving its register footprint during PV.
-    fa2_u32 pa[M_FRAGS][TKVW / 16][4];
+    u32 pa[M_FRAGS][TKVW / 16][4];
 #pragma unroll
     for (int mf = 0; mf < M_FRAGS; ++mf)
 #pragma unroll
@@ -453,15 +453,15 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
         pa[mf][kk][3] = pack2<DType>(s_acc[mf][2 * kk + 1][2], s_acc[mf][2 * kk + 1][3]);
       }
     {
-      const fa2_u32 va = opaque(sV_addr + 2 * stage * Cfg::kTileElems + v_lane_off);
-      const fa2_u32 vx = opaque(v_x);
+      const u32 va = opaque(sV_addr + 2 * stage * Cfg::kTileElems + v_lane_off);
+      const u32 vx = opaque(v_x);
 #pragma unroll
       for (int kk = 0; kk < TKVW / 16; ++kk) {
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           // V is [kv][d] row-major = B row-major: ldmatrix.trans yields the col fragment. Lane
           // groups address (kv0-7,d0-7) (kv8-15,d0-7) (kv0-7,d8-15) (kv8-15,d8-15).
-          fa2_u32 bv[4];
+          u32 bv[4];
           ldmatrix_x4_trans(bv, chunk_addr(va + kk * 16 * 2 * D, 2 * dp, vx));
 #pragma unroll
           for (int mf = 0; mf < M_FRAGS; ++mf) {
@@ -543,7 +543,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
 #pragma unroll
       for (int nf = 0; nf < N_FRAGS_O; ++nf) {
         const int col = nf * 8 + 2 * (lane & 3);
-        *reinterpret_cast<fa2_u32*>(sQ + swz<D>(r, col)) =
+        *reinterpret_cast<u32*>(sQ + swz<D>(r, col)) =
             pack2<DType>(o_acc[mf][nf][2 * hr], o_acc[mf][nf][2 * hr + 1]);
       }
     }
@@ -572,8 +572,8 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
     if (fr < rows) {
       const int tok = gdiv.div(fr);
       const int hq = head0 + (fr - tok * gf);
-      const fa2_u32x4 val = *reinterpret_cast<const fa2_u32x4*>(sQ + swz<D>(r, ch * 8));
-      *reinterpret_cast<fa2_u32x4*>(w.o_row(tok, hq) + ch * 8) = val;
+      const u32x4 val = *reinterpret_cast<const u32x4*>(sQ + swz<D>(r, ch * 8));
+      *reinterpret_cast<u32x4*>(w.o_row(tok, hq) + ch * 8) = val;
     }
   }
 

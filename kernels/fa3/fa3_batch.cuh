@@ -1,7 +1,7 @@
 // attncc FA3 batch attention for sm_90a (serving prefill): the plan/run work units of
 // fa2_batch.cuh, run by the dense FA3 kernel's warp-specialized TMA + wgmma pipeline.
 //
-// Self-contained: no #include. Comes after batch_params.cuh, fa2_common.cuh, fa2_attend.cuh,
+// Self-contained: no #include. Comes after batch_params.cuh, common.cuh, fa2_attend.cuh,
 // fa2_batch.cuh (WorkUnit, query positions, the merge kernel), wgmma.cuh, tma.cuh,
 // fa3_consumer.cuh (the consumer building blocks) and fa3_store.cuh, and before the generated
 // Variant_<name> functors' entry point (ATTNCC_FA3_BATCH_ENTRY at the bottom).
@@ -77,11 +77,11 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
   extern __shared__ __attribute__((aligned(1024))) unsigned char attncc_fa3_smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<unsigned long long>(attncc_fa3_smem_raw) + 1023) & ~1023ull);
-  const fa2_u32 base = fa2::smem_addr(smem);
-  const fa2_u32 sq = base + S::kQ, sk = base + S::kK, sv = base + S::kV;
-  const fa2_u32 full_bar = base + S::kBar;
-  const fa2_u32 empty_bar = full_bar + 8 * STAGES;
-  const fa2_u32 q_full = full_bar + 16 * STAGES, q_empty = q_full + 8;
+  const u32 base = common::smem_addr(smem);
+  const u32 sq = base + S::kQ, sk = base + S::kK, sv = base + S::kV;
+  const u32 full_bar = base + S::kBar;
+  const u32 empty_bar = full_bar + 8 * STAGES;
+  const u32 q_full = full_bar + 16 * STAGES, q_empty = q_full + 8;
   const void* tm_q = p.tma;
   const void* tm_k = reinterpret_cast<const unsigned char*>(p.tma) + 128;
   const void* tm_v = reinterpret_cast<const unsigned char*>(p.tma) + 256;
@@ -120,7 +120,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
         for (int c = 0; c < kConsumers; ++c)
 #pragma unroll
           for (int blk = 0; blk < BLOCKS; ++blk) {
-            const fa2_u32 dst = sq + (c * BLOCKS + blk) * kBoxBytes;
+            const u32 dst = sq + (c * BLOCKS + blk) * kBoxBytes;
             const int row = qo_offset + (u.q_start + 64 * c) / gf;
             // Q is read once: marked L2 evict_first (tma.cuh)
             tma::load_3d_hint(dst, tm_q, q_full, 64 * blk, u.kv_head * gf, row,
@@ -142,7 +142,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
         // consumers idles anyway
         const int row = my_box ? rows.row(u.kv_start + i * TKV + lane * box_rows) : 0;
         if (tile >= STAGES) tma::mbar_wait(empty_bar + 8 * st, ((tile / STAGES) - 1) & 1);
-        const fa2_u32 full = full_bar + 8 * st;
+        const u32 full = full_bar + 8 * st;
         if (lane == 0) tma::mbar_arrive_expect_tx(full, 2 * S::kKvTileBytes);
         __syncwarp();  // the stage's bytes are expected before any box can complete
         if (my_box) {
@@ -150,7 +150,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
           for (int blk = 0; blk < BLOCKS; ++blk) {
             // rows lane * R.. of column block blk: R rows of 128 bytes, where the swizzle
             // (which repeats every 8 rows) puts them
-            const fa2_u32 off =
+            const u32 off =
                 st * S::kKvTileBytes + blk * S::kKvBlockBytes + lane * box_rows * 128;
             tma::load_2d(sk + off, tm_k, full, head_col + 64 * blk, row);
             tma::load_2d(sv + off, tm_v, full, head_col + 64 * blk, row);
@@ -163,12 +163,12 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
 
   // ---- consumers -------------------------------------------------------------------------------
   wg::setmaxnreg_inc<kConsumerRegs>();
-  const fa2_u32 sq_w = sq + (wg - 1) * BLOCKS * kBoxBytes;
+  const u32 sq_w = sq + (wg - 1) * BLOCKS * kBoxBytes;
   const Ring ring{sk, sv, full_bar, empty_bar, S::kKvTileBytes, STAGES};
   const Turns turns{wg - 1};
   const float qk_scale = (kSoftmax && !Variant::has_logits_transform) ? p.sm_scale * kLog2e
                                                                       : p.sm_scale;
-  const fa2::FastDiv gdiv(gf);
+  const common::FastDiv gdiv(gf);
   int tile = 0;
 #pragma unroll 1
   for (int ui = first; ui < last; ++ui) {
@@ -197,7 +197,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     for (int blk = 0; blk < BLOCKS; ++blk)
 #pragma unroll
       for (int i = 0; i < 32; ++i) o[blk][i] = 0.f;
-    float row_m[2] = {fa2::neg_inf(), fa2::neg_inf()}, row_l[2] = {0.f, 0.f};
+    float row_m[2] = {common::neg_inf(), common::neg_inf()}, row_l[2] = {0.f, 0.f};
     tma::mbar_wait(q_full, (ui - first) & 1);
     // row r of this warpgroup's 64: its query head and position, and whether it is a real row
     auto row_at = [&](int r, int& h, int& qi) {
@@ -221,7 +221,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     // same loads and compares as apply_logits' checked path (clamped positions; invalid rows,
     // keys past the range and the mask), just earlier in the same iteration, and the same
     // logits (tests/gpu/test_batch.py checks them against the fp64 reference).
-    constexpr bool kMaskBits = ATTNCC_FA3_LOW_PRESSURE && Variant::has_logits_mask &&
+    constexpr bool kMaskBits = form::low_pressure() && Variant::has_logits_mask &&
                                !Variant::has_logits_transform && Variant::loads_at_positions;
     unsigned keep[2] = {~0u, ~0u};
     auto mask_bits = [&](int it) {
@@ -251,7 +251,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
       if constexpr (kMaskBits) {  // logits_softmax_step with the mask from keep
         apply_logits<Variant, TKV, false, false>(s, vp, qk_scale, u.request, row_hq, row_qi,
                                                  row_ok, kv0, kv_end, kv_pos0, true);
-        const float masked = kSoftmax ? fa2::neg_inf() : 0.f;
+        const float masked = kSoftmax ? common::neg_inf() : 0.f;
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr)
 #pragma unroll
@@ -307,7 +307,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
         const int per_blk = (TKV - tail_valid) * 8;  // 16-byte chunks per column block
         for (int idx = tid & 127; idx < BLOCKS * per_blk; idx += 128) {
           const int blk = idx / per_blk, rem = idx - blk * per_blk;
-          const fa2_u32 addr = ring.v_of(t) + blk * S::kKvBlockBytes +
+          const u32 addr = ring.v_of(t) + blk * S::kKvBlockBytes +
                                (tail_valid + rem / 8) * 128 + (rem % 8) * 16;
           asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0)
                        : "memory");
@@ -341,13 +341,12 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     if constexpr (Variant::has_output_transform) {
       if (part_o == nullptr) transform_o<Variant, DType, D>(o, inv_r, vp, sq_w, u.request, row_at);
     }
-#if ATTNCC_FA3_LOW_PRESSURE
     // (low-pressure form) the rows' tokens and query heads again, for the stores below: kept
     // from the unit's start they were live through the whole tile loop for these few stores, and
     // were among what ptxas spilled (relative_bias D = 64 and 128: 8 B and 108 B in this form
     // before). A few integer ops a unit; q_start goes through an empty asm, or the compiler
     // would reuse the values of the unit's start (and keep them live again).
-    {
+    if constexpr (form::low_pressure()) {
       int q_start = u.q_start;
       asm volatile("" : "+r"(q_start));
 #pragma unroll
@@ -357,7 +356,6 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
         row_hq[hr] = u.kv_head * gf + (fr - row_tok[hr] * gf);
       }
     }
-#endif
     // this thread's output row hr (a write-through unit's)
     auto out_row = [&](int hr) -> DType* {
       return reinterpret_cast<DType*>(p.o) + (qo_offset + row_tok[hr]) * p.o_stride_tok +

@@ -1,19 +1,19 @@
-"""Compile-time tiles of the FA2 kernel templates (kernels/fa2_*.cuh), mirrored in Python.
+"""Compile-time tiles of the tiled kernel templates (FA2 and FA3), mirrored in Python.
 
-`Fa2Tiles(tq, tkv, stages, m_frags, kv_warps)` is what `generate_source(kernel="fa2" |
-"fa2batch", tiles=...)` instantiates: T_q fused query rows per CTA, T_kv KV rows per tile, the
+`KernelTiles(tq, tkv, stages, m_frags, kv_warps)` is what `generate_source(kernel="fa2" |
+"fa2batch" | "fa3" | "fa3batch", tiles=...)` instantiates (`fa3_tiles` gives FA3's): T_q fused query rows per CTA, T_kv KV rows per tile, the
 cp.async pipeline depth, 16-row MMA fragments per warp, and (decode, T_q = 16) how many warps
 split each KV tile between them (warps = T_q / (16 * m_frags) * kv_warps). Its threads
 and dynamic shared memory are the C++ `attncc::fa2::Config`'s (the launcher also checks the
 threads against the loaded function).
 
 Example:
-    >>> t = Fa2Tiles(128, 64, 2, 2)
+    >>> t = KernelTiles(128, 64, 2, 2)
     >>> t.warps, t.threads, t.smem_bytes(128), t.suffix
     (4, 128, 98304, '_q128_k64_s2_m2')
     >>> default_tiles(256)
-    Fa2Tiles(tq=64, tkv=32, stages=2, m_frags=1, kv_warps=1)
-    >>> Fa2Tiles(16, 64, 2, 1, kv_warps=4).threads
+    KernelTiles(tq=64, tkv=32, stages=2, m_frags=1, kv_warps=1)
+    >>> KernelTiles(16, 64, 2, 1, kv_warps=4).threads
     128
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .errors import CodegenError
 
-__all__ = ["Fa2Tiles", "default_tiles", "fa3_tiles", "fa3_smem_bytes", "FA2_HEAD_DIMS",
+__all__ = ["KernelTiles", "default_tiles", "fa3_tiles", "fa3_smem_bytes", "FA2_HEAD_DIMS",
            "TQ_CHOICES",
            "TKV_CHOICES", "FA3_TKV_CHOICES"]
 
@@ -33,8 +33,8 @@ FA3_TKV_CHOICES = (64, 128)
 
 
 @dataclass(frozen=True)
-class Fa2Tiles:
-    """One FA2 instantiation's tiles; invalid combinations raise CodegenError."""
+class KernelTiles:
+    """One tiled kernel instantiation's tiles; invalid combinations raise CodegenError."""
 
     tq: int = 128
     tkv: int = 64
@@ -76,21 +76,21 @@ class Fa2Tiles:
                 + (f"_w{self.kv_warps}" if self.kv_warps > 1 else ""))
 
 
-def default_tiles(head_dim: int) -> Fa2Tiles:
+def default_tiles(head_dim: int) -> KernelTiles:
     """The tiles `export` / `compile` use when none are given: the prefill heuristic's choice
     for a long sequence (attncc.runtime.flex.gpu_flex.choose_tiles has the shape-dependent one)."""
     if head_dim <= 128:
-        return Fa2Tiles(128, 64, 2, 2)
-    return Fa2Tiles(64, 32, 2, 1)
+        return KernelTiles(128, 64, 2, 2)
+    return KernelTiles(64, 32, 2, 1)
 
 
-def fa3_tiles(stages: int = 2, tkv: int = 128) -> Fa2Tiles:
-    """The FA3 kernel's tiles (kernels/fa3_prefill.cuh: 128 query rows = two consumer
+def fa3_tiles(stages: int = 2, tkv: int = 128) -> KernelTiles:
+    """The FA3 kernel's tiles (kernels/fa3/fa3_prefill.cuh: 128 query rows = two consumer
     warpgroups of 64; KV tiles of 64 or 128 keys); the KV tile width and the pipeline depth vary.
 
     Example:
         >>> fa3_tiles(3)
-        Fa2Tiles(tq=128, tkv=128, stages=3, m_frags=1, kv_warps=1)
+        KernelTiles(tq=128, tkv=128, stages=3, m_frags=1, kv_warps=1)
         >>> fa3_tiles(2, tkv=64).suffix
         '_q128_k64_s2'
     """
@@ -101,11 +101,11 @@ def fa3_tiles(stages: int = 2, tkv: int = 128) -> Fa2Tiles:
         # with S(i+1): with one stage tile i+1 could never land (the kernel would hang)
         raise CodegenError(f"the FA3 kernel's K/V ring needs 2 to 4 stages, not {stages}: a "
                            f"stage is released one iteration after it is read")
-    return Fa2Tiles(128, tkv, stages, 1)
+    return KernelTiles(128, tkv, stages, 1)
 
 
-def fa3_smem_bytes(head_dim: int, tiles: Fa2Tiles) -> int:
-    """Dynamic shared memory of an FA3 kernel, dense or batch (kernels/fa3_prefill.cuh Smem):
+def fa3_smem_bytes(head_dim: int, tiles: KernelTiles) -> int:
+    """Dynamic shared memory of an FA3 kernel, dense or batch (kernels/fa3/fa3_prefill.cuh Smem):
     the Q tile and the K/V ring, 2 * stages mbarriers plus Q's two (full and empty: both kernels
     are persistent), the dense kernel's 32-byte work-item slot, 16-byte split-tail record and
     8-byte record of each stage's tile, and 1 KB of slack that aligns the tiles to 1024 bytes.

@@ -1,7 +1,7 @@
 // attncc persistent batch attention (serving): ragged queries, paged or ragged KV caches, a
 // load-balanced plan of work units, and the merge of KV ranges split across CTAs.
 //
-// Self-contained: no #include. Comes after attncc_types.cuh, batch_params.cuh, fa2_common.cuh and
+// Self-contained: no #include. Comes after attncc_types.cuh, batch_params.cuh, common.cuh and
 // fa2_attend.cuh, and before the generated Variant_<name> functors' entry point
 // (ATTNCC_FA2_BATCH_ENTRY at the bottom).
 //
@@ -107,7 +107,7 @@ struct BatchWork {
     return query_position(p, q_pos0, qo_offset, tok);
   }
 
-  __device__ __forceinline__ void load_q(fa2_u32 sq, int tid) const {
+  __device__ __forceinline__ void load_q(u32 sq, int tid) const {
     const DType* gQ = reinterpret_cast<const DType*>(p.q);
     const int ld_row = tid / CHUNKS, ld_ch = tid % CHUNKS;
     const FastDiv gdiv(gf);
@@ -141,7 +141,7 @@ struct BatchWork {
   // K and V rows of a tile: the page lookup of each row is shared by its K and V copies. Rows
   // are gathered one 16-byte chunk per thread, so any page size (down to 1) works; a page never
   // has to hold a whole tile.
-  __device__ __forceinline__ void load_kv(fa2_u32 sk, fa2_u32 sv, int kv0, int tid) const {
+  __device__ __forceinline__ void load_kv(u32 sk, u32 sv, int kv0, int tid) const {
     const int ld_row = tid / CHUNKS, ld_ch = tid % CHUNKS;
     const DType* kb = reinterpret_cast<const DType*>(p.k) + h_kv * p.kv_stride_h + ld_ch * 8;
     const DType* vb = reinterpret_cast<const DType*>(p.v) + h_kv * p.kv_stride_h + ld_ch * 8;
@@ -306,7 +306,7 @@ __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
   }
 #pragma unroll
   for (int j = 0; j < D / 32; ++j)
-    reinterpret_cast<fa2_u16*>(out)[lane + 32 * j] = float_to_elem<DType>(vals[j]);
+    reinterpret_cast<u16*>(out)[lane + 32 * j] = float_to_elem<DType>(vals[j]);
   if constexpr (kSoftmax) {
     if (p.lse != nullptr && lane == 0)
       p.lse[(attncc::i64)(it.qo_offset + tok) * p.lse_stride_tok + hq] = lse;

@@ -109,11 +109,11 @@ __device__ __forceinline__ TailSplit tail_split(const attncc::AttentionParams& p
 // The split in shared memory: computed once per CTA (thread 0, before the barrier that publishes
 // the mbarriers) and read where it is used -- held in registers across the producer's loop its
 // four values spilled the producer's 24, and the consumers need it only after their loop.
-__device__ __forceinline__ void put_tail(fa2_u32 at, const TailSplit& t) {
+__device__ __forceinline__ void put_tail(u32 at, const TailSplit& t) {
   asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(t.first),
                "r"(t.tiles), "r"(t.total), "r"(t.pieces) : "memory");
 }
-__device__ __forceinline__ TailSplit get_tail(fa2_u32 at) {
+__device__ __forceinline__ TailSplit get_tail(u32 at) {
   TailSplit t;
   asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(t.first), "=r"(t.tiles), "=r"(t.total), "=r"(t.pieces) : "r"(at));
@@ -166,7 +166,7 @@ __device__ __forceinline__ bool park_or_merge(const attncc::AttentionParams& p,
   // The merge: every unit's state from its slot (this one's too), in piece order, one pass with
   // a running maximum (each slot's 17 loads in flight together; a first pass over the maxima
   // alone cost a second chain of L2 round trips on the grid's critical path)
-  float mx[2] = {fa2::neg_inf(), fa2::neg_inf()};
+  float mx[2] = {common::neg_inf(), common::neg_inf()};
 #pragma unroll
   for (int blk = 0; blk < D / 64; ++blk)
 #pragma unroll
@@ -185,9 +185,9 @@ __device__ __forceinline__ bool park_or_merge(const attncc::AttentionParams& p,
     const float m_unit[2] = {st.x, st.y};
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const float m_new = fa2::fmax_nan(mx[hr], m_unit[hr]);
-      keep[hr] = mx[hr] == fa2::neg_inf() ? 0.f : fa2::fast_exp2(mx[hr] - m_new);
-      add[hr] = m_unit[hr] == fa2::neg_inf() ? 0.f : fa2::fast_exp2(m_unit[hr] - m_new);
+      const float m_new = common::fmax_nan(mx[hr], m_unit[hr]);
+      keep[hr] = mx[hr] == common::neg_inf() ? 0.f : common::fast_exp2(mx[hr] - m_new);
+      add[hr] = m_unit[hr] == common::neg_inf() ? 0.f : common::fast_exp2(m_unit[hr] - m_new);
       mx[hr] = m_new;
     }
     row_l[0] = fmaf(st.z, add[0], row_l[0] * keep[0]);

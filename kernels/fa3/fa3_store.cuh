@@ -21,31 +21,31 @@ __device__ __forceinline__ void store_row(DType* row, const float (&o)[D / 64][3
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int col = 64 * blk + 8 * j + 2 * (lane & 3);
-      *reinterpret_cast<fa2_u32*>(row + col) =
-          fa2::pack2<DType>(o[blk][4 * j + 2 * hr] * inv, o[blk][4 * j + 2 * hr + 1] * inv);
+      *reinterpret_cast<u32*>(row + col) =
+          common::pack2<DType>(o[blk][4 * j + 2 * hr] * inv, o[blk][4 * j + 2 * hr + 1] * inv);
     }
 }
 
 // Four 16-bit pairs transposed across a quad: on entry lane t holds v[i], its pair of chunk i of
 // a group of four 8-column chunks (columns 8i + 2t, +1); on return it holds chunk t whole, lane
 // l's pair in word l. Two shfl.xor rounds; every lane of the warp must call it.
-__device__ __forceinline__ uint4 quad_transpose(const fa2_u32 (&v)[4]) {
+__device__ __forceinline__ uint4 quad_transpose(const u32 (&v)[4]) {
   const int t = threadIdx.x & 3;
   const bool hi2 = t & 2, hi1 = t & 1;
   // round 1 (lanes t, t^2): keep the chunks with bit 1 equal to t's, trade the others
-  const fa2_u32 a0 = hi2 ? v[2] : v[0], a1 = hi2 ? v[3] : v[1];
-  const fa2_u32 b0 = __shfl_xor_sync(0xffffffffu, hi2 ? v[0] : v[2], 2);
-  const fa2_u32 b1 = __shfl_xor_sync(0xffffffffu, hi2 ? v[1] : v[3], 2);
+  const u32 a0 = hi2 ? v[2] : v[0], a1 = hi2 ? v[3] : v[1];
+  const u32 b0 = __shfl_xor_sync(0xffffffffu, hi2 ? v[0] : v[2], 2);
+  const u32 b1 = __shfl_xor_sync(0xffffffffu, hi2 ? v[1] : v[3], 2);
   // round 2 (lanes t, t^1): chunk t from lanes t, t^2 is in hand, from t^1, t^3 traded
-  const fa2_u32 own = hi1 ? a1 : a0, far = hi1 ? b1 : b0;  // pairs of lanes t, t^2
-  const fa2_u32 n1 = __shfl_xor_sync(0xffffffffu, hi1 ? a0 : a1, 1);  // of lane t^1
-  const fa2_u32 n3 = __shfl_xor_sync(0xffffffffu, hi1 ? b0 : b1, 1);  // of lane t^3
+  const u32 own = hi1 ? a1 : a0, far = hi1 ? b1 : b0;  // pairs of lanes t, t^2
+  const u32 n1 = __shfl_xor_sync(0xffffffffu, hi1 ? a0 : a1, 1);  // of lane t^1
+  const u32 n3 = __shfl_xor_sync(0xffffffffu, hi1 ? b0 : b1, 1);  // of lane t^3
   // w[l] = lane l's pair of chunk t
-  const fa2_u32 w_t = own, w_t1 = n1, w_t2 = far, w_t3 = n3;
-  const fa2_u32 w0 = t == 0 ? w_t : t == 1 ? w_t1 : t == 2 ? w_t2 : w_t3;
-  const fa2_u32 w1 = t == 0 ? w_t1 : t == 1 ? w_t : t == 2 ? w_t3 : w_t2;
-  const fa2_u32 w2 = t == 0 ? w_t2 : t == 1 ? w_t3 : t == 2 ? w_t : w_t1;
-  const fa2_u32 w3 = t == 0 ? w_t3 : t == 1 ? w_t2 : t == 2 ? w_t1 : w_t;
+  const u32 w_t = own, w_t1 = n1, w_t2 = far, w_t3 = n3;
+  const u32 w0 = t == 0 ? w_t : t == 1 ? w_t1 : t == 2 ? w_t2 : w_t3;
+  const u32 w1 = t == 0 ? w_t1 : t == 1 ? w_t : t == 2 ? w_t3 : w_t2;
+  const u32 w2 = t == 0 ? w_t2 : t == 1 ? w_t3 : t == 2 ? w_t : w_t1;
+  const u32 w3 = t == 0 ? w_t3 : t == 1 ? w_t2 : t == 2 ? w_t1 : w_t;
   return make_uint4(w0, w1, w2, w3);
 }
 
@@ -54,11 +54,11 @@ __device__ __forceinline__ uint4 quad_transpose(const fa2_u32 (&v)[4]) {
 template <typename DType, int D>
 __device__ __forceinline__ uint4 o_chunk(const float (&o)[D / 64][32], float inv, int hr, int blk,
                                          int g) {
-  fa2_u32 v[4];  // v[i]: this lane's pair of chunk 4g + i
+  u32 v[4];  // v[i]: this lane's pair of chunk 4g + i
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int j = 4 * g + i;
-    v[i] = fa2::pack2<DType>(o[blk][4 * j + 2 * hr] * inv, o[blk][4 * j + 2 * hr + 1] * inv);
+    v[i] = common::pack2<DType>(o[blk][4 * j + 2 * hr] * inv, o[blk][4 * j + 2 * hr + 1] * inv);
   }
   return quad_transpose(v);
 }
@@ -99,18 +99,18 @@ __device__ __forceinline__ void store_rows_v4(const float (&o)[D / 64][32], cons
 // stores; docs/fa3.md, "TMA, O through shared memory, L2 hints".)
 template <typename DType, int D>
 __device__ __forceinline__ void stage_rows_sw(const float (&o)[D / 64][32], const float (&inv)[2],
-                                              fa2_u32 tile) {
+                                              u32 tile) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   const int i = lane >> 3;                                   // the matrix this lane addresses
   const int row = 16 * warp + 8 * (i & 1) + (lane & 7);      // its row of the warpgroup's 64
 #pragma unroll
   for (int k = 0; k < D / 16; ++k) {
     const int blk = k >> 2, j = (2 * k) & 7;  // 8-column blocks j and j + 1 of column block blk
-    const fa2_u32 r0 = fa2::pack2<DType>(o[blk][4 * j] * inv[0], o[blk][4 * j + 1] * inv[0]);
-    const fa2_u32 r1 = fa2::pack2<DType>(o[blk][4 * j + 2] * inv[1], o[blk][4 * j + 3] * inv[1]);
-    const fa2_u32 r2 = fa2::pack2<DType>(o[blk][4 * j + 4] * inv[0], o[blk][4 * j + 5] * inv[0]);
-    const fa2_u32 r3 = fa2::pack2<DType>(o[blk][4 * j + 6] * inv[1], o[blk][4 * j + 7] * inv[1]);
-    const fa2_u32 addr = tile + wg::sw128_offset(row, 16 * k + 8 * (i >> 1), 64);
+    const u32 r0 = common::pack2<DType>(o[blk][4 * j] * inv[0], o[blk][4 * j + 1] * inv[0]);
+    const u32 r1 = common::pack2<DType>(o[blk][4 * j + 2] * inv[1], o[blk][4 * j + 3] * inv[1]);
+    const u32 r2 = common::pack2<DType>(o[blk][4 * j + 4] * inv[0], o[blk][4 * j + 5] * inv[0]);
+    const u32 r3 = common::pack2<DType>(o[blk][4 * j + 6] * inv[1], o[blk][4 * j + 7] * inv[1]);
+    const u32 addr = tile + wg::sw128_offset(row, 16 * k + 8 * (i >> 1), 64);
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
                  "r"(r0), "r"(r1), "r"(r2), "r"(r3)
                  : "memory");
@@ -135,7 +135,7 @@ __device__ __forceinline__ void finish_row(float m, float l, float& inv, float& 
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     inv = l == 0.f ? 0.f : 1.f / l;
-    lse = l == 0.f ? fa2::neg_inf() : (m == attncc::pos_inf() ? m : (m + __log2f(l)) * kLn2);
+    lse = l == 0.f ? common::neg_inf() : (m == attncc::pos_inf() ? m : (m + __log2f(l)) * kLn2);
   }
 }
 

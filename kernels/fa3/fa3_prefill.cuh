@@ -1,7 +1,7 @@
 // attncc FA3 prefill for sm_90a: TMA loads completed on mbarriers, wgmma tensor-core math, and
 // warp specialization (design by topic: docs/fa3.md). The default on sm_90 where it applies.
 // Self-contained: no #include. Comes after attncc_types.cuh, attention_params.cuh,
-// fa2_common.cuh, wgmma.cuh, tma.cuh, fa3_consumer.cuh (the consumer warpgroups' building
+// common.cuh, wgmma.cuh, tma.cuh, fa3_consumer.cuh (the consumer warpgroups' building
 // blocks and their pass over the K/V ring), fa3_store.cuh (the epilogue's stores) and
 // fa3_split.cuh (the split last round), and before
 // the generated Variant_<name> functors' entry point (ATTNCC_FA3_ENTRY at the bottom).
@@ -79,8 +79,11 @@ struct DenseItem {
 // with Q and O marked evict_first (tma.cuh's l2_evict_first). docs/fa3.md, "Persistent
 // scheduling, item order and L2 sections". The sections need the dynamic order below when item
 // lengths differ (a block mask), which next_item gives. 0: no sections.
+// The default is attncc.codegen.constants.L2_SECTION_BYTES (static_asserted in every unit). A
+// macro, not a constexpr: a namespace-scope constexpr would add a symbol to every cubin.
+#define ATTNCC_FA3_L2_SECTION_BYTES_DEFAULT (12 << 20)
 #ifndef ATTNCC_FA3_L2_SECTION_BYTES
-#define ATTNCC_FA3_L2_SECTION_BYTES (12 << 20)
+#define ATTNCC_FA3_L2_SECTION_BYTES ATTNCC_FA3_L2_SECTION_BYTES_DEFAULT
 #endif
 
 // Item w of B * Hq * nqb: sections of sec head slots each (a slot is b * Hq + hq; whole GQA
@@ -121,11 +124,11 @@ __device__ __forceinline__ DenseItem dense_item(const attncc::AttentionParams& p
 
 // The item's K/V tiles: every tile of [0, kv_len), or the block mask's lists for its query block.
 template <int TKV>
-__device__ __forceinline__ fa2::TileList item_tiles(const attncc::AttentionParams& p,
+__device__ __forceinline__ common::TileList item_tiles(const attncc::AttentionParams& p,
                                                     const DenseItem& it) {
-  fa2::TileList tiles;
+  common::TileList tiles;
   if (p.kv_num_blocks == nullptr) {
-    tiles = fa2::TileList{nullptr, nullptr, (p.kv_len + TKV - 1) / TKV, 0, 1, TKV, TKV, 0};
+    tiles = common::TileList{nullptr, nullptr, (p.kv_len + TKV - 1) / TKV, 0, 1, TKV, TKV, 0};
     tiles.count = tiles.n_partial;
     return tiles;
   }
@@ -159,7 +162,7 @@ __device__ __forceinline__ int next_item(int k, int num_items, int* counter) {
   return w < num_items ? w : -1;
 }
 
-// CTA pairs (the ATTNCC_FA3_PAIRED form, fa3_consumer.cuh; fa3_pairs in runtime/flex/gpu_flex.py
+// CTA pairs (the paired form, fa3_consumer.cuh; fa3_pairs in runtime/flex/gpu_flex.py
 // launches it in clusters of two for full-length items -- no block mask -- with an even number
 // of query blocks per head, by default up to 8192 keys, and no split tail; docs/fa3.md, "CTA
 // pairs"):
@@ -190,14 +193,14 @@ struct ItemSlot {
   UnitRange range;
   int pending;
 };
-__device__ __forceinline__ void publish_item(fa2_u32 slot, const DenseItem& it,
+__device__ __forceinline__ void publish_item(u32 slot, const DenseItem& it,
                                              const UnitRange& u, int pending) {
   asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "r"(it.b), "r"(it.hq),
                "r"(it.h_kv), "r"(it.q0) : "memory");
   asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot + 16), "r"(u.first),
                "r"(u.count), "r"(u.part), "r"(pending) : "memory");
 }
-__device__ __forceinline__ ItemSlot read_slot(fa2_u32 slot) {
+__device__ __forceinline__ ItemSlot read_slot(u32 slot) {
   ItemSlot v;
   asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(v.item.b), "=r"(v.item.hq), "=r"(v.item.h_kv), "=r"(v.item.q0)
@@ -207,7 +210,7 @@ __device__ __forceinline__ ItemSlot read_slot(fa2_u32 slot) {
                : "r"(slot + 16));
   return v;
 }
-__device__ __forceinline__ int pending_piece(fa2_u32 slot) {
+__device__ __forceinline__ int pending_piece(u32 slot) {
   int v;
   asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(v) : "r"(slot + 28));
   return v;
@@ -233,10 +236,10 @@ struct TileMeta {
     return {2 * kv0 + (int)full};
   }
 };
-__device__ __forceinline__ void put_meta(fa2_u32 at, TileMeta m) {
+__device__ __forceinline__ void put_meta(u32 at, TileMeta m) {
   asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(at), "r"(m.bits) : "memory");
 }
-__device__ __forceinline__ TileMeta get_meta(fa2_u32 at) {
+__device__ __forceinline__ TileMeta get_meta(u32 at) {
   TileMeta m;
   asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(m.bits) : "r"(at));
   return m;
@@ -245,7 +248,7 @@ __device__ __forceinline__ TileMeta get_meta(fa2_u32 at) {
 // The item's Q tile (both consumers' 64 rows from map row q_row0 on) into shared memory at sq,
 // completing q_full; read once, so marked L2 evict_first (tma.cuh).
 template <int D>
-__device__ __forceinline__ void load_q(fa2_u32 sq, const void* tm_q, fa2_u32 q_full,
+__device__ __forceinline__ void load_q(u32 sq, const void* tm_q, u32 q_full,
                                        int q_row0) {
   constexpr int BLOCKS = D / 64;
   tma::mbar_arrive_expect_tx(q_full, kConsumers * BLOCKS * kBoxBytes);
@@ -253,7 +256,7 @@ __device__ __forceinline__ void load_q(fa2_u32 sq, const void* tm_q, fa2_u32 q_f
   for (int c = 0; c < kConsumers; ++c)
 #pragma unroll
     for (int blk = 0; blk < BLOCKS; ++blk) {
-      const fa2_u32 dst = sq + (c * BLOCKS + blk) * kBoxBytes;
+      const u32 dst = sq + (c * BLOCKS + blk) * kBoxBytes;
       tma::load_2d_hint(dst, tm_q, q_full, 64 * blk, q_row0 + 64 * c, tma::l2_evict_first());
     }
 }
@@ -264,13 +267,13 @@ __device__ __forceinline__ void load_q(fa2_u32 sq, const void* tm_q, fa2_u32 q_f
 // each CTA's full barrier expects the whole tile. Its own loop, apart from the split-tail one
 // below: with the pieces' bookkeeping in the same loop the 24-register producer spilled.
 template <int D, int TKV, int STAGES>
-__device__ __forceinline__ void produce_pairs(const attncc::AttentionParams& p, fa2_u32 base) {
+__device__ __forceinline__ void produce_pairs(const attncc::AttentionParams& p, u32 base) {
   using S = Smem<D, TKV, STAGES>;
   constexpr int BLOCKS = D / 64;
-  const fa2_u32 full_bar = base + S::kBar, empty_bar = full_bar + 8 * STAGES;
-  const fa2_u32 q_full = full_bar + 16 * STAGES, q_empty = q_full + 8;
+  const u32 full_bar = base + S::kBar, empty_bar = full_bar + 8 * STAGES;
+  const u32 q_full = full_bar + 16 * STAGES, q_empty = q_full + 8;
   const bool v_half = tma::cluster_rank() & 1;
-  const fa2_u32 ring = base + (v_half ? S::kV : S::kK);  // where this CTA's half lands
+  const u32 ring = base + (v_half ? S::kV : S::kK);  // where this CTA's half lands
   const void* tm_kv = reinterpret_cast<const unsigned char*>(p.tma) + (v_half ? 256 : 128);
   // (computed here from p, not passed in: values shared with the other producer loop stayed
   // live through the kernel's prologue and spilled that loop's 24 registers)
@@ -296,7 +299,7 @@ __device__ __forceinline__ void produce_pairs(const attncc::AttentionParams& p, 
     for (int kv0 = 0; kv0 < p.kv_len; kv0 += TKV, ++tile) {  // (p.kv_len: no register)
       const int st = tile % STAGES;
       if (tile >= STAGES) tma::mbar_wait(empty_bar + 8 * st, ((tile / STAGES) - 1) & 1);
-      const fa2_u32 full = full_bar + 8 * st;
+      const u32 full = full_bar + 8 * st;
       // (each CTA's consumers read their own; addressed from `full`: a register of its own for
       // the address spilled the 24-register producer 8 B)
       put_meta(full + (S::kMeta - S::kBar), TileMeta::of(kv0, false));
@@ -308,6 +311,92 @@ __device__ __forceinline__ void produce_pairs(const attncc::AttentionParams& p, 
           tma::load_2d_multicast(ring + st * S::kKvTileBytes + blk * S::kKvBlockBytes +
                                      h * kBoxBytes, tm_kv, full, 64 * blk,
                                  kv_row0 + kv0 + 64 * h, 3);
+    }
+  }
+}
+
+// What the producer of unpaired CTAs works with, computed once in the kernel's prologue (shared
+// memory addresses, the q/k/v tensor maps, the problem's sizes).
+struct ProducerView {
+  u32 sq, sk, sv, full_bar, empty_bar, q_full, q_empty, item_slot, tail_at;
+  const void* tm_q;
+  const void* tm_k;
+  const void* tm_v;
+  int q_len, kv_len, nqb, num_items;
+};
+
+// The producer of unpaired CTAs (one thread): claims units -- whole items, then (with a split
+// tail, fa3_split.cuh) pieces -- publishes each in the item slot, loads its Q once the consumers
+// released the last one, and streams its K/V tiles into the ring as stages free up.
+template <int D, int TKV, int STAGES>
+__device__ __forceinline__ void produce_items(const attncc::AttentionParams& p,
+                                              const ProducerView& v) {
+  using S = Smem<D, TKV, STAGES>;
+  constexpr int BLOCKS = D / 64;
+  const u32 sq = v.sq, sk = v.sk, sv = v.sv, full_bar = v.full_bar, empty_bar = v.empty_bar;
+  const u32 q_full = v.q_full, q_empty = v.q_empty, item_slot = v.item_slot, tail_at = v.tail_at;
+  const void* tm_q = v.tm_q;
+  const void* tm_k = v.tm_k;
+  const void* tm_v = v.tm_v;
+  const int q_len = v.q_len, kv_len = v.kv_len, nqb = v.nqb, num_items = v.num_items;
+  int tile = 0;  // tiles issued by this CTA so far: stage tile % STAGES, phase tile / STAGES
+  // the list's entries: whole items, then (with a split tail, fa3_split.cuh) pieces; a piece
+  // of two units runs its second (`pending`, noted in the item slot) before the next claim
+#pragma unroll 1
+  for (int k = 0;; ++k) {  // k: units (items, or parts of them) run by this CTA so far
+    // one item per CTA at D = 256: its consumers never hand Q back, and stop by themselves
+    if (!kPersistentHeadDim<D> && k > 0) break;
+    const TailSplit tail = get_tail(tail_at);
+    // the last unit's note (the slot is unchanged until this iteration publishes)
+    const int pending = k > 0 ? pending_piece(item_slot) : -1;
+    const int side = pending >= 0 ? 1 : 0;
+    // (the CTA's first unit is its first claim: next_item's k == 0)
+    const int w = side ? pending : next_item(k, tail.entries(num_items), p.item_counter);
+    // Q of this item (and the item in item_slot) once both consumers are done with the last
+    // one's: they read the slot before they release Q
+    if (k > 0) tma::mbar_wait(q_empty, (k - 1) & 1);
+    if (w < 0) {  // no more items: an arrival without bytes wakes the consumers to stop
+      publish_item(item_slot, DenseItem{-1, 0, 0, 0}, UnitRange{0, -1, -1}, -1);
+      tma::mbar_arrive(q_full);
+      break;
+    }
+    UnitRange u{0, -1, -1};  // the whole item
+    int item = w, next_piece = -1;
+    if (w >= tail.first) {  // a piece of the split tail: unit `side` of piece w - tail.first
+      int t;
+      tail.unit(w - tail.first, side, t, u);
+      item = tail.first + t;
+      UnitRange next;
+      if (side == 0 && tail.unit(w - tail.first, 1, t, next)) next_piece = w;
+    }
+    const DenseItem it = dense_item<D>(p, item, nqb);
+    common::TileList tiles = item_tiles<TKV>(p, it);
+    if (u.count >= 0) tiles.count = u.count;
+    const int q_row0 = (it.b * p.num_q_heads + it.hq) * q_len + it.q0;  // map row of q0
+    // map row of the unit's key 0 (a tail piece's first tile: dense items only)
+    const int kv_row0 = (it.b * p.num_kv_heads + it.h_kv) * kv_len + u.first * TKV;
+    // released to the consumers by the q_full arrival, with the unit's resolved tile count
+    publish_item(item_slot, it, UnitRange{u.first, tiles.count, u.part}, next_piece);
+    load_q<D>(sq, tm_q, q_full, q_row0);
+#pragma unroll 1
+    for (int i = 0; i < tiles.count; ++i, ++tile) {
+      const int st = tile % STAGES;
+      // refill stage st once every consumer warp released its previous tile (tile - STAGES):
+      // that was phase (tile / STAGES - 1) of the stage's empty barrier
+      if (tile >= STAGES) tma::mbar_wait(empty_bar + 8 * st, ((tile / STAGES) - 1) & 1);
+      bool f;
+      const int kv0 = tiles.start(i, f);
+      const u32 full = full_bar + 8 * st;
+      put_meta(full + (S::kMeta - S::kBar), TileMeta::of(kv0, f));  // published by the arrival
+      tma::mbar_arrive_expect_tx(full, 2 * S::kKvTileBytes);
+#pragma unroll
+      for (int blk = 0; blk < BLOCKS; ++blk)
+#pragma unroll
+        for (int h = 0; h < TKV / 64; ++h) {
+          const u32 off = st * S::kKvTileBytes + blk * S::kKvBlockBytes + h * kBoxBytes;
+          tma::load_2d(sk + off, tm_k, full, 64 * blk, kv_row0 + kv0 + 64 * h);
+          tma::load_2d(sv + off, tm_v, full, 64 * blk, kv_row0 + kv0 + 64 * h);
+        }
     }
   }
 }
@@ -333,7 +422,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   // nothing to overlap), not with an output transform (O is staged in the Q tile then), and
   // not in the low-pressure form (its variants spilled 8 bytes with it: document_causal D 128).
   constexpr bool kBulkO = kPersistentHeadDim<D> && TKV == 128 &&
-                          !Variant::has_output_transform && !ATTNCC_FA3_LOW_PRESSURE;
+                          !Variant::has_output_transform && !form::low_pressure();
   static_assert(!kBulkO || S::kKvTileBytes >= kTQ * 2 * D, "O does not fit in a K tile");
   // The split tail (fa3_split.cuh): for persistent CTAs, where a unit's state is softmax
   // statistics and nothing is staged in Q after the loop.
@@ -352,12 +441,12 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   // the 128-byte swizzle works on absolute address bits: align the tiles to 1024 bytes
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<unsigned long long>(attncc_fa3_smem_raw) + 1023) & ~1023ull);
-  const fa2_u32 base = fa2::smem_addr(smem);
-  const fa2_u32 sq = base + S::kQ, sk = base + S::kK, sv = base + S::kV;
-  const fa2_u32 full_bar = base + S::kBar;               // + 8*s: stage s landed
-  const fa2_u32 empty_bar = full_bar + 8 * STAGES;       // + 8*s: stage s read by every consumer
-  const fa2_u32 q_full = full_bar + 16 * STAGES, q_empty = q_full + 8;
-  const fa2_u32 item_slot = base + S::kItem, tail_at = base + S::kTail;
+  const u32 base = common::smem_addr(smem);
+  const u32 sq = base + S::kQ, sk = base + S::kK, sv = base + S::kV;
+  const u32 full_bar = base + S::kBar;               // + 8*s: stage s landed
+  const u32 empty_bar = full_bar + 8 * STAGES;       // + 8*s: stage s read by every consumer
+  const u32 q_full = full_bar + 16 * STAGES, q_empty = q_full + 8;
+  const u32 item_slot = base + S::kItem, tail_at = base + S::kTail;
   const void* tm_q = p.tma;
   const void* tm_k = reinterpret_cast<const unsigned char*>(p.tma) + 128;
   const void* tm_v = reinterpret_cast<const unsigned char*>(p.tma) + 256;
@@ -386,73 +475,16 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
       return;
     }
     if (tid != 0) return;
-    int tile = 0;  // tiles issued by this CTA so far: stage tile % STAGES, phase tile / STAGES
-    // the list's entries: whole items, then (with a split tail, fa3_split.cuh) pieces; a piece
-    // of two units runs its second (`pending`, noted in the item slot) before the next claim
-#pragma unroll 1
-    for (int k = 0;; ++k) {  // k: units (items, or parts of them) run by this CTA so far
-      // one item per CTA at D = 256: its consumers never hand Q back, and stop by themselves
-      if (!kPersistentHeadDim<D> && k > 0) break;
-      const TailSplit tail = get_tail(tail_at);
-      // the last unit's note (the slot is unchanged until this iteration publishes)
-      const int pending = k > 0 ? pending_piece(item_slot) : -1;
-      const int side = pending >= 0 ? 1 : 0;
-      // (the CTA's first unit is its first claim: next_item's k == 0)
-      const int w = side ? pending : next_item(k, tail.entries(num_items), p.item_counter);
-      // Q of this item (and the item in item_slot) once both consumers are done with the last
-      // one's: they read the slot before they release Q
-      if (k > 0) tma::mbar_wait(q_empty, (k - 1) & 1);
-      if (w < 0) {  // no more items: an arrival without bytes wakes the consumers to stop
-        publish_item(item_slot, DenseItem{-1, 0, 0, 0}, UnitRange{0, -1, -1}, -1);
-        tma::mbar_arrive(q_full);
-        break;
-      }
-      UnitRange u{0, -1, -1};  // the whole item
-      int item = w, next_piece = -1;
-      if (w >= tail.first) {  // a piece of the split tail: unit `side` of piece w - tail.first
-        int t;
-        tail.unit(w - tail.first, side, t, u);
-        item = tail.first + t;
-        UnitRange next;
-        if (side == 0 && tail.unit(w - tail.first, 1, t, next)) next_piece = w;
-      }
-      const DenseItem it = dense_item<D>(p, item, nqb);
-      fa2::TileList tiles = item_tiles<TKV>(p, it);
-      if (u.count >= 0) tiles.count = u.count;
-      const int q_row0 = (it.b * p.num_q_heads + it.hq) * q_len + it.q0;  // map row of q0
-      // map row of the unit's key 0 (a tail piece's first tile: dense items only)
-      const int kv_row0 = (it.b * p.num_kv_heads + it.h_kv) * kv_len + u.first * TKV;
-      // released to the consumers by the q_full arrival, with the unit's resolved tile count
-      publish_item(item_slot, it, UnitRange{u.first, tiles.count, u.part}, next_piece);
-      load_q<D>(sq, tm_q, q_full, q_row0);
-#pragma unroll 1
-      for (int i = 0; i < tiles.count; ++i, ++tile) {
-        const int st = tile % STAGES;
-        // refill stage st once every consumer warp released its previous tile (tile - STAGES):
-        // that was phase (tile / STAGES - 1) of the stage's empty barrier
-        if (tile >= STAGES) tma::mbar_wait(empty_bar + 8 * st, ((tile / STAGES) - 1) & 1);
-        bool f;
-        const int kv0 = tiles.start(i, f);
-        const fa2_u32 full = full_bar + 8 * st;
-        put_meta(full + (S::kMeta - S::kBar), TileMeta::of(kv0, f));  // published by the arrival
-        tma::mbar_arrive_expect_tx(full, 2 * S::kKvTileBytes);
-#pragma unroll
-        for (int blk = 0; blk < BLOCKS; ++blk)
-#pragma unroll
-          for (int h = 0; h < TKV / 64; ++h) {
-            const fa2_u32 off = st * S::kKvTileBytes + blk * S::kKvBlockBytes + h * kBoxBytes;
-            tma::load_2d(sk + off, tm_k, full, 64 * blk, kv_row0 + kv0 + 64 * h);
-            tma::load_2d(sv + off, tm_v, full, 64 * blk, kv_row0 + kv0 + 64 * h);
-          }
-      }
-    }
+    const ProducerView view{sq,      sk,   sv,   full_bar, empty_bar, q_full, q_empty, item_slot,
+                            tail_at, tm_q, tm_k, tm_v,     q_len,     kv_len, nqb,     num_items};
+    produce_items<D, TKV, STAGES>(p, view);
     return;
   }
 
   // ---- consumers: warpgroup wg owns query rows [q0 + 64 (wg - 1), +64) of each item ----------
   wg::setmaxnreg_inc<kConsumerRegs>();
   if constexpr (paired_ctas()) tma::cluster_sync();  // (see the producer's)
-  const fa2_u32 sq_w = sq + (wg - 1) * BLOCKS * kBoxBytes;
+  const u32 sq_w = sq + (wg - 1) * BLOCKS * kBoxBytes;
   const float qk_scale = (kSoftmax && !Variant::has_logits_transform) ? p.sm_scale * kLog2e
                                                                       : p.sm_scale;
   const Ring ring{sk, sv, full_bar, empty_bar, S::kKvTileBytes, STAGES};
@@ -467,7 +499,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
            v4_aligned(p.o, p.o_stride_s | p.o_stride_h | p.o_stride_b);
   };
   HeldStage held;  // kBulkO: the stage holding this warp's rows of the last item's O
-  const fa2_u32 meta_at = base + S::kMeta;
+  const u32 meta_at = base + S::kMeta;
   // the CTA's k-th unit: item `it` (its Q has landed) over tiles `u` (UnitRange; the producer
   // resolved its count, except a CTA pair's: all of the keys), its K/V tiles from ring tile
   // `tile` on, each described by its stage's TileMeta
@@ -475,14 +507,14 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     const int n = paired_ctas() ? (kv_len + TKV - 1) / TKV : u.count;
     const int kv_skip = u.first * TKV, part = u.part;
     // the lists, for the forms that read them (kListTiles below; elsewhere its loads are dead)
-    const fa2::TileList tiles = item_tiles<TKV>(p, it);
+    const common::TileList tiles = item_tiles<TKV>(p, it);
     const int b = it.b, hq = it.hq, q0 = it.q0;
     float o[BLOCKS][32];
 #pragma unroll
     for (int blk = 0; blk < BLOCKS; ++blk)
 #pragma unroll
       for (int i = 0; i < 32; ++i) o[blk][i] = 0.f;
-    float row_m[2] = {fa2::neg_inf(), fa2::neg_inf()}, row_l[2] = {0.f, 0.f};
+    float row_m[2] = {common::neg_inf(), common::neg_inf()}, row_l[2] = {0.f, 0.f};
     // query position of this thread's first row
     const int r_lo = q0 + 64 * (wg - 1) + 16 * warp + (lane >> 2);
     // every row of the tile is a real query: tiles inside kv_len need no bounds checks
@@ -594,7 +626,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
       // the map's [B, H, q_len, D] tensor and are not written. The stage stays held until those
       // stores have read it (HeldStage::settle, during the next item's first S GEMM).
       tma::mbar_wait(q_empty, k & 1);
-      const fa2_u32 rows = ring.k_of(tile - 1) + (wg - 1) * 64 * 2 * D;
+      const u32 rows = ring.k_of(tile - 1) + (wg - 1) * 64 * 2 * D;
       const int row0 = q0 + 64 * (wg - 1);  // the warpgroup's first query
       stage_rows_sw<DType, D>(o, inv, rows);
       wg::fence_proxy_async();

@@ -6,7 +6,7 @@
 // overlap they implement; fa3_batch.cuh runs the same pass over a plan's work units.
 //
 // Self-contained: no #include. Comes after attncc_types.cuh, attention_params.cuh,
-// fa2_common.cuh, wgmma.cuh and tma.cuh, and before fa3_store.cuh.
+// common.cuh, wgmma.cuh and tma.cuh, and before fa3_store.cuh.
 #ifndef ATTNCC_FA3_CONSUMER_CUH
 #define ATTNCC_FA3_CONSUMER_CUH
 
@@ -22,8 +22,6 @@
 namespace attncc {
 namespace fa3 {
 
-using fa2::fa2_u16;
-using fa2::fa2_u32;
 
 constexpr int kConsumers = 2;          // consumer warpgroups, 64 query rows each
 constexpr int kTQ = 64 * kConsumers;    // query rows per CTA
@@ -107,8 +105,8 @@ struct Turns {
 // 128-byte rows into each column block); the other half keeps whatever it held, which the band
 // mask then sets to -inf. 0: the whole tile.
 template <typename DType, int D, int TKV, int HALF = 0>
-__device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], wg::DescWords q, fa2_u32 sk_tile) {
-  constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
+__device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], wg::DescWords q, u32 sk_tile) {
+  constexpr bool F16 = !common::ElemTraits<DType>::kIsBf16;
   static_assert(HALF == 0 || (TKV == 128 && (HALF == 1 || HALF == 2)),
                 "half 1 (keys 0..63) or 2 (keys 64..127) of a 128-key tile");
   asm volatile("" : "+r"(q.lo), "+r"(q.hi));
@@ -117,7 +115,7 @@ __device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], wg::DescWords q, f
                                           1024);
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
-    const fa2_u32 inner = (ks & 3) * 32;
+    const u32 inner = (ks & 3) * 32;
     const wg::u64 a = wg::desc_u64(wg::desc_plus(q, (ks >> 2) * kBoxBytes + inner));
     const wg::u64 k = wg::desc_u64(wg::desc_plus(k0, (ks >> 2) * TKV * 128 + inner));
     if constexpr (HALF > 0) {
@@ -136,9 +134,9 @@ __device__ __forceinline__ void issue_qk(float (&s)[TKV / 2], wg::DescWords q, f
 // rows 16kk.. of column block blk are N-major, 8-row groups SBO = 1024 bytes apart) and commit.
 // HALF 1 / 2 (TKV = 128): only the k-steps of keys 0..63 / 64..127 (issue_qk's HALF).
 template <typename DType, int D, int TKV, int HALF = 0>
-__device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (&pa)[TKV / 16][4],
-                                         fa2_u32 sv_tile) {
-  constexpr bool F16 = !fa2::ElemTraits<DType>::kIsBf16;
+__device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const u32 (&pa)[TKV / 16][4],
+                                         u32 sv_tile) {
+  constexpr bool F16 = !common::ElemTraits<DType>::kIsBf16;
   constexpr int KK0 = HALF > 0 ? (HALF - 1) * TKV / 32 : 0;
   constexpr int KK1 = HALF > 0 ? HALF * TKV / 32 : TKV / 16;
   const wg::DescWords v0 = wg::desc_words(sv_tile, ATTNCC_FA3_V_LBO, ATTNCC_FA3_V_SBO);
@@ -152,13 +150,11 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (
   wg::commit();
 }
 
-// ATTNCC_FA3_LOW_PRESSURE: the runtime compiles each FA3 kernel as it is first and, only if ptxas
-// spills, again with this defined to 1 (runtime/jit/policy.py compile_fa3). The low-pressure form
-// (the mask evaluated unconditionally, a score_mod's logits key-outer) needs fewer registers but
-// is slower as the only form (docs/fa3.md, "Low-pressure form and the spill policy").
-#ifndef ATTNCC_FA3_LOW_PRESSURE
-#define ATTNCC_FA3_LOW_PRESSURE 0
-#endif
+// form::low_pressure() (codegen's low_pressure=True): the runtime compiles each FA3 kernel as it
+// is first and, only if ptxas spills, again in this form (runtime/jit/policy.py compile_fa3). The
+// low-pressure form (the mask evaluated unconditionally, a score_mod's logits key-outer) needs
+// fewer registers but is slower as the only form (docs/fa3.md, "Low-pressure form and the spill
+// policy").
 
 // Whether softmax_step applies the logits scale itself (softmax variants without a score_mod,
 // whose logits are just S * scale): apply_logits then leaves S unscaled and each element's
@@ -166,7 +162,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 64][32], const fa2_u32 (
 // Not in the low-pressure form (document_mask D 64 spilled 24 bytes there with it).
 template <typename Variant>
 __device__ __forceinline__ constexpr bool folds_scale() {
-  return Variant::use_softmax && !Variant::has_logits_transform && !ATTNCC_FA3_LOW_PRESSURE;
+  return Variant::use_softmax && !Variant::has_logits_transform && !form::low_pressure();
 }
 
 // Logits of one tile in place: scale, the variant's hooks, the mask. Each thread holds two rows
@@ -184,7 +180,7 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
                                              int kv_len, int kv_pos0, bool is_full) {
   constexpr bool kSoftmax = Variant::use_softmax;
   constexpr bool kClamp = CHECKED && Variant::loads_at_positions;
-  const float masked = kSoftmax ? fa2::neg_inf() : 0.f;
+  const float masked = kSoftmax ? common::neg_inf() : 0.f;
   const int lane = threadIdx.x & 31;
   // kOneHead (the dense kernel): both rows are head hq[0], at positions qi[0] and qi[0] + 8.
   // Spelled so in the score_mod loop, a per-head load (ALiBi's slope) has one address and
@@ -197,7 +193,7 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
   // allocates them differently): a variant with a score_mod runs the plain nested loop below;
   // mask-only variants, and every variant's low-pressure form, run the lambda
   // (docs/journal/2026-12-01.md, "a shared-counter scheduler (reverted), FA3 spill-free").
-  if constexpr (Variant::has_logits_transform && !ATTNCC_FA3_LOW_PRESSURE) {
+  if constexpr (Variant::has_logits_transform && !form::low_pressure()) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
 #pragma unroll
@@ -234,7 +230,7 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
       if constexpr (CHECKED) {
         if (!row_ok[hr] || (unsigned)kv >= (unsigned)kv_len) sc = masked;
         if constexpr (Variant::has_logits_mask) {
-          if constexpr (ATTNCC_FA3_LOW_PRESSURE) {
+          if constexpr (form::low_pressure()) {
             // evaluated whether or not the tile is full (then ignored): behind the is_full
             // branch each element's loads sat in a block of their own and were not shared
             // (document_causal loaded its row's and its key's doc id once per element, 128
@@ -289,7 +285,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[TKV / 2], float (&row_m)
     scale = 1.f;
   } else if (!(scale > 0.f)) {
 #pragma unroll
-    for (int i = 0; i < TKV / 2; ++i) s[i] = s[i] == fa2::neg_inf() ? s[i] : s[i] * scale;
+    for (int i = 0; i < TKV / 2; ++i) s[i] = s[i] == common::neg_inf() ? s[i] : s[i] * scale;
     scale = 1.f;
   }
 #pragma unroll
@@ -298,25 +294,25 @@ __device__ __forceinline__ void softmax_step(float (&s)[TKV / 2], float (&row_m)
     float v[TKV / 8];
 #pragma unroll
     for (int j = 0; j < TKV / 8; ++j)
-      v[j] = fa2::fmax_nan(s[4 * j + 2 * hr], s[4 * j + 2 * hr + 1]);
+      v[j] = common::fmax_nan(s[4 * j + 2 * hr], s[4 * j + 2 * hr + 1]);
 #pragma unroll
     for (int step = 1; step < TKV / 8; step *= 2)
 #pragma unroll
-      for (int j = 0; j + step < TKV / 8; j += 2 * step) v[j] = fa2::fmax_nan(v[j], v[j + step]);
+      for (int j = 0; j + step < TKV / 8; j += 2 * step) v[j] = common::fmax_nan(v[j], v[j + step]);
     // NaN-keeping maxima: a NaN logit makes the row's maximum NaN (and its LSE, as torch)
-    float mx = fa2::fmax_nan(v[0], __shfl_xor_sync(0xffffffffu, v[0], 1));
-    mx = fa2::fmax_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    mx = fa2::fmax_nan(mx * scale, row_m[hr]);  // (-inf * scale = -inf)
+    float mx = common::fmax_nan(v[0], __shfl_xor_sync(0xffffffffu, v[0], 1));
+    mx = common::fmax_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    mx = common::fmax_nan(mx * scale, row_m[hr]);  // (-inf * scale = -inf)
     const float m_new = !(mx <= row_m[hr] + kLazy) ? mx : row_m[hr];  // (a NaN max is taken)
-    const float m_use = (m_new == fa2::neg_inf()) ? 0.f : m_new;  // a fully masked row so far
-    corr[hr] = fa2::fast_exp2(row_m[hr] - m_use);  // 1 while the maximum stays
+    const float m_use = (m_new == common::neg_inf()) ? 0.f : m_new;  // a fully masked row so far
+    corr[hr] = common::fast_exp2(row_m[hr] - m_use);  // 1 while the maximum stays
     row_m[hr] = m_new;
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < TKV / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float pe = fa2::fast_exp2(fmaf(s[4 * j + 2 * hr + e], scale, -m_use));
+        const float pe = common::fast_exp2(fmaf(s[4 * j + 2 * hr + e], scale, -m_use));
         s[4 * j + 2 * hr + e] = pe;
         sum += pe;
       }
@@ -334,7 +330,7 @@ template <typename Variant, int TKV>
 __device__ __forceinline__ void mask_band(float (&s)[TKV / 2], const int (&qi)[2], int kv) {
   constexpr bool kLo = Variant::kv_window_lo > -(1LL << 40);  // (unbounded: -+2^62)
   constexpr bool kHi = Variant::kv_window_hi < (1LL << 40);
-  const float masked = Variant::use_softmax ? fa2::neg_inf() : 0.f;
+  const float masked = Variant::use_softmax ? common::neg_inf() : 0.f;
   const int lane_kv = kv + 2 * (threadIdx.x & 3);  // the key of this lane's column 0
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
@@ -395,11 +391,11 @@ __device__ __forceinline__ void rescale(float (&o)[D / 64][32], const float (&co
 
 // P as 16-bit A fragments: k-step kk takes S's columns 16kk .. 16kk+15 (mma.sync's A layout).
 template <typename DType, int TKV>
-__device__ __forceinline__ void pack_p(fa2_u32 (&pa)[TKV / 16][4], const float (&s)[TKV / 2]) {
+__device__ __forceinline__ void pack_p(u32 (&pa)[TKV / 16][4], const float (&s)[TKV / 2]) {
 #pragma unroll
   for (int kk = 0; kk < TKV / 16; ++kk)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) pa[kk][r] = fa2::pack2<DType>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+    for (int r = 0; r < 4; ++r) pa[kk][r] = common::pack2<DType>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
 }
 
 // ---- row transforms (query/key/value/output hooks) on 128B-swizzled tiles ----------------------
@@ -408,28 +404,28 @@ __device__ __forceinline__ void pack_p(fa2_u32 (&pa)[TKV / 16][4], const float (
 // tiles are the TMA/wgmma layout (wgmma.cuh's sw128_offset, ROWS rows per column block); the
 // writes are generic-proxy stores, so whoever wrote must fence.proxy.async before a barrier that
 // precedes the wgmma (async proxy) reading the tile.
-__device__ __forceinline__ fa2_u16 lds_u16(fa2_u32 addr) {
-  fa2_u16 v;
+__device__ __forceinline__ u16 lds_u16(u32 addr) {
+  u16 v;
   asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr) : "memory");
   return v;
 }
-__device__ __forceinline__ void sts_u16(fa2_u32 addr, fa2_u16 v) {
+__device__ __forceinline__ void sts_u16(u32 addr, u16 v) {
   asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(v) : "memory");
 }
 
 // Row `row` of a swizzled tile at shared address `tile`, as the transforms' `Vec`.
 template <typename DType, int ROWS>
 struct SwRow {
-  fa2_u32 tile;
+  u32 tile;
   int row;
   __device__ __forceinline__ float operator[](int d) const {
-    return fa2::elem_to_float<DType>(lds_u16(tile + wg::sw128_offset(row, d, ROWS)));
+    return common::elem_to_float<DType>(lds_u16(tile + wg::sw128_offset(row, d, ROWS)));
   }
 };
 
 // f(row_view, d) -> float applied to every element of the row, by one warp.
 template <typename DType, int D, int ROWS, typename F>
-__device__ __forceinline__ void transform_sw_row(fa2_u32 tile, int row, F&& f) {
+__device__ __forceinline__ void transform_sw_row(u32 tile, int row, F&& f) {
   static_assert(D % 32 == 0, "head dim must be a multiple of 32");
   const int lane = threadIdx.x & 31;
   const SwRow<DType, ROWS> view{tile, row};
@@ -439,7 +435,7 @@ __device__ __forceinline__ void transform_sw_row(fa2_u32 tile, int row, F&& f) {
   __syncwarp();
 #pragma unroll
   for (int j = 0; j < D / 32; ++j)
-    sts_u16(tile + wg::sw128_offset(row, lane + 32 * j, ROWS), fa2::float_to_elem<DType>(vals[j]));
+    sts_u16(tile + wg::sw128_offset(row, lane + 32 * j, ROWS), common::float_to_elem<DType>(vals[j]));
   __syncwarp();
 }
 
@@ -456,7 +452,7 @@ __device__ __forceinline__ void consumers_sync() {
 // hook(row_view, hq, qi, d) on this warp's 16 rows (16 * warp ..) of a warpgroup's 64-row tile,
 // skipping the rows row_at(r, hq, qi) says are not real queries.
 template <typename DType, int D, typename RowAt, typename Hook>
-__device__ __forceinline__ void transform_warp_rows(fa2_u32 tile, RowAt&& row_at, Hook&& hook) {
+__device__ __forceinline__ void transform_warp_rows(u32 tile, RowAt&& row_at, Hook&& hook) {
   const int warp = (threadIdx.x >> 5) & 3;
 #pragma unroll 1
   for (int r = 16 * warp; r < 16 * warp + 16; ++r) {
@@ -472,7 +468,7 @@ __device__ __forceinline__ void transform_warp_rows(fa2_u32 tile, RowAt&& row_at
 // hq, qi) says whether row r is a real query and gives its head and position. Ends with the
 // fence and warpgroup barrier that publish the rows to the S wgmma.
 template <typename Variant, typename DType, int D, typename RowAt>
-__device__ __forceinline__ void transform_q(const typename Variant::Params& vp, fa2_u32 sq_w,
+__device__ __forceinline__ void transform_q(const typename Variant::Params& vp, u32 sq_w,
                                             int b, int me, RowAt&& row_at) {
   transform_warp_rows<DType, D>(sq_w, row_at, [&](const SwRow<DType, 64>& q, int hq, int qi,
                                                   int d) {
@@ -486,8 +482,8 @@ __device__ __forceinline__ void transform_q(const typename Variant::Params& vp, 
 // kv + kv_pos0): consumer `me` takes half of the rows, keys at or past kv_end are left alone
 // (masked; the batch kernel zeroes those V rows). The caller fences and syncs the consumers.
 template <typename Variant, typename DType, int D, int TKV>
-__device__ __forceinline__ void transform_kv(const typename Variant::Params& vp, fa2_u32 k_tile,
-                                             fa2_u32 v_tile, int me, int b, int h_kv, int kv0,
+__device__ __forceinline__ void transform_kv(const typename Variant::Params& vp, u32 k_tile,
+                                             u32 v_tile, int me, int b, int h_kv, int kv0,
                                              int kv_end, int kv_pos0) {
   const int warp = (threadIdx.x >> 5) & 3;
 #pragma unroll 1
@@ -508,7 +504,7 @@ __device__ __forceinline__ void transform_kv(const typename Variant::Params& vp,
 // f(hr, blk, i, smem_addr) for each of this thread's accumulator elements of O: half-row hr,
 // o[blk][i], and the element's address in a 64-row swizzled tile at `tile`.
 template <int D, typename F>
-__device__ __forceinline__ void for_each_acc(fa2_u32 tile, F&& f) {
+__device__ __forceinline__ void for_each_acc(u32 tile, F&& f) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   const int r0 = 16 * warp + (lane >> 2);
 #pragma unroll
@@ -531,9 +527,9 @@ template <typename Variant, typename DType, int D, typename RowAt>
 __device__ __forceinline__ void stage_transform_o(const float (&o)[D / 64][32],
                                                   const float (&inv)[2],
                                                   const typename Variant::Params& vp,
-                                                  fa2_u32 stage, int b, RowAt&& row_at) {
-  for_each_acc<D>(stage, [&](int hr, int blk, int i, fa2_u32 addr) {
-    sts_u16(addr, fa2::float_to_elem<DType>(o[blk][i] * inv[hr]));
+                                                  u32 stage, int b, RowAt&& row_at) {
+  for_each_acc<D>(stage, [&](int hr, int blk, int i, u32 addr) {
+    sts_u16(addr, common::float_to_elem<DType>(o[blk][i] * inv[hr]));
   });
   __syncwarp();
   transform_warp_rows<DType, D>(stage, row_at, [&](const SwRow<DType, 64>& v, int hq, int qi,
@@ -546,7 +542,7 @@ __device__ __forceinline__ void stage_transform_o(const float (&o)[D / 64][32],
 // memory, 16 bytes per lane: row_ptr(r) is the output row of warpgroup row r (null: not a real
 // query). O's registers are dead by then, which keeps the D = 256 epilogue free of spills.
 template <typename DType, int D, typename RowPtr>
-__device__ __forceinline__ void store_staged_rows(fa2_u32 stage, RowPtr&& row_ptr) {
+__device__ __forceinline__ void store_staged_rows(u32 stage, RowPtr&& row_ptr) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
 #pragma unroll 1
@@ -567,11 +563,11 @@ __device__ __forceinline__ void store_staged_rows(fa2_u32 stage, RowPtr&& row_pt
 // stage_transform_o, then the rows read back into o (accumulator layout); inv becomes 1.
 template <typename Variant, typename DType, int D, typename RowAt>
 __device__ __forceinline__ void transform_o(float (&o)[D / 64][32], float (&inv)[2],
-                                            const typename Variant::Params& vp, fa2_u32 stage,
+                                            const typename Variant::Params& vp, u32 stage,
                                             int b, RowAt&& row_at) {
   stage_transform_o<Variant, DType, D>(o, inv, vp, stage, b, row_at);
-  for_each_acc<D>(stage, [&](int, int blk, int i, fa2_u32 addr) {
-    o[blk][i] = fa2::elem_to_float<DType>(lds_u16(addr));
+  for_each_acc<D>(stage, [&](int, int blk, int i, u32 addr) {
+    o[blk][i] = common::elem_to_float<DType>(lds_u16(addr));
   });
   inv[0] = inv[1] = 1.f;
 }
@@ -580,39 +576,36 @@ __device__ __forceinline__ void transform_o(float (&o)[D / 64][32], float (&inv)
 // at k + st * kKvTileBytes / v + ...; "full" barriers the copies complete, "empty" barriers each
 // consumer warp arrives on when it has read a stage. Tile t (counted across everything this
 // CTA ran) sits in stage t % STAGES, phase (t / STAGES) & 1.
-// ATTNCC_FA3_PAIRED 1: the dense kernel built to run as CTA pairs, launched by the host in
+// form::paired() (codegen's paired=True): the dense kernel built to run as CTA pairs, launched by the host in
 // clusters of two (fa3_prefill.cuh, tma.cuh; runtime/flex/gpu_flex.py compiles this form for the
 // launches that pair): both CTAs of a pair run the same K/V tiles, each tile is read from L2
 // once and multicast into both rings, so a stage is free only once the consumers of both CTAs
 // released it -- each warp's release arrives on its own CTA's empty barrier and on the peer's.
 // A compile-time form, not a runtime branch: the 24-register producer spilled with both loops.
-#ifndef ATTNCC_FA3_PAIRED
-#define ATTNCC_FA3_PAIRED 0
-#endif
-__device__ __forceinline__ constexpr bool paired_ctas() { return ATTNCC_FA3_PAIRED != 0; }
+__device__ __forceinline__ constexpr bool paired_ctas() { return form::paired(); }
 // `count` arrivals on the ring barrier `bar`, in this CTA and, when paired, in the peer CTA;
 // without a count, one (the plain local arrive, no count operand).
-__device__ __forceinline__ void arrive_both(fa2_u32 bar, unsigned count) {
+__device__ __forceinline__ void arrive_both(u32 bar, unsigned count) {
   tma::mbar_arrive_n(bar, count);
   if constexpr (paired_ctas()) tma::mbar_arrive_remote(bar, tma::cluster_rank() ^ 1u, count);
 }
-__device__ __forceinline__ void arrive_both(fa2_u32 bar) {
+__device__ __forceinline__ void arrive_both(u32 bar) {
   tma::mbar_arrive(bar);
   if constexpr (paired_ctas()) tma::mbar_arrive_remote(bar, tma::cluster_rank() ^ 1u, 1);
 }
 
 struct Ring {
-  fa2_u32 k, v, full, empty;
+  u32 k, v, full, empty;
   int tile_bytes, stages;
   __device__ __forceinline__ void wait_full(int t) const {
     tma::mbar_wait(full + 8 * (t % stages), (t / stages) & 1);
   }
-  __device__ __forceinline__ fa2_u32 empty_of(int t) const { return empty + 8 * (t % stages); }
+  __device__ __forceinline__ u32 empty_of(int t) const { return empty + 8 * (t % stages); }
   __device__ __forceinline__ void release(int t) const {  // this warp is done with tile t
     if ((threadIdx.x & 31) == 0) arrive_both(empty_of(t));
   }
-  __device__ __forceinline__ fa2_u32 k_of(int t) const { return k + (t % stages) * tile_bytes; }
-  __device__ __forceinline__ fa2_u32 v_of(int t) const { return v + (t % stages) * tile_bytes; }
+  __device__ __forceinline__ u32 k_of(int t) const { return k + (t % stages) * tile_bytes; }
+  __device__ __forceinline__ u32 v_of(int t) const { return v + (t % stages) * tile_bytes; }
 };
 
 // A ring stage this warp keeps after its last GEMM on it because the K half holds rows of an
@@ -640,8 +633,8 @@ struct HeldStage {
 // role passes first (fa3_prefill.cuh), since the peer's copies and arrivals reach them too:
 // from there the roles only meet on mbarriers and named barriers.
 template <int STAGES>
-__device__ __forceinline__ void init_barriers(fa2_u32 full_bar, fa2_u32 empty_bar,
-                                              fa2_u32 q_full, fa2_u32 q_empty) {
+__device__ __forceinline__ void init_barriers(u32 full_bar, u32 empty_bar,
+                                              u32 q_full, u32 q_empty) {
   if (threadIdx.x == 0) {
     constexpr unsigned ctas = paired_ctas() ? 2 : 1;
 #pragma unroll
@@ -666,7 +659,7 @@ __device__ __forceinline__ void init_barriers(fa2_u32 full_bar, fa2_u32 empty_ba
 // the slot's rewrite as a WAR hazard against the other lanes' reads).
 template <typename Variant, bool kNext>
 struct QRelease {
-  fa2_u32 q_empty;
+  u32 q_empty;
   __device__ __forceinline__ void release() const {
     if constexpr (kNext) tma::mbar_arrive(q_empty);
   }
@@ -702,14 +695,14 @@ struct Half {
 };
 template <typename DType, int D, int TKV, int kTrims = 0,
           typename LogitsSoftmax, typename Landed, typename LastS>
-__device__ __forceinline__ void consume_tiles(int n, int t0, fa2_u32 sq_w, const Ring& ring,
+__device__ __forceinline__ void consume_tiles(int n, int t0, u32 sq_w, const Ring& ring,
                                               const Turns& turns, float (&o)[D / 64][32],
                                               LogitsSoftmax&& logits_softmax, Landed&& landed,
                                               LastS&& last_s_done, HeldStage* held = nullptr,
                                               bool hold_last = false, int half0 = 0) {
   static_assert(kTrims == 0 || TKV == 128, "tile 0 is trimmed to a half of a 128-key tile");
   float s[TKV / 2];
-  fa2_u32 pa[TKV / 16][4];
+  u32 pa[TKV / 16][4];
   float corr[2];
 #pragma unroll
   for (int i = 0; i < TKV / 2; ++i) s[i] = 0.f;  // the first k-step overwrites; defined anyway

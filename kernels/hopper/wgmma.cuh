@@ -2,7 +2,7 @@
 //
 // Compiled with NVRTC for sm_90a; tests/gpu/test_wgmma.py checks them against torch on the
 // GPU. Self-contained: no #include; needs
-// fa2_common.cuh's fa2_u32 (and comes after it).
+// common.cuh's u32 (and comes after it).
 //
 // wgmma.mma_async: one warpgroup (4 consecutive warps, 128 threads) computes D[64 x N] (+)= A[64 x
 // 16] * B[16 x N] per instruction. B always comes from shared memory through a 64-bit matrix
@@ -13,7 +13,7 @@
 // of row lane/4 + 8 -- mma.sync's C layout repeated over N/8 blocks.
 //
 // Shared-memory layout these helpers assume: "128-byte swizzle", the tensor core's canonical
-// layout, which is also fa2_common.cuh's swizzle at D = 64: a 64-element (128-byte) row r keeps
+// layout, which is also common.cuh's swizzle at D = 64: a 64-element (128-byte) row r keeps
 // 16-byte chunk c at chunk position c ^ (r % 8), and 8 rows form a 1024-byte atom. Wider rows
 // are split into 64-element column blocks stored one after another (block b of a [rows][D] tile
 // starts at b * rows * 128 bytes).
@@ -52,16 +52,12 @@ __device__ __forceinline__ unsigned sw128_offset(int row, int col, int rows) {
 //    uniform register the wgmma reads, instead of a constant it re-materializes (UMOV) before
 //    every wgmma. Two descriptors from different addresses keep distinct high words for the
 //    same reason (A's and B's slots of the wgmma each keep theirs).
-// In a cluster launch (the dense FA3 kernel's CTA pairs: ATTNCC_FA3_PAIRED, defined ahead of
-// this file in that form) a shared::cta address also carries the CTA's rank in the cluster from
+// In a cluster launch (the dense FA3 kernel's CTA pairs: the paired form, attncc::form::paired()
+// from codegen's form block ahead of this file) a shared::cta address also carries the CTA's rank in the cluster from
 // bit 24; a descriptor takes the offset only. Without the mask, rank 1's bit 24 landed in the
 // leading byte offset and every wgmma of that CTA read the wrong rows. The unprovable zero is
 // then addr >> 31 (ranks stay below 2^7).
-#if defined(ATTNCC_FA3_PAIRED) && ATTNCC_FA3_PAIRED
-constexpr bool kClusterSmemAddrs = true;
-#else
-constexpr bool kClusterSmemAddrs = false;
-#endif
+constexpr bool kClusterSmemAddrs = attncc::form::paired();
 // The descriptor's view of a shared-memory address, and a zero ptxas cannot prove (above).
 __device__ __forceinline__ unsigned smem_offset(unsigned addr) {
   return kClusterSmemAddrs ? addr & 0xFFFFFFu : addr;
@@ -143,7 +139,7 @@ __device__ __forceinline__ void mma_ss_m64n64k16(float (&d)[32], u64 desc_a, u64
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate),   \
                  "n"(TRANS_B))
 template <int TRANS_B, bool F16 = false>
-__device__ __forceinline__ void mma_rs_m64n64k16(float (&d)[32], const fa2::fa2_u32 (&a)[4],
+__device__ __forceinline__ void mma_rs_m64n64k16(float (&d)[32], const u32 (&a)[4],
                                                  u64 desc_b, int accumulate) {
   if constexpr (F16) ATTNCC_WG_RS_N64("f16"); else ATTNCC_WG_RS_N64("bf16");
 }
@@ -198,7 +194,7 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 // wait keeps their uses after it, and fencing them before the next wgmma keeps the writes
 // (rescale, packing P) before it.
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-__device__ __forceinline__ void fence_operand(fa2::fa2_u32& r) {
+__device__ __forceinline__ void fence_operand(u32& r) {
   asm volatile("" : "+r"(r)::"memory");
 }
 template <typename T, int N>

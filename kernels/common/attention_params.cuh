@@ -44,7 +44,7 @@ struct AttentionParams {
     // hands each launch a fresh one). Null for other templates and at head dim 256, where each
     // CTA runs one item and claims none.
     int* item_counter;
-    // FA3 template only: the split tail's workspace (kernels/fa3_split.cuh; float4 slots of the
+    // FA3 template only: the split tail's workspace (kernels/fa3/fa3_split.cuh; float4 slots of the
     // consumer warps' partial state, written before read), and then item_counter holds one
     // arrival counter per tail item and consumer warp after the claim counter. Null: no split.
     float* split_partials;

@@ -1,18 +1,17 @@
-// attncc FA2 building blocks shared by the dense/BSR prefill kernel (fa2_prefill.cuh) and the
-// persistent batch kernel (fa2_batch.cuh): element conversions, PTX wrappers (cp.async, ldmatrix,
-// mma.sync), the swizzled shared-memory tile layout, row transforms and the tile Config.
+// attncc building blocks shared by the FA2 kernels (fa2_prefill.cuh, fa2_batch.cuh) and the FA3
+// kernels (fa3_*.cuh): element conversions, PTX wrappers (cp.async, ldmatrix, mma.sync), the
+// swizzled shared-memory tile layout, row transforms, FastDiv and the KV TileList.
 //
 // Written for attncc from the FlashAttention-2 paper's algorithm. Self-contained: no #include. It
 // must come AFTER attncc_types.cuh (attncc::bf16, attncc::f16, attncc::i64) in the translation
 // unit.
-#ifndef ATTNCC_FA2_COMMON_CUH
-#define ATTNCC_FA2_COMMON_CUH
+#ifndef ATTNCC_COMMON_CUH
+#define ATTNCC_COMMON_CUH
 namespace attncc {
-namespace fa2 {
+namespace common {
 
-typedef unsigned int fa2_u32;
-typedef unsigned short fa2_u16;
-struct __attribute__((aligned(16))) fa2_u32x4 { fa2_u32 x, y, z, w; };
+// u32 and u16 are attncc_types.cuh's.
+struct __attribute__((aligned(16))) u32x4 { u32 x, y, z, w; };
 
 // ---------------------------------------------------------------------------------------------
 // Element types: the MMA needs the raw 16-bit patterns, so conversions are done here by PTX and
@@ -23,11 +22,11 @@ template <> struct ElemTraits<attncc::bf16> { static constexpr bool kIsBf16 = tr
 template <> struct ElemTraits<attncc::f16> { static constexpr bool kIsBf16 = false; };
 
 template <typename DType>
-__device__ __forceinline__ float elem_to_float(fa2_u16 bits) {
+__device__ __forceinline__ float elem_to_float(u16 bits) {
   float f;
   if constexpr (ElemTraits<DType>::kIsBf16) {
     // bf16 is the top half of an fp32: widening is exact.
-    asm("mov.b32 %0, %1;" : "=f"(f) : "r"(((fa2_u32)bits) << 16));
+    asm("mov.b32 %0, %1;" : "=f"(f) : "r"(((u32)bits) << 16));
   } else {
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
   }
@@ -35,8 +34,8 @@ __device__ __forceinline__ float elem_to_float(fa2_u16 bits) {
 }
 
 template <typename DType>
-__device__ __forceinline__ fa2_u16 float_to_elem(float f) {
-  fa2_u16 bits;
+__device__ __forceinline__ u16 float_to_elem(float f) {
+  u16 bits;
   if constexpr (ElemTraits<DType>::kIsBf16) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(f));
   } else {
@@ -48,8 +47,8 @@ __device__ __forceinline__ fa2_u16 float_to_elem(float f) {
 // Two floats -> one 32-bit register of two 16-bit values, `lo` in the low half: the order the
 // MMA's A fragment and our row-major O stores expect. (cvt's first source goes to the HIGH half.)
 template <typename DType>
-__device__ __forceinline__ fa2_u32 pack2(float lo, float hi) {
-  fa2_u32 r;
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 r;
   if constexpr (ElemTraits<DType>::kIsBf16) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   } else {
@@ -81,8 +80,8 @@ template <bool B> struct BoolTag { static constexpr bool value = B; };
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers: cp.async, ldmatrix, mma.sync.
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ fa2_u32 smem_addr(const void* p) {
-  fa2_u32 r;
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 r;
   asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
   return r;
 }
@@ -90,7 +89,7 @@ __device__ __forceinline__ fa2_u32 smem_addr(const void* p) {
 // 16-byte global->shared copy that bypasses L1 (.cg: K/V are streamed once per CTA). When `pred`
 // is false the source size is 0, so the 16 destination bytes are zero-filled: rows past the end of
 // the sequence become zeros, never stale shared memory (stale NaNs times a zero weight are NaN).
-__device__ __forceinline__ void cp_async_16(fa2_u32 dst, const void* src, bool pred) {
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool pred) {
   int src_bytes = pred ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes)
@@ -104,12 +103,12 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-__device__ __forceinline__ void ldmatrix_x4(fa2_u32 (&r)[4], fa2_u32 addr) {
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(fa2_u32 (&r)[4], fa2_u32 addr) {
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
@@ -117,8 +116,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(fa2_u32 (&r)[4], fa2_u32 addr)
 
 // D(16x8, f32) += A(16x16, row) * B(16x8, col).
 template <typename DType>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const fa2_u32 (&a)[4], fa2_u32 b0,
-                                          fa2_u32 b1) {
+__device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0,
+                                          u32 b1) {
   if constexpr (ElemTraits<DType>::kIsBf16) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
@@ -153,15 +152,15 @@ __device__ __forceinline__ int swz(int row, int col) {
 // for a thread whose row has (row % 8) folded into `x` (run time, < 8): row_addr + ((chunk^x)<<4).
 // Split so that chunk's high bits become an instruction immediate and only (chunk & 7) ^ x -- 4
 // distinct values for the even chunks the fragment loops use -- is computed at run time.
-__device__ __forceinline__ fa2_u32 chunk_addr(fa2_u32 row_addr, int chunk, fa2_u32 x) {
-  return row_addr + ((fa2_u32)(chunk & ~7) << 4) + ((((fa2_u32)(chunk & 7)) ^ x) << 4);
+__device__ __forceinline__ u32 chunk_addr(u32 row_addr, int chunk, u32 x) {
+  return row_addr + ((u32)(chunk & ~7) << 4) + ((((u32)(chunk & 7)) ^ x) << 4);
 }
 
 // Returns x, hidden from the optimizer. Used on the per-lane address bases at the top of each main
 // loop iteration so the compiler re-derives the ~50 fragment addresses inside the iteration instead
 // of hoisting them all out of the loop into registers the accumulators need.
-__device__ __forceinline__ fa2_u32 opaque(fa2_u32 x) {
-  fa2_u32 r;
+__device__ __forceinline__ u32 opaque(u32 x) {
+  u32 r;
   asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(x));
   return r;
 }
@@ -187,7 +186,7 @@ struct FastDiv {
 // A row of a shared-memory tile seen as the `Vec` the interface's transforms take.
 template <typename DType, int D>
 struct SmemRow {
-  const fa2_u16* tile;
+  const u16* tile;
   int row;
   __device__ __forceinline__ float operator[](int d) const {
     return elem_to_float<DType>(tile[swz<D>(row, d)]);
@@ -198,7 +197,7 @@ struct SmemRow {
 // the row finish (into registers) before any write, because a transform may read any element of
 // the row (RoPE reads q[(d + D/2) % D]).
 template <typename DType, int D, typename F>
-__device__ __forceinline__ void transform_row(fa2_u16* tile, int row, int lane, F&& f) {
+__device__ __forceinline__ void transform_row(u16* tile, int row, int lane, F&& f) {
   static_assert(D % 32 == 0, "head dim must be a multiple of 32");
   SmemRow<DType, D> view{tile, row};
   float vals[D / 32];
@@ -208,63 +207,6 @@ __device__ __forceinline__ void transform_row(fa2_u16* tile, int row, int lane, 
 #pragma unroll
   for (int j = 0; j < D / 32; ++j) tile[swz<D>(row, lane + 32 * j)] = float_to_elem<DType>(vals[j]);
   __syncwarp();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Compile-time configuration shared by the kernel, the entry-point macro and (mirrored) the Python
-// launcher (attncc.runtime.jit.tiles.fa2_config).
-// ---------------------------------------------------------------------------------------------
-template <int HEAD_DIM, int TQ, int TKV, int STAGES, int M_FRAGS, int KV_WARPS = 1>
-struct Config {
-  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head dim 64/128/256");
-  static_assert(TQ == 16 || TQ == 32 || TQ == 64 || TQ == 128, "TQ in {16,32,64,128}");
-  static_assert(TKV == 32 || TKV == 64 || TKV == 128, "TKV in {32,64,128}");
-  static_assert(STAGES >= 1 && STAGES <= 4, "1..4 pipeline stages");
-  // M_FRAGS 16-row MMA fragments per warp. Two (FA2's 4 warps x 32 rows) let every K/V ldmatrix
-  // feed two MMAs, halving shared-memory traffic per MMA -- at one fragment per warp ldmatrix
-  // bandwidth, not the tensor cores, bounds the loop. The price is registers: the O and S
-  // accumulators take M_FRAGS*(D/8 + TKV/8)*4 of them, so the launcher uses 2 only where ptxas
-  // reports no spills (docs/journal/2026-11-30.md, "two fragments per warp").
-  static_assert(M_FRAGS == 1 || M_FRAGS == 2, "1 or 2 fragments per warp");
-  static_assert(TQ % (16 * M_FRAGS) == 0, "TQ must be a multiple of 16 * M_FRAGS");
-  // KV_WARPS > 1 (decode): the warps share one 16-row Q fragment and split every KV tile into
-  // KV_WARPS column slices, each with its own online-softmax state, merged once at the end. A
-  // decode tile has 16 rows -- one warp's worth -- so without this a CTA is one warp and the
-  // SM runs few of the loads a bandwidth-bound kernel needs in flight.
-  static_assert(KV_WARPS == 1 || (TQ == 16 && M_FRAGS == 1 && TKV / KV_WARPS >= 16 &&
-                                  TKV % (16 * KV_WARPS) == 0),
-                "KV_WARPS > 1 needs TQ = 16, one fragment and KV slices of 16 rows or more");
-  static constexpr int kMFrags = M_FRAGS;
-  static constexpr int kKvWarps = KV_WARPS;
-  static constexpr int kRowWarps = TQ / (16 * kMFrags);
-  static constexpr int kWarps = kRowWarps * KV_WARPS;
-  static constexpr int kThreads = kWarps * 32;
-  static constexpr int kTileElems = TKV * HEAD_DIM;
-  static constexpr int kSmemBytes = 2 * HEAD_DIM * (TQ + 2 * STAGES * TKV);
-  // CTAs per SM asked of ptxas (__launch_bounds__): one (up to 255 registers) for the compute
-  // bound tiles; decode CTAs (KV_WARPS > 1) as many as 227 KB of shared memory and 128 registers
-  // per thread allow, so several CTAs' loads are in flight per SM and ptxas gets every register
-  // that residency leaves. Mirrored by attncc.runtime.serving.batch.choose_batch_tiles.
-  static constexpr int kFitByRegs = 65536 / (kThreads * 128);
-  static constexpr int kFitBySmem = (227 * 1024) / kSmemBytes;
-  static constexpr int kMinBlocks =
-      KV_WARPS == 1 ? 1
-                    : (kFitByRegs < kFitBySmem ? kFitByRegs : (kFitBySmem > 0 ? kFitBySmem : 1));
-};
-
-// __launch_bounds__ of an FA2 entry point (fa2_prefill.cuh, fa2_batch.cuh): Config's threads and
-// CTAs per SM, so both kernels follow one residency rule.
-#define ATTNCC_FA2_LAUNCH_BOUNDS(HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)                     \
-  __launch_bounds__(attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kThreads,  \
-                    attncc::fa2::Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kMinBlocks)
-
-template <int HEAD_DIM, int TQ, int TKV, int STAGES, int M_FRAGS, int KV_WARPS = 1>
-__host__ __device__ constexpr int fa2_smem_bytes() {
-  return Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kSmemBytes;
-}
-template <int HEAD_DIM, int TQ, int TKV, int STAGES, int M_FRAGS, int KV_WARPS = 1>
-__host__ __device__ constexpr int fa2_num_threads() {
-  return Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>::kThreads;
 }
 
 // Which KV tiles a CTA visits: all of them (no block mask), or FlexAttention's BSR lists for the
@@ -300,7 +242,7 @@ struct TileList {
   }
 };
 
-}  // namespace fa2
+}  // namespace common
 }  // namespace attncc
 
-#endif  // ATTNCC_FA2_COMMON_CUH
+#endif  // ATTNCC_COMMON_CUH

@@ -2,7 +2,7 @@
 // strides, optionally a FlexAttention BlockMask (BSR lists of partial and full KV blocks).
 //
 // Self-contained: no #include. Comes after attncc_types.cuh, attention_params.cuh,
-// fa2_common.cuh and fa2_attend.cuh, and before the generated Variant_<name> functors' entry
+// common.cuh and fa2_attend.cuh, and before the generated Variant_<name> functors' entry
 // point (ATTNCC_FA2_ENTRY at the bottom).
 //
 // Grid: (ceil(q_len * gf / TQ), num_q_heads / gf, batch), gf = num_q_heads / gridDim.y query
@@ -85,7 +85,7 @@ struct DenseWork {
   }
   __device__ __forceinline__ int q_position(int tok) const { return tok; }
 
-  __device__ __forceinline__ void load_q(fa2_u32 sq, int tid) const {
+  __device__ __forceinline__ void load_q(u32 sq, int tid) const {
     const DType* gQ = reinterpret_cast<const DType*>(p.q);
     const int ld_row = tid / CHUNKS, ld_ch = tid % CHUNKS;
     const FastDiv gdiv(gf);
@@ -103,7 +103,7 @@ struct DenseWork {
   }
 
   __device__ __forceinline__ void load_rows(const DType* __restrict__ g, attncc::i64 stride_s,
-                                            fa2_u32 stage_addr, int kv0, int tid) const {
+                                            u32 stage_addr, int kv0, int tid) const {
     const int ld_row = tid / CHUNKS, ld_ch = tid % CHUNKS;
     const DType* src = g + (kv0 + ld_row) * stride_s + ld_ch * 8;
     const attncc::i64 step = ROWS_PER_PASS * stride_s;
@@ -117,7 +117,7 @@ struct DenseWork {
     }
   }
 
-  __device__ __forceinline__ void load_kv(fa2_u32 sk, fa2_u32 sv, int kv0, int tid) const {
+  __device__ __forceinline__ void load_kv(u32 sk, u32 sv, int kv0, int tid) const {
     load_rows(reinterpret_cast<const DType*>(p.k) + b * p.k_stride_b + h_kv * p.k_stride_h,
               p.k_stride_s, sk, kv0, tid);
     load_rows(reinterpret_cast<const DType*>(p.v) + b * p.v_stride_b + h_kv * p.v_stride_h,
