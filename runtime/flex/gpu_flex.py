@@ -9,6 +9,7 @@ in memory) and launches on torch's current stream. Launches are CUDA-graph captu
 kernel is loaded (call once before capturing).
 
 Example (planning only; launching needs a GPU):
+    >>> from attncc.runtime.jit.tiles import fa2_config
     >>> fa2_config(128, 128, 64, 2).threads
     256
 """
