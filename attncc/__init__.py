@@ -10,8 +10,9 @@ Example:
     >>> out.shape
     torch.Size([1, 2, 8, 16])
 """
-from .errors import (AttnccError, AttnSyntaxError, CapturedReadError, CompileError, DeviceError,
-                     IndexOverflowWarning, InvalidArgument, InvalidArgumentType, TraceError)
+from .errors import (AttnccError, AttnSyntaxError, CapturedReadError, CodegenError, CompileError,
+                     DeviceError, IndexOverflowWarning, InvalidArgument, InvalidArgumentType,
+                     ResourceError, TraceError)
 from .frontend import Variant, and_masks, noop_mask, or_masks
 from .runtime.serving.batch import BatchAttention
 from .runtime.flex.block_mask import BlockMask, create_block_mask
@@ -22,7 +23,7 @@ from .runtime.serving.merge import merge_state, merge_states
 from .version import __version__
 
 __all__ = ["AttnccError", "AttnSyntaxError", "BatchAttention", "BlockMask", "CapturedReadError",
-           "CascadeAttention", "CompileError", "DeviceError", "IndexOverflowWarning",
-           "InvalidArgument", "InvalidArgumentType",
+           "CascadeAttention", "CodegenError", "CompileError", "DeviceError",
+           "IndexOverflowWarning", "InvalidArgument", "InvalidArgumentType", "ResourceError",
            "CompiledKernel", "TraceError", "Variant", "and_masks", "compile", "create_block_mask",
            "export", "flex_attention", "merge_state", "merge_states", "noop_mask", "or_masks"]

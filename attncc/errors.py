@@ -49,6 +49,11 @@ class IndexOverflowWarning(UserWarning):
     in 32-bit integers, where it wraps around."""
 
 
+class CodegenError(AttnccError, ValueError):
+    """IR or options codegen cannot turn into CUDA (a pass or caller produced bad IR, or a
+    kernel form a template lacks); the message says what to change."""
+
+
 class InvalidArgument(AttnccError, ValueError):
     """An argument has a value attncc cannot run (a zero size, a wrong shape, a bad id)."""
 
@@ -58,9 +63,10 @@ class InvalidArgumentType(AttnccError, TypeError):
 
 
 class ResourceError(AttnccError, RuntimeError):
-    """A kernel was loaded with spills or local memory its form is expected to run without
-    (an error under ATTNCC_STRICT_RESOURCES=1, a warning otherwise); the message names the
-    kernel, the bytes and what to do."""
+    """A loaded kernel's resources the kernel cache must make impossible: the driver's local
+    bytes above ptxas's stack frame, or a spill past its form's budget never recompiled (an
+    error under ATTNCC_STRICT_RESOURCES=1, a warning otherwise; runtime/jit/kernels.py); the
+    message names the kernel, the bytes and what to do."""
 
 
 class DeviceError(AttnccError, RuntimeError):

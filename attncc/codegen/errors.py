@@ -1,14 +1,13 @@
-"""The error codegen raises when IR cannot become CUDA (a pass or caller produced bad IR).
+"""The error codegen raises when IR cannot become CUDA: `attncc.errors.CodegenError`, one class
+of the package's single error hierarchy, importable from here too.
 
 Example:
     >>> from attncc.codegen.errors import CodegenError
-    >>> issubclass(CodegenError, ValueError)
+    >>> issubclass(CodegenError, ValueError) and CodegenError is __import__("attncc").CodegenError
     True
 """
 from __future__ import annotations
 
-from ..errors import AttnccError
+from ..errors import CodegenError
 
-
-class CodegenError(AttnccError, ValueError):
-    """IR or options codegen cannot turn into CUDA; the message says what to change."""
+__all__ = ["CodegenError"]
