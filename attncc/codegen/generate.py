@@ -78,7 +78,7 @@ def with_form(source: str, *, low_pressure: bool) -> str:
         >>> with_form("not a unit", low_pressure=True)
         Traceback (most recent call last):
         ...
-        attncc.codegen.errors.CodegenError: with_form: the source has no form block (generate it with kernel='fa3' or 'fa3batch')
+        attncc.errors.CodegenError: with_form: the source has no form block (generate it with kernel='fa3' or 'fa3batch')
     """
     old, new = (_LOW.format(str(not low_pressure).lower()), _LOW.format(str(low_pressure).lower()))
     if source.count(old) + source.count(new) != 1:
@@ -118,7 +118,7 @@ class KernelSpec:
             >>> KERNELS["simple"].check_head_dim(100)
             Traceback (most recent call last):
             ...
-            attncc.codegen.errors.CodegenError: the 'simple' kernel supports head dims that are multiples of 32 up to 256; got 100
+            attncc.errors.CodegenError: the 'simple' kernel supports head dims that are multiples of 32 up to 256; got 100
         """
         if self.head_dims:
             if head_dim not in self.head_dims:

@@ -40,7 +40,7 @@ def merge_state_source(dtype: str) -> MergeStateKernel:
         >>> merge_state_source("int8")
         Traceback (most recent call last):
         ...
-        attncc.codegen.errors.CodegenError: dtype='int8': the merge kernel takes o in one of bfloat16, float16, float32
+        attncc.errors.CodegenError: dtype='int8': the merge kernel takes o in one of bfloat16, float16, float32
     """
     if dtype not in DTYPES:
         raise CodegenError(f"dtype={dtype!r}: the merge kernel takes o in one of "
