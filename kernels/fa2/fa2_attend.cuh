@@ -117,7 +117,245 @@ __device__ __forceinline__ void merge_kv_slices(float* red, int kvw, int lane, f
 }
 
 // ---------------------------------------------------------------------------------------------
-// One CTA tile of attention: TQ fused query rows against the KV tiles `w` lists.
+// Where this thread sits in the tile, and what the hooks see besides its rows. Built once per
+// tile; the roles below read it instead of a dozen loose arguments.
+// MMA accumulator layout (m16n8): lane holds rows lane/4 and lane/4 + 8 of each 16-row fragment,
+// columns 2*(lane%4) + {0,1} of each 8-column fragment.
+// ---------------------------------------------------------------------------------------------
+template <typename Work, int M_FRAGS>
+struct TileView {
+  const Work& w;
+  int lane, warp, kvw;  // lane; row warp (its M_FRAGS fragments); KV slice of each tile (decode)
+  int b, gf, head0, h_kv;  // hooks' batch index; heads fused per KV head; first query head; KV head
+  int row0, rows;       // first fused row (fused row = token * gf + head_in_group); rows [0, rows)
+  int kv_pos0, kv_len;  // the hooks see kv position kv + kv_pos0; positions [0, kv_len) exist
+  FastDiv gdiv;         // fused row -> token
+
+  // Tile row of accumulator row (mf, hr) of this lane.
+  __device__ __forceinline__ int tile_row(int mf, int hr) const {
+    return (warp * M_FRAGS + mf) * 16 + (lane >> 2) + 8 * hr;
+  }
+  // fr: fused row; qi: its query position as the hooks see it; hq: its query head.
+  // Recomputed where needed (hooks, epilogue) rather than kept in registers across the main loop,
+  // where every register is taken by the O and S accumulators.
+  __device__ __forceinline__ void row_of(int mf, int hr, int& fr, int& qi, int& hq) const {
+    fr = row0 + (warp * M_FRAGS + mf) * 16 + (lane >> 2) + 8 * hr;
+    const int tok = gdiv.div(fr);
+    qi = w.q_position(tok);
+    hq = head0 + (fr - tok * gf);
+  }
+};
+
+// Apply a Query/OutputTransform to the warp's own rows of the tile in shared memory `s`; padding
+// rows never reach the hooks. hook(row, hq, qi, d) returns the new element d.
+template <typename DType, int D, int M_FRAGS, typename View, typename Hook>
+__device__ __forceinline__ void transform_warp_rows(const View& t, u16* s, Hook&& hook) {
+#pragma unroll 1
+  for (int r = t.warp * M_FRAGS * 16; r < (t.warp + 1) * M_FRAGS * 16; ++r) {
+    const int fr = t.row0 + r;
+    if (fr >= t.rows) continue;
+    const int tok = t.gdiv.div(fr);
+    const int qi = t.w.q_position(tok);
+    const int hq = t.head0 + (fr - tok * t.gf);
+    transform_row<DType, D>(s, r, t.lane, [&](const SmemRow<DType, D>& x, int d) {
+      return hook(x, hq, qi, d);
+    });
+  }
+}
+
+// Issue the cp.async copies of KV tile i into its ring stage, and commit its group.
+// Commit-group discipline: Q is one group; then every tile (its K and V rows) is one group,
+// committed even when empty, so at the top of iteration `it` exactly STAGES-2 groups are newer
+// than tile `it` and cp.async.wait_group takes a compile-time count.
+template <int STAGES, int TILE_ELEMS, typename Work>
+__device__ __forceinline__ void load_kv_tile(const Work& w, int i, u16* sK, u16* sV, int tid) {
+  if (i < w.count) {
+    bool f;
+    const int kv0 = w.tile_start(i, f);
+    const int st = i % STAGES;
+    w.load_kv(smem_addr(sK + st * TILE_ELEMS), smem_addr(sV + st * TILE_ELEMS), kv0, tid);
+  }
+  cp_async_commit();
+}
+
+// Key/ValueTransform of the tile's rows in place, all warps sharing the rows.
+template <typename Variant, typename DType, int D, int TKV, int WARPS, typename View>
+__device__ __forceinline__ void transform_kv_tile(const View& t, const typename Variant::Params& vp,
+                                                  u16* sKs, u16* sVs, int kv0, int tid) {
+#pragma unroll 1
+  for (int r = tid >> 5; r < TKV; r += WARPS) {
+    const int kv = kv0 + r;
+    if (kv >= t.kv_len) break;
+    if constexpr (Variant::has_key_transform)
+      transform_row<DType, D>(sKs, r, t.lane, [&](const SmemRow<DType, D>& k, int d) {
+        return Variant::KeyTransform(vp, k, t.b, t.h_kv, kv + t.kv_pos0, d);
+      });
+    if constexpr (Variant::has_value_transform)
+      transform_row<DType, D>(sVs, r, t.lane, [&](const SmemRow<DType, D>& v, int d) {
+        return Variant::ValueTransform(vp, v, t.b, t.h_kv, kv + t.kv_pos0, d);
+      });
+  }
+  __syncthreads();
+}
+
+// Logits of one tile: scale, LogitsTransform, LogitsMask; kBounds masks rows and kv positions
+// outside the sequence (they never reach the hooks), kMask applies the LogitsMask.
+template <typename Variant, bool kBounds, bool kMask, int M_FRAGS, int TKVW, typename View>
+__device__ __forceinline__ void logits_tile(const View& t, const typename Variant::Params& vp,
+                                            float (&s_acc)[M_FRAGS][TKVW / 8][4], int kv0,
+                                            float qk_scale) {
+  constexpr bool kSoftmax = Variant::use_softmax;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float masked = kSoftmax ? neg_inf() : 0.f;
+#pragma unroll
+  for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      int fr = 0, qi = 0, hq = 0;
+      if constexpr (Variant::has_logits_transform || kMask || kBounds) t.row_of(mf, hr, fr, qi, hq);
+      const bool row_in = !kBounds || fr < t.rows;
+#pragma unroll
+      for (int nf = 0; nf < TKVW / 8; ++nf)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int kv = kv0 + TKVW * t.kvw + nf * 8 + 2 * (t.lane & 3) + e;
+          float sc = s_acc[mf][nf][2 * hr + e] * qk_scale;
+          if (kBounds && (!row_in || (unsigned)kv >= (unsigned)t.kv_len)) {
+            sc = masked;
+          } else {
+            if constexpr (Variant::has_logits_transform) {
+              sc = Variant::LogitsTransform(vp, sc, t.b, hq, qi, kv + t.kv_pos0);
+              if constexpr (kSoftmax) sc *= kLog2e;
+            }
+            if constexpr (kMask) {
+              if (!Variant::LogitsMask(vp, t.b, hq, qi, kv + t.kv_pos0)) sc = masked;
+            }
+          }
+          s_acc[mf][nf][2 * hr + e] = sc;
+        }
+    }
+}
+
+// Normalize O by the row sums and compute each row's LSE (natural log); see docs/fa3.md,
+// "NaN and inf in the epilogue" for the no-weight, NaN and +inf rows.
+template <bool kSoftmax, int M_FRAGS, int N_FRAGS_O>
+__device__ __forceinline__ void normalize_rows(float (&o_acc)[M_FRAGS][N_FRAGS_O][4],
+                                               const float (&row_m)[M_FRAGS][2],
+                                               const float (&row_l)[M_FRAGS][2],
+                                               float (&lse_val)[M_FRAGS][2]) {
+  constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+  for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float inv = 1.f;
+      if constexpr (kSoftmax) {
+        float l = row_l[mf][hr];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        // No weight (l == 0 exactly: every logit masked or -inf): output 0 and lse -inf, even
+        // if a NaN value row at a masked key reached the accumulator (0 * NaN). A NaN logit
+        // left l NaN: output and lse NaN. A +inf logit made m +inf: lse +inf (torch's logsumexp).
+        inv = l == 0.f ? 0.f : 1.f / l;
+        const float m = row_m[mf][hr];
+        lse_val[mf][hr] =
+            l == 0.f ? neg_inf() : (m == attncc::pos_inf() ? m : (m + __log2f(l)) * kLn2);
+      } else {
+        lse_val[mf][hr] = 0.f;
+      }
+#pragma unroll
+      for (int nf = 0; nf < N_FRAGS_O; ++nf) {
+        o_acc[mf][nf][2 * hr] = inv == 0.f ? 0.f : o_acc[mf][nf][2 * hr] * inv;
+        o_acc[mf][nf][2 * hr + 1] = inv == 0.f ? 0.f : o_acc[mf][nf][2 * hr + 1] * inv;
+      }
+    }
+}
+
+// A unit that covers only part of its rows' KV range writes its partial state -- normalized O in
+// fp32 and the LSE, tile rows [0, TQ) of its workspace slot -- for the merge (fa2_batch.cuh),
+// which combines the parts in a fixed order and applies the OutputTransform.
+template <int D, int M_FRAGS, typename View>
+__device__ __forceinline__ void store_partial(const View& t, float* po, float* pl,
+                                              const float (&o_acc)[M_FRAGS][D / 8][4],
+                                              const float (&lse_val)[M_FRAGS][2]) {
+#pragma unroll
+  for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = t.tile_row(mf, hr);
+      if (t.row0 + r >= t.rows) continue;
+#pragma unroll
+      for (int nf = 0; nf < D / 8; ++nf) {
+        float2 v2;
+        v2.x = o_acc[mf][nf][2 * hr];
+        v2.y = o_acc[mf][nf][2 * hr + 1];
+        *reinterpret_cast<float2*>(po + r * D + nf * 8 + 2 * (t.lane & 3)) = v2;
+      }
+      if ((t.lane & 3) == 0) pl[r] = lse_val[mf][hr];
+    }
+}
+
+// Stage the normalized O tile through shared memory (the warp's own Q rows, no longer read), so
+// the OutputTransform sees whole rows and global stores are 16 bytes wide and coalesced.
+template <typename DType, int D, int M_FRAGS, typename View>
+__device__ __forceinline__ void stage_o(const View& t, u16* sQ,
+                                        const float (&o_acc)[M_FRAGS][D / 8][4]) {
+#pragma unroll
+  for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = t.tile_row(mf, hr);
+#pragma unroll
+      for (int nf = 0; nf < D / 8; ++nf) {
+        const int col = nf * 8 + 2 * (t.lane & 3);
+        *reinterpret_cast<u32*>(sQ + swz<D>(r, col)) =
+            pack2<DType>(o_acc[mf][nf][2 * hr], o_acc[mf][nf][2 * hr + 1]);
+      }
+    }
+  __syncwarp();
+}
+
+// 16-byte stores of the warp's staged rows: lanes sweep a row's chunks, then the next row.
+template <int D, int M_FRAGS, typename View>
+__device__ __forceinline__ void store_o(const View& t, const u16* sQ) {
+  constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
+#pragma unroll
+  for (int c = t.lane; c < M_FRAGS * 16 * CHUNKS; c += 32) {
+    const int r = (t.warp * M_FRAGS) * 16 + c / CHUNKS;
+    const int ch = c % CHUNKS;
+    const int fr = t.row0 + r;
+    if (fr < t.rows) {
+      const int tok = t.gdiv.div(fr);
+      const int hq = t.head0 + (fr - tok * t.gf);
+      const u32x4 val = *reinterpret_cast<const u32x4*>(sQ + swz<D>(r, ch * 8));
+      *reinterpret_cast<u32x4*>(t.w.o_row(tok, hq) + ch * 8) = val;
+    }
+  }
+}
+
+// The LSE of each real row, by the quad's first lane.
+template <int M_FRAGS, typename View>
+__device__ __forceinline__ void store_lse(const View& t, const float (&lse_val)[M_FRAGS][2]) {
+  if (t.w.has_lse() && (t.lane & 3) == 0) {
+#pragma unroll
+    for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        int fr, qi, hq;
+        t.row_of(mf, hr, fr, qi, hq);
+        if (fr < t.rows) *t.w.lse_at(t.gdiv.div(fr), hq) = lse_val[mf][hr];
+      }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One CTA tile of attention: TQ fused query rows against the KV tiles `w` lists. Roles in
+// order: load Q and the first K/V tiles (load_kv_tile), QueryTransform (transform_warp_rows);
+// per KV tile: wait and prefetch, K/V transforms (transform_kv_tile), S = Q K^T, logits
+// (logits_tile), online softmax, O += P V; merge_kv_slices (decode); epilogue: normalize_rows,
+// then store_partial (a split unit) or stage_o, OutputTransform, store_o, store_lse.
+// S = Q K^T, the softmax and P V stay in the loop body: as functions they reorder the loop's
+// accumulator PHIs and change the SASS (docs/kernel-interface.md, "The FA2 tile body").
 // ---------------------------------------------------------------------------------------------
 template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,
           int M_FRAGS, int KV_WARPS = 1, typename Work>
@@ -131,9 +369,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
                                      2 * 2 * STAGES * TKV * HEAD_DIM,
                 "the KV slices' merge must fit in the K/V stage memory");
   constexpr int N_FRAGS_O = D / 8;     // O accumulator fragments per 16-row fragment
-  constexpr int CHUNKS = D / 8;        // 16-byte chunks per row
   constexpr float kLog2e = 1.4426950408889634f;
-  constexpr float kLn2 = 0.6931471805599453f;
   constexpr bool kSoftmax = Variant::use_softmax;
 
   extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa2_smem[];
@@ -145,50 +381,17 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   const int lane = tid & 31;
   const int kvw = KV_WARPS > 1 ? tid >> 5 : 0;   // this warp's KV slice of each tile
   const int warp = KV_WARPS > 1 ? 0 : tid >> 5;  // this warp's rows: row warp `warp`
-  const int b = w.b;            // batch index the hooks see
-  const int gf = w.gf;          // query heads fused per KV head (rows of one token)
-  const FastDiv gdiv(gf);       // fused row -> token
-  const int head0 = w.head0;    // first query head of the tile's rows
-  const int h_kv = w.h_kv;      // the KV head all of them read
-  const int row0 = w.row0;      // first fused row (fused row = token * gf + head_in_group)
-  const int rows = w.rows;      // fused rows [0, rows) exist; the rest are padding
-  const int kv_pos0 = w.kv_pos0;  // the hooks see kv position kv + kv_pos0
-  const int kv_len = w.kv_len;  // kv positions [0, kv_len) exist
+  const TileView<Work, M_FRAGS> t{w,      lane,   warp,     kvw,      w.b,         w.gf,
+                                  w.head0, w.h_kv, w.row0, w.rows, w.kv_pos0, w.kv_len,
+                                  FastDiv(w.gf)};
   // every fused row of this tile is a real query row (all but the last tile of a sequence)
-  const bool tile_rows_in = row0 + TQ <= rows;
-  auto tile_start = [&](int i, bool& is_full) -> int { return w.tile_start(i, is_full); };
+  const bool tile_rows_in = t.row0 + TQ <= t.rows;
 
-  // ---- per-thread row bookkeeping --------------------------------------------------------------
-  // MMA accumulator layout (m16n8): lane holds rows lane/4 and lane/4 + 8 of each 16-row fragment,
-  // columns 2*(lane%4) + {0,1} of each 8-column fragment.
-  // Recomputed where needed (hooks, epilogue) rather than kept in registers across the main loop,
-  // where every register is taken by the O and S accumulators.
-  // fr: fused row; qi: its query position as the hooks see it; hq: its query head.
-  auto row_of = [&](int mf, int hr, int& fr, int& qi, int& hq) {
-    fr = row0 + (warp * M_FRAGS + mf) * 16 + (lane >> 2) + 8 * hr;
-    const int tok = gdiv.div(fr);
-    qi = w.q_position(tok);
-    hq = head0 + (fr - tok * gf);
-  };
-
-  // ---- prologue: Q and the first STAGES-1 K/V tiles in flight ---------------------------------
-  // Commit-group discipline: Q is one group; then every tile (its K and V rows) is one group,
-  // committed even when empty, so at the top of iteration `it` exactly STAGES-2 groups are newer
-  // than tile `it` and cp.async.wait_group takes a compile-time count.
-  auto load_tile = [&](int i) {
-    if (i < w.count) {
-      bool f;
-      const int kv0 = tile_start(i, f);
-      const int st = i % STAGES;
-      w.load_kv(smem_addr(sK + st * Cfg::kTileElems), smem_addr(sV + st * Cfg::kTileElems), kv0,
-                tid);
-    }
-    cp_async_commit();
-  };
+  // ---- prologue: Q and the first STAGES-1 K/V tiles in flight (see load_kv_tile) ------------
   w.load_q(smem_addr(sQ), tid);
   cp_async_commit();
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) load_tile(s);
+  for (int s = 0; s < STAGES - 1; ++s) load_kv_tile<STAGES, Cfg::kTileElems>(w, s, sK, sV, tid);
   cp_async_wait<STAGES - 1>();  // Q landed (this thread's copies) ...
   __syncthreads();              // ... and everyone's
 
@@ -196,17 +399,10 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
     // Each warp transforms only the rows it will read (its own fragments): __syncwarp suffices.
     // KV-slice warps share their rows: the first transforms them, the block barrier publishes.
     if (kvw == 0) {
-#pragma unroll 1
-      for (int r = warp * M_FRAGS * 16; r < (warp + 1) * M_FRAGS * 16; ++r) {
-        const int fr = row0 + r;
-        if (fr >= rows) continue;  // padding rows never reach the hooks
-        const int tok = gdiv.div(fr);
-        const int qi = w.q_position(tok);
-        const int hq = head0 + (fr - tok * gf);
-        transform_row<DType, D>(sQ, r, lane, [&](const SmemRow<DType, D>& q, int d) {
-          return Variant::QueryTransform(vp, q, b, hq, qi, d);
-        });
-      }
+      transform_warp_rows<DType, D, M_FRAGS>(t, sQ, [&](const SmemRow<DType, D>& q, int hq, int qi,
+                                                        int d) {
+        return Variant::QueryTransform(vp, q, t.b, hq, qi, d);
+      });
     }
     if constexpr (KV_WARPS > 1) __syncthreads();
   }
@@ -267,35 +463,20 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
     const int stage = it % STAGES;
     if constexpr (STAGES == 1) {  // no prefetch: refill the only stage once everyone is done
       __syncthreads();
-      load_tile(it);
+      load_kv_tile<STAGES, Cfg::kTileElems>(w, it, sK, sV, tid);
       cp_async_wait<0>();
       __syncthreads();
     } else {
       cp_async_wait<STAGES - 2>();  // tile it landed (this thread's copies) ...
       __syncthreads();              // ... and everyone's; stage (it-1) % STAGES is free
-      load_tile(it + STAGES - 1);   // prefetch into it
+      load_kv_tile<STAGES, Cfg::kTileElems>(w, it + STAGES - 1, sK, sV, tid);  // prefetch
     }
 
     bool is_full;
-    const int kv0 = tile_start(it, is_full);
-    u16* sKs = sK + stage * Cfg::kTileElems;
-    u16* sVs = sV + stage * Cfg::kTileElems;
-    if constexpr (Variant::has_key_transform || Variant::has_value_transform) {
-#pragma unroll 1
-      for (int r = tid >> 5; r < TKV; r += Cfg::kWarps) {
-        const int kv = kv0 + r;
-        if (kv >= kv_len) break;
-        if constexpr (Variant::has_key_transform)
-          transform_row<DType, D>(sKs, r, lane, [&](const SmemRow<DType, D>& k, int d) {
-            return Variant::KeyTransform(vp, k, b, h_kv, kv + kv_pos0, d);
-          });
-        if constexpr (Variant::has_value_transform)
-          transform_row<DType, D>(sVs, r, lane, [&](const SmemRow<DType, D>& v, int d) {
-            return Variant::ValueTransform(vp, v, b, h_kv, kv + kv_pos0, d);
-          });
-      }
-      __syncthreads();
-    }
+    const int kv0 = w.tile_start(it, is_full);
+    if constexpr (Variant::has_key_transform || Variant::has_value_transform)
+      transform_kv_tile<Variant, DType, D, TKV, Cfg::kWarps>(
+          t, vp, sK + stage * Cfg::kTileElems, sV + stage * Cfg::kTileElems, kv0, tid);
 
     // S = Q K^T for this warp's rows: M_FRAGS x (TKV/8) fragments.
     float s_acc[M_FRAGS][N_FRAGS_S][4];
@@ -342,40 +523,11 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
     // compile-time specializations so that the common tile -- inside the sequence, and a full
     // block (or no mask) -- pays only for the scale and, if present, the LogitsTransform; bounds
     // checks and the mask cost only on edge tiles and partial blocks.
-    const bool bounds = kv0 < 0 || kv0 + TKV > kv_len || !tile_rows_in;
+    const bool bounds = kv0 < 0 || kv0 + TKV > t.kv_len || !tile_rows_in;
     const bool apply_mask = Variant::has_logits_mask && !is_full;
     auto logits = [&](auto bounds_tag, auto mask_tag) {
-      constexpr bool kBounds = decltype(bounds_tag)::value;
-      constexpr bool kMask = decltype(mask_tag)::value;
-      const float masked = kSoftmax ? neg_inf() : 0.f;
-#pragma unroll
-      for (int mf = 0; mf < M_FRAGS; ++mf)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          int fr = 0, qi = 0, hq = 0;
-          if constexpr (Variant::has_logits_transform || kMask || kBounds)
-            row_of(mf, hr, fr, qi, hq);
-          const bool row_in = !kBounds || fr < rows;
-#pragma unroll
-          for (int nf = 0; nf < N_FRAGS_S; ++nf)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int kv = kv0 + TKVW * kvw + nf * 8 + 2 * (lane & 3) + e;
-              float sc = s_acc[mf][nf][2 * hr + e] * qk_scale;
-              if (kBounds && (!row_in || (unsigned)kv >= (unsigned)kv_len)) {
-                sc = masked;
-              } else {
-                if constexpr (Variant::has_logits_transform) {
-                  sc = Variant::LogitsTransform(vp, sc, b, hq, qi, kv + kv_pos0);
-                  if constexpr (kSoftmax) sc *= kLog2e;
-                }
-                if constexpr (kMask) {
-                  if (!Variant::LogitsMask(vp, b, hq, qi, kv + kv_pos0)) sc = masked;
-                }
-              }
-              s_acc[mf][nf][2 * hr + e] = sc;
-            }
-        }
+      logits_tile<Variant, decltype(bounds_tag)::value, decltype(mask_tag)::value, M_FRAGS, TKVW>(
+          t, vp, s_acc, kv0, qk_scale);
     };
     if (!bounds && !apply_mask) {
       logits(BoolTag<false>{}, BoolTag<false>{});
@@ -481,114 +633,24 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
 
   // ---- epilogue --------------------------------------------------------------------------------
   float lse_val[M_FRAGS][2];
-#pragma unroll
-  for (int mf = 0; mf < M_FRAGS; ++mf)
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      float inv = 1.f;
-      if constexpr (kSoftmax) {
-        float l = row_l[mf][hr];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        // No weight (l == 0 exactly: every logit masked or -inf): output 0 and lse -inf, even
-        // if a NaN value row at a masked key reached the accumulator (0 * NaN). A NaN logit
-        // left l NaN: output and lse NaN. A +inf logit made m +inf: lse +inf (torch's logsumexp).
-        inv = l == 0.f ? 0.f : 1.f / l;
-        const float m = row_m[mf][hr];
-        lse_val[mf][hr] =
-            l == 0.f ? neg_inf() : (m == attncc::pos_inf() ? m : (m + __log2f(l)) * kLn2);
-      } else {
-        lse_val[mf][hr] = 0.f;
-      }
-#pragma unroll
-      for (int nf = 0; nf < N_FRAGS_O; ++nf) {
-        o_acc[mf][nf][2 * hr] = inv == 0.f ? 0.f : o_acc[mf][nf][2 * hr] * inv;
-        o_acc[mf][nf][2 * hr + 1] = inv == 0.f ? 0.f : o_acc[mf][nf][2 * hr + 1] * inv;
-      }
-    }
+  normalize_rows<kSoftmax>(o_acc, row_m, row_l, lse_val);
 
   if constexpr (Work::kMaySplit) {
-    // A unit that covers only part of its rows' KV range writes its partial state -- normalized O
-    // in fp32 and the LSE, tile rows [0, TQ) of its workspace slot -- for the merge (fa2_batch.cuh),
-    // which combines the parts in a fixed order and applies the OutputTransform.
     float* po = w.partial_o();
     if (po != nullptr) {
-      float* pl = w.partial_lse();
-#pragma unroll
-      for (int mf = 0; mf < M_FRAGS; ++mf)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int r = (warp * M_FRAGS + mf) * 16 + (lane >> 2) + 8 * hr;
-          if (row0 + r >= rows) continue;
-#pragma unroll
-          for (int nf = 0; nf < N_FRAGS_O; ++nf) {
-            float2 v2;
-            v2.x = o_acc[mf][nf][2 * hr];
-            v2.y = o_acc[mf][nf][2 * hr + 1];
-            *reinterpret_cast<float2*>(po + r * D + nf * 8 + 2 * (lane & 3)) = v2;
-          }
-          if ((lane & 3) == 0) pl[r] = lse_val[mf][hr];
-        }
+      store_partial<D, M_FRAGS>(t, po, w.partial_lse(), o_acc, lse_val);
       return;
     }
   }
-
-  // Stage the normalized O tile through shared memory (the warp's own Q rows, no longer read), so
-  // the OutputTransform sees whole rows and global stores are 16 bytes wide and coalesced.
-#pragma unroll
-  for (int mf = 0; mf < M_FRAGS; ++mf)
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = (warp * M_FRAGS + mf) * 16 + (lane >> 2) + 8 * hr;
-#pragma unroll
-      for (int nf = 0; nf < N_FRAGS_O; ++nf) {
-        const int col = nf * 8 + 2 * (lane & 3);
-        *reinterpret_cast<u32*>(sQ + swz<D>(r, col)) =
-            pack2<DType>(o_acc[mf][nf][2 * hr], o_acc[mf][nf][2 * hr + 1]);
-      }
-    }
-  __syncwarp();
-
+  stage_o<DType, D, M_FRAGS>(t, sQ, o_acc);
   if constexpr (Variant::has_output_transform) {
-#pragma unroll 1
-    for (int r = warp * M_FRAGS * 16; r < (warp + 1) * M_FRAGS * 16; ++r) {
-      const int fr = row0 + r;
-      if (fr >= rows) continue;
-      const int tok = gdiv.div(fr);
-      const int qi = w.q_position(tok);
-      const int hq = head0 + (fr - tok * gf);
-      transform_row<DType, D>(sQ, r, lane, [&](const SmemRow<DType, D>& o, int d) {
-        return Variant::OutputTransform(vp, o, b, hq, qi, d);
-      });
-    }
+    transform_warp_rows<DType, D, M_FRAGS>(t, sQ, [&](const SmemRow<DType, D>& o, int hq, int qi,
+                                                      int d) {
+      return Variant::OutputTransform(vp, o, t.b, hq, qi, d);
+    });
   }
-
-  // 16-byte stores of the warp's rows: lanes sweep a row's chunks, then the next row.
-#pragma unroll
-  for (int c = lane; c < M_FRAGS * 16 * CHUNKS; c += 32) {
-    const int r = (warp * M_FRAGS) * 16 + c / CHUNKS;
-    const int ch = c % CHUNKS;
-    const int fr = row0 + r;
-    if (fr < rows) {
-      const int tok = gdiv.div(fr);
-      const int hq = head0 + (fr - tok * gf);
-      const u32x4 val = *reinterpret_cast<const u32x4*>(sQ + swz<D>(r, ch * 8));
-      *reinterpret_cast<u32x4*>(w.o_row(tok, hq) + ch * 8) = val;
-    }
-  }
-
-  if constexpr (kSoftmax) {
-    if (w.has_lse() && (lane & 3) == 0) {
-#pragma unroll
-      for (int mf = 0; mf < M_FRAGS; ++mf)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          int fr, qi, hq;
-          row_of(mf, hr, fr, qi, hq);
-          if (fr < rows) *w.lse_at(gdiv.div(fr), hq) = lse_val[mf][hr];
-        }
-    }
-  }
+  store_o<D, M_FRAGS>(t, sQ);
+  if constexpr (kSoftmax) store_lse<M_FRAGS>(t, lse_val);
 }
 
 }  // namespace fa2
