@@ -407,6 +407,75 @@ __device__ __forceinline__ void produce_items(const attncc::AttentionParams& p,
 // tiles flow into the ring
 // (stage phases run on across items) while the consumers finish the last P V and store O -- the
 // cold start and the epilogue of a tile no longer leave the tensor cores idle.
+// The bulk-store epilogue (docs/fa3.md, "TMA, O through shared memory, L2 hints"): the K half
+// of the item's last stage (at k_stage) takes this warpgroup's 64 rows once both consumers' last
+// S GEMMs completed (q_empty's phase of the item; the other warpgroup's last P V reads V only).
+// Each warp stages its 16 rows swizzled and fences them for the async proxy; once all four
+// warps staged theirs, one thread writes the warpgroup's D/64 boxes by TMA tensor stores
+// through O's map (p.tma + 384) -- rows past q_len lie outside the map's [B, H, q_len, D]
+// tensor and are not written. The caller holds the stage until those stores have read it.
+template <typename DType, int D>
+__device__ __forceinline__ void store_o_bulk(const attncc::AttentionParams& p, u32 k_stage,
+                                             u32 q_empty, int phase, int wg, int warp, int lane,
+                                             int q0, int q_len, int hq, int b,
+                                             const float (&o)[D / 64][32], const float (&inv)[2]) {
+  tma::mbar_wait(q_empty, phase);
+  const u32 rows = k_stage + (wg - 1) * 64 * 2 * D;
+  const int row0 = q0 + 64 * (wg - 1);  // the warpgroup's first query
+  stage_rows_sw<DType, D>(o, inv, rows);
+  wg::fence_proxy_async();
+  warpgroup_sync(wg - 1);
+  if (warp == 0 && lane == 0 && row0 < q_len) {
+    const void* tm_o = reinterpret_cast<const unsigned char*>(p.tma) + 384;
+#pragma unroll
+    for (int blk = 0; blk < D / 64; ++blk)
+      tma::store_4d_hint(tm_o, rows + blk * kBoxBytes, 64 * blk, row0, hq, b,
+                         tma::l2_evict_first());
+    tma::bulk_commit();
+  }
+}
+
+// The epilogue's per-thread stores: O rows r_lo and r_lo + 8 (unless an output transform or
+// the 16-byte path already wrote them) and their LSE, by the quad's first lane.
+template <typename Variant, typename DType, int D, typename OutRow>
+__device__ __forceinline__ void store_rows_lse(const attncc::AttentionParams& p, OutRow&& out_row,
+                                               const float (&o)[D / 64][32], const float (&inv)[2],
+                                               const float (&lse)[2], int r_lo, int q_len, bool v4,
+                                               int b, int hq, int lane) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int qi = r_lo + 8 * hr;
+    if (qi < q_len) {
+      if (!Variant::has_output_transform && !v4) store_row<DType, D>(out_row(qi), o, hr, inv[hr]);
+      if constexpr (Variant::use_softmax) {
+        if (p.lse != nullptr && (lane & 3) == 0)
+          p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = lse[hr];
+      }
+    }
+  }
+}
+
+// Which 64-key half of tile 0 the band leaves a consumer warpgroup whose first query is qw
+// (0: both; consume_tiles' half0); see docs/fa3.md, "Band mask and trim". Tile 0 is the
+// item's first in the ring (`tile`), described by its stage's TileMeta at meta_at.
+template <typename Variant, int TKV, int STAGES, int kTrims, typename Ring>
+__device__ __forceinline__ int trim_half0(const Ring& ring, u32 meta_at, int tile, int n,
+                                          int kv_skip, int qw_first, bool rows_inside,
+                                          int kv_len) {
+  int half0 = 0;
+  if (n >= 2) {
+    ring.wait_full(tile);  // (its TileMeta is written: consume_tiles waits for it anyway)
+    const TileMeta m0 = get_meta(meta_at + 8 * (tile % STAGES));
+    const int kv0 = m0.kv0() + kv_skip;
+    const long long qw = qw_first;  // the warpgroup's first row
+    if (!m0.full() && rows_inside && kv0 + TKV <= kv_len) {
+      if ((kTrims & 1) && qw + 63 + Variant::kv_window_hi < kv0 + 64) half0 = 1;
+      if ((kTrims & 2) && qw + Variant::kv_window_lo >= kv0 + 64) half0 = 2;
+    }
+  }
+  return __shfl_sync(0xffffffffu, half0, 0);  // (provably warp-uniform, as sq_w)
+}
+
 template <typename Variant, typename DType, int D, int TKV, int STAGES>
 __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
                                             const typename Variant::Params& vp) {
@@ -570,19 +639,9 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     // blocks first) keeps keys 0..63 for consumer 0, a sliding window's far tile 64..127 for
     // consumer 1. The tile must take the band path (partial, inside both sequences).
     int half0 = 0;
-    if constexpr (kTrims != 0) {
-      if (n >= 2) {
-        ring.wait_full(tile);  // (its TileMeta is written: consume_tiles waits for it anyway)
-        const TileMeta m0 = get_meta(meta_at + 8 * (tile % STAGES));
-        const int kv0 = m0.kv0() + kv_skip;
-        const long long qw = q0 + 64 * (wg - 1);  // the warpgroup's first row
-        if (!m0.full() && rows_inside && kv0 + TKV <= kv_len) {
-          if ((kTrims & 1) && qw + 63 + Variant::kv_window_hi < kv0 + 64) half0 = 1;
-          if ((kTrims & 2) && qw + Variant::kv_window_lo >= kv0 + 64) half0 = 2;
-        }
-      }
-      half0 = __shfl_sync(0xffffffffu, half0, 0);  // (provably warp-uniform, as sq_w)
-    }
+    if constexpr (kTrims != 0)
+      half0 = trim_half0<Variant, TKV, STAGES, kTrims>(ring, meta_at, tile, n, kv_skip,
+                                                       q0 + 64 * (wg - 1), rows_inside, kv_len);
     const QRelease<Variant, kPersistentHeadDim<D>> q_release{q_empty};
     auto last_s_done = [&] { q_release.last_s_done(); };
     if (n > 0) {
@@ -618,27 +677,8 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     }
     const bool v4 = o_v4();
     if (kBulkO && v4 && n > 0 && part < 0) {
-      // The last tile's K half takes this warpgroup's 64 rows once both consumers' last S
-      // GEMMs completed (q_empty's phase of item k; the other warpgroup's last P V reads V
-      // only). Each warp stages its 16 rows swizzled (stage_rows_sw) and fences them for the
-      // async proxy; once all four warps staged theirs, one thread writes the warpgroup's D/64
-      // boxes by TMA tensor stores through O's map (p.tma + 384) -- rows past q_len lie outside
-      // the map's [B, H, q_len, D] tensor and are not written. The stage stays held until those
-      // stores have read it (HeldStage::settle, during the next item's first S GEMM).
-      tma::mbar_wait(q_empty, k & 1);
-      const u32 rows = ring.k_of(tile - 1) + (wg - 1) * 64 * 2 * D;
-      const int row0 = q0 + 64 * (wg - 1);  // the warpgroup's first query
-      stage_rows_sw<DType, D>(o, inv, rows);
-      wg::fence_proxy_async();
-      warpgroup_sync(wg - 1);
-      if (warp == 0 && lane == 0 && row0 < q_len) {
-        const void* tm_o = reinterpret_cast<const unsigned char*>(p.tma) + 384;
-#pragma unroll
-        for (int blk = 0; blk < BLOCKS; ++blk)
-          tma::store_4d_hint(tm_o, rows + blk * kBoxBytes, 64 * blk, row0, hq, b,
-                             tma::l2_evict_first());
-        tma::bulk_commit();
-      }
+      store_o_bulk<DType, D>(p, ring.k_of(tile - 1), q_empty, k & 1, wg, warp, lane, q0, q_len,
+                             hq, b, o, inv);
       held.owe = warp == 0 ? 4 : 0;
     } else if (v4) {
       store_rows_v4<DType, D>(o, inv, [&](int hr) -> DType* {
@@ -646,18 +686,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
         return qi < q_len ? out_row(qi) : nullptr;
       });
     }
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int qi = r_lo + 8 * hr;
-      if (qi < q_len) {
-        if (!Variant::has_output_transform && !v4)
-          store_row<DType, D>(out_row(qi), o, hr, inv[hr]);
-        if constexpr (kSoftmax) {
-          if (p.lse != nullptr && (lane & 3) == 0)
-            p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = lse[hr];
-        }
-      }
-    }
+    store_rows_lse<Variant, DType, D>(p, out_row, o, inv, lse, r_lo, q_len, v4, b, hq, lane);
     q_release.stored();
   };
   // The producer picks the items (the consumers keep no scheduling state in their registers)
