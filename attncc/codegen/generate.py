@@ -67,8 +67,8 @@ _LOW = "__host__ __device__ __forceinline__ constexpr bool low_pressure() {{ ret
 
 
 def with_form(source: str, *, low_pressure: bool) -> str:
-    """A generated FA3 unit in the other low-pressure form (what the spill fallback,
-    runtime/jit/policy.py compile_fa3, compiles): the same text but the form block's line.
+    """A generated FA3 unit in the other low-pressure form: the same text but the form block's
+    line (the kernel cache generates each form from its spec; scripts and tests swap a unit's).
 
     Example:
         >>> src = generate_source(VariantIR(name="plain"), head_dim=64, dtype="bfloat16",
