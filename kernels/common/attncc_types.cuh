@@ -162,8 +162,8 @@ __device__ __forceinline__ float sigmoid(float x) {
 // __fdividef, __sinf, __cosf), not inline asm, where one exists: the compiler knows intrinsics
 // have no side effects and hoists them out of loops -- RoPE's per-lane frequency
 // exp(-2i log(base) / D) is then computed once per warp in the transform pre-pass, not per row
-// (asm statements stayed in the loop; docs/journal/2026-12-01.md, "transform pre-pass,
-// loop-hoistable fast math"). tanh.approx has no intrinsic.
+// (asm statements stayed in the loop; docs/fa2.md, "Transform pre-pass"). tanh.approx has no
+// intrinsic.
 __device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
 __device__ __forceinline__ float fast_exp(float x) { return fast_exp2(x * 1.4426950408889634f); }
 __device__ __forceinline__ float fast_log2(float x) { return __log2f(x); }

@@ -320,8 +320,8 @@ __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
 // memory; a block-wide prefix sum of the items' rows then numbers all their rows, and warp w
 // merges rows w, w + WARPS, ... of that numbering. Spreading rows, not items, over the warps
 // matters for decode: a GQA-8 item has 8 rows, so one item at a time kept half of the 16 warps
-// idle and the CTA's items ran one after another (docs/journal/2026-12-01.md, "paged producer
-// warp, merge kernel rows, ALiBi bisect").
+// idle and the CTA's items ran one after another (docs/serving.md, "Merge kernel and
+// programmatic dependent launch").
 template <typename Variant, typename DType, int HEAD_DIM, int TQ>
 __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp) {

@@ -46,7 +46,7 @@ struct Config {
   // feed two MMAs, halving shared-memory traffic per MMA -- at one fragment per warp ldmatrix
   // bandwidth, not the tensor cores, bounds the loop. The price is registers: the O and S
   // accumulators take M_FRAGS*(D/8 + TKV/8)*4 of them, so the launcher uses 2 only where ptxas
-  // reports no spills (docs/journal/2026-11-30.md, "two fragments per warp").
+  // reports no spills (docs/fa2.md, "Two fragments per warp").
   static_assert(M_FRAGS == 1 || M_FRAGS == 2, "1 or 2 fragments per warp");
   static_assert(TQ % (16 * M_FRAGS) == 0, "TQ must be a multiple of 16 * M_FRAGS");
   // KV_WARPS > 1 (decode): the warps share one 16-row Q fragment and split every KV tile into

@@ -185,14 +185,14 @@ __device__ __forceinline__ void apply_logits(float (&s)[TKV / 2], const typename
   // kOneHead (the dense kernel): both rows are head hq[0], at positions qi[0] and qi[0] + 8.
   // Spelled so in the score_mod loop, a per-head load (ALiBi's slope) has one address and
   // kv - q folds to a constant offset per element, which made ALiBi + causal faster with
-  // bitwise-equal outputs (docs/journal/2026-12-01.md, "merge kernel rows, ALiBi bisect").
+  // bitwise-equal outputs (docs/fa3.md, "Two spellings of the logits loop").
   // The lambda loop keeps the per-row spelling.
   auto head = [&](int hr) { return kOneHead ? hq[0] : hq[hr]; };
   auto qpos = [&](int hr) { return kOneHead ? qi[0] + 8 * hr : qi[hr]; };
   // Two ways to write the same loop, each where it measured faster (ptxas schedules and
   // allocates them differently): a variant with a score_mod runs the plain nested loop below;
   // mask-only variants, and every variant's low-pressure form, run the lambda
-  // (docs/journal/2026-12-01.md, "a shared-counter scheduler (reverted), FA3 spill-free").
+  // (docs/fa3.md, "Two spellings of the logits loop").
   if constexpr (Variant::has_logits_transform && !form::low_pressure()) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {

@@ -4,7 +4,7 @@
 // reads every key) on G CTAs. When G does not divide num_items, the last R = num_items % G items
 // run as one more round on R CTAs while the other G - R sit idle: at B * S = 16384 with 16
 // heads, 2048 items on 132 CTAs, 68 CTAs run a 16th item -- the launch takes 16 item-times for
-// 15.5 of work (a clock64 trace: docs/journal/2026-12-01.md, "where an FA3 item's time goes").
+// 15.5 of work (docs/fa3.md, "Split tail").
 //
 // What. The R tail items' R * T K/V tiles (T per item), counted item by item, are cut into P =
 // min(G, 4 R, R * T) pieces of consecutive tiles: piece j is tail tiles [j R T / P, (j + 1) R T /

@@ -30,8 +30,8 @@ typedef unsigned long long u64;
 // the column is 8j + 2*(lane & 3) + 1 -- an odd column assembled from disjoint bits, as an
 // accumulator's second element is. The PTX XORed the whole column, not its chunk (col >> 3),
 // into the row's swizzle bits, so such elements landed in the wrong 16-byte chunk
-// (tests/gpu/test_wgmma.py checks every accumulator offset on the GPU; the story is in
-// docs/journal/2026-11-30.md, "an NVRTC miscompile").
+// (tests/gpu/test_wgmma.py checks every accumulator offset on the GPU; docs/fa3.md,
+// "The 128-byte swizzle offset").
 __device__ __forceinline__ unsigned sw128_offset(int row, int col, int rows) {
   const unsigned c = (unsigned)col, r = (unsigned)row;
   const unsigned chunk = (c >> 3) & 7u;  // 16-byte chunk within the 128-byte row

@@ -5,7 +5,7 @@
 // never the query, yet an attention kernel re-applies them to every tile it loads -- once per
 // query block and per query head sharing the KV head. For RoPE on keys at 8K tokens that is 64+
 // recomputations of each row and made attention several times slower than rotating first
-// (docs/journal/2026-12-01.md, "transform pre-pass, loop-hoistable fast math"). A query transform
+// (docs/fa2.md, "Transform pre-pass"). A query transform
 // runs once per row inside attention too, but there it sits on the CTA's critical path at one CTA
 // per SM, before the first GEMM; here it runs at full occupancy. attncc.ir.hoist splits the hooks
 // off; this kernel writes transformed copies, and attention then runs with identity hooks on them.

@@ -35,7 +35,7 @@ def choose_prepass(ir: VariantIR, *, option: str | None, q_len: int, num_q_heads
     kernel_options['PREPASS'] ("none", "kv", "qkv"; None or "auto": decide): when the grid loads
     each K/V row at least twice (`kv_loads_per_row`), all q/k/v transforms move -- K/V ones to
     stop the per-tile recomputation, the query one to leave the attention CTA's critical path
-    (measured: docs/journal/2026-12-01.md, "transform pre-pass"); otherwise none.
+    (docs/fa2.md, "Transform pre-pass"); otherwise none.
 
     Example:
         >>> from attncc.gym import rope

@@ -31,8 +31,7 @@ from ..jit.tiles import SMEM_PER_CTA, fa2_config, fa3_stages
 __all__ = ["TilePlan", "choose_tiles"]
 
 # T_kv per (head_dim, T_q): the largest KV tile that compiles without register spills
-# (ptxas report, sm_90a, every hook combination; table: docs/journal/2026-11-30.md,
-# "Register allocation").
+# (ptxas report, sm_90a, every hook combination; docs/fa2.md, "KV tile per head dim").
 _DEFAULT_TKV = {(64, 128): 64, (64, 64): 64, (64, 32): 64, (64, 16): 64,
                 (128, 128): 64, (128, 64): 64, (128, 32): 64, (128, 16): 64,
                 (256, 128): 32, (256, 64): 32, (256, 32): 32, (256, 16): 32}
@@ -138,8 +137,8 @@ def choose_tiles(head_dim: int, *, q_len: int, kv_len: int, group: int, heads: i
         # D <= 128 with enough rows: T_q=128 as 4 warps x 32 rows (two MMA fragments per warp),
         # which beat 64-row CTAs as long as the grid still holds two CTAs per SM. Otherwise at
         # most 64 rows (4 warps x 16): T_q=128 as 8 warps x 16 rows was slower at every head dim,
-        # and D=256 has no registers for a second fragment (measured:
-        # docs/journal/2026-11-30.md, "two fragments per warp").
+        # and D=256 has no registers for a second fragment (docs/fa2.md, "Two fragments per
+        # warp").
         if head_dim <= 128 and rows >= 128 and \
                 -(-rows // 128) * (heads // gf) * batch >= 2 * num_sms:
             return 128

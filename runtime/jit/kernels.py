@@ -54,7 +54,7 @@ KINDS = ("fa2_prefill", "fa3_prefill", "fa2_batch", "decode", "fa3_batch", "prep
 # Spill bytes (stores + loads, ptxas -v) an FA2 form may have before the prefill path falls back
 # to smaller tiles. One fragment per warp: none. Two: ptxas at the 255-register cap spills a few
 # words for some hooks, and those kernels still beat the spill-free one-fragment fallback
-# (docs/journal/2026-11-30.md, "two fragments per warp").
+# (docs/fa2.md, "Two fragments per warp").
 FA2_SPILL_BUDGET = {1: 0, 2: 192}
 
 STRICT_ENV = "ATTNCC_STRICT_RESOURCES"

@@ -163,7 +163,7 @@ def plan_config(tiles: BatchTiles, qo: np.ndarray, kv_lens: np.ndarray, *, num_q
     """
     group = num_qo_heads // num_kv_heads
     # 128 tokens: it beat 256 on small GQA decode batches and 64 was no better; at batch >= 64
-    # the floor does not bind (measured: docs/journal/2026-12-01.md, "merge kernel rows")
+    # the floor does not bind (docs/serving.md, "KV chunk length")
     floor = min_kv_chunk or 128
     if not balance:  # one CTA per work item, each item's whole KV range in one unit
         items = num_kv_heads * int(np.sum(-(-(np.diff(qo) * group) // tiles.tq)))
