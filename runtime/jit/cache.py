@@ -425,9 +425,7 @@ def store_compile(source: str, result: NvrtcResult, *, arch: str, name: str = "a
     kc = _resolve_cache(cache)
     if kc is None:
         return
-    arch = normalize_arch(arch)
-    opts = build_options(arch, options=options, verbose=verbose)
-    key = _key(source, arch, opts, name)
+    key = _cubin_key(source, arch, name, options, verbose)
     _put(kc, key, result)
     if confirmed:
         kc.put(_confirmed_key(key), CONFIRMED_MARK)
@@ -455,9 +453,13 @@ def is_confirmed(source: str, *, arch: str, name: str = "attncc.cu",
     kc = _resolve_cache(cache)
     if kc is None:
         return False
+    return kc.get(_confirmed_key(_cubin_key(source, arch, name, options, verbose))) is not None
+
+
+def _cubin_key(source: str, arch: str, name: str, options: Sequence[str], verbose: bool) -> str:
+    """The key `cached_compile` uses for a cubin compile of these arguments."""
     arch = normalize_arch(arch)
-    key = _key(source, arch, build_options(arch, options=options, verbose=verbose), name)
-    return kc.get(_confirmed_key(key)) is not None
+    return _key(source, arch, build_options(arch, options=options, verbose=verbose), name)
 
 
 # The payload of a confirmed mark: an entry of its own beside the result it confirms.

@@ -23,7 +23,6 @@ Example (generating needs neither NVRTC nor a GPU):
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -104,12 +103,15 @@ class KernelSpec:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kernel kind {self.kind!r}: use one of {', '.join(KINDS)}")
+        if (self.paired and self.kind != "fa3_prefill") or (
+                self.low_pressure and self.kind not in ("fa3_prefill", "fa3_batch")):
+            raise ValueError(f"a {self.kind} kernel has no paired / low-pressure form")
         object.__setattr__(self, "ir_key", variant_key(self.ir))
 
 
 @dataclass(frozen=True)
 class Generated:
-    """A spec's translation unit (its form's macros prepended) and what launching it needs."""
+    """A spec's translation unit (in its form) and what launching it needs."""
 
     spec: KernelSpec
     source: str
@@ -184,9 +186,6 @@ def generate(spec: KernelSpec) -> Generated:
         >>> form_text(paired=True, low_pressure=True) in g.source, g.kernel_name
         (True, 'attncc_p_fa3_d128_bf16_q128_k128_s3')
     """
-    if (spec.paired and spec.kind != "fa3_prefill") or (
-            spec.low_pressure and spec.kind not in ("fa3_prefill", "fa3_batch")):
-        raise ValueError(f"a {spec.kind} kernel has no paired / low-pressure form")
     return _GENERATORS[spec.kind](spec)
 
 
@@ -221,12 +220,6 @@ class CompiledForm:
         return self.spill_bytes, len(self.notes)
 
 
-# Forms that spilled past their budget in every retry (also on disk, confirmed): asked again in
-# this process, they are not even looked up.
-_UNTRUSTED: dict[tuple[str, str, str], CompiledForm] = {}
-_UNTRUSTED_LOCK = threading.Lock()
-
-
 def _verbose(spec: KernelSpec) -> bool:
     return spec.kind != "merge"  # the merge kernel is compiled without ptxas's report
 
@@ -238,37 +231,28 @@ def compile_form(spec: KernelSpec, arch: str) -> CompiledForm:
     confirmed; an unconfirmed spilled entry read from disk (an older cache) is recompiled."""
     gen = generate(spec)
     budget, verbose, name = spill_budget(spec), _verbose(spec), f"{gen.kernel_name}.cu"
-    memo = (hashlib.sha256(gen.source.encode()).hexdigest(), arch, name)
-    with _UNTRUSTED_LOCK:
-        hit = _UNTRUSTED.get(memo)
-    if hit is not None:
-        return replace(hit, gen=gen)
 
     def within(r: NvrtcResult) -> bool:
         return spill_bytes(r.log) <= budget
 
     res, hit = cached_compile(gen.source, arch=arch, name=name, verbose=verbose, keep=within)
-    retries = 0
-    if within(res):
-        return CompiledForm(gen, res, spill_bytes(res.log), tuple(wgmma_notes(res.log)), 0,
-                            budget)
-    if hit and is_confirmed(gen.source, arch=arch, name=name, verbose=verbose):
-        return CompiledForm(gen, res, spill_bytes(res.log), tuple(wgmma_notes(res.log)), 0,
-                            budget, confirmed=True)
-    for again in (_compile_fresh, _compile_in_subprocess):
-        retries += 1
-        res = again(gen.source, arch, name, verbose) or res
-        if within(res):
-            store_compile(gen.source, res, arch=arch, name=name, verbose=verbose)
-            break
-    form = CompiledForm(gen, res, spill_bytes(res.log), tuple(wgmma_notes(res.log)), retries,
-                        budget, confirmed=not within(res))
+    retries, confirmed = 0, False
     if not within(res):
-        # three compiles agree: later processes may trust it (no recompiles on every start)
-        store_compile(gen.source, res, arch=arch, name=name, verbose=verbose, confirmed=True)
-        with _UNTRUSTED_LOCK:
-            _UNTRUSTED[memo] = form
-    return form
+        if hit and is_confirmed(gen.source, arch=arch, name=name, verbose=verbose):
+            confirmed = True
+        else:
+            for again in (_compile_fresh, _compile_in_subprocess):
+                retries += 1
+                res = again(gen.source, arch, name, verbose) or res
+                if within(res):
+                    store_compile(gen.source, res, arch=arch, name=name, verbose=verbose)
+                    break
+            else:  # three compiles agree: later lookups (this process too) trust it
+                confirmed = True
+                store_compile(gen.source, res, arch=arch, name=name, verbose=verbose,
+                              confirmed=True)
+    return CompiledForm(gen, res, spill_bytes(res.log), tuple(wgmma_notes(res.log)), retries,
+                        budget, confirmed)
 
 
 def _compile_fresh(source: str, arch: str, name: str, verbose: bool) -> NvrtcResult:
@@ -500,11 +484,9 @@ def get_kernel(spec: KernelSpec) -> LoadedKernel:
 
 
 def clear_loaded() -> None:
-    """Forget every loaded kernel and every untrusted compile (the next use rebuilds)."""
+    """Forget every loaded kernel (the next use rebuilds)."""
     with _LOCK:
         _LOADED.clear()
-    with _UNTRUSTED_LOCK:
-        _UNTRUSTED.clear()
 
 
 def _arch(device: int) -> str:
