@@ -9,10 +9,9 @@ import pytest
 from attncc.codegen.errors import CodegenError
 from attncc.codegen.generate import form_text, generate_source, with_form
 from attncc.ir.program import VariantIR
+from tests.helpers.forms import LOW_PRESSURE, PAIRED
 
 PLAIN = VariantIR(name="plain")
-LOW = "constexpr bool low_pressure() { return true; }"
-PAIRED = "constexpr bool paired() { return true; }"
 
 
 def _fa3(**form: Any) -> str:
@@ -21,15 +20,15 @@ def _fa3(**form: Any) -> str:
 
 def test_forms_are_a_block_ahead_of_the_fa3_templates() -> None:
     plain, pair, low = _fa3(), _fa3(paired=True), _fa3(low_pressure=True)
-    assert form_text() in plain and PAIRED not in plain and LOW not in plain
-    assert PAIRED in pair and LOW in low
+    assert form_text() in plain and PAIRED not in plain and LOW_PRESSURE not in plain
+    assert PAIRED in pair and LOW_PRESSURE in low
     for src in (plain, pair, low):  # no macro picks a form any more
         assert "ATTNCC_FA3_PAIRED" not in src and "ATTNCC_FA3_LOW_PRESSURE" not in src
     # the block comes before the first template that reads it
     assert plain.index("namespace form {") < plain.index("kClusterSmemAddrs")
     batch = generate_source(PLAIN, head_dim=64, dtype="bfloat16", kernel="fa3batch",
                             low_pressure=True).source
-    assert LOW in batch
+    assert LOW_PRESSURE in batch
 
 
 def test_with_form_swaps_only_the_low_pressure_line() -> None:

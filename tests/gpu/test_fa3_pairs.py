@@ -30,10 +30,6 @@ CASES = [
     ("rope", 64, 1, 4, 4, 1280, 1280),
 ]
 
-# the paired form's line in codegen's form block (attncc.codegen.generate.form_text)
-PAIRED = "constexpr bool paired() { return true; }"
-
-
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: Any, bind: Any, g: int,
          paired: bool, out: torch.Tensor | None = None,
          lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

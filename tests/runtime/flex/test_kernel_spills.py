@@ -15,10 +15,10 @@ from attncc.runtime.jit.kernels import FA2_SPILL_BUDGET
 from attncc.runtime.jit.policy import spill_bytes, wgmma_notes
 from attncc.runtime.jit.sources import fa2_source
 from tests.helpers.clamped import clamped_ir
+from tests.helpers.forms import PAIRED
 from tests.helpers.variants import VARIANTS
 
 FA3 = {"KERNEL": "fa3"}
-PAIRED_FORM = "paired() { return true; }"  # codegen.generate.form_text
 
 
 @pytest.mark.nvrtc
@@ -91,7 +91,7 @@ def test_fa3_paired_kernel_attncc_runs_has_no_spills(name: str, d: int) -> None:
     form = compile_spec(kernel_spec(ir, d, "bfloat16", dataclasses.replace(plan, paired=True)),
                         "sm_90a")
     gk, res = form.gen, form.result
-    assert form.spec.paired and PAIRED_FORM in gk.source  # the pair form is what runs
+    assert form.spec.paired and PAIRED in gk.source  # the pair form is what runs
     assert spill_bytes(res.log) == 0, res.log
     assert "wgmma" not in res.log.lower() and not wgmma_notes(res.log), res.log
     assert ".multicast::cluster" in gk.source
@@ -120,7 +120,7 @@ def test_fa3_pair_form_that_spills_runs_unpaired(name: str) -> None:
     pair_forms = [f for f in trail if f.spec.paired]  # the pair form and its low-pressure form
     keeps = min(f.spill_bytes for f in pair_forms) == 0
     gk, res, used = fa3_compiled_form(ir, 128, "bfloat16", plan, "sm_90a")
-    assert used.paired is keeps and (PAIRED_FORM in gk.source) is keeps
+    assert used.paired is keeps and (PAIRED in gk.source) is keeps
     assert spill_bytes(res.log) == 0, res.log
     if name == "noop":
         assert keeps

@@ -20,6 +20,7 @@ from attncc.runtime.jit.kernels import (KernelRecord, KernelSpec, compile_form, 
                                         generate, get_kernel)
 from attncc.runtime.jit.nvrtc import NvrtcResult
 from attncc.gym import GYM
+from tests.helpers.forms import LOW_PRESSURE, PAIRED
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCH = "sm_90a"
@@ -70,8 +71,8 @@ class FakeCompiler:
 
 def _form(source: str) -> str:
     """'low+pair', 'pair', 'low' or 'plain', and '_m2' for an FA2 two-fragment form."""
-    form = "+".join(n for n, m in (("low", "low_pressure() { return true; }"),
-                                   ("pair", "paired() { return true; }")) if m in source) or "plain"
+    form = "+".join(n for n, m in (("low", LOW_PRESSURE), ("pair", PAIRED))
+                    if m in source) or "plain"
     return form + ("_m2" if re.search(r"_fa2_d\d+_\w+_s\d_m2\b", source) else "")
 
 
