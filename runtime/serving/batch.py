@@ -200,6 +200,9 @@ class BatchAttention:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.workspace = workspace_buffer
+        # a workspace allocated here grows with the plans' layouts until a CUDA graph captures
+        # run() (a captured kernel keeps reading the buffer it was captured with)
+        self._own_workspace, self._graph_captured = workspace_buffer is None, False
         self.tiles: BatchTiles | None = None
         self.layout: scheduler.PlanLayout | None = None
         self._stager = Staging()  # the pinned staging halves (_staging_for)
@@ -511,9 +514,18 @@ class BatchAttention:
             return ws
         need = self.workspace_bytes()
         if ws is None or ws.numel() < need:
-            if ws is not None:
+            if ws is not None and not self._own_workspace:
                 raise ValueError(f"workspace_buffer has {ws.numel()} bytes; this layout "
                                  f"needs {need} (BatchAttention.workspace_bytes())")
+            if ws is not None and self._graph_captured:
+                raise ValueError(
+                    f"this plan's layout needs {need} bytes of workspace and the one "
+                    f"BatchAttention allocated holds {ws.numel()}; a CUDA graph captured run() "
+                    f"with that buffer, so it cannot grow: pass workspace_buffer= (a uint8 "
+                    f"tensor of at least {need} bytes) or plan the largest batch before "
+                    f"capturing")
+            if ws is not None:  # kernels on any stream may still read the old buffer
+                torch.cuda.synchronize(self.device)
             ws = self.workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
         if ws.dtype != torch.uint8 or ws.device != self.device:
             raise ValueError("workspace_buffer must be a uint8 tensor on the kernel's device")
@@ -553,6 +565,8 @@ class BatchAttention:
         out = check_out(out, q)
         lse = check_lse(lse, return_lse, q, self.device)
         params = self._launch_args(q, k, v, out, lse, strides, scale)
+        if self._own_workspace and not self._graph_captured:
+            self._graph_captured = torch.cuda.is_current_stream_capturing()
         self._launch(kern, params, bindings)
         return (out, lse) if return_lse else out
 

@@ -125,3 +125,37 @@ def test_plans_uploaded_on_two_streams_in_turn() -> None:
         torch.cuda.synchronize()
         ref, _ = _reference(q, k, v, qo, arrays, CAUSAL)
         assert not torch.isnan(out).any() and _rel(out, ref) < 2e-2, i
+
+
+def test_own_workspace_grows_until_a_graph_captures_it() -> None:
+    """The workspace BatchAttention allocates grows when a later plan's layout needs more (a
+    decode plan, then a prefill plan); once a CUDA graph has captured run() with it, a plan that
+    needs more raises before anything is uploaded, naming workspace_buffer."""
+    ba = BatchAttention(CAUSAL, kv_layout="NHD", kernel="fa2")
+    small, large = ([1] * 4, [900, 17, 3000, 64]), ([40, 1], [400, 5000])
+    for q_lens, kv_lens in (small, large, small):
+        k, v, arrays = _cache(kv_lens, seed=50)
+        qo = torch.tensor([0] + list(itertools.accumulate(q_lens)))
+        q = torch.randn(int(qo[-1]), HKV * 4, D, device="cuda").bfloat16()
+        ba.plan(qo, arrays["kv_indptr"], arrays["kv_indices"], arrays["last"],
+                num_qo_heads=HKV * 4, num_kv_heads=HKV, head_dim=D, page_size=PAGE)
+        out = ba.run(q, (k, v))
+        ref, _ = _reference(q, k, v, qo, arrays, CAUSAL)
+        assert not torch.isnan(out).any() and _rel(out, ref) < 2e-2
+    torch.cuda.synchronize()
+
+    fresh = BatchAttention(CAUSAL, kv_layout="NHD", kernel="fa2")
+    k, v, arrays = _cache(small[1], seed=51)
+    qo = torch.tensor([0] + list(itertools.accumulate(small[0])))
+    q = torch.randn(int(qo[-1]), HKV * 4, D, device="cuda").bfloat16()
+    kw = dict(num_qo_heads=HKV * 4, num_kv_heads=HKV, head_dim=D, page_size=PAGE)
+    fresh.plan(qo, arrays["kv_indptr"], arrays["kv_indices"], arrays["last"], **kw)
+    fresh.run(q, (k, v))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fresh.run(q, (k, v))
+    k, v, arrays = _cache(large[1], seed=52)
+    qo = torch.tensor([0] + list(itertools.accumulate(large[0])))
+    with pytest.raises(ValueError, match="workspace_buffer"):
+        fresh.plan(qo, arrays["kv_indptr"], arrays["kv_indices"], arrays["last"], **kw)
