@@ -78,7 +78,7 @@ def analyze(ir: VariantIR) -> VariantInfo:
         >>> info.mask_depends_on_b, info.mask_depends_on_h, info.mask_depends_on_bh
         (True, False, True)
     """
-    from .simplify import simplify_variant  # sympy: loaded only by the analyses that need it
+    from .simplified import simplify_variant  # sympy: loaded only when nothing remembers it
 
     simple = simplify_variant(ir)
     exprs = {h: simple.expr(h) for h in HOOK_ORDER}

@@ -150,12 +150,12 @@ def _trace(variant: Variant) -> tuple[VariantIR, Bindings]:
     hit = _SIMPLIFIED.get(id(ir))
     if hit is not None and hit[0] is ir:
         return hit[1], bindings
-    try:
-        from attncc.ir.simplify import simplify_variant
-    except ImportError:
+    from attncc.ir.simplified import simplify_variant
+
+    try:  # simplification preserves meaning; it only makes evaluation cheaper
+        simplified = simplify_variant(ir)
+    except ImportError:  # no sympy: run the IR as traced
         return ir, bindings
-    # simplification preserves meaning; it only makes evaluation cheaper
-    simplified = simplify_variant(ir)
     with _SIMPLIFIED_LOCK:
         _SIMPLIFIED.pop(id(ir), None)
         while len(_SIMPLIFIED) >= _SIMPLIFIED_SIZE:

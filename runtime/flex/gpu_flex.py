@@ -376,7 +376,7 @@ def _hoist(ir: VariantIR, tiles: TilePlan, *, q_len: int, num_q_heads: int, num_
                            rows_per_cta=tiles.tq, head_fusion=tiles.gf)
     if not hooks:
         return None, ir
-    from attncc.ir.simplify import simplify_variant
+    from attncc.ir.simplified import simplify_variant
 
     return split_transforms(simplify_variant(ir), hooks)
 
@@ -478,7 +478,7 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
     import sys
     from concurrent.futures import ProcessPoolExecutor
 
-    from attncc.ir.simplify import simplify_variant
+    from attncc.ir.simplified import simplify_variant
 
     from ..jit.nvrtc import device_arch
 

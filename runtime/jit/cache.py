@@ -42,6 +42,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from attncc.ir import simplified
+
 from .nvrtc import NvrtcResult, build_options, compile_cuda, normalize_arch, nvrtc_version
 
 # Bump whenever the key recipe, the header or the payload encoding changes.
@@ -495,3 +497,21 @@ def _lookup(kc: KernelCache, key: str) -> NvrtcResult | None:
     except CorruptEntry as e:  # valid checksum but unreadable payload: written by a buggy build
         kc.discard(key, str(e))
         return None
+
+
+_IR_STORES: dict[Path, KernelCache] = {}
+
+
+def _ir_store() -> KernelCache:
+    """The simplified-IR entries: `ir/` inside the current cache directory (apart from the
+    cubins, which `entries()` lists)."""
+    d = default_cache_dir() / "ir"
+    store = _IR_STORES.get(d)
+    if store is None:
+        store = _IR_STORES.setdefault(d, KernelCache(d))
+    return store
+
+
+# simplified IR persists beside the cubins: a warm start never imports sympy
+# (attncc/ir/simplified.py)
+simplified.use_store(lambda key: _ir_store().get(key), lambda key, data: _ir_store().put(key, data))

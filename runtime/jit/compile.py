@@ -219,7 +219,7 @@ def compile(variant: Any, *, head_dim: int, dtype: Any = "bfloat16", arch: str |
         if hit is not None:
             return replace(hit, bindings=bindings, cache_hit=True)
 
-    from attncc.ir.simplify import simplify_variant  # sympy: imported on first compile
+    from attncc.ir.simplified import simplify_variant  # sympy: imported on first compile
 
     simplified = simplify_variant(ir)
     if kc is not None and kc.dir is not None:
@@ -258,7 +258,7 @@ def export(variant: Any, path: str | os.PathLike[str], *, head_dim: int, dtype: 
         ('causal.cu', True)
     """
     ir, bindings = trace_variant(variant)
-    from attncc.ir.simplify import simplify_variant
+    from attncc.ir.simplified import simplify_variant
 
     head_dim, dtype = _check_head_dim(head_dim), dtype_name(dtype)
     check_vector_indices(ir, head_dim, bindings.scalars)

@@ -34,11 +34,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from attncc.codegen.generate import use_template_cache
 from attncc.codegen.tiles import KernelTiles
 from attncc.errors import ResourceError
 from attncc.ir.program import VariantIR
 
-from .cache import cached_compile, is_confirmed, store_compile
+from .cache import KernelCache, cached_compile, is_confirmed, store_compile
 from .nvrtc import NvrtcResult, compile_cuda
 from .policy import spill_bytes, stack_frame, wgmma_notes
 from .tiles import LaunchConfig, fa2_config
@@ -229,6 +230,8 @@ def compile_form(spec: KernelSpec, arch: str) -> CompiledForm:
     `spill_budget(spec)` is compiled again in a fresh NVRTC program, then once in a fresh
     subprocess. A spilled result is written to the disk cache only once all three agree, marked
     confirmed; an unconfirmed spilled entry read from disk (an older cache) is recompiled."""
+    # jinja's compiled templates beside the cubins: a warm start does not compile them again
+    use_template_cache(KernelCache.default().dir / "templates")
     gen = generate(spec)
     budget, verbose, name = spill_budget(spec), _verbose(spec), f"{gen.kernel_name}.cu"
 
@@ -510,7 +513,7 @@ def _load(spec: KernelSpec) -> LoadedKernel:
                          f"is {arch}")
     ir = spec.ir
     if ir is not None and spec.kind != "prepass":  # the pre-pass's IR comes simplified (hoist)
-        from attncc.ir.simplify import simplify_variant
+        from attncc.ir.simplified import simplify_variant
 
         ir = simplify_variant(ir)
     form = compile_spec(replace(spec, ir=ir), arch)

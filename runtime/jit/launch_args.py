@@ -72,7 +72,7 @@ def clamped(ir: VariantIR | None, shapes: Any, tensors: Mapping[str, Any],
     if ir is None or not ir.tensors:
         return ir, {}
     from attncc.ir.analysis import check_captured_reads, clamp_reads
-    from attncc.ir.simplify import simplify_variant
+    from attncc.ir.simplified import simplify_variant
 
     simple = simplify_variant(ir)  # the expressions the kernel runs
     found = check_captured_reads(simple, shapes, tensors, scalars, computed)

@@ -118,7 +118,7 @@ def mask_causal_bound(ir: VariantIR) -> int | None:
         True
     """
     from attncc.ir.kv_bound import causal_bound
-    from attncc.ir.simplify import simplify_variant
+    from attncc.ir.simplified import simplify_variant
 
     mask = simplify_variant(ir).hook("mask_mod")
     return None if mask.is_identity else causal_bound(mask.expr)

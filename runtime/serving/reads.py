@@ -23,7 +23,7 @@ def serving_clamps(ir: VariantIR, tensors: dict, scalars: dict, positions_unknow
     or every read when `positions_unknown` (explicit q_positions / kv_position_offset) or when
     the proof itself fails."""
     from attncc.ir.analysis import CapturedReadError, clamp_reads, load_guards
-    from attncc.ir.simplify import simplify_variant
+    from attncc.ir.simplified import simplify_variant
 
     if not positions_unknown:
         try:
