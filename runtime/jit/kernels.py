@@ -23,7 +23,9 @@ Example (generating needs neither NVRTC nor a GPU):
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -32,7 +34,7 @@ import threading
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from attncc.codegen.generate import use_template_cache
 from attncc.codegen.tiles import KernelTiles
@@ -43,6 +45,10 @@ from .cache import KernelCache, cached_compile, is_confirmed, store_compile
 from .nvrtc import NvrtcResult, compile_cuda
 from .policy import spill_bytes, stack_frame, wgmma_notes
 from .tiles import LaunchConfig, fa2_config
+
+_LOG = logging.getLogger("attncc")
+# seconds a compile runs before it says so (compile_form)
+SLOW_COMPILE_S = 1.0
 
 __all__ = ["KINDS", "FA2_SPILL_BUDGET", "STRICT_ENV",
            "KernelSpec", "Generated", "CompiledForm", "KernelRecord", "LoadedKernel",
@@ -229,10 +235,34 @@ def compile_form(spec: KernelSpec, arch: str) -> CompiledForm:
     """Compile exactly `spec`'s form (through the disk cache). A result that spills past
     `spill_budget(spec)` is compiled again in a fresh NVRTC program, then once in a fresh
     subprocess. A spilled result is written to the disk cache only once all three agree, marked
-    confirmed; an unconfirmed spilled entry read from disk (an older cache) is recompiled."""
+    confirmed; an unconfirmed spilled entry read from disk (an older cache) is recompiled. A
+    compile still running after `SLOW_COMPILE_S` says so once (`_announced`)."""
     # jinja's compiled templates beside the cubins: a warm start does not compile them again
     use_template_cache(KernelCache.default().dir / "templates")
     gen = generate(spec)
+    with _announced(f"kernel {gen.kernel_name} for variant {spec.ir.name if spec.ir else '-'} "
+                    f"({arch})"):
+        return _compile_generated(spec, arch, gen)
+
+
+@contextlib.contextmanager
+def _announced(what: str) -> Iterator[None]:
+    """Log one line (logger "attncc", WARNING: shown without any logging setup) if the body
+    is still running after SLOW_COMPILE_S, so a first call's compile does not look like a
+    hang (docs/jit.md, "Cold start")."""
+    timer = threading.Timer(SLOW_COMPILE_S, _LOG.warning, (
+        "attncc: compiling %s; the first use of a kernel form compiles it (seconds), later "
+        "calls and processes read it from %s", what, KernelCache.default().dir))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _compile_generated(spec: KernelSpec, arch: str, gen: Generated) -> CompiledForm:
+    """compile_form's work once `spec` is rendered."""
     budget, verbose, name = spill_budget(spec), _verbose(spec), f"{gen.kernel_name}.cu"
 
     def within(r: NvrtcResult) -> bool:
