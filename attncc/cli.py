@@ -135,6 +135,12 @@ def load_target(target: str) -> tuple[VariantIR, Bindings]:
             raise UsageError(f"{target}: name the variant inside the file, e.g. {target}:softcap")
         raise UsageError(f"{target!r} is not a target: give FILE.attn or module:function "
                          f"(module may be a path to a .py file)")
+    return _as_ir(load_object(target), target)
+
+
+def load_object(target: str) -> Any:
+    """The Python object a `module:name` TARGET names (module may be a path to a .py file)."""
+    module_spec, sep, attr = target.rpartition(":")
     obj = _import_module(module_spec)
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -142,7 +148,7 @@ def load_target(target: str) -> tuple[VariantIR, Bindings]:
             raise UsageError(f"{module_spec} has no attribute {part!r}"
                              + (f"; it defines {', '.join(names[:20])}" if names else ""))
         obj = getattr(obj, part)
-    return _as_ir(obj, target)
+    return obj
 
 
 # ----------------------------------------------------------------------------- commands
@@ -275,8 +281,39 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def cmd_warm(args: argparse.Namespace) -> int:
+    """`attncc warm TARGET... --shape B,H,S... --arch ARCH...`: compile what flex_attention
+    will run for these variants and shapes into the cache directory (no GPU needed)."""
+    from .errors import InvalidArgument
+    from .frontend.variant import as_variant
+    from .runtime.flex import warm
+
+    try:
+        shapes = [warm.parse_shape(s) for s in args.shape]
+    except InvalidArgument as e:
+        raise UsageError(f"--shape: {e}") from None
+    targets = []
+    for target in args.target:
+        if args.block_mask:
+            if target.endswith(".attn"):
+                raise UsageError(f"{target}: --block-mask needs a Python variant (module:name), "
+                                 f"whose mask_mod is a function")
+            targets.append(warm.split_block_mask(as_variant(load_object(target))))
+        else:
+            targets.append((*load_target(target), None))
+    archs = args.arch or [_arch(argparse.Namespace(arch=None))]
+    lines = warm.warm(targets, shapes, head_dims=args.head_dim,
+                      dtypes=[_dtype(argparse.Namespace(dtype=d)) for d in args.dtype],
+                      archs=archs, num_sms=args.sms, max_workers=args.jobs)
+    from .runtime.jit.cache import default_cache_dir
+
+    print("\n".join(lines))
+    print(f"{len(lines)} kernels in {default_cache_dir()}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser for `attncc` (subcommands compile, export, explain).
+    """The argparse parser for `attncc` (subcommands compile, export, warm, explain).
 
     Example:
         >>> build_parser().parse_args(["compile", "x.attn", "--emit", "ir"]).head_dim
@@ -321,6 +358,27 @@ def build_parser() -> argparse.ArgumentParser:
     codegen_options(p)
     p.add_argument("-o", "--output", required=True, help="the .cu file to write")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("warm", help="compile the kernels flex_attention will run for variants "
+                                    "and shapes into the cache directory (no GPU needed)",
+                       description="Precompile, for a deployment image or a cold machine, the "
+                                   "kernels attncc.flex_attention plans for each TARGET at each "
+                                   "--shape, head dim, dtype and --arch, into $ATTNCC_CACHE_DIR.")
+    p.add_argument("target", metavar="TARGET", nargs="+", help="FILE.attn or module:name")
+    p.add_argument("--shape", action="append", required=True, metavar="B,H,S[,HKV[,SKV]]",
+                   help="q is [B, H, S, D], k/v [B, HKV, SKV, D]; repeat for more shapes")
+    p.add_argument("--head-dim", type=_positive_int, nargs="+", default=[128])
+    p.add_argument("--dtype", nargs="+", default=["bfloat16"])
+    p.add_argument("--arch", nargs="+", default=None,
+                   help="GPU architectures, e.g. sm_90a sm_80 (default: the current GPU)")
+    p.add_argument("--sms", type=_positive_int, default=None,
+                   help="the GPU's SM count (default: 132 for sm_90a, 108 for sm_80, ...)")
+    p.add_argument("--block-mask", action="store_true",
+                   help="pass each variant's mask_mod as a block mask (create_block_mask), as "
+                        "FlexAttention code does")
+    p.add_argument("--jobs", type=_positive_int, default=None,
+                   help="parallel compile processes (default: the CPU count)")
+    p.set_defaults(func=cmd_warm)
 
     p = sub.add_parser("explain", help="show traced IR, simplified IR and the CUDA hook bodies")
     p.add_argument("target", metavar="TARGET", help="FILE.attn or module:function")

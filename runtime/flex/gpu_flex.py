@@ -424,35 +424,78 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
     Hkv, Skv = key.shape[1], key.shape[2]
     device = query.device
     dev_index = device.index if device.index is not None else torch.cuda.current_device()
-    margs = None
-    mscal: dict[str, Any] = {}
-    mtens: dict[str, Any] = {}
-    if block_mask is not None:
-        margs = _mask_args(block_mask, not ir.hook("mask_mod").is_identity, B, Hq, Sq, Skv,
-                           device)
-        if margs is not None:
-            ir, merged = _merge_mask(ir, bindings, block_mask)
-            mscal = {k: v for k, v in merged.scalars.items() if k not in bindings.scalars}
-            mtens = {k: v for k, v in merged.tensors.items() if k not in bindings.tensors}
-            bindings = merged
-    tiles = choose_tiles(D, q_len=Sq, kv_len=Skv, group=Hq // Hkv, heads=Hq, batch=B,
-                         num_sms=num_sms(dev_index),
-                         block_q=margs.block_q if margs else None,
-                         block_kv=margs.block_kv if margs else None,
-                         mask_head_uniform=margs.head_uniform if margs else True,
-                         kernel_options=kernel_options,
-                         fa3_ok=_fa3_ok(query, key, value, dev_index))
-    if tiles.kernel == "fa3":
+    ir, bindings, margs, mscal, mtens = mask_plan(ir, bindings, block_mask, B, Hq, Sq, Skv,
+                                                  device)
+    dtype = "bfloat16" if query.dtype == torch.bfloat16 else "float16"
+    pl = plan_shapes(ir, bindings, batch=B, num_q_heads=Hq, num_kv_heads=Hkv, q_len=Sq,
+                     kv_len=Skv, head_dim=D, dtype=dtype, num_sms=num_sms(dev_index),
+                     fa3_ok=_fa3_ok(query, key, value, dev_index), mask=margs,
+                     kernel_options=kernel_options, device=dev_index, mask_scalars=mscal,
+                     mask_tensors=mtens)
+    if pl.tiles.kernel == "fa3":
         check_forced_fa3(torch.cuda.get_device_capability(dev_index))
-    if fa3_pairs(tiles, margs is not None, Sq, Skv, D, kernel_options):
+    return pl
+
+
+def mask_plan(ir: VariantIR, bindings: Bindings, block_mask: Any, B: int, Hq: int, Sq: int,
+              Skv: int, device: torch.device
+              ) -> tuple[VariantIR, Bindings, _MaskArgs | None, dict[str, Any], dict[str, Any]]:
+    """A block mask's part of a plan: (variant with the mask's mask_mod merged in, bindings,
+    checked block lists or None, the mask_mod's captured scalars and tensors)."""
+    if block_mask is None:
+        return ir, bindings, None, {}, {}
+    margs = _mask_args(block_mask, not ir.hook("mask_mod").is_identity, B, Hq, Sq, Skv, device)
+    if margs is None:
+        return ir, bindings, None, {}, {}
+    ir, merged = _merge_mask(ir, bindings, block_mask)
+    mscal = {k: v for k, v in merged.scalars.items() if k not in bindings.scalars}
+    mtens = {k: v for k, v in merged.tensors.items() if k not in bindings.tensors}
+    return ir, merged, margs, mscal, mtens
+
+
+def plan_shapes(ir: VariantIR, bindings: Bindings, *, batch: int, num_q_heads: int,
+                num_kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: str,
+                num_sms: int, fa3_ok: bool, mask: _MaskArgs | None = None,
+                kernel_options: Mapping[str, Any] | None = None, device: int = -1,
+                mask_scalars: Mapping[str, Any] | None = None,
+                mask_tensors: Mapping[str, Any] | None = None) -> LaunchPlan:
+    """The launch decided from shapes and device facts alone (`plan_launch` past its tensor
+    checks; `attncc warm` without a GPU): tiles, CTA pairs, the pre-pass split.
+
+    Example:
+        >>> from attncc.ir.program import VariantIR
+        >>> pl = plan_shapes(VariantIR(name="p"), Bindings(), batch=1, num_q_heads=16,
+        ...                  num_kv_heads=16, q_len=4096, kv_len=4096, head_dim=128,
+        ...                  dtype="bfloat16", num_sms=132, fa3_ok=True)
+        >>> pl.tiles.kernel, pl.tiles.paired
+        ('fa3', True)
+    """
+    B, Hq, Hkv, Sq, Skv, D = batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim
+    tiles = choose_tiles(D, q_len=Sq, kv_len=Skv, group=Hq // Hkv, heads=Hq, batch=B,
+                         num_sms=num_sms, block_q=mask.block_q if mask else None,
+                         block_kv=mask.block_kv if mask else None,
+                         mask_head_uniform=mask.head_uniform if mask else True,
+                         kernel_options=kernel_options, fa3_ok=fa3_ok)
+    if fa3_pairs(tiles, mask is not None, Sq, Skv, D, kernel_options):
         tiles = replace(tiles, paired=True)
     if Hq // tiles.gf > 65535 or B > 65535:
         raise ValueError(f"batch {B} x heads {Hq}: the GPU kernel's grid allows at most 65535 "
                          f"head slots and 65535 batches")
     pre, ir = _hoist(ir, tiles, q_len=Sq, num_q_heads=Hq, num_kv_heads=Hkv,
                      kernel_options=kernel_options)
-    dtype = "bfloat16" if query.dtype == torch.bfloat16 else "float16"
-    return LaunchPlan(ir, bindings, tiles, margs, dtype, D, dev_index, mscal, mtens, pre)
+    return LaunchPlan(ir, bindings, tiles, mask, dtype, D, device, mask_scalars or {},
+                      mask_tensors or {}, pre)
+
+
+def plan_specs(pl: LaunchPlan) -> list[KernelSpec]:
+    """The kernel specs a plan runs: the attention kernel's (simplified IR) and the pre-pass's."""
+    from attncc.ir.simplified import simplify_variant
+
+    specs = [kernel_spec(simplify_variant(pl.ir), pl.head_dim, pl.dtype, pl.tiles)]
+    if pl.prepass is not None:
+        specs.append(KernelSpec("prepass", pl.prepass, pl.head_dim, pl.dtype,
+                                fast_math=pl.tiles.fast_math))
+    return specs
 
 
 def _compile_job(job: tuple[KernelSpec, str]) -> str:
@@ -473,28 +516,29 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
     """
     if not plans:
         return 0
-    import multiprocessing
-    import os
-    import sys
-    from concurrent.futures import ProcessPoolExecutor
-
-    from attncc.ir.simplified import simplify_variant
-
     from ..jit.nvrtc import device_arch
 
     jobs: dict[KernelSpec, tuple[KernelSpec, str]] = {}
     for pl in plans:
         with torch.cuda.device(pl.device):
             arch = device_arch()
-        spec = kernel_spec(simplify_variant(pl.ir), pl.head_dim, pl.dtype, pl.tiles)
-        jobs[spec] = (spec, arch)
-        if pl.prepass is not None:
-            spec = KernelSpec("prepass", pl.prepass, pl.head_dim, pl.dtype,
-                              fast_math=pl.tiles.fast_math)
+        for spec in plan_specs(pl):
             jobs[spec] = (spec, arch)
+    return compile_jobs(list(jobs.values()), max_workers)
+
+
+def compile_jobs(jobs: "list[tuple[KernelSpec, str]]", max_workers: int | None = None) -> int:
+    """Compile (spec, arch) jobs (and their fallback forms) into the on-disk cache, in parallel
+    processes when there are several; returns how many."""
+    import multiprocessing
+    import os
+    import sys
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = list(dict.fromkeys(jobs))
     workers = max_workers or min(len(jobs), os.cpu_count() or 1)
     if workers <= 1:
-        for job in jobs.values():
+        for job in jobs:
             _compile_job(job)
     else:
         # spawn re-imports __main__ from its file; a script read from stdin has none, so fork
@@ -502,7 +546,7 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
         main_file = getattr(sys.modules.get("__main__"), "__file__", None)
         method = "spawn" if main_file and os.path.isfile(main_file) else "fork"
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as ex:
-            list(ex.map(_compile_job, jobs.values()))
+            list(ex.map(_compile_job, jobs))
     return len(jobs)
 
 
