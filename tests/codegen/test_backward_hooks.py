@@ -121,3 +121,14 @@ def test_grads_layout_static_asserts_catch_a_mismatch() -> None:
                         "ATTNCC_OFFSETOF(VariantGrads_m_0, table_grad_stride) == 16")
     assert wrong != src
     assert "Python layout: VariantGrads_m_0::table_grad_stride" in nvrtc_fails(wrong)
+
+
+@pytest.mark.nvrtc
+def test_gpu_probe_kernel_compiles() -> None:
+    """tests/gpu/test_backward_hooks_gpu.py's probe, compiled here so the GPU run starts clean."""
+    from tests.helpers.backward_probe import probe
+
+    for n, ir in _learnable_irs().items():
+        pr = probe(ir, [t.name for t in ir.tensors])
+        assert "V::CapturedGrad(vp, g, a.dlogit[i]" in pr.source
+        nvrtc_compile(pr.source, "sm_90a", f"probe {n}")
