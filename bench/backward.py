@@ -1,4 +1,4 @@
-"""Backward benchmark: attncc vs FlexAttention (torch.compile) vs SDPA (flash, cuDNN) training steps.
+"""Backward benchmark: attncc vs FlexAttention (torch.compile) vs SDPA (flash, cuDNN), fwd+bwd.
 
 All implementations run in one process on the same inputs (bf16, H=16, D=128, B*S=16384), with
 bench/prefill.py's variants plus `relbias_causal`, a learnable relative-position table
@@ -15,6 +15,11 @@ is recorded with its error and the sweep goes on.
     python -m bench.backward                      # full sweep -> bench/results/backward-h200.*
     python -m bench.backward --S 2048 --variants causal relbias_causal --impls attncc flex
     python -m bench.backward --report bench/results/backward-h200.json   # table + PNG (CPU ok)
+    python -m bench.backward --report a.json b.json --out bench/results/backward-h200.json
+
+A full sweep spends most of its time compiling FlexAttention (a forward and a backward graph per
+variant and S); to keep each run short, measure a few S per run and merge the JSONs with
+`--report A B --out C` (the records together, the first run's meta, every run's commit and date).
 
 Example (the FLOP count of a causal cell's backward, in TFLOP):
     >>> bwd_flops("causal", 2048, B=8) / 1e12 == 2.5 * 4 * 128 * 8 * 16 * 2048 ** 2 / 2 / 1e12
@@ -30,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.prefill import (HEAD_DIM, HEADS, SEQ_LENS, TOKENS, Bench, _compiled_flex,
-                           _prefill_meta, _rel_err, pairs, report, save)
+from bench.prefill import (HEAD_DIM, HEADS, SEQ_LENS, TOKENS, Bench, _prefill_meta, _rel_err,
+                           pairs, report, save)
 from bench.prefill import VARIANTS as PREFILL_VARIANTS
 
 VARIANTS = (*PREFILL_VARIANTS, "relbias_causal")
@@ -360,6 +365,19 @@ def write_outputs(doc: dict[str, Any], out: Path | None) -> Path:
     return path
 
 
+def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' results as one document: the first run's meta, with each run's commit and
+    date in `meta["runs"]`; a cell measured twice keeps the later run's record."""
+    by: dict[tuple, dict[str, Any]] = {}
+    for doc in docs:
+        for r in doc["results"]:
+            opts = json.dumps(r.get("kernel_options"), sort_keys=True)
+            by[(r["impl"], r["variant"], r["S"], opts)] = r
+    meta = {**docs[0]["meta"], "runs": [{k: d["meta"].get(k) for k in ("attncc_commit", "date")}
+                                        for d in docs]}
+    return {"meta": meta, "results": list(by.values())}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--S", type=int, nargs="+", default=list(SEQ_LENS))
@@ -371,14 +389,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=None,
                     help="JSON path; the .md and .png go beside it (default "
                          "$OUT/backward-h200.json or bench/results/)")
-    ap.add_argument("--report", type=Path, default=None,
-                    help="only write the markdown table and PNG of an existing JSON")
+    ap.add_argument("--report", type=Path, nargs="+", default=None,
+                    help="only write the markdown table and PNG of an existing JSON; several "
+                         "JSONs are merged into --out first")
     ap.add_argument("--rounds", type=int, default=3,
                     help="interleaved timing rounds per cell; each time is their median")
     args = ap.parse_args(argv)
     bad = [S for S in args.S if S <= 0 or TOKENS % S]
     if bad:
         ap.error(f"--S {bad}: each S must divide B*S = {TOKENS}")
+    if args.report and len(args.report) > 1 and args.out is None:
+        ap.error("--report with several JSONs merges them: name the merged file with --out")
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     return args
@@ -387,7 +408,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report is not None:
-        report(args.report, table, plot)
+        path = args.report[0]
+        if len(args.report) > 1:
+            path = args.out
+            doc = merge([json.loads(p.read_text()) for p in args.report])
+            path.write_text(json.dumps(doc, indent=1))
+        report(path, table, plot)
         return 0
     meta = {**_prefill_meta(args.rounds), "timing": TIMING + (
         f"; each time is the median of {args.rounds} interleaved rounds (*_ms_rounds)"),

@@ -71,6 +71,26 @@ def test_report_writes_table_and_png(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "targets met" in capsys.readouterr().out
 
 
+def test_report_merges_runs(tmp_path: Path) -> None:
+    """Runs of a few S each merge into one document; a cell measured twice keeps the later."""
+    from bench.backward import main
+
+    first = {"meta": {**META, "attncc_commit": "aaa"}, "results": RECORDS[:4]}
+    redo = _rec("flex", "causal", 8192, 350.0)
+    second = {"meta": {**META, "attncc_commit": "bbb"},
+              "results": [redo, _rec("attncc", "causal", 2048, 400.0)]}
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for p, doc in zip(paths, (first, second)):
+        p.write_text(json.dumps(doc))
+    out = tmp_path / "merged.json"
+    pytest.importorskip("matplotlib")
+    assert main(["--report", *map(str, paths), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["attncc_commit"] for r in doc["meta"]["runs"]] == ["aaa", "bbb"]
+    assert len(doc["results"]) == 5 and redo in doc["results"]
+    assert "| causal | 2048 | 400 |" in out.with_suffix(".md").read_text()
+
+
 def test_times_and_flops() -> None:
     """backward-only = fwd+bwd - fwd, counted at 2.5x the forward's FLOPs (causal: half)."""
     from bench.backward import _set_times, bwd_flops, fwd_flops
@@ -108,7 +128,8 @@ def test_cli_parses() -> None:
     assert (args.S, args.variants, args.impls, args.rounds) == (
         [2048], ["causal", "relbias_causal"], ["attncc", "flex"], 1)
     assert args.sweep == [{"DETERMINISTIC": True}] and args.out == Path("x.json")
-    for bad in (["--S", "3000"], ["--variants", "nope"], ["--rounds", "0"]):
+    for bad in (["--S", "3000"], ["--variants", "nope"], ["--rounds", "0"],
+                ["--report", "a.json", "b.json"]):   # merging needs --out
         with pytest.raises(SystemExit):
             parse_args(bad)
 
