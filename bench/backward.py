@@ -415,6 +415,12 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(json.dumps(doc, indent=1))
         report(path, table, plot)
         return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench.backward measures on a CUDA GPU and torch sees none here; --report FILE "
+              "rebuilds the table and PNG of a results JSON on any machine", file=sys.stderr)
+        return 2
     meta = {**_prefill_meta(args.rounds), "timing": TIMING + (
         f"; each time is the median of {args.rounds} interleaved rounds (*_ms_rounds)"),
         "bwd_flop_factor": BWD_FLOP_FACTOR}

@@ -134,6 +134,17 @@ def test_cli_parses() -> None:
             parse_args(bad)
 
 
+def test_measuring_without_a_gpu_says_so(capsys: pytest.CaptureFixture) -> None:
+    import torch
+
+    from bench.backward import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: main() would measure")
+    assert main(["--S", "2048", "--rounds", "1"]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err
+
+
 def test_module_doctests() -> None:
     import bench.backward
 
