@@ -8,6 +8,8 @@
 #   scripts/gpu_check.sh bench [ARGS]    # bench/prefill.py only (ARGS go to it)
 #   scripts/gpu_check.sh decode [ARGS]   # bench/decode.py only (ARGS go to it)
 #   scripts/gpu_check.sh shared_prefix   # bench/shared_prefix.py (cascade vs single format)
+#   scripts/gpu_check.sh backward [ARGS] # bench/backward.py (forward+backward vs Flex and SDPA)
+#   scripts/gpu_check.sh train [ARGS]    # examples/train_relbias.py (attncc vs Flex training)
 # Set ATTNCC_COMMIT to the commit being measured (the device copy has no .git).
 #
 # lark is not installed on the H200 image: carry it as a wheel in .whl/ (see DEVELOPERS.md):
@@ -75,6 +77,18 @@ fi
 if [[ "$MODE" == "shared_prefix" ]]; then
     ATTNCC_COMMIT="${ATTNCC_COMMIT:-unknown}" python3 -m bench.shared_prefix \
         --out "$OUT/shared-prefix-h200.json" "${@:2}" 2>&1 | tee "$OUT/shared-prefix.log"
+    [[ ${PIPESTATUS[0]} -ne 0 ]] && status=1
+fi
+if [[ "$MODE" == "backward" ]]; then
+    # forward+backward of attncc vs FlexAttention vs SDPA flash/cuDNN (bench/backward.py)
+    ATTNCC_COMMIT="${ATTNCC_COMMIT:-unknown}" python3 -m bench.backward \
+        --out "$OUT/backward-h200.json" "${@:2}" 2>&1 | tee "$OUT/backward.log"
+    [[ ${PIPESTATUS[0]} -ne 0 ]] && status=1
+fi
+if [[ "$MODE" == "train" ]]; then
+    # the learnable relative-bias training example, attncc vs FlexAttention, curves to $OUT
+    python3 examples/train_relbias.py --out "$OUT/train-relbias-h200.json" "${@:2}" 2>&1 \
+        | tee "$OUT/train.log"
     [[ ${PIPESTATUS[0]} -ne 0 ]] && status=1
 fi
 echo "gpu_check: exit $status (logs in $OUT)"
