@@ -222,6 +222,11 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         True
     """
     global _warned_no_gpu_kernel
+    if torch.compiler.is_compiling():  # Dynamo traces this: one op call (docs/compile.md)
+        from .ops import compiled_flex_attention
+
+        return compiled_flex_attention(query, key, value, score_mod, block_mask, scale,
+                                       enable_gqa, return_lse, kernel_options)
     check_bool("enable_gqa", enable_gqa)
     check_bool("return_lse", return_lse)
     _check_sizes(query, key, value)
