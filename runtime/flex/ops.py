@@ -376,7 +376,7 @@ def run_entry(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, entry
         out = out.to(query.dtype)
     if lse is None:  # normalize="none": no softmax; flex_attention never returns this
         lse = torch.zeros(B, Hq, Sq, dtype=torch.float32, device=query.device)
-    return out, lse.to(torch.float32)
+    return out.contiguous(), lse.to(torch.float32).contiguous()
 
 
 @torch.library.custom_op("attncc::flex_attention", mutates_args=())
@@ -460,21 +460,24 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
                            seq_lengths)
     dq, dk, dv, dcap = flex_backward(query, key, value, out, lse, grad_out, grad_lse, entry,
                                      bindings, bm, scale, enable_gqa, captured)
-    dcap = [torch.zeros_like(c) if d is None and c.is_floating_point() else d
+    dcap = [torch.zeros(c.shape, dtype=c.dtype, device=c.device)
+            if d is None and c.is_floating_point() else d
             for d, c in zip(dcap, captured)]
     dcap = [query.new_empty(0) if d is None else d for d in dcap]
-    return (torch.zeros_like(query) if dq is None else dq,
-            torch.zeros_like(key) if dk is None else dk,
-            torch.zeros_like(value) if dv is None else dv, dcap)
+    grads = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) if g is None else
+             g.contiguous() for g, t in ((dq, query), (dk, key), (dv, value))]
+    return grads[0], grads[1], grads[2], [d.contiguous() for d in dcap]
 
 
 @flex_attention_backward_op.register_fake
 def _flex_attention_backward_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                   *args: Any) -> tuple:
     captured = args[10]
-    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
-            [torch.empty_like(c) if c.is_floating_point() else query.new_empty(0)
-             for c in captured])
+    def like(t: torch.Tensor) -> torch.Tensor:  # contiguous, as the real kernel returns them
+        return t.new_empty(t.shape)
+
+    return (like(query), like(key), like(value),
+            [like(c) if c.is_floating_point() else query.new_empty(0) for c in captured])
 
 
 @contextlib.contextmanager
