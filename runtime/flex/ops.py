@@ -32,8 +32,9 @@ import hashlib
 import math
 import threading
 import types
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -60,6 +61,16 @@ class Entry:
     scalars: tuple[str, ...]  # the variant's, in op order (float_args then int_args)
     tensors: tuple[str, ...]
     kernel_options: tuple[tuple[str, Any], ...]
+    checks: "EagerChecks"
+
+
+class EagerChecks(NamedTuple):
+    """The eager call's argument checks, handed in by `flex_attention` (api.py) so that this
+    module does not import it back."""
+
+    kernel_options: Callable[[Any], None]
+    sizes: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+    static: Callable[[VariantIR, Bindings, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 _ENTRIES: dict[int, Entry] = {}
@@ -194,8 +205,8 @@ def _simplified(ir: VariantIR) -> VariantIR:
 
 
 @torch.compiler.assume_constant_result
-def register(score_mod: Any, mask_fn: Any, options: tuple, mask_bindings: tuple
-             ) -> tuple:
+def register(score_mod: Any, mask_fn: Any, options: tuple, mask_bindings: tuple,
+             checks: EagerChecks) -> tuple:
     """Trace the mods (runs at Dynamo trace time, outside Dynamo) and register the variant.
 
     `mask_bindings`: names of the tensors the block mask holds in `.bindings` (attncc's
@@ -203,9 +214,8 @@ def register(score_mod: Any, mask_fn: Any, options: tuple, mask_bindings: tuple
     Returns `(variant_key, normalize, float reads, int reads, tensor reads, checks)`: reads of
     the variant's captures, then the block mask mod's, in op argument order.
     """
-    from .api import _validate_kernel_options
-
-    _validate_kernel_options(dict(options))
+    checks = EagerChecks(*checks)
+    checks.kernel_options(dict(options))
     hooks, _, normalize, name = _hooks_of(score_mod)
     paths = _Paths()
     if isinstance(score_mod, Variant):
@@ -231,7 +241,7 @@ def register(score_mod: Any, mask_fn: Any, options: tuple, mask_bindings: tuple
     ints = [i for i, s in enumerate(ir.scalars + (mir.scalars if mir else ()))
             if s.dtype.value == "i32"]
     entry = Entry(simple, mask, tuple(s.name for s in ir.scalars),
-                  tuple(t.name for t in ir.tensors), tuple(options))
+                  tuple(t.name for t in ir.tensors), tuple(options), checks)
     text = repr((simple.format(), mir.format() if mir else None, entry.scalars, entry.tensors,
                  options))
     key = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
@@ -273,20 +283,21 @@ def _same(a: Any, b: Any) -> bool:
 
 def compiled_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             score_mod: Any, block_mask: Any, scale: float | None,
-                            enable_gqa: bool, return_lse: bool, kernel_options: Any) -> Any:
+                            enable_gqa: bool, return_lse: bool, kernel_options: Any,
+                            checks: EagerChecks) -> Any:
     """`flex_attention` as Dynamo traces it: captures read in traced code, one op call."""
     mask_fn = None if block_mask is None else block_mask.mask_mod
     names = ()
     if block_mask is not None and getattr(block_mask, "bindings", None) is not None:
         names = tuple(block_mask.bindings.tensors.keys())
     options = () if kernel_options is None else tuple(sorted(kernel_options.items()))
-    vkey, normalize, freads, ireads, treads, checks = register(score_mod, mask_fn, options,
-                                                               names)
+    vkey, normalize, freads, ireads, treads, guards = register(score_mod, mask_fn, options,
+                                                               names, tuple(checks))
     if return_lse and normalize == "none":
         raise ValueError("return_lse=True but the variant has normalize='none': there is no "
                          "softmax, so no log-sum-exp; call with return_lse=False")
     roots = (score_mod, mask_fn, block_mask)
-    for read, expected in checks:
+    for read, expected in guards:
         if not _same(_read(roots, read, expected), expected):  # never at trace time; Dynamo guards it
             raise TraceError("a captured value used as a Python constant changed")
     tensors = [_read(roots, r) for r in treads]
@@ -327,6 +338,10 @@ def _registered_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     raise TraceError("internal: the registered mask_mod is read from its traced IR")
 
 
+_MASKS: "OrderedDict[tuple, tuple[tuple, _OpBlockMask]]" = OrderedDict()
+_MASKS_SIZE = 16
+
+
 def _unpack(entry: Entry, captured: Sequence[torch.Tensor], float_args: Sequence[float],
             int_args: Sequence[int], bm_tensors: tuple, block_size: Sequence[int],
             seq_lengths: Sequence[int]) -> tuple[Bindings, Any]:
@@ -340,27 +355,37 @@ def _unpack(entry: Entry, captured: Sequence[torch.Tensor], float_args: Sequence
                         dict(zip(entry.tensors, captured[:nt])))
     if bm_tensors[0] is None:
         return bindings, None
+    # the same mask object for the same tensors and values: gpu_flex caches its launch plan
+    # per block mask object
+    ckey = (*map(id, bm_tensors), *map(id, captured[nt:]), tuple(vals[ns:]), tuple(block_size),
+            tuple(seq_lengths), id(entry))
+    hit = _MASKS.get(ckey)
+    if hit is not None:  # ids are unique while the entry holds the tensors
+        return bindings, hit[1]
     traced = None
     if entry.mask is not None:
         mir, snames, tnames = entry.mask
         traced = (mir, Bindings(dict(zip(snames, vals[ns:])), dict(zip(tnames, captured[nt:]))))
-    return bindings, _OpBlockMask(bm_tensors, block_size, seq_lengths, traced)
+    bm = _OpBlockMask(bm_tensors, block_size, seq_lengths, traced)
+    with _LOCK:
+        _MASKS[ckey] = ((*bm_tensors, *captured[nt:]), bm)  # holding the tensors keeps ids
+        while len(_MASKS) > _MASKS_SIZE:
+            _MASKS.popitem(last=False)
+    return bindings, bm
 
 
 def run_entry(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, entry: Entry,
               bindings: Bindings, block_mask: Any, scale: float | None, enable_gqa: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager `flex_attention`'s checks and run, for a registered variant: (out, lse)."""
-    from .api import _check_sizes, _static_checks
-
-    _check_sizes(query, key, value)
+    entry.checks.sizes(query, key, value)
     validate_attention_inputs(query, key, value, block_mask, enable_gqa)
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
     if query.device.type not in ("cpu", "cuda"):
         raise ValueError(f"query is on {query.device}; attncc runs on CPU and CUDA tensors")
     ir = entry.ir
-    _static_checks(ir, bindings, query, key, value)
+    entry.checks.static(ir, bindings, query, key, value)
     B, Hq, Sq, _ = query.shape
     if query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16):
         from .gpu_flex import gpu_flex_attention
@@ -423,6 +448,7 @@ def flex_backward_cuda(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     (q, k, v, kvn, kvi, fkvn, fkvi, bs, sl, captured, fa, ia, vkey, scale, gqa) = inputs
     out, lse = output
+    ctx.set_materialize_grads(False)  # an unused lse gets None, not zeros: see flex_backward
     ctx.save_for_backward(q, k, v, out, lse, kvn, kvi, fkvn, fkvi, *captured)
     ctx.args = (bs, sl, fa, ia, vkey, scale, gqa)
 
@@ -531,6 +557,6 @@ def flex_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 
 flex_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
-__all__ = ["Entry", "compiled_flex_attention", "entry_for", "flex_attention_backward_op",
+__all__ = ["EagerChecks", "Entry", "compiled_flex_attention", "entry_for", "flex_attention_backward_op",
            "flex_attention_op",
            "flex_backward", "flex_backward_cuda", "register", "run_entry"]

@@ -12,6 +12,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 import attncc
 from attncc.errors import InvalidArgument
 from attncc.runtime.flex import ops
+from attncc.runtime.flex.api import EAGER_CHECKS
 
 BIAS = torch.randn(4, generator=torch.Generator().manual_seed(1))
 SCALE = 0.5
@@ -209,7 +210,7 @@ def test_gradients_equal_eager(rng):
 
 
 def _op_args(q, k, v, bm, mod):
-    plan = ops.register(mod, bm.mask_mod, (), tuple(bm.bindings.tensors))
+    plan = ops.register(mod, bm.mask_mod, (), tuple(bm.bindings.tensors), EAGER_CHECKS)
     key, _, freads, ireads, treads, _ = plan
     roots = (mod, bm.mask_mod, bm)
     tensors = [ops._read(roots, r) for r in treads]
