@@ -145,14 +145,18 @@ class _Paths:
                     self.value(x, (root, path + (("item", k),)), depth)
 
 
-def _hooks_of(score_mod: Any) -> tuple[dict[str, Callable], Read, str, str | None]:
-    """(hooks, read of each hook's function, normalize, name) of flex_attention's argument."""
+def hooks_of(score_mod: Any) -> tuple[tuple[tuple[str, Callable], ...], str, str | None, bool]:
+    """(hook functions, normalize, name, whether they are attributes of `score_mod`) of
+    flex_attention's argument: a function, a Variant or None. Traced by Dynamo, so `register`
+    gets plain functions (which every supported torch converts to constants)."""
     if score_mod is None:
-        return {}, (0, ()), "softmax", None
+        return (), "softmax", None, False
     if isinstance(score_mod, Variant):
-        return score_mod.mods(), (0, ()), score_mod.normalize, score_mod.name
+        hooks = tuple((h, getattr(score_mod, h)) for h in HOOK_ORDER
+                      if getattr(score_mod, h) is not None)
+        return hooks, score_mod.normalize, score_mod.name, True
     if callable(score_mod):
-        return {"score_mod": score_mod}, (0, ()), "softmax", None
+        return (("score_mod", score_mod),), "softmax", None, False
     raise TypeError(f"score_mod must be a function score_mod(score, b, h, q_idx, kv_idx) or an "
                     f"attncc.Variant, got {type(score_mod).__name__}")
 
@@ -205,24 +209,22 @@ def _simplified(ir: VariantIR) -> VariantIR:
 
 
 @torch.compiler.assume_constant_result
-def register(score_mod: Any, mask_fn: Any, options: tuple, mask_bindings: tuple,
-             checks: EagerChecks) -> tuple:
+def register(hooks: tuple, normalize: str, name: str | None, hook_attrs: bool, mask_fn: Any,
+             options: tuple, mask_bindings: tuple, checks: tuple) -> tuple:
     """Trace the mods (runs at Dynamo trace time, outside Dynamo) and register the variant.
 
-    `mask_bindings`: names of the tensors the block mask holds in `.bindings` (attncc's
-    BlockMask: already on the mask's device), read there instead of from the function.
+    `hooks`, `normalize`, `name`, `hook_attrs`: `hooks_of(score_mod)`. `mask_bindings`: names
+    of the tensors the block mask holds in `.bindings` (attncc's BlockMask: already on the
+    mask's device), read there instead of from the function. `checks`: an `EagerChecks`.
     Returns `(variant_key, normalize, float reads, int reads, tensor reads, checks)`: reads of
     the variant's captures, then the block mask mod's, in op argument order.
     """
     checks = EagerChecks(*checks)
     checks.kernel_options(dict(options))
-    hooks, _, normalize, name = _hooks_of(score_mod)
     paths = _Paths()
-    if isinstance(score_mod, Variant):
-        for h, fn in hooks.items():
-            paths.function(fn, (0, (("attr", h),)))
-    else:
-        paths.function(score_mod, (0, ()))
+    for h, fn in hooks:
+        paths.function(fn, (0, (("attr", h),) if hook_attrs else ()))
+    hooks = dict(hooks)
     ir, sreads, treads, params = _trace(hooks, normalize, name, paths, "score_mod")
     mask = None
     if mask_fn is not None and not is_noop_mask(mask_fn):
@@ -291,8 +293,9 @@ def compiled_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if block_mask is not None and getattr(block_mask, "bindings", None) is not None:
         names = tuple(block_mask.bindings.tensors.keys())
     options = () if kernel_options is None else tuple(sorted(kernel_options.items()))
-    vkey, normalize, freads, ireads, treads, guards = register(score_mod, mask_fn, options,
-                                                               names, tuple(checks))
+    hooks, normalize, name, hook_attrs = hooks_of(score_mod)
+    vkey, normalize, freads, ireads, treads, guards = register(
+        hooks, normalize, name, hook_attrs, mask_fn, options, names, tuple(checks))
     if return_lse and normalize == "none":
         raise ValueError("return_lse=True but the variant has normalize='none': there is no "
                          "softmax, so no log-sum-exp; call with return_lse=False")
@@ -557,6 +560,6 @@ def flex_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 
 flex_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
-__all__ = ["EagerChecks", "Entry", "compiled_flex_attention", "entry_for", "flex_attention_backward_op",
+__all__ = ["EagerChecks", "Entry", "compiled_flex_attention", "entry_for", "hooks_of", "flex_attention_backward_op",
            "flex_attention_op",
            "flex_backward", "flex_backward_cuda", "register", "run_entry"]

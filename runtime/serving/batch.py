@@ -216,6 +216,9 @@ class BatchAttention:
         # launch the merge kernel with programmatic dependent launch (sm_90+): its launch and
         # plan prologue overlap the attention kernel's tail (kernels/common/batch_params.cuh)
         self._pdl = True
+        from .ops import register_batch  # torch.compile's op finds this object by it
+
+        self.op_handle = register_batch(self)
 
     # the current plan's staging half, as the staging role holds it (tests and bench/ read them)
     _halves = property(lambda self: self._stager.halves)

@@ -2,9 +2,8 @@
 
 Under `torch.compile`, `BatchAttention.run` calls this op instead of launching from traced code.
 The plan stays eager Python (call `plan()` outside the compiled region, as a serving loop does):
-the op finds its `BatchAttention` in a process registry under `handle` (`handle_of`, which
-Dynamo calls with the real object: `torch.compiler.assume_constant_result`) and runs it with the
-latest plan. The variant's captured values are read by `run` itself when the op runs. The fake
+the op finds its `BatchAttention` in a process registry under `handle` (`op_handle`, given at
+construction by `register_batch`) and runs it with the latest plan. The variant's captured values are read by `run` itself when the op runs. The fake
 implementation gives `out` like q and `lse` [rows, heads] float32. docs/compile.md.
 
 Example:
@@ -25,19 +24,15 @@ import torch
 from attncc.errors import InvalidArgument
 
 _HANDLES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-_IDS: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 _NEXT = itertools.count(1)
 _LOCK = threading.Lock()
 
 
-@torch.compiler.assume_constant_result
-def handle_of(batch: Any) -> int:
-    """The registry handle of a BatchAttention (registered on first use; held weakly)."""
+def register_batch(batch: Any) -> int:
+    """A new BatchAttention's registry handle (`BatchAttention.op_handle`; held weakly)."""
     with _LOCK:
-        h = _IDS.get(batch)
-        if h is None:
-            h = _IDS[batch] = next(_NEXT)
-            _HANDLES[h] = batch
+        h = next(_NEXT)
+        _HANDLES[h] = batch
     return h
 
 
@@ -45,7 +40,9 @@ def compiled_run(batch: Any, q: torch.Tensor, kv_cache: Any, return_lse: bool,
                  scale: float | None) -> Any:
     """`BatchAttention.run` as Dynamo traces it: one op call."""
     kv = [kv_cache] if isinstance(kv_cache, torch.Tensor) else list(kv_cache)
-    out, lse = torch.ops.attncc.batch_attention_run(q, kv, handle_of(batch), scale)
+    # an int attribute: Dynamo reads it as a constant (every supported torch; an object
+    # argument to an assume_constant_result function is not, before torch 2.13)
+    out, lse = torch.ops.attncc.batch_attention_run(q, kv, batch.op_handle, scale)
     return (out, lse) if return_lse else out
 
 
@@ -72,4 +69,4 @@ def _batch_run_fake(q: torch.Tensor, kv_cache: list[torch.Tensor], handle: int,
     return out, q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
 
 
-__all__ = ["batch_run_op", "compiled_run", "handle_of"]
+__all__ = ["batch_run_op", "compiled_run", "register_batch"]

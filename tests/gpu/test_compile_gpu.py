@@ -85,7 +85,8 @@ def test_matrix(case, mode):
         got = tuple(t.clone() for t in got) if isinstance(got, tuple) else got.clone()
     ref, ref_lse = _reference(q, k, v, softcap_alibi, causal if bm is not None else None, gqa)
     out = got[0] if case == "lse" else got
-    torch.testing.assert_close(out, eager[0] if case == "lse" else eager, rtol=0, atol=0)
+    # the op always asks the kernel for the LSE; the output is the same up to that
+    assert _rel(out, eager[0] if case == "lse" else eager) < 1e-3
     assert _rel(out, ref) < 2e-2
     if case == "lse":
         live = torch.isfinite(ref_lse)
@@ -121,8 +122,8 @@ def test_reduce_overhead_replays_new_inputs():
 def test_opcheck_cuda():
     q, k, v = _qkv(256, seed=7)
     bm = attncc.create_block_mask(causal, None, None, 256, 256, device="cuda")
-    plan = ops.register(softcap_alibi, bm.mask_mod, (), tuple(bm.bindings.tensors),
-                        EAGER_CHECKS)
+    plan = ops.register(*ops.hooks_of(softcap_alibi), bm.mask_mod, (),
+                        tuple(bm.bindings.tensors), EAGER_CHECKS)
     key, _, freads, ireads, treads, _ = plan
     roots = (softcap_alibi, bm.mask_mod, bm)
     args = (q, k, v, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
@@ -151,7 +152,7 @@ def test_backward_through_the_op():
 
 def test_batch_attention_run_compiled():
     hkv, g, d, page = 2, 4, 128, 16
-    q_lens, kv_lens = [1, 17, 300, 1], [100, 17, 600, 2048]
+    kv_lens = [100, 17, 600, 2048]  # with 1, 17, 300 and 1 queries (qo below)
     gen = torch.Generator(device="cuda").manual_seed(11)
     qo = torch.tensor([0, 1, 18, 318, 319])
     n_pages = [-(-n // page) for n in kv_lens]
@@ -176,13 +177,8 @@ def test_batch_attention_run_compiled():
                                              kv_layout="NHD", page_size=page, variant=variant)
     assert _rel(out, ref) < 2e-2
     eager_out, _ = step(q, *cache)
-    torch.testing.assert_close(out, eager_out, rtol=0, atol=0)
+    assert _rel(out, eager_out) < 1e-3
     torch.library.opcheck(torch.ops.attncc.batch_attention_run.default,
-                          (q, list(cache), ops_handle(ba), None),
+                          (q, list(cache), ba.op_handle, None),
                           test_utils=("test_schema", "test_faketensor"))
 
-
-def ops_handle(ba):
-    from attncc.runtime.serving.ops import handle_of
-
-    return handle_of(ba)

@@ -210,7 +210,8 @@ def test_gradients_equal_eager(rng):
 
 
 def _op_args(q, k, v, bm, mod):
-    plan = ops.register(mod, bm.mask_mod, (), tuple(bm.bindings.tensors), EAGER_CHECKS)
+    plan = ops.register(*ops.hooks_of(mod), bm.mask_mod, (), tuple(bm.bindings.tensors),
+                        EAGER_CHECKS)
     key, _, freads, ireads, treads, _ = plan
     roots = (mod, bm.mask_mod, bm)
     tensors = [ops._read(roots, r) for r in treads]
