@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import math
 import threading
 import types
@@ -77,9 +78,16 @@ _ENTRIES: dict[int, Entry] = {}
 _LOCK = threading.Lock()
 
 
+def _registry() -> dict[int, Entry]:
+    """The canonical module's registry. pytest's doctest run imports this file a second time
+    (as `runtime.flex.ops`), which defines the op again with that copy's functions: both copies
+    must see the entries `attncc.flex_attention` registers."""
+    return importlib.import_module("attncc.runtime.flex.ops")._ENTRIES
+
+
 def entry_for(variant_key: int) -> Entry:
     """The registered variant, or an error saying the key was made in another process."""
-    entry = _ENTRIES.get(variant_key)
+    entry = _registry().get(variant_key)
     if entry is None:
         raise InvalidArgument(f"attncc::flex_attention: variant_key {variant_key} is not "
                               f"registered in this process; the key comes from "
@@ -248,7 +256,7 @@ def register(hooks: tuple, normalize: str, name: str | None, hook_attrs: bool, m
                  options))
     key = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
     with _LOCK:
-        _ENTRIES.setdefault(key, entry)
+        _registry().setdefault(key, entry)
     return (key, normalize, tuple(sreads[i] for i in floats), tuple(sreads[i] for i in ints),
             tuple(treads), tuple(_checks(paths, params)))
 

@@ -14,6 +14,7 @@ Example:
 """
 from __future__ import annotations
 
+import importlib
 import itertools
 import threading
 import weakref
@@ -30,9 +31,10 @@ _LOCK = threading.Lock()
 
 def register_batch(batch: Any) -> int:
     """A new BatchAttention's registry handle (`BatchAttention.op_handle`; held weakly)."""
-    with _LOCK:
-        h = next(_NEXT)
-        _HANDLES[h] = batch
+    home = importlib.import_module("attncc.runtime.serving.ops")
+    with home._LOCK:
+        h = next(home._NEXT)
+        home._HANDLES[h] = batch
     return h
 
 
@@ -50,7 +52,8 @@ def compiled_run(batch: Any, q: torch.Tensor, kv_cache: Any, return_lse: bool,
 def batch_run_op(q: torch.Tensor, kv_cache: list[torch.Tensor], handle: int,
                  scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of `BatchAttention.run(q, kv_cache)` for the registered BatchAttention."""
-    batch = _HANDLES.get(handle)
+    # pytest's doctest run imports this file twice (see flex/ops.py _registry): one registry
+    batch = importlib.import_module("attncc.runtime.serving.ops")._HANDLES.get(handle)
     if batch is None:
         raise InvalidArgument(f"attncc::batch_attention_run: handle {handle} names no live "
                               f"BatchAttention in this process; call BatchAttention.run "
