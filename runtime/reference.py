@@ -379,7 +379,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
         bq, bkv = block_size(block_mask)
         bm_state = block_states(block_mask, Skv, device)
         if not is_noop_mask(getattr(block_mask, "mask_mod", None)):
-            bm_ir, bm_bind = trace_mask(block_mask.mask_mod)
+            # the torch.library op passes the mask already traced (flex/ops.py)
+            traced = getattr(block_mask, "traced_mask", None)
+            bm_ir, bm_bind = traced if traced is not None else trace_mask(block_mask.mask_mod)
             bm_hooks = _Hooks(bm_ir, bm_bind, device, float_dtype)
             bm_expr = bm_hooks.active("mask_mod")
         kv_block = torch.arange(Skv, device=device) // bkv

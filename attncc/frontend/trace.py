@@ -603,7 +603,7 @@ class TraceGuard:
         (False, "'cfg' is a Config object (its attributes may change)")
     """
 
-    __slots__ = ("reason", "_mods", "_functions", "_sites", "_used", "_tensors")
+    __slots__ = ("reason", "param_sites", "_mods", "_functions", "_sites", "_used", "_tensors")
 
     def __init__(self, mods: Mapping[str, Callable | None], caps: _Captures,
                  bindings: Bindings) -> None:
@@ -623,6 +623,9 @@ class TraceGuard:
             if reason is None and id(t) not in caps.watched:
                 reason = f"tensor {tn!r} is computed while tracing, not captured"
         self.reason: str | None = reason
+        # kernel parameter name -> its capture site, ("cell", id(cell)) or ("global", id(globals
+        # dict), name): where torch.compile's path reads the value (docs/compile.md)
+        self.param_sites: dict[str, tuple] = {p: caps.site_of[p] for p in bindings.scalars}
         self._mods = tuple(top)
         self._functions = tuple(caps.functions.values())
         self._sites = tuple(caps.sites.values())

@@ -198,6 +198,10 @@ def _static_checks(ir: VariantIR, bindings: Bindings, query: torch.Tensor, key: 
                 _CHECKED.popitem(last=False)
 
 
+# what the torch.library op checks per call, as this module does (flex/ops.py EagerChecks)
+EAGER_CHECKS = (_validate_kernel_options, _check_sizes, _static_checks)
+
+
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable[..., Any] | Variant | None = None, block_mask: Any = None,
                    scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
@@ -222,6 +226,11 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         True
     """
     global _warned_no_gpu_kernel
+    if torch.compiler.is_compiling():  # Dynamo traces this: one op call (docs/compile.md)
+        from .ops import compiled_flex_attention
+
+        return compiled_flex_attention(query, key, value, score_mod, block_mask, scale,
+                                       enable_gqa, return_lse, kernel_options, EAGER_CHECKS)
     check_bool("enable_gqa", enable_gqa)
     check_bool("return_lse", return_lse)
     _check_sizes(query, key, value)

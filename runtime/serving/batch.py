@@ -216,6 +216,9 @@ class BatchAttention:
         # launch the merge kernel with programmatic dependent launch (sm_90+): its launch and
         # plan prologue overlap the attention kernel's tail (kernels/common/batch_params.cuh)
         self._pdl = True
+        from .ops import register_batch  # torch.compile's op finds this object by it
+
+        self.op_handle = register_batch(self)
 
     # the current plan's staging half, as the staging role holds it (tests and bench/ read them)
     _halves = property(lambda self: self._stager.halves)
@@ -547,6 +550,13 @@ class BatchAttention:
         kernels are compiled (call run once before capturing); replays use the latest plan.
         `q` may have more rows than the plan's `total_q` (a static buffer a graph captures
         once): only the plan's rows are read, and `out` / `lse` have q's rows."""
+        if torch.compiler.is_compiling():  # one op call in the graph (docs/compile.md)
+            if out is not None or lse is not None:
+                raise ValueError("BatchAttention.run under torch.compile makes its own out / "
+                                 "lse; drop out= and lse= (the compiler manages buffers)")
+            from .ops import compiled_run
+
+            return compiled_run(self, q, kv_cache, return_lse, scale)
         if self._plan is None or self.tiles is None or self.layout is None:
             raise RuntimeError("call plan() before run()")
         if self.device.type != "cuda":
