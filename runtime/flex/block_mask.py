@@ -60,6 +60,39 @@ def _bitmap(num: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor
     return out[..., :cols]
 
 
+def kv_major_blocks(num_blocks: torch.Tensor, indices: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KV-major (transposed) lists of Q-major block lists, as torch's BlockMask holds them.
+
+    `num_blocks [..., q_blocks]` / `indices [..., q_blocks, kv_blocks]` (a row's first
+    `num_blocks` entries are its kv blocks; the rest is padding and ignored) ->
+    `(q_num_blocks [..., kv_blocks], q_indices [..., kv_blocks, q_blocks])`, int32 on the
+    input's device: for each kv block the q blocks that list it, ascending, then every other q
+    block ascending. Leading dims broadcast (stride 0, as create_block_mask makes them) are
+    computed once and stay broadcast. The backward pass walks these lists
+    (docs/flex-api.md, "Block lists").
+
+    Example:
+        >>> num = torch.tensor([[[1, 2, 1]]], dtype=torch.int32)
+        >>> idx = torch.tensor([[[[0, 1], [1, 0], [1, 0]]]], dtype=torch.int32)
+        >>> q_num, q_idx = kv_major_blocks(num, idx)
+        >>> q_num.tolist(), q_idx.tolist()
+        ([[[2, 2]]], [[[[0, 1, 2], [1, 2, 0]]]])
+    """
+    if indices.dim() < 2 or tuple(num_blocks.shape) != tuple(indices.shape[:-1]):
+        raise InvalidArgument(f"kv_major_blocks needs num_blocks [..., q_blocks] and indices "
+                              f"[..., q_blocks, kv_blocks], got {tuple(num_blocks.shape)} and "
+                              f"{tuple(indices.shape)}")
+    lead = tuple(indices.shape[:-2])
+    # compute one copy along each broadcast (stride-0) leading dim, then expand back
+    take = tuple(slice(0, 1) if indices.stride(d) == 0 and num_blocks.stride(d) == 0
+                 else slice(None) for d in range(len(lead)))
+    dense = _bitmap(num_blocks[take], indices[take], indices.shape[-1])
+    q_num, q_idx = _ordered(dense.transpose(-2, -1))
+    return (q_num.expand(*lead, *q_num.shape[len(lead):]),
+            q_idx.expand(*lead, *q_idx.shape[len(lead):]))
+
+
 @dataclass(eq=False)
 class BlockMask:
     """Block-sparse attention mask in FlexAttention's layout (see the module docstring).
@@ -109,14 +142,12 @@ class BlockMask:
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
             raise ValueError("pass both full_kv_num_blocks and full_kv_indices, or neither")
         bs = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
-        cols = kv_indices.shape[-1]
-        q_num, q_idx = _ordered(_bitmap(kv_num_blocks, kv_indices, cols).transpose(-2, -1))
+        q_num, q_idx = kv_major_blocks(kv_num_blocks, kv_indices)
         fq_num = fq_idx = None
         if full_kv_num_blocks is not None:
-            fq_num, fq_idx = _ordered(
-                _bitmap(full_kv_num_blocks, full_kv_indices, cols).transpose(-2, -1))
+            fq_num, fq_idx = kv_major_blocks(full_kv_num_blocks, full_kv_indices)
         if seq_lengths is None:
-            seq_lengths = (kv_indices.shape[-2] * bs[0], cols * bs[1])
+            seq_lengths = (kv_indices.shape[-2] * bs[0], kv_indices.shape[-1] * bs[1])
         return cls(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num, q_idx,
                    fq_num, fq_idx, (int(bs[0]), int(bs[1])), mask_mod,
                    (int(seq_lengths[0]), int(seq_lengths[1])))
@@ -289,6 +320,7 @@ def create_block_mask(mask_mod: Callable[..., Any], B: int | None, H: int | None
     partial = (kept > 0) & ~full
     kv_num, kv_idx = _ordered(partial)
     fkv_num, fkv_idx = _ordered(full)
+    # the KV-major lists straight from the bitmaps: what kv_major_blocks(kv_num, kv_idx) gives
     q_num, q_idx = _ordered(partial.transpose(-2, -1))
     fq_num, fq_idx = _ordered(full.transpose(-2, -1))
 
