@@ -298,8 +298,8 @@ class BlockMask:
         """This mask cropped to its top-left `new_q_len x new_kv_len` corner (torch's `_adjust`:
         right for masks whose meaning does not depend on the lengths, such as causal).
 
-        Unlike torch's, the counts are recomputed from the blocks kept (not assumed to be the
-        first ones), and a FULL block that now sticks out past a new length becomes PARTIAL.
+        The lists are rebuilt from the cropped block bitmap, and a FULL block that now sticks
+        out past a new length becomes PARTIAL (docs/flex-api.md, "BlockMask methods").
 
         Example:
             >>> bm = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 512, 512)
