@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from attncc.errors import InvalidArgument, check_bool, check_int
+from attncc.errors import InvalidArgument, InvalidArgumentType, check_bool, check_int
 from attncc.frontend import noop_mask, trace_mods
 from attncc.ir.evaluator import evaluate
 from attncc.ir.nodes import F32, Node, walk
@@ -130,6 +130,16 @@ class BlockMask:
     mask_ir: Node | None = None
     bindings: Bindings | None = None
     classified_by: str = ""
+
+    def __post_init__(self) -> None:
+        # torch's constructor takes seq_lengths first: catch that order rather than store it
+        if not isinstance(self.kv_num_blocks, torch.Tensor) or \
+                not isinstance(self.kv_indices, torch.Tensor):
+            raise InvalidArgumentType(
+                f"BlockMask(kv_num_blocks, kv_indices, ...) takes tensors first, got "
+                f"{type(self.kv_num_blocks).__name__} and {type(self.kv_indices).__name__}; "
+                f"build it with BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, ...) or "
+                f"create_block_mask")
 
     @classmethod
     def from_kv_blocks(cls, kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,

@@ -20,6 +20,7 @@ Example:
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, Collection, Mapping, NamedTuple
 
@@ -27,18 +28,18 @@ import torch
 
 from attncc.errors import InvalidArgument
 
-try:  # torch >= 2.13 has them; attncc's results are then torch's own types
-    from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
-except ImportError:  # torch 2.11 / 2.12: the same fields, as attncc's types
-    class AuxRequest(NamedTuple):  # type: ignore[no-redef]
-        """Which auxiliary outputs flex_attention returns (torch 2.13's AuxRequest)."""
-        lse: bool = False
-        max_scores: bool = False
+class AuxRequest(NamedTuple):
+    """Which auxiliary outputs flex_attention returns: torch 2.13's AuxRequest, also for torch
+    versions without it (torch's own works as well)."""
+    lse: bool = False
+    max_scores: bool = False
 
-    class AuxOutput(NamedTuple):  # type: ignore[no-redef]
-        """Auxiliary outputs of flex_attention; None where not requested."""
-        lse: torch.Tensor | None = None
-        max_scores: torch.Tensor | None = None
+
+class AuxOutput(NamedTuple):
+    """Auxiliary outputs of flex_attention (torch 2.13's AuxOutput); None where not requested."""
+    lse: torch.Tensor | None = None
+    max_scores: torch.Tensor | None = None
+
 
 # torch's keys that mean nothing to attncc's kernels, with the type torch gives them
 _TORCH_ONLY: dict[str, type] = {
@@ -117,11 +118,15 @@ def aux_request(return_aux: Any, return_lse: bool) -> tuple[bool, bool]:
 
 def finish(out: torch.Tensor, lse: torch.Tensor | None, max_scores: torch.Tensor | None,
            return_lse: bool, return_aux: Any) -> Any:
-    """flex_attention's result: out; (out, lse); or (out, AuxOutput) when return_aux is given."""
-    if return_aux is not None:
-        return out, AuxOutput(lse=lse if return_aux.lse else None,
-                              max_scores=max_scores if return_aux.max_scores else None)
-    return (out, lse) if return_lse else out
+    """flex_attention's result: out; (out, lse); or (out, AuxOutput) when return_aux is given:
+    torch's AuxOutput for torch's AuxRequest, attncc's for attncc's (the same fields)."""
+    if return_aux is None:
+        return (out, lse) if return_lse else out
+    cls: Any = AuxOutput
+    if not isinstance(return_aux, AuxRequest):  # torch's, whose module is then loaded
+        cls = getattr(sys.modules.get("torch.nn.attention.flex_attention"), "AuxOutput", cls)
+    return out, cls(lse=lse if return_aux.lse else None,
+                    max_scores=max_scores if return_aux.max_scores else None)
 
 
 __all__ = ["AuxOutput", "AuxRequest", "aux_request", "finish", "forward_kernel_options"]

@@ -284,13 +284,16 @@ def test_return_aux_gives_torchs_aux_output():
     out, aux = flex_attention(q, k, v, score_mod=alibi, block_mask=bm,
                               return_aux=AuxRequest(lse=True))
     assert isinstance(aux, AuxOutput) and aux.max_scores is None
-    if hasattr(torch_flex, "AuxRequest"):  # torch >= 2.13: attncc's types are torch's
-        assert AuxRequest is torch_flex.AuxRequest and AuxOutput is torch_flex.AuxOutput
+    if hasattr(torch_flex, "AuxRequest"):  # torch >= 2.13: its request gets its AuxOutput
         t_out, t_aux = torch_flex.flex_attention(q, k, v, score_mod=alibi,
                                                  block_mask=bm.to_torch(),
-                                                 return_aux=AuxRequest(lse=True))
+                                                 return_aux=torch_flex.AuxRequest(lse=True))
         _close(out, t_out)
         _close(aux.lse, t_aux.lse)
+        _, ours_for_torch = flex_attention(q, k, v, score_mod=alibi, block_mask=bm,
+                                           return_aux=torch_flex.AuxRequest(lse=True))
+        assert isinstance(ours_for_torch, torch_flex.AuxOutput)
+        torch.testing.assert_close(ours_for_torch.lse, aux.lse, rtol=0, atol=0)
     _close(aux.lse, flex_attention(q, k, v, score_mod=alibi, block_mask=bm, return_lse=True)[1])
     out2, empty = flex_attention(q, k, v, return_aux=AuxRequest())
     assert empty == AuxOutput(None, None) and out2.shape == out.shape
@@ -358,3 +361,20 @@ def test_bad_kernel_options_still_raise(opts, match):
     q, k, v = _qkv(12)
     with pytest.raises(ValueError, match=match):
         flex_attention(q, k, v, kernel_options=opts)
+
+
+def test_torchs_constructor_order_is_a_clear_error():
+    theirs = torch_flex.create_block_mask(causal, 1, 1, 256, 256, device="cpu")
+    with pytest.raises(TypeError, match="from_kv_blocks"):
+        BlockMask(theirs.seq_lengths, theirs.kv_num_blocks, theirs.kv_indices, None, None,
+                  None, None, None, None, (128, 128), causal, (256, 256))
+
+
+def test_attncc_mask_helpers_serve_torchs_create_block_mask_too():
+    for ours, theirs in ((and_masks(causal, sliding_window),
+                          torch_flex.and_masks(causal, sliding_window)),
+                         (or_masks(prefix, causal), torch_flex.or_masks(prefix, causal))):
+        _same_lists(torch_flex.create_block_mask(ours, B, 1, S, S, device="cpu"),
+                    torch_flex.create_block_mask(theirs, B, 1, S, S, device="cpu"))
+        _same_lists(create_block_mask(ours, B, 1, S, S),
+                    torch_flex.create_block_mask(theirs, B, 1, S, S, device="cpu"))
