@@ -215,7 +215,14 @@ class Proxy:
     __add__, __radd__ = _bin("add"), _bin("add", True)
     __sub__, __rsub__ = _bin("sub"), _bin("sub", True)
     __mul__, __rmul__ = _bin("mul"), _bin("mul", True)
-    __truediv__, __rtruediv__ = _bin("div"), _bin("div", True)
+    __truediv__ = _bin("div")
+
+    def __rtruediv__(self, other: Any) -> "Proxy":
+        # torch's Tensor.__rtruediv__ is `self.reciprocal() * other`: two roundings, which a
+        # discrete value can see (3.0 / x is not 3.0 * (1 / x) in float32 for every x)
+        recip = N.binary("div", N.const(1.0), self.node)
+        return Proxy(N.binary("mul", recip, to_node(other)))
+
     __floordiv__, __rfloordiv__ = _bin("floordiv"), _bin("floordiv", True)
     __mod__, __rmod__ = _bin("mod"), _bin("mod", True)
     __pow__, __rpow__ = _bin("pow"), _bin("pow", True)

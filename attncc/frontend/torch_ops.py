@@ -317,7 +317,7 @@ def _register(names: tuple[str, ...], impl: Callable[..., Any], *owners: Any,
     for owner in owners:
         for name in names:
             fn = getattr(owner, name, None)
-            if fn is not None:
+            if callable(fn):  # (Tensor.real is a property: an attribute, see _ATTRS)
                 _FUNCS[fn] = impl
                 prefix = {torch: "torch.", torch.Tensor: "Tensor.", torch.special: "torch.special.",
                           torch.nn.functional: "torch.nn.functional."}[owner]
@@ -408,7 +408,9 @@ for _names, _op in ((("mul", "multiply", "__mul__", "__rmul__"), "mul"),
                     (("__xor__", "bitwise_xor"), "xor")):
     _register(_names, _binop(_op), *_T,
               note="logical on bool, bitwise on integers" if _op in ("and", "or", "xor") else "")
-for _names, _op in ((("__rsub__",), "sub"), (("__rtruediv__", "__rdiv__"), "div"),
+_register(("__rtruediv__", "__rdiv__"), lambda x, other: Proxy(to_node(x)).__rtruediv__(other),
+          torch.Tensor, note="torch's reciprocal(x) * other")
+for _names, _op in ((("__rsub__",), "sub"),
                     (("__rfloordiv__",), "floordiv"), (("__rmod__",), "mod"), (("__rand__",), "and"),
                     (("__ror__",), "or"), (("__rxor__",), "xor"), (("__rlshift__",), "lshift"),
                     (("__rrshift__",), "rshift")):
@@ -466,6 +468,7 @@ _ATTRS: dict[str, Callable[[Proxy], Any]] = {
     "device": lambda p: None,  # a mod's values live wherever the kernel runs
     "shape": lambda p: torch.Size(()),
     "ndim": lambda p: 0,
+    "real": lambda p: p,
 }
 _METHODS: dict[str, Callable[..., Any]] = {
     "dim": lambda p: 0, "numel": lambda p: 1, "size": lambda p, *a: torch.Size(()),

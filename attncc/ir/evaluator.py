@@ -9,7 +9,8 @@ Semantics are torch's on the CPU (docs/semantics.md):
 - floats evaluate as `float_dtype` (float32 to mirror the kernel, float64 for the reference
   oracle), except the *discrete cone* (`attncc.ir.discrete`): float arithmetic that reaches an
   int cast, a floor, a comparison or a float `//` / `%` is computed in float32 in the user's
-  order, exactly as torch computes the user's Python on float32 tensors;
+  order, exactly as torch computes the user's Python on float32 tensors, and so are the
+  rounding ops themselves (floor, round, `%`, fmod, sign, copysign, nextafter, ...);
 - values computed from captured scalars (and constants) only are Python arithmetic: float64,
   rounded to float32 where they meet a float32 tensor; float `//` and `%` use torch's
   fmod-based algorithms (`torch.div(rounding_mode="floor")`, `torch.remainder`), and `x ** c`
@@ -200,7 +201,10 @@ class _Evaluator:
             if self.float_dtype == torch.float32:
                 self.main[n] = self.exact[n]
                 return
-        self.main[n] = self.compute(n, self.float_dtype, exact=is_sink(n))
+        if is_sink(n):  # a float rounding op (floor, %, nextafter, ...): float32, as torch
+            self.main[n] = self.compute(n, torch.float32, exact=True).to(self.float_dtype)
+            return
+        self.main[n] = self.compute(n, self.float_dtype, exact=False)
 
     def result(self, root: Node) -> torch.Tensor:
         if root.dtype is F32 and (root.op == "const" or root in self.scalar):
