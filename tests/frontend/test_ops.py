@@ -17,28 +17,12 @@ import attncc
 from attncc.frontend import Variant
 from attncc.frontend.torch_ops import COVERAGE, UNSUPPORTED
 from attncc.ir.evaluator import evaluate
-from attncc.ir.nodes import BOOL, I32, Node, const
+from attncc.ir.nodes import BOOL
 from attncc.ir.simplify import simplify
-from tests.helpers.op_cases import NK, NO_CASE, NQ, grid, make_mod, sources, tables
+from tests.helpers.op_cases import NK, NO_CASE, NQ, grid, make_mod, sources, tables, traced
 
 SUPPORTED = sorted(n for n in COVERAGE if n not in UNSUPPORTED)
 CASES = [(name, src) for name in SUPPORTED for src in sources(name)]
-
-
-def traced(fn, want: torch.Tensor) -> tuple[Node, dict]:
-    """The IR node of the case's value, in the type the mod computes it in."""
-    if want.dtype == torch.bool:
-        ir, bind = Variant(mask_mod=lambda b, h, q, kv: fn(0.0, b, h, q, kv)).trace()
-        return ir.expr("mask_mod"), bind.tensors
-    ir, bind = Variant(score_mod=fn).trace()
-    node = ir.expr("score_mod")
-    if want.is_floating_point():
-        return node, bind.tensors
-    # an integer result: the hook casts it to float (a constant folds the cast)
-    if node.op == "const" and float(node.attr).is_integer():
-        return const(int(node.attr), I32), bind.tensors
-    assert node.op == "to_f32" and node.args[0].dtype is I32, (node, want.dtype)
-    return node.args[0], bind.tensors
 
 
 def same_bits(want: torch.Tensor, got: torch.Tensor) -> torch.Tensor:

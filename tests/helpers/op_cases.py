@@ -16,6 +16,9 @@ from typing import Callable
 
 import torch
 
+from attncc.frontend import Variant
+from attncc.ir.nodes import F32, I32, Node, const
+
 NQ = NK = 40
 _FLOATS = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e30, -1e30, 3.4028234663852886e38,
            1e-40, -1e-40, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 1.0, -1.0, 0.3, -0.7, 7.0, -7.0,
@@ -168,3 +171,27 @@ def grid() -> dict[str, torch.Tensor]:
             "h": torch.zeros((), dtype=torch.int32),
             "q_idx": torch.arange(NQ, dtype=torch.int32)[:, None],
             "kv_idx": torch.arange(NK, dtype=torch.int32)[None, :]}
+
+
+def traced(fn: Callable, want: torch.Tensor) -> tuple[Node, dict[str, torch.Tensor]]:
+    """The IR node of a case's value in the type the mod computes it in (a score_mod casts
+    an integer result to float: this is the value before that cast), and its tensors."""
+    if want.dtype == torch.bool:
+        ir, bind = Variant(mask_mod=lambda b, h, q, kv: fn(0.0, b, h, q, kv)).trace()
+        return ir.expr("mask_mod"), bind.tensors
+    ir, bind = Variant(score_mod=fn).trace()
+    node = ir.expr("score_mod")
+    if want.is_floating_point():
+        assert node.dtype is F32
+        return node, bind.tensors
+    if node.op == "const" and float(node.attr).is_integer():  # the cast of a constant folded
+        return const(int(node.attr), I32), bind.tensors
+    assert node.op == "to_f32" and node.args[0].dtype is I32, (node, want.dtype)
+    return node.args[0], bind.tensors
+
+
+def all_cases() -> list[tuple[str, str]]:
+    """(COVERAGE name, source) of every case."""
+    from attncc.frontend.torch_ops import COVERAGE, UNSUPPORTED
+
+    return [(n, s) for n in sorted(COVERAGE) if n not in UNSUPPORTED for s in sources(n)]
