@@ -124,6 +124,45 @@ def _heaviside(x: Any, values: Any) -> Proxy:
     return Proxy(N.where(N.binary("eq", n, zero), v, step))
 
 
+def _clip_where(x: Any, lo: Any, hi: Any) -> Proxy:
+    """x < lo ? lo : (x > hi ? hi : x): torch's activations keep -0.0 and NaN as they are."""
+    n = to_node(x)
+    if hi is not None:
+        n = N.where(N.binary("gt", n, to_node(hi)), to_node(hi), n)
+    return Proxy(N.where(N.binary("lt", to_node(x), to_node(lo)), to_node(lo), n))
+
+
+def _relu(x: Any, inplace: bool = False) -> Proxy:
+    return _clip_where(x, 0, None)
+
+
+def _hardtanh(x: Any, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False
+              ) -> Proxy:
+    return _clip_where(x, float(min_val), float(max_val))
+
+
+def _leaky_relu(x: Any, negative_slope: float = 0.01, inplace: bool = False) -> Proxy:
+    n = to_node(x)  # torch: x > 0 ? x : x * slope (NaN and -0.0 take the slope)
+    return Proxy(N.where(N.binary("gt", n, N.const(0)), n, N.binary("mul", n, to_node(
+        negative_slope))))
+
+
+def _threshold(x: Any, threshold: float, value: float, inplace: bool = False) -> Proxy:
+    n = to_node(x)  # torch: x <= threshold ? value : x (NaN stays)
+    return Proxy(N.where(N.binary("le", n, to_node(threshold)), to_node(value), n))
+
+
+def _hardshrink(x: Any, lambd: float = 0.5) -> Proxy:
+    n, lam = to_node(x), to_node(lambd)  # torch: -lambd <= x <= lambd ? 0 : x
+    inside = N.binary("and", N.binary("ge", n, N.unary("neg", lam)), N.binary("le", n, lam))
+    return Proxy(N.where(inside, N.const(0.0), n))
+
+
+def _tanhshrink(x: Any) -> Proxy:
+    n = to_node(x)
+    return Proxy(N.binary("sub", n, N.unary("tanh", n)))
+
+
 def _clamp(x: Any, min: Any = None, max: Any = None) -> Proxy:
     n = to_node(x)
     if min is not None:
@@ -365,6 +404,15 @@ _register(("deg2rad",), _scale(math.pi / 180), *_T, note="x * (pi / 180)")
 _register(("rad2deg",), _scale(180 / math.pi), *_T, note="x * (180 / pi)")
 _register(("heaviside",), _heaviside, *_T)
 _register(("clamp", "clip"), _clamp, *_T, note="NaN propagates")
+_F = torch.nn.functional
+_register(("relu",), _relu, *_T, _F, note="x < 0 ? 0 : x (-0.0 and NaN stay)")
+_register(("relu6",), lambda x, inplace=False: _hardtanh(x, 0.0, 6.0), _F,
+          note="hardtanh(x, 0, 6)")
+_register(("hardtanh",), _hardtanh, _F, note="x < lo ? lo : x > hi ? hi : x")
+_register(("leaky_relu",), _leaky_relu, _F, note="x > 0 ? x : x * slope")
+_register(("threshold",), _threshold, _F, note="x <= threshold ? value : x")
+_register(("hardshrink",), _hardshrink, *_T, _F, note="|x| <= lambd ? 0 : x")
+_register(("tanhshrink",), _tanhshrink, _F, note="x - tanh(x)")
 _register(("clamp_min",), lambda x, m: _clamp(x, min=m), *_T)
 _register(("clamp_max",), lambda x, m: _clamp(x, max=m), *_T)
 _register(("where",), _where, torch, note="scalars promote as in torch")
