@@ -163,6 +163,32 @@ def _tanhshrink(x: Any) -> Proxy:
     return Proxy(N.binary("sub", n, N.unary("tanh", n)))
 
 
+def _logit(x: Any, eps: float | None = None) -> Proxy:
+    n = N.cast(to_node(x), F32)
+    if eps is not None:  # torch clamps to [eps, 1 - eps] first, NaN staying
+        n = _clip_where(Proxy(n), float(eps), 1.0 - float(eps)).node
+    return Proxy(N.unary("log", N.binary("div", n, N.binary("sub", N.const(1.0), n))))
+
+
+def _isclose(a: Any, b: Any, rtol: float = 1e-05, atol: float = 1e-08,
+             equal_nan: bool = False) -> Proxy:
+    x, y = to_node(a), to_node(b)  # torch's isclose, step by step
+    if x.dtype is not F32 or y.dtype is not F32:
+        raise trace_error("torch.isclose of integer or boolean values (torch computes their "
+                          "error in integers, which can wrap)",
+                          "compare with == or (a - b).abs() <= tol")
+    close = N.binary("eq", x, y)
+    if equal_nan:
+        close = N.binary("or", close, N.binary("and", N.binary("ne", x, x),
+                                               N.binary("ne", y, y)))
+    allowed = N.binary("add", N.const(float(atol)),
+                       N.unary("abs", N.binary("mul", N.const(float(rtol)), y)))
+    actual = N.unary("abs", N.binary("sub", x, y))
+    finite = N.binary("lt", actual, N.const(_INF))
+    return Proxy(N.binary("or", close, N.binary("and", finite,
+                                                N.binary("le", actual, allowed))))
+
+
 def _clamp(x: Any, min: Any = None, max: Any = None) -> Proxy:
     n = to_node(x)
     if min is not None:
@@ -403,6 +429,8 @@ _register(("nan_to_num",), _nan_to_num, *_T)
 _register(("deg2rad",), _scale(math.pi / 180), *_T, note="x * (pi / 180)")
 _register(("rad2deg",), _scale(180 / math.pi), *_T, note="x * (180 / pi)")
 _register(("heaviside",), _heaviside, *_T)
+_register(("logit",), _logit, *_T, torch.special, note="log(x / (1 - x)), eps clamps first")
+_register(("isclose",), _isclose, *_T, note="floats: torch's formula, step by step")
 _register(("clamp", "clip"), _clamp, *_T, note="NaN propagates")
 _F = torch.nn.functional
 _register(("relu",), _relu, *_T, _F, note="x < 0 ? 0 : x (-0.0 and NaN stay)")

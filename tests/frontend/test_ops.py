@@ -76,6 +76,7 @@ def test_op_matches_torch_on_cpu(name: str, src: str) -> None:
     ("~x[q_idx]", "'~' on a float"), ("x[q_idx] << 1", "'<<' on a float"),
     ("torch.full_like(i[q_idx], float('inf'))", "cannot be converted"),
     ("i[q_idx].new_ones((2, 3))", "size (2, 3)"), ("torch.maximum(x[q_idx])", "arguments"),
+    ("torch.isclose(i[q_idx], j[kv_idx])", "isclose of integer"),
     ("torch.digamma(x[q_idx])", "not supported"), ("x[q_idx].sum(0)", "sum"),
 ])
 def test_inexact_or_unsupported_ops_raise_a_trace_error_at_the_line(src: str, what: str) -> None:
