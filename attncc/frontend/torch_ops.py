@@ -563,5 +563,3 @@ def attribute(p: Proxy, name: str) -> Any:
                           "docs/ops.md lists the tensor methods a mod can call")
     return lambda *a, **kw: _call(impl, f"Tensor.{name}", (p, *a), kw)
 
-
-method = attribute  # the name older callers use
