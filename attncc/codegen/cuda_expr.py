@@ -41,7 +41,12 @@ _INFIX = {"add": ("+", _ADD), "sub": ("-", _ADD), "mul": ("*", _MUL), "div": ("/
           "eq": ("==", _EQ), "ne": ("!=", _EQ), "and": ("&&", _AND), "or": ("||", _OR)}
 _FLOAT_CALLS = {"exp": "expf", "exp2": "exp2f", "log": "logf", "log2": "log2f", "tanh": "tanhf",
                 "sigmoid": "attncc::sigmoid", "sqrt": "sqrtf", "rsqrt": "rsqrtf", "sin": "sinf",
-                "cos": "cosf", "floor": "floorf", "abs": "fabsf"}
+                "cos": "cosf", "floor": "floorf", "abs": "fabsf",
+                "log1p": "log1pf", "expm1": "expm1f", "log10": "log10f", "erf": "erff",
+                "erfc": "erfcf", "erfinv": "erfinvf", "lgamma": "lgammaf", "tan": "tanf",
+                "asin": "asinf", "acos": "acosf", "atan": "atanf", "sinh": "sinhf",
+                "cosh": "coshf", "asinh": "asinhf", "acosh": "acoshf", "atanh": "atanhf",
+                "ceil": "ceilf", "trunc": "truncf", "round": "rintf", "sign": "attncc::signf"}
 # fast_math=True: one-MUFU approximations (attncc_types.cuh documents each error bound); sin /
 # cos reduce the angle to [-pi, pi] first (sin.approx has no range reduction, and RoPE angles
 # reach thousands of radians), within 1e-6 absolute up to |x| = 1e5, libm beyond.
@@ -49,7 +54,7 @@ _FAST_FLOAT_CALLS = {**_FLOAT_CALLS, "exp": "attncc::fast_exp", "exp2": "attncc:
                      "tanh": "attncc::fast_tanh", "sigmoid": "attncc::fast_sigmoid",
                      "log": "attncc::fast_log", "log2": "attncc::fast_log2",
                      "sin": "attncc::fast_sin", "cos": "attncc::fast_cos"}
-_INT_CALLS = {"abs": "attncc::absi"}
+_INT_CALLS = {"abs": "attncc::absi", "sign": "attncc::signi"}
 # Float arithmetic that becomes a discrete value (`attncc.ir.discrete`) is spelled as torch's
 # CUDA kernels compute it, one rounding per op: round-to-nearest intrinsics, which the compiler
 # never contracts into an FMA, and the accurate libm functions even under fast_math.
@@ -62,7 +67,15 @@ _POW_SPECIAL = {0.5: "sqrtf({x})", -0.5: "rsqrtf({x})", -1.0: "__frcp_rn({x})",
 _BINARY_CALLS = {("floordiv", F32): "attncc::floordiv", ("floordiv", I32): "attncc::floordiv",
                  ("mod", F32): "attncc::pymod", ("mod", I32): "attncc::pymod",
                  ("pow", F32): "powf", ("min", F32): "attncc::minf", ("max", F32): "attncc::maxf",
-                 ("min", I32): "attncc::mini", ("max", I32): "attncc::maxi"}
+                 ("min", I32): "attncc::mini", ("max", I32): "attncc::maxi",
+                 ("atan2", F32): "atan2f", ("hypot", F32): "hypotf",
+                 ("copysign", F32): "copysignf", ("nextafter", F32): "nextafterf",
+                 ("fmod", F32): "fmodf", ("fmod", I32): "attncc::fmodi",
+                 ("fmin", F32): "fminf", ("fmax", F32): "fmaxf",
+                 ("fmin", I32): "attncc::mini", ("fmax", I32): "attncc::maxi",
+                 ("lshift", I32): "attncc::shl", ("rshift", I32): "attncc::shr"}
+# int32 bitwise ops: always parenthesised (C ranks & ^ | below ==, unlike Python).
+_BITWISE = {"bitand": "&", "bitor": "|", "bitxor": "^"}
 _LEAVES = ("var", "const", "param")  # never bound to temporaries: already a name or literal
 _CTYPES = {F32: "float", I32: "int", BOOL: "bool"}
 _LOAD_CONVERT = {F32: "attncc::to_float", I32: "attncc::to_int", BOOL: "attncc::to_bool"}
@@ -216,6 +229,10 @@ class _Printer:
             return "-" + operand(0, _UNARY), _UNARY
         if op == "not":
             return "!" + operand(0, _UNARY), _UNARY
+        if op == "bitnot":
+            return "~" + operand(0, _UNARY), _UNARY
+        if op in _BITWISE:
+            return f"({operand(0, _ATOM)} {_BITWISE[op]} {operand(1, _ATOM)})", _ATOM
         if op in ("to_f32", "to_i32"):
             return f"({'float' if op == 'to_f32' else 'int'})" + operand(0, _UNARY), _UNARY
         if n in self.exact and op not in ("neg", "where", "min", "max", "to_f32"):

@@ -162,16 +162,33 @@ def _bin(op: str, swap: bool = False) -> Callable[[Any, Any], "Proxy"]:
     return f
 
 
+_BITWISE = {"and": ("&", "bitand"), "or": ("|", "bitor"), "xor": ("^", "bitxor"),
+            "lshift": ("<<", "lshift"), "rshift": (">>", "rshift")}
+
+
 def _binary(op: str, a: Node, b: Node) -> Node:
-    if op in ("and", "or"):
-        if a.dtype is not BOOL or b.dtype is not BOOL:
-            raise trace_error(f"'{'&' if op == 'and' else '|'}' on non-boolean values",
-                              "combine comparisons with & and |, e.g. (q_idx >= kv_idx) & (h < 4)")
-    if op == "xor":
-        if a.dtype is not BOOL or b.dtype is not BOOL:
-            raise trace_error("'^' on non-boolean values", "use ^ only between comparisons")
-        return N.binary("ne", a, b)
-    return N.binary(op, a, b)
+    """`a op b` as torch computes it on scalars: & | ^ of booleans are logical, of integers
+    (a boolean promoted to 0 / 1) bitwise; a float operand is an error, as in torch."""
+    if op not in _BITWISE:
+        return N.binary(op, a, b)
+    if a.dtype is BOOL and b.dtype is BOOL and op in ("and", "or", "xor"):
+        return N.binary("ne" if op == "xor" else op, a, b)
+    symbol, int_op = _BITWISE[op]
+    if a.dtype is F32 or b.dtype is F32:
+        raise trace_error(f"'{symbol}' on a float value (torch has no bitwise ops on floats)",
+                          "combine comparisons with & | ^, and use & | ^ << >> on integer "
+                          "values only (convert with .long())")
+    return N.binary(int_op, a, b)
+
+
+def invert(node: Node) -> Node:
+    """`~x`: logical not of a boolean, bitwise not of an integer."""
+    if node.dtype is BOOL:
+        return N.unary("not", node)
+    if node.dtype is F32:
+        raise trace_error("'~' on a float value (torch has no bitwise not on floats)",
+                          "use ~ on comparisons/masks or on integer values")
+    return N.unary("bitnot", node)
 
 
 class Proxy:
@@ -198,13 +215,22 @@ class Proxy:
     __add__, __radd__ = _bin("add"), _bin("add", True)
     __sub__, __rsub__ = _bin("sub"), _bin("sub", True)
     __mul__, __rmul__ = _bin("mul"), _bin("mul", True)
-    __truediv__, __rtruediv__ = _bin("div"), _bin("div", True)
+    __truediv__ = _bin("div")
+
+    def __rtruediv__(self, other: Any) -> "Proxy":
+        # torch's Tensor.__rtruediv__ is `self.reciprocal() * other`: two roundings, which a
+        # discrete value can see (3.0 / x is not 3.0 * (1 / x) in float32 for every x)
+        recip = N.binary("div", N.const(1.0), self.node)
+        return Proxy(N.binary("mul", recip, to_node(other)))
+
     __floordiv__, __rfloordiv__ = _bin("floordiv"), _bin("floordiv", True)
     __mod__, __rmod__ = _bin("mod"), _bin("mod", True)
     __pow__, __rpow__ = _bin("pow"), _bin("pow", True)
     __and__, __rand__ = _bin("and"), _bin("and", True)
     __or__, __ror__ = _bin("or"), _bin("or", True)
     __xor__, __rxor__ = _bin("xor"), _bin("xor", True)
+    __lshift__, __rlshift__ = _bin("lshift"), _bin("lshift", True)
+    __rshift__, __rrshift__ = _bin("rshift"), _bin("rshift", True)
     __lt__, __le__ = _bin("lt"), _bin("le")
     __gt__, __ge__ = _bin("gt"), _bin("ge")
     __eq__, __ne__ = _bin("eq"), _bin("ne")  # type: ignore[assignment]
@@ -220,9 +246,7 @@ class Proxy:
         return Proxy(N.unary("abs", self.node))
 
     def __invert__(self) -> "Proxy":
-        if self.node.dtype is not BOOL:
-            raise trace_error("'~' on a non-boolean value", "use ~ only on comparisons/masks")
-        return Proxy(N.unary("not", self.node))
+        return Proxy(invert(self.node))
 
     # -- concrete uses: not traceable
     def __bool__(self) -> bool:
@@ -273,9 +297,9 @@ class Proxy:
             # protocol lookups (copy, pickle, numpy's __array_interface__) are not methods a mod
             # calls: a missing attribute lets them fall back
             raise AttributeError(name)
-        from .torch_ops import method
+        from .torch_ops import attribute
 
-        return method(self, name)
+        return attribute(self, name)
 
 
 class PartialIndex:

@@ -30,8 +30,10 @@ from .nodes import F32, Node, walk
 
 __all__ = ["discrete_cone", "is_closed", "is_python_scalar", "is_sink"]
 
-# F32 results that are integers by construction: their inputs decide a discrete value.
-_ROUNDING_OPS = frozenset({"floor", "floordiv", "mod"})
+# F32 results that are integers by construction, or whose value jumps with the inputs' exact
+# bits (fmod, sign, copysign, nextafter): their inputs decide a discrete value.
+_ROUNDING_OPS = frozenset({"floor", "ceil", "trunc", "round", "sign", "floordiv", "mod", "fmod",
+                           "copysign", "nextafter"})
 
 _CONE: "weakref.WeakKeyDictionary[Node, frozenset[Node]]" = weakref.WeakKeyDictionary()
 _CLOSED: "weakref.WeakKeyDictionary[Node, bool]" = weakref.WeakKeyDictionary()

@@ -9,7 +9,8 @@ Semantics are torch's on the CPU (docs/semantics.md):
 - floats evaluate as `float_dtype` (float32 to mirror the kernel, float64 for the reference
   oracle), except the *discrete cone* (`attncc.ir.discrete`): float arithmetic that reaches an
   int cast, a floor, a comparison or a float `//` / `%` is computed in float32 in the user's
-  order, exactly as torch computes the user's Python on float32 tensors;
+  order, exactly as torch computes the user's Python on float32 tensors, and so are the
+  rounding ops themselves (floor, round, `%`, fmod, sign, copysign, nextafter, ...);
 - gradients flow (every op is a differentiable torch op; nothing leaves torch), with torch's
   conventions; `max(x, bound)` where only `x` requires grad is `torch.clamp`'s (all of a tie's
   gradient to `x`): docs/backward.md, section 1;
@@ -44,12 +45,21 @@ _TORCH_UNARY = {
     "log": torch.log, "log2": torch.log2, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
     "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "sin": torch.sin, "cos": torch.cos,
     "floor": torch.floor, "not": torch.logical_not,
+    "log1p": torch.log1p, "expm1": torch.expm1, "log10": torch.log10, "erf": torch.erf,
+    "erfc": torch.erfc, "erfinv": torch.erfinv, "lgamma": torch.lgamma, "tan": torch.tan,
+    "asin": torch.asin, "acos": torch.acos, "atan": torch.atan, "sinh": torch.sinh,
+    "cosh": torch.cosh, "asinh": torch.asinh, "acosh": torch.acosh, "atanh": torch.atanh,
+    "ceil": torch.ceil, "trunc": torch.trunc, "round": torch.round, "sign": torch.sign,
+    "bitnot": torch.bitwise_not,
 }
 _TORCH_BINARY = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
     "pow": torch.pow, "min": torch.minimum, "max": torch.maximum,
     "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
     "and": torch.logical_and, "or": torch.logical_or,
+    "atan2": torch.atan2, "hypot": torch.hypot, "copysign": torch.copysign,
+    "nextafter": torch.nextafter, "fmin": torch.fmin, "fmax": torch.fmax,
+    "bitand": torch.bitwise_and, "bitor": torch.bitwise_or, "bitxor": torch.bitwise_xor,
 }
 # Integer results that can leave the int32 range and must wrap like the device's `int`.
 _WRAPPING = frozenset({"add", "sub", "mul", "neg", "abs", "floordiv", "mod", "load"})
@@ -93,6 +103,20 @@ def _mod(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if not a.is_floating_point() and bool((b == 0).any()):
         raise EvalError("integer modulo by zero")
     return torch.remainder(a, b)
+
+
+def _fmod(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if not a.is_floating_point() and bool((b == 0).any()):
+        raise EvalError("integer fmod by zero")
+    return torch.fmod(a, b)
+
+
+def _shift(op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch's shifts of int32 tensors (a count outside [0, 32) shifts every bit out)."""
+    a32, b32 = a.to(torch.int32), b.to(torch.int32)
+    out = torch.bitwise_left_shift(a32, b32) if op == "lshift" else \
+        torch.bitwise_right_shift(a32, b32)
+    return out.long()
 
 
 def _gather(t: torch.Tensor, idx: list[torch.Tensor], name: str,
@@ -180,7 +204,10 @@ class _Evaluator:
             if self.float_dtype == torch.float32:
                 self.main[n] = self.exact[n]
                 return
-        self.main[n] = self.compute(n, self.float_dtype, exact=is_sink(n))
+        if is_sink(n):  # a float rounding op (floor, %, nextafter, ...): float32, as torch
+            self.main[n] = self.compute(n, torch.float32, exact=True).to(self.float_dtype)
+            return
+        self.main[n] = self.compute(n, self.float_dtype, exact=False)
 
     def result(self, root: Node) -> torch.Tensor:
         if root.dtype is F32 and (root.op == "const" or root in self.scalar):
@@ -227,6 +254,10 @@ class _Evaluator:
             r = _floordiv(*a)
         elif op == "mod":
             r = _mod(*a)
+        elif op == "fmod":
+            r = _fmod(*a)
+        elif op in ("lshift", "rshift"):
+            r = _shift(op, *a)
         elif op == "pow" and not is_closed(n.args[0]) and self.scalar_value(n.args[1]) is not None:
             # `x ** 2.0`: torch's tensor-scalar pow (x * x for 2, sqrt for 0.5, ...)
             r = torch.pow(a[0], self.scalar_value(n.args[1]))

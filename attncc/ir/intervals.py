@@ -202,6 +202,29 @@ def _mod(a: Interval, b: Interval) -> Interval | None:
     return b[0] + 1, 0
 
 
+def _fmod(a: Interval, b: Interval) -> Interval | None:
+    """C's remainder: the dividend's sign, smaller in magnitude than both operands."""
+    if b[0] <= 0 <= b[1]:
+        return None
+    m = max(abs(b[0]), abs(b[1])) - 1
+    return max(min(a[0], 0), -m), min(max(a[1], 0), m)
+
+
+def _bits(n: Node, a: Interval, b: Interval) -> Interval | None:
+    """Bitwise ops and shifts: bounded where the signs (and shift counts) say so."""
+    op = n.op
+    if op == "bitand" and (a[0] >= 0 or b[0] >= 0):
+        return 0, min(x[1] for x in (a, b) if x[0] >= 0)
+    if op in ("bitor", "bitxor") and a[0] >= 0 and b[0] >= 0:
+        return 0, (1 << max(a[1], b[1]).bit_length()) - 1
+    if op in ("lshift", "rshift") and 0 <= b[0] and b[1] < 32:
+        # monotone in the value for a fixed count, and in the count for a fixed sign: corners
+        f = (lambda x, k: x * 2**k) if op == "lshift" else (lambda x, k: x >> k)
+        vals = [f(x, k) for x in a for k in b]
+        return min(vals), max(vals)
+    return None
+
+
 def _step(n: Node, a: list[Interval | None], domain: Domain) -> Interval | None:
     """Interval arithmetic for one node from its children's intervals."""
     op = n.op
@@ -242,6 +265,18 @@ def _step(n: Node, a: list[Interval | None], domain: Domain) -> Interval | None:
         return _floordiv(a[0], a[1])
     if op == "mod":
         return _mod(a[0], a[1])
+    if op == "fmod":
+        return _fmod(a[0], a[1])
+    if op == "sign":
+        return (-1 if a[0][0] < 0 else 0 if a[0][0] == 0 else 1,
+                1 if a[0][1] > 0 else 0 if a[0][1] == 0 else -1)
+    if op == "bitnot":
+        return -a[0][1] - 1, -a[0][0] - 1
+    if op in ("fmin", "fmax"):  # no NaN among integers: min and max
+        (al, ah), (bl, bh) = a
+        return (min(al, bl), min(ah, bh)) if op == "fmin" else (max(al, bl), max(ah, bh))
+    if len(a) == 2:
+        return _bits(n, a[0], a[1])
     return None
 
 

@@ -61,12 +61,20 @@ _op("vec", 1, "load")  # element of the hook's head vector: attr = "q"|"k"|"v"|"
 for _n in ("neg", "abs", "exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt",
            "rsqrt", "sin", "cos", "floor", "to_f32", "to_i32"):
     _op(_n, 1, "unary")
+# More of torch's elementwise math (docs/ops.md lists what each torch function traces to).
+for _n in ("log1p", "expm1", "log10", "erf", "erfc", "erfinv", "lgamma", "tan", "asin", "acos",
+           "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "ceil", "trunc", "round", "sign",
+           "bitnot"):
+    _op(_n, 1, "unary")
 _op("not", 1, "logic", "~")
 for _n, _s in (("add", "+"), ("sub", "-"), ("mul", "*"), ("div", "/"), ("floordiv", "//"),
                ("mod", "%"), ("pow", "**")):
     _op(_n, 2, "binary", _s)
 _op("min", 2, "binary")
 _op("max", 2, "binary")
+for _n in ("atan2", "hypot", "copysign", "nextafter", "fmod", "fmin", "fmax", "bitand", "bitor",
+           "bitxor", "lshift", "rshift"):
+    _op(_n, 2, "binary")
 for _n, _s in (("lt", "<"), ("le", "<="), ("gt", ">"), ("ge", ">="), ("eq", "=="), ("ne", "!=")):
     _op(_n, 2, "compare", _s)
 _op("and", 2, "logic", "&")
@@ -74,7 +82,15 @@ _op("or", 2, "logic", "|")
 _op("where", 3, "select")
 
 FLOAT_ONLY_UNARY = frozenset({"exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "rsqrt",
-                              "sin", "cos"})
+                              "sin", "cos", "log1p", "expm1", "log10", "erf", "erfc", "erfinv",
+                              "lgamma", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh",
+                              "acosh", "atanh"})
+# Rounding to an integer value: float in, float out (the frontend keeps an integer as it is).
+ROUNDING_UNARY = frozenset({"floor", "ceil", "trunc", "round"})
+# Binary ops computed in float whatever the operands (like `/` and `**`).
+FLOAT_ONLY_BINARY = frozenset({"div", "pow", "atan2", "hypot", "copysign", "nextafter"})
+# Bitwise ops: int32 only (booleans are promoted to 0 / 1 first, as torch promotes them).
+INT_ONLY = frozenset({"bitnot", "bitand", "bitor", "bitxor", "lshift", "rshift"})
 
 
 def op_info(op: str) -> OpInfo:
@@ -260,6 +276,12 @@ def _promote(a: Node, b: Node) -> tuple[Node, Node, DType]:
     return cast(a, t), cast(b, t), t
 
 
+def _int_operand(op: str, x: Node) -> Node:
+    if x.dtype is F32:
+        raise IRTypeError(f"{op} needs integer operands, got f32")
+    return cast(x, I32)
+
+
 def unary(op: str, x: Node) -> Node:
     info = _OPS[op]
     if info.kind == "logic":  # not
@@ -270,9 +292,11 @@ def unary(op: str, x: Node) -> Node:
         return cast(x, F32)
     if op == "to_i32":
         return cast(x, I32)
-    if op in FLOAT_ONLY_UNARY or op == "floor":
+    if op in FLOAT_ONLY_UNARY or op in ROUNDING_UNARY:
         x = cast(x, F32)
         return Node(op, F32, (x,))
+    if op in INT_ONLY:
+        return Node(op, I32, (_int_operand(op, x),))
     if x.dtype is BOOL:
         x = cast(x, I32)
     return Node(op, x.dtype, (x,))
@@ -285,8 +309,10 @@ def binary(op: str, a: Node, b: Node) -> Node:
             raise IRTypeError(f"'{_OPS[op].symbol}' needs boolean operands, got "
                               f"{a.dtype.value} and {b.dtype.value}")
         return Node(op, BOOL, (a, b))
-    if op == "div" or op == "pow":  # true division and pow are always float, like torch
+    if op in FLOAT_ONLY_BINARY:  # true division, pow, atan2, ... are always float, like torch
         return Node(op, F32, (cast(a, F32), cast(b, F32)))
+    if op in INT_ONLY:
+        return Node(op, I32, (_int_operand(op, a), _int_operand(op, b)))
     a, b, t = _promote(a, b)
     if kind == "compare":
         return Node(op, BOOL, (a, b))

@@ -394,7 +394,28 @@ def _r_abs(n: Node) -> Node:
 
 
 def _r_floor(n: Node) -> Node:
-    return n.args[0] if n.args[0].op == "floor" else n
+    """Rounding an integer-valued float changes nothing (bit for bit: -0.0, inf, NaN too)."""
+    return n.args[0] if n.args[0].op in ("floor", "ceil", "trunc", "round") else n
+
+
+def _r_bitnot(n: Node) -> Node:
+    return n.args[0].args[0] if n.args[0].op == "bitnot" else n
+
+
+_BIT_IDENTITY = {"bitand": -1, "bitor": 0, "bitxor": 0}
+
+
+def _r_bitwise(n: Node) -> Node:
+    """x & -1, x | 0, x ^ 0, x << 0, x >> 0 are x; x & x and x | x too (exact for int32)."""
+    a, b = n.args
+    unit = _BIT_IDENTITY.get(n.op, 0)
+    if _is_num(b, unit):
+        return a
+    if n.op in _BIT_IDENTITY and _is_num(a, unit):
+        return b
+    if n.op in ("bitand", "bitor") and a is b:
+        return a
+    return n
 
 
 def _r_pow(n: Node) -> Node:
@@ -511,6 +532,8 @@ _RULES: dict[str, Callable[[Node], Node]] = {
     "floor": _r_floor, "pow": _r_pow, "floordiv": _r_floordiv, "mod": _r_mod,
     "min": _r_minmax, "max": _r_minmax, "not": _r_not, "and": _r_and, "or": _r_or,
     "where": _r_where, **{op: _r_compare for op in _NEGATED},
+    **{op: _r_floor for op in ("ceil", "trunc", "round")}, "bitnot": _r_bitnot,
+    **{op: _r_bitwise for op in ("bitand", "bitor", "bitxor", "lshift", "rshift")},
 }
 
 
@@ -572,6 +595,7 @@ def _s_mul(n: Node) -> Node:
 _STRICT_RULES: dict[str, Callable[[Node], Node]] = {
     "add": _s_add, "sub": _s_sub, "mul": _s_mul, "div": _r_div, "neg": _r_neg, "abs": _r_abs,
     "floor": _r_floor, "pow": _r_pow, "min": _r_minmax, "max": _r_minmax,
+    **{op: _r_floor for op in ("ceil", "trunc", "round")},
 }
 
 

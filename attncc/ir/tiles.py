@@ -130,7 +130,8 @@ def _direction_step(n: Node, memo: dict[int, Direction | None], reads: dict[int,
         return _join(a[0], _flip(a[1]))
     if op == "neg":
         return _flip(a[0])
-    if op in ("to_f32", "to_i32", "floor"):  # rounding / truncation never reverses order
+    if op in ("to_f32", "to_i32", "floor", "ceil", "trunc", "round", "sign"):
+        # rounding / truncation never reverses order
         return a[0]
     if op == "mul":
         for i in (0, 1):

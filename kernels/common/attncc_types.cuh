@@ -219,7 +219,20 @@ __device__ __forceinline__ float maxf(float a, float b) {
 }
 __device__ __forceinline__ int mini(int a, int b) { return a < b ? a : b; }
 __device__ __forceinline__ int maxi(int a, int b) { return a > b ? a : b; }
-__device__ __forceinline__ int absi(int a) { return a < 0 ? -a : a; }
+// |INT_MIN| is INT_MIN, as torch's int32 abs gives (negating in unsigned keeps C defined).
+__device__ __forceinline__ int absi(int a) { return a < 0 ? (int)(0u - (unsigned)a) : a; }
+
+// torch.sign: (0 < x) - (x < 0), so NaN and -0.0 give 0.0 (docs/ops.md).
+__device__ __forceinline__ float signf(float x) { return (float)((0.0f < x) - (x < 0.0f)); }
+__device__ __forceinline__ int signi(int a) { return (0 < a) - (a < 0); }
+// torch.fmod on integers: C's remainder (the dividend's sign). INT_MIN % -1 is 0, which C
+// leaves undefined; division by zero is undefined, as in C (the reference path raises).
+__device__ __forceinline__ int fmodi(int a, int b) { return b == -1 ? 0 : a % b; }
+// torch's int32 shifts: a count outside [0, 32) shifts every bit out (<< gives 0, >> the sign).
+__device__ __forceinline__ int shl(int a, int b) {
+    return (unsigned)b < 32u ? (int)((unsigned)a << b) : 0;
+}
+__device__ __forceinline__ int shr(int a, int b) { return a >> ((unsigned)b < 32u ? b : 31); }
 
 }  // namespace attncc
 

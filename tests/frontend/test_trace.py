@@ -268,7 +268,7 @@ def test_error_loop_over_traced_value() -> None:
 
 def test_error_unknown_torch_call() -> None:
     def bad(score, b, h, q_idx, kv_idx):
-        return torch.erf(score)
+        return torch.digamma(score)
 
     _raises_at_this_file(Variant(score_mod=bad), "not supported")
 
