@@ -155,10 +155,75 @@ def _where_rule(n: Node, a: tuple[Node, ...], d: tuple[D, ...]) -> D:
     return where(a[0], _or0(d[1]), _or0(d[2]))
 
 
+def _sq(x: Node) -> Node:
+    return binary("mul", x, x)
+
+
+def _atan2_rule(n: Node, a: tuple[Node, ...], d: tuple[D, ...]) -> D:
+    y, x = a  # torch.atan2(self=y, other=x)
+    r2 = binary("add", _sq(y), _sq(x))
+    return _add(_mul(d[0], binary("div", x, r2)),
+                _mul(d[1], unary("neg", binary("div", y, r2))))
+
+
+def _hypot_rule(n: Node, a: tuple[Node, ...], d: tuple[D, ...]) -> D:
+    return _add(_mul(d[0], binary("div", a[0], n)), _mul(d[1], binary("div", a[1], n)))
+
+
+def _copysign_rule(n: Node, a: tuple[Node, ...], d: tuple[D, ...]) -> D:
+    # torch: d/dself = result / self, 0 where self == 0; the sign donor gets none
+    return _mul(d[0], where(binary("eq", a[0], _f(0.0)), _f(0.0), binary("div", n, a[0])))
+
+
+def _fmod_rule(n: Node, a: tuple[Node, ...], d: tuple[D, ...]) -> D:
+    if n.dtype is not F32:
+        return None
+    quot = unary("trunc", binary("div", *a))  # torch: self.div(other, rounding_mode="trunc")
+    return _add(d[0], None if d[1] is None else binary("mul", d[1], unary("neg", quot)))
+
+
+def _fminmax_rule(n: Node, a: tuple[Node, ...], d: tuple[D, ...]) -> D:
+    # torch: self takes the gradient where it wins or ties, or where other is NaN
+    x, y = a
+    keep_x = binary("or", binary("le" if n.op == "fmin" else "ge", x, y), binary("ne", y, y))
+    return _add(None if d[0] is None else where(keep_x, d[0], _f(0.0)),
+                None if d[1] is None else where(keep_x, _f(0.0), d[1]))
+
+
+def _undefined(why: str) -> Rule:
+    def rule(n: Node, a: tuple[Node, ...], d: tuple[D, ...]) -> D:
+        raise DifferentiationError(f"{n.op} has no derivative here ({why}); keep it away from "
+                                   f"the score and from captured tensors that require grad")
+    return rule
+
+
+_SQRT_PI = math.sqrt(math.pi)
 _RULES: dict[str, Rule] = {
     **{op: _zero for op in ("var", "const", "param", "load", "vec", "floor", "floordiv",
                             "to_f32", "to_i32", "not", "lt", "le", "gt", "ge", "eq", "ne",
-                            "and", "or")},
+                            "and", "or", "ceil", "trunc", "round", "sign", "bitnot", "bitand",
+                            "bitor", "bitxor", "lshift", "rshift")},
+    "log1p": _chain(lambda x, r: binary("div", _f(1.0), binary("add", x, _f(1.0)))),
+    "expm1": _chain(lambda x, r: binary("add", r, _f(1.0))),
+    "log10": _chain(lambda x, r: binary("div", _f(1.0), binary("mul", x, _f(math.log(10.0))))),
+    "erf": _chain(lambda x, r: binary("mul", _f(2.0 / _SQRT_PI), unary("exp", unary(
+        "neg", _sq(x))))),
+    "erfc": _chain(lambda x, r: binary("mul", _f(-2.0 / _SQRT_PI), unary("exp", unary(
+        "neg", _sq(x))))),
+    "erfinv": _chain(lambda x, r: binary("mul", _f(0.5 * _SQRT_PI), unary("exp", _sq(r)))),
+    "lgamma": _undefined("its derivative, digamma, is not an attncc op"),
+    "nextafter": _undefined("torch does not differentiate nextafter either"),
+    "tan": _chain(lambda x, r: binary("add", _f(1.0), _sq(r))),
+    "asin": _chain(lambda x, r: unary("rsqrt", binary("sub", _f(1.0), _sq(x)))),
+    "acos": _chain(lambda x, r: unary("neg", unary("rsqrt", binary("sub", _f(1.0), _sq(x))))),
+    "atan": _chain(lambda x, r: binary("div", _f(1.0), binary("add", _sq(x), _f(1.0)))),
+    "sinh": _chain(lambda x, r: unary("cosh", x)),
+    "cosh": _chain(lambda x, r: unary("sinh", x)),
+    "asinh": _chain(lambda x, r: unary("rsqrt", binary("add", _sq(x), _f(1.0)))),
+    "acosh": _chain(lambda x, r: unary("rsqrt", binary("sub", _sq(x), _f(1.0)))),
+    "atanh": _chain(lambda x, r: binary("div", _f(1.0), binary("sub", _f(1.0), _sq(x)))),
+    "atan2": _atan2_rule, "hypot": _hypot_rule, "copysign": _copysign_rule, "fmod": _fmod_rule,
+    "fmin": _fminmax_rule, "fmax": _fminmax_rule,
     "neg": _neg,
     "abs": _chain(_abs),
     "exp": _chain(lambda x, r: r),
@@ -305,11 +370,14 @@ def score_mod_grad(ir: VariantIR, grad_tensors: Iterable[str] = ()) -> ScoreModG
     loads = [n for t in names for n in walk(expr)
              if n.op == "load" and n.attr == t and n.dtype is F32]
     leaves = frozenset([var("score"), *loads])
-    logits = derivative(expr, var("score"), leaves)
-    reads = []
-    for n in loads:
-        g = derivative(expr, n, leaves)
-        if not (g.op == "const" and g.attr == 0.0):
-            reads.append(CapturedRead(n.attr, n.args, g))
+    try:
+        logits = derivative(expr, var("score"), leaves)
+        reads = []
+        for n in loads:
+            g = derivative(expr, n, leaves)
+            if not (g.op == "const" and g.attr == 0.0):
+                reads.append(CapturedRead(n.attr, n.args, g))
+    except DifferentiationError as e:
+        raise DifferentiationError(f"{_where(ir, 'score_mod')}score_mod: {e}") from None
     return ScoreModGrad(logits, tuple(reads))
 

@@ -42,6 +42,21 @@ MODS = {
     "trig": lambda s, b, h, q, kv: torch.sin(s) * torch.cos(s) + torch.sigmoid(s) * torch.exp2(s),
     "softcap_bias": lambda s, b, h, q, kv: 30 * torch.tanh(s / 30) * BIAS_G[h] + BIAS_G[h] / (s + 4),
     "int_cast": lambda s, b, h, q, kv: s * (s * 4).int() + BIAS_G[(kv - q).abs() % H],
+    # issue 30's ops (docs/ops.md): torch's derivatives.yaml conventions
+    "log1p_expm1": lambda s, b, h, q, kv: (torch.log1p(s + 2.5) + torch.expm1(s)
+                                           + torch.log10(s + 2.5)),
+    "erf": lambda s, b, h, q, kv: torch.erf(s) + torch.erfc(s * 0.5) + torch.erfinv(s / 4),
+    "trig_inverse": lambda s, b, h, q, kv: (torch.tan(s / 4) + torch.asin(s / 4)
+                                            + torch.acos(s / 4) + torch.atan(s)),
+    "hyperbolic": lambda s, b, h, q, kv: (torch.sinh(s) + torch.cosh(s) + torch.asinh(s)
+                                          + torch.acosh(s + 3.5) + torch.atanh(s / 4)),
+    "atan2_hypot": lambda s, b, h, q, kv: (torch.atan2(s, BIAS_G[h] + 2)
+                                           + torch.hypot(s, BIAS_G[h])),
+    "copysign_fmod": lambda s, b, h, q, kv: (torch.copysign(s, BIAS_G[h])
+                                             + torch.fmod(s + 4.0, BIAS_G[h] + 2.0)),
+    "fmin_fmax": lambda s, b, h, q, kv: torch.fmin(s, BIAS_G[h]) + torch.fmax(s, 2 * BIAS_G[h]),
+    "rounding": lambda s, b, h, q, kv: (torch.ceil(s) + torch.trunc(s) + torch.round(s)
+                                        + torch.sign(s) + s),
 }
 BIAS_G = BIAS.clone()  # the tensor whose gradient is asked for
 BIAS_NG = BIAS.clone()  # a captured tensor that does not require grad
@@ -144,3 +159,12 @@ def test_softcap_derivative_is_simplified() -> None:
     assert torch.allclose(got, 1 - torch.tanh(x / 30) ** 2, rtol=1e-6)
     assert format_expr(d).count("tanh") == 2 and "/ 30.0" in format_expr(d)
     assert math.isfinite(float(got[0]))
+
+
+def test_an_op_without_a_derivative_names_the_line() -> None:
+    def lg(s, b, h, q, kv):
+        return torch.lgamma(s + 3.0)
+
+    ir, _ = attncc.Variant(score_mod=lg).trace()
+    with pytest.raises(DifferentiationError, match=r"test_autodiff.py:\d+.*lgamma.*digamma"):
+        score_mod_grad(ir)
