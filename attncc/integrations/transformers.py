@@ -157,7 +157,8 @@ def attncc_mask(batch_size: int, kv_length: int, mask_function: Callable[..., An
 
         passed = dict(kwargs, batch_size=batch_size, kv_length=kv_length, device=device,
                       mask_function=mask_function or causal_mask_function,
-                      attention_mask=attention_mask, allow_is_causal_skip=False,
+                      attention_mask=None if attention_mask is None
+                      else attention_mask.to(torch.bool), allow_is_causal_skip=False,
                       allow_is_bidirectional_skip=False)
         if q_length is not None:
             passed.update(q_length=q_length, q_offset=q_offset, kv_offset=kv_offset)
