@@ -126,13 +126,22 @@ def _query_positions(q_length: int | None, q_offset: Any, cache_position: Any
     return int(cache_position.shape[0]), None, cache_position.to(torch.int64)
 
 
-def attncc_mask(batch_size: int, kv_length: int, mask_function: Callable[..., Any] | None = None,
-                attention_mask: torch.Tensor | None = None, q_length: int | None = None,
-                q_offset: Any = None, kv_offset: int = 0, cache_position: Any = None,
-                device: Any = None, **kwargs: Any) -> BlockMask | torch.Tensor:
-    """transformers' mask interface: the layer's mask as an attncc BlockMask over
-    [batch_size, 1 head, q_length, kv_length], keys and queries shifted by their offsets as
-    transformers' flex mask does, padding read from the 2-D mask as a captured tensor.
+def attncc_mask(**kwargs: Any) -> Any:
+    """transformers' mask interface (keyword arguments as `hf_block_mask`'s): its BlockMask as
+    torch's BlockMask class, which transformers recognises as a prepared 4-D mask when
+    generate() builds masks ahead of the model call (static caches), or the dense fallback."""
+    mask = hf_block_mask(**kwargs)
+    return mask.to_torch() if isinstance(mask, BlockMask) else mask
+
+
+def hf_block_mask(batch_size: int, kv_length: int,
+                  mask_function: Callable[..., Any] | None = None,
+                  attention_mask: torch.Tensor | None = None, q_length: int | None = None,
+                  q_offset: Any = None, kv_offset: int = 0, cache_position: Any = None,
+                  device: Any = None, **kwargs: Any) -> BlockMask | torch.Tensor:
+    """The layer's mask as an attncc BlockMask over [batch_size, 1 head, q_length, kv_length],
+    keys and queries shifted by their offsets as transformers' flex mask does, padding read
+    from the 2-D mask as a captured tensor.
 
     A mask function attncc cannot trace (TraceError) falls back to transformers' dense
     `sdpa_mask` (bool [B, 1, q, kv]), which `attncc_attention` reads as a captured tensor."""
@@ -212,9 +221,10 @@ def _dense_mask(mask: torch.Tensor, q_len: int, kv_len: int, heads: int) -> torc
 
 
 # (softcap, id(bias), id(keep)) -> (bias, keep, Variant); the tensors are held so their ids stay
-# theirs. One forward passes the same mask tensor to every layer: one trace per forward.
+# theirs. One forward passes the same mask tensor to every layer of a kind (full, sliding): one
+# trace per forward. Small, as it keeps that many dense masks alive after the forward.
 _VARIANTS: "OrderedDict[tuple, tuple[Any, Any, Variant]]" = OrderedDict()
-_VARIANTS_SIZE = 8
+_VARIANTS_SIZE = 4
 
 
 def _variant(softcap: float | None, bias: torch.Tensor | None, keep: torch.Tensor | None
@@ -298,5 +308,5 @@ def attncc_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return out.transpose(1, 2).contiguous(), None
 
 
-__all__ = ["INSTALL_HINT", "NAME", "attncc_attention", "attncc_mask", "register",
-           "traceable_mask"]
+__all__ = ["INSTALL_HINT", "NAME", "attncc_attention", "attncc_mask", "hf_block_mask",
+           "register", "traceable_mask"]

@@ -100,6 +100,26 @@ def test_generate_gives_the_same_greedy_tokens(arch: str) -> None:
     assert torch.equal(outs["attncc"], outs[BASELINE[arch]])
 
 
+def test_generate_with_a_static_cache() -> None:
+    """A static cache: generate() builds each step's mask ahead of the model call (as torch's
+    BlockMask class, which transformers takes as a prepared 4-D mask); the keys are the whole
+    cache, its unwritten slots masked by the queries' offsets."""
+    model = _model("llama")
+    ids, mask = _batch("left", seed=3)
+    outs = {}
+    for impl in ("sdpa", "attncc"):
+        model.set_attn_implementation(impl)
+        outs[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
+                                    do_sample=False, pad_token_id=0,
+                                    cache_implementation="static")
+    assert torch.equal(outs["attncc"], outs["sdpa"])
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+
+    built = hf.attncc_mask(batch_size=3, q_length=4, kv_length=4, q_offset=0, kv_offset=0,
+                           attention_mask=mask[:, :4].bool())
+    assert isinstance(built, TorchBlockMask) and len(built.shape) == 4
+
+
 def test_softcap_is_applied() -> None:
     """Gemma-2 with a small softcap: attncc follows eager, and differs from no softcap."""
     torch.manual_seed(0)
@@ -126,7 +146,7 @@ def test_mask_builder_reads_padding_as_a_captured_vector() -> None:
 
     pad = torch.ones(2, 300, dtype=torch.bool)
     pad[1, :7] = False
-    bm = hf.attncc_mask(batch_size=2, q_length=300, kv_length=300, q_offset=0, kv_offset=0,
+    bm = hf.hf_block_mask(batch_size=2, q_length=300, kv_length=300, q_offset=0, kv_offset=0,
                         mask_function=sliding_window_causal_mask_function(64),
                         attention_mask=pad)
     assert isinstance(bm, BlockMask) and bm.classified_by == "analytic"
@@ -160,10 +180,11 @@ def test_mask_builder_offsets_and_cache_position_agree() -> None:
 
     pad = torch.tensor([[0] * 2 + [1] * 10, [1] * 12])
     fn = sliding_window_causal_mask_function(4)
-    by_offset = hf.attncc_mask(batch_size=2, q_length=3, kv_length=12, q_offset=9, kv_offset=0,
-                               mask_function=fn, attention_mask=pad)
-    by_position = hf.attncc_mask(batch_size=2, kv_length=12, cache_position=torch.arange(9, 12),
-                                 mask_function=fn, attention_mask=pad)
+    by_offset = hf.hf_block_mask(batch_size=2, q_length=3, kv_length=12, q_offset=9,
+                                 kv_offset=0, mask_function=fn, attention_mask=pad)
+    by_position = hf.hf_block_mask(batch_size=2, kv_length=12,
+                                   cache_position=torch.arange(9, 12), mask_function=fn,
+                                   attention_mask=pad)
     q, kv = torch.arange(9, 12)[:, None], torch.arange(12)[None, :]
     want = (kv <= q) & (kv > q - 4) & pad.bool()[:, None, :]
     assert torch.equal(_element_mask(by_offset, 2, 3, 12), want)
@@ -183,7 +204,7 @@ def test_untraceable_mask_function_falls_back_to_the_dense_mask(monkeypatch) -> 
 
     monkeypatch.setattr(hf, "create_block_mask", untraceable)
     pad = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]])
-    mask = hf.attncc_mask(batch_size=1, q_length=6, kv_length=8, q_offset=2, kv_offset=0,
+    mask = hf.hf_block_mask(batch_size=1, q_length=6, kv_length=8, q_offset=2, kv_offset=0,
                           mask_function=and_masks(causal_mask_function, odd_keys),
                           attention_mask=pad)
     q, kv = torch.arange(2, 8)[:, None], torch.arange(8)[None, :]
