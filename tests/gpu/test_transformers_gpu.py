@@ -8,7 +8,8 @@ head_dim 64, attn_implementation="attncc" (the compiled kernels) against transfo
   the real tokens);
 - generate(): 32 greedy tokens. Random tiny models put two logits within bf16 noise of each
   other now and then (measured on the CPU: top-2 gaps down to 0.002 against 0.2 of noise at a
-  logit scale of 10), so where the two runs part, the baseline's two best logits at that step
+  logit scale of 10; on the CPU in bf16 Qwen2's "sdpa" and "eager" part at such ties as well),
+  so where the two runs part, the baseline's two best logits at that step
   must be a near-tie, and every token attncc generated must be within the same margin of the
   baseline's best logit when the baseline reads attncc's sequence (teacher forcing): a wrong
   mask in the decode steps picks tokens several units below the best.
