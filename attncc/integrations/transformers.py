@@ -151,8 +151,9 @@ def hf_block_mask(batch_size: int, kv_length: int,
     q_len, q_off, q_pos = _query_positions(q_length, q_offset, cache_position)
     base = traceable_mask(mask_function if mask_function is not None else causal_mask_function)
     pad = _padding(attention_mask, batch_size, kv_length, kv_offset)
-    if device is None:
-        device = attention_mask.device if attention_mask is not None else "cpu"
+    if device is None:  # transformers 5.0 passes no device: the model's tensors carry it
+        held = [t.device for t in (attention_mask, cache_position) if isinstance(t, torch.Tensor)]
+        device = held[0] if held else "cpu"
 
     def hf_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         q_at = q_idx + q_off if q_pos is None else q_pos[q_idx]
