@@ -79,6 +79,10 @@ class DeviceError(AttnccError, RuntimeError):
     """The call needs a device this machine lacks (a CUDA GPU, or a GPU of another arch)."""
 
 
+class MissingDependency(AttnccError, ImportError):
+    """An optional integration's package is not installed; the message names the pip extra."""
+
+
 def check_int(name: str, value: Any, minimum: int = 0, fix: str = "") -> int:
     """`value` as an int >= `minimum`; InvalidArgumentType for a non-integer (bools and floats
     too: a silently truncated size is a wrong answer), InvalidArgument for a small one. `fix`
