@@ -34,8 +34,9 @@ from .constants import (FA3_PERSISTENT_HEAD_DIMS, FA3_THREADS, static_asserts,
                         tile_static_asserts)
 from .errors import CodegenError
 from .hooks import EMITTERS, HookCode
-from .tiles import FA2_HEAD_DIMS, FA3_TKV_CHOICES, KernelTiles, default_tiles, fa3_smem_bytes, fa3_tiles
-from .layout import (ATTENTION_PARAMS, BATCH_PARAMS, PREPASS_PARAMS, StructLayout,
+from .tiles import (FA2_HEAD_DIMS, FA3_TKV_CHOICES, BackwardTiles, KernelTiles, backward_tiles,
+                    default_tiles, fa3_smem_bytes, fa3_tiles)
+from .layout import (ATTENTION_PARAMS, BACKWARD_PARAMS, BATCH_PARAMS, PREPASS_PARAMS, StructLayout,
                      c_identifier, plan_header_static_asserts, variant_params_layout)
 
 __all__ = ["KernelSpec", "KERNELS", "DTYPES", "VariantCode", "GeneratedKernel",
@@ -102,12 +103,15 @@ class KernelSpec:
     entry_macro: str = ""  # tiled templates: the macro that defines the entry point(s)
     batch: bool = False  # first argument attncc::BatchParams (serving kernel + merge kernel)
     prepass: bool = False  # first argument attncc::PrepassParams (attncc.ir.hoist)
+    backward: bool = False  # first argument attncc::BackwardParams; the variant's backward hooks
 
     @property
     def first_arg(self) -> StructLayout:
         """The layout of the kernel's first argument (the second is the VariantParams)."""
         if self.batch:
             return BATCH_PARAMS
+        if self.backward:
+            return BACKWARD_PARAMS
         return PREPASS_PARAMS if self.prepass else ATTENTION_PARAMS
 
     def check_head_dim(self, head_dim: int) -> None:
@@ -141,6 +145,13 @@ KERNELS: dict[str, KernelSpec] = {
                       "attncc::fa2::fa2_prefill", threads=0, rows_per_cta=0,
                       head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
                       entry_macro="ATTNCC_FA2_ENTRY"),
+    # the FA2-class backward (dQ, dK, dV, captured gradients; kernels/fa2/fa2_backward.cuh):
+    # one CTA per KV tile, tiles from attncc.codegen.tiles.backward_tiles
+    "fa2bwd": KernelSpec("fa2bwd", ("common/backward_params.cuh", "common/common.cuh",
+                                    "fa2/fa2_config.cuh", "fa2/fa2_backward.cuh"),
+                         "attncc::fa2::fa2_backward", threads=0, rows_per_cta=0,
+                         head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
+                         entry_macro="ATTNCC_FA2_BWD_ENTRY", backward=True),
     # Hopper: TMA + wgmma, warp-specialized, 64 query rows per consumer warpgroup
     # (kernels/fa3/fa3_prefill.cuh)
     "fa3": KernelSpec("fa3", ("common/common.cuh", "hopper/wgmma.cuh", "hopper/tma.cuh",
@@ -414,7 +425,9 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
     _check_form(kernel, head_dim, paired, low_pressure)
     if fast_math is None:  # the performance templates approximate, the simple one is exact
         fast_math = bool(spec.entry_macro)
-    vc = generate_variant(ir, fast_math=fast_math)
+    # a backward unit's variant carries the backward hooks (LogitsGrad, CapturedGrad, Grads)
+    vc = (generate_variant(ir, fast_math=fast_math, backward=True) if spec.backward
+          else generate_variant(ir, fast_math=fast_math))
     name = kernel_name(vc.name, kernel, head_dim, dtype)
     threads, rows, smem, entry = spec.threads, spec.rows_per_cta, 0, ""
     first_arg = spec.first_arg
@@ -425,6 +438,8 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
             raise CodegenError(f"the {kernel!r} serving kernel runs from a plan made by "
                                f"attncc.BatchAttention and is not exported; export 'fa2' or "
                                f"'simple'")
+        if spec.backward:
+            return _build_backward(ir, vc, spec, name, head_dim, dtype, export, tiles)
         if kernel in ("fa3", "fa3batch"):
             tiles = tiles if tiles is not None else fa3_tiles()
             if tiles.tkv not in FA3_TKV_CHOICES or tiles != fa3_tiles(tiles.stages, tiles.tkv):
@@ -469,6 +484,39 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
                            attention_params_layout=first_arg, variant=vc, kernel=kernel,
                            head_dim=head_dim, dtype=dtype, threads=threads,
                            rows_per_cta=rows, shared_mem_bytes=smem)
+
+
+def _build_backward(ir: VariantIR, vc: VariantCode, spec: KernelSpec, name: str,
+                    head_dim: int, dtype: str, export: bool, tiles: Any) -> GeneratedKernel:
+    """A backward unit (kernels/fa2/fa2_backward.cuh): BackwardParams first, then the variant's
+    Params and Grads; grid (ceil(kv_len / tiles.tkv), num_kv_heads, batch)."""
+    from ..kernels import read_template
+
+    if export:
+        raise CodegenError(f"the {spec.name!r} backward kernel runs inside attncc's autograd "
+                           f"and is not exported; export 'fa2' or 'simple'")
+    tiles = tiles if tiles is not None else backward_tiles(head_dim)
+    if not isinstance(tiles, BackwardTiles):
+        raise CodegenError(f"the {spec.name!r} kernel takes attncc.codegen.tiles.BackwardTiles, "
+                           f"got {tiles!r}")
+    name += tiles.suffix
+    threads, smem = tiles.threads(head_dim), tiles.smem_bytes(head_dim)
+    shipped = [(f, read_template(f).rstrip("\n") + "\n") for f in (*COMMON_TEMPLATES, *spec.files)]
+    asserts = (ATTENTION_PARAMS.static_asserts() + BACKWARD_PARAMS.static_asserts()
+               + vc.params_layout.static_asserts() + static_asserts(spec.name, head_dim)
+               + tile_static_asserts(spec.name, head_dim, threads, smem,
+                                     (tiles.tq, tiles.tkv, tiles.stages, 1, 1)))
+    entry = (f"{spec.entry_macro}({name}, {vc.struct_name}, {DTYPES[dtype][0]}, {head_dim}, "
+             f"{tiles.tq}, {tiles.tkv}, {tiles.stages})")
+    source = render("translation_unit.cu.j2", version=_version(), v=vc, spec=spec,
+                    head_dim=head_dim, dtype=dtype, dtype_ctype=DTYPES[dtype][0],
+                    kernel_name=name, shipped=shipped, variant_text=vc.text, asserts=asserts,
+                    ap_layout=ATTENTION_PARAMS, export=False, entry=entry, threads=threads,
+                    rows_per_cta=tiles.tkv, smem=smem)
+    return GeneratedKernel(source=source, kernel_name=name, params_layout=vc.params_layout,
+                           attention_params_layout=BACKWARD_PARAMS, variant=vc,
+                           kernel=spec.name, head_dim=head_dim, dtype=dtype, threads=threads,
+                           rows_per_cta=tiles.tkv, shared_mem_bytes=smem)
 
 
 def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",

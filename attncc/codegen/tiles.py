@@ -24,7 +24,7 @@ from .errors import CodegenError
 
 __all__ = ["KernelTiles", "default_tiles", "fa3_tiles", "fa3_smem_bytes", "FA2_HEAD_DIMS",
            "TQ_CHOICES",
-           "TKV_CHOICES", "FA3_TKV_CHOICES"]
+           "TKV_CHOICES", "FA3_TKV_CHOICES", "BackwardTiles", "backward_tiles"]
 
 FA2_HEAD_DIMS = (64, 128, 256)
 TQ_CHOICES = (16, 32, 64, 128)
@@ -116,3 +116,47 @@ def fa3_smem_bytes(head_dim: int, tiles: KernelTiles) -> int:
     """
     return (tiles.smem_bytes(head_dim) + 8 * (2 * tiles.stages + 2) + 32 + 16 + 8 * tiles.stages
             + 1024)
+
+
+@dataclass(frozen=True)
+class BackwardTiles:
+    """The FA2-class backward kernel's tiles (kernels/fa2/fa2_backward.cuh BwdConfig): a CTA owns
+    `tkv` KV rows and visits `tq`-row query tiles through a `stages`-deep ring.
+
+    Example:
+        >>> t = backward_tiles(256)
+        >>> t.threads(256), t.smem_bytes(256), t.suffix
+        (256, 135680, '_bq32_bk64_s2')
+    """
+
+    tq: int = 32
+    tkv: int = 64
+    stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.tq not in (32, 64) or self.tkv not in (64, 128) or self.stages != 2:
+            raise CodegenError(f"backward tiles (T_q={self.tq}, T_kv={self.tkv}, "
+                               f"stages={self.stages}): T_q in (32, 64), T_kv in (64, 128), "
+                               f"2 stages")
+
+    def warps(self, head_dim: int) -> int:
+        """KV row groups of 16, twice at head dim 256 (two warps split a group's dK/dV)."""
+        return self.tkv // 16 * (2 if head_dim == 256 else 1)
+
+    def threads(self, head_dim: int) -> int:
+        return 32 * self.warps(head_dim)
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """K and V; Q and dO per stage; dS; fp32 LSE and delta per stage."""
+        return (2 * (2 * self.tkv * head_dim + 2 * self.stages * self.tq * head_dim
+                     + self.tq * self.tkv) + 8 * self.stages * self.tq)
+
+    @property
+    def suffix(self) -> str:
+        return f"_bq{self.tq}_bk{self.tkv}_s{self.stages}"
+
+
+def backward_tiles(head_dim: int) -> BackwardTiles:
+    """The backward tiles per head dim: 64-row query tiles at 64 (the accumulators are small),
+    32 above, where dK and dV take 128 registers a warp (docs/backward.md, "Kernels")."""
+    return BackwardTiles(64 if head_dim == 64 else 32, 64, 2)
