@@ -450,7 +450,7 @@ __device__ __forceinline__ void fa2_backward(const attncc::BackwardParams& p,
   extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa2_bwd_smem[];
   const BwdSmem<D, TQ, TKV, STAGES> sm(attncc_fa2_bwd_smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int b = blockIdx.z, h_kv = blockIdx.y, kv0 = blockIdx.x * TKV;
+  const int b = blockIdx.z, h_kv = blockIdx.y, kv0 = (blockIdx.x + p.kv_tile0) * TKV;
   const int group = warp % Cfg::kKvGroups;
   const int gsize = p.num_q_heads / p.num_kv_heads;
 

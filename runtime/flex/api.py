@@ -72,6 +72,7 @@ SUPPORTED_KERNEL_OPTIONS: dict[str, type] = {
     "PERSISTENT": bool,
     "SPLIT_TAIL": bool,
     "PAIRED": bool,
+    "DETERMINISTIC": bool,  # the GPU backward: bitwise reproducible dQ/dK/dV (docs/backward.md)
 }
 
 _warned_no_gpu_kernel = False
@@ -239,7 +240,15 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ir, bindings = _trace(variant)
     _static_checks(ir, bindings, query, key, value)
     if query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16):
+        from .autograd import differentiable_attention, needs_grad
         from .gpu_flex import gpu_flex_attention
+
+        if needs_grad(query, key, value, bindings):  # training: the GPU backward (autograd.py)
+            out, lse = differentiable_attention(query, key, value, ir, bindings,
+                                                block_mask=block_mask, scale=scale,
+                                                enable_gqa=enable_gqa,
+                                                kernel_options=kernel_options)
+            return (out, lse) if return_lse else out
 
         out, lse = gpu_flex_attention(query, key, value, ir, bindings, block_mask=block_mask,
                                       scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,

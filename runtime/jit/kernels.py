@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from attncc.codegen.tiles import KernelTiles
+from attncc.codegen.tiles import BackwardTiles, KernelTiles
 from attncc.errors import ResourceError
 from attncc.ir.program import VariantIR
 
@@ -48,7 +48,8 @@ __all__ = ["KINDS", "FA2_SPILL_BUDGET", "STRICT_ENV",
            "variant_key", "generate", "spill_budget", "compile_form", "compile_spec",
            "get_kernel", "check_resources", "clear_loaded", "KernelTiles"]
 
-KINDS = ("fa2_prefill", "fa3_prefill", "fa2_batch", "decode", "fa3_batch", "prepass", "merge")
+KINDS = ("fa2_prefill", "fa3_prefill", "fa2_batch", "decode", "fa3_batch", "prepass", "merge",
+         "fa2_backward")
 
 # Spill bytes (stores + loads, ptxas -v) an FA2 form may have before the prefill path falls back
 # to smaller tiles. One fragment per warp: none. Two: ptxas at the 255-register cap spills a few
@@ -81,6 +82,8 @@ class KernelSpec:
     `low_pressure` the FA3 forms; `fast_math` the hooks' math (the FA3 batch kernel uses the
     template's default); `forced` marks FA2 tiles the user gave (kernel_options): compiled as
     given, no fallback, no resource check; `device` the CUDA device (None: compile only).
+    "fa2_backward" takes `BackwardTiles` and `grad_tensors`, the captured tensors whose
+    gradients its CapturedGrad hook accumulates (docs/backward.md, "Kernels").
 
     Example:
         >>> a = KernelSpec("prepass", ir=VariantIR(name="x"), head_dim=64)
@@ -92,12 +95,13 @@ class KernelSpec:
     ir: VariantIR | None = field(default=None, compare=False, repr=False)
     head_dim: int = 0
     dtype: str = "bfloat16"
-    tiles: KernelTiles | None = None
+    tiles: KernelTiles | BackwardTiles | None = None
     paired: bool = False
     low_pressure: bool = False
     fast_math: bool = True
     forced: bool = False
     device: int | None = None
+    grad_tensors: tuple[str, ...] = ()
     ir_key: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +125,7 @@ class Generated:
     threads: int
     smem_bytes: int  # dynamic shared memory to request
     config: LaunchConfig | None  # the attention kernels' tiles as launched
+    grads_layout: Any = None  # a backward kernel's VariantGrads_<name> (its third argument)
 
 
 # ------------------------------------------------------------------------------- generate
@@ -162,6 +167,18 @@ def _prepass(spec: KernelSpec) -> Generated:
                      gk.params_layout, gk.threads, 0, None)
 
 
+def _fa2_backward(spec: KernelSpec) -> Generated:
+    from attncc.codegen.generate import generate_source
+
+    t = spec.tiles
+    gk = generate_source(spec.ir, head_dim=spec.head_dim, dtype=spec.dtype, kernel="fa2bwd",
+                         fast_math=spec.fast_math, tiles=t, grad_tensors=spec.grad_tensors)
+    cfg = LaunchConfig(spec.head_dim, t.tq, t.tkv, t.stages, 1, gk.threads // 32, gk.threads,
+                       gk.shared_mem_bytes)
+    return Generated(spec, gk.source, gk.kernel_name, gk.attention_params_layout,
+                     gk.params_layout, gk.threads, gk.shared_mem_bytes, cfg, gk.grads_layout)
+
+
 def _merge(spec: KernelSpec) -> Generated:
     from attncc.codegen.merge_state import merge_state_source
 
@@ -171,7 +188,7 @@ def _merge(spec: KernelSpec) -> Generated:
 
 _GENERATORS: dict[str, Callable[[KernelSpec], Generated]] = {
     "fa2_prefill": _fa2, "fa2_batch": _fa2, "decode": _fa2, "fa3_prefill": _fa3,
-    "fa3_batch": _fa3, "prepass": _prepass, "merge": _merge}
+    "fa3_batch": _fa3, "prepass": _prepass, "merge": _merge, "fa2_backward": _fa2_backward}
 
 
 def generate(spec: KernelSpec) -> Generated:
@@ -516,7 +533,8 @@ def _load(spec: KernelSpec) -> LoadedKernel:
     form = compile_spec(replace(spec, ir=ir), arch)
     gen = form.gen
     kl = load_kernel(form.result.cubin, gen.kernel_name, gen.attention_layout, gen.params_layout,
-                     device=spec.device, dynamic_smem=gen.smem_bytes)
+                     device=spec.device, dynamic_smem=gen.smem_bytes,
+                     grads_layout=gen.grads_layout)
     merge = None
     if spec.kind in ("fa2_batch", "decode", "fa3_batch"):
         merge = load_kernel(form.result.cubin, gen.kernel_name + "_merge", gen.attention_layout,
