@@ -44,6 +44,12 @@ class CapturedReadError(TraceError, IndexError):
     IndexError. The message names the hook's line, the read, the position and the fix."""
 
 
+class DifferentiationError(TraceError):
+    """A variant cannot be differentiated as asked: a mask_mod reads a captured tensor that
+    requires grad, or grads are asked of a tensor the variant does not capture (or of an
+    integer one). The message names the hook's Python line and the fix (docs/backward.md)."""
+
+
 class IndexOverflowWarning(UserWarning):
     """An i32 expression of a hook can leave 32 bits at a call's shapes: the kernels compute it
     in 32-bit integers, where it wraps around."""

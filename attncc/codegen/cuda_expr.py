@@ -317,7 +317,7 @@ def _unconditional(root: Node, order: list[Node]) -> set[int]:
 
 
 def emit(root: Node, names: ExprNames | None = None, *, inline_limit: int = 96,
-         fast_math: bool = False) -> CudaCode:
+         fast_math: bool = False, temp_prefix: str = "t") -> CudaCode:
     """CUDA text for `root`: temporaries for shared / long subtrees, then the value.
 
     `fast_math` spells exp/exp2/log/log2/tanh/sigmoid with one-instruction hardware
@@ -326,7 +326,9 @@ def emit(root: Node, names: ExprNames | None = None, *, inline_limit: int = 96,
     that becomes a discrete value (an int cast, floor, comparison: `attncc.ir.discrete`) is
     spelled as torch's CUDA kernels compute it in either mode: `__fmul_rn`-style intrinsics
     (never contracted into an FMA), accurate libm, a Python-scalar divisor as a multiply by
-    its float32 reciprocal, torch's scalar-exponent pow.
+    its float32 reciprocal, torch's scalar-exponent pow. Temporaries are named
+    `<temp_prefix>0`, `<temp_prefix>1`, ... (distinct prefixes let several expressions share
+    one C++ scope).
 
     Example:
         >>> from attncc.ir.nodes import var, where, load, const
@@ -364,7 +366,7 @@ def emit(root: Node, names: ExprNames | None = None, *, inline_limit: int = 96,
                  and (uses[id(n)] > 1 or len(text) > inline_limit)
                  and (id(n) in always or id(n) not in reads_memory))
         if hoist:
-            name = f"t{len(temps)}"
+            name = f"{temp_prefix}{len(temps)}"
             temps.append(f"const {_CTYPES[n.dtype]} {name} = {text};")
             texts[id(n)] = (name, _ATOM)
         else:

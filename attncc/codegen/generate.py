@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
 from typing import Any, Mapping, Sequence
@@ -33,11 +33,12 @@ from ..ir.program import HOOK_ORDER, VariantIR
 from .constants import (FA3_PERSISTENT_HEAD_DIMS, FA3_THREADS, static_asserts,
                         tile_static_asserts)
 from .errors import CodegenError
-from .hooks import EMITTERS, HookCode
+from .hooks import EMITTERS, HookCode, captured_grad, logits_grad
 from .tiles import (FA2_HEAD_DIMS, FA3_TKV_CHOICES, BackwardTiles, KernelTiles, backward_tiles,
                     default_tiles, fa3_smem_bytes, fa3_tiles)
 from .layout import (ATTENTION_PARAMS, BACKWARD_PARAMS, BATCH_PARAMS, PREPASS_PARAMS, StructLayout,
-                     c_identifier, plan_header_static_asserts, variant_params_layout)
+                     c_identifier, plan_header_static_asserts, variant_grads_layout,
+                     variant_params_layout)
 
 __all__ = ["KernelSpec", "KERNELS", "DTYPES", "VariantCode", "GeneratedKernel",
            "generate_variant", "generate_source", "render", "form_text", "with_form"]
@@ -103,7 +104,9 @@ class KernelSpec:
     entry_macro: str = ""  # tiled templates: the macro that defines the entry point(s)
     batch: bool = False  # first argument attncc::BatchParams (serving kernel + merge kernel)
     prepass: bool = False  # first argument attncc::PrepassParams (attncc.ir.hoist)
-    backward: bool = False  # first argument attncc::BackwardParams; the variant's backward hooks
+    # a backward template: first argument attncc::BackwardParams; the variant gets LogitsGrad /
+    # CapturedGrad and VariantGrads_<name>, the kernel's third argument (docs/backward.md)
+    backward: bool = False
 
     @property
     def first_arg(self) -> StructLayout:
@@ -218,6 +221,17 @@ class VariantCode:
     # mask_mod is exactly lo <= kv_idx - q_idx <= hi (attncc.ir.kv_bound.kv_window; None: an
     # unbounded side), or None: a batch kernel then skips the mask on tiles inside the band
     kv_window: tuple[int | None, int | None] | None = None
+    # backward translation units only (generate_variant(backward=True)): the gradient hooks,
+    # VariantGrads_<name> (grads_layout, packed by the launcher with
+    # attncc.codegen.layout.variant_grad_values) and its member per tensor requiring grad
+    backward: bool = False
+    grad_tensors: tuple[str, ...] = ()
+    grads_name: str = ""
+    grads_layout: StructLayout | None = None
+    grad_fields: Mapping[str, str] = field(default_factory=dict)
+    has_logits_grad: bool = False
+    has_captured_grad: bool = False
+    backward_hooks: tuple[HookCode, ...] = ()
 
     @property
     def kv_window_bounds(self) -> tuple[int, int]:
@@ -246,6 +260,8 @@ class GeneratedKernel:
     threads: int
     rows_per_cta: int
     shared_mem_bytes: int = 0  # dynamic shared memory to request at launch
+    # VariantGrads_<name>, a backward kernel's third argument (None for forward kernels)
+    grads_layout: StructLayout | None = None
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -338,10 +354,13 @@ def _mask_window(ir: VariantIR) -> tuple[int | None, int | None] | None:
     return kv_window(ir.hook("mask_mod").expr)
 
 
-def generate_variant(ir: VariantIR, *, fast_math: bool = False) -> VariantCode:
+def generate_variant(ir: VariantIR, *, fast_math: bool = False, backward: bool = False,
+                     grad_tensors: Sequence[str] = ()) -> VariantCode:
     """The VariantParams_<name> and Variant_<name> structs for `ir` (`fast_math`: hooks use
     hardware approximations of exp/log/tanh/sigmoid and reciprocal multiplies, see
-    `cuda_expr.emit`).
+    `cuda_expr.emit`). `backward=True` adds VariantGrads_<name> and the gradient hooks
+    LogitsGrad / CapturedGrad (docs/backward.md); `grad_tensors` names the captured tensors that
+    require grad (backward only).
 
     Example:
         >>> from attncc.ir.nodes import var
@@ -367,15 +386,36 @@ def generate_variant(ir: VariantIR, *, fast_math: bool = False) -> VariantCode:
     hooks = tuple(EMITTERS[h](ir.hook(h), tensors=pl.tensor_fields, scalars=pl.scalar_fields,
                               tensor_ndims=ndims, fast_math=fast_math) for h in HOOK_ORDER)
     flags = {h.spec.flag: h.enabled for h in hooks}
+    if grad_tensors and not backward:
+        raise CodegenError("grad_tensors is for backward translation units (backward=True)")
+    bwd = _backward_parts(ir, name, pl, grad_tensors, fast_math) if backward else {}
     vc = VariantCode(name=name, struct_name=struct_name, params_name=params_name,
                      params_struct="", variant_struct="", normalize=ir.normalize,
                      use_softmax=ir.use_softmax, **flags, params_layout=pl.layout,
                      tensor_fields=dict(pl.tensor_fields), scalar_fields=dict(pl.scalar_fields),
                      hooks=hooks, loads_at_positions=loads_at_positions(ir),
-                     kv_window=_mask_window(ir))
+                     kv_window=_mask_window(ir), **bwd)
     # One template renders both structs (so they read as one unit); split at the blank line.
     params_text, _, variant_text = render("variant.cuh.j2", v=vc, hooks=hooks).partition("\n\n")
     return replace(vc, params_struct=params_text + "\n", variant_struct=variant_text)
+
+
+def _backward_parts(ir: VariantIR, name: str, pl: Any, grad_tensors: Sequence[str],
+                    fast_math: bool) -> dict[str, Any]:
+    """The VariantCode fields of a backward unit: derivatives (attncc.ir.autodiff) as hooks."""
+    from ..ir.autodiff import score_mod_grad
+
+    grad = score_mod_grad(ir, grad_tensors)
+    names = tuple(r.tensor for r in grad.reads)
+    grad_names = tuple(t.name for t in ir.tensors if t.name in set(grad_tensors))
+    gl = variant_grads_layout(f"VariantGrads_{name}", ir.tensors, grad_names, pl.tensor_fields)
+    hook = ir.hook("score_mod")
+    kw = dict(tensors=pl.tensor_fields, scalars=pl.scalar_fields, fast_math=fast_math)
+    hooks = (logits_grad(hook, grad, **kw), captured_grad(hook, grad, gl.tensor_fields, **kw))
+    return dict(backward=True, grad_tensors=grad_names, grads_name=gl.layout.name,
+                grads_layout=gl.layout, grad_fields=dict(gl.tensor_fields),
+                has_logits_grad=hooks[0].enabled, has_captured_grad=bool(names),
+                backward_hooks=hooks)
 
 
 def _version() -> str:
@@ -418,16 +458,18 @@ def _check_form(kernel: str, head_dim: int, paired: bool, low_pressure: bool) ->
 
 def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
            fast_math: bool | None = None, tiles: KernelTiles | None = None,
-           paired: bool = False, low_pressure: bool = False) -> GeneratedKernel:
+           paired: bool = False, low_pressure: bool = False,
+           grad_tensors: Sequence[str] = ()) -> GeneratedKernel:
     from ..kernels import read_template
 
     spec = _check_options(head_dim, dtype, kernel)
     _check_form(kernel, head_dim, paired, low_pressure)
     if fast_math is None:  # the performance templates approximate, the simple one is exact
         fast_math = bool(spec.entry_macro)
-    # a backward unit's variant carries the backward hooks (LogitsGrad, CapturedGrad, Grads)
-    vc = (generate_variant(ir, fast_math=fast_math, backward=True) if spec.backward
-          else generate_variant(ir, fast_math=fast_math))
+    if grad_tensors and not spec.backward:
+        raise CodegenError(f"grad_tensors is for backward kernels; {kernel!r} is a forward one")
+    vc = generate_variant(ir, fast_math=fast_math, backward=spec.backward,
+                          grad_tensors=grad_tensors)
     name = kernel_name(vc.name, kernel, head_dim, dtype)
     threads, rows, smem, entry = spec.threads, spec.rows_per_cta, 0, ""
     first_arg = spec.first_arg
@@ -471,6 +513,7 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
     asserts = (ATTENTION_PARAMS.static_asserts() + vc.params_layout.static_asserts()
                + (first_arg.static_asserts() if first_arg is not ATTENTION_PARAMS else [])
                + (plan_header_static_asserts() if spec.batch else [])
+               + (vc.grads_layout.static_asserts() if vc.grads_layout is not None else [])
                + static_asserts(kernel, head_dim))
     if tiles is not None:
         asserts += tile_static_asserts(kernel, head_dim, threads, smem, (
@@ -483,7 +526,8 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
     return GeneratedKernel(source=source, kernel_name=name, params_layout=vc.params_layout,
                            attention_params_layout=first_arg, variant=vc, kernel=kernel,
                            head_dim=head_dim, dtype=dtype, threads=threads,
-                           rows_per_cta=rows, shared_mem_bytes=smem)
+                           rows_per_cta=rows, shared_mem_bytes=smem,
+                           grads_layout=vc.grads_layout)
 
 
 def _build_backward(ir: VariantIR, vc: VariantCode, spec: KernelSpec, name: str,
@@ -503,7 +547,9 @@ def _build_backward(ir: VariantIR, vc: VariantCode, spec: KernelSpec, name: str,
     threads, smem = tiles.threads(head_dim), tiles.smem_bytes(head_dim)
     shipped = [(f, read_template(f).rstrip("\n") + "\n") for f in (*COMMON_TEMPLATES, *spec.files)]
     asserts = (ATTENTION_PARAMS.static_asserts() + BACKWARD_PARAMS.static_asserts()
-               + vc.params_layout.static_asserts() + static_asserts(spec.name, head_dim)
+               + vc.params_layout.static_asserts()
+               + (vc.grads_layout.static_asserts() if vc.grads_layout is not None else [])
+               + static_asserts(spec.name, head_dim)
                + tile_static_asserts(spec.name, head_dim, threads, smem,
                                      (tiles.tq, tiles.tkv, tiles.stages, 1, 1)))
     entry = (f"{spec.entry_macro}({name}, {vc.struct_name}, {DTYPES[dtype][0]}, {head_dim}, "
@@ -516,12 +562,14 @@ def _build_backward(ir: VariantIR, vc: VariantCode, spec: KernelSpec, name: str,
     return GeneratedKernel(source=source, kernel_name=name, params_layout=vc.params_layout,
                            attention_params_layout=BACKWARD_PARAMS, variant=vc,
                            kernel=spec.name, head_dim=head_dim, dtype=dtype, threads=threads,
-                           rows_per_cta=tiles.tkv, shared_mem_bytes=smem)
+                           rows_per_cta=tiles.tkv, shared_mem_bytes=smem,
+                           grads_layout=vc.grads_layout)
 
 
 def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",
                     fast_math: bool | None = None, tiles: KernelTiles | None = None,
-                    paired: bool = False, low_pressure: bool = False) -> GeneratedKernel:
+                    paired: bool = False, low_pressure: bool = False,
+                    grad_tensors: Sequence[str] = ()) -> GeneratedKernel:
     """One self-contained translation unit (for NVRTC) running `ir` on a kernel template.
 
     `dtype` is the storage type of q, k, v and o: "bfloat16", "float16" or "float32".
@@ -529,7 +577,9 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
     prefill template, bf16/fp16, `tiles` or `fa2.default_tiles`) or "fa2batch" (the persistent
     serving kernel and its merge kernel), "fa3" / "fa3batch" (sm_90a). The FA3 kernels come in
     forms: `paired` (dense "fa3" at a persistent head dim: CTA pairs) and `low_pressure` (fewer
-    registers; the spill fallback), emitted as `attncc::form` (form_text). `fast_math=True` spells the hooks' math with
+    registers; the spill fallback), emitted as `attncc::form` (form_text). A backward kernel
+    (KernelSpec.backward) also gets the gradient hooks; `grad_tensors` names the captured tensors
+    that require grad (docs/backward.md). `fast_math=True` spells the hooks' math with
     one-instruction approximations (see `cuda_expr.emit`); None (default) means True for the
     FA2 templates, False for "simple".
 
@@ -545,7 +595,7 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
         ('attncc_plain_fa2_d128_bf16_q64_k64_s2', (128, 1, 1), 81920)
     """
     return _build(ir, head_dim, dtype, kernel, export=False, fast_math=fast_math, tiles=tiles,
-                  paired=paired, low_pressure=low_pressure)
+                  paired=paired, low_pressure=low_pressure, grad_tensors=grad_tensors)
 
 
 def export_kernel(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",

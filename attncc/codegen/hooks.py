@@ -17,14 +17,18 @@ Example:
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from ..ir.nodes import Node, walk
 from ..ir.printer import format_expr
 from ..ir.program import HOOK_SIGNATURES, Hook, identity_expr
 from .cuda_expr import ExprNames, emit
 from .errors import CodegenError
+
+if TYPE_CHECKING:
+    from ..ir.autodiff import ScoreModGrad
 
 
 @dataclass(frozen=True)
@@ -212,3 +216,94 @@ EMITTERS: dict[str, Callable[..., HookCode]] = {
     "query_mod": query_transform, "key_mod": key_transform, "value_mod": value_transform,
     "score_mod": logits_transform, "mask_mod": logits_mask, "output_mod": output_transform,
 }
+
+
+# ----------------------------------------------------------------------------- backward hooks
+# The backward translation unit's extra members of Variant_<name> (docs/backward.md, section 2;
+# docs/kernel-interface.md): d score_mod / d score, and the scatter of d score_mod / d t[idx]
+# into the fp32 gradient buffers of the captured tensors that require grad.
+_SCORE_ARGS = ("float score", "int b", "int h", "int q_idx", "int kv_idx")
+LOGITS_GRAD = HookSpec("score_mod", "LogitsGrad", "has_logits_grad", "float", None, _SCORE_ARGS)
+CAPTURED_GRAD = HookSpec("score_mod", "CapturedGrad", "has_captured_grad", "void", None,
+                         ("const Grads& g", "float dlogit", *_SCORE_ARGS))
+
+
+def logits_grad(hook: Hook, grad: "ScoreModGrad", *, tensors: Mapping[str, str] | None = None,
+                scalars: Mapping[str, str] | None = None, fast_math: bool = False) -> HookCode:
+    """LogitsGrad: `d score_mod / d score` at `score` (already multiplied by sm_scale).
+
+    Example:
+        >>> from attncc.ir.autodiff import score_mod_grad
+        >>> from attncc.ir.nodes import var, unary
+        >>> from attncc.ir.program import VariantIR
+        >>> h = Hook("score_mod", unary("tanh", var("score")))
+        >>> code = logits_grad(h, score_mod_grad(VariantIR(hooks={"score_mod": h})))
+        >>> code.enabled, code.body
+        (True, ('const float t0 = tanhf(score);', 'return 1.0f - t0 * t0;'))
+    """
+    names = ExprNames(tensors=dict(tensors or {}), scalars=dict(scalars or {}))
+    code = emit(grad.logits, names, fast_math=fast_math)
+    where = str(hook.source) if hook.source is not None else "(no source location)"
+    comments = (comment_text(f"d score_mod / d score; score_mod: {where}"),
+                comment_text(f"IR: {format_expr(grad.logits)}"))
+    return HookCode(LOGITS_GRAD, grad.has_logits_grad, comments, tuple(code.lines()))
+
+
+def captured_grad(hook: Hook, grad: "ScoreModGrad", grad_fields: Mapping[str, str], *,
+                  tensors: Mapping[str, str] | None = None,
+                  scalars: Mapping[str, str] | None = None, fast_math: bool = False
+                  ) -> HookCode:
+    """CapturedGrad: for every read `t[idx...]` of a captured tensor requiring grad,
+    `g.<t>_grad[idx...] += dlogit * d score_mod / d t[idx...]` (a float atomicAdd). Each read
+    is one C++ block, so the temporaries of its index and derivative expressions stay local.
+
+    Example:
+        >>> import torch, attncc
+        >>> from attncc.ir.autodiff import score_mod_grad
+        >>> bias = torch.zeros(4)
+        >>> ir, _ = attncc.Variant(score_mod=lambda s, b, h, q, kv: s * bias[h]).trace()
+        >>> t = ir.tensors[0].name
+        >>> code = captured_grad(ir.hook("score_mod"), score_mod_grad(ir, (t,)), {t: t + "_grad"},
+        ...                      tensors={t: t})
+        >>> code.body[1:]
+        ('    atomicAdd(g.bias_grad + (attncc::i64)h * g.bias_grad_stride[0], dlogit * score);', '}')
+    """
+    names = ExprNames(tensors=dict(tensors or {}), scalars=dict(scalars or {}))
+    where = str(hook.source) if hook.source is not None else "(no source location)"
+    comments = [comment_text(f"d score_mod / d (captured tensor read); score_mod: {where}")]
+    body: list[str] = []
+    for i, r in enumerate(grad.reads):
+        d = emit(r.grad, names, fast_math=fast_math, temp_prefix=f"d{i}_")
+        idx = [emit(x, names, fast_math=fast_math, temp_prefix=f"i{i}_{k}_")
+               for k, x in enumerate(r.indices)]
+        base = f"g.{grad_fields[r.tensor]}"
+        terms = [f"(attncc::i64){_atom(c.value)} * {base}_stride[{k}]"
+                 for k, (x, c) in enumerate(zip(r.indices, idx))
+                 if not (x.op == "const" and x.attr == 0)]
+        addr = f"{base} + {' + '.join(terms)}" if terms else base
+        one = r.grad.op == "const" and r.grad.attr == 1.0
+        scaled = "dlogit" if one else f"dlogit * {_atom(d.value)}"
+        comments.append(comment_text(
+            f"read {i}: {r.tensor}[{', '.join(format_expr(x) for x in r.indices)}], "
+            f"d/d read = {format_expr(r.grad)}"))
+        body += ["{", *(f"    {s}" for c in idx for s in c.temps),
+                 *(f"    {s}" for s in d.temps),
+                 f"    atomicAdd({addr}, {scaled});", "}"]
+    if not body:
+        body = ["(void)g; (void)dlogit;  // no captured tensor requires grad"]
+    return HookCode(CAPTURED_GRAD, bool(grad.reads), tuple(comments), tuple(body))
+
+
+def _atom(text: str) -> str:
+    """`text` parenthesized unless it is a name, a call or a number (safe as an operand).
+
+    Example:
+        >>> _atom("score"), _atom("q_idx - kv_idx"), _atom("0x1.8p-3f"), _atom("-1.0f")
+        ('score', '(q_idx - kv_idx)', '0x1.8p-3f', '(-1.0f)')
+    """
+
+    name = r"[A-Za-z_][\w:.]*(\[[^\[\]]*\])?"
+    number = r"(0x[0-9a-fA-F.]+p[+-]?\d+|[\d.]+(e[+-]?\d+)?)f?"
+    if re.fullmatch(rf"{name}|{number}|[\w:]+\([^()]*\)", text):
+        return text
+    return f"({text})"

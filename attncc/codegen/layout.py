@@ -392,3 +392,60 @@ def variant_params_layout(struct_name: str, scalars: Sequence[ScalarParam],
     if not members:
         members.append(("_unused", "int", None, "unused", ""))
     return ParamsLayout(struct_layout(struct_name, members), tensor_fields, scalar_fields)
+
+
+def variant_grads_layout(struct_name: str, tensors: Sequence[TensorParam],
+                         grad_tensors: Sequence[str], tensor_fields: Mapping[str, str]
+                         ) -> ParamsLayout:
+    """Layout of the generated `VariantGrads_<name>` struct, the backward kernels' third
+    argument: per captured tensor that requires grad (IR order), `float* <t>_grad;
+    i64 <t>_grad_stride[ndim];` -- an fp32 buffer of the tensor's shape the kernel atomically
+    adds into (element strides; a 0-d tensor has no stride array) -- where `<t>` is the tensor's
+    member name in the params struct (`tensor_fields`). None: `int _unused;`.
+    docs/backward.md, section 2.
+
+    Example:
+        >>> from attncc.ir.nodes import F32
+        >>> ts = [TensorParam("bias", "bfloat16", 2, F32), TensorParam("s", "float32", 0, F32)]
+        >>> pl = variant_grads_layout("G", ts, ("bias", "s"), {"bias": "bias", "s": "s"})
+        >>> [(f.name, f.offset, f.role) for f in pl.layout.fields], pl.layout.size
+        ([('bias_grad', 0, 'grad_ptr'), ('bias_grad_stride', 8, 'grad_stride'), ('s_grad', 24, 'grad_ptr')], 32)
+        >>> dict(pl.tensor_fields)
+        {'bias': 'bias_grad', 's': 's_grad'}
+    """
+    want = set(grad_tensors)
+    members: list[tuple[str, str, int | None, str, str]] = []
+    fields: dict[str, str] = {}
+    for t in tensors:
+        if t.name not in want:
+            continue
+        base = tensor_fields[t.name] + "_grad"
+        fields[t.name] = base
+        members.append((base, "float*", None, "grad_ptr", t.name))
+        if t.ndim > 0:
+            members.append((base + "_stride", "attncc::i64", t.ndim, "grad_stride", t.name))
+    if not members:
+        members.append(("_unused", "int", None, "unused", ""))
+    return ParamsLayout(struct_layout(struct_name, members), fields, {})
+
+
+def variant_grad_values(layout: StructLayout, grads: Mapping[str, tuple[int, Sequence[int]]]
+                        ) -> dict[str, Any]:
+    """Member values of VariantGrads_<name>, ready for `layout.pack`: `grads` maps each captured
+    tensor that requires grad to (device address of its fp32 buffer, strides in elements).
+
+    Example:
+        >>> from attncc.ir.nodes import F32
+        >>> lay = variant_grads_layout("G", [TensorParam("b", "float32", 1, F32)], ("b",),
+        ...                            {"b": "b"}).layout
+        >>> lay.pack(variant_grad_values(lay, {"b": (4096, [1])})).hex()
+        '00100000000000000100000000000000'
+    """
+    out: dict[str, Any] = {}
+    for f in layout.fields:
+        if f.role in ("grad_ptr", "grad_stride"):
+            if f.ref not in grads:
+                raise KeyError(f"no gradient buffer for captured tensor {f.ref!r}")
+            ptr, strides = grads[f.ref]
+            out[f.name] = ptr if f.role == "grad_ptr" else list(strides)
+    return out

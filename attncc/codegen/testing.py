@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..ir.program import VariantIR
 from .generate import generate_variant
@@ -41,11 +41,21 @@ _CALLS = {
     "has_output_transform": "out[5] = V::OutputTransform(vp, vec, 0, 1, 2, 3);",
 }
 
+_BACKWARD_CALLS = {
+    "has_logits_grad": "out[6] = V::LogitsGrad(vp, out[8], 0, 1, 2, 3);",
+    "has_captured_grad": "V::CapturedGrad(vp, g, out[7], out[8], 0, 1, 2, 3);",
+}
 
-def hook_test_unit(variants: Sequence[VariantIR], prefix: str = "v") -> str:
+
+def hook_test_unit(variants: Sequence[VariantIR], prefix: str = "v", *, backward: bool = False,
+                   grad_tensors: Mapping[str, Sequence[str]] | None = None,
+                   fast_math: bool = False) -> str:
     """One CUDA source declaring every variant (renamed `<prefix>_<i>`) and calling its hooks.
 
-    Kernels are `extern "C" __global__ void attncc_hooktest_<prefix>_<i>(...)`.
+    Kernels are `extern "C" __global__ void attncc_hooktest_<prefix>_<i>(...)`. `backward=True`
+    generates backward variants (docs/backward.md): the kernels also take the VariantGrads
+    struct and call LogitsGrad / CapturedGrad, whose layouts are static_asserted;
+    `grad_tensors` maps a variant's original name to its captured tensors requiring grad.
 
     Example:
         >>> from attncc.ir.program import VariantIR
@@ -56,12 +66,19 @@ def hook_test_unit(variants: Sequence[VariantIR], prefix: str = "v") -> str:
 
     parts = [read_template("common/attncc_types.cuh").rstrip("\n") + "\n", _PRELUDE]
     for i, ir in enumerate(variants):
-        vc = generate_variant(replace(ir, name=f"{prefix}_{i}"))
+        grads = tuple((grad_tensors or {}).get(ir.name, ())) if backward else ()
+        vc = generate_variant(replace(ir, name=f"{prefix}_{i}"), backward=backward,
+                              grad_tensors=grads, fast_math=fast_math)
         calls = [c for flag, c in _CALLS.items() if getattr(vc, flag)]
+        if backward:
+            calls += [c for flag, c in _BACKWARD_CALLS.items() if getattr(vc, flag)]
         body = "\n".join(f"    {c}" for c in calls) or "    out[0] = 0.0f;"
-        parts.append(f"\n{vc.text}\n"
+        checks = ("\n".join(vc.params_layout.static_asserts() + vc.grads_layout.static_asserts())
+                  + "\n") if vc.grads_layout is not None else ""
+        extra = f", {vc.grads_name} g" if backward else ""
+        parts.append(f"\n{vc.text}\n{checks}"
                      f'extern "C" __global__ void attncc_hooktest_{vc.name}('
-                     f"{vc.params_name} vp, float* out) {{\n"
+                     f"{vc.params_name} vp{extra}, float* out) {{\n"
                      f"    using V = {vc.struct_name};\n"
                      f"    const AttnccHookTestVec vec{{out + 16}};\n"
                      f"    (void)vec;\n"
