@@ -15,15 +15,17 @@ from .errors import (AttnccError, AttnSyntaxError, CapturedReadError, CodegenErr
                      ResourceError, TraceError)
 from .frontend import Variant, and_masks, noop_mask, or_masks
 from .runtime.serving.batch import BatchAttention
-from .runtime.flex.block_mask import BlockMask, create_block_mask
+from .runtime.flex.block_mask import BlockMask, create_block_mask, create_mask
+from .runtime.flex.torch_compat import AuxOutput, AuxRequest
 from .runtime.serving.cascade import CascadeAttention
 from .runtime.jit.compile import CompiledKernel, compile, export
 from .runtime.flex.api import flex_attention
 from .runtime.serving.merge import merge_state, merge_states
 from .version import __version__
 
-__all__ = ["AttnccError", "AttnSyntaxError", "BatchAttention", "BlockMask", "CapturedReadError",
-           "CascadeAttention", "CodegenError", "CompileError", "DeviceError",
-           "IndexOverflowWarning", "InvalidArgument", "InvalidArgumentType", "ResourceError",
-           "CompiledKernel", "TraceError", "Variant", "and_masks", "compile", "create_block_mask",
-           "export", "flex_attention", "merge_state", "merge_states", "noop_mask", "or_masks"]
+__all__ = ["AttnccError", "AttnSyntaxError", "AuxOutput", "AuxRequest", "BatchAttention",
+           "BlockMask", "CapturedReadError", "CascadeAttention", "CodegenError", "CompileError",
+           "DeviceError", "IndexOverflowWarning", "InvalidArgument", "InvalidArgumentType",
+           "ResourceError", "CompiledKernel", "TraceError", "Variant", "and_masks", "compile",
+           "create_block_mask", "create_mask", "export", "flex_attention", "merge_state",
+           "merge_states", "noop_mask", "or_masks"]

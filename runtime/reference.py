@@ -325,7 +325,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
                         bindings: Bindings | None = None, *, block_mask: Any = None,
                         scale: float | None = None, enable_gqa: bool = False,
                         float_dtype: torch.dtype = torch.float64, q_chunk: int | None = None,
-                        q_offset: int = 0, b_offset: int = 0
+                        q_offset: int = 0, b_offset: int = 0,
+                        stats: dict[str, torch.Tensor] | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact attention for a traced variant: `(out [B,Hq,Sq,Dv], lse [B,Hq,Sq] or None)`.
 
@@ -336,7 +337,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
     matmul). `block_mask` is an attncc or torch BlockMask. `q_offset`: query row r is position
     `q_offset + r` for the hooks and the block mask (serving: the queries are the last tokens of
     a longer sequence). `b_offset`: batch row r is batch index `b_offset + r` for the hooks
-    (serving: one request at a time, and the hooks' b is the request).
+    (serving: one request at a time, and the hooks' b is the request). `stats`, a dict, receives
+    "max": each row's max modified score over the kept keys (-inf for a fully masked row),
+    float_dtype [B, Hq, Sq] (FlexAttention's `max_scores`).
 
     Example:
         >>> import torch
@@ -386,6 +389,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
 
     out = torch.empty(B, Hq, Sq, Dv, dtype=float_dtype, device=device)
     lse = torch.empty(B, Hq, Sq, dtype=float_dtype, device=device) if ir.use_softmax else None
+    if stats is not None:
+        stats["max"] = torch.full((B, Hq, Sq), -math.inf, dtype=float_dtype, device=device)
     chunk = q_chunk or _auto_chunk(B, Hq, Skv)
     b_idx, h_idx = _index(B, 0, device, b_offset), _index(Hq, 1, device)
     kv_idx = _index(Skv, 3, device)
@@ -419,6 +424,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
             keep = keep.expand(shape)
         # a score_mod read outside its tensor counts only where the mask keeps the position
         hooks.check("score_mod", score_reads, env, keep)
+        if stats is not None and Skv > 0:
+            kept_s = s if keep is None else s.masked_fill(~keep, -math.inf)
+            stats["max"][:, :, r0:r1] = kept_s.amax(-1)
         if ir.use_softmax:
             if keep is not None:
                 s = s.masked_fill(~keep, -math.inf)

@@ -46,6 +46,7 @@ from attncc.ir.analysis import check_vector_indices
 from attncc.ir.program import Bindings, VariantIR
 
 from ..reference import attention_reference, validate_attention_inputs
+from .torch_compat import aux_request, finish, forward_kernel_options
 
 # kernel_options keys attncc understands: the compiled kernel's tile shape (query rows, kv
 # columns, pipeline stages, warps per CTA), two promises FlexAttention also accepts, and
@@ -202,8 +203,8 @@ def _static_checks(ir: VariantIR, bindings: Bindings, query: torch.Tensor, key: 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable[..., Any] | Variant | None = None, block_mask: Any = None,
                    scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
-                   kernel_options: Mapping[str, Any] | None = None,
-                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   kernel_options: Mapping[str, Any] | None = None, *, return_aux: Any = None,
+                   ) -> Any:
     """FlexAttention-compatible attention; `score_mod` may be an `attncc.Variant`.
 
     query [B, Hq, Sq, D], key [B, Hkv, Skv, D], value [B, Hkv, Skv, Dv] -> out [B, Hq, Sq, Dv]
@@ -212,7 +213,11 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     defaults to 1/sqrt(D). `block_mask` comes from `attncc.create_block_mask` or torch's.
     `return_lse` is an error for a `normalize="none"` variant: it has no softmax.
     `kernel_options` takes the keys in `SUPPORTED_KERNEL_OPTIONS` (tile hints for the compiled
-    kernel; the reference path ignores them); any other key is an error naming it.
+    kernel; the reference path ignores them) and torch's keys (honoured where they mean
+    something here, else ignored with a one-time warning: `torch_compat`); any other key is an
+    error naming it. `return_aux=AuxRequest(lse=, max_scores=)` (torch 2.13's) returns
+    `(out, AuxOutput(lse, max_scores))`; max_scores, each row's max modified score, comes from
+    the exact path only (CPU, CUDA float32): the compiled kernels do not return it.
 
     Example:
         >>> import torch
@@ -230,16 +235,23 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(float(scale))):
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    want_lse, want_max = aux_request(return_aux, return_lse)
+    kernel_options = forward_kernel_options(kernel_options, SUPPORTED_KERNEL_OPTIONS)
     _validate_kernel_options(kernel_options)
     variant = _as_variant(score_mod)
-    if return_lse and variant.normalize == "none":
+    if want_lse and variant.normalize == "none":
         raise ValueError("return_lse=True but the variant has normalize='none': there is no "
                          "softmax, so no log-sum-exp; call with return_lse=False")
     if query.device.type not in ("cpu", "cuda"):
         raise ValueError(f"query is on {query.device}; attncc runs on CPU and CUDA tensors")
     ir, bindings = _trace(variant)
     _static_checks(ir, bindings, query, key, value)
-    if query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16):
+    compiled = query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16)
+    if compiled and want_max:
+        raise InvalidArgument(f"return_aux=AuxRequest(max_scores=True): attncc's compiled CUDA "
+                              f"kernels do not return the row max for {query.dtype}; ask for "
+                              f"lse only, or run float32 / CPU tensors (exact path) for it")
+    if compiled:
         from .autograd import differentiable_attention, needs_grad
         from .gpu_flex import gpu_flex_attention
 
@@ -248,25 +260,24 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                                 block_mask=block_mask, scale=scale,
                                                 enable_gqa=enable_gqa,
                                                 kernel_options=kernel_options)
-            return (out, lse) if return_lse else out
-
+            return finish(out, lse if want_lse else None, None, return_lse, return_aux)
         out, lse = gpu_flex_attention(query, key, value, ir, bindings, block_mask=block_mask,
-                                      scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+                                      scale=scale, enable_gqa=enable_gqa, return_lse=want_lse,
                                       kernel_options=kernel_options)
-        return (out, lse) if return_lse else out
+        return finish(out, lse, None, return_lse, return_aux)
     if query.device.type == "cuda" and not _warned_no_gpu_kernel:
         _warned_no_gpu_kernel = True
         warnings.warn("attncc.flex_attention: no compiled GPU kernel for "
                       f"{query.dtype} yet (bf16/fp16 are compiled); running the exact float64 "
                       "reference on the GPU instead (correct but slow)", RuntimeWarning,
                       stacklevel=2)
+    stats: dict[str, torch.Tensor] | None = {} if want_max else None
     out, lse = attention_reference(query, key, value, ir, bindings, block_mask=block_mask,
-                                   scale=scale, enable_gqa=enable_gqa, float_dtype=torch.float64)
-    out = out.to(query.dtype)
-    if return_lse:
-        assert lse is not None  # softmax variants always produce it
-        return out, lse.to(torch.float32)
-    return out
+                                   scale=scale, enable_gqa=enable_gqa, float_dtype=torch.float64,
+                                   stats=stats)
+    lse = None if lse is None or not want_lse else lse.to(torch.float32)
+    mx = stats["max"].to(torch.float32) if stats is not None else None
+    return finish(out.to(query.dtype), lse, mx, return_lse, return_aux)
 
 
 __all__ = ["SUPPORTED_KERNEL_OPTIONS", "flex_attention"]

@@ -27,13 +27,15 @@ Example:
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from attncc.errors import InvalidArgument, check_int
-from attncc.frontend import trace_mods
+from attncc.errors import InvalidArgument, check_bool, check_int
+from attncc.frontend import noop_mask, trace_mods
+from attncc.ir.evaluator import evaluate
 from attncc.ir.nodes import F32, Node, walk
 from attncc.ir.program import Bindings
 from attncc.ir.tiles import block_classes, is_affine_mask
@@ -58,6 +60,47 @@ def _bitmap(num: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor
     out = torch.zeros(*indices.shape[:-1], cols + 1, dtype=torch.bool, device=indices.device)
     out.scatter_(-1, col, True)
     return out[..., :cols]
+
+
+def kv_major_blocks(num_blocks: torch.Tensor, indices: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KV-major (transposed) lists of Q-major block lists, as torch's BlockMask holds them.
+
+    `num_blocks [..., q_blocks]` / `indices [..., q_blocks, kv_blocks]` (a row's first
+    `num_blocks` entries are its kv blocks; the rest is padding and ignored) ->
+    `(q_num_blocks [..., kv_blocks], q_indices [..., kv_blocks, q_blocks])`, int32 on the
+    input's device: for each kv block the q blocks that list it, ascending, then every other q
+    block ascending. Leading dims broadcast (stride 0, as create_block_mask makes them) are
+    computed once and stay broadcast. The backward pass walks these lists
+    (docs/flex-api.md, "Block lists").
+
+    Example:
+        >>> num = torch.tensor([[[1, 2, 1]]], dtype=torch.int32)
+        >>> idx = torch.tensor([[[[0, 1], [1, 0], [1, 0]]]], dtype=torch.int32)
+        >>> q_num, q_idx = kv_major_blocks(num, idx)
+        >>> q_num.tolist(), q_idx.tolist()
+        ([[[2, 2]]], [[[[0, 1, 2], [1, 2, 0]]]])
+    """
+    if indices.dim() < 2 or tuple(num_blocks.shape) != tuple(indices.shape[:-1]):
+        raise InvalidArgument(f"kv_major_blocks needs num_blocks [..., q_blocks] and indices "
+                              f"[..., q_blocks, kv_blocks], got {tuple(num_blocks.shape)} and "
+                              f"{tuple(indices.shape)}")
+    lead = tuple(indices.shape[:-2])
+    num_blocks, indices = _collapse(num_blocks, indices)
+    q_num, q_idx = _ordered(_bitmap(num_blocks, indices, indices.shape[-1]).transpose(-2, -1))
+    return _broadcast(q_num, lead), _broadcast(q_idx, lead)
+
+
+def _collapse(num: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`num [..., rows]` and `idx [..., rows, cols]` with each leading dim that both broadcast
+    (stride 0, as create_block_mask makes them) cut to size 1: computed once, expanded back."""
+    take = tuple(slice(0, 1) if idx.stride(d) == 0 and num.stride(d) == 0 else slice(None)
+                 for d in range(idx.dim() - 2))
+    return num[take], idx[take]
+
+
+def _broadcast(t: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+    return t.expand(*lead, *t.shape[len(lead):])
 
 
 @dataclass(eq=False)
@@ -94,8 +137,10 @@ class BlockMask:
                        full_kv_indices: torch.Tensor | None = None,
                        BLOCK_SIZE: int | tuple[int, int] = _DEFAULT_BLOCK,
                        mask_mod: Callable[..., Any] | None = None,
-                       seq_lengths: tuple[int, int] | None = None) -> "BlockMask":
-        """Build from the kv-side lists (like torch's), deriving the transposed q-side lists.
+                       seq_lengths: tuple[int, int] | None = None,
+                       compute_q_blocks: bool = True) -> "BlockMask":
+        """Build from the kv-side lists (like torch's), deriving the transposed q-side lists
+        unless `compute_q_blocks=False`. `mask_mod` None means `noop_mask`.
 
         Example:
             >>> num = torch.tensor([[[1, 2]]], dtype=torch.int32)
@@ -109,16 +154,17 @@ class BlockMask:
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
             raise ValueError("pass both full_kv_num_blocks and full_kv_indices, or neither")
         bs = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
-        cols = kv_indices.shape[-1]
-        q_num, q_idx = _ordered(_bitmap(kv_num_blocks, kv_indices, cols).transpose(-2, -1))
-        fq_num = fq_idx = None
-        if full_kv_num_blocks is not None:
-            fq_num, fq_idx = _ordered(
-                _bitmap(full_kv_num_blocks, full_kv_indices, cols).transpose(-2, -1))
+        check_bool("compute_q_blocks", compute_q_blocks)
+        q_num = q_idx = fq_num = fq_idx = None
+        if compute_q_blocks:
+            q_num, q_idx = kv_major_blocks(kv_num_blocks, kv_indices)
+        if compute_q_blocks and full_kv_num_blocks is not None:
+            fq_num, fq_idx = kv_major_blocks(full_kv_num_blocks, full_kv_indices)
         if seq_lengths is None:
-            seq_lengths = (kv_indices.shape[-2] * bs[0], cols * bs[1])
+            seq_lengths = (kv_indices.shape[-2] * bs[0], kv_indices.shape[-1] * bs[1])
         return cls(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num, q_idx,
-                   fq_num, fq_idx, (int(bs[0]), int(bs[1])), mask_mod,
+                   fq_num, fq_idx, (int(bs[0]), int(bs[1])),
+                   noop_mask if mask_mod is None else mask_mod,
                    (int(seq_lengths[0]), int(seq_lengths[1])))
 
     @property
@@ -189,17 +235,119 @@ class BlockMask:
             >>> type(bm.to_torch()).__name__, bm.to_torch().kv_num_blocks.tolist()
             ('BlockMask', [[[1, 1]]])
         """
-        from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+        from torch.nn.attention import flex_attention as torch_flex
 
         def c(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.contiguous()
 
-        kwargs: dict[str, Any] = {"BLOCK_SIZE": self.BLOCK_SIZE, "seq_lengths": self.seq_lengths}
-        if self.mask_mod is not None:
-            kwargs["mask_mod"] = self.mask_mod
-        return TorchBlockMask.from_kv_blocks(c(self.kv_num_blocks), c(self.kv_indices),
-                                             c(self.full_kv_num_blocks), c(self.full_kv_indices),
-                                             **kwargs)
+        mask_mod = self.mask_mod
+        if mask_mod is None or mask_mod is noop_mask:  # torch's noop traces under its vmap
+            mask_mod = torch_flex.noop_mask
+        if self.q_indices is None:
+            return torch_flex.BlockMask.from_kv_blocks(
+                c(self.kv_num_blocks), c(self.kv_indices), c(self.full_kv_num_blocks),
+                c(self.full_kv_indices), BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=mask_mod,
+                seq_lengths=self.seq_lengths, compute_q_blocks=False)
+        return torch_flex.BlockMask(
+            seq_lengths=self.seq_lengths, kv_num_blocks=c(self.kv_num_blocks),
+            kv_indices=c(self.kv_indices), full_kv_num_blocks=c(self.full_kv_num_blocks),
+            full_kv_indices=c(self.full_kv_indices), q_num_blocks=c(self.q_num_blocks),
+            q_indices=c(self.q_indices), full_q_num_blocks=c(self.full_q_num_blocks),
+            full_q_indices=c(self.full_q_indices), BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=mask_mod)
+
+    def as_tuple(self, flatten: bool = True) -> tuple[Any, ...]:
+        """The fields in the installed torch's `BlockMask.as_tuple` order, so torch's
+        flex_attention (which passes `block_mask.as_tuple()` to its kernel) takes this mask.
+
+        Example:
+            >>> t = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 256, 256).as_tuple()
+            >>> t[:2], t[2].tolist()
+            ((256, 256), [[[1, 1]]])
+        """
+        return self.to_torch().as_tuple(flatten)
+
+    def __getitem__(self, index: Any) -> "BlockMask":
+        """The mask of some batches / heads / query blocks, as torch slices its BlockMask: an
+        int keeps its dim (`bm[0]` has batch size 1), `seq_lengths` stay, and the mask_mod is
+        replaced by one that refuses to run (it would see the wrong positions).
+
+        Example:
+            >>> bm = create_block_mask(lambda b, h, q, kv: q >= kv, 2, 4, 512, 512)
+            >>> bm[0].kv_num_blocks.shape, bm[:, 1:3, :2].kv_indices.shape
+            (torch.Size([1, 4, 4]), torch.Size([2, 2, 2, 4]))
+        """
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > 3:
+            raise IndexError(f"a BlockMask takes at most 3 indices (batch, head, query block), "
+                             f"got {len(index)}")
+        index = index + (slice(None),) * (3 - len(index))
+        dims = ("batch", "head", "query block")
+        index = tuple(_keep_dim(i, n, d) for i, n, d in zip(index, self.kv_num_blocks.shape,
+                                                             dims))
+
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
+        return BlockMask.from_kv_blocks(
+            take(self.kv_num_blocks), take(self.kv_indices),  # type: ignore[arg-type]
+            take(self.full_kv_num_blocks), take(self.full_kv_indices),
+            BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=_sliced_mask_mod(),
+            seq_lengths=self.seq_lengths, compute_q_blocks=self.q_indices is not None)
+
+    def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
+        """This mask cropped to its top-left `new_q_len x new_kv_len` corner (torch's `_adjust`:
+        right for masks whose meaning does not depend on the lengths, such as causal).
+
+        Unlike torch's, the counts are recomputed from the blocks kept (not assumed to be the
+        first ones), and a FULL block that now sticks out past a new length becomes PARTIAL.
+
+        Example:
+            >>> bm = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 512, 512)
+            >>> small = bm._adjust(256, 300)
+            >>> small.shape, small.kv_num_blocks.tolist(), small.full_kv_num_blocks.tolist()
+            ((1, 1, 256, 300), [[[1, 1]]], [[[0, 1]]])
+        """
+        bq, bkv = self.BLOCK_SIZE
+        rows, cols = self.kv_indices.shape[-2:]
+        new_q_len = check_int("new_q_len", new_q_len, 1, "pass the new number of queries")
+        new_kv_len = check_int("new_kv_len", new_kv_len, 1, "pass the new number of keys")
+        nq, nkv = -(-new_q_len // bq), -(-new_kv_len // bkv)
+        if nq > rows or nkv > cols:
+            raise InvalidArgument(
+                f"_adjust({new_q_len}, {new_kv_len}) needs {nq} x {nkv} blocks but this mask has "
+                f"{rows} x {cols} (shape {self.shape}); it only crops: create a new block mask "
+                f"for the longer lengths")
+        lead = tuple(self.kv_indices.shape[:-2])
+        partial = _bitmap(*_collapse(self.kv_num_blocks, self.kv_indices), cols)[..., :nq, :nkv]
+        full = None
+        if self.full_kv_num_blocks is not None:
+            full = _bitmap(*_collapse(self.full_kv_num_blocks, self.full_kv_indices),  # type: ignore[arg-type]
+                           cols)[..., :nq, :nkv]
+            partial, full = _demote_ragged_edges(partial, full, new_q_len % bq != 0,
+                                                 new_kv_len % bkv != 0)
+        lists = _lists_of(partial, full, lead, self.q_indices is not None)
+        return BlockMask(*lists, self.BLOCK_SIZE, self.mask_mod, (new_q_len, new_kv_len),
+                         self.mask_ir, self.bindings, self.classified_by)
+
+    def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
+        """A picture of the block mask per (batch, head), at most `grid_size` cells a side
+        (-1: one cell per block): "██" every block in the cell FULL, "░░" some blocks computed
+        (or partial), "  " none. At most `limit` (batch, head) pictures.
+
+        Example:
+            >>> bm = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 512, 512)
+            >>> print(bm.to_string())
+            (0, 0)
+            ░░
+            ██░░
+            ████░░
+            ██████░░
+        """
+        return _picture(self, grid_size, limit)
+
+    def __str__(self) -> str:
+        return (f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%,\n"
+                f"{self.to_string()}\n)")
 
     def __repr__(self) -> str:
         partial = int(self.kv_num_blocks.sum())
@@ -210,6 +358,85 @@ class BlockMask:
         return (f"BlockMask(shape={self.shape}, BLOCK_SIZE={self.BLOCK_SIZE}, "
                 f"sparsity={self.sparsity():.2f}%, blocks: {full} full + {partial} partial of "
                 f"{total}, mask_mod={name}{how}, device={self.kv_indices.device})")
+
+
+def _keep_dim(i: Any, n: int, dim: str) -> Any:
+    """An int index as a length-1 slice (torch keeps every dim of a sliced BlockMask)."""
+    if isinstance(i, bool) or not isinstance(i, int):
+        return i
+    if not -n <= i < n:
+        raise IndexError(f"BlockMask {dim} index {i} is out of range for size {n}")
+    i %= n
+    return slice(i, i + 1)
+
+
+def _sliced_mask_mod() -> Callable[..., Any]:
+    """The mask_mod a sliced BlockMask carries: torch's own refusing stub (so torch's and
+    attncc's flex_attention both say the mask was sliced), else one of ours."""
+    from torch.nn.attention import flex_attention as torch_flex
+
+    return getattr(torch_flex, "_sliced_mask_mod_error", _refuse_sliced)
+
+
+def _refuse_sliced(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    raise InvalidArgument("this BlockMask was sliced (bm[...]), so its mask_mod would see the "
+                          "wrong positions; create the block mask for the shape you use, or set "
+                          ".mask_mod to a mask_mod written for the slice")
+
+
+def _demote_ragged_edges(partial: torch.Tensor, full: torch.Tensor, rows: bool, cols: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move FULL blocks of the last row (`rows`) / column (`cols`) to PARTIAL: they stick out
+    past the sequence end, and torch's rule makes such blocks at most PARTIAL."""
+    edge = torch.zeros(full.shape[-2:], dtype=torch.bool, device=full.device)
+    if rows:
+        edge[-1, :] = True
+    if cols:
+        edge[:, -1] = True
+    return partial | (full & edge), full & ~edge
+
+
+def _lists_of(partial: torch.Tensor, full: torch.Tensor | None, lead: tuple[int, ...],
+              with_q: bool) -> list[torch.Tensor | None]:
+    """The 8 block lists (kv, full kv, q, full q) of partial / full bitmaps, broadcast to lead."""
+    maps = [(partial, False), (full, False)] + ([(partial, True), (full, True)] if with_q else [])
+    out: list[torch.Tensor | None] = []
+    for bitmap, kv_major in maps:
+        if bitmap is None:
+            out += [None, None]
+            continue
+        num, idx = _ordered(bitmap.transpose(-2, -1) if kv_major else bitmap)
+        out += [_broadcast(num, lead), _broadcast(idx, lead)]
+    return out + [None] * (8 - len(out))
+
+
+def _picture(bm: BlockMask, grid_size: int | tuple[int, int], limit: int) -> str:
+    """BlockMask.to_string: each cell covers step_r x step_c blocks."""
+    state = _bitmap(bm.kv_num_blocks, bm.kv_indices, bm.kv_indices.shape[-1]).to(torch.int8)
+    if bm.full_kv_num_blocks is not None:
+        full = _bitmap(bm.full_kv_num_blocks, bm.full_kv_indices,  # type: ignore[arg-type]
+                       bm.kv_indices.shape[-1])
+        state = torch.where(full, 2, state).to(torch.int8)
+    *lead, rows, cols = state.shape
+    if grid_size == -1:
+        grid = (rows, cols)
+    else:
+        grid = (grid_size, grid_size) if isinstance(grid_size, int) else tuple(grid_size)
+    step_r, step_c = max(1, -(-rows // grid[0])), max(1, -(-cols // grid[1]))
+    panels = []
+    for n, at in enumerate(torch.cartesian_prod(*[torch.arange(d) for d in lead])
+                           .reshape(-1, len(lead)).tolist()):
+        if n == limit:
+            panels.append("...\n(to_string(limit=N) prints more; bm[b, h] picks one)")
+            break
+        s = state[tuple(at)]
+        lines = [str(tuple(at))]
+        for r in range(0, rows, step_r):
+            cells = [s[r:r + step_r, c:c + step_c] for c in range(0, cols, step_c)]
+            lines.append("".join("██" if bool((x == 2).all()) else
+                                 "░░" if bool((x > 0).any()) else "  " for x in cells).rstrip())
+        panels.append("\n".join(lines))
+    return "\n".join(panels)
 
 
 def _has_float(expr: Node) -> bool:
@@ -249,11 +476,15 @@ def _block_sizes(BLOCK_SIZE: Any) -> tuple[int, int]:
 
 def create_block_mask(mask_mod: Callable[..., Any], B: int | None, H: int | None, Q_LEN: int,
                       KV_LEN: int, device: torch.device | str | None = None,
-                      BLOCK_SIZE: int | tuple[int, int] = _DEFAULT_BLOCK) -> BlockMask:
+                      BLOCK_SIZE: int | tuple[int, int] = _DEFAULT_BLOCK, _compile: bool = False,
+                      separate_full_blocks: bool = True) -> BlockMask:
     """Build the BlockMask of `mask_mod(b, h, q_idx, kv_idx) -> bool`, like torch's function.
 
     B / H None mean 1 (broadcast over batch / heads). `BLOCK_SIZE` is an int or (q, kv).
     `device` defaults to the device of the tensors the mask captures, else the CPU.
+    `separate_full_blocks=False` lists every computed block as PARTIAL (no full lists), as
+    torch's does. `_compile` is accepted for torch's signature and has nothing to do here: the
+    mask is never evaluated element by element where it is analysable.
 
     Example:
         >>> doc = torch.tensor([[0] * 100 + [1] * 200])
@@ -266,6 +497,8 @@ def create_block_mask(mask_mod: Callable[..., Any], B: int | None, H: int | None
     if not callable(mask_mod):
         raise TypeError(f"create_block_mask needs a mask_mod function (b, h, q_idx, kv_idx) -> "
                         f"bool, got {type(mask_mod).__name__}")
+    check_bool("_compile", _compile)
+    check_bool("separate_full_blocks", separate_full_blocks)
     bq, bkv = _block_sizes(BLOCK_SIZE)
     Q_LEN = check_int("Q_LEN", Q_LEN, 1, "pass the number of query positions")
     KV_LEN = check_int("KV_LEN", KV_LEN, 1, "pass the number of key/value positions")
@@ -285,16 +518,72 @@ def create_block_mask(mask_mod: Callable[..., Any], B: int | None, H: int | None
     kept, _ = block_classes(expr, B, H, Q_LEN, KV_LEN, bq, bkv, params, tensors, device)
     # torch's rule: FULL means every one of the BLOCK_Q * BLOCK_KV elements is kept, so a block
     # reaching past the sequence end is at most PARTIAL
-    full = kept == bq * bkv
-    partial = (kept > 0) & ~full
-    kv_num, kv_idx = _ordered(partial)
-    fkv_num, fkv_idx = _ordered(full)
-    q_num, q_idx = _ordered(partial.transpose(-2, -1))
-    fq_num, fq_idx = _ordered(full.transpose(-2, -1))
-
-    def bh(t: torch.Tensor) -> torch.Tensor:  # broadcast a b/h-independent mask over B, H
-        return t.expand(B, H, *t.shape[2:])
-
-    return BlockMask(bh(kv_num), bh(kv_idx), bh(fkv_num), bh(fkv_idx), bh(q_num), bh(q_idx),
-                     bh(fq_num), bh(fq_idx), (bq, bkv), mask_mod, (int(Q_LEN), int(KV_LEN)),
+    full: torch.Tensor | None = kept == bq * bkv
+    partial = (kept > 0) & ~full  # type: ignore[operator]
+    if not separate_full_blocks:
+        partial, full = kept > 0, None
+    # the KV-major lists straight from the bitmaps: what kv_major_blocks(kv_num, kv_idx) gives;
+    # a mask that reads neither b nor h is broadcast over B, H
+    lists = _lists_of(partial, full, (B, H), True)
+    return BlockMask(*lists, (bq, bkv), mask_mod, (int(Q_LEN), int(KV_LEN)),  # type: ignore[arg-type]
                      expr, Bindings(params, tensors), how)
+
+
+def _mod_kind(fn: Any, caller: str) -> str:
+    """"mask_mod" or "score_mod", by the number of parameters without a default (4 or 5)."""
+    if not callable(fn):
+        raise TypeError(f"{caller} needs a mask_mod(b, h, q_idx, kv_idx) or a "
+                        f"score_mod(score, b, h, q_idx, kv_idx) function, got "
+                        f"{type(fn).__name__}")
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature (a builtin): call it as a mask_mod
+        return "mask_mod"
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return "mask_mod"
+    n = sum(1 for p in params if p.default is p.empty and
+            p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    if n not in (4, 5):
+        raise TypeError(f"{caller}: {getattr(fn, '__name__', fn)} takes {n} arguments; a "
+                        f"mask_mod takes (b, h, q_idx, kv_idx) and a score_mod "
+                        f"(score, b, h, q_idx, kv_idx)")
+    return "mask_mod" if n == 4 else "score_mod"
+
+
+def create_mask(mod_fn: Callable[..., Any], B: int | None, H: int | None, Q_LEN: int,
+                KV_LEN: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The dense bool mask [B, H, Q_LEN, KV_LEN] of a mask_mod (True = kept) or of a score_mod
+    (True where a zero score is not sent to -inf), like torch's `create_mask`.
+
+    Evaluated from the traced IR, so the values are the ones attncc's attention uses. B / H
+    None mean 1; `device` defaults to the captured tensors' device, else the CPU.
+
+    Example:
+        >>> create_mask(lambda b, h, q, kv: q >= kv, None, None, 3, 3)[0, 0].int()
+        tensor([[1, 0, 0],
+                [1, 1, 0],
+                [1, 1, 1]], dtype=torch.int32)
+        >>> create_mask(lambda s, b, h, q, kv: torch.where(kv > q, -float("inf"), s),
+        ...             1, 1, 2, 2)[0, 0].tolist()
+        [[True, False], [True, True]]
+    """
+    kind = _mod_kind(mod_fn, "create_mask")
+    Q_LEN = check_int("Q_LEN", Q_LEN, 0, "pass the number of query positions")
+    KV_LEN = check_int("KV_LEN", KV_LEN, 0, "pass the number of key/value positions")
+    B = 1 if B is None else check_int("B", B, 1, "pass the batch size, or None for 1")
+    H = 1 if H is None else check_int("H", H, 1, "pass the number of heads, or None for 1")
+    ir, bindings = trace_mods({kind: mod_fn})
+    if device is None:
+        device = next((t.device for t in bindings.tensors.values()), torch.device("cpu"))
+    device = torch.device(device)
+    env: dict[str, Any] = {
+        name: torch.arange(n, device=device).view([n if d == i else 1 for d in range(4)])
+        for i, (name, n) in enumerate((("b", B), ("h", H), ("q_idx", Q_LEN), ("kv_idx", KV_LEN)))}
+    tensors = {k: v.to(device) for k, v in bindings.tensors.items()}
+    shape = (B, H, Q_LEN, KV_LEN)
+    if kind == "mask_mod":
+        out = evaluate(ir.expr("mask_mod"), env, tensors, bindings.scalars)
+        return out.to(torch.bool).expand(shape).contiguous()
+    env["score"] = torch.zeros((), dtype=torch.float32, device=device)
+    out = evaluate(ir.expr("score_mod"), env, tensors, bindings.scalars).expand(shape)
+    return ~torch.isneginf(out)

@@ -185,3 +185,98 @@ def test_bad_arguments_say_what_to_change():
         create_block_mask(causal, 1, 1, 128, 128, BLOCK_SIZE=0)
     with pytest.raises(ValueError, match="Q_LEN must be an int >= 1"):
         create_block_mask(causal, 1, 1, 0, 128)
+
+
+def _kv_major_brute_force(num: torch.Tensor, idx: torch.Tensor):
+    """Per kv block, the q blocks whose first num entries list it, ascending, then the rest."""
+    *lead, nq, nkv = idx.shape
+    q_num = torch.zeros(*lead, nkv, dtype=torch.int32)
+    q_idx = torch.zeros(*lead, nkv, nq, dtype=torch.int32)
+    for pos in torch.cartesian_prod(*[torch.arange(n) for n in lead]).reshape(-1, len(lead)):
+        at = tuple(int(p) for p in pos)
+        for c in range(nkv):
+            rows = [r for r in range(nq) if c in idx[at + (r,)][:int(num[at + (r,)])].tolist()]
+            rest = [r for r in range(nq) if r not in rows]
+            q_num[at + (c,)] = len(rows)
+            q_idx[at + (c,)] = torch.tensor(rows + rest, dtype=torch.int32)
+    return q_num, q_idx
+
+
+def _random_q_major(g: torch.Generator, lead: tuple[int, ...], nq: int, nkv: int):
+    """Random Q-major lists whose padding (past num) holds garbage ids, which must be ignored."""
+    dense = torch.rand(*lead, nq, nkv, generator=g) < 0.4
+    num = dense.sum(-1).to(torch.int32)
+    order = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
+    garbage = torch.randint(0, nkv, order.shape, generator=g)
+    slot = torch.arange(nkv)
+    idx = torch.where(slot < num[..., None], order, garbage).to(torch.int32)
+    return num, idx
+
+
+@pytest.mark.parametrize("lead,nq,nkv", [((1, 1), 1, 1), ((2, 3), 5, 7), ((1, 2), 9, 3),
+                                         ((3,), 4, 4)])
+def test_kv_major_blocks_matches_brute_force(lead, nq, nkv):
+    from attncc.runtime.flex.block_mask import kv_major_blocks
+
+    g = torch.Generator().manual_seed(nq * 31 + nkv)
+    num, idx = _random_q_major(g, lead, nq, nkv)
+    q_num, q_idx = kv_major_blocks(num, idx)
+    want_num, want_idx = _kv_major_brute_force(num, idx)
+    assert q_num.dtype == torch.int32 and q_idx.dtype == torch.int32
+    assert torch.equal(q_num, want_num) and torch.equal(q_idx, want_idx)
+
+
+def test_kv_major_blocks_keeps_broadcast_dims_broadcast():
+    from attncc.runtime.flex.block_mask import kv_major_blocks
+
+    num, idx = _random_q_major(torch.Generator().manual_seed(3), (1, 1), 6, 5)
+    q_num, q_idx = kv_major_blocks(num.expand(4, 3, 6), idx.expand(4, 3, 6, 5))
+    assert q_num.shape == (4, 3, 5) and q_idx.shape == (4, 3, 5, 6)
+    assert q_idx.stride()[:2] == (0, 0)
+    want_num, want_idx = _kv_major_brute_force(num, idx)
+    assert torch.equal(q_num, want_num.expand(4, 3, 5))
+    assert torch.equal(q_idx, want_idx.expand(4, 3, 5, 6))
+
+
+def test_kv_major_blocks_rejects_mismatched_shapes():
+    from attncc.runtime.flex.block_mask import kv_major_blocks
+
+    with pytest.raises(ValueError, match=r"num_blocks \[..., q_blocks\]"):
+        kv_major_blocks(torch.zeros(1, 1, 3, dtype=torch.int32),
+                        torch.zeros(1, 1, 4, 2, dtype=torch.int32))
+
+
+def _dense_mask(mask_mod, B, H, Q_LEN, KV_LEN):
+    b, h, q, kv = torch.meshgrid(torch.arange(B), torch.arange(H), torch.arange(Q_LEN),
+                                 torch.arange(KV_LEN), indexing="ij")
+    return mask_mod(b, h, q, kv)
+
+
+@pytest.mark.parametrize("mask_mod,B,H", [(sliding, 1, 1), (prefix_lm, 2, 1),
+                                          (head_window, 1, 3)],
+                         ids=["sliding", "prefix_lm", "head_window"])
+def test_create_block_mask_kv_major_lists_split_full_and_partial(mask_mod, B, H):
+    """q_* / full_q_* against a brute force over the element mask: a kv block lists a q block as
+    FULL when all BLOCK x BLOCK elements are kept, PARTIAL when some are."""
+    Q_LEN, KV_LEN, BS = 300, 200, 64
+    bm = create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE=BS)
+    dense = _dense_mask(mask_mod, B, H, Q_LEN, KV_LEN).expand(B, H, Q_LEN, KV_LEN)
+    nq, nkv = -(-Q_LEN // BS), -(-KV_LEN // BS)
+    padded = torch.zeros(B, H, nq * BS, nkv * BS, dtype=torch.int64)
+    padded[..., :Q_LEN, :KV_LEN] = dense.to(torch.int64)
+    kept = padded.view(B, H, nq, BS, nkv, BS).sum(dim=(3, 5))
+    for kind, blocks in (("", (kept > 0) & (kept < BS * BS)), ("full_", kept == BS * BS)):
+        num = getattr(bm, f"{kind}q_num_blocks")
+        idx = getattr(bm, f"{kind}q_indices")
+        for b, h, c in torch.cartesian_prod(torch.arange(B), torch.arange(H), torch.arange(nkv)):
+            rows = torch.nonzero(blocks[b, h, :, c]).flatten().tolist()
+            rest = [r for r in range(nq) if r not in rows]
+            assert int(num[b, h, c]) == len(rows), (kind, b, h, c)
+            assert idx[b, h, c].tolist() == rows + rest, (kind, b, h, c)
+    # and they are what kv_major_blocks derives from the Q-major lists
+    from attncc.runtime.flex.block_mask import kv_major_blocks
+    for kind in ("", "full_"):
+        q_num, q_idx = kv_major_blocks(getattr(bm, f"{kind}kv_num_blocks"),
+                                       getattr(bm, f"{kind}kv_indices"))
+        assert torch.equal(q_num, getattr(bm, f"{kind}q_num_blocks"))
+        assert torch.equal(q_idx, getattr(bm, f"{kind}q_indices"))
