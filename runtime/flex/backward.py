@@ -9,9 +9,9 @@ Example (the KV-major lists need no GPU):
     >>> import torch
     >>> num = torch.tensor([[[1, 2]]], dtype=torch.int32)          # q block 0: kv 0; 1: kv 0, 1
     >>> idx = torch.tensor([[[[0, 0], [0, 1]]]], dtype=torch.int32)
-    >>> qn, qi, _, _ = kv_major_lists(num, idx, None, None, n_kv_blocks=2)
+    >>> qn, qi, _, _ = kv_major_lists(num, idx, None, None, n_kv_blocks=3)
     >>> qn.tolist(), qi[0, 0, :, :].tolist()
-    ([[[2, 1]]], [[0, 1], [1, 0]])
+    ([[[2, 1, 0]]], [[0, 1], [1, 0], [0, 0]])
 """
 from __future__ import annotations
 
@@ -27,48 +27,32 @@ from attncc.ir.program import Bindings, VariantIR
 
 from ..jit.kernels import KernelSpec, get_kernel
 from ..jit.launch_args import captured
+from .block_mask import kv_major_blocks
 
 __all__ = ["kv_major_lists", "BackwardResult", "run_backward"]
 
 
-def _transpose_state(num: torch.Tensor, idx: torch.Tensor, n_kv_blocks: int,
-                     state: torch.Tensor, value: int) -> None:
-    """Mark state[b, h, kv_block, q_block] = value for every listed (q_block, kv_block)."""
-    w = idx.shape[-1]
-    slot = torch.arange(w, device=idx.device)
-    ok = (slot < num[..., None].long()) & (idx >= 0) & (idx < n_kv_blocks)
-    cols = torch.where(ok, idx.long(), torch.full_like(idx, n_kv_blocks, dtype=torch.long))
-    rows = state.new_zeros(*idx.shape[:3], n_kv_blocks + 1)
-    rows.scatter_(-1, cols, value)
-    st = rows[..., :n_kv_blocks].transpose(-1, -2)  # [Bm, Hm, nKvb, nQb]
-    state.copy_(torch.where(st == value, st, state))
-
-
-def _lists(state: torch.Tensor, value: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(count, indices) of the q blocks with `state == value`, in ascending order, per row."""
-    hit = state == value
-    nq = state.shape[-1]
-    ar = torch.arange(nq, device=state.device)
-    order = torch.where(hit, ar, ar + nq).argsort(dim=-1)
-    return hit.sum(-1).to(torch.int32).contiguous(), order.to(torch.int32).contiguous()
+def _padded(q_num: torch.Tensor, q_idx: torch.Tensor, n_kv_blocks: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists with a row for every KV block a CTA can own: a mask narrower than the keys lists
+    nothing for the blocks past its width (the forward skips them too)."""
+    extra = n_kv_blocks - q_num.shape[-1]
+    if extra <= 0:
+        return q_num, q_idx
+    return (torch.nn.functional.pad(q_num, (0, extra)),
+            torch.nn.functional.pad(q_idx, (0, 0, 0, extra)))
 
 
 def kv_major_lists(num: torch.Tensor, idx: torch.Tensor, fnum: torch.Tensor | None,
                    fidx: torch.Tensor | None, n_kv_blocks: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The block mask's lists transposed: for each (b, h, KV block) the query blocks that touch
-    it, partial then full, as FlexAttention's BlockMask holds them (`q_num_blocks`, `q_indices`,
-    `full_q_num_blocks`, `full_q_indices`). A block listed as both is full (as the reference).
-    O(q_blocks * kv_blocks) torch ops on the mask's device."""
-    Bm, Hm, nqb = num.shape
-    state = torch.zeros(Bm, Hm, n_kv_blocks, nqb, dtype=torch.int8, device=num.device)
-    _transpose_state(num, idx, n_kv_blocks, state, 1)
-    if fnum is not None:
-        _transpose_state(fnum, fidx, n_kv_blocks, state, 2)
-    qn, qi = _lists(state, 1)
+    """The launch's (possibly folded: gpu_flex._mask_args) Q-major lists transposed for the
+    backward (block_mask.kv_major_blocks), partial and full, with a row per KV block of the keys.
+    """
+    qn, qi = _padded(*kv_major_blocks(num, idx), n_kv_blocks)
     if fnum is None:
         return qn, qi, None, None
-    fqn, fqi = _lists(state, 2)
+    fqn, fqi = _padded(*kv_major_blocks(fnum, fidx), n_kv_blocks)
     return qn, qi, fqn, fqi
 
 
@@ -171,7 +155,9 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     else:
         _launch(kern, args, ir, bindings, bufs, dev, (n_tiles, Hkv, B))
     del keep  # the lists stay alive until the launch is enqueued
-    grads = {n: bufs[n].to(bindings.tensors[n].dtype) for n in grad_tensors}
+    # on each tensor's own device: a captured CPU tensor's kernel reads a device copy
+    grads = {n: bufs[n].to(device=bindings.tensors[n].device, dtype=bindings.tensors[n].dtype)
+             for n in grad_tensors}
     return BackwardResult(dq_acc.to(query.dtype), dk, dv, grads)
 
 
