@@ -543,6 +543,7 @@ def _build_backward(ir: VariantIR, vc: VariantCode, spec: KernelSpec, name: str,
     if not isinstance(tiles, BackwardTiles):
         raise CodegenError(f"the {spec.name!r} kernel takes attncc.codegen.tiles.BackwardTiles, "
                            f"got {tiles!r}")
+    tiles.check(head_dim)
     name += tiles.suffix
     threads, smem = tiles.threads(head_dim), tiles.smem_bytes(head_dim)
     shipped = [(f, read_template(f).rstrip("\n") + "\n") for f in (*COMMON_TEMPLATES, *spec.files)]
@@ -551,9 +552,9 @@ def _build_backward(ir: VariantIR, vc: VariantCode, spec: KernelSpec, name: str,
                + (vc.grads_layout.static_asserts() if vc.grads_layout is not None else [])
                + static_asserts(spec.name, head_dim)
                + tile_static_asserts(spec.name, head_dim, threads, smem,
-                                     (tiles.tq, tiles.tkv, tiles.stages, 1, 1)))
+                                     (tiles.tq, tiles.tkv, tiles.stages, tiles.dsplit, 1)))
     entry = (f"{spec.entry_macro}({name}, {vc.struct_name}, {DTYPES[dtype][0]}, {head_dim}, "
-             f"{tiles.tq}, {tiles.tkv}, {tiles.stages})")
+             f"{tiles.tq}, {tiles.tkv}, {tiles.stages}, {tiles.dsplit})")
     source = render("translation_unit.cu.j2", version=_version(), v=vc, spec=spec,
                     head_dim=head_dim, dtype=dtype, dtype_ctype=DTYPES[dtype][0],
                     kernel_name=name, shipped=shipped, variant_text=vc.text, asserts=asserts,

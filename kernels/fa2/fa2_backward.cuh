@@ -16,23 +16,28 @@
 //   dV += P^T dO;  dP^T = V dO^T;  dS'^T = P^T (dP^T - delta)   (none: dS' = dP)
 //   dS = dS' * LogitsGrad(S);  CapturedGrad(dS', S) where the element is live
 //   dK += dS^T Q;  dQ += dS K (through shared memory; fp32 atomics into dq_accum)
-// Warp layout: warp w owns KV rows [16 (w % G), 16 (w % G) + 16) of the tile, G = TKV / 16; at head
-// dim 256 two warps share those rows and split dK/dV's columns (each recomputes S^T and dP^T, so
-// the accumulators fit in registers). For dQ the warps split the query rows x head dim instead.
+// Warp layout: warp w owns KV rows [16 (w % G), 16 (w % G) + 16) of the tile, G = TKV / 16; with
+// DSPLIT = 2 (always at head dim 256) two warps share those rows and split dK/dV's columns (each
+// recomputes S^T and dP^T, so the accumulators fit in registers). For dQ the warps split the
+// query rows x head dim instead. The kernel cache picks the form (docs/backward.md, "Kernels").
 #ifndef ATTNCC_FA2_BACKWARD_CUH
 #define ATTNCC_FA2_BACKWARD_CUH
 
 namespace attncc {
 namespace fa2 {
 
-template <int HEAD_DIM, int TQ, int TKV, int STAGES>
+template <int HEAD_DIM, int TQ, int TKV, int STAGES, int DSPLIT>
 struct BwdConfig {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head dim 64/128/256");
   // each lane holds TQ / 2 elements of a warp's S^T tile: their liveness bits fit one u32
-  static_assert(TQ == 32 || TQ == 64, "TQ in {32, 64}");
+  static_assert(TQ == 16 || TQ == 32 || TQ == 64, "TQ in {16, 32, 64}");
   static_assert(TKV == 64 || TKV == 128, "TKV in {64, 128}");
   static_assert(STAGES == 2, "the query ring has two stages");
-  static constexpr int kDSplit = HEAD_DIM == 256 ? 2 : 1;  // warps sharing a KV row group
+  // DSPLIT warps share each 16-row KV group, splitting dK/dV's columns (each recomputes S^T
+  // and dP^T): 2 at head dim 256, where one warp's dK/dV would take 256 registers
+  static_assert(DSPLIT == 1 || DSPLIT == 2, "DSPLIT in {1, 2}");
+  static_assert(HEAD_DIM != 256 || DSPLIT == 2, "head dim 256 needs DSPLIT = 2");
+  static constexpr int kDSplit = DSPLIT;
   static constexpr int kDW = HEAD_DIM / kDSplit;           // dK/dV columns per warp
   static constexpr int kKvGroups = TKV / 16;
   static constexpr int kWarps = kKvGroups * kDSplit;
@@ -77,7 +82,7 @@ __device__ __forceinline__ u32 bk_key(int lane) { return (u32)(lane >> 4) ^ (u32
 template <typename DType, int KS, int NF, int ROW_BYTES>
 __device__ __forceinline__ void mma_smem_abt(float (&acc)[NF][4], u32 a_addr, u32 a_x,
                                              u32 b_addr, u32 b_x) {
-#pragma unroll 2
+#pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
     u32 a[4];
     ldmatrix_x4(a, chunk_addr(a_addr, 2 * ks, a_x));
@@ -98,7 +103,7 @@ __device__ __forceinline__ void mma_reg_ab(float (&acc)[NF][4], const u32 (&a)[K
                                            u32 b_addr, u32 b_x, int chunk0) {
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk)
-#pragma unroll 4
+#pragma unroll
     for (int dp = 0; dp < NF / 2; ++dp) {
       u32 bb[4];
       ldmatrix_x4_trans(bb, chunk_addr(b_addr + kk * 16 * ROW_BYTES, chunk0 + 2 * dp, b_x));
@@ -312,11 +317,11 @@ __device__ __forceinline__ void load_q_tile(const attncc::BackwardParams& p,
 
 // dQ[TQ x D] += dS K * sm_scale for this CTA's tile: warp w takes query-row fragment w % R and
 // column slice w / R (R = TQ / 16), reads dS from shared memory and adds into dq_accum.
-template <typename DType, int D, int TQ, int TKV, int STAGES>
+template <typename DType, int D, int TQ, int TKV, int STAGES, int DSPLIT>
 __device__ __forceinline__ void dq_tile(const attncc::BackwardParams& p,
                                         const BwdSmem<D, TQ, TKV, STAGES>& sm, int b, int hq,
                                         int q0, int warp, int lane) {
-  using Cfg = BwdConfig<D, TQ, TKV, STAGES>;
+  using Cfg = BwdConfig<D, TQ, TKV, STAGES, DSPLIT>;
   constexpr int NF = Cfg::kDqCols / 8;
   const int rf = warp % Cfg::kQRowFrags, slice = warp / Cfg::kQRowFrags;
   float acc[NF][4];
@@ -382,15 +387,16 @@ __device__ __forceinline__ void store_dkdv(const attncc::BackwardParams& p, int 
 }
 
 // One query tile against the CTA's KV tile: the per-tile body of the header comment's loop.
-template <typename Variant, typename DType, int D, int TQ, int TKV, int STAGES, bool kMask>
+template <typename Variant, typename DType, int D, int TQ, int TKV, int STAGES, int DSPLIT,
+          bool kMask>
 __device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
                                          const typename Variant::Params& vp,
                                          const typename Variant::Grads& vg,
                                          const BwdSmem<D, TQ, TKV, STAGES>& sm,
                                          const BwdTileView& t, int st, int warp,
-                                         float (&dk)[BwdConfig<D, TQ, TKV, STAGES>::kDW / 8][4],
-                                         float (&dv)[BwdConfig<D, TQ, TKV, STAGES>::kDW / 8][4]) {
-  using Cfg = BwdConfig<D, TQ, TKV, STAGES>;
+                                         float (&dk)[BwdConfig<D, TQ, TKV, STAGES, DSPLIT>::kDW / 8][4],
+                                         float (&dv)[BwdConfig<D, TQ, TKV, STAGES, DSPLIT>::kDW / 8][4]) {
+  using Cfg = BwdConfig<D, TQ, TKV, STAGES, DSPLIT>;
   constexpr int NF = TQ / 8;  // S^T fragments of the warp's 16 KV rows
   const int lane = t.lane;
   const int group = warp % Cfg::kKvGroups, dpart = warp / Cfg::kKvGroups;
@@ -432,18 +438,18 @@ __device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
   }
   if (dpart == 0) store_ds<DType, TKV, NF>(sm.ds, dpt, 16 * group, lane);
   __syncthreads();  // dS complete
-  dq_tile<DType, D, TQ, TKV, STAGES>(p, sm, t.b, t.hq, t.q0, warp, lane);
+  dq_tile<DType, D, TQ, TKV, STAGES, DSPLIT>(p, sm, t.b, t.hq, t.q0, warp, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
 // The kernel body: K/V tile in, for each query head of the group and each listed query tile run
 // bwd_tile (two-stage ring: tile it+1 loads while tile it computes), then dK/dV out.
 // ---------------------------------------------------------------------------------------------
-template <typename Variant, typename DType, int D, int TQ, int TKV, int STAGES>
+template <typename Variant, typename DType, int D, int TQ, int TKV, int STAGES, int DSPLIT>
 __device__ __forceinline__ void fa2_backward(const attncc::BackwardParams& p,
                                              const typename Variant::Params& vp,
                                              const typename Variant::Grads& vg) {
-  using Cfg = BwdConfig<D, TQ, TKV, STAGES>;
+  using Cfg = BwdConfig<D, TQ, TKV, STAGES, DSPLIT>;
   static_assert(!Variant::has_query_transform && !Variant::has_key_transform &&
                     !Variant::has_value_transform && !Variant::has_output_transform,
                 "the backward kernel runs on materialized q/k/v (docs/backward.md, Kernels)");
@@ -480,11 +486,11 @@ __device__ __forceinline__ void fa2_backward(const attncc::BackwardParams& p,
       const int q0 = tl.start(it, is_full);
       const BwdTileView t{b, hq, q0, kv0 + 16 * group, p.q_len, p.kv_len, lane};
       if (Variant::has_logits_mask && !is_full)
-        bwd_tile<Variant, DType, D, TQ, TKV, STAGES, Variant::has_logits_mask>(
+        bwd_tile<Variant, DType, D, TQ, TKV, STAGES, DSPLIT, Variant::has_logits_mask>(
             p, vp, vg, sm, t, it % STAGES, warp, dk, dv);
       else
-        bwd_tile<Variant, DType, D, TQ, TKV, STAGES, false>(p, vp, vg, sm, t, it % STAGES, warp,
-                                                            dk, dv);
+        bwd_tile<Variant, DType, D, TQ, TKV, STAGES, DSPLIT, false>(p, vp, vg, sm, t,
+                                                                    it % STAGES, warp, dk, dv);
     }
     cp_async_wait<0>();
     __syncthreads();  // the last tile's stages are read before the next head refills them
@@ -498,12 +504,12 @@ __device__ __forceinline__ void fa2_backward(const attncc::BackwardParams& p,
 
 // The entry point codegen emits for a backward unit. Launch with grid (ceil(kv_len / TKV),
 // num_kv_heads, batch), block (BwdConfig::kThreads), dynamic shared memory BwdConfig::kSmemBytes
-// (attncc.codegen.tiles.backward_tiles mirrors both); dq_accum zeroed first.
-#define ATTNCC_FA2_BWD_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES)                      \
+// (attncc.codegen.tiles.BackwardTiles mirrors both); dq_accum zeroed first.
+#define ATTNCC_FA2_BWD_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, DSPLIT)              \
   extern "C" __global__ void __launch_bounds__(                                                    \
-      attncc::fa2::BwdConfig<HEAD_DIM, TQ, TKV, STAGES>::kThreads, 1)                              \
+      attncc::fa2::BwdConfig<HEAD_DIM, TQ, TKV, STAGES, DSPLIT>::kThreads, 1)                      \
       NAME(attncc::BackwardParams p, VARIANT::Params vp, VARIANT::Grads vg) {                      \
-    attncc::fa2::fa2_backward<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES>(p, vp, vg);               \
+    attncc::fa2::fa2_backward<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, DSPLIT>(p, vp, vg);       \
   }
 
 #endif  // ATTNCC_FA2_BACKWARD_CUH

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from attncc.codegen.tiles import BackwardTiles, backward_tiles
+from attncc.codegen.tiles import BackwardTiles, backward_fallbacks, backward_tiles
 from attncc.errors import InvalidArgument
 from attncc.ir.program import Bindings, VariantIR
 
@@ -119,12 +119,17 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               f"DETERMINISTIC")
     B, Hq, Sq, D = query.shape
     Hkv, Skv = key.shape[1], key.shape[2]
+    if 0 in (B, Hq, Sq, Skv):  # nothing attends to anything: every gradient is 0, no launch
+        return BackwardResult(torch.zeros_like(query), torch.zeros_like(key),
+                              torch.zeros_like(value),
+                              {n: torch.zeros_like(bindings.tensors[n]) for n in grad_tensors})
     dtype = "bfloat16" if query.dtype == torch.bfloat16 else "float16"
-    tiles = backward_tiles(D)
-    mvals, keep = _mask_params(mask, tiles, Skv)
-    kern = get_kernel(KernelSpec("fa2_backward", ir=ir, head_dim=D, dtype=dtype, tiles=tiles,
+    forms = backward_fallbacks(D, mask.block_kv if mask is not None else None)
+    mvals, keep = _mask_params(mask, forms[0] if forms else backward_tiles(D), Skv)
+    kern = get_kernel(KernelSpec("fa2_backward", ir=ir, head_dim=D, dtype=dtype, tiles=forms[0],
                                  fast_math=fast_math, device=device,
-                                 grad_tensors=tuple(grad_tensors)))
+                                 grad_tensors=tuple(grad_tensors), fallbacks=forms[1:]))
+    tkv = kern.config.tkv  # the form the kernel cache compiled
     dev = query.device
     q, k, v, do = (_dense(t) for t in (query, key, value, dout))
     dq_acc = torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=dev)
@@ -148,7 +153,7 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             "lse_stride_b": Hq * Sq, "lse_stride_h": Sq,
             "batch": B, "num_q_heads": Hq, "num_kv_heads": Hkv, "q_len": Sq, "kv_len": Skv,
             "sm_scale": scale, **mvals, "kv_tile0": 0}
-    n_tiles = -(-Skv // tiles.tkv)
+    n_tiles = -(-Skv // tkv)
     if deterministic:
         for t in range(n_tiles):
             _launch(kern, {**args, "kv_tile0": t}, ir, bindings, bufs, dev, (1, Hkv, B))

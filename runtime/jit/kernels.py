@@ -82,7 +82,8 @@ class KernelSpec:
     `low_pressure` the FA3 forms; `fast_math` the hooks' math (the FA3 batch kernel uses the
     template's default); `forced` marks FA2 tiles the user gave (kernel_options): compiled as
     given, no fallback, no resource check; `device` the CUDA device (None: compile only).
-    "fa2_backward" takes `BackwardTiles` and `grad_tensors`, the captured tensors whose
+    "fa2_backward" takes `BackwardTiles`, `fallbacks` (the forms compile_spec tries after
+    them, attncc.codegen.tiles.backward_fallbacks) and `grad_tensors`, the captured tensors whose
     gradients its CapturedGrad hook accumulates (docs/backward.md, "Kernels").
 
     Example:
@@ -102,6 +103,7 @@ class KernelSpec:
     forced: bool = False
     device: int | None = None
     grad_tensors: tuple[str, ...] = ()
+    fallbacks: tuple[BackwardTiles, ...] = ()
     ir_key: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -337,6 +339,19 @@ def _fa2_fallback(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -> Com
     raise AssertionError("unreachable: the last tile returns")
 
 
+def _backward_fallback(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -> CompiledForm:
+    """The backward form of `spec.tiles`, then each of `spec.fallbacks`, until ptxas reports
+    neither spills nor a stack frame (its forms sit a few registers under 255 and which one fits
+    depends on the hooks: docs/backward.md, "Kernels"); the last one otherwise."""
+    forms = (spec.tiles, *spec.fallbacks)
+    for i, tiles in enumerate(forms):
+        form = compile_form(replace(spec, tiles=tiles, fallbacks=()), arch)
+        trail.append(form)
+        if (form.spill_bytes == 0 and stack_frame(form.result.log) == 0) or i == len(forms) - 1:
+            return form
+    raise AssertionError("unreachable: the last form returns")
+
+
 def _fa3_low_pressure(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -> CompiledForm:
     """The form as it is and, if it spills or loses its wgmma pipeline, its low-pressure form,
     kept only if that does better."""
@@ -373,6 +388,8 @@ def compile_spec(spec: KernelSpec, arch: str,
     trail = trail if trail is not None else []
     if spec.kind == "fa2_prefill" and spec.tiles is not None:
         return _fa2_fallback(spec, arch, trail)
+    if spec.kind == "fa2_backward":
+        return _backward_fallback(spec, arch, trail)
     if spec.kind in ("fa3_prefill", "fa3_batch"):
         return _fa3_fallback(spec, arch, trail)
     form = compile_form(spec, arch)
