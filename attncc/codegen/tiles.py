@@ -176,12 +176,12 @@ def backward_fallbacks(head_dim: int, block_kv: int | None = None) -> tuple[Back
 
     Example:
         >>> [t.suffix for t in backward_fallbacks(128)]
-        ['_bq16_bk64_s2_ds2', '_bq16_bk128_s2', '_bq16_bk64_s2']
+        ['_bq16_bk128_s2', '_bq16_bk64_s2_ds2', '_bq16_bk64_s2']
         >>> [t.suffix for t in backward_fallbacks(128, block_kv=64)]
         ['_bq16_bk64_s2_ds2', '_bq16_bk64_s2']
     """
     forms = {64: ((64, 64, 1), (32, 64, 1), (16, 64, 1)),
-             128: ((16, 64, 2), (16, 128, 1), (16, 64, 1)),
+             128: ((16, 128, 1), (16, 64, 2), (16, 64, 1)),
              256: ((16, 64, 2),)}[head_dim]
     return tuple(BackwardTiles(q, k, 2, ds) for q, k, ds in forms
                  if block_kv is None or block_kv % k == 0)
@@ -191,7 +191,7 @@ def backward_tiles(head_dim: int, block_kv: int | None = None) -> BackwardTiles:
     """The first backward form for `head_dim` (backward_fallbacks).
 
     Example:
-        >>> backward_tiles(128).dsplit, backward_tiles(64).tq, backward_tiles(256).tq
-        (2, 64, 16)
+        >>> backward_tiles(128).tkv, backward_tiles(64).tq, backward_tiles(256).dsplit
+        (128, 64, 2)
     """
     return backward_fallbacks(head_dim, block_kv)[0]

@@ -79,10 +79,13 @@ __device__ __forceinline__ u32 bk_rows_addr(const u16* tile, int row_bytes, int 
 __device__ __forceinline__ u32 bk_key(int lane) { return (u32)(lane >> 4) ^ (u32)(lane & 7); }
 
 // acc[16 x 8NF] += A[16 x 16KS] B[8NF x 16KS]^T, both operands row-major tiles in shared memory.
+// The k loop is unrolled by two (fully unrolled, ptxas hoists every fragment load and spills);
+// loops over accumulator fragments are always fully unrolled (else the array goes to local
+// memory). docs/backward.md, "Kernels".
 template <typename DType, int KS, int NF, int ROW_BYTES>
 __device__ __forceinline__ void mma_smem_abt(float (&acc)[NF][4], u32 a_addr, u32 a_x,
                                              u32 b_addr, u32 b_x) {
-#pragma unroll
+#pragma unroll 2
   for (int ks = 0; ks < KS; ++ks) {
     u32 a[4];
     ldmatrix_x4(a, chunk_addr(a_addr, 2 * ks, a_x));
