@@ -12,9 +12,11 @@ Conventions are torch's autograd (the mod means what its Python means):
   derivative 0; `where(c, a, b)` differentiates branch-wise;
 - `abs` at 0 has derivative 0; `x % y` has `d/dx = 1`, `d/dy = -(x // y)`; `x ** y` follows
   torch's `pow` backward (0 where the exponent is 0, and for `d/dy` where `x == 0 and y >= 0`);
-- `max(a, b)` / `min(a, b)` at a tie: when `b` does not depend on anything differentiated (a
-  constant, a scalar, an index expression: what `torch.clamp` lowers to) `a` takes the whole
-  gradient, as `torch.clamp` does; when both sides do, each takes half, as `torch.maximum` does.
+- `max(a, b)` / `min(a, b)` at a tie: when the bound `b` depends on nothing differentiated (a
+  constant, a scalar, an index expression, a tensor not requiring grad: `torch.clamp(a, ...)`
+  lowers to exactly this) `a` takes the whole gradient, as `torch.clamp` does; otherwise each
+  side takes half, as `torch.maximum` / `torch.minimum` do. The CPU evaluator's autograd makes
+  the same choice (`attncc.ir.evaluator`).
 
 Reads are IR nodes, and IR nodes are interned: two reads of one tensor at the same index
 expression are one read; reads at different index expressions each contribute.
@@ -131,21 +133,20 @@ def _mod_rule(n: Node, a: tuple[Node, ...], d: tuple[D, ...]) -> D:
     return _add(d[0], dy)
 
 
-def _minmax_rule(n: Node, a: tuple[Node, ...], d: tuple[D, ...]) -> D:
+def _minmax(n: Node, a: tuple[Node, ...], d: tuple[D, ...], clamp: bool) -> D:
+    """max/min; `clamp`: the second operand depends on nothing differentiated."""
     if n.dtype is not F32 or (d[0] is None and d[1] is None):
         return None
     x, y = a
     win = "gt" if n.op == "max" else "lt"
     lose = "lt" if n.op == "max" else "gt"
-    if d[1] is None or d[0] is None:  # a clamp: the differentiated side takes ties whole
-        dd, other = (d[0], y) if d[1] is None else (d[1], x)
-        mine = x if d[1] is None else y
-        return where(binary(lose, mine, other), _f(0.0), dd)
+    if clamp:  # torch.clamp(x, bound): x takes ties whole
+        return where(binary(lose, x, y), _f(0.0), d[0])
     # torch.maximum/minimum: half each at a tie; a NaN operand passes the gradient to both
     tie = binary("eq", x, y)
     wx = where(tie, _f(0.5), where(binary(lose, x, y), _f(0.0), _f(1.0)))
     wy = where(tie, _f(0.5), where(binary(win, x, y), _f(0.0), _f(1.0)))
-    return binary("add", binary("mul", d[0], wx), binary("mul", d[1], wy))
+    return _add(_mul(d[0], wx), _mul(d[1], wy))
 
 
 def _where_rule(n: Node, a: tuple[Node, ...], d: tuple[D, ...]) -> D:
@@ -171,12 +172,22 @@ _RULES: dict[str, Rule] = {
     "sin": _chain(lambda x, r: unary("cos", x)),
     "cos": _chain(lambda x, r: unary("neg", unary("sin", x))),
     "add": _add_rule, "sub": _sub_rule, "mul": _mul_rule, "div": _div_rule, "pow": _pow_rule,
-    "mod": _mod_rule, "min": _minmax_rule, "max": _minmax_rule, "where": _where_rule,
+    "mod": _mod_rule, "where": _where_rule,
 }
 
 
-def _raw_derivative(expr: Node, wrt: Node) -> D:
+def _live(expr: Node, leaves: frozenset[Node]) -> set[int]:
+    """Ids of the F32 nodes of `expr` that depend on one of `leaves`."""
+    live: set[int] = set()
+    for n in walk(expr):
+        if n in leaves or (n.dtype is F32 and any(id(a) in live for a in n.args)):
+            live.add(id(n))
+    return live
+
+
+def _raw_derivative(expr: Node, wrt: Node, leaves: frozenset[Node]) -> D:
     """Forward-mode derivative of `expr` w.r.t. the leaf `wrt` (unsimplified; None = 0)."""
+    live = _live(expr, leaves | {wrt})
     memo: dict[int, D] = {}
     for n in walk(expr):
         if n is wrt:
@@ -187,15 +198,19 @@ def _raw_derivative(expr: Node, wrt: Node) -> D:
             d = tuple(memo[id(x)] for x in n.args)
             if n.args and all(x is None for x in d):
                 memo[id(n)] = None
+            elif n.op in ("min", "max"):
+                memo[id(n)] = _minmax(n, n.args, d, id(n.args[1]) not in live)
             else:
                 memo[id(n)] = _RULES[n.op](n, n.args, d)
     return memo[id(expr)]
 
 
-def derivative(expr: Node, wrt: Node) -> Node:
+def derivative(expr: Node, wrt: Node, leaves: Iterable[Node] = ()) -> Node:
     """`d expr / d wrt`, simplified (an F32 node; `0.0` when `expr` does not depend on it).
 
-    `wrt` is `var("score")` or a `load` node of `expr` (one captured-tensor read).
+    `wrt` is `var("score")` or a `load` node of `expr` (one captured-tensor read). `leaves`:
+    everything else being differentiated (the score, reads of tensors requiring grad); it only
+    decides which `max` / `min` are clamps (module doc).
 
     Example:
         >>> from attncc.ir.nodes import var, load, I32
@@ -206,7 +221,7 @@ def derivative(expr: Node, wrt: Node) -> Node:
     """
     if wrt.dtype is not F32 or wrt.op not in ("var", "load"):
         raise ValueError(f"derivative: differentiate w.r.t. score or a float load, not {wrt!r}")
-    d = _raw_derivative(expr, wrt)
+    d = _raw_derivative(expr, wrt, frozenset(leaves))
     return simplify(_or0(d))
 
 
@@ -287,13 +302,14 @@ def score_mod_grad(ir: VariantIR, grad_tensors: Iterable[str] = ()) -> ScoreModG
     """
     names = check_grad_tensors(ir, grad_tensors)
     expr = ir.expr("score_mod")
-    logits = derivative(expr, var("score"))
+    loads = [n for t in names for n in walk(expr)
+             if n.op == "load" and n.attr == t and n.dtype is F32]
+    leaves = frozenset([var("score"), *loads])
+    logits = derivative(expr, var("score"), leaves)
     reads = []
-    for t in names:
-        for n in walk(expr):
-            if n.op == "load" and n.attr == t and n.dtype is F32:
-                g = derivative(expr, n)
-                if not (g.op == "const" and g.attr == 0.0):
-                    reads.append(CapturedRead(t, n.args, g))
+    for n in loads:
+        g = derivative(expr, n, leaves)
+        if not (g.op == "const" and g.attr == 0.0):
+            reads.append(CapturedRead(n.attr, n.args, g))
     return ScoreModGrad(logits, tuple(reads))
 

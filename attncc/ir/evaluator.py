@@ -10,6 +10,9 @@ Semantics are torch's on the CPU (docs/semantics.md):
   oracle), except the *discrete cone* (`attncc.ir.discrete`): float arithmetic that reaches an
   int cast, a floor, a comparison or a float `//` / `%` is computed in float32 in the user's
   order, exactly as torch computes the user's Python on float32 tensors;
+- gradients flow (every op is a differentiable torch op; nothing leaves torch), with torch's
+  conventions; `max(x, bound)` where only `x` requires grad is `torch.clamp`'s (all of a tie's
+  gradient to `x`): docs/backward.md, section 1;
 - values computed from captured scalars (and constants) only are Python arithmetic: float64,
   rounded to float32 where they meet a float32 tensor; float `//` and `%` use torch's
   fmod-based algorithms (`torch.div(rounding_mode="floor")`, `torch.remainder`), and `x ** c`
@@ -227,6 +230,10 @@ class _Evaluator:
         elif op == "pow" and not is_closed(n.args[0]) and self.scalar_value(n.args[1]) is not None:
             # `x ** 2.0`: torch's tensor-scalar pow (x * x for 2, sqrt for 0.5, ...)
             r = torch.pow(a[0], self.scalar_value(n.args[1]))
+        elif op in ("min", "max") and a[0].requires_grad and not a[1].requires_grad:
+            # torch.clamp(x, bound) lowers to this: same value, and clamp's gradient at a tie
+            # (all of it to x, where torch.maximum would give half; attncc.ir.autodiff)
+            r = torch.clamp(a[0], **{"min" if op == "max" else "max": a[1]})
         elif op in _TORCH_BINARY:
             r = _TORCH_BINARY[op](a[0], a[1])
         elif op == "where":

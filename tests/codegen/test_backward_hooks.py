@@ -121,3 +121,37 @@ def test_grads_layout_static_asserts_catch_a_mismatch() -> None:
                         "ATTNCC_OFFSETOF(VariantGrads_m_0, table_grad_stride) == 16")
     assert wrong != src
     assert "Python layout: VariantGrads_m_0::table_grad_stride" in nvrtc_fails(wrong)
+
+
+@pytest.mark.nvrtc
+def test_gpu_probe_kernel_compiles() -> None:
+    """tests/gpu/test_backward_hooks_gpu.py's probe, compiled here so the GPU run starts clean."""
+    from tests.helpers.backward_probe import probe
+
+    for n, ir in _learnable_irs().items():
+        pr = probe(ir, [t.name for t in ir.tensors])
+        assert "V::CapturedGrad(vp, g, a.dlogit[i]" in pr.source
+        nvrtc_compile(pr.source, "sm_90a", f"probe {n}")
+
+
+def test_a_backward_kernel_spec_generates_a_backward_unit(monkeypatch) -> None:
+    """A KernelSpec with backward=True (what the "fa2bwd" entry sets) gets the gradient hooks,
+    the grads layout and its static_asserts; grad_tensors flows through generate_source."""
+    from dataclasses import replace as dc_replace
+
+    from attncc.codegen import generate as gen
+
+    spec = dc_replace(gen.KERNELS["fa2"], name="bwdtest", backward=True,
+                      entry_macro="ATTNCC_BWDTEST_ENTRY")
+    monkeypatch.setitem(gen.KERNELS, "bwdtest", spec)
+    ir = _learnable_irs()["rel_table"]
+    gk = generate_source(ir, head_dim=64, dtype="bfloat16", kernel="bwdtest",
+                         grad_tensors=("bias",))
+    assert gk.grads_layout is gk.variant.grads_layout and gk.grads_layout.size == 24
+    assert "VariantParams_rel_table vp, VariantGrads_rel_table g)" in gk.source
+    assert "captured tensors requiring grad (bias)\n" in gk.source
+    assert 'static_assert(sizeof(VariantGrads_rel_table) == 24, ' in gk.source
+    assert "static constexpr bool has_captured_grad = true;" in gk.source
+    assert gk.source.count("ATTNCC_BWDTEST_ENTRY(") == 1
+    fwd = generate_source(ir, head_dim=64, dtype="bfloat16", kernel="fa2")
+    assert fwd.grads_layout is None and "VariantGrads" not in fwd.source

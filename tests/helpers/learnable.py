@@ -1,7 +1,7 @@
 """Learnable-bias variants for the backward tests: captured float tensors that require grad.
 
-`LEARNABLE[name](H, Sq, Skv, seed)` returns `(score_mod, {tensor name: tensor})`; the tensors are
-fresh float32 leaves with `requires_grad=True` (tests cast them to float64 for gradcheck).
+`LEARNABLE[name](H, Sq, Skv, seed=0, dtype=torch.float32)` returns `(score_mod, {tensor name:
+tensor})`; the tensors are fresh leaves of `dtype` with `requires_grad=True`.
 
 - `rel_table`: a relative-position table `bias[h, q_idx - kv_idx + Skv - 1]`, [H, Sq + Skv - 1];
 - `alibi_slopes`: learnable ALiBi slopes, `score + slopes[h] * (kv_idx - q_idx)`;
@@ -18,10 +18,14 @@ import torch
 ScoreMod = Callable[..., Any]
 
 
+_DTYPE = [torch.float32]  # the dtype _leaf makes (set per factory call)
+
+
 def _leaf(shape: tuple[int, ...], seed: int, scale: float = 1.0, shift: float = 0.0
           ) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g) * scale + shift).requires_grad_(True)
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * scale + shift
+    return x.to(_DTYPE[0]).requires_grad_(True)
 
 
 def rel_table(H: int, Sq: int, Skv: int, seed: int = 0) -> tuple[ScoreMod, dict[str, torch.Tensor]]:
@@ -70,7 +74,18 @@ def t5_bucket(H: int, Sq: int, Skv: int, seed: int = 0) -> tuple[ScoreMod, dict[
     return t5_mod, {"table": table}
 
 
+def _with_dtype(f: Callable[..., tuple[ScoreMod, dict[str, torch.Tensor]]]
+                ) -> Callable[..., tuple[ScoreMod, dict[str, torch.Tensor]]]:
+    def make(H: int, Sq: int, Skv: int, seed: int = 0, dtype: torch.dtype = torch.float32
+             ) -> tuple[ScoreMod, dict[str, torch.Tensor]]:
+        _DTYPE[0] = dtype
+        try:
+            return f(H, Sq, Skv, seed)
+        finally:
+            _DTYPE[0] = torch.float32
+    return make
+
+
 LEARNABLE: dict[str, Callable[..., tuple[ScoreMod, dict[str, torch.Tensor]]]] = {
-    "rel_table": rel_table, "alibi_slopes": alibi_slopes, "head_scale": head_scale,
-    "t5_bucket": t5_bucket,
-}
+    n: _with_dtype(f) for n, f in (("rel_table", rel_table), ("alibi_slopes", alibi_slopes),
+                                   ("head_scale", head_scale), ("t5_bucket", t5_bucket))}
