@@ -45,6 +45,7 @@ KERNEL_HELP = {
     "fa2batch": "the serving kernel over a BatchAttention plan, sm_80+",
     "fa3batch": "the serving kernel on Hopper, sm_90a only",
     "prepass": "query/key/value transforms once per row",
+    "fa2bwd": "the FA2-class backward (dQ, dK, dV, captured grads), sm_80+; not exported",
 }
 
 

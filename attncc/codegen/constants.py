@@ -113,7 +113,10 @@ def tile_static_asserts(kernel: str, head_dim: int, threads: int, smem: int,
         'static_assert(attncc::fa3::Smem<128, 128, 3>::kBytes == 230536, "'
     """
     tq, tkv, stages, m_frags, kv_warps = tiles
-    if kernel in _FA3:
+    if kernel == "fa2bwd":  # the fourth tile is BackwardTiles.dsplit
+        cfg = f"attncc::fa2::BwdConfig<{head_dim}, {tq}, {tkv}, {stages}, {m_frags}>"
+        pairs = [(f"{cfg}::kThreads", threads), (f"{cfg}::kSmemBytes", smem)]
+    elif kernel in _FA3:
         pairs = [("attncc::fa3::kThreads", threads),
                  (f"attncc::fa3::Smem<{head_dim}, {tkv}, {stages}>::kBytes", smem)]
     else:

@@ -34,8 +34,9 @@ from .constants import (FA3_PERSISTENT_HEAD_DIMS, FA3_THREADS, static_asserts,
                         tile_static_asserts)
 from .errors import CodegenError
 from .hooks import EMITTERS, HookCode, captured_grad, logits_grad
-from .tiles import FA2_HEAD_DIMS, FA3_TKV_CHOICES, KernelTiles, default_tiles, fa3_smem_bytes, fa3_tiles
-from .layout import (ATTENTION_PARAMS, BATCH_PARAMS, PREPASS_PARAMS, StructLayout,
+from .tiles import (FA2_HEAD_DIMS, FA3_TKV_CHOICES, BackwardTiles, KernelTiles, backward_tiles,
+                    default_tiles, fa3_smem_bytes, fa3_tiles)
+from .layout import (ATTENTION_PARAMS, BACKWARD_PARAMS, BATCH_PARAMS, PREPASS_PARAMS, StructLayout,
                      c_identifier, plan_header_static_asserts, variant_grads_layout,
                      variant_params_layout)
 
@@ -103,8 +104,8 @@ class KernelSpec:
     entry_macro: str = ""  # tiled templates: the macro that defines the entry point(s)
     batch: bool = False  # first argument attncc::BatchParams (serving kernel + merge kernel)
     prepass: bool = False  # first argument attncc::PrepassParams (attncc.ir.hoist)
-    # a backward template: the variant gets LogitsGrad / CapturedGrad and VariantGrads_<name>,
-    # the kernel's third argument (docs/backward.md, section 2)
+    # a backward template: first argument attncc::BackwardParams; the variant gets LogitsGrad /
+    # CapturedGrad and VariantGrads_<name>, the kernel's third argument (docs/backward.md)
     backward: bool = False
 
     @property
@@ -112,6 +113,8 @@ class KernelSpec:
         """The layout of the kernel's first argument (the second is the VariantParams)."""
         if self.batch:
             return BATCH_PARAMS
+        if self.backward:
+            return BACKWARD_PARAMS
         return PREPASS_PARAMS if self.prepass else ATTENTION_PARAMS
 
     def check_head_dim(self, head_dim: int) -> None:
@@ -145,6 +148,13 @@ KERNELS: dict[str, KernelSpec] = {
                       "attncc::fa2::fa2_prefill", threads=0, rows_per_cta=0,
                       head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
                       entry_macro="ATTNCC_FA2_ENTRY"),
+    # the FA2-class backward (dQ, dK, dV, captured gradients; kernels/fa2/fa2_backward.cuh):
+    # one CTA per KV tile, tiles from attncc.codegen.tiles.backward_tiles
+    "fa2bwd": KernelSpec("fa2bwd", ("common/backward_params.cuh", "common/common.cuh",
+                                    "fa2/fa2_config.cuh", "fa2/fa2_backward.cuh"),
+                         "attncc::fa2::fa2_backward", threads=0, rows_per_cta=0,
+                         head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
+                         entry_macro="ATTNCC_FA2_BWD_ENTRY", backward=True),
     # Hopper: TMA + wgmma, warp-specialized, 64 query rows per consumer warpgroup
     # (kernels/fa3/fa3_prefill.cuh)
     "fa3": KernelSpec("fa3", ("common/common.cuh", "hopper/wgmma.cuh", "hopper/tma.cuh",
@@ -470,6 +480,8 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
             raise CodegenError(f"the {kernel!r} serving kernel runs from a plan made by "
                                f"attncc.BatchAttention and is not exported; export 'fa2' or "
                                f"'simple'")
+        if spec.backward:
+            return _build_backward(ir, vc, spec, name, head_dim, dtype, export, tiles)
         if kernel in ("fa3", "fa3batch"):
             tiles = tiles if tiles is not None else fa3_tiles()
             if tiles.tkv not in FA3_TKV_CHOICES or tiles != fa3_tiles(tiles.stages, tiles.tkv):
@@ -515,6 +527,43 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
                            attention_params_layout=first_arg, variant=vc, kernel=kernel,
                            head_dim=head_dim, dtype=dtype, threads=threads,
                            rows_per_cta=rows, shared_mem_bytes=smem,
+                           grads_layout=vc.grads_layout)
+
+
+def _build_backward(ir: VariantIR, vc: VariantCode, spec: KernelSpec, name: str,
+                    head_dim: int, dtype: str, export: bool, tiles: Any) -> GeneratedKernel:
+    """A backward unit (kernels/fa2/fa2_backward.cuh): BackwardParams first, then the variant's
+    Params and Grads; grid (ceil(kv_len / tiles.tkv), num_kv_heads, batch)."""
+    from ..kernels import read_template
+
+    if export:
+        raise CodegenError(f"the {spec.name!r} backward kernel runs inside attncc's autograd "
+                           f"and is not exported; export 'fa2' or 'simple'")
+    tiles = tiles if tiles is not None else backward_tiles(head_dim)
+    if not isinstance(tiles, BackwardTiles):
+        raise CodegenError(f"the {spec.name!r} kernel takes attncc.codegen.tiles.BackwardTiles, "
+                           f"got {tiles!r}")
+    tiles.check(head_dim)
+    name += tiles.suffix
+    threads, smem = tiles.threads(head_dim), tiles.smem_bytes(head_dim)
+    shipped = [(f, read_template(f).rstrip("\n") + "\n") for f in (*COMMON_TEMPLATES, *spec.files)]
+    asserts = (ATTENTION_PARAMS.static_asserts() + BACKWARD_PARAMS.static_asserts()
+               + vc.params_layout.static_asserts()
+               + (vc.grads_layout.static_asserts() if vc.grads_layout is not None else [])
+               + static_asserts(spec.name, head_dim)
+               + tile_static_asserts(spec.name, head_dim, threads, smem,
+                                     (tiles.tq, tiles.tkv, tiles.stages, tiles.dsplit, 1)))
+    entry = (f"{spec.entry_macro}({name}, {vc.struct_name}, {DTYPES[dtype][0]}, {head_dim}, "
+             f"{tiles.tq}, {tiles.tkv}, {tiles.stages}, {tiles.dsplit})")
+    source = render("translation_unit.cu.j2", version=_version(), v=vc, spec=spec,
+                    head_dim=head_dim, dtype=dtype, dtype_ctype=DTYPES[dtype][0],
+                    kernel_name=name, shipped=shipped, variant_text=vc.text, asserts=asserts,
+                    ap_layout=ATTENTION_PARAMS, export=False, entry=entry, threads=threads,
+                    rows_per_cta=tiles.tkv, smem=smem)
+    return GeneratedKernel(source=source, kernel_name=name, params_layout=vc.params_layout,
+                           attention_params_layout=BACKWARD_PARAMS, variant=vc,
+                           kernel=spec.name, head_dim=head_dim, dtype=dtype, threads=threads,
+                           rows_per_cta=tiles.tkv, shared_mem_bytes=smem,
                            grads_layout=vc.grads_layout)
 
 

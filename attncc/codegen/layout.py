@@ -196,6 +196,25 @@ _ATTENTION_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
 
 ATTENTION_PARAMS: StructLayout = struct_layout("attncc::AttentionParams", _ATTENTION_PARAMS_MEMBERS)
 
+# Mirrors kernels/common/backward_params.cuh member by member (the backward kernels' argument).
+_BACKWARD_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
+    ("q", "const void*"), ("k", "const void*"), ("v", "const void*"), ("dout", "const void*"),
+    ("lse", "const float*"), ("delta", "const float*"), ("dq_accum", "float*"),
+    ("dk", "void*"), ("dv", "void*"),
+    *((f"{t}_stride_{d}", "attncc::i64") for t in ("q", "k", "v", "do", "dq", "dk", "dv")
+      for d in "bhs"),
+    ("lse_stride_b", "attncc::i64"), ("lse_stride_h", "attncc::i64"),
+    ("batch", "int"), ("num_q_heads", "int"), ("num_kv_heads", "int"), ("q_len", "int"),
+    ("kv_len", "int"), ("sm_scale", "float"),
+    ("q_num_blocks", "const int*"), ("q_indices", "const int*"),
+    ("full_q_num_blocks", "const int*"), ("full_q_indices", "const int*"),
+    ("qm_stride_b", "attncc::i64"), ("qm_stride_h", "attncc::i64"),
+    ("qi_stride_b", "attncc::i64"), ("qi_stride_h", "attncc::i64"), ("qi_stride_kv", "attncc::i64"),
+    ("block_q", "int"), ("block_kv", "int"), ("kv_tile0", "int"),
+)
+
+BACKWARD_PARAMS: StructLayout = struct_layout("attncc::BackwardParams", _BACKWARD_PARAMS_MEMBERS)
+
 # Mirrors kernels/common/batch_params.cuh member by member (the persistent batch kernels' argument).
 _BATCH_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("q", "const void*"), ("k", "const void*"), ("v", "const void*"), ("o", "void*"),

@@ -24,7 +24,8 @@ from .errors import CodegenError
 
 __all__ = ["KernelTiles", "default_tiles", "fa3_tiles", "fa3_smem_bytes", "FA2_HEAD_DIMS",
            "TQ_CHOICES",
-           "TKV_CHOICES", "FA3_TKV_CHOICES"]
+           "TKV_CHOICES", "FA3_TKV_CHOICES", "BackwardTiles", "backward_tiles",
+           "backward_fallbacks"]
 
 FA2_HEAD_DIMS = (64, 128, 256)
 TQ_CHOICES = (16, 32, 64, 128)
@@ -116,3 +117,81 @@ def fa3_smem_bytes(head_dim: int, tiles: KernelTiles) -> int:
     """
     return (tiles.smem_bytes(head_dim) + 8 * (2 * tiles.stages + 2) + 32 + 16 + 8 * tiles.stages
             + 1024)
+
+
+@dataclass(frozen=True)
+class BackwardTiles:
+    """The FA2-class backward kernel's tiles (kernels/fa2/fa2_backward.cuh BwdConfig): a CTA owns
+    `tkv` KV rows and visits `tq`-row query tiles through a `stages`-deep ring; `dsplit` warps
+    share each 16-row KV group, splitting dK/dV's columns (2 at head dim 256).
+
+    Example:
+        >>> t = backward_tiles(256)
+        >>> t.threads(256), t.smem_bytes(256), t.suffix
+        (256, 100608, '_bq16_bk64_s2_ds2')
+    """
+
+    tq: int = 16
+    tkv: int = 64
+    stages: int = 2
+    dsplit: int = 1
+
+    def __post_init__(self) -> None:
+        if (self.tq not in (16, 32, 64) or self.tkv not in (64, 128) or self.stages != 2
+                or self.dsplit not in (1, 2)):
+            raise CodegenError(f"backward tiles (T_q={self.tq}, T_kv={self.tkv}, "
+                               f"stages={self.stages}, dsplit={self.dsplit}): T_q in "
+                               f"(16, 32, 64), T_kv in (64, 128), 2 stages, dsplit 1 or 2")
+
+    def check(self, head_dim: int) -> None:
+        """CodegenError unless these tiles fit `head_dim` (dK/dV of 256 columns need dsplit 2;
+        at most 256 threads)."""
+        if (head_dim == 256 and self.dsplit != 2) or self.threads(head_dim) > 256:
+            raise CodegenError(f"backward tiles {self} at head dim {head_dim}: head dim 256 "
+                               f"needs dsplit=2, and a CTA has at most 8 warps")
+
+    def warps(self, head_dim: int) -> int:
+        """KV row groups of 16, times dsplit."""
+        return self.tkv // 16 * self.dsplit
+
+    def threads(self, head_dim: int) -> int:
+        return 32 * self.warps(head_dim)
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """K and V; Q and dO per stage; dS; fp32 LSE and delta per stage."""
+        return (2 * (2 * self.tkv * head_dim + 2 * self.stages * self.tq * head_dim
+                     + self.tq * self.tkv) + 8 * self.stages * self.tq)
+
+    @property
+    def suffix(self) -> str:
+        return (f"_bq{self.tq}_bk{self.tkv}_s{self.stages}"
+                + (f"_ds{self.dsplit}" if self.dsplit > 1 else ""))
+
+
+def backward_fallbacks(head_dim: int, block_kv: int | None = None) -> tuple[BackwardTiles, ...]:
+    """The backward forms the kernel cache tries in order until ptxas reports neither spills nor
+    a stack frame (runtime/jit/kernels.py): every one of them is within 255 registers only by a
+    few, and which one fits depends on the hooks (docs/backward.md, "Kernels"). A block mask's
+    `block_kv` keeps the KV tiles that divide it.
+
+    Example:
+        >>> [t.suffix for t in backward_fallbacks(128)]
+        ['_bq16_bk128_s2', '_bq16_bk64_s2_ds2', '_bq16_bk64_s2']
+        >>> [t.suffix for t in backward_fallbacks(128, block_kv=64)]
+        ['_bq16_bk64_s2_ds2', '_bq16_bk64_s2']
+    """
+    forms = {64: ((64, 64, 1), (32, 64, 1), (16, 64, 1)),
+             128: ((16, 128, 1), (16, 64, 2), (16, 64, 1)),
+             256: ((16, 64, 2),)}[head_dim]
+    return tuple(BackwardTiles(q, k, 2, ds) for q, k, ds in forms
+                 if block_kv is None or block_kv % k == 0)
+
+
+def backward_tiles(head_dim: int, block_kv: int | None = None) -> BackwardTiles:
+    """The first backward form for `head_dim` (backward_fallbacks).
+
+    Example:
+        >>> backward_tiles(128).tkv, backward_tiles(64).tq, backward_tiles(256).dsplit
+        (128, 64, 2)
+    """
+    return backward_fallbacks(head_dim, block_kv)[0]

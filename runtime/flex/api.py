@@ -73,6 +73,7 @@ SUPPORTED_KERNEL_OPTIONS: dict[str, type] = {
     "PERSISTENT": bool,
     "SPLIT_TAIL": bool,
     "PAIRED": bool,
+    "DETERMINISTIC": bool,  # the GPU backward: bitwise reproducible dQ/dK/dV (docs/backward.md)
 }
 
 _warned_no_gpu_kernel = False
@@ -260,8 +261,15 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               f"kernels do not return the row max for {query.dtype}; ask for "
                               f"lse only, or run float32 / CPU tensors (exact path) for it")
     if compiled:
+        from .autograd import differentiable_attention, needs_grad
         from .gpu_flex import gpu_flex_attention
 
+        if needs_grad(query, key, value, bindings):  # training: the GPU backward (autograd.py)
+            out, lse = differentiable_attention(query, key, value, ir, bindings,
+                                                block_mask=block_mask, scale=scale,
+                                                enable_gqa=enable_gqa,
+                                                kernel_options=kernel_options)
+            return finish(out, lse if want_lse else None, None, return_lse, return_aux)
         out, lse = gpu_flex_attention(query, key, value, ir, bindings, block_mask=block_mask,
                                       scale=scale, enable_gqa=enable_gqa, return_lse=want_lse,
                                       kernel_options=kernel_options)

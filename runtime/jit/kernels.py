@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from attncc.codegen.generate import use_template_cache
-from attncc.codegen.tiles import KernelTiles
+from attncc.codegen.tiles import BackwardTiles, KernelTiles
 from attncc.errors import ResourceError
 from attncc.ir.program import VariantIR
 
@@ -55,7 +55,8 @@ __all__ = ["KINDS", "FA2_SPILL_BUDGET", "STRICT_ENV",
            "variant_key", "generate", "spill_budget", "compile_form", "compile_spec",
            "get_kernel", "check_resources", "clear_loaded", "KernelTiles"]
 
-KINDS = ("fa2_prefill", "fa3_prefill", "fa2_batch", "decode", "fa3_batch", "prepass", "merge")
+KINDS = ("fa2_prefill", "fa3_prefill", "fa2_batch", "decode", "fa3_batch", "prepass", "merge",
+         "fa2_backward")
 
 # Spill bytes (stores + loads, ptxas -v) an FA2 form may have before the prefill path falls back
 # to smaller tiles. One fragment per warp: none. Two: ptxas at the 255-register cap spills a few
@@ -88,6 +89,9 @@ class KernelSpec:
     `low_pressure` the FA3 forms; `fast_math` the hooks' math (the FA3 batch kernel uses the
     template's default); `forced` marks FA2 tiles the user gave (kernel_options): compiled as
     given, no fallback, no resource check; `device` the CUDA device (None: compile only).
+    "fa2_backward" takes `BackwardTiles`, `fallbacks` (the forms compile_spec tries after
+    them, attncc.codegen.tiles.backward_fallbacks) and `grad_tensors`, the captured tensors whose
+    gradients its CapturedGrad hook accumulates (docs/backward.md, "Kernels").
 
     Example:
         >>> a = KernelSpec("prepass", ir=VariantIR(name="x"), head_dim=64)
@@ -99,12 +103,14 @@ class KernelSpec:
     ir: VariantIR | None = field(default=None, compare=False, repr=False)
     head_dim: int = 0
     dtype: str = "bfloat16"
-    tiles: KernelTiles | None = None
+    tiles: KernelTiles | BackwardTiles | None = None
     paired: bool = False
     low_pressure: bool = False
     fast_math: bool = True
     forced: bool = False
     device: int | None = None
+    grad_tensors: tuple[str, ...] = ()
+    fallbacks: tuple[BackwardTiles, ...] = ()
     ir_key: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -128,6 +134,7 @@ class Generated:
     threads: int
     smem_bytes: int  # dynamic shared memory to request
     config: LaunchConfig | None  # the attention kernels' tiles as launched
+    grads_layout: Any = None  # a backward kernel's VariantGrads_<name> (its third argument)
 
 
 # ------------------------------------------------------------------------------- generate
@@ -169,6 +176,18 @@ def _prepass(spec: KernelSpec) -> Generated:
                      gk.params_layout, gk.threads, 0, None)
 
 
+def _fa2_backward(spec: KernelSpec) -> Generated:
+    from attncc.codegen.generate import generate_source
+
+    t = spec.tiles
+    gk = generate_source(spec.ir, head_dim=spec.head_dim, dtype=spec.dtype, kernel="fa2bwd",
+                         fast_math=spec.fast_math, tiles=t, grad_tensors=spec.grad_tensors)
+    cfg = LaunchConfig(spec.head_dim, t.tq, t.tkv, t.stages, 1, gk.threads // 32, gk.threads,
+                       gk.shared_mem_bytes)
+    return Generated(spec, gk.source, gk.kernel_name, gk.attention_params_layout,
+                     gk.params_layout, gk.threads, gk.shared_mem_bytes, cfg, gk.grads_layout)
+
+
 def _merge(spec: KernelSpec) -> Generated:
     from attncc.codegen.merge_state import merge_state_source
 
@@ -178,7 +197,7 @@ def _merge(spec: KernelSpec) -> Generated:
 
 _GENERATORS: dict[str, Callable[[KernelSpec], Generated]] = {
     "fa2_prefill": _fa2, "fa2_batch": _fa2, "decode": _fa2, "fa3_prefill": _fa3,
-    "fa3_batch": _fa3, "prepass": _prepass, "merge": _merge}
+    "fa3_batch": _fa3, "prepass": _prepass, "merge": _merge, "fa2_backward": _fa2_backward}
 
 
 def generate(spec: KernelSpec) -> Generated:
@@ -353,6 +372,19 @@ def _fa2_fallback(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -> Com
     raise AssertionError("unreachable: the last tile returns")
 
 
+def _backward_fallback(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -> CompiledForm:
+    """The backward form of `spec.tiles`, then each of `spec.fallbacks`, until ptxas reports
+    neither spills nor a stack frame (its forms sit a few registers under 255 and which one fits
+    depends on the hooks: docs/backward.md, "Kernels"); the last one otherwise."""
+    forms = (spec.tiles, *spec.fallbacks)
+    for i, tiles in enumerate(forms):
+        form = compile_form(replace(spec, tiles=tiles, fallbacks=()), arch)
+        trail.append(form)
+        if (form.spill_bytes == 0 and stack_frame(form.result.log) == 0) or i == len(forms) - 1:
+            return form
+    raise AssertionError("unreachable: the last form returns")
+
+
 def _fa3_low_pressure(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -> CompiledForm:
     """The form as it is and, if it spills or loses its wgmma pipeline, its low-pressure form,
     kept only if that does better."""
@@ -389,6 +421,8 @@ def compile_spec(spec: KernelSpec, arch: str,
     trail = trail if trail is not None else []
     if spec.kind == "fa2_prefill" and spec.tiles is not None:
         return _fa2_fallback(spec, arch, trail)
+    if spec.kind == "fa2_backward":
+        return _backward_fallback(spec, arch, trail)
     if spec.kind in ("fa3_prefill", "fa3_batch"):
         return _fa3_fallback(spec, arch, trail)
     form = compile_form(spec, arch)
@@ -549,7 +583,8 @@ def _load(spec: KernelSpec) -> LoadedKernel:
     form = compile_spec(replace(spec, ir=ir), arch)
     gen = form.gen
     kl = load_kernel(form.result.cubin, gen.kernel_name, gen.attention_layout, gen.params_layout,
-                     device=spec.device, dynamic_smem=gen.smem_bytes)
+                     device=spec.device, dynamic_smem=gen.smem_bytes,
+                     grads_layout=gen.grads_layout)
     merge = None
     if spec.kind in ("fa2_batch", "decode", "fa3_batch"):
         merge = load_kernel(form.result.cubin, gen.kernel_name + "_merge", gen.attention_layout,

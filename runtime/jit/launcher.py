@@ -262,13 +262,14 @@ class KernelLauncher:
     `launch(grid, block, smem, ap_flat, vp_flat, stream=None)` packs the two flat tuples (see
     `StructPacker.flatten`) and launches on `stream` (an int CUstream handle; None = torch's
     current stream for the device). A kernel with one argument struct has `params_layout=None`
-    (`vp` is then None and `vp_flat` is ignored). Thread-safe: packing and launching happen under
+    (`vp` is then None and `vp_flat` is ignored). A backward kernel has a third struct,
+    `grads_layout` (VariantGrads_<name>), packed from `gp_flat`. Thread-safe: packing and launching happen under
     a lock, since the argument buffers are shared (the driver copies them during
     cuLaunchKernel).
     """
 
     def __init__(self, cubin: bytes, kernel_name: str, attention_layout: Any, params_layout: Any,
-                 *, device: int = 0, dynamic_smem: int = 0) -> None:
+                 *, device: int = 0, dynamic_smem: int = 0, grads_layout: Any = None) -> None:
         drv = driver()
         self.kernel_name = kernel_name
         self.device = device
@@ -292,6 +293,10 @@ class KernelLauncher:
         # a kernel of one argument struct (the merge-state kernel) has no VariantParams
         self.vp = StructPacker(params_layout) if params_layout is not None else None
         addrs = (self.ap.address,) if self.vp is None else (self.ap.address, self.vp.address)
+        # a backward kernel's third argument (kernels/fa2/fa2_backward.cuh)
+        self.gp = StructPacker(grads_layout) if grads_layout is not None else None
+        if self.gp is not None:
+            addrs += (self.gp.address,)
         self._args = (ctypes.c_void_p * len(addrs))(*addrs)
         self._args_addr = ctypes.addressof(self._args)
         self._lock = threading.Lock()
@@ -359,7 +364,7 @@ class KernelLauncher:
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
                ap_flat: Sequence[Any], vp_flat: Sequence[Any], stream: int | None = None,
-               pdl: bool = False, cluster: int = 1) -> None:
+               pdl: bool = False, cluster: int = 1, gp_flat: Sequence[Any] | None = None) -> None:
         """Pack both argument structs and launch. `stream`: CUstream handle (None: torch's).
 
         `pdl=True` launches with programmatic stream serialization (sm_90+; ignored below): the
@@ -381,6 +386,11 @@ class KernelLauncher:
             self.ap.pack_values_fast(ap_flat)
             if self.vp is not None:
                 self.vp.pack_values_fast(vp_flat)
+            if self.gp is not None:
+                if gp_flat is None:
+                    raise LaunchError(f"{self.kernel_name} takes a VariantGrads struct: pass "
+                                      f"gp_flat")
+                self.gp.pack_values_fast(gp_flat)
             if pdl or cluster > 1:
                 cfg = self._ex_config(grid, block, smem, stream, pdl, cluster)
                 err, = driver().cuLaunchKernelEx(cfg, self.function, self._args_addr, 0)
@@ -406,7 +416,8 @@ class KernelLauncher:
 
 
 def load_kernel(cubin: bytes, kernel_name: str, attention_layout: Any, params_layout: Any, *,
-                device: int = 0, dynamic_smem: int = 0) -> KernelLauncher:
+                device: int = 0, dynamic_smem: int = 0,
+                grads_layout: Any = None) -> KernelLauncher:
     """A `KernelLauncher` for `kernel_name` in `cubin` on `device` (module loaded once per device).
 
     Example:
@@ -416,4 +427,4 @@ def load_kernel(cubin: bytes, kernel_name: str, attention_layout: Any, params_la
         ...                      ck.params_layout)
     """
     return KernelLauncher(cubin, kernel_name, attention_layout, params_layout, device=device,
-                          dynamic_smem=dynamic_smem)
+                          dynamic_smem=dynamic_smem, grads_layout=grads_layout)

@@ -1,0 +1,179 @@
+"""`attncc.flex_attention` differentiable on CUDA: a torch.autograd.Function around the GPU
+forward (which saves only O and the LSE) and the FA2-class backward kernel (backward.py).
+
+A variant's query/key/value/output transforms are per-row elementwise: they run in torch on the
+IR evaluator (attncc.ir.evaluator), so torch's autograd differentiates them, and the attention
+in between runs on the materialized q/k/v with the transform hooks removed. Captured tensors
+that the score_mod reads and that require grad get their gradient from the kernel's CapturedGrad
+hook (fp32 buffers, cast to the tensor's dtype). docs/backward.md, "Kernels", has the design.
+
+Example (no GPU needed to strip the transforms):
+    >>> import torch, attncc
+    >>> ir, _ = attncc.Variant(key_mod=lambda k, b, h, kv, d: k[d] * 2,
+    ...                        mask_mod=lambda b, h, q, kv: q >= kv).trace()
+    >>> sorted(attention_ir(ir).hooks)
+    ['mask_mod']
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from attncc.ir.nodes import walk
+from attncc.ir.program import Bindings, VariantIR
+
+__all__ = ["TRANSFORM_HOOKS", "attention_ir", "needs_grad", "differentiable_attention"]
+
+TRANSFORM_HOOKS = ("query_mod", "key_mod", "value_mod", "output_mod")
+
+
+def attention_ir(ir: VariantIR) -> VariantIR:
+    """`ir` without its transform hooks (the same object when it has none)."""
+    if not any(h in ir.hooks for h in TRANSFORM_HOOKS):
+        return ir
+    return VariantIR(hooks={n: h for n, h in ir.hooks.items() if n not in TRANSFORM_HOOKS},
+                     normalize=ir.normalize, name=ir.name, scalars=ir.scalars,
+                     tensors=ir.tensors)
+
+
+def needs_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               bindings: Bindings) -> bool:
+    """Whether this call must record a graph: grad mode on and an input or a captured tensor
+    requires grad."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t.requires_grad for t in (query, key, value)) or any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in bindings.tensors.values())
+
+
+def _score_grad_tensors(ir: VariantIR, bindings: Bindings) -> tuple[str, ...]:
+    """The captured tensors the score_mod or mask_mod reads that require grad (a mask's raise
+    DifferentiationError in check_grad_tensors)."""
+    read: set[str] = set()
+    for hook in ("score_mod", "mask_mod"):
+        if hook in ir.hooks:
+            read |= {n.attr for n in walk(ir.expr(hook)) if n.op == "load"}
+    return tuple(t.name for t in ir.tensors if t.name in read
+                 and isinstance(bindings.tensors.get(t.name), torch.Tensor)
+                 and bindings.tensors[t.name].requires_grad)
+
+
+def _index(n: int, dim: int, device: torch.device) -> torch.Tensor:
+    shape = [1, 1, 1, 1]
+    shape[dim] = n
+    return torch.arange(n, device=device).view(shape)
+
+
+def _transform(ir: VariantIR, hook: str, vec: str, pos: str, x: torch.Tensor,
+               bindings: Bindings) -> torch.Tensor:
+    """A transform hook on a [B, H, S, D] tensor in fp32 (recorded by autograd), rounded to
+    x's dtype as the forward kernel rounds it into shared memory; x itself when absent."""
+    if hook not in ir.hooks or ir.hook(hook).is_identity:
+        return x
+    from attncc.ir.evaluator import evaluate
+
+    B, H, S, D = x.shape
+    dev = x.device
+    env = {vec: x.float(), "b": _index(B, 0, dev), "h": _index(H, 1, dev),
+           pos: _index(S, 2, dev), "d": _index(D, 3, dev)}
+    tensors = {n: t.to(dev) for n, t in bindings.tensors.items()}
+    r = evaluate(ir.expr(hook), env, tensors, dict(bindings.scalars), torch.float32)
+    return r.expand(B, H, S, D).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What the autograd Function needs besides its tensor inputs."""
+
+    ir: VariantIR  # no transforms
+    bindings: Bindings
+    block_mask: Any
+    scale: float | None
+    enable_gqa: bool
+    kernel_options: Mapping[str, Any] | None
+    grad_tensors: tuple[str, ...]
+
+
+class _Attention(torch.autograd.Function):
+    """(q, k, v, *captured tensors requiring grad) -> (out, lse); lse is empty for normalize
+    none. Saves q, k, v, out and lse: nothing of size S^2."""
+
+    @staticmethod
+    def forward(ctx: Any, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                *grad_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from .gpu_flex import gpu_flex_attention
+
+        out, lse = gpu_flex_attention(q, k, v, call.ir, call.bindings,
+                                      block_mask=call.block_mask, scale=call.scale,
+                                      enable_gqa=call.enable_gqa,
+                                      return_lse=call.ir.use_softmax,
+                                      kernel_options=call.kernel_options)
+        ctx.call = call
+        ctx.save_for_backward(q, k, v, out, lse if lse is not None else out.new_empty(0))
+        if lse is None:
+            lse = out.new_empty(0, dtype=torch.float32)
+            ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        call: _Call = ctx.call
+        res = _run(call, q, k, v, out, lse if call.ir.use_softmax else None, dout,
+                   dlse if call.ir.use_softmax else None)
+        return (None, res.dq, res.dk, res.dv, *(res.captured[n] for n in call.grad_tensors))
+
+
+def _run(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+         lse: torch.Tensor | None, dout: torch.Tensor, dlse: torch.Tensor | None) -> Any:
+    """The backward launch for one saved forward: the forward's plan (merged mask, lists),
+    captured reads clamped as the forward's, then backward.run_backward."""
+    from attncc.ir.analysis import Shapes
+
+    from .backward import default_scale, run_backward
+    from .gpu_flex import _clamped, plan_launch
+
+    pl = plan_launch(q, k, v, call.ir, call.bindings, block_mask=call.block_mask,
+                     enable_gqa=call.enable_gqa, kernel_options=call.kernel_options)
+    bindings = pl.bindings
+    B, Hq, Sq, D = q.shape
+    shapes = Shapes(B, Hq, k.shape[1], Sq, k.shape[2], D, v.shape[-1])
+    ir, sizes = _clamped(pl.ir, shapes, dict(bindings.tensors), bindings.scalars,
+                         call.block_mask)
+    if sizes:
+        bindings = Bindings({**bindings.scalars, **sizes}, bindings.tensors)
+    opts = call.kernel_options or {}
+    return run_backward(q, k, v, out, lse, dout, dlse, ir, bindings, pl.mask,
+                        scale=default_scale(D, call.scale), grad_tensors=call.grad_tensors,
+                        device=pl.device, fast_math=opts.get("FAST_MATH", True),
+                        deterministic=bool(opts.get("DETERMINISTIC", False)))
+
+
+def differentiable_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             ir: VariantIR, bindings: Bindings, *, block_mask: Any = None,
+                             scale: float | None = None, enable_gqa: bool = False,
+                             kernel_options: Mapping[str, Any] | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(out, lse or None)` of a traced variant on CUDA with a graph torch's autograd can
+    differentiate: transforms on the evaluator, attention through `_Attention`. Errors (a mask
+    reading a tensor that requires grad) are raised before anything launches."""
+    from attncc.ir.autodiff import check_grad_tensors
+
+    from attncc.errors import InvalidArgument
+
+    attn = attention_ir(ir)
+    names = check_grad_tensors(attn, _score_grad_tensors(attn, bindings))
+    if names and (kernel_options or {}).get("DETERMINISTIC", False):
+        raise InvalidArgument(f"kernel_options['DETERMINISTIC']=True with captured tensors that "
+                              f"require grad ({', '.join(names)}): their gradients are "
+                              f"accumulated with atomics in any order; detach them, or drop "
+                              f"DETERMINISTIC")
+    q = _transform(ir, "query_mod", "q", "q_idx", query, bindings)
+    k = _transform(ir, "key_mod", "k", "kv_idx", key, bindings)
+    v = _transform(ir, "value_mod", "v", "kv_idx", value, bindings)
+    call = _Call(attn, bindings, block_mask, scale, enable_gqa, kernel_options, names)
+    out, lse = _Attention.apply(call, q, k, v, *(bindings.tensors[n] for n in names))
+    out = _transform(ir, "output_mod", "o", "q_idx", out, bindings)
+    return out, (lse if ir.use_softmax else None)

@@ -1,0 +1,188 @@
+"""The FA2-class backward launch (kernels/fa2/fa2_backward.cuh): the block mask's KV-major lists,
+BackwardParams, the captured tensors' fp32 gradient buffers, and the launch.
+
+`run_backward` takes what the forward saved (materialized q/k/v, the output and its LSE) and
+the output's gradient, and returns dq, dk, dv and the gradients of the captured tensors named in
+`grad_tensors`. docs/backward.md, "Kernels", is the design note.
+
+Example (the KV-major lists need no GPU):
+    >>> import torch
+    >>> num = torch.tensor([[[1, 2]]], dtype=torch.int32)          # q block 0: kv 0; 1: kv 0, 1
+    >>> idx = torch.tensor([[[[0, 0], [0, 1]]]], dtype=torch.int32)
+    >>> qn, qi, _, _ = kv_major_lists(num, idx, None, None, n_kv_blocks=3)
+    >>> qn.tolist(), qi[0, 0, :, :].tolist()
+    ([[[2, 1, 0]]], [[0, 1], [1, 0], [0, 0]])
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from attncc.codegen.tiles import BackwardTiles, backward_fallbacks, backward_tiles
+from attncc.errors import InvalidArgument
+from attncc.ir.program import Bindings, VariantIR
+
+from ..jit.kernels import KernelSpec, get_kernel
+from ..jit.launch_args import captured
+from .block_mask import kv_major_blocks
+
+__all__ = ["kv_major_lists", "BackwardResult", "run_backward"]
+
+
+def _padded(q_num: torch.Tensor, q_idx: torch.Tensor, n_kv_blocks: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists with a row for every KV block a CTA can own: a mask narrower than the keys lists
+    nothing for the blocks past its width (the forward skips them too)."""
+    extra = n_kv_blocks - q_num.shape[-1]
+    if extra <= 0:
+        return q_num, q_idx
+    return (torch.nn.functional.pad(q_num, (0, extra)),
+            torch.nn.functional.pad(q_idx, (0, 0, 0, extra)))
+
+
+def kv_major_lists(num: torch.Tensor, idx: torch.Tensor, fnum: torch.Tensor | None,
+                   fidx: torch.Tensor | None, n_kv_blocks: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The launch's (possibly folded: gpu_flex._mask_args) Q-major lists transposed for the
+    backward (block_mask.kv_major_blocks), partial and full, with a row per KV block of the keys.
+    """
+    qn, qi = _padded(*kv_major_blocks(num, idx), n_kv_blocks)
+    if fnum is None:
+        return qn, qi, None, None
+    fqn, fqi = _padded(*kv_major_blocks(fnum, fidx), n_kv_blocks)
+    return qn, qi, fqn, fqi
+
+
+def _bstrides(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(0 if s == 1 else st for s, st in zip(t.shape, t.stride()))
+
+
+@dataclass
+class BackwardResult:
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    captured: dict[str, torch.Tensor]  # gradient of each captured tensor named in grad_tensors
+
+
+def _mask_params(mask: Any, tiles: BackwardTiles, kv_len: int) -> tuple[dict[str, Any], tuple]:
+    """BackwardParams' block-mask members (all 0 without a mask) and the lists they point to."""
+    zero = {"q_num_blocks": 0, "q_indices": 0, "full_q_num_blocks": 0, "full_q_indices": 0,
+            "qm_stride_b": 0, "qm_stride_h": 0, "qi_stride_b": 0, "qi_stride_h": 0,
+            "qi_stride_kv": 0, "block_q": 0, "block_kv": 0}
+    if mask is None:
+        return zero, ()
+    if mask.block_kv % tiles.tkv or mask.block_q % tiles.tq:
+        raise InvalidArgument(f"block_mask has BLOCK_SIZE ({mask.block_q}, {mask.block_kv}); the "
+                              f"GPU backward needs multiples of ({tiles.tq}, {tiles.tkv}): "
+                              f"create the block mask with BLOCK_SIZE=128")
+    n_kvb = -(-kv_len // mask.block_kv)
+    qn, qi, fqn, fqi = kv_major_lists(mask.num, mask.idx, mask.fnum, mask.fidx, n_kvb)
+    nb, ix = _bstrides(qn), _bstrides(qi)
+    zero.update(q_num_blocks=qn.data_ptr(), q_indices=qi.data_ptr(),
+                full_q_num_blocks=fqn.data_ptr() if fqn is not None else 0,
+                full_q_indices=fqi.data_ptr() if fqi is not None else 0,
+                qm_stride_b=nb[0], qm_stride_h=nb[1], qi_stride_b=ix[0], qi_stride_h=ix[1],
+                qi_stride_kv=qi.stride(2), block_q=mask.block_q, block_kv=mask.block_kv)
+    return zero, (qn, qi, fqn, fqi)
+
+
+def _strides(prefix: str, t: torch.Tensor) -> dict[str, int]:
+    return {f"{prefix}_stride_b": t.stride(0), f"{prefix}_stride_h": t.stride(1),
+            f"{prefix}_stride_s": t.stride(2)}
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """`t` with a contiguous, 16-byte aligned head dim and row strides the 16-byte loads take."""
+    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+          and all(s % 8 == 0 for s in t.stride()[:-1]))
+    return t if ok else t.contiguous()
+
+
+def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor | None, dout: torch.Tensor,
+                 dlse: torch.Tensor | None, ir: VariantIR, bindings: Bindings, mask: Any, *,
+                 scale: float, grad_tensors: Sequence[str] = (), device: int,
+                 fast_math: bool = True, deterministic: bool = False) -> BackwardResult:
+    """dq, dk, dv (and captured gradients) of attention `ir` (no q/k/v/output transforms; its
+    mask_mod already merged with the block mask's, `mask` the forward's lists: gpu_flex's plan).
+    `lse` is the forward's (None for normalize none); `dlse` the LSE's gradient or None.
+    `deterministic`: one launch per KV tile, in order, so every dQ element takes at most one
+    atomic add per launch and the sum's order is fixed (docs/backward.md, "Kernels")."""
+    if deterministic and grad_tensors:
+        raise InvalidArgument(f"kernel_options['DETERMINISTIC']=True with captured tensors that "
+                              f"require grad ({', '.join(grad_tensors)}): their gradients are "
+                              f"accumulated with atomics in any order; detach them, or drop "
+                              f"DETERMINISTIC")
+    B, Hq, Sq, D = query.shape
+    Hkv, Skv = key.shape[1], key.shape[2]
+    if 0 in (B, Hq, Sq, Skv):  # nothing attends to anything: every gradient is 0, no launch
+        return BackwardResult(torch.zeros_like(query), torch.zeros_like(key),
+                              torch.zeros_like(value),
+                              {n: torch.zeros_like(bindings.tensors[n]) for n in grad_tensors})
+    dtype = "bfloat16" if query.dtype == torch.bfloat16 else "float16"
+    forms = backward_fallbacks(D, mask.block_kv if mask is not None else None)
+    mvals, keep = _mask_params(mask, forms[0] if forms else backward_tiles(D), Skv)
+    kern = get_kernel(KernelSpec("fa2_backward", ir=ir, head_dim=D, dtype=dtype, tiles=forms[0],
+                                 fast_math=fast_math, device=device,
+                                 grad_tensors=tuple(grad_tensors), fallbacks=forms[1:]))
+    tkv = kern.config.tkv  # the form the kernel cache compiled
+    dev = query.device
+    q, k, v, do = (_dense(t) for t in (query, key, value, dout))
+    dq_acc = torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=dev)
+    dk = torch.empty(key.shape, dtype=key.dtype, device=dev)
+    dv = torch.empty(value.shape, dtype=value.dtype, device=dev)
+    delta = None
+    if lse is not None:  # softmax: delta = rowsum(dO * O) - dLSE (docs/backward.md, Kernels)
+        lse = lse.contiguous()
+        delta = (do.float() * out.float()).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.float()
+        delta = delta.contiguous()
+    bufs = {n: torch.zeros(bindings.tensors[n].shape, dtype=torch.float32, device=dev)
+            for n in grad_tensors}
+    args = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "dout": do.data_ptr(),
+            "lse": lse.data_ptr() if lse is not None else 0,
+            "delta": delta.data_ptr() if delta is not None else 0,
+            "dq_accum": dq_acc.data_ptr(), "dk": dk.data_ptr(), "dv": dv.data_ptr(),
+            **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", do),
+            **_strides("dq", dq_acc), **_strides("dk", dk), **_strides("dv", dv),
+            "lse_stride_b": Hq * Sq, "lse_stride_h": Sq,
+            "batch": B, "num_q_heads": Hq, "num_kv_heads": Hkv, "q_len": Sq, "kv_len": Skv,
+            "sm_scale": scale, **mvals, "kv_tile0": 0}
+    n_tiles = -(-Skv // tkv)
+    if deterministic:
+        for t in range(n_tiles):
+            _launch(kern, {**args, "kv_tile0": t}, ir, bindings, bufs, dev, (1, Hkv, B))
+    else:
+        _launch(kern, args, ir, bindings, bufs, dev, (n_tiles, Hkv, B))
+    del keep  # the lists stay alive until the launch is enqueued
+    # on each tensor's own device: a captured CPU tensor's kernel reads a device copy
+    grads = {n: bufs[n].to(device=bindings.tensors[n].device, dtype=bindings.tensors[n].dtype)
+             for n in grad_tensors}
+    return BackwardResult(dq_acc.to(query.dtype), dk, dv, grads)
+
+
+def _launch(kern: Any, args: Mapping[str, Any], ir: VariantIR, bindings: Bindings,
+            bufs: Mapping[str, torch.Tensor], dev: torch.device,
+            grid: tuple[int, int, int]) -> None:
+    """Pack BackwardParams, the captured values and the gradient buffers; launch on torch's
+    current stream."""
+    from attncc.codegen.generate import variant_param_values
+    from attncc.codegen.layout import variant_grad_values
+
+    kl, cfg = kern.launcher, kern.config
+    values = captured(ir, bindings, dev)
+    vp = variant_param_values(kl.vp.layout, values["scalars"], values["tensors"])
+    gp = variant_grad_values(kl.gp.layout, {n: (b.data_ptr(), list(b.stride()))
+                                            for n, b in bufs.items()})
+    kl.launch(grid, (cfg.threads, 1, 1), cfg.smem_bytes, kl.ap.flatten(args), kl.vp.flatten(vp),
+              stream=torch.cuda.current_stream(dev).cuda_stream, gp_flat=kl.gp.flatten(gp))
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    """The softmax scale the forward used: `scale`, or 1/sqrt(head_dim)."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)

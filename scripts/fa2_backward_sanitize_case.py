@@ -1,0 +1,80 @@
+"""Small FA2-class backward launches for compute-sanitizer (memcheck, racecheck): each checked
+against torch's autograd through the fp64 reference, so a clean sanitizer log comes from
+launches that also computed the right gradients.
+
+    compute-sanitizer --tool memcheck --report-api-errors no python -m scripts.fa2_backward_sanitize_case
+    compute-sanitizer --tool racecheck python -m scripts.fa2_backward_sanitize_case dense64
+
+Arguments pick parts (default: all): dense64, dense128, dense256 (odd lengths: a partial last
+query tile and KV tile; GQA 2; a causal block mask with partial and full blocks; a softcap
+score_mod), bias (a learnable relative-bias table: CapturedGrad's atomics), sigmoid
+(normalize none), deterministic (one launch per KV tile). Racecheck instruments every
+shared-memory access: run one part under it. The kernel: kernels/fa2/fa2_backward.cuh;
+docs/backward.md, "Kernels".
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+import attncc
+from attncc.gym import causal
+from attncc.runtime.reference import attention_reference
+
+
+def _softcap(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+    return 20.0 * torch.tanh(s / 20.0)
+
+
+def _case(name: str, variant: attncc.Variant, d: int, *, hq: int = 4, hkv: int = 2,
+          sq: int = 197, skv: int = 263, block_mask: Any = None,
+          extra: dict[str, torch.Tensor] | None = None, options: dict | None = None) -> None:
+    g = torch.Generator(device="cuda").manual_seed(d)
+    q = torch.randn(1, hq, sq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, hkv, skv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, hkv, skv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    extra = extra or {}
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    out = attncc.flex_attention(q, k, v, score_mod=variant, block_mask=block_mask,
+                                enable_gqa=hq != hkv, kernel_options=options)
+    do = torch.randn(out.shape, device="cuda", generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out.double() * do).sum(), [*leaves, *extra.values()])
+    ref64 = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ir, bind = variant.trace()
+    ref, _ = attention_reference(*ref64, ir, bind, block_mask=block_mask, enable_gqa=hq != hkv)
+    want = torch.autograd.grad((ref * do).sum(), [*ref64, *extra.values()])
+    torch.cuda.synchronize()
+    for n, a, b in zip(["dq", "dk", "dv", *extra], got, want):
+        err = float((a.double() - b).norm() / b.norm())
+        ok = err < 2e-2 and not torch.isnan(a).any()
+        print(f"{name}: {n} rel err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+        if not ok:
+            raise SystemExit(1)
+
+
+def main(parts: list[str]) -> None:
+    S = 263
+    bm = attncc.create_block_mask(causal, None, None, 197, S, device="cuda")
+    for d in (64, 128, 256):
+        if f"dense{d}" in parts:
+            _case(f"dense{d}", attncc.Variant(score_mod=_softcap), d, block_mask=bm)
+    if "bias" in parts:
+        bias = torch.randn(4, 197 + S - 1, device="cuda").mul_(0.5).requires_grad_(True)
+
+        def rel(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+            return s + bias[h, q - kv + S - 1]
+
+        _case("bias", attncc.Variant(score_mod=rel, mask_mod=causal), 64, extra={"bias": bias})
+    if "sigmoid" in parts:
+        _case("sigmoid", attncc.Variant(score_mod=lambda s, b, h, q, kv: torch.sigmoid(s - 2),
+                                        normalize="none"), 128)
+    if "deterministic" in parts:
+        _case("deterministic", attncc.Variant(mask_mod=causal), 128,
+              options={"DETERMINISTIC": True})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["dense64", "dense128", "dense256", "bias", "sigmoid",
+                          "deterministic"])

@@ -1,0 +1,333 @@
+"""The GPU backward (kernels/fa2/fa2_backward.cuh through runtime/flex/autograd.py): dQ, dK, dV
+and captured tensors' gradients of `attncc.flex_attention` on CUDA bf16/fp16 against torch's
+autograd through the fp64 reference (runtime/reference.py) on the same inputs. Fresh random
+inputs per test; relative Frobenius error < 2e-2 (bf16) and no NaN; each gradient is its own
+assertion (and, in the smoke tests, its own test) so a failure names dQ, dK or dV.
+
+Run the smoke subset first: `python -m pytest tests/gpu/test_backward_gpu.py -k smoke`.
+docs/backward.md, "Kernels", is the design."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import attncc
+from attncc.errors import InvalidArgument
+from attncc.gym import GYM, causal
+from attncc.runtime.reference import attention_reference
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
+_SEED = [0]
+
+
+def _gen() -> torch.Generator:
+    _SEED[0] += 1
+    return torch.Generator(device="cuda").manual_seed(1000 + _SEED[0])
+
+
+def _rel(name: str, got: torch.Tensor, ref: torch.Tensor) -> float:
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(got).any(), f"{name}: NaN in the gradient"
+    den = ref.double().norm()
+    num = (got.double() - ref.double()).norm()
+    return float(num / den) if float(den) > 0 else float(num)
+
+
+def _grads(variant: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           extra: dict[str, torch.Tensor], *, block_mask: Any = None, scale: float | None = None,
+           enable_gqa: bool = False, with_lse: bool = False,
+           kernel_options: dict | None = None) -> dict[str, torch.Tensor]:
+    """Gradients of <out, dO> (+ <lse, dLSE>) w.r.t. q, k, v and `extra` (captured leaves),
+    through attncc's GPU path; dO / dLSE fixed by the test's generator."""
+    res = attncc.flex_attention(q, k, v, score_mod=variant, block_mask=block_mask, scale=scale,
+                                enable_gqa=enable_gqa, return_lse=with_lse,
+                                kernel_options=kernel_options)
+    out, lse = res if with_lse else (res, None)
+    assert out.grad_fn is not None, "the CUDA output has no grad_fn"
+    g = torch.Generator(device="cuda").manual_seed(7)
+    loss = (out.double() * torch.randn(out.shape, device="cuda", generator=g,
+                                       dtype=torch.float64)).sum()
+    if lse is not None:
+        loss = loss + (lse.double() * torch.randn(lse.shape, device="cuda", generator=g,
+                                                  dtype=torch.float64)).sum()
+    names = ["dq", "dk", "dv", *(f"d{n}" for n in extra)]
+    got = torch.autograd.grad(loss, [q, k, v, *extra.values()], allow_unused=True)
+    return {n: (t if t is not None else torch.zeros(()))
+            for n, t in zip(names, got)}
+
+
+def _ref_grads(variant: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               extra: dict[str, torch.Tensor], *, block_mask: Any = None,
+               scale: float | None = None, enable_gqa: bool = False,
+               with_lse: bool = False) -> dict[str, torch.Tensor]:
+    """The same gradients through the fp64 reference on the same (rounded) inputs."""
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ir, bind = variant.trace()
+    out, lse = attention_reference(q64, k64, v64, ir, bind, block_mask=block_mask, scale=scale,
+                                   enable_gqa=enable_gqa, float_dtype=torch.float64)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    loss = (out * torch.randn(out.shape, device="cuda", generator=g, dtype=torch.float64)).sum()
+    if with_lse:
+        loss = loss + (lse * torch.randn(lse.shape, device="cuda", generator=g,
+                                         dtype=torch.float64)).sum()
+    names = ["dq", "dk", "dv", *(f"d{n}" for n in extra)]
+    got = torch.autograd.grad(loss, [q64, k64, v64, *extra.values()], allow_unused=True)
+    return {n: (t if t is not None else torch.zeros(())) for n, t in zip(names, got)}
+
+
+def _qkv(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, D: int,
+         dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
+    g = _gen()
+    q = torch.randn(B, Hq, Sq, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, Hkv, Skv, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, Hkv, Skv, D, device="cuda", dtype=dtype, generator=g)
+    return tuple(t.requires_grad_(True) for t in (q, k, v))
+
+
+def _check(variant: Any, shape: tuple[int, ...], *, extra: dict[str, torch.Tensor] | None = None,
+           dtype: torch.dtype = torch.bfloat16, only: tuple[str, ...] | None = None,
+           **kw: Any) -> dict[str, float]:
+    """Run both paths on fresh inputs of `shape` = (B, Hq, Hkv, Sq, Skv, D) and assert every
+    gradient (or those in `only`) is within tolerance; returns the errors."""
+    B, Hq, Hkv, Sq, Skv, D = shape
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Skv, D, dtype)
+    extra = extra or {}
+    kw.setdefault("enable_gqa", Hq != Hkv)
+    got = _grads(variant, q, k, v, extra, **kw)
+    kw.pop("kernel_options", None)
+    want = _ref_grads(variant, q, k, v, extra, **kw)
+    errs = {n: _rel(n, got[n], want[n]) for n in (only or tuple(got))}
+    bad = {n: e for n, e in errs.items() if not e < TOL[dtype]}
+    assert not bad, f"relative error over {TOL[dtype]}: {bad} (all: {errs})"
+    return errs
+
+
+def _mod(score_mod: Callable | None = None, mask_mod: Callable | None = None,
+         normalize: str = "softmax") -> attncc.Variant:
+    return attncc.Variant(score_mod=score_mod, mask_mod=mask_mod, normalize=normalize)
+
+
+def _softcap(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+    return 20.0 * torch.tanh(s / 20.0)
+
+
+# ------------------------------------------------------------------------------------ smoke
+@pytest.mark.parametrize("grad", ["dv", "dk", "dq"])
+@pytest.mark.parametrize("variant", ["noop", "causal"])
+def test_smoke_tiny(grad: str, variant: str) -> None:
+    """One tile each way, then a partial tile: (1, 1, 1, 64, 64, 64) and odd 100 x 100."""
+    v = _mod() if variant == "noop" else _mod(mask_mod=causal)
+    _check(v, (1, 1, 1, 64, 64, 64), only=(grad,))
+    _check(v, (1, 1, 1, 100, 100, 64), only=(grad,))
+
+
+@pytest.mark.parametrize("grad", ["dv", "dk", "dq"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_smoke_head_dims(grad: str, d: int) -> None:
+    _check(_mod(mask_mod=causal), (1, 2, 2, 200, 200, d), only=(grad,))
+
+
+@pytest.mark.parametrize("grad", ["dv", "dk", "dq", "dbias"])
+def test_smoke_learnable_bias(grad: str) -> None:
+    """A learnable relative-position table: CapturedGrad's atomics into d(bias)."""
+    H, S = 2, 130
+    bias = (torch.randn(H, 2 * S - 1, device="cuda", generator=_gen()) * 0.5).requires_grad_()
+
+    def rel(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return s + bias[h, q - kv + S - 1]
+
+    _check(_mod(rel), (1, H, H, S, S, 64), extra={"bias": bias}, only=(grad,))
+
+
+def test_smoke_grad_fn_and_no_grad_path() -> None:
+    q, k, v = _qkv(1, 2, 2, 128, 128, 64)
+    out = attncc.flex_attention(q, k, v)
+    assert out.grad_fn is not None
+    out.float().sum().backward()
+    assert all(t.grad is not None and not torch.isnan(t.grad).any() for t in (q, k, v))
+    with torch.no_grad():
+        assert attncc.flex_attention(q, k, v).grad_fn is None
+
+
+# ------------------------------------------------------------------------------- the matrix
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("masked", [False, True])
+def test_head_dims_odd_lengths(d: int, masked: bool) -> None:
+    _check(_mod(mask_mod=causal if masked else None), (2, 3, 3, 333, 333, d))
+
+
+@pytest.mark.parametrize("sq,skv", [(200, 517), (517, 130), (1, 300), (70, 1)])
+def test_sq_differs_from_skv(sq: int, skv: int) -> None:
+    _check(_mod(_softcap), (1, 2, 2, sq, skv, 128))
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 1)])
+def test_gqa(hq: int, hkv: int) -> None:
+    """dK and dV sum the group's query heads inside one CTA (no atomics)."""
+    _check(_mod(_softcap, causal), (2, hq, hkv, 300, 300, 128))
+
+
+def test_scale() -> None:
+    _check(_mod(_softcap), (1, 2, 2, 256, 256, 64), scale=0.3)
+
+
+def test_fp16() -> None:
+    _check(_mod(mask_mod=causal), (1, 2, 2, 300, 300, 128), dtype=torch.float16)
+
+
+@pytest.mark.parametrize("name", sorted(GYM))
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_gym_variant(name: str, d: int) -> None:
+    """Every AttentionGym variant, including RoPE's query/key transforms (differentiated by
+    torch on the evaluator) and sigmoid attention (normalize none)."""
+    _check(GYM[name](2, 4, 384, d), (2, 4, 4, 384, 384, d))
+
+
+def _leaf(shape: tuple[int, ...], scale: float, shift: float = 0.0) -> torch.Tensor:
+    return (torch.randn(shape, device="cuda", generator=_gen()) * scale + shift).requires_grad_()
+
+
+def test_learnable_relative_bias_table_gqa_block_mask() -> None:
+    H, S = 8, 300
+    bias = _leaf((H, 2 * S - 1), 0.5)
+
+    def rel(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return s + bias[h, q - kv + S - 1]
+
+    bm = attncc.create_block_mask(causal, None, None, S, S, device="cuda")
+    _check(_mod(rel), (2, H, 2, S, S, 128), extra={"bias": bias}, block_mask=bm)
+
+
+def test_learnable_alibi_slopes() -> None:
+    H, S = 4, 300
+    slopes = _leaf((H,), 0.05, 0.1)
+
+    def alibi(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return s + slopes[h] * (kv - q)
+
+    _check(_mod(alibi, causal), (2, H, H, S, S, 64), extra={"slopes": slopes})
+
+
+def test_learnable_head_scale() -> None:
+    H, S = 4, 257
+    scales = _leaf((H,), 0.2, 1.0)
+
+    def head_scale(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return s * scales[h]
+
+    _check(_mod(head_scale), (1, H, H, S, S, 128), extra={"scales": scales})
+
+
+def test_learnable_t5_buckets() -> None:
+    H, S = 4, 300
+    table = _leaf((H, 32), 0.5)
+
+    def t5(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        rel = kv - q
+        side = torch.where(rel > 0, 16, 0)
+        dist = torch.abs(rel)
+        far = 8 + (torch.log(dist.float() / 8) / math.log(128 / 8) * 8).int()
+        bucket = side + torch.where(dist < 8, dist, torch.clamp(far, max=15))
+        return s + table[h, bucket]
+
+    _check(_mod(t5), (1, H, H, S, S, 64), extra={"table": table})
+
+
+def test_rope_key_mod_learnable_frequencies() -> None:
+    """RoPE as key_mod with a learnable frequency table: the transform's gradient, including the
+    table's, comes from torch's autograd on the evaluator."""
+    D, S = 64, 200
+    inv = _leaf((D // 2,), 0.01, 0.05)
+
+    def rope_k(k: Any, b: Any, h: Any, kv: Any, d: Any) -> Any:
+        i = d % (D // 2)
+        theta = kv * inv[i]
+        sign = torch.where(d < D // 2, -1, 1)
+        return k[d] * torch.cos(theta) + sign * k[(d + D // 2) % D] * torch.sin(theta)
+
+    _check(attncc.Variant(key_mod=rope_k, mask_mod=causal), (1, 2, 2, S, S, D),
+           extra={"inv": inv})
+
+
+def test_sigmoid_attention_normalize_none() -> None:
+    def sig(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return torch.sigmoid(s - 2.0)
+
+    _check(_mod(sig, causal, normalize="none"), (1, 2, 2, 300, 300, 128))
+
+
+@pytest.mark.parametrize("mask", ["causal", "sliding", "document"])
+def test_block_masks(mask: str) -> None:
+    """Partial and full blocks (the mask_mod only on partial ones) and skipped blocks, through
+    the KV-major lists."""
+    S = 700
+    if mask == "causal":
+        fn = causal
+    elif mask == "sliding":
+        def fn(b: Any, h: Any, q: Any, kv: Any) -> Any:
+            return (q >= kv) & (q - kv <= 200)
+    else:
+        doc = (torch.arange(S, device="cuda") // 233).to(torch.int32)
+
+        def fn(b: Any, h: Any, q: Any, kv: Any) -> Any:
+            return doc[q] == doc[kv]
+    bm = attncc.create_block_mask(fn, None, None, S, S, device="cuda")
+    _check(_mod(_softcap), (2, 4, 4, S, S, 128), block_mask=bm)
+
+
+def test_block_mask_with_variant_mask_and_gqa() -> None:
+    """A variant mask_mod with a block mask: full blocks fold into partial ones (the variant's
+    mask applies everywhere), as the forward does."""
+    S = 512
+    bm = attncc.create_block_mask(causal, None, None, S, S, device="cuda")
+
+    def window(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return q - kv <= 300
+
+    _check(_mod(_softcap, window), (1, 4, 2, S, S, 64), block_mask=bm)
+
+
+def test_fully_masked_rows_have_zero_gradient() -> None:
+    """Rows whose every key is masked (LSE -inf): zero dQ, no NaN anywhere."""
+    def late(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return (q >= 40) & (kv <= q)
+
+    q, k, v = _qkv(1, 2, 2, 200, 200, 64)
+    g = _grads(_mod(mask_mod=late), q, k, v, {})
+    assert all(not torch.isnan(t).any() for t in g.values())
+    assert torch.count_nonzero(g["dq"][:, :, :40]) == 0
+    _check(_mod(mask_mod=late), (1, 2, 2, 200, 200, 64))
+
+
+def test_return_lse_gradient() -> None:
+    _check(_mod(_softcap, causal), (1, 2, 2, 300, 300, 128), with_lse=True)
+
+
+def test_deterministic_mode_20_runs_bitwise_equal() -> None:
+    q, k, v = _qkv(2, 8, 2, 600, 600, 128)
+    opts = {"DETERMINISTIC": True}
+    first = _grads(_mod(_softcap, causal), q, k, v, {}, enable_gqa=True, kernel_options=opts)
+    for _ in range(19):
+        again = _grads(_mod(_softcap, causal), q, k, v, {}, enable_gqa=True,
+                       kernel_options=opts)
+        for n in ("dq", "dk", "dv"):
+            assert torch.equal(first[n], again[n]), f"{n} differs between runs"
+    want = _ref_grads(_mod(_softcap, causal), q, k, v, {}, enable_gqa=True)
+    for n in ("dq", "dk", "dv"):
+        assert _rel(n, first[n], want[n]) < TOL[torch.bfloat16]
+
+
+def test_deterministic_mode_with_captured_grads_raises() -> None:
+    bias = _leaf((2,), 0.1)
+
+    def mod(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return s + bias[h]
+
+    q, k, v = _qkv(1, 2, 2, 64, 64, 64)
+    with pytest.raises(InvalidArgument, match="DETERMINISTIC"):  # before the forward runs
+        attncc.flex_attention(q, k, v, score_mod=mod, kernel_options={"DETERMINISTIC": True})
