@@ -24,7 +24,8 @@ import torch
 from attncc.ir.nodes import walk
 from attncc.ir.program import Bindings, VariantIR
 
-__all__ = ["TRANSFORM_HOOKS", "attention_ir", "needs_grad", "differentiable_attention"]
+__all__ = ["TRANSFORM_HOOKS", "attention_ir", "needs_grad", "differentiable_attention",
+           "backward_of_saved"]
 
 TRANSFORM_HOOKS = ("query_mod", "key_mod", "value_mod", "output_mod")
 
@@ -177,3 +178,30 @@ def differentiable_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     out, lse = _Attention.apply(call, q, k, v, *(bindings.tensors[n] for n in names))
     out = _transform(ir, "output_mod", "o", "q_idx", out, bindings)
     return out, (lse if ir.use_softmax else None)
+
+
+def backward_of_saved(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                      dlse: torch.Tensor | None, ir: VariantIR, bindings: Bindings,
+                      block_mask: Any, scale: float | None, enable_gqa: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                 dict[str, torch.Tensor]] | None:
+    """The backward of a forward whose `out` and `lse` were saved elsewhere (the torch.library
+    op's, runtime/flex/ops.py): (dq, dk, dv, gradients of every float tensor the score_mod
+    reads). The op cannot see which captured tensors require grad, so all of them get one.
+    None where this path does not apply: transforms (the op's reference differentiates them)
+    or a tensor that the mask reads too."""
+    if attention_ir(ir) is not ir:
+        return None
+    reads = {h: {n.attr for n in walk(ir.expr(h)) if n.op == "load"}
+             for h in ("score_mod", "mask_mod") if h in ir.hooks}
+    score_reads = reads.get("score_mod", set())
+    if score_reads & reads.get("mask_mod", set()):
+        return None
+    names = tuple(t.name for t in ir.tensors if t.name in score_reads
+                  and isinstance(bindings.tensors.get(t.name), torch.Tensor)
+                  and bindings.tensors[t.name].is_floating_point())
+    call = _Call(ir, bindings, block_mask, scale, enable_gqa, None, names)
+    res = _run(call, query, key, value, out, lse if ir.use_softmax else None, dout,
+               dlse if ir.use_softmax else None)
+    return res.dq, res.dk, res.dv, res.captured

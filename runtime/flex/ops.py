@@ -444,16 +444,19 @@ def _flex_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 # ------------------------------------------------------------------ autograd
 def flex_backward_cuda(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
-                       ir: VariantIR, bindings: Bindings, block_mask: Any, scale: float | None,
-                       enable_gqa: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """THE seam for the compiled CUDA backward: (dq, dk, dv), or None to use the reference.
+                       grad_lse: torch.Tensor | None, ir: VariantIR, bindings: Bindings,
+                       block_mask: Any, scale: float | None, enable_gqa: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                  dict[str, torch.Tensor]] | None:
+    """The compiled CUDA backward of the op: (dq, dk, dv, {captured name: gradient}) from the
+    FA2-class backward kernel (runtime/flex/autograd.py `backward_of_saved`: every float tensor
+    the score_mod reads gets its gradient), or None where it does not apply (transforms; a
+    tensor both mask and score read), which the float64 reference then answers. docs/compile.md,
+    "Autograd"."""
+    from .autograd import backward_of_saved
 
-    Called for CUDA bf16/fp16 inputs when only `out` has a gradient. Returning None (as today)
-    recomputes through the float64 reference on the GPU (exact, slow). docs/compile.md,
-    "Autograd".
-    """
-    return None
+    return backward_of_saved(query, key, value, out, lse, grad_out, grad_lse, ir, bindings,
+                             block_mask, scale, enable_gqa)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -535,11 +538,14 @@ def flex_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
                   captured: Sequence[torch.Tensor]) -> tuple:
     """(dq, dk, dv, [d captured]) eagerly: the CUDA seam where it applies, else autograd through
     the float64 reference recomputed (captured float tensors get gradients there too)."""
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and grad_lse is None and \
-            grad_out is not None:
-        got = flex_backward_cuda(q, k, v, out, lse, grad_out, entry.ir, bindings, bm, scale, gqa)
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and grad_out is not None:
+        got = flex_backward_cuda(q, k, v, out, lse, grad_out, grad_lse, entry.ir, bindings, bm,
+                                 scale, gqa)
         if got is not None:
-            return (*got, [None] * len(captured))
+            dq, dk, dv, dcap = got
+            names = list(entry.tensors)
+            return dq, dk, dv, [dcap.get(names[i]) if i < len(names) else None
+                                for i in range(len(captured))]
     with _autograd_inside_op(), torch.enable_grad():
         qkv = [t.detach().requires_grad_(True) for t in (q, k, v)]
         caps = [t.detach().requires_grad_(t.is_floating_point()) for t in captured]
