@@ -150,6 +150,32 @@ def test_backward_through_the_op():
         assert _rel(got, want) < 2e-2
 
 
+def _relbias(table):
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 255]
+    return score_mod
+
+
+def test_backward_through_the_op_learnable_bias_causal():
+    """The op's CUDA backward (the FA2 backward kernel, ops.flex_backward_cuda) gives q, k, v
+    and a learnable bias table their gradients, matching the fp64 reference's autograd."""
+    q, k, v = _qkv(256, hq=4, hkv=2, B=2, seed=5, grad=True)
+    table = (0.5 * torch.randn(4, 511, device="cuda")).requires_grad_(True)
+    mod = _relbias(table)
+    bm = attncc.create_block_mask(causal, None, None, 256, 256, device="cuda")
+    fn = torch.compile(lambda q, k, v: attncc.flex_attention(q, k, v, score_mod=mod,
+                                                             block_mask=bm, enable_gqa=True),
+                       fullgraph=True)
+    fn(q, k, v).float().square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v, table)]
+    q2, k2, v2 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    t2 = table.detach().double().requires_grad_(True)
+    ref = _reference(q2, k2, v2, _relbias(t2), causal, True)[0]
+    ref.square().sum().backward()
+    for name, got, want in zip("qkvb", grads, (q2.grad, k2.grad, v2.grad, t2.grad)):
+        assert _rel(got, want) < 2e-2, name
+
+
 def test_batch_attention_run_compiled():
     hkv, g, d, page = 2, 4, 128, 16
     kv_lens = [100, 17, 600, 2048]  # with 1, 17, 300 and 1 queries (qo below)
