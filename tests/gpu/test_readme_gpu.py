@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,11 @@ def python_blocks(text: str) -> list[str]:
 @pytest.mark.gpu
 def test_readme_blocks_run_on_a_gpu(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "__readme__"}
+    # a module torch.compile can find by name (as a script's __main__ is): Dynamo imports
+    # the module of a compiled function's globals
+    module = types.ModuleType("__readme__")
+    monkeypatch.setitem(sys.modules, "__readme__", module)
+    namespace: dict = module.__dict__
     for block in python_blocks(README):
         with contextlib.redirect_stdout(io.StringIO()):
             exec(compile(block, "README.md", "exec"), namespace)

@@ -10,13 +10,24 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
+def _flex_out_of_resources(errors: list[str]) -> None:
+    """FlexAttention (torch 2.11's inductor) cannot compile a score_mod whose captured bias
+    requires grad at these shapes on an H200: every Triton config needs more shared memory than
+    the SM has ("out of resource ... Hardware limit: 232448"), seen on the H200. Then there is
+    nothing to compare attncc with: xfail, naming it (attncc's own gradients are checked against
+    the fp64 reference in tests/gpu/test_backward_gpu.py)."""
+    if errors and all("out of resource" in e for e in errors):
+        pytest.xfail(f"FlexAttention cannot compile this variant here: {errors[0][:200]}")
+
+
 def test_backward_bench_cells_run_and_agree_with_flex() -> None:
     """One short sweep (S=512, one round): every cell times, attncc's dq/dk/dv/dbias are within
     2e-2 (relative Frobenius) of Flex's, and the backward figure is a positive number."""
     from bench.backward import run
 
     recs = run((512,), ("causal", "relbias_causal"), ("attncc", "flex", "sdpa_flash"), rounds=1)
-    assert [r for r in recs if "error" in r] == []
+    assert [r for r in recs if "error" in r and r["impl"] != "flex"] == []
+    _flex_out_of_resources([r["error"] for r in recs if "error" in r])
     mine = {r["variant"]: r for r in recs if r["impl"] == "attncc"}
     assert set(mine) == {"causal", "relbias_causal"}
     for variant, rec in mine.items():
@@ -35,7 +46,11 @@ def test_train_relbias_tracks_flex_on_cuda() -> None:
     learning."""
     from examples.train_relbias import main
 
-    runs = main(["--device", "cuda", "--steps", "150"])
+    try:
+        runs = main(["--device", "cuda", "--steps", "150"])
+    except Exception as e:  # noqa: BLE001 - only Flex's own compile failure is excused
+        _flex_out_of_resources([f"{type(e).__name__}: {e}"])
+        raise
     mine, ref = runs["attncc"]["loss"], runs["flex"]["loss"]
     assert all(math.isfinite(x) for x in mine + ref)
     assert abs(mine[0] - ref[0]) < 1e-2 * ref[0]

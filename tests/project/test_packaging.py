@@ -11,6 +11,8 @@ import contextlib
 import io
 import os
 import re
+import sys
+import types
 
 import pytest
 
@@ -79,7 +81,11 @@ def test_readme_gpu_lines_are_in_blocks_marked_gpu() -> None:
 @pytest.mark.nvrtc
 def test_readme_cpu_blocks_run_as_pasted(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # the blocks write softcap.cu and softcap_fa2.cu
-    namespace: dict = {"__name__": "__readme__"}
+    # a module torch.compile can find by name (as a script's __main__ is): Dynamo imports
+    # the module of a compiled function's globals
+    module = types.ModuleType("__readme__")
+    monkeypatch.setitem(sys.modules, "__readme__", module)
+    namespace: dict = module.__dict__
     ran = 0
     for block in python_blocks(README):
         if _needs_gpu(block):
