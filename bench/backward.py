@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.prefill import (HEAD_DIM, HEADS, SEQ_LENS, TOKENS, Bench, _prefill_meta, _rel_err,
-                           pairs, report, save)
+                           pairs, plot_panels, report, save)
 from bench.prefill import VARIANTS as PREFILL_VARIANTS
 
 VARIANTS = (*PREFILL_VARIANTS, "relbias_causal")
@@ -327,31 +327,9 @@ def _sweep_table(results: list[dict[str, Any]], by: dict[tuple, dict]) -> list[s
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """One panel per variant: backward TFLOP/s against S for every implementation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     res = [r for r in doc["results"] if r.get("bwd_tflops") and "kernel_options" not in r]
-    variants = [v for v in VARIANTS if any(r["variant"] == v for r in res)]
-    fig, axes = plt.subplots(1, max(1, len(variants)), figsize=(4 * max(1, len(variants)), 3.6),
-                             squeeze=False)
-    for ax, variant in zip(axes[0], variants):
-        for impl in IMPLS:
-            pts = sorted((r["S"], r["bwd_tflops"]) for r in res
-                         if r["impl"] == impl and r["variant"] == variant)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
-        ax.set_xscale("log", base=2)
-        ax.set_title(variant)
-        ax.set_xlabel("S (B*S = 16384)")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("backward TFLOP/s")
-    fig.suptitle(f"backward, {doc['meta']['gpu']}, bf16, H=16, D=128", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plot_panels(res, "bwd_tflops", VARIANTS, IMPLS, "backward TFLOP/s",
+                f"backward, {doc['meta']['gpu']}, bf16, H=16, D=128", path)
 
 
 def write_outputs(doc: dict[str, Any], out: Path | None) -> Path:

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -333,19 +333,21 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(doc: dict[str, Any], path: Path) -> None:
-    """One panel per variant: TFLOP/s against S for every implementation."""
+def plot_panels(results: list[dict[str, Any]], key: str, variants: Sequence[str],
+                impls: Sequence[str], ylabel: str, title: str, path: Path) -> None:
+    """One panel per variant with results: `key` against S for every implementation (the
+    prefill and backward benchmarks' PNGs)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    res = [r for r in doc["results"] if "tflops" in r and "kernel_options" not in r]
-    variants = [v for v in VARIANTS if any(r["variant"] == v for r in res)]
-    fig, axes = plt.subplots(1, len(variants), figsize=(4 * len(variants), 3.6), squeeze=False)
-    for ax, variant in zip(axes[0], variants):
-        for impl in IMPLS:
-            pts = sorted((r["S"], r["tflops"]) for r in res
+    shown = [v for v in variants if any(r["variant"] == v for r in results)]
+    fig, axes = plt.subplots(1, max(1, len(shown)), figsize=(4 * max(1, len(shown)), 3.6),
+                             squeeze=False)
+    for ax, variant in zip(axes[0], shown):
+        for impl in impls:
+            pts = sorted((r["S"], r[key]) for r in results
                          if r["impl"] == impl and r["variant"] == variant)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
@@ -354,11 +356,18 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("S (B*S = 16384)")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("TFLOP/s")
-    axes[0][0].legend(fontsize=8)  # the first panel (full) has every implementation
-    fig.suptitle(f"prefill, {doc['meta']['gpu']}, bf16, H=16, D=128", fontsize=10)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel(ylabel)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """One panel per variant: TFLOP/s against S for every implementation."""
+    res = [r for r in doc["results"] if "tflops" in r and "kernel_options" not in r]
+    plot_panels(res, "tflops", VARIANTS, IMPLS, "TFLOP/s",
+                f"prefill, {doc['meta']['gpu']}, bf16, H=16, D=128", path)
 
 
 def report(json_path: Path, table_fn: Callable[[dict], str],
