@@ -14,6 +14,8 @@ from .errors import (AttnccError, AttnSyntaxError, CapturedReadError, CodegenErr
                      DeviceError, IndexOverflowWarning, InvalidArgument, InvalidArgumentType,
                      ResourceError, TraceError)
 from .frontend import Variant, and_masks, noop_mask, or_masks
+from .runtime.serving.append import (append_paged_kv_cache, get_batch_indices_positions,
+                                     get_seq_lens)
 from .runtime.serving.batch import BatchAttention
 from .runtime.flex.block_mask import BlockMask, create_block_mask, create_mask
 from .runtime.flex.torch_compat import AuxOutput, AuxRequest
@@ -26,6 +28,7 @@ from .version import __version__
 __all__ = ["AttnccError", "AttnSyntaxError", "AuxOutput", "AuxRequest", "BatchAttention",
            "BlockMask", "CapturedReadError", "CascadeAttention", "CodegenError", "CompileError",
            "DeviceError", "IndexOverflowWarning", "InvalidArgument", "InvalidArgumentType",
-           "ResourceError", "CompiledKernel", "TraceError", "Variant", "and_masks", "compile",
+           "ResourceError", "CompiledKernel", "TraceError", "Variant", "and_masks",
+           "append_paged_kv_cache", "compile", "get_batch_indices_positions", "get_seq_lens",
            "create_block_mask", "create_mask", "export", "flex_attention", "merge_state",
            "merge_states", "noop_mask", "or_masks"]
