@@ -49,13 +49,17 @@ def needs_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         isinstance(t, torch.Tensor) and t.requires_grad for t in bindings.tensors.values())
 
 
+def _loads(ir: VariantIR, hook: str) -> set[str]:
+    """The captured tensors `hook` reads (none when the variant has no such hook)."""
+    if hook not in ir.hooks:
+        return set()
+    return {n.attr for n in walk(ir.expr(hook)) if n.op == "load"}
+
+
 def _score_grad_tensors(ir: VariantIR, bindings: Bindings) -> tuple[str, ...]:
     """The captured tensors the score_mod or mask_mod reads that require grad (a mask's raise
     DifferentiationError in check_grad_tensors)."""
-    read: set[str] = set()
-    for hook in ("score_mod", "mask_mod"):
-        if hook in ir.hooks:
-            read |= {n.attr for n in walk(ir.expr(hook)) if n.op == "load"}
+    read = _loads(ir, "score_mod") | _loads(ir, "mask_mod")
     return tuple(t.name for t in ir.tensors if t.name in read
                  and isinstance(bindings.tensors.get(t.name), torch.Tensor)
                  and bindings.tensors[t.name].requires_grad)
@@ -193,10 +197,8 @@ def backward_of_saved(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     or a tensor that the mask reads too."""
     if attention_ir(ir) is not ir:
         return None
-    reads = {h: {n.attr for n in walk(ir.expr(h)) if n.op == "load"}
-             for h in ("score_mod", "mask_mod") if h in ir.hooks}
-    score_reads = reads.get("score_mod", set())
-    if score_reads & reads.get("mask_mod", set()):
+    score_reads = _loads(ir, "score_mod")
+    if score_reads & _loads(ir, "mask_mod"):
         return None
     names = tuple(t.name for t in ir.tensors if t.name in score_reads
                   and isinstance(bindings.tensors.get(t.name), torch.Tensor)

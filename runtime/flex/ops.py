@@ -442,23 +442,6 @@ def _flex_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
 
 # ------------------------------------------------------------------ autograd
-def flex_backward_cuda(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
-                       grad_lse: torch.Tensor | None, ir: VariantIR, bindings: Bindings,
-                       block_mask: Any, scale: float | None, enable_gqa: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                  dict[str, torch.Tensor]] | None:
-    """The compiled CUDA backward of the op: (dq, dk, dv, {captured name: gradient}) from the
-    FA2-class backward kernel (runtime/flex/autograd.py `backward_of_saved`: every float tensor
-    the score_mod reads gets its gradient), or None where it does not apply (transforms; a
-    tensor both mask and score read), which the float64 reference then answers. docs/compile.md,
-    "Autograd"."""
-    from .autograd import backward_of_saved
-
-    return backward_of_saved(query, key, value, out, lse, grad_out, grad_lse, ir, bindings,
-                             block_mask, scale, enable_gqa)
-
-
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     (q, k, v, kvn, kvi, fkvn, fkvi, bs, sl, captured, fa, ia, vkey, scale, gqa) = inputs
     out, lse = output
@@ -536,11 +519,14 @@ def flex_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
                   lse: torch.Tensor, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None,
                   entry: Entry, bindings: Bindings, bm: Any, scale: float | None, gqa: bool,
                   captured: Sequence[torch.Tensor]) -> tuple:
-    """(dq, dk, dv, [d captured]) eagerly: the CUDA seam where it applies, else autograd through
-    the float64 reference recomputed (captured float tensors get gradients there too)."""
+    """(dq, dk, dv, [d captured]) eagerly: on CUDA bf16/fp16 the FA2-class backward kernel
+    (autograd.backward_of_saved) where it applies, else autograd through the float64 reference
+    recomputed (captured float tensors get gradients there too). docs/compile.md, "Autograd"."""
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and grad_out is not None:
-        got = flex_backward_cuda(q, k, v, out, lse, grad_out, grad_lse, entry.ir, bindings, bm,
-                                 scale, gqa)
+        from .autograd import backward_of_saved
+
+        got = backward_of_saved(q, k, v, out, lse, grad_out, grad_lse, entry.ir, bindings, bm,
+                                scale, gqa)
         if got is not None:
             dq, dk, dv, dcap = got
             names = list(entry.tensors)
@@ -576,4 +562,4 @@ flex_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 __all__ = ["EagerChecks", "Entry", "compiled_flex_attention", "entry_for", "hooks_of", "flex_attention_backward_op",
            "flex_attention_op",
-           "flex_backward", "flex_backward_cuda", "register", "run_entry"]
+           "flex_backward", "register", "run_entry"]

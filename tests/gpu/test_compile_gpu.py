@@ -136,8 +136,8 @@ def test_opcheck_cuda():
 
 
 def test_backward_through_the_op():
-    """Gradients of the compiled forward (today: autograd through the fp64 reference on the
-    GPU, flex_backward_cuda's fallback) match the reference's within bf16 tolerance."""
+    """Gradients of the compiled forward (the op's CUDA backward, autograd.backward_of_saved)
+    match the reference's within bf16 tolerance."""
     q, k, v = _qkv(256, hq=4, hkv=4, B=1, seed=3, grad=True)
     fn = torch.compile(lambda q, k, v: attncc.flex_attention(q, k, v, score_mod=softcap_alibi),
                        fullgraph=True)
@@ -157,7 +157,7 @@ def _relbias(table):
 
 
 def test_backward_through_the_op_learnable_bias_causal():
-    """The op's CUDA backward (the FA2 backward kernel, ops.flex_backward_cuda) gives q, k, v
+    """The op's CUDA backward (the FA2 backward kernel, autograd.backward_of_saved) gives q, k, v
     and a learnable bias table their gradients, matching the fp64 reference's autograd."""
     q, k, v = _qkv(256, hq=4, hkv=2, B=2, seed=5, grad=True)
     table = (0.5 * torch.randn(4, 511, device="cuda")).requires_grad_(True)
