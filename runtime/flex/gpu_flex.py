@@ -518,18 +518,18 @@ def precompile(plans: "list[LaunchPlan]", max_workers: int | None = None) -> int
         return 0
     from ..jit.nvrtc import device_arch
 
-    jobs: dict[KernelSpec, tuple[KernelSpec, str]] = {}
+    jobs = []
     for pl in plans:
         with torch.cuda.device(pl.device):
             arch = device_arch()
-        for spec in plan_specs(pl):
-            jobs[spec] = (spec, arch)
-    return compile_jobs(list(jobs.values()), max_workers)
+        jobs += [(spec, arch) for spec in plan_specs(pl)]
+    return len(compile_jobs(jobs, max_workers))
 
 
-def compile_jobs(jobs: "list[tuple[KernelSpec, str]]", max_workers: int | None = None) -> int:
-    """Compile (spec, arch) jobs (and their fallback forms) into the on-disk cache, in parallel
-    processes when there are several; returns how many."""
+def compile_jobs(jobs: "list[tuple[KernelSpec, str]]", max_workers: int | None = None
+                 ) -> "list[tuple[KernelSpec, str]]":
+    """Compile the distinct (spec, arch) jobs (and their fallback forms) into the on-disk cache,
+    in parallel processes when there are several; returns them, in first-seen order."""
     import multiprocessing
     import os
     import sys
@@ -547,7 +547,7 @@ def compile_jobs(jobs: "list[tuple[KernelSpec, str]]", max_workers: int | None =
         method = "spawn" if main_file and os.path.isfile(main_file) else "fork"
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as ex:
             list(ex.map(_compile_job, jobs))
-    return len(jobs)
+    return jobs
 
 
 @dataclass

@@ -15,6 +15,7 @@ Example:
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
@@ -35,7 +36,8 @@ DEFAULT_SMS = {"sm_80": 108, "sm_86": 84, "sm_89": 128, "sm_90": 132, "sm_90a": 
 
 @dataclass(frozen=True)
 class Shape:
-    """One call's sizes: q is [batch, num_q_heads, q_len, D], k/v [batch, num_kv_heads, kv_len, D]."""
+    """One call's sizes: q is [batch, num_q_heads, q_len, D], k/v [batch, num_kv_heads,
+    kv_len, D]."""
 
     batch: int
     num_q_heads: int
@@ -102,15 +104,12 @@ def warm(targets: list[tuple[VariantIR, Bindings, Callable[..., Any] | None]],
     """Compile every kernel the combinations need (in parallel processes) into the cache
     directory; `targets`: (traced variant, its bindings, block mask's mask_mod or None).
     Returns one line per kernel."""
-    jobs: dict[tuple[KernelSpec, str], None] = {}
-    for arch in (normalize_arch(a) for a in archs):
-        for ir, bindings, mask_mod in targets:
-            for shape in shapes:
-                for d in head_dims:
-                    for dtype in dtypes:
-                        for spec in warm_specs(ir, bindings, shape, head_dim=d, dtype=dtype,
-                                               arch=arch, num_sms=num_sms, mask_mod=mask_mod):
-                            jobs[(spec, arch)] = None
-    compile_jobs(list(jobs), max_workers)
+    wanted = []
+    for arch, (ir, bindings, mask_mod), shape, d, dtype in itertools.product(
+            (normalize_arch(a) for a in archs), targets, shapes, head_dims, dtypes):
+        wanted += [(spec, arch) for spec in warm_specs(ir, bindings, shape, head_dim=d,
+                                                         dtype=dtype, arch=arch, num_sms=num_sms,
+                                                         mask_mod=mask_mod)]
+    jobs = compile_jobs(wanted, max_workers)
     return [f"{spec.kind:12s} {spec.ir.name if spec.ir else '-'} d{spec.head_dim} {spec.dtype} "
             f"{arch}" for spec, arch in jobs]
