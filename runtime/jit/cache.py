@@ -203,7 +203,16 @@ class KernelCache:
             >>> KernelCache.default() is KernelCache.default()
             True
         """
-        d = default_cache_dir()
+        return cls.shared(default_cache_dir())
+
+    @classmethod
+    def shared(cls, d: Path) -> "KernelCache":
+        """The process-wide cache of directory `d` (one object per directory).
+
+        Example:
+            >>> KernelCache.shared(Path("/tmp/x")) is KernelCache.shared(Path("/tmp/x"))
+            True
+        """
         with cls._defaults_lock:
             if d not in cls._defaults:
                 cls._defaults[d] = cls(d)
@@ -499,17 +508,10 @@ def _lookup(kc: KernelCache, key: str) -> NvrtcResult | None:
         return None
 
 
-_IR_STORES: dict[Path, KernelCache] = {}
-
-
 def _ir_store() -> KernelCache:
     """The simplified-IR entries: `ir/` inside the current cache directory (apart from the
     cubins, which `entries()` lists)."""
-    d = default_cache_dir() / "ir"
-    store = _IR_STORES.get(d)
-    if store is None:
-        store = _IR_STORES.setdefault(d, KernelCache(d))
-    return store
+    return KernelCache.shared(default_cache_dir() / "ir")
 
 
 # simplified IR persists beside the cubins: a warm start never imports sympy
