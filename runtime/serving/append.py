@@ -85,10 +85,12 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     if b.shape != (append_key.shape[0],) or pos.shape != b.shape:
         raise InvalidArgument(f"batch_indices and positions must be [nnz={append_key.shape[0]}]"
                               f"; got {tuple(batch_indices.shape)} and {tuple(positions.shape)}")
-    if b.numel() and bool(((b < 0) | (b >= len(lens))).any()):
-        raise InvalidArgument(f"batch_indices must lie in [0, {len(lens)}) (one per request of "
-                              f"kv_indptr)")
-    if b.numel() and bool(((pos < 0) | (pos >= lens[b])).any()):
+    bad_b = (b < 0) | (b >= len(lens))
+    if b.numel() and (not len(lens) or bool(  # one device-to-host read for both checks
+            (bad_b | (pos < 0) | (pos >= lens[b.clamp(0, len(lens) - 1)])).any())):
+        if not len(lens) or bool(bad_b.any()):
+            raise InvalidArgument(f"batch_indices must lie in [0, {len(lens)}) (one per "
+                                  f"request of kv_indptr)")
         raise InvalidArgument("positions must lie inside each request's length after the "
                               "append, (pages - 1) * page_size + kv_last_page_len: grow the "
                               "request's pages and kv_last_page_len first "
