@@ -34,7 +34,7 @@ from ..jit.device import num_sms
 from ..jit.launch_args import ELEM_NAMES, captured, clamped
 from ..jit.kernels import KernelSpec, LoadedKernel, compile_spec, get_kernel
 from ..jit.tiles import HEAD_DIMS
-from ..jit.tma import MapCache
+from ..jit.tma import MapCache, MapSlot
 from ..reference import is_noop_mask, trace_mask, validate_attention_inputs
 from .fa3_split import TailSplit, tail_split
 from .tile_choice import TilePlan, choose_tiles
@@ -121,11 +121,11 @@ def fa3_pairs(tiles: TilePlan, masked: bool, q_len: int, kv_len: int, head_dim: 
 
 
 def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     out: torch.Tensor) -> torch.Tensor:
+                     out: torch.Tensor) -> MapSlot:
     """The q, k, v TMA maps over [rows, head_dim] views and out's over [B, H, S, D] (512 bytes
     on the device; the dense FA3 kernel's epilogue stores [64 rows][64] boxes through the last;
     `out`'s strides are multiples of 16 bytes, as gpu_flex_attention requires)."""
-    from ..jit.tma import tensor_map_2d, tensor_map_4d
+    from ..jit.tma import encode_map
 
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not t.is_contiguous():
@@ -134,9 +134,9 @@ def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     D = query.shape[-1]
     return _FA3_MAPS.get(
         (*((t.data_ptr(), tuple(t.shape), t.dtype, t.device) for t in (query, key, value)),
-         (out.data_ptr(), tuple(out.shape), out.stride())),
-        lambda: torch.cat([*(tensor_map_2d(t.view(-1, D), 64, 64) for t in (query, key, value)),
-                           tensor_map_4d(out, (1, 1, 64, 64))]))
+         (out.data_ptr(), tuple(out.shape), out.stride())), query.device,
+        lambda: b"".join([*(encode_map(t.view(-1, D), (64, 64)) for t in (query, key, value)),
+                          encode_map(out, (1, 1, 64, 64))]))
 
 
 def plan_forced(plan: TilePlan) -> bool:
@@ -675,7 +675,7 @@ def _safe_reads(entry: _CallEntry, bindings: Bindings, query: torch.Tensor, key:
         pre_kernel = prepass_kernel(pre, head_dim=pl.head_dim, dtype=pl.dtype,
                                     fast_math=pl.tiles.fast_math, device=pl.device)
     got = _Reads(pl, ir, pre, {**sizes, **pre_sizes}, kernel, pre_kernel)
-    if rkey is not None:
+    if rkey is not None and not torch.cuda.is_current_stream_capturing():
         with _CALLS_LOCK:
             _READS[rkey] = got
             while len(_READS) > _CALL_CACHE_SIZE:
@@ -809,7 +809,8 @@ def _call_entry(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
                 bindings: Bindings, block_mask: Any, enable_gqa: bool,
                 kernel_options: Mapping[str, Any] | None) -> _CallEntry:
     """The call's launch plan: cached per `_call_key` (alignment checked again per call), or
-    planned now (and cached unless its mask lists were rebuilt for this call)."""
+    planned now (and cached unless its mask lists were rebuilt for this call or a CUDA graph is
+    being captured)."""
     ckey = _call_key(query, key, value, ir, block_mask, enable_gqa, kernel_options)
     entry = _CALLS.get(ckey)
     if entry is not None and entry.block_mask is block_mask:
@@ -820,7 +821,9 @@ def _call_entry(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
     pl = plan_launch(query, key, value, ir, bindings, block_mask=block_mask,
                      enable_gqa=enable_gqa, kernel_options=kernel_options)
     entry = _CallEntry(pl, None, block_mask)
-    if pl.mask is None or not pl.mask.derived:  # derived lists would go stale if cached
+    # not while a CUDA graph records: its inputs are copies in the graph's pool, which must hold
+    # no live tensor the graph does not output (docs/compile.md, "CUDA graphs")
+    if (pl.mask is None or not pl.mask.derived) and not torch.cuda.is_current_stream_capturing():
         with _CALLS_LOCK:
             _CALLS[ckey] = entry
             while len(_CALLS) > _CALL_CACHE_SIZE:

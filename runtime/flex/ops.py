@@ -378,6 +378,8 @@ def _unpack(entry: Entry, captured: Sequence[torch.Tensor], float_args: Sequence
         mir, snames, tnames = entry.mask
         traced = (mir, Bindings(dict(zip(snames, vals[ns:])), dict(zip(tnames, captured[nt:]))))
     bm = _OpBlockMask(bm_tensors, block_size, seq_lengths, traced)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return bindings, bm  # the graph's pool must not keep its recording inputs alive
     with _LOCK:
         _MASKS[ckey] = ((*bm_tensors, *captured[nt:]), bm)  # holding the tensors keeps ids
         while len(_MASKS) > _MASKS_SIZE:

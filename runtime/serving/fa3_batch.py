@@ -22,7 +22,7 @@ from attncc.codegen.tiles import KernelTiles, fa3_tiles
 from attncc.ir.program import VariantIR
 
 from ..jit.tiles import fa3_stages
-from ..jit.tma import MapCache, tensor_map_2d, tensor_map_3d
+from ..jit.tma import MapCache, MapSlot, encode_map
 
 __all__ = ["fa3_unsupported", "fa3_batch_source", "fa3_batch_maps", "fa3_batch_tiles",
            "FA3_BATCH_HEAD_DIMS"]
@@ -88,7 +88,7 @@ def _rows_view(t: torch.Tensor, row_stride: int) -> torch.Tensor:
 
 
 def fa3_batch_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: int,
-                   row_stride: int, box_rows: int) -> torch.Tensor:
+                   row_stride: int, box_rows: int) -> MapSlot:
     """The q / k / v tensor maps (384 bytes on the device) the FA3 batch kernel reads through:
     q [tokens, heads, D] in boxes of 64 / group tokens x group heads x 64 columns; k and v as
     [rows, row_stride] views (row_stride = the cache's token stride) in boxes of box_rows x 64."""
@@ -97,7 +97,7 @@ def fa3_batch_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         raise ValueError(f"the FA3 batch kernel reads q with TMA: it needs a contiguous head dim "
                          f"and 16-byte aligned strides, got {q.stride()}; pass q.contiguous() or "
                          f"BatchAttention(kernel='fa2')")
-    return _MAPS.get(key + (group, row_stride, box_rows), lambda: torch.cat([
-        tensor_map_3d(q, (64 // group, group, 64)),
-        tensor_map_2d(_rows_view(k, row_stride), box_rows, 64),
-        tensor_map_2d(_rows_view(v, row_stride), box_rows, 64)]))
+    return _MAPS.get(key + (group, row_stride, box_rows), q.device, lambda: b"".join([
+        encode_map(q, (64 // group, group, 64)),
+        encode_map(_rows_view(k, row_stride), (box_rows, 64)),
+        encode_map(_rows_view(v, row_stride), (box_rows, 64))]))

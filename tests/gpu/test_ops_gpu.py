@@ -75,7 +75,7 @@ def test_op_cases_match_torch_on_cuda() -> None:
     ok_inputs = _moderate(tabs["x"])[:, None] & _moderate(tabs["y"])[None, :]
     bad = []
     for c, (name, src, _) in enumerate(nodes):
-        want = torch.as_tensor(make_mod(src, tabs)(**g))
+        want = torch.as_tensor(make_mod(src, tabs)(**g), device="cuda")
         for s, spelling in enumerate(SPELLINGS):
             msg = _check(spelling, want, out[s * len(nodes) + c], ok_inputs)
             if msg:

@@ -15,7 +15,7 @@ from attncc.codegen.cuda_expr import ExprNames, emit
 from attncc.codegen.layout import struct_layout
 from attncc.ir.nodes import F32, Node, binary, where
 from attncc.ir.simplify import simplify
-from tests.helpers.op_cases import all_cases, grid, make_mod, tables, traced
+from tests.helpers.op_cases import NK, NQ, all_cases, grid, make_mod, tables, traced
 
 SPELLINGS = ("plain", "fast", "exact")
 TABLES = ("x", "y", "i", "j", "k", "z")
@@ -63,7 +63,10 @@ extern "C" __global__ void op_cases(OpArgs a, OpTables p) {
 def case_nodes() -> list[tuple[str, str, Node]]:
     """(name, source, simplified value node) of every case, in kernel order."""
     out = []
-    tabs, g = tables(), grid()
+    tabs = tables()
+    # indices at the full [NQ, NK] shape: torch 2.11's isclose does not broadcast its operands
+    # ([NQ, 1] with [1, NK]; 2.13's does); only the value's dtype is used here
+    g = {k: (v.expand(NQ, NK).contiguous() if v.dim() == 2 else v) for k, v in grid().items()}
     for name, src in all_cases():
         fn = make_mod(src, tabs)
         node, _ = traced(fn, torch.as_tensor(fn(**g)))
