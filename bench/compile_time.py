@@ -93,7 +93,7 @@ def _stages() -> dict:
     """Where a cold compile spends its time, each stage timed on its own in a fresh process."""
     from attncc.codegen.generate import generate_source
     from attncc.ir.simplify import simplify_variant
-    from attncc.runtime.jit.nvrtc import compile_cuda, nvrtc_version
+    from attncc.runtime.jit.nvrtc import compile_cuda, loaded_version
 
     v = _variant()
     t0 = time.perf_counter()
@@ -104,7 +104,7 @@ def _stages() -> dict:
     gen = generate_source(sir, head_dim=CONFIG["head_dim"], dtype=CONFIG["dtype"],
                           kernel=CONFIG["kernel"])
     t3 = time.perf_counter()
-    nvrtc_version()  # first NVRTC call: loads the shared library
+    loaded_version()  # first NVRTC call: loads the shared library
     t4 = time.perf_counter()
     compile_cuda(gen.source, arch=CONFIG["arch"], name=f"{gen.kernel_name}.cu")
     t5 = time.perf_counter()

@@ -44,7 +44,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from attncc.ir import simplified
 
-from .nvrtc import NvrtcResult, build_options, compile_cuda, normalize_arch, nvrtc_version
+from .nvrtc import (NvrtcResult, build_options, compile_cuda, loaded_version, normalize_arch,
+                    nvrtc_version)
 
 # Bump whenever the key recipe, the header or the payload encoding changes.
 CACHE_FORMAT_VERSION = 1
@@ -401,12 +402,20 @@ def cached_compile(source: str, *, arch: str | None, options: Sequence[str] = ()
     if kc is None:
         return compile_cuda(source, arch=arch, name=name, options=options,
                             include_dirs=include_dirs, emit=emit, verbose=verbose), False
+    remembered = nvrtc_version()  # from the memo on a warm start: NVRTC not loaded
     opts = build_options(arch, emit=emit, options=options, include_dirs=include_dirs,
                          verbose=verbose)
     key = _key(source, arch, opts, name)
     hit = _lookup(kc, key)
     if hit is not None:
         return hit, True
+    if loaded_version() != remembered:  # the memo named another NVRTC: key by the loaded one
+        opts = build_options(arch, emit=emit, options=options, include_dirs=include_dirs,
+                             verbose=verbose)
+        key = _key(source, arch, opts, name)
+        hit = _lookup(kc, key)
+        if hit is not None:
+            return hit, True
     with kc.compile_lock(key):
         hit = _lookup(kc, key)  # another process may have finished it while we waited
         if hit is not None:

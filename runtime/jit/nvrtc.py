@@ -15,7 +15,10 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -65,18 +68,90 @@ def available() -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=1)
 def nvrtc_version() -> tuple[int, int]:
     """The (major, minor) version of the NVRTC library that compiles our kernels.
+
+    Part of every cubin's cache key, so a warm process needs it before its first launch. It is
+    remembered in the cache directory with the identity of the library it came from (path, size,
+    mtime), and read from there while that file is unchanged: a warm start then loads no NVRTC
+    (docs/jit.md, "Warm start").
 
     Example:
         >>> if available():
         ...     assert nvrtc_version() >= (12, 0)
     """
+    global _VERSION
+    if _VERSION is None:
+        _VERSION = _remembered_version() or loaded_version()
+    return _VERSION
+
+
+_VERSION: tuple[int, int] | None = None
+_QUERIED = False  # _VERSION came from the loaded library, not the memo
+_MEMO_NAME = "nvrtc-version.json"
+
+
+def loaded_version() -> tuple[int, int]:
+    """Load NVRTC, ask its version (once per process), and remember it with the library's
+    identity for later processes; from then on `nvrtc_version()` answers this."""
+    global _VERSION, _QUERIED
+    if _QUERIED and _VERSION is not None:
+        return _VERSION
     _require()
     err, major, minor = _nvrtc().nvrtcVersion()
     _check(err, "nvrtcVersion")
-    return int(major), int(minor)
+    _VERSION, _QUERIED = (int(major), int(minor)), True
+    lib = _loaded_library()
+    if lib is not None and _remembered_version() != _VERSION:
+        with contextlib.suppress(OSError, ImportError):  # (ImportError: nvrtc.py run alone)
+            memo = _memo_path()
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"bindings": _bindings_version(), "library": lib,
+                                       "version": list(_VERSION)}))
+            os.replace(tmp, memo)
+    return _VERSION
+
+
+def _memo_path() -> "os.PathLike[str]":
+    from .cache import default_cache_dir  # (cache.py imports this module)
+
+    return default_cache_dir() / _MEMO_NAME
+
+
+def _bindings_version() -> str:
+    import cuda.bindings
+
+    return str(getattr(cuda.bindings, "__version__", "?"))
+
+
+def _loaded_library() -> list[Any] | None:
+    """[path, size, mtime_ns] of the libnvrtc this process mapped (Linux), else None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(None, 5)[-1].strip()
+                if os.path.basename(path).startswith("libnvrtc.so"):
+                    st = os.stat(path)
+                    return [path, st.st_size, st.st_mtime_ns]
+    except (OSError, IndexError):
+        pass
+    return None
+
+
+def _remembered_version() -> tuple[int, int] | None:
+    """The remembered version while its library file and cuda-bindings are unchanged."""
+    try:
+        with open(_memo_path()) as f:
+            memo = json.load(f)
+        path, size, mtime = memo["library"]
+        st = os.stat(path)
+        if (st.st_size, st.st_mtime_ns) != (size, mtime) or \
+                memo["bindings"] != _bindings_version():
+            return None
+        return int(memo["version"][0]), int(memo["version"][1])
+    except (OSError, ValueError, KeyError, TypeError, IndexError, ImportError):
+        return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -137,7 +212,9 @@ def normalize_arch(arch: str | None) -> str:
 
 
 def _version_or_zero() -> tuple[int, int]:
-    return nvrtc_version() if available() else (0, 0)
+    if _VERSION is None and _remembered_version() is None and not available():
+        return (0, 0)
+    return nvrtc_version()
 
 
 def _require() -> None:

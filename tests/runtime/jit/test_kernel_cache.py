@@ -50,6 +50,7 @@ class FakeCompiler:
         monkeypatch.setattr(kernels, "compile_cuda", self._fresh)
         monkeypatch.setattr(kernels, "_compile_in_subprocess", self._subprocess)
         monkeypatch.setattr(cache_mod, "nvrtc_version", lambda: (0, 0))  # no NVRTC needed
+        monkeypatch.setattr(cache_mod, "loaded_version", lambda: (0, 0))
 
     def _result(self, where: str, source: str) -> NvrtcResult:
         form = _form(source)

@@ -167,3 +167,30 @@ def test_wrapper_only_relies_on_int_results(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(CompileError, match="NVRTC_ERROR_6") as ei:
         compile_cuda(BROKEN, arch="sm_80")
     assert ei.value.line is not None
+
+
+@needs_nvrtc
+@pytest.mark.nvrtc
+def test_a_warm_process_reads_the_version_without_loading_nvrtc(tmp_path) -> None:
+    """The NVRTC version (part of every cubin key) is remembered in the cache directory; a new
+    process whose cubin is cached reaches it without importing cuda.bindings.nvrtc."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from attncc.runtime.jit.cache import cached_compile\n"
+            f"r, hit = cached_compile({TINY!r}, arch='sm_80')\n"
+            "print(hit, 'cuda.bindings.nvrtc' in sys.modules)\n")
+    env = {**os.environ, "ATTNCC_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, check=True).stdout.split() for _ in range(2)]
+    assert runs == [["False", "True"], ["True", "False"]]
+    memo = json.loads((tmp_path / "nvrtc-version.json").read_text())
+    assert tuple(memo["version"]) == nvrtc_version()
+    memo["library"][1] += 1  # another library file: the memo no longer applies
+    (tmp_path / "nvrtc-version.json").write_text(json.dumps(memo))
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, check=True).stdout.split()
+    assert again == ["True", "True"]
