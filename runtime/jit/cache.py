@@ -402,20 +402,18 @@ def cached_compile(source: str, *, arch: str | None, options: Sequence[str] = ()
     if kc is None:
         return compile_cuda(source, arch=arch, name=name, options=options,
                             include_dirs=include_dirs, emit=emit, verbose=verbose), False
-    remembered = nvrtc_version()  # from the memo on a warm start: NVRTC not loaded
-    opts = build_options(arch, emit=emit, options=options, include_dirs=include_dirs,
-                         verbose=verbose)
-    key = _key(source, arch, opts, name)
-    hit = _lookup(kc, key)
-    if hit is not None:
-        return hit, True
-    if loaded_version() != remembered:  # the memo named another NVRTC: key by the loaded one
+    def keyed() -> tuple[str, NvrtcResult | None]:  # the key by nvrtc_version(), and its hit
         opts = build_options(arch, emit=emit, options=options, include_dirs=include_dirs,
                              verbose=verbose)
         key = _key(source, arch, opts, name)
-        hit = _lookup(kc, key)
-        if hit is not None:
-            return hit, True
+        return key, _lookup(kc, key)
+
+    remembered = nvrtc_version()  # from the memo on a warm start: NVRTC not loaded
+    key, hit = keyed()
+    if hit is None and loaded_version() != remembered:  # the memo named another NVRTC
+        key, hit = keyed()
+    if hit is not None:
+        return hit, True
     with kc.compile_lock(key):
         hit = _lookup(kc, key)  # another process may have finished it while we waited
         if hit is not None:
