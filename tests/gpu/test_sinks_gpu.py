@@ -340,3 +340,28 @@ def test_merge_state_with_a_sink_on_cuda(rng: Any) -> None:
     want_o, want_l = add_sink(*attncc.merge_state(*cpu), sink.double().cpu())
     assert _rel(o.cpu(), want_o) < 1e-4
     assert float((lse.double().cpu() - want_l).abs().max()) < 1e-4
+
+
+def test_bad_sinks_raise_before_any_launch(rng: Any) -> None:
+    """A wrong shape, device or a non-finite value: a clear error, the poisoned output
+    untouched (nothing launched)."""
+    from attncc.errors import InvalidArgument
+
+    q, k, v = rng.qkv(1, 4, 128, 64, dtype=torch.bfloat16, device="cuda")
+    for bad, match in ((torch.zeros(3, device="cuda"), "must be \\[4\\]"),
+                       (torch.zeros(4), "sinks is on cpu"),
+                       (torch.tensor([0.0, math.inf, 0.0, 0.0], device="cuda"), "finite")):
+        with pytest.raises(InvalidArgument, match=match):
+            attncc.flex_attention(q, k, v, sinks=bad)
+    b = _paged_batch("NHD", 16, [1, 1], [40, 700], 2, 2, 128, torch.bfloat16, seed=1)
+    ba = BatchAttention(None, kv_layout="NHD")
+    ba.plan(b["qo"], b["kv_indptr"], b["kv_indices"], b["last"], num_qo_heads=4,
+            num_kv_heads=2, head_dim=128, page_size=16)
+    out = torch.full_like(b["q"], float("nan"))
+    with pytest.raises(InvalidArgument, match="must be \\[4\\]"):
+        ba.run(b["q"], b["cache"], out=out, sinks=torch.zeros(2, device="cuda"))
+    with pytest.raises(InvalidArgument, match="float32 or the queries' dtype"):
+        ba.run(b["q"], b["cache"], out=out, sinks=torch.zeros(4, device="cuda",
+                                                                dtype=torch.float16))
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all()
