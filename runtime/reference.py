@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from attncc.errors import InvalidArgument, TraceError
+from attncc.errors import InvalidArgument, InvalidArgumentType, TraceError
 from attncc.frontend import Variant
 from attncc.ir.analysis import CapturedReadError, bounds_message, load_guards
 from attncc.ir.evaluator import evaluate
@@ -163,6 +163,62 @@ def _validate_block_mask(bm: Any, B: int, Hq: int, Sq: int, Skv: int,
     if full is not None and tuple(full.shape) != tuple(num.shape):
         raise ValueError(f"block_mask.full_kv_num_blocks has shape {tuple(full.shape)}, not "
                          f"kv_num_blocks' {tuple(num.shape)}")
+
+
+# --------------------------------------------------------------------------------- sinks
+def check_sinks(sinks: Any, num_heads: int, device: torch.device, dtype: torch.dtype) -> None:
+    """The attention-sink argument (docs/flex-api.md, "Attention sinks"): a finite float
+    tensor [num_heads] on the queries' device, float32 or the queries' dtype. The finiteness
+    check reads the values back, so it is skipped while a CUDA graph is being captured.
+
+    Example:
+        >>> check_sinks(torch.zeros(4), 4, torch.device("cpu"), torch.bfloat16)
+        >>> try:
+        ...     check_sinks(torch.zeros(2), 4, torch.device("cpu"), torch.float32)
+        ... except InvalidArgument as e:
+        ...     print(str(e).split(";")[0])
+        sinks has shape (2,)
+    """
+    if not isinstance(sinks, torch.Tensor):
+        raise InvalidArgumentType(f"sinks must be a torch.Tensor [{num_heads}] of per-head sink "
+                                  f"logits (or None), got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (num_heads,):
+        raise InvalidArgument(f"sinks has shape {tuple(sinks.shape)}; it must be [{num_heads}]: "
+                              f"one sink logit per query head")
+    if sinks.dtype not in (torch.float32, dtype):
+        raise InvalidArgument(f"sinks has dtype {sinks.dtype}; use float32 or the queries' "
+                              f"dtype {dtype} (sinks.float())")
+    if sinks.device != device:
+        raise InvalidArgument(f"sinks is on {sinks.device} but the queries are on {device}; "
+                              f"move it with sinks.to({str(device)!r})")
+    capturing = sinks.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing and not bool(torch.isfinite(sinks).all()):
+        raise InvalidArgument("sinks holds a NaN or an infinity; every sink logit must be "
+                              "finite (leave sinks=None for attention without sinks)")
+
+
+def add_sink(o: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A finished attention state `(o [..., D], lse [...])` with the sink logit `sink`
+    (broadcast to lse's shape) joined to its softmax denominator: the sink is one more key with
+    no value, so `lse' = logaddexp(lse, sink)` and `o' = exp(lse - lse') o`. An empty state
+    (lse -inf) gives o' = 0 and lse' = sink; NaN and +inf propagate as in the merge.
+    Differentiable (torch ops; the weight is computed from the smaller exponent, never
+    overflowing).
+
+    Example:
+        >>> o, lse = add_sink(torch.ones(1, 2), torch.zeros(1), torch.zeros(1))
+        >>> o.tolist(), round(float(lse), 6) == round(math.log(2), 6)
+        ([[0.5, 0.5]], True)
+        >>> add_sink(torch.ones(1, 1), torch.tensor([-math.inf]), torch.tensor([1.5]))
+        (tensor([[0.]]), tensor([1.5000]))
+    """
+    sink = sink.to(lse.dtype).expand(lse.shape)
+    new = torch.logaddexp(lse, sink)
+    empty = torch.isneginf(lse)
+    w = torch.exp(torch.where(empty, torch.zeros_like(lse), lse) - new)  # <= 1: lse <= new
+    zero = torch.zeros((), dtype=o.dtype, device=o.device)
+    return torch.where(empty.unsqueeze(-1), zero, o * w.unsqueeze(-1).to(o.dtype)), new
 
 
 # --------------------------------------------------------------------------------- block masks
@@ -326,7 +382,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
                         scale: float | None = None, enable_gqa: bool = False,
                         float_dtype: torch.dtype = torch.float64, q_chunk: int | None = None,
                         q_offset: int = 0, b_offset: int = 0,
-                        stats: dict[str, torch.Tensor] | None = None
+                        stats: dict[str, torch.Tensor] | None = None,
+                        sinks: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact attention for a traced variant: `(out [B,Hq,Sq,Dv], lse [B,Hq,Sq] or None)`.
 
@@ -339,7 +396,10 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
     a longer sequence). `b_offset`: batch row r is batch index `b_offset + r` for the hooks
     (serving: one request at a time, and the hooks' b is the request). `stats`, a dict, receives
     "max": each row's max modified score over the kept keys (-inf for a fully masked row),
-    float_dtype [B, Hq, Sq] (FlexAttention's `max_scores`).
+    float_dtype [B, Hq, Sq] (FlexAttention's `max_scores`). `sinks` [Hq] (`check_sinks`): each
+    head's sink logit joins the softmax denominator with no value (gpt-oss's attention sinks);
+    the LSE then includes it, and a fully masked row gives output 0 and LSE = the sink. The
+    result is differentiable in `sinks` too.
 
     Example:
         >>> import torch
@@ -362,6 +422,13 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
     G = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     hooks = _Hooks(ir, bindings, device, float_dtype)
+    sink_rows = None
+    if sinks is not None:
+        if not ir.use_softmax:
+            raise InvalidArgument("sinks were given but the variant has normalize='none': a "
+                                  "sink joins a softmax denominator; drop sinks")
+        check_sinks(sinks, Hq, device, q.dtype)
+        sink_rows = sinks.to(float_dtype).view(1, Hq, 1, 1)
 
     for name, off in (("q_offset", q_offset), ("b_offset", b_offset)):
         if not isinstance(off, int) or off < 0:
@@ -432,7 +499,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
         if ir.use_softmax:
             if keep is not None:
                 s = s.masked_fill(~keep, -math.inf)
-            o, lse_rows = _softmax_rows(s, keep, vg, (B, Hkv, G, rows))
+            o, lse_rows = _softmax_rows(s, keep, vg, (B, Hkv, G, rows), sink_rows)
             lse[:, :, r0:r1] = lse_rows  # type: ignore[index]
         else:
             w = s if keep is None else torch.where(keep, s, 0)
@@ -444,22 +511,28 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
 
 # --------------------------------------------------------------------------------- softmax
 def _softmax_rows(s: torch.Tensor, keep: torch.Tensor | None, vg: torch.Tensor,
-                  groups: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+                  groups: tuple[int, int, int, int], sink: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax-weighted values and LSE of score rows `s` [B, Hq, rows, Skv] (masked = -inf).
 
     NaN and inf follow torch: a NaN score makes its row's output and LSE NaN, a +inf score
     makes the output NaN and the LSE +inf; a row whose every score is -inf (masked, or -inf
-    from score_mod) has no weight at all and gives output 0 and LSE -inf.
+    from score_mod) has no weight at all and gives output 0 and LSE -inf. `sink` [1, Hq, 1, 1]
+    (finite) is one more logit per row with no value: in the max and the denominator only.
     """
     B, Hq, rows, Skv = s.shape
     if Skv == 0:
         m = s.new_full((B, Hq, rows, 1), -math.inf)
     else:
         m = s.amax(-1, keepdim=True)  # NaN when the row holds a NaN score
+    if sink is not None:
+        m = torch.maximum(m, sink)  # NaN stays NaN
     # a fully masked row has max -inf: shift by 0 so exp gives 0 rather than NaN
     m_safe = torch.where(m == -math.inf, torch.zeros_like(m), m)
     p = torch.exp(s - m_safe)  # NaN for a NaN max, and at a +inf score (inf - inf)
     denom = p.sum(-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - m_safe)  # never 0: the sink is finite
     empty = denom == 0  # every score -inf: exactly the rows with no weight
     o = _kept_matmul(p, keep, vg, groups)
     o = torch.where(empty, 0, o / torch.where(empty, 1, denom))
@@ -552,11 +625,13 @@ def _check_reference_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
 def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv_indptr: Any,
                               kv_indices: Any = None, kv_last_page_len: Any = None, *,
                               kv_layout: str = "NHD", page_size: int = 1,
-                              variant: Variant | None = None, scale: float | None = None
+                              variant: Variant | None = None, scale: float | None = None,
+                              sinks: torch.Tensor | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact (float64) batch attention, request by request: the oracle of `BatchAttention.run`.
     The hooks see b = the request's index, q_idx counted so that the queries are the request's
-    last tokens, as in the batch kernels.
+    last tokens, as in the batch kernels. `sinks` [num_qo_heads]: per-head sink logits, as in
+    `attention_reference` (the LSE includes them).
 
     Example:
         >>> import torch
@@ -580,6 +655,8 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
     _check_reference_shapes(q, k_all, v_all, b, kv_layout)
     qo, kvp = b.qo, np_int(kv_indptr, "kv_indptr")
     H = q.shape[1]
+    if sinks is not None:
+        check_sinks(sinks, H, q.device, q.dtype)
     out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     lse = (torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
            if ir.use_softmax else None)
@@ -607,7 +684,8 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
         o_i, l_i = attention_reference(qi.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                        v.transpose(0, 1)[None], ir, bindings, scale=scale,
                                        enable_gqa=H != k.shape[1], q_offset=k.shape[0] - lq,
-                                       b_offset=i)  # the kernels' hooks see b = the request
+                                       b_offset=i,  # the kernels' hooks see b = the request
+                                       sinks=sinks)
         out[int(qo[i]):int(qo[i + 1])] = o_i[0].transpose(0, 1)
         if lse is not None and l_i is not None:
             lse[int(qo[i]):int(qo[i + 1])] = l_i[0].transpose(0, 1)

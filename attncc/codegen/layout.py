@@ -191,7 +191,7 @@ _ATTENTION_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("bm_stride_b", "attncc::i64"), ("bm_stride_h", "attncc::i64"),
     ("bi_stride_b", "attncc::i64"), ("bi_stride_h", "attncc::i64"), ("bi_stride_q", "attncc::i64"),
     ("block_q", "int"), ("block_kv", "int"), ("tma", "const void*"), ("item_counter", "int*"),
-    ("split_partials", "float*"),
+    ("split_partials", "float*"), ("sinks", "const float*"),
 )
 
 ATTENTION_PARAMS: StructLayout = struct_layout("attncc::AttentionParams", _ATTENTION_PARAMS_MEMBERS)
@@ -226,6 +226,7 @@ _BATCH_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
                                    "kv_stride_page", "kv_stride_slot", "kv_stride_h")),
     ("lse_stride_tok", "int"), ("num_q_heads", "int"), ("num_kv_heads", "int"),
     ("page_size", "int"), ("page_shift", "int"), ("sm_scale", "float"),
+    ("sinks", "const float*"),
 )
 
 BATCH_PARAMS: StructLayout = struct_layout("attncc::BatchParams", _BATCH_PARAMS_MEMBERS)

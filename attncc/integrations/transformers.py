@@ -52,8 +52,7 @@ INSTALL_HINT = "pip install attncc[hf]"
 _COMBINATORS = {"and_masks.<locals>.and_mask": and_masks,
                 "or_masks.<locals>.or_mask": or_masks}
 # keyword arguments some models pass that change the result and attncc does not implement
-_UNSUPPORTED = {"s_aux": "attention sinks", "position_bias": "an additive position bias",
-                "head_mask": "a head mask"}
+_UNSUPPORTED = {"position_bias": "an additive position bias", "head_mask": "a head mask"}
 
 
 def _transformers() -> tuple[Any, Any]:
@@ -285,7 +284,8 @@ def attncc_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention function: query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D] ->
     ([B, Sq, Hq, D], None). `sliding_window` is applied only when no mask is given (a mask
-    from `attncc_mask` already carries the window, as transformers' sdpa and flex assume)."""
+    from `attncc_mask` already carries the window, as transformers' sdpa and flex assume).
+    `s_aux` (gpt-oss's sinks, [Hq]) becomes `sinks=` (docs/flex-api.md, "Attention sinks")."""
     _check_kwargs(dropout, softcap, kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
     block_mask = bias = keep = None
@@ -305,7 +305,8 @@ def attncc_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     out = flex_attention(query, key, value, score_mod=_variant(softcap, bias, keep),
                          block_mask=block_mask, scale=scaling,
-                         enable_gqa=query.shape[1] != key.shape[1])
+                         enable_gqa=query.shape[1] != key.shape[1],
+                         sinks=kwargs.get("s_aux"))  # gpt-oss's per-head sinks
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -48,6 +48,9 @@ struct AttentionParams {
     // consumer warps' partial state, written before read), and then item_counter holds one
     // arrival counter per tail item and consumer warp after the claim counter. Null: no split.
     float* split_partials;
+    // Attention sinks: one float32 logit per query head [num_q_heads], joined to every row's
+    // softmax denominator once (common.cuh join_sink), or null for none.
+    const float* sinks;
 };
 
 }  // namespace attncc

@@ -63,6 +63,8 @@ struct BatchParams {
     int page_size;               // tokens per page
     int page_shift;              // log2(page_size) when it is a power of two, else -1
     float sm_scale;
+    const float* sinks;          // [num_q_heads] float32 sink logits (common.cuh join_sink), or
+                                 // null: joined once per row, in the epilogue or the merge
 };
 
 // Section `at` (one of the kPlan*At words) of the packed plan. Its offset is loaded at each use

@@ -77,6 +77,29 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
 
 template <bool B> struct BoolTag { static constexpr bool value = B; };
 
+// Attention sinks (docs/flex-api.md, "Attention sinks"): join the sink logit `sink` (natural
+// log, finite) to a finished row's softmax denominator, given the row's 1/l (`inv`) and LSE:
+// LSE' = logaddexp(LSE, sink) and inv' = inv * exp(LSE - LSE'), the exponent taken of the
+// smaller side so nothing overflows. A row with no weight (LSE -inf) keeps inv (0) and gets
+// LSE' = sink; a NaN LSE stays NaN, +inf stays +inf with inv unchanged. Used once per row: in
+// the epilogue of a whole row, or after the merge of a split one, never on a partial state.
+__device__ __forceinline__ void join_sink(float sink, float& inv, float& lse) {
+  if (lse == neg_inf()) {
+    lse = sink;
+    return;
+  }
+  const float d = sink - lse;             // NaN for a NaN LSE, -inf for a +inf one
+  const float e = __expf(-fabsf(d));      // exp(-|d|) in (0, 1]
+  const float lp = __logf(1.f + e);       // log1p(e): e >= exp(-88) or the sum rounds to 1
+  if (d > 0.f) {                          // the sink dominates: exp(LSE - LSE') = e / (1 + e)
+    inv *= e / (1.f + e);
+    lse = sink + lp;
+  } else {                                // exp(LSE - LSE') = 1 / (1 + e); NaN stays NaN
+    inv *= 1.f / (1.f + e);
+    lse = lse + lp;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers: cp.async, ldmatrix, mma.sync.
 // ---------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@
 //   DType* o_row(int tok, int hq) const;          output row of (token, head)
 //   bool has_lse() const; float* lse_at(int tok, int hq) const;
 //   static constexpr bool kMaySplit; float* partial_o() const; float* partial_lse() const;
+//   const float* sinks() const;                   per-query-head sink logits, or null
 #ifndef ATTNCC_FA2_ATTEND_CUH
 #define ATTNCC_FA2_ATTEND_CUH
 
@@ -271,6 +272,29 @@ __device__ __forceinline__ void normalize_rows(float (&o_acc)[M_FRAGS][N_FRAGS_O
     }
 }
 
+// Attention sinks: each whole row's sink logit (its query head's) joins its denominator once
+// (common.cuh join_sink); a split unit's partial state goes to the merge without it.
+template <int M_FRAGS, int N_FRAGS_O, typename View>
+__device__ __forceinline__ void add_sinks(const View& t, float (&o_acc)[M_FRAGS][N_FRAGS_O][4],
+                                          float (&lse_val)[M_FRAGS][2]) {
+  const float* sinks = t.w.sinks();
+  if (sinks == nullptr) return;
+#pragma unroll
+  for (int mf = 0; mf < M_FRAGS; ++mf)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      int fr, qi, hq;
+      t.row_of(mf, hr, fr, qi, hq);  // hq stays inside the KV head's group, padding rows too
+      float f = 1.f;
+      join_sink(__ldg(sinks + hq), f, lse_val[mf][hr]);
+#pragma unroll
+      for (int nf = 0; nf < N_FRAGS_O; ++nf) {
+        o_acc[mf][nf][2 * hr] *= f;
+        o_acc[mf][nf][2 * hr + 1] *= f;
+      }
+    }
+}
+
 // A unit that covers only part of its rows' KV range writes its partial state -- normalized O in
 // fp32 and the LSE, tile rows [0, TQ) of its workspace slot -- for the merge (fa2_batch.cuh),
 // which combines the parts in a fixed order and applies the OutputTransform.
@@ -353,7 +377,7 @@ __device__ __forceinline__ void store_lse(const View& t, const float (&lse_val)[
 // order: load Q and the first K/V tiles (load_kv_tile), QueryTransform (transform_warp_rows);
 // per KV tile: wait and prefetch, K/V transforms (transform_kv_tile), S = Q K^T, logits
 // (logits_tile), online softmax, O += P V; merge_kv_slices (decode); epilogue: normalize_rows,
-// then store_partial (a split unit) or stage_o, OutputTransform, store_o, store_lse.
+// then store_partial (a split unit) or add_sinks, stage_o, OutputTransform, store_o, store_lse.
 // S = Q K^T, the softmax and P V stay in the loop body: as functions they reorder the loop's
 // accumulator PHIs and change the SASS (docs/kernel-interface.md, "The FA2 tile body").
 // ---------------------------------------------------------------------------------------------
@@ -642,6 +666,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
       return;
     }
   }
+  if constexpr (kSoftmax) add_sinks<M_FRAGS>(t, o_acc, lse_val);
   stage_o<DType, D, M_FRAGS>(t, sQ, o_acc);
   if constexpr (Variant::has_output_transform) {
     transform_warp_rows<DType, D, M_FRAGS>(t, sQ, [&](const SmemRow<DType, D>& o, int hq, int qi,

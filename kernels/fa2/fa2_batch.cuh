@@ -169,6 +169,7 @@ struct BatchWork {
   __device__ __forceinline__ float* partial_lse() const {
     return p.partial_lse + (attncc::i64)slot * TQ;
   }
+  __device__ __forceinline__ const float* sinks() const { return p.sinks; }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -284,13 +285,21 @@ __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
   float lse = 0.f;
   if constexpr (kSoftmax)
     lse = wsum == 0.f ? neg_inf() : (mx == attncc::pos_inf() ? mx : mx + __logf(wsum));
-#pragma unroll
-  for (int c = 0; c < COLS; ++c) scratch.row[lane * COLS + c] = acc[c];
-  __syncwarp();
   const int gf = p.num_q_heads / p.num_kv_heads;
   const int fr = it.q_start + r;
   const int tok = fr / gf;
   const int hq = it.kv_head * gf + (fr - tok * gf);
+  if constexpr (kSoftmax) {
+    if (p.sinks != nullptr) {  // the merged row is whole: its sink joins here, once
+      float f = 1.f;
+      join_sink(__ldg(p.sinks + hq), f, lse);
+#pragma unroll
+      for (int c = 0; c < COLS; ++c) acc[c] *= f;
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < COLS; ++c) scratch.row[lane * COLS + c] = acc[c];
+  __syncwarp();
   const int q_pos = query_position(p, request_q_pos0(p, it.request), it.qo_offset, tok);
   DType* out = reinterpret_cast<DType*>(p.o) + (it.qo_offset + tok) * p.o_stride_tok +
                hq * p.o_stride_h;

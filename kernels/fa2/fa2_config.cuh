@@ -15,6 +15,7 @@ using common::pack2;
 using common::fast_exp2;
 using common::neg_inf;
 using common::fmax_nan;
+using common::join_sink;
 using common::BoolTag;
 using common::smem_addr;
 using common::cp_async_16;

@@ -134,6 +134,7 @@ struct DenseWork {
   }
   __device__ __forceinline__ float* partial_o() const { return nullptr; }
   __device__ __forceinline__ float* partial_lse() const { return nullptr; }
+  __device__ __forceinline__ const float* sinks() const { return p.sinks; }
 };
 
 template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,

@@ -337,6 +337,16 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     float inv_r[2], lse_r[2];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) finish_row<kSoftmax>(row_m[hr], row_l[hr], inv_r[hr], lse_r[hr]);
+    if constexpr (kSoftmax) {
+      if (part_o == nullptr && p.sinks != nullptr) {  // whole rows; the merge joins a split's
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {  // the row's query head from its fused row, as below
+          const int fr = u.q_start + 64 * (wg - 1) + 16 * warp + (lane >> 2) + 8 * hr;
+          const int hq = u.kv_head * gf + (fr - gdiv.div(fr) * gf);
+          common::join_sink(__ldg(p.sinks + hq), inv_r[hr], lse_r[hr]);
+        }
+      }
+    }
     if constexpr (kSoftmax) clear_empty_rows<D>(o, inv_r);
     if constexpr (Variant::has_output_transform) {
       if (part_o == nullptr) transform_o<Variant, DType, D>(o, inv_r, vp, sq_w, u.request, row_at);

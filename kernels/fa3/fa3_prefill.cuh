@@ -665,6 +665,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     float inv[2], lse[2];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) finish_row<kSoftmax>(row_m[hr], row_l[hr], inv[hr], lse[hr]);
+    if constexpr (kSoftmax) join_sinks(p.sinks, hq, inv, lse);  // whole rows (merged if split)
     if constexpr (kSoftmax) clear_empty_rows<D>(o, inv);
     DType* const out_bh = out + b * p.o_stride_b + hq * p.o_stride_h;
     auto out_row = [&](int qi) { return out_bh + (attncc::i64)qi * p.o_stride_s; };

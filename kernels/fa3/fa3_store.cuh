@@ -139,6 +139,16 @@ __device__ __forceinline__ void finish_row(float m, float l, float& inv, float& 
   }
 }
 
+// Attention sinks: the query head's sink logit joins both rows' denominators (common.cuh
+// join_sink), scaling inv; nothing when `sinks` is null. Whole rows only, never a partial state.
+__device__ __forceinline__ void join_sinks(const float* sinks, int hq, float (&inv)[2],
+                                           float (&lse)[2]) {
+  if (sinks == nullptr) return;
+  const float s = __ldg(sinks + hq);
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) common::join_sink(s, inv[hr], lse[hr]);
+}
+
 // Rows with no weight (inv == 0, see finish_row; 1 / l is never 0 for a real l) store 0, even
 // where their accumulator caught a NaN or inf value row at a masked key of a tile they read
 // (0 * NaN is NaN in P V). Selects in the epilogue only.

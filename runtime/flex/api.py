@@ -45,7 +45,7 @@ from attncc.frontend.variant import TraceCache, share_trace_cache
 from attncc.ir.analysis import check_vector_indices
 from attncc.ir.program import Bindings, VariantIR
 
-from ..reference import attention_reference, validate_attention_inputs
+from ..reference import attention_reference, check_sinks, validate_attention_inputs
 from .torch_compat import aux_request, finish, forward_kernel_options
 
 # kernel_options keys attncc understands: the compiled kernel's tile shape (query rows, kv
@@ -208,7 +208,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable[..., Any] | Variant | None = None, block_mask: Any = None,
                    scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
                    kernel_options: Mapping[str, Any] | None = None, *, return_aux: Any = None,
-                   ) -> Any:
+                   sinks: torch.Tensor | None = None) -> Any:
     """FlexAttention-compatible attention; `score_mod` may be an `attncc.Variant`.
 
     query [B, Hq, Sq, D], key [B, Hkv, Skv, D], value [B, Hkv, Skv, Dv] -> out [B, Hq, Sq, Dv]
@@ -222,6 +222,10 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     error naming it. `return_aux=AuxRequest(lse=, max_scores=)` (torch 2.13's) returns
     `(out, AuxOutput(lse, max_scores))`; max_scores, each row's max modified score, comes from
     the exact path only (CPU, CUDA float32): the compiled kernels do not return it.
+    `sinks` [Hq] (float32 or query's dtype, on query's device, finite): attention sinks, one
+    logit per query head joined to every row's softmax denominator with no value (gpt-oss);
+    the returned LSE includes it, a fully masked row gives 0 and LSE = the sink, and it is
+    differentiable (docs/flex-api.md, "Attention sinks").
 
     Example:
         >>> import torch
@@ -236,7 +240,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         from .ops import compiled_flex_attention
 
         return compiled_flex_attention(query, key, value, score_mod, block_mask, scale,
-                                       enable_gqa, return_lse, kernel_options, EAGER_CHECKS)
+                                       enable_gqa, return_lse, kernel_options, EAGER_CHECKS,
+                                       sinks=sinks)
     check_bool("enable_gqa", enable_gqa)
     check_bool("return_lse", return_lse)
     _check_sizes(query, key, value)
@@ -253,6 +258,11 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          "softmax, so no log-sum-exp; call with return_lse=False")
     if query.device.type not in ("cpu", "cuda"):
         raise ValueError(f"query is on {query.device}; attncc runs on CPU and CUDA tensors")
+    if sinks is not None:
+        if variant.normalize == "none":
+            raise InvalidArgument("sinks were given but the variant has normalize='none': a "
+                                  "sink joins a softmax denominator; drop sinks")
+        check_sinks(sinks, query.shape[1], query.device, query.dtype)
     ir, bindings = _trace(variant)
     _static_checks(ir, bindings, query, key, value)
     compiled = query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16)
@@ -264,15 +274,15 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         from .autograd import differentiable_attention, needs_grad
         from .gpu_flex import gpu_flex_attention
 
-        if needs_grad(query, key, value, bindings):  # training: the GPU backward (autograd.py)
+        if needs_grad(query, key, value, bindings, sinks):  # training: the GPU backward
             out, lse = differentiable_attention(query, key, value, ir, bindings,
                                                 block_mask=block_mask, scale=scale,
                                                 enable_gqa=enable_gqa,
-                                                kernel_options=kernel_options)
+                                                kernel_options=kernel_options, sinks=sinks)
             return finish(out, lse if want_lse else None, None, return_lse, return_aux)
         out, lse = gpu_flex_attention(query, key, value, ir, bindings, block_mask=block_mask,
                                       scale=scale, enable_gqa=enable_gqa, return_lse=want_lse,
-                                      kernel_options=kernel_options)
+                                      kernel_options=kernel_options, sinks=sinks)
         return finish(out, lse, None, return_lse, return_aux)
     if query.device.type == "cuda" and not _warned_no_gpu_kernel:
         _warned_no_gpu_kernel = True
@@ -283,7 +293,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     stats: dict[str, torch.Tensor] | None = {} if want_max else None
     out, lse = attention_reference(query, key, value, ir, bindings, block_mask=block_mask,
                                    scale=scale, enable_gqa=enable_gqa, float_dtype=torch.float64,
-                                   stats=stats)
+                                   stats=stats, sinks=sinks)
     lse = None if lse is None or not want_lse else lse.to(torch.float32)
     mx = stats["max"].to(torch.float32) if stats is not None else None
     return finish(out.to(query.dtype), lse, mx, return_lse, return_aux)

@@ -16,6 +16,7 @@ Example (no GPU needed to strip the transforms):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -25,7 +26,7 @@ from attncc.ir.nodes import walk
 from attncc.ir.program import Bindings, VariantIR
 
 __all__ = ["TRANSFORM_HOOKS", "attention_ir", "needs_grad", "differentiable_attention",
-           "backward_of_saved"]
+           "backward_of_saved", "sinks_grad"]
 
 TRANSFORM_HOOKS = ("query_mod", "key_mod", "value_mod", "output_mod")
 
@@ -40,11 +41,13 @@ def attention_ir(ir: VariantIR) -> VariantIR:
 
 
 def needs_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               bindings: Bindings) -> bool:
-    """Whether this call must record a graph: grad mode on and an input or a captured tensor
-    requires grad."""
+               bindings: Bindings, sinks: torch.Tensor | None = None) -> bool:
+    """Whether this call must record a graph: grad mode on and an input (the sinks too) or a
+    captured tensor requires grad."""
     if not torch.is_grad_enabled():
         return False
+    if sinks is not None and sinks.requires_grad:
+        return True
     return any(t.requires_grad for t in (query, key, value)) or any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in bindings.tensors.values())
 
@@ -101,22 +104,45 @@ class _Call:
     grad_tensors: tuple[str, ...]
 
 
+def sinks_grad(sinks: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+               dout: torch.Tensor | None, dlse: torch.Tensor | None) -> torch.Tensor:
+    """d(sinks) [Hq] of attention with sinks, from what the forward saved: the sink's weight in
+    row i is exp(sink_h - LSE_i) (LSE includes the sink), and d sink_h = -sum over rows of that
+    weight times delta_i = rowsum(dO * O) - dLSE_i (docs/backward.md, "Attention sinks").
+
+    Example:
+        >>> s = torch.zeros(1, dtype=torch.float64)
+        >>> o = torch.ones(1, 1, 2, 1, dtype=torch.float64)
+        >>> lse = torch.full((1, 1, 2), math.log(2), dtype=torch.float64)
+        >>> sinks_grad(s, o, lse, torch.ones_like(o), None).tolist()     # -2 rows * 0.5 * 1
+        [-1.0]
+    """
+    delta = torch.zeros_like(lse, dtype=torch.float32)
+    if dout is not None:
+        delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    weight = torch.exp(sinks.float().view(1, -1, 1) - lse.float())
+    return -(weight * delta).sum((0, 2)).to(sinks.dtype)
+
+
 class _Attention(torch.autograd.Function):
-    """(q, k, v, *captured tensors requiring grad) -> (out, lse); lse is empty for normalize
-    none. Saves q, k, v, out and lse: nothing of size S^2."""
+    """(q, k, v, sinks or None, *captured tensors requiring grad) -> (out, lse); lse is empty
+    for normalize none. Saves q, k, v, out and lse: nothing of size S^2."""
 
     @staticmethod
     def forward(ctx: Any, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                *grad_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                sinks: torch.Tensor | None, *grad_values: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         from .gpu_flex import gpu_flex_attention
 
         out, lse = gpu_flex_attention(q, k, v, call.ir, call.bindings,
                                       block_mask=call.block_mask, scale=call.scale,
                                       enable_gqa=call.enable_gqa,
                                       return_lse=call.ir.use_softmax,
-                                      kernel_options=call.kernel_options)
+                                      kernel_options=call.kernel_options, sinks=sinks)
         ctx.call = call
-        ctx.save_for_backward(q, k, v, out, lse if lse is not None else out.new_empty(0))
+        ctx.save_for_backward(q, k, v, out, lse if lse is not None else out.new_empty(0), sinks)
         if lse is None:
             lse = out.new_empty(0, dtype=torch.float32)
             ctx.mark_non_differentiable(lse)
@@ -124,11 +150,15 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         call: _Call = ctx.call
         res = _run(call, q, k, v, out, lse if call.ir.use_softmax else None, dout,
                    dlse if call.ir.use_softmax else None)
-        return (None, res.dq, res.dk, res.dv, *(res.captured[n] for n in call.grad_tensors))
+        # the kernels' dS is unchanged when the LSE includes the sink; its own gradient here
+        dsinks = (sinks_grad(sinks, out, lse, dout, dlse)
+                  if sinks is not None and ctx.needs_input_grad[4] else None)
+        return (None, res.dq, res.dk, res.dv, dsinks,
+                *(res.captured[n] for n in call.grad_tensors))
 
 
 def _run(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -159,11 +189,13 @@ def _run(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
 def differentiable_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              ir: VariantIR, bindings: Bindings, *, block_mask: Any = None,
                              scale: float | None = None, enable_gqa: bool = False,
-                             kernel_options: Mapping[str, Any] | None = None
+                             kernel_options: Mapping[str, Any] | None = None,
+                             sinks: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(out, lse or None)` of a traced variant on CUDA with a graph torch's autograd can
-    differentiate: transforms on the evaluator, attention through `_Attention`. Errors (a mask
-    reading a tensor that requires grad) are raised before anything launches."""
+    differentiate: transforms on the evaluator, attention through `_Attention` (`sinks` [Hq]
+    too). Errors (a mask reading a tensor that requires grad) are raised before anything
+    launches."""
     from attncc.ir.autodiff import check_grad_tensors
 
     from attncc.errors import InvalidArgument
@@ -179,7 +211,7 @@ def differentiable_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     k = _transform(ir, "key_mod", "k", "kv_idx", key, bindings)
     v = _transform(ir, "value_mod", "v", "kv_idx", value, bindings)
     call = _Call(attn, bindings, block_mask, scale, enable_gqa, kernel_options, names)
-    out, lse = _Attention.apply(call, q, k, v, *(bindings.tensors[n] for n in names))
+    out, lse = _Attention.apply(call, q, k, v, sinks, *(bindings.tensors[n] for n in names))
     out = _transform(ir, "output_mod", "o", "q_idx", out, bindings)
     return out, (lse if ir.use_softmax else None)
 
@@ -190,6 +222,8 @@ def backward_of_saved(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       block_mask: Any, scale: float | None, enable_gqa: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                  dict[str, torch.Tensor]] | None:
+    # (sinks: the LSE saved includes them, and the kernels' dS is the same; the op's backward
+    # adds their own gradient with sinks_grad)
     """The backward of a forward whose `out` and `lse` were saved elsewhere (the torch.library
     op's, runtime/flex/ops.py): (dq, dk, dv, gradients of every float tensor the score_mod
     reads). The op cannot see which captured tensors require grad, so all of them get one.

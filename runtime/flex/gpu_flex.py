@@ -35,7 +35,7 @@ from ..jit.launch_args import ELEM_NAMES, captured, clamped
 from ..jit.kernels import KernelSpec, LoadedKernel, compile_spec, get_kernel
 from ..jit.tiles import HEAD_DIMS
 from ..jit.tma import MapCache, MapSlot
-from ..reference import is_noop_mask, trace_mask, validate_attention_inputs
+from ..reference import check_sinks, is_noop_mask, trace_mask, validate_attention_inputs
 from .fa3_split import TailSplit, tail_split
 from .tile_choice import TilePlan, choose_tiles
 
@@ -720,8 +720,8 @@ def _outputs(query: torch.Tensor, return_lse: bool, out: torch.Tensor | None,
 
 def _no_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: VariantIR,
              bindings: Bindings, block_mask: Any, scale: float | None, enable_gqa: bool,
-             return_lse: bool, out: torch.Tensor | None, lse_out: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+             return_lse: bool, out: torch.Tensor | None, lse_out: torch.Tensor | None,
+             sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Zero keys: every row is fully masked, so out is output_mod(0) and lse -inf -- what the
     reference computes cheaply with no keys. Nothing is compiled or launched (a TMA map of an
     empty K would be rejected by the driver)."""
@@ -730,7 +730,8 @@ def _no_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: Va
     _validate(query, key, value, enable_gqa)
     out, lse = _outputs(query, return_lse, out, lse_out)
     o, l = attention_reference(query, key, value, ir, bindings, block_mask=block_mask,
-                               scale=scale, enable_gqa=enable_gqa, float_dtype=torch.float32)
+                               scale=scale, enable_gqa=enable_gqa, float_dtype=torch.float32,
+                               sinks=sinks)
     out.copy_(o)
     if lse is not None and l is not None:
         lse.copy_(l)
@@ -743,6 +744,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        return_lse: bool = False,
                        kernel_options: Mapping[str, Any] | None = None,
                        out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
+                       sinks: torch.Tensor | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a traced variant on CUDA tensors with the FA3 or FA2 kernel: `(out, lse or None)`.
 
@@ -750,8 +752,10 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     out [B, Hq, Sq, D] in query's dtype; lse [B, Hq, Sq] float32 (natural log, -inf for a fully
     masked row) when `return_lse`. The variant's mask_mod applies everywhere; the block mask's
     mask_mod only in its partial blocks (FlexAttention's semantics); absent blocks are skipped.
-    `out` / `lse_out` may be given (e.g. static buffers for CUDA graphs). Every argument is
-    checked before anything is launched.
+    `out` / `lse_out` may be given (e.g. static buffers for CUDA graphs). `sinks` [Hq]: per-head
+    sink logits joined to each row's denominator in the kernels' epilogue (or their merge); the
+    LSE then includes them (docs/flex-api.md, "Attention sinks"). Every argument is checked
+    before anything is launched.
 
     Example:
         >>> import torch, attncc
@@ -767,12 +771,13 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(float(scale))):
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    sinks32 = _sinks_arg(sinks, query, ir)
     bindings = user_bindings = bindings if bindings is not None else Bindings()
     if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
         _validate(query, key, value, enable_gqa)  # raises TypeError naming the argument
     if key.dim() == 4 and key.shape[2] == 0:
         return _no_keys(query, key, value, ir, bindings, block_mask, scale, enable_gqa,
-                        return_lse, out, lse_out)
+                        return_lse, out, lse_out, sinks)
     entry = _call_entry(query, key, value, ir, bindings, block_mask, enable_gqa, kernel_options)
     pl = entry.plan
     device = query.device
@@ -797,12 +802,28 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     sm_scale = 1.0 / math.sqrt(query.shape[3]) if scale is None else float(scale)
     kern = reads.kernel
     args = _attention_args(query, key, value, out, lse, sm_scale, pl.mask)
+    if sinks32 is not None:
+        args["sinks"] = sinks32.data_ptr()
     if pl.tiles.kernel == "fa3":
         launch = _fa3_launch(pl, kern, kernel_options, args, query, key, value, out)
     else:
         launch = _fa2_launch(pl, kern, args, query)
     _launch(kern, launch, values, device)
+    del sinks32  # alive until the launch is enqueued
     return out, lse
+
+
+def _sinks_arg(sinks: Any, query: Any, ir: VariantIR) -> torch.Tensor | None:
+    """The kernels' sinks operand: float32, contiguous, checked (reference.check_sinks)."""
+    if sinks is None:
+        return None
+    if not ir.use_softmax:
+        raise InvalidArgument("sinks were given but the variant has normalize='none': a sink "
+                              "joins a softmax denominator; drop sinks")
+    if not isinstance(query, torch.Tensor) or query.dim() != 4:
+        return None  # _validate names the bad query first
+    check_sinks(sinks, query.shape[1], query.device, query.dtype)
+    return sinks.detach().to(torch.float32).contiguous()
 
 
 def _call_entry(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: VariantIR,
@@ -864,7 +885,7 @@ def _attention_args(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         "kv_num_blocks": 0, "kv_indices": 0, "full_kv_num_blocks": 0, "full_kv_indices": 0,
         "bm_stride_b": 0, "bm_stride_h": 0, "bi_stride_b": 0, "bi_stride_h": 0,
         "bi_stride_q": 0, "block_q": 0, "block_kv": 0,
-        "tma": 0, "item_counter": 0, "split_partials": 0,
+        "tma": 0, "item_counter": 0, "split_partials": 0, "sinks": 0,
     }
     if m is not None:
         nb, ix = _bstrides(m.num), _bstrides(m.idx)

@@ -44,7 +44,7 @@ from attncc.frontend import Variant
 from attncc.frontend.trace import trace_mods_guarded
 from attncc.ir.program import HOOK_ORDER, Bindings, VariantIR
 
-from ..reference import attention_reference, is_noop_mask, validate_attention_inputs
+from ..reference import attention_reference, check_sinks, is_noop_mask, validate_attention_inputs
 
 # A read: (root, path). Roots: 0 the score_mod argument (function or Variant), 1 the block
 # mask's mask_mod, 2 the block mask. Steps: ("attr", name), ("closure", i), ("global", name),
@@ -294,7 +294,7 @@ def _same(a: Any, b: Any) -> bool:
 def compiled_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             score_mod: Any, block_mask: Any, scale: float | None,
                             enable_gqa: bool, return_lse: bool, kernel_options: Any,
-                            checks: EagerChecks) -> Any:
+                            checks: EagerChecks, sinks: torch.Tensor | None = None) -> Any:
     """`flex_attention` as Dynamo traces it: captures read in traced code, one op call."""
     mask_fn = None if block_mask is None else block_mask.mask_mod
     names = ()
@@ -321,7 +321,7 @@ def compiled_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         bm = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
               block_mask.full_kv_indices, bs, list(block_mask.seq_lengths))
     out, lse = torch.ops.attncc.flex_attention(query, key, value, *bm, tensors, floats, ints,
-                                               vkey, scale, enable_gqa)
+                                               vkey, scale, enable_gqa, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -388,8 +388,8 @@ def _unpack(entry: Entry, captured: Sequence[torch.Tensor], float_args: Sequence
 
 
 def run_entry(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, entry: Entry,
-              bindings: Bindings, block_mask: Any, scale: float | None, enable_gqa: bool
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              bindings: Bindings, block_mask: Any, scale: float | None, enable_gqa: bool,
+              sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager `flex_attention`'s checks and run, for a registered variant: (out, lse)."""
     entry.checks.sizes(query, key, value)
     validate_attention_inputs(query, key, value, block_mask, enable_gqa)
@@ -398,6 +398,11 @@ def run_entry(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, entry
     if query.device.type not in ("cpu", "cuda"):
         raise ValueError(f"query is on {query.device}; attncc runs on CPU and CUDA tensors")
     ir = entry.ir
+    if sinks is not None:
+        if not ir.use_softmax:
+            raise InvalidArgument("sinks were given but the variant has normalize='none': a "
+                                  "sink joins a softmax denominator; drop sinks")
+        check_sinks(sinks, query.shape[1], query.device, query.dtype)
     entry.checks.static(ir, bindings, query, key, value)
     B, Hq, Sq, _ = query.shape
     if query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16):
@@ -406,11 +411,12 @@ def run_entry(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, entry
         out, lse = gpu_flex_attention(query, key, value, ir, bindings, block_mask=block_mask,
                                       scale=scale, enable_gqa=enable_gqa,
                                       return_lse=ir.use_softmax,
-                                      kernel_options=dict(entry.kernel_options) or None)
+                                      kernel_options=dict(entry.kernel_options) or None,
+                                      sinks=sinks)
     else:
         out, lse = attention_reference(query, key, value, ir, bindings, block_mask=block_mask,
                                        scale=scale, enable_gqa=enable_gqa,
-                                       float_dtype=torch.float64)
+                                       float_dtype=torch.float64, sinks=sinks)
         out = out.to(query.dtype)
     if lse is None:  # normalize="none": no softmax; flex_attention never returns this
         lse = torch.zeros(B, Hq, Sq, dtype=torch.float32, device=query.device)
@@ -424,14 +430,16 @@ def flex_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       full_kv_indices: Optional[torch.Tensor], block_size: list[int],
                       seq_lengths: list[int], captured: list[torch.Tensor],
                       float_args: list[float], int_args: list[int], variant_key: int,
-                      scale: Optional[float], enable_gqa: bool
+                      scale: Optional[float], enable_gqa: bool,
+                      sinks: Optional[torch.Tensor] = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of the registered variant `variant_key` (see the module docstring)."""
+    """(out, lse) of the registered variant `variant_key` (see the module docstring); `sinks`
+    [Hq] or None: attention sinks (the LSE includes them)."""
     entry = entry_for(variant_key)
     bm_tensors = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     bindings, bm = _unpack(entry, captured, float_args, int_args, bm_tensors, block_size,
                            seq_lengths)
-    return run_entry(query, key, value, entry, bindings, bm, scale, enable_gqa)
+    return run_entry(query, key, value, entry, bindings, bm, scale, enable_gqa, sinks)
 
 
 @flex_attention_op.register_fake
@@ -445,23 +453,26 @@ def _flex_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
 # ------------------------------------------------------------------ autograd
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    (q, k, v, kvn, kvi, fkvn, fkvi, bs, sl, captured, fa, ia, vkey, scale, gqa) = inputs
+    (q, k, v, kvn, kvi, fkvn, fkvi, bs, sl, captured, fa, ia, vkey, scale, gqa, sinks) = inputs
     out, lse = output
     ctx.set_materialize_grads(False)  # an unused lse gets None, not zeros: see flex_backward
-    ctx.save_for_backward(q, k, v, out, lse, kvn, kvi, fkvn, fkvi, *captured)
+    ctx.save_for_backward(q, k, v, out, lse, kvn, kvi, fkvn, fkvi, sinks, *captured)
     ctx.args = (bs, sl, fa, ia, vkey, scale, gqa)
 
 
 def _backward(ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None) -> tuple:
-    q, k, v, out, lse, kvn, kvi, fkvn, fkvi, *captured = ctx.saved_tensors
+    q, k, v, out, lse, kvn, kvi, fkvn, fkvi, sinks, *captured = ctx.saved_tensors
     bs, sl, fa, ia, vkey, scale, gqa = ctx.args
-    gq, gk, gv, gcap = flex_attention_backward_op(q, k, v, out, lse, grad_out, grad_lse, kvn,
-                                                  kvi, fkvn, fkvi, bs, sl, list(captured), fa,
-                                                  ia, vkey, scale, gqa)
+    gq, gk, gv, gcap, gsinks = flex_attention_backward_op(
+        q, k, v, out, lse, grad_out, grad_lse, kvn, kvi, fkvn, fkvi, bs, sl, list(captured), fa,
+        ia, vkey, scale, gqa, sinks)
     gcap = [g if c.is_floating_point() else None for g, c in zip(gcap, captured)]
     # custom_op checks the structure: None for a list of numbers, but [] for an empty list
     bs, sl, fa, ia = (None if x else [] for x in (bs, sl, fa, ia))
-    return (gq, gk, gv, None, None, None, None, bs, sl, gcap, fa, ia, None, None, None)
+    grads = (gq, gk, gv, None, None, None, None, bs, sl, gcap, fa, ia, None, None, None)
+    # the dispatcher drops a trailing argument equal to its default (sinks=None), and the
+    # gradients must have the inputs' structure
+    return grads if sinks is None else (*grads, gsinks)
 
 
 @torch.library.custom_op("attncc::flex_attention_backward", mutates_args=())
@@ -474,35 +485,43 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
                                full_kv_indices: Optional[torch.Tensor], block_size: list[int],
                                seq_lengths: list[int], captured: list[torch.Tensor],
                                float_args: list[float], int_args: list[int], variant_key: int,
-                               scale: Optional[float], enable_gqa: bool
+                               scale: Optional[float], enable_gqa: bool,
+                               sinks: Optional[torch.Tensor] = None
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                          list[torch.Tensor]]:
-    """(dq, dk, dv, d captured) of `flex_attention_op`; a captured tensor that is not floating
-    point gets an empty tensor (no gradient)."""
+                                          list[torch.Tensor], torch.Tensor]:
+    """(dq, dk, dv, d captured, d sinks) of `flex_attention_op`; a captured tensor that is not
+    floating point gets an empty tensor (no gradient), and so do absent sinks."""
     entry = entry_for(variant_key)
     bm_tensors = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     bindings, bm = _unpack(entry, captured, float_args, int_args, bm_tensors, block_size,
                            seq_lengths)
-    dq, dk, dv, dcap = flex_backward(query, key, value, out, lse, grad_out, grad_lse, entry,
-                                     bindings, bm, scale, enable_gqa, captured)
+    dq, dk, dv, dcap, dsinks = flex_backward(query, key, value, out, lse, grad_out, grad_lse,
+                                             entry, bindings, bm, scale, enable_gqa, captured,
+                                             sinks)
     dcap = [torch.zeros(c.shape, dtype=c.dtype, device=c.device)
             if d is None and c.is_floating_point() else d
             for d, c in zip(dcap, captured)]
     dcap = [query.new_empty(0) if d is None else d for d in dcap]
     grads = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) if g is None else
              g.contiguous() for g, t in ((dq, query), (dk, key), (dv, value))]
-    return grads[0], grads[1], grads[2], [d.contiguous() for d in dcap]
+    if sinks is None:
+        dsinks = query.new_empty(0)
+    elif dsinks is None:
+        dsinks = torch.zeros(sinks.shape, dtype=sinks.dtype, device=sinks.device)
+    return grads[0], grads[1], grads[2], [d.contiguous() for d in dcap], dsinks.contiguous()
 
 
 @flex_attention_backward_op.register_fake
 def _flex_attention_backward_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                   *args: Any) -> tuple:
     captured = args[10]
+    sinks = args[16] if len(args) > 16 else None
     def like(t: torch.Tensor) -> torch.Tensor:  # contiguous, as the real kernel returns them
         return t.new_empty(t.shape)
 
     return (like(query), like(key), like(value),
-            [like(c) if c.is_floating_point() else query.new_empty(0) for c in captured])
+            [like(c) if c.is_floating_point() else query.new_empty(0) for c in captured],
+            query.new_empty(0) if sinks is None else like(sinks))
 
 
 @contextlib.contextmanager
@@ -520,27 +539,31 @@ def _autograd_inside_op() -> Iterator[None]:
 def flex_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None,
                   entry: Entry, bindings: Bindings, bm: Any, scale: float | None, gqa: bool,
-                  captured: Sequence[torch.Tensor]) -> tuple:
-    """(dq, dk, dv, [d captured]) eagerly: on CUDA bf16/fp16 the FA2-class backward kernel
-    (autograd.backward_of_saved) where it applies, else autograd through the float64 reference
-    recomputed (captured float tensors get gradients there too). docs/compile.md, "Autograd"."""
+                  captured: Sequence[torch.Tensor], sinks: torch.Tensor | None = None) -> tuple:
+    """(dq, dk, dv, [d captured], d sinks or None) eagerly: on CUDA bf16/fp16 the FA2-class
+    backward kernel (autograd.backward_of_saved; the sinks' gradient from autograd.sinks_grad)
+    where it applies, else autograd through the float64 reference recomputed (captured float
+    tensors and the sinks get gradients there too). docs/compile.md, "Autograd"."""
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and grad_out is not None:
-        from .autograd import backward_of_saved
+        from .autograd import backward_of_saved, sinks_grad
 
         got = backward_of_saved(q, k, v, out, lse, grad_out, grad_lse, entry.ir, bindings, bm,
                                 scale, gqa)
         if got is not None:
             dq, dk, dv, dcap = got
             names = list(entry.tensors)
+            dsinks = (None if sinks is None
+                      else sinks_grad(sinks, out, lse, grad_out, grad_lse))
             return dq, dk, dv, [dcap.get(names[i]) if i < len(names) else None
-                                for i in range(len(captured))]
+                                for i in range(len(captured))], dsinks
     with _autograd_inside_op(), torch.enable_grad():
         qkv = [t.detach().requires_grad_(True) for t in (q, k, v)]
         caps = [t.detach().requires_grad_(t.is_floating_point()) for t in captured]
+        sk = None if sinks is None else sinks.detach().requires_grad_(True)
         tensors = dict(zip(entry.tensors, caps[:len(entry.tensors)]))
         o64, l64 = attention_reference(*qkv, entry.ir, Bindings(bindings.scalars, tensors),
                                        block_mask=bm, scale=scale, enable_gqa=gqa,
-                                       float_dtype=torch.float64)
+                                       float_dtype=torch.float64, sinks=sk)
         outs, gouts = [], []
         if grad_out is not None:
             outs.append(o64)
@@ -549,15 +572,19 @@ def flex_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
             outs.append(l64)
             # a fully masked row's LSE is -inf whatever the inputs: no gradient flows there
             gouts.append(torch.where(torch.isfinite(l64), grad_lse.to(l64.dtype), 0.0))
-        wrt = qkv + [c for c in caps if c.requires_grad]
+        wrt = qkv + [c for c in caps if c.requires_grad] + ([sk] if sk is not None else [])
         if not outs:
-            return (None, None, None, [None] * len(captured))
+            return (None, None, None, [None] * len(captured), None)
         g = torch.autograd.grad(outs, wrt, gouts, allow_unused=True)
     dq, dk, dv = (None if gi is None else gi.to(t.dtype) for gi, t in zip(g[:3], (q, k, v)))
     rest = iter(g[3:])
     dcap = [next(rest) if c.requires_grad else None for c in caps]
     dcap = [None if d is None else d.to(c.dtype) for d, c in zip(dcap, captured)]
-    return dq, dk, dv, dcap
+    dsinks = None
+    if sk is not None:
+        dsinks = next(rest)
+        dsinks = None if dsinks is None else dsinks.to(sinks.dtype)  # type: ignore[union-attr]
+    return dq, dk, dv, dcap, dsinks
 
 
 flex_attention_op.register_autograd(_backward, setup_context=_setup_context)

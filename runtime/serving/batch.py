@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from attncc.errors import DeviceError, check_bool, check_int
+from attncc.errors import DeviceError, InvalidArgument, check_bool, check_int
 from attncc.frontend import Variant
 from attncc.ir.program import Bindings, VariantIR
 
@@ -60,6 +60,7 @@ from ..jit.device import num_sms
 from ..jit.launch_args import captured
 from ..jit.kernels import KernelTiles, KernelRecord, KernelSpec, LoadedKernel, get_kernel
 from ..jit.tiles import HEAD_DIMS
+from ..reference import check_sinks
 from . import launch
 from .causal import clip_causal_units, mask_causal_bound, section_tokens
 from .fa3_batch import fa3_batch_tiles, fa3_unsupported
@@ -216,6 +217,7 @@ class BatchAttention:
         # launch the merge kernel with programmatic dependent launch (sm_90+): its launch and
         # plan prologue overlap the attention kernel's tail (kernels/common/batch_params.cuh)
         self._pdl = True
+        self._sinks32: torch.Tensor | None = None  # run()'s float32 sinks (_sinks_operand)
         from .ops import register_batch  # torch.compile's op finds this object by it
 
         self.op_handle = register_batch(self)
@@ -544,19 +546,23 @@ class BatchAttention:
     # ------------------------------------------------------------------------------ run
     def run(self, q: torch.Tensor, kv_cache: Any, *, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None, return_lse: bool = False,
-            scale: float | None = None) -> Any:
+            scale: float | None = None, sinks: torch.Tensor | None = None) -> Any:
         """Attention of the planned batch: `out [total_q, num_qo_heads, head_dim]` (and `lse
         [total_q, num_qo_heads]` float32 with `return_lse`). CUDA-graph capturable once the
         kernels are compiled (call run once before capturing); replays use the latest plan.
         `q` may have more rows than the plan's `total_q` (a static buffer a graph captures
-        once): only the plan's rows are read, and `out` / `lse` have q's rows."""
+        once): only the plan's rows are read, and `out` / `lse` have q's rows. `sinks`
+        [num_qo_heads] (float32 or q's dtype): attention-sink logits joined once to each row's
+        denominator (in the epilogue, or the merge of a split row); the LSE includes them
+        (docs/serving.md, "Attention sinks"). A captured graph reads the sinks' memory at each
+        replay (a float32 tensor is read in place, so updates to it are seen)."""
         if torch.compiler.is_compiling():  # one op call in the graph (docs/compile.md)
             if out is not None or lse is not None:
                 raise ValueError("BatchAttention.run under torch.compile makes its own out / "
                                  "lse; drop out= and lse= (the compiler manages buffers)")
             from .ops import compiled_run
 
-            return compiled_run(self, q, kv_cache, return_lse, scale)
+            return compiled_run(self, q, kv_cache, return_lse, scale, sinks)
         if self._plan is None or self.tiles is None or self.layout is None:
             raise RuntimeError("call plan() before run()")
         if self.device.type != "cuda":
@@ -569,16 +575,31 @@ class BatchAttention:
         ir, bindings = self._safe_reads(*self.variant.trace())
         if not ir.use_softmax and (return_lse or lse is not None):
             raise ValueError("return_lse=True but the variant has normalize='none'")
+        sinks32 = self._sinks_operand(sinks, q, ir)
         kern = self._last_kernel = _kernels_for(
             ir, self.head_dim, "bfloat16" if q.dtype == torch.bfloat16 else "float16",
             self.tiles, self.device.index or 0)
         out = check_out(out, q)
         lse = check_lse(lse, return_lse, q, self.device)
         params = self._launch_args(q, k, v, out, lse, strides, scale)
+        if sinks32 is not None:
+            params["sinks"] = sinks32.data_ptr()
         if self._own_workspace and not self._graph_captured:
             self._graph_captured = torch.cuda.is_current_stream_capturing()
         self._launch(kern, params, bindings)
         return (out, lse) if return_lse else out
+
+    def _sinks_operand(self, sinks: Any, q: torch.Tensor, ir: VariantIR) -> torch.Tensor | None:
+        """The kernels' float32 sinks, checked (reference.check_sinks); kept on the instance so
+        that a converted copy lives as long as a graph that captured its address."""
+        if sinks is None:
+            return None
+        if not ir.use_softmax:
+            raise InvalidArgument("sinks were given but the variant has normalize='none': a "
+                                  "sink joins a softmax denominator; drop sinks")
+        check_sinks(sinks, self.num_qo_heads, self.device, q.dtype)
+        self._sinks32 = sinks.detach().to(torch.float32).contiguous()
+        return self._sinks32
 
     def _planned_shape(self) -> PlannedShape:
         """What the current plan fixes about run()'s tensors (`operands`)."""

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from attncc.errors import InvalidArgument
 from attncc.frontend import Variant
 
 from .batch import BatchAttention
@@ -111,13 +112,23 @@ class CascadeAttention:
                          kv_position_offset=np.full(q_len.size, P), **heads)
         self.prefix_len, self.q_positions = P, qpos
 
-    def run(self, q: torch.Tensor, kv_cache: Any, *, return_lse: bool = False) -> Any:
-        """`out [total_q, num_qo_heads, head_dim]` in q's dtype (and the merged lse)."""
+    def run(self, q: torch.Tensor, kv_cache: Any, *, return_lse: bool = False,
+            sinks: torch.Tensor | None = None) -> Any:
+        """`out [total_q, num_qo_heads, head_dim]` in q's dtype (and the merged lse).
+        `sinks` [num_qo_heads]: attention-sink logits, joined once: by the prefix pass's
+        kernels (every query row is in it), or the suffix pass's when the prefix is empty; the
+        merge composes the states, so the merged lse includes the sink (docs/serving.md,
+        "Attention sinks")."""
         if not self._softmax and return_lse:
             raise ValueError("return_lse=True but the variant has normalize='none'")
+        if sinks is not None and not self._softmax:
+            raise InvalidArgument("sinks were given but the variant has normalize='none': a "
+                                  "sink joins a softmax denominator; drop sinks")
         if self._softmax:
-            o1, l1 = self.prefix.run(q, kv_cache, return_lse=True)
-            o2, l2 = self.suffix.run(q, kv_cache, return_lse=True)
+            pre_sinks = sinks if getattr(self, "prefix_len", 0) > 0 else None
+            suf_sinks = sinks if pre_sinks is None else None
+            o1, l1 = self.prefix.run(q, kv_cache, return_lse=True, sinks=pre_sinks)
+            o2, l2 = self.suffix.run(q, kv_cache, return_lse=True, sinks=suf_sinks)
         else:
             o1, l1 = self.prefix.run(q, kv_cache), None
             o2, l2 = self.suffix.run(q, kv_cache), None

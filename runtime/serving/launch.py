@@ -77,7 +77,7 @@ def fa2_batch_args(pointers: dict[str, int], q: torch.Tensor, k: torch.Tensor,
         "num_q_heads": q.shape[1], "num_kv_heads": num_kv_heads,
         "page_size": page_size, "page_shift": page_shift,
         "sm_scale": sm_scale,
-        "tma": 0,
+        "tma": 0, "sinks": 0,  # BatchAttention.run sets the sinks' pointer when it has some
     }
 
 

@@ -15,6 +15,10 @@ NaN and +inf propagate as in a softmax over the union: a NaN lse makes the merge
 a +inf lse (a row with a +inf score) makes o NaN and lse +inf, and a NaN in a non-empty o stays
 NaN however small its weight (``0 * NaN``).
 
+An attention sink (a logit with no value, docs/serving.md "Attention sinks") is the state
+``(0, sink)``: partial states never include it, and `merge_state(..., sink=)` /
+`merge_states(..., sink=)` join it once to the merged state (``reference.add_sink``).
+
 `merge_state` merges two states, `merge_states` a stack of ``n`` states along dim 0 in index
 order; both are what the GPU kernels consuming `serving.plan.scheduler` plans must match
 (the scheduler lists the partial states of a split row in ascending KV order so that the
@@ -34,6 +38,10 @@ from __future__ import annotations
 
 import torch
 
+from attncc.errors import InvalidArgument, InvalidArgumentType
+
+from ..reference import add_sink
+
 __all__ = ["merge_state", "merge_states", "merge_pair"]
 
 
@@ -47,15 +55,44 @@ def _check(o: torch.Tensor, lse: torch.Tensor, name: str, lead: int = 0) -> None
         raise TypeError(f"{name}: o and lse must be floating point, got {o.dtype} and {lse.dtype}")
 
 
+def _check_sink(sink: object, lse: torch.Tensor, name: str) -> torch.Tensor:
+    """The sink argument of a merge: a finite float tensor on lse's device that broadcasts to
+    lse's shape (per-head sinks [H] for serving states [tokens, H])."""
+    if not isinstance(sink, torch.Tensor):
+        raise InvalidArgumentType(f"{name}: sink must be a torch.Tensor of sink logits that "
+                                  f"broadcasts to lse's shape (or None), got "
+                                  f"{type(sink).__name__}")
+    if not sink.is_floating_point() or sink.device != lse.device:
+        raise InvalidArgument(f"{name}: sink must be a float tensor on {lse.device}, got "
+                              f"{sink.dtype} on {sink.device}")
+    try:
+        torch.broadcast_shapes(sink.shape, lse.shape)
+        ok = torch.broadcast_shapes(sink.shape, lse.shape) == lse.shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise InvalidArgument(f"{name}: sink has shape {tuple(sink.shape)}, which does not "
+                              f"broadcast to lse's {tuple(lse.shape)}; pass one logit per "
+                              f"head, e.g. [H] for states [tokens, H]")
+    capturing = sink.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing and not bool(torch.isfinite(sink).all()):
+        raise InvalidArgument(f"{name}: sink holds a NaN or an infinity; sink logits must be "
+                              f"finite")
+    return sink
+
+
 def merge_state(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
-                lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                lse_b: torch.Tensor, sink: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two attention states over disjoint KV ranges: ``(o [..., D], lse [...])``.
 
     ``o_*`` is ``[..., D]``, ``lse_*`` is ``[...]`` (natural log). Computes in the promoted
     dtype of the inputs; CUDA states that fit `merge_kernel.py`'s kernel (one storage
     type, contiguous, float32 lse, head dim a multiple of 8) merge in one launch, in float32.
     A ``-inf`` lse marks an empty state: its ``o`` is ignored (even if it is nan); two empty
-    states give ``o = 0``, ``lse = -inf``.
+    states give ``o = 0``, ``lse = -inf``. `sink` (broadcast to lse's shape, e.g. ``[H]``):
+    attention-sink logits joined once to the merged state, whose lse then includes them (two
+    empty states give ``o = 0``, ``lse = sink``); the inputs must not include them.
 
     Example:
         >>> import torch
@@ -71,12 +108,16 @@ def merge_state(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
     _check(o_b, lse_b, "merge_state(o_b, lse_b)")
     if o_a.shape != o_b.shape:
         raise ValueError(f"merge_state: o_a {tuple(o_a.shape)} and o_b {tuple(o_b.shape)} differ")
+    if sink is not None:
+        _check_sink(sink, lse_a, "merge_state")
+    merged = None
     if o_a.is_cuda:
         from .merge_kernel import fits_kernel, merge_fitting_states
 
         if fits_kernel(o_a, lse_a, o_b, lse_b):  # one launch, float32 math
-            return merge_fitting_states(o_a, lse_a, o_b, lse_b)  # type: ignore[return-value]
-    return merge_pair(o_a, lse_a, o_b, lse_b)
+            merged = merge_fitting_states(o_a, lse_a, o_b, lse_b)
+    o, lse = merged if merged is not None else merge_pair(o_a, lse_a, o_b, lse_b)
+    return (o, lse) if sink is None else add_sink(o, lse, sink)
 
 
 def merge_pair(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
@@ -100,14 +141,16 @@ def merge_pair(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
     return o, lse
 
 
-def merge_states(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_states(o: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge ``n`` attention states stacked along dim 0: ``o [n, ..., D]``, ``lse [n, ...]``.
 
     Same result (up to rounding) as folding `merge_state` over the states in index order, but
     computed in one pass: ``m = max_i lse_i``, ``d = sum_i exp(lse_i - m)``,
     ``lse = m + log d``, ``o = sum_i (exp(lse_i - m) / d) o_i``, summed in index order.
     Empty states (``lse = -inf``) are ignored; if all are empty the result is ``(0, -inf)``;
-    ``n = 0`` is allowed and gives that too.
+    ``n = 0`` is allowed and gives that too. `sink` (broadcast to ``lse[0]``'s shape): as in
+    `merge_state`, joined once to the merged state.
 
     Example:
         >>> import torch
@@ -117,6 +160,10 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torc
         [[3.0]]
     """
     _check(o, lse, "merge_states(o, lse)", lead=1)
+    if sink is not None:
+        _check_sink(sink, lse[0] if lse.shape[0] else lse.new_empty(lse.shape[1:]),
+                    "merge_states")
+        return add_sink(*merge_states(o, lse), sink)
     if o.shape[0] == 0:
         return (torch.zeros(o.shape[1:], dtype=o.dtype, device=o.device),
                 torch.full(lse.shape[1:], float("-inf"), dtype=lse.dtype, device=lse.device))

@@ -39,18 +39,19 @@ def register_batch(batch: Any) -> int:
 
 
 def compiled_run(batch: Any, q: torch.Tensor, kv_cache: Any, return_lse: bool,
-                 scale: float | None) -> Any:
+                 scale: float | None, sinks: torch.Tensor | None = None) -> Any:
     """`BatchAttention.run` as Dynamo traces it: one op call."""
     kv = [kv_cache] if isinstance(kv_cache, torch.Tensor) else list(kv_cache)
     # an int attribute: Dynamo reads it as a constant (every supported torch; an object
     # argument to an assume_constant_result function is not, before torch 2.13)
-    out, lse = torch.ops.attncc.batch_attention_run(q, kv, batch.op_handle, scale)
+    out, lse = torch.ops.attncc.batch_attention_run(q, kv, batch.op_handle, scale, sinks)
     return (out, lse) if return_lse else out
 
 
 @torch.library.custom_op("attncc::batch_attention_run", mutates_args=())
 def batch_run_op(q: torch.Tensor, kv_cache: list[torch.Tensor], handle: int,
-                 scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: Optional[float], sinks: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of `BatchAttention.run(q, kv_cache)` for the registered BatchAttention."""
     # pytest's doctest run imports this file twice (see flex/ops.py _registry): one registry
     batch = importlib.import_module("attncc.runtime.serving.ops")._HANDLES.get(handle)
@@ -60,14 +61,15 @@ def batch_run_op(q: torch.Tensor, kv_cache: list[torch.Tensor], handle: int,
                               f"instead of the op")
     cache = kv_cache[0] if len(kv_cache) == 1 else tuple(kv_cache)
     if not batch.variant.trace()[0].use_softmax:  # no LSE without a softmax
-        out = batch.run(q, cache, scale=scale)
+        out = batch.run(q, cache, scale=scale, sinks=sinks)
         return out, torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-    return batch.run(q, cache, return_lse=True, scale=scale)
+    return batch.run(q, cache, return_lse=True, scale=scale, sinks=sinks)
 
 
 @batch_run_op.register_fake
 def _batch_run_fake(q: torch.Tensor, kv_cache: list[torch.Tensor], handle: int,
-                    scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: Optional[float], sinks: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return out, q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
 

@@ -425,9 +425,10 @@ def test_python_semantics_helpers_and_precedence() -> None:
 # ------------------------------------------------------------------------------- layouts
 
 def test_attention_params_layout() -> None:
-    assert ATTENTION_PARAMS.size == 280 and ATTENTION_PARAMS.align == 8
+    assert ATTENTION_PARAMS.size == 288 and ATTENTION_PARAMS.align == 8
     assert ATTENTION_PARAMS.field("item_counter").offset == 264
     assert ATTENTION_PARAMS.field("split_partials").offset == 272
+    assert ATTENTION_PARAMS.field("sinks").offset == 280
     assert ATTENTION_PARAMS.field("lse_stride_h").offset == 144
     assert ATTENTION_PARAMS.field("sm_scale").offset == 172
     assert ATTENTION_PARAMS.field("kv_num_blocks").offset == 176

@@ -261,8 +261,10 @@ def test_bad_calls_raise_clear_errors() -> None:
     layer = _Layer()
     with pytest.raises(InvalidArgument, match="dropout"):
         hf.attncc_attention(layer, q, k, v, None, dropout=0.1)
-    with pytest.raises(InvalidArgument, match="s_aux"):
-        hf.attncc_attention(layer, q, k, v, None, s_aux=torch.zeros(2))
+    with pytest.raises(InvalidArgument, match="head_mask"):
+        hf.attncc_attention(layer, q, k, v, None, head_mask=torch.zeros(2))
+    with pytest.raises(InvalidArgument, match=r"sinks has shape \(3,\)"):
+        hf.attncc_attention(layer, q, k, v, None, s_aux=torch.zeros(3))
     with pytest.raises(InvalidArgument, match="softcap"):
         hf.attncc_attention(layer, q, k, v, None, softcap=0.0)
     with pytest.raises(InvalidArgument, match="4-D mask"):
@@ -282,3 +284,23 @@ def test_register_without_transformers_names_the_extra(monkeypatch) -> None:
     with pytest.raises(MissingDependency, match=r"pip install attncc\[hf\]"):
         hf.register()
     assert issubclass(MissingDependency, ImportError)
+
+
+def test_s_aux_sinks_match_gpt_oss_eager_attention() -> None:
+    """gpt-oss passes its per-head sinks as `s_aux`: attncc's result equals transformers' own
+    gpt-oss eager attention (the sink as an extra softmax column), GQA and a float mask."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 6, 8, generator=g)
+    k, v = torch.randn(2, 2, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)
+    layer = _Layer()
+    layer.num_key_value_groups = 2
+    layer.sinks = torch.nn.Parameter(torch.randn(4, generator=g) * 2)
+    mask = torch.zeros(1, 1, 6, 6).masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(),
+                                                float("-inf"))
+    want, _ = eager_attention_forward(layer, q, k, v, mask, scaling=8 ** -0.5)
+    got, _ = hf.attncc_attention(layer, q, k, v, mask, scaling=8 ** -0.5, s_aux=layer.sinks)
+    assert (got - want).abs().max().item() <= 1e-5
+    plain, _ = hf.attncc_attention(layer, q, k, v, mask, scaling=8 ** -0.5)
+    assert (plain - want).abs().max().item() > 1e-2  # the sinks matter here

@@ -38,3 +38,28 @@ def test_merge_kernel_compiles_without_spills(dtype: str) -> None:
     res = compile_cuda(mk.source, arch="sm_90a", name=f"{mk.kernel_name}.cu", verbose=True)
     assert f"Compiling entry function '{mk.kernel_name}'" in res.log
     assert "0 bytes spill stores, 0 bytes spill loads" in res.log
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("name,d", [("causal", 128), ("softcap_causal", 64)])
+def test_batch_kernels_with_the_sink_epilogue_compile_without_spills(name: str, d: int) -> None:
+    """Every batch kernel form carries the attention-sink code (common.cuh join_sink: the
+    write-through epilogue of FA2 and FA3, the merge kernel): the decode form with 2 and 4 KV
+    warps and the FA3 batch kernel as the kernel cache compiles it stay spill-free, and their
+    source reads BatchParams::sinks."""
+    from attncc.gym import GYM
+    from attncc.ir.simplify import simplify_variant
+    from attncc.runtime.jit.kernels import KernelSpec, compile_spec
+    from attncc.runtime.jit.nvrtc import compile_cuda
+    from attncc.runtime.serving.fa3_batch import fa3_batch_tiles
+
+    ir = simplify_variant(GYM[name](1, 8, 4096, d).trace()[0])
+    for kv_warps in (2, 4):
+        src, _, _, _ = fa2_source(ir, head_dim=d, dtype="bfloat16", tq=16, tkv=64, batch=True,
+                                  kv_warps=kv_warps)
+        assert "p.sinks" in src and "join_sink(" in src
+        log = compile_cuda(src, arch="sm_90a", verbose=True).log
+        assert spill_bytes(log) == 0, (kv_warps, log)
+    res = compile_spec(KernelSpec("fa3_batch", ir, d, "bfloat16", fa3_batch_tiles(d)),
+                       "sm_90a").result
+    assert spill_bytes(res.log) == 0, res.log
