@@ -107,6 +107,21 @@ struct BatchWork {
     return query_position(p, q_pos0, qo_offset, tok);
   }
 
+  // Multi-token decode tree mask (docs/serving.md, "Multi-token decode and tree masks"): request
+  // b's query t keeps its last-q_len key j (kv = q_pos0 + j) only where bit j of word 16 b + t is
+  // set; every earlier key stays visible. Plans with a tree mask have no q_positions, so the
+  // hooks' query position qi is t + q_pos0. Read from the kernel parameters, not kept in
+  // registers: only the tiles tree_tile() names pay for it.
+  static constexpr bool kTreeMask = true;
+  __device__ __forceinline__ bool tree_tile(int kv_end) const {
+    return p.tree_mask != nullptr && kv_end > q_pos0;
+  }
+  __device__ __forceinline__ bool tree_keeps(int qi, int kv) const {
+    const int j = kv - q_pos0;
+    return p.tree_mask == nullptr || j < 0 ||
+           ((__ldg(p.tree_mask + 16 * b + (qi - q_pos0)) >> j) & 1) != 0;
+  }
+
   __device__ __forceinline__ void load_q(u32 sq, int tid) const {
     const DType* gQ = reinterpret_cast<const DType*>(p.q);
     const int ld_row = tid / CHUNKS, ld_ch = tid % CHUNKS;
