@@ -38,8 +38,8 @@
 //   DType* o_row(int tok, int hq) const;          output row of (token, head)
 //   bool has_lse() const; float* lse_at(int tok, int hq) const;
 //   static constexpr bool kMaySplit; float* partial_o() const; float* partial_lse() const;
-//   static constexpr bool kTreeMask; bool tree_tile(int kv_end) const;  a multi-token decode
-//                                tree mask: whether the tile ending at kv_end needs it, and
+//   static constexpr bool kTreeMask; bool tree_tile(int kv0, int kv_end) const;  a multi-token
+//                                decode tree mask: whether tile [kv0, kv_end) needs it, and
 //   bool tree_keeps(int qi, int kv) const;        whether it keeps (query position, key)
 #ifndef ATTNCC_FA2_ATTEND_CUH
 #define ATTNCC_FA2_ATTEND_CUH
@@ -532,7 +532,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
     // (a multi-token decode tree mask rides on the bounds path: only the tiles holding the
     // request's last q_len keys test it, BatchWork::tree_tile)
     const bool bounds = kv0 < 0 || kv0 + TKV > t.kv_len || !tile_rows_in ||
-                        (Work::kTreeMask && w.tree_tile(kv0 + TKV));
+                        (Work::kTreeMask && w.tree_tile(kv0, kv0 + TKV));
     const bool apply_mask = Variant::has_logits_mask && !is_full;
     auto logits = [&](auto bounds_tag, auto mask_tag) {
       logits_tile<Variant, decltype(bounds_tag)::value, decltype(mask_tag)::value, M_FRAGS, TKVW,

@@ -107,19 +107,21 @@ struct BatchWork {
     return query_position(p, q_pos0, qo_offset, tok);
   }
 
-  // Multi-token decode tree mask (docs/serving.md, "Multi-token decode and tree masks"): request
-  // b's query t keeps its last-q_len key j (kv = q_pos0 + j) only where bit j of word 16 b + t is
-  // set; every earlier key stays visible. Plans with a tree mask have no q_positions, so the
-  // hooks' query position qi is t + q_pos0. Read from the kernel parameters, not kept in
-  // registers: only the tiles tree_tile() names pay for it.
+  // Multi-token decode tree mask (docs/serving.md, "Multi-token decode and tree masks"): query t
+  // (< 16) of request b keeps its step's key j (< 16; kv = q_pos0 + j) only where bit j of word
+  // 16 b + t is set; every other key stays visible, and so does everything of a plan with
+  // q_positions (there t is no token index; plan() refuses masks with them). Unmasked requests'
+  // words are all ones. Read from the kernel parameters, not kept in registers: only the one or
+  // two tiles tree_tile() names pay for it.
   static constexpr bool kTreeMask = true;
-  __device__ __forceinline__ bool tree_tile(int kv_end) const {
-    return p.tree_mask != nullptr && kv_end > q_pos0;
+  __device__ __forceinline__ bool tree_tile(int kv0, int kv_end) const {
+    return p.tree_mask != nullptr && p.q_positions == nullptr && kv_end > q_pos0 &&
+           kv0 < q_pos0 + 16;
   }
   __device__ __forceinline__ bool tree_keeps(int qi, int kv) const {
-    const int j = kv - q_pos0;
-    return p.tree_mask == nullptr || j < 0 ||
-           ((__ldg(p.tree_mask + 16 * b + (qi - q_pos0)) >> j) & 1) != 0;
+    const unsigned j = kv - q_pos0, t = qi - q_pos0;
+    return p.tree_mask == nullptr || p.q_positions != nullptr || j >= 16u || t >= 16u ||
+           ((__ldg(p.tree_mask + 16 * b + t) >> j) & 1) != 0;
   }
 
   __device__ __forceinline__ void load_q(u32 sq, int tid) const {
