@@ -12,33 +12,7 @@ from attncc.frontend import Variant
 from attncc.runtime.reference import batch_attention_reference
 from attncc.runtime.serving.batch import BatchAttention
 from attncc.runtime.serving.tree_mask import TREE_MAX_Q, tree_rows
-
-
-def random_tree(n: int, rng: np.random.Generator) -> np.ndarray:
-    """A random token tree of n nodes in topological order: node t keeps itself and its
-    ancestors (the speculative-decoding tree mask)."""
-    keep = np.eye(n, dtype=bool)
-    for t in range(1, n):
-        keep[t] |= keep[int(rng.integers(0, t))]
-    return keep
-
-
-def tree_batch(lq: list[int], lkv: list[int], seed: int = 0) -> tuple[np.ndarray, list]:
-    """FlashInfer's flattened custom_mask of trees after fully visible prefixes, and the trees."""
-    rng = np.random.default_rng(seed)
-    trees = [random_tree(q, rng) for q in lq]
-    parts = [np.hstack([np.ones((q, kv - q), bool), tr]).ravel()
-             for q, kv, tr in zip(lq, lkv, trees)]
-    return np.concatenate(parts) if parts else np.zeros(0, bool), trees
-
-
-def packed(mask: np.ndarray, lq: list[int], lkv: list[int]) -> np.ndarray:
-    """FlashInfer's segment_packbits(bitorder="little") of a flattened custom mask."""
-    out, at = [], 0
-    for q, kv in zip(lq, lkv):
-        out.append(np.packbits(mask[at:at + q * kv], bitorder="little"))
-        at += q * kv
-    return np.concatenate(out)
+from tests.helpers.trees import packed, tree_batch
 
 
 def qo_of(lq: list[int]) -> np.ndarray:
