@@ -54,36 +54,74 @@ def _as_numpy(x: Any, name: str) -> np.ndarray:
     return x
 
 
-def _mask_bits(custom_mask: Any, packed_custom_mask: Any, cells: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """The mask as one flat bool array and each request's first element in it."""
-    if packed_custom_mask is None:
-        m = _as_numpy(custom_mask, "custom_mask")
-        if m.dtype != np.bool_:
-            raise InvalidArgument(f"custom_mask must be a bool tensor (True keeps the key), got "
-                                  f"{m.dtype}")
-        need, unit = int(cells.sum()), ""
-        starts = np.concatenate([[0], np.cumsum(cells)[:-1]]).astype(np.int64)
-    else:
-        p = _as_numpy(packed_custom_mask, "packed_custom_mask")
-        if p.dtype != np.uint8:
-            raise InvalidArgument(f"packed_custom_mask must be uint8 (bits packed with "
-                                  f"bitorder='little'), got {p.dtype}")
-        nbytes = (cells + 7) // 8
-        need, unit = int(nbytes.sum()), " bytes"
-        starts = 8 * np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64)
-        m = np.unpackbits(p, bitorder="little").view(np.bool_)
-    size = m.size if packed_custom_mask is None else m.size // 8
-    if size != need:
-        name = "custom_mask" if packed_custom_mask is None else "packed_custom_mask"
-        raise InvalidArgument(f"{name} has {size}{unit}; this batch needs {need}{unit}: each "
-                              f"request's [q_len, kv_len] mask, row-major"
-                              f"{', packed per request' if unit else ''}, concatenated")
-    return m, starts
+class _Mask:
+    """A checked mask in either form: each request's first bit, a bit lookup, and the prefix
+    check. The packed form is never unpacked (a batch of 128 x 8 tokens x 32K keys is 4 MB
+    of bytes, 32 M bits)."""
+
+    def __init__(self, custom_mask: Any, packed_custom_mask: Any, cells: np.ndarray) -> None:
+        self.packed = packed_custom_mask is not None
+        self.name = "packed_custom_mask" if self.packed else "custom_mask"
+        if not self.packed:
+            m = _as_numpy(custom_mask, "custom_mask")
+            if m.dtype != np.bool_:
+                raise InvalidArgument(f"custom_mask must be a bool tensor (True keeps the "
+                                      f"key), got {m.dtype}")
+            need, size, unit = int(cells.sum()), m.size, ""
+            self.starts = np.concatenate([[0], np.cumsum(cells)[:-1]]).astype(np.int64)
+        else:
+            m = _as_numpy(packed_custom_mask, "packed_custom_mask")
+            if m.dtype != np.uint8:
+                raise InvalidArgument(f"packed_custom_mask must be uint8 (bits packed with "
+                                      f"bitorder='little'), got {m.dtype}")
+            nbytes = (cells + 7) // 8
+            need, size, unit = int(nbytes.sum()), m.size, " bytes"
+            self.starts = 8 * np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64)
+        if size != need:
+            raise InvalidArgument(f"{self.name} has {size}{unit}; this batch needs {need}{unit}:"
+                                  f" each request's [q_len, kv_len] mask, row-major"
+                                  f"{', packed per request' if unit else ''}, concatenated")
+        self.m = m
+
+    def bits(self, pos: np.ndarray) -> np.ndarray:
+        """The mask's bits at flat positions `pos` (bool, pos's shape)."""
+        if not self.packed:
+            return self.m[pos]
+        return ((self.m[pos >> 3] >> (pos & 7).astype(np.uint8)) & 1).astype(bool)
+
+    def ranges_all_set(self, s: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """Whether every bit of each non-empty range [s, e) is set; the ranges increase, each
+        followed by a non-empty gap."""
+        if not self.packed:
+            return _all_in_ranges(self.m, s, e)
+        # the whole bytes of each range must be 0xFF; the partial bytes at its ends, by bits
+        a, b = -(-s // 8), e // 8
+        ok = np.ones(s.size, bool)
+        whole = a < b
+        if whole.any():  # (whole-byte ranges increase too: a_{k+1} >= b_k)
+            ok[whole] = _all_in_ranges(self.m == 0xFF, a[whole], b[whole])
+        head_end = np.minimum(8 * a, e)
+        for lo, hi in ((s, head_end), (np.maximum(8 * b, s), e)):
+            part = hi > lo
+            ok[part] &= self._byte_bits_set(lo[part], hi[part])
+        return ok
+
+    def _byte_bits_set(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Whether bits [lo, hi) (within one byte each) are all set."""
+        byte = self.m[lo >> 3].astype(np.int64) >> (lo & 7)
+        want = (np.int64(1) << (hi - lo)) - 1
+        return (byte & want) == want
 
 
-def _check_prefix(m: np.ndarray, starts: np.ndarray, lq: np.ndarray, lkv: np.ndarray,
-                  name: str) -> None:
+def _all_in_ranges(x: np.ndarray, s: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """Whether bool `x` is True on all of each range [s, e) (non-empty, in increasing order,
+    a range starting no earlier than the last one ended): logical_and.reduceat over the
+    interleaved bounds ANDs each range (the entries between ranges are dropped)."""
+    padded = np.concatenate([x, [True]])
+    return np.logical_and.reduceat(padded, np.stack([s, e], 1).ravel())[0::2]
+
+
+def _check_prefix(mask: _Mask, lq: np.ndarray, lkv: np.ndarray) -> None:
     """Raise unless every row keeps all of its request's keys before the last q_len."""
     pre = lkv - lq
     req = np.repeat(np.arange(lq.size), lq)
@@ -91,17 +129,14 @@ def _check_prefix(m: np.ndarray, starts: np.ndarray, lq: np.ndarray, lkv: np.nda
     keep = pre[req] > 0
     if not keep.any():
         return
-    s = starts[req] + row * lkv[req]
+    s = mask.starts[req] + row * lkv[req]
     s, e = s[keep], (s + pre[req])[keep]
-    # ranges [s, e) in increasing order, each followed by a non-empty gap (the row's q_len last
-    # keys): logical_and.reduceat over the interleaved bounds ANDs each range
-    padded = np.concatenate([m, [True]])
-    ok = np.logical_and.reduceat(padded, np.stack([s, e], 1).ravel())[0::2]
+    ok = mask.ranges_all_set(s, e)
     if not ok.all():
         bad = int(req[keep][np.argmin(ok)])
         raise InvalidArgument(
-            f"{name}: request {bad} hides a key before its last q_len={int(lq[bad])}; the batch "
-            f"kernels take a tree mask over the step's own tokens only (every earlier key "
+            f"{mask.name}: request {bad} hides a key before its last q_len={int(lq[bad])}; the "
+            f"batch kernels take a tree mask over the step's own tokens only (every earlier key "
             f"visible). Put other patterns in the variant's mask_mod")
 
 
@@ -124,14 +159,14 @@ def tree_rows(custom_mask: Any, packed_custom_mask: Any, qo: np.ndarray,
         i = int(np.argmax(lkv < lq))
         raise InvalidArgument(f"{name}: request {i} has {int(lkv[i])} keys for {int(lq[i])} "
                               f"query tokens; the step's tokens must be in the KV cache")
-    m, starts = _mask_bits(custom_mask, packed_custom_mask, lq * lkv)
-    _check_prefix(m, starts, lq, lkv, name)
+    mask = _Mask(custom_mask, packed_custom_mask, lq * lkv)
+    _check_prefix(mask, lq, lkv)
     # bit (t, j) of request i: element starts_i + t * kv_len_i + (kv_len_i - q_len_i) + j
     t = np.arange(TREE_MAX_Q)
     valid = (t[None, :, None] < lq[:, None, None]) & (t[None, None, :] < lq[:, None, None])
-    idx = (starts[:, None, None] + t[None, :, None] * lkv[:, None, None]
+    idx = (mask.starts[:, None, None] + t[None, :, None] * lkv[:, None, None]
            + (lkv - lq)[:, None, None] + t[None, None, :])
-    bits = np.where(valid, m[np.where(valid, idx, 0)] if m.size else False, False)
+    bits = valid & mask.bits(np.where(valid, idx, 0)) if mask.m.size else valid & False
     return (bits.astype(np.int64) << t).sum(-1).astype(np.int32)
 
 

@@ -176,3 +176,32 @@ def test_reference_tree_mask_drops_exactly_the_hidden_keys() -> None:
                 want = p @ vi[keep, h // (hq // hkv)]
                 assert torch.allclose(out[qo_of(lq)[i] + t, h], want, atol=1e-12)
                 assert torch.allclose(lse[qo_of(lq)[i] + t, h], torch.logsumexp(s, 0))
+
+
+def test_packed_and_bool_forms_agree_on_random_masks() -> None:
+    """The packed form is checked on its bytes (never unpacked): on random batches -- ranges
+    starting and ending inside bytes, one-byte ranges, whole bytes -- with one random cached key
+    hidden half the time, it accepts and rejects exactly what the bool form does, with the
+    same rows and the same request named."""
+    rng = np.random.default_rng(11)
+    for trial in range(60):
+        n = int(rng.integers(1, 6))
+        lq = [int(x) for x in rng.integers(1, 17, n)]
+        lkv = [q + int(rng.integers(0, 40)) for q in lq]
+        mask, _ = tree_batch(lq, lkv, seed=trial)
+        pre = [(i, t, c) for i, (q, kv) in enumerate(zip(lq, lkv)) for t in range(q)
+               for c in range(kv - q)]
+        if pre and trial % 2:
+            i, t, c = pre[int(rng.integers(0, len(pre)))]
+            mask[sum(a * b for a, b in zip(lq[:i], lkv[:i])) + t * lkv[i] + c] = False
+        results = []
+        for args in ((mask, None), (None, packed(mask, lq, lkv))):
+            try:
+                results.append(tree_rows(*args, qo_of(lq), np.array(lkv)))
+            except InvalidArgument as e:
+                results.append(str(e).split(":")[1].split(" hides")[0])
+        if isinstance(results[0], np.ndarray):
+            assert isinstance(results[1], np.ndarray) and (results[0] == results[1]).all()
+        else:
+            assert results[0] == results[1], (trial, results)
+            assert not (pre and trial % 2 == 0)
