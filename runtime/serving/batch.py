@@ -219,6 +219,7 @@ class BatchAttention:
         self._pdl = True
         self._tree: TreeTable | None = None  # the tree-mask table (CUDA: made at the first plan)
         self._tree_plan = False  # whether the plan being made / the current plan has a tree mask
+        self._fa3_captured = False  # a CUDA graph captured the FA3 batch kernel (no tree masks)
         from .ops import register_batch  # torch.compile's op finds this object by it
 
         self.op_handle = register_batch(self)
@@ -272,6 +273,11 @@ class BatchAttention:
         if tree and self.kernel == "fa3":
             raise ValueError("BatchAttention(kernel='fa3') with a tree mask: the FA3 batch "
                              "kernel does not read tree masks; use kernel=None or 'fa2'")
+        if tree and self._fa3_captured:
+            raise ValueError("a CUDA graph captured run() with the FA3 batch kernel, which does "
+                             "not read tree masks, so its replays would ignore this mask; capture "
+                             "the multi-token decode loop on a plan of its own batches (or pass "
+                             "kernel='fa2' to the BatchAttention that a graph captures)")
         self._tree_plan = tree  # (read by _config_key and _fa3_mode: masks run on FA2)
         if q_positions is None and kv_position_offset is None:
             b, staged = self._checked_fast(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
@@ -607,6 +613,8 @@ class BatchAttention:
         params = self._launch_args(q, k, v, out, lse, strides, scale)
         if self._own_workspace and not self._graph_captured:
             self._graph_captured = torch.cuda.is_current_stream_capturing()
+        if self.tiles.kernel == "fa3" and not self._fa3_captured:  # (never in a decode loop)
+            self._fa3_captured = torch.cuda.is_current_stream_capturing()
         self._launch(kern, params, bindings)
         return (out, lse) if return_lse else out
 

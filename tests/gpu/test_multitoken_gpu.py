@@ -211,3 +211,24 @@ def test_tree_mask_hides_draft_tokens_bit_exactly() -> None:
     assert torch.equal(got[:2], plain[:2]) and torch.equal(got[8:10], plain[8:10])
     assert not torch.equal(got[2:8], plain[2:8])
     _check(ba, q, qo, c, page, variant, {"custom_mask": torch.from_numpy(star)})
+
+
+def test_masked_plan_after_capturing_the_fa3_kernel_raises() -> None:
+    """16 tokens x 8 heads (128 rows) run the FA3 batch kernel on sm_90 without a mask; once a
+    graph captured it, a tree-masked plan raises instead of being replayed without its mask."""
+    hkv, g, page = 2, 8, 16
+    q_lens, kv_lens = [16] * 4, [300, 1000, 64, 2000]
+    c = _cache(kv_lens, page, hkv, seed=4)
+    ba = BatchAttention(_causal(), kv_layout="NHD")
+    qo = _plan(ba, q_lens, c, hkv * g, hkv, page, {})
+    if ba.tiles is None or ba.tiles.kernel != "fa3":
+        pytest.skip("the FA3 batch kernel does not run this batch on this GPU")
+    q = torch.randn(int(qo[-1]), hkv * g, D, device="cuda").bfloat16()
+    out = torch.empty_like(q)
+    ba.run(q, c["cache"], out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ba.run(q, c["cache"], out=out)
+    with pytest.raises(ValueError, match="FA3 batch kernel"):
+        _plan(ba, q_lens, c, hkv * g, hkv, page, _mask("tree", q_lens, kv_lens, seed=1))

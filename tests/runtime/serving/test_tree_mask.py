@@ -205,3 +205,15 @@ def test_packed_and_bool_forms_agree_on_random_masks() -> None:
         else:
             assert results[0] == results[1], (trial, results)
             assert not (pre and trial % 2 == 0)
+
+
+def test_masked_plan_after_an_fa3_capture_raises() -> None:
+    """A graph that captured the FA3 batch kernel would replay it without the tree: plan()
+    refuses the mask (the flag run() sets while capturing FA3, set by hand on the CPU)."""
+    lq, lkv = [4], [30]
+    mask, _ = tree_batch(lq, lkv)
+    ba = BatchAttention(None, device="cpu")
+    ba._fa3_captured = True
+    with pytest.raises(ValueError, match="FA3 batch kernel"):
+        ba.plan(qo_of(lq), [0, 2], [0, 1], [14], **KW, custom_mask=mask)
+    ba.plan(qo_of(lq), [0, 2], [0, 1], [14], **KW)  # without a mask it plans
