@@ -22,6 +22,13 @@ pages, no padding (`flex_paged_call`; checked against the fp64 reference on the 
     python -m bench.decode                               -> bench/results/decode-h200.json
     python -m bench.decode --batch 16 --hkv 8 --dist constant
     python -m bench.decode --report bench/results/decode-h200.json   # table + PNG (CPU ok)
+    python -m bench.decode --multi-token            # add the multi-token decode cells
+
+Multi-token decode cells (issue 31; `multi_token_cells`): Q_PER_REQUEST query tokens per
+request, causal among them after the request's KV, Hq 64 / Hkv 8 (64 fused rows per KV head),
+D 128, page 16, constant KV lengths (MT_CELLS: kv 8192 x batch 32, kv 32768 x batch 128), with
+("attncc_tree") and without ("attncc") a random speculative tree mask; records carry `hq`,
+`kv_len`, `q_per_request` and `kv_dtype` (no `dist`) and are tabled on their own.
 
 Example (the length distributions are deterministic):
     >>> [int(x) for x in kv_lengths("uniform", 4, seed=0)]
@@ -43,6 +50,9 @@ import numpy as np
 HQ, D, PAGE = 32, 128, 16
 BATCHES, HKVS, DISTS = (16, 64, 256), (32, 8, 4), ("constant", "uniform", "skewed")
 IMPLS = ("attncc", "attncc_noschedule", "flex", "flex_paged", "sdpa_mask", "read_floor")
+MT_HQ, MT_HKV, Q_PER_REQUEST = 64, 8, 8
+MT_CELLS = ((32, 8192), (128, 32768))  # (batch, kv_len) of the multi-token decode cells
+MT_IMPLS = ("attncc", "attncc_tree", "read_floor")
 
 
 def kv_lengths(dist: str, batch: int, seed: int = 0) -> np.ndarray:
@@ -265,10 +275,132 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
     return out
 
 
+def multi_token_batch(batch: int, kv_len: int, tokens: int = Q_PER_REQUEST,
+                      tree_seed: int | None = None) -> dict[str, Any]:
+    """plan()'s arguments for a multi-token decode cell: `tokens` queries per request, each
+    request `kv_len` keys in PAGE-token pages listed in a random (seeded) order; with
+    `tree_seed`, a random speculative tree as FlashInfer's packed_custom_mask.
+
+    Example:
+        >>> b = multi_token_batch(2, 40, 4, tree_seed=0)
+        >>> b["qo_indptr"].tolist(), b["kv_last_page_len"].tolist(), b["mask"]["packed_custom_mask"].size
+        ([0, 4, 8], [8, 8], 40)
+    """
+    import torch
+
+    from tests.helpers.trees import packed, tree_batch
+
+    n_pages = -(-kv_len // PAGE)
+    perm = torch.randperm(batch * n_pages, generator=torch.Generator().manual_seed(2)).numpy()
+    out = {"qo_indptr": np.arange(batch + 1) * tokens,
+           "kv_indptr": np.arange(batch + 1) * n_pages, "kv_indices": perm,
+           "kv_last_page_len": np.full(batch, kv_len - (n_pages - 1) * PAGE),
+           "kw": dict(num_qo_heads=MT_HQ, num_kv_heads=MT_HKV, head_dim=D, page_size=PAGE),
+           "mask": {}}
+    if tree_seed is not None:
+        lq, lkv = [tokens] * batch, [kv_len] * batch
+        out["mask"] = {"packed_custom_mask": packed(tree_batch(lq, lkv, tree_seed)[0], lq, lkv)}
+    return out
+
+
+def multi_token_cells(copy_bw: float, sweep: list[dict[str, Any]] | None = None,
+                      cells: tuple[tuple[int, int], ...] = MT_CELLS,
+                      tokens: int = Q_PER_REQUEST) -> list[dict[str, Any]]:
+    """The multi-token decode cells (module docstring): per (batch, kv_len), attncc with the
+    causal variant, with a tree mask as well, and the read floor of the same bytes; `sweep`
+    adds attncc cells with BatchAttention knobs (`tiles`, `min_kv_chunk`, `kernel`)."""
+    import torch
+
+    from attncc.frontend import Variant
+    from attncc.runtime.serving.batch import BatchAttention
+    from bench.timing import spin_gpu, time_call
+
+    causal = Variant(mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, name="mt_causal")
+    out: list[dict[str, Any]] = []
+    for batch, kv_len in cells:
+        n_pages = batch * -(-kv_len // PAGE)
+        g = torch.Generator(device="cuda").manual_seed(kv_len + batch)
+        k = torch.empty(n_pages, PAGE, MT_HKV, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.empty_like(k)
+        k.normal_(generator=g)
+        v.normal_(generator=g)
+        q = torch.randn(batch * tokens, MT_HQ, D, generator=g, device="cuda").bfloat16()
+        nbytes = float(batch * kv_len) * MT_HKV * D * 2 * 2 + 2 * q.numel() * 2
+        base = {"batch": batch, "hq": MT_HQ, "hkv": MT_HKV, "kv_len": kv_len,
+                "q_per_request": tokens, "kv_dtype": str(k.dtype).replace("torch.", "")}
+        spin_gpu()
+        ref = None
+        runs = [(impl, {}) for impl in MT_IMPLS] + [("attncc", o) for o in (sweep or [])]
+        for impl, opts in runs:
+            try:
+                if impl == "read_floor":
+                    x = torch.empty(int(nbytes) // 2, dtype=torch.bfloat16, device="cuda")
+                    x.normal_(generator=g)
+                    t = time_call(lambda: x.sum(dtype=torch.float32))
+                    del x
+                    extra: dict[str, Any] = {}
+                else:
+                    pt = multi_token_batch(batch, kv_len, tokens,
+                                           0 if impl == "attncc_tree" else None)
+                    knobs = {key: tuple(val) if key == "tiles" else val
+                             for key, val in opts.items()}
+                    ba = BatchAttention(causal, kv_layout="NHD", max_batch=batch,
+                                        max_qo_tokens=batch * tokens, **knobs)
+                    ba.plan(pt["qo_indptr"], pt["kv_indptr"], pt["kv_indices"],
+                            pt["kv_last_page_len"], **pt["kw"], **pt["mask"])
+                    res = ba.run(q, (k, v))
+                    torch.cuda.synchronize()
+                    t = time_call(lambda: ba.run(q, (k, v)))
+                    kr = ba.kernel_record()
+                    extra = {"tq": ba.tiles.tq, "tkv": ba.tiles.tkv, "stages": ba.tiles.stages,
+                             "kernel": ba.tiles.kernel, "num_ctas": ba.tiles.num_ctas,
+                             "spill": kr.spill_bytes, "local": kr.local_bytes}
+                    if opts:
+                        extra["knobs"] = json.dumps(opts, sort_keys=True)
+                    if impl == "attncc" and ref is None and not opts:
+                        ref = res.float()
+                    elif ref is not None and impl == "attncc":
+                        extra["rel_err"] = float((res.float() - ref).norm() / ref.norm())
+                    del ba
+                ms = t.get("ms_graph", t["ms_eager"])
+                tbs = nbytes / (ms * 1e-3) / 1e12
+                rec = {"impl": impl, **base, "ms": ms, "tb_s": tbs,
+                       "bw_fraction": tbs * 1e12 / copy_bw, **t, **extra}
+                out.append(rec)
+                print(f"B={batch:4d} kv={kv_len:6d} q/req={tokens} {impl:12s} {ms * 1e3:9.1f} us "
+                      f"{tbs:5.2f} TB/s ({rec['bw_fraction']:.2f} of copy) "
+                      f"{extra.get('knobs', '')} tiles={extra.get('tq')}/{extra.get('tkv')}/"
+                      f"{extra.get('stages')}", flush=True)
+            except Exception as e:  # a cell that cannot run is reported, not fatal
+                print(f"B={batch} kv={kv_len} {impl} FAILED {type(e).__name__}: {str(e)[:300]}",
+                      flush=True)
+                out.append({"impl": impl, **base, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+        del k, v, q
+        torch.cuda.empty_cache()
+    return out
+
+
+def multi_token_table(doc: dict[str, Any]) -> list[str]:
+    """Markdown lines of the multi-token decode cells (none: no lines)."""
+    res = [r for r in doc["results"] if "bw_fraction" in r and r.get("q_per_request", 1) > 1]
+    if not res:
+        return []
+    lines = ["", "Multi-token decode (Hq 64 / Hkv 8, D 128, page 16, causal; fraction of copy "
+             "bandwidth (TB/s), tiles T_q/T_kv/stages):", "",
+             "| batch | kv | q/request | impl | knobs | fraction (TB/s) | tiles | us |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in res:
+        tiles = f"{r['tq']}/{r['tkv']}/{r['stages']}" if "tq" in r else "-"
+        lines.append(f"| {r['batch']} | {r['kv_len']} | {r['q_per_request']} | {r['impl']} | "
+                     f"{r.get('knobs', '')} | {r['bw_fraction']:.2f} ({r['tb_s']:.2f}) | "
+                     f"{tiles} | {r['ms'] * 1e3:.1f} |")
+    return lines
+
+
 def table(doc: dict[str, Any]) -> str:
     """Markdown: fraction of copy bandwidth per cell, and attncc against the faster of the two
     FlexAttention setups (padded cache, paged helper); sweep cells after."""
-    res = [r for r in doc["results"] if "bw_fraction" in r and "knobs" not in r]
+    res = [r for r in doc["results"] if "bw_fraction" in r and "knobs" not in r and "dist" in r]
     by = {(r["impl"], r["batch"], r["hkv"], r["dist"]): r for r in res}
     m = doc["meta"]
     lines = [f"{m['gpu']}, torch {m['torch']}, attncc {m['attncc_commit'][:10]}, "
@@ -289,12 +421,12 @@ def table(doc: dict[str, Any]) -> str:
         ratio = f"{min(flexes) / a['ms']:.2f}" if a and flexes else "-"
         plan_us = f"{a['plan_us']:.0f}" if a else "-"
         lines.append(f"| {b} | {h} | {dist} | " + " | ".join(cells) + f" | {ratio} | {plan_us} |")
-    swept = [r for r in doc["results"] if "knobs" in r and "bw_fraction" in r]
+    swept = [r for r in doc["results"] if "knobs" in r and "bw_fraction" in r and "dist" in r]
     if swept:
         lines += ["", "| batch | Hkv | dist | knobs | fraction (TB/s) | CTAs |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['hkv']} | {r['dist']} | `{r['knobs']}` | "
                   f"{r['bw_fraction']:.2f} ({r['tb_s']:.2f}) | {r['num_ctas']} |" for r in swept]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + multi_token_table(doc)) + "\n"
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -303,7 +435,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    res = [r for r in doc["results"] if "bw_fraction" in r and "knobs" not in r]
+    res = [r for r in doc["results"] if "bw_fraction" in r and "knobs" not in r and "dist" in r]
     hkvs = sorted({r["hkv"] for r in res}, reverse=True)
     fig, axes = plt.subplots(1, len(hkvs), figsize=(5 * len(hkvs), 3.6), squeeze=False)
     for ax, h in zip(axes[0], hkvs):
@@ -334,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--report", type=Path, default=None)
+    ap.add_argument("--multi-token", action="store_true",
+                    help="also the multi-token decode cells (MT_CELLS; --sweep applies to them)")
+    ap.add_argument("--multi-token-only", action="store_true",
+                    help="only the multi-token decode cells")
     ap.add_argument("--sweep", type=json.loads, nargs="*", default=None,
                     help='extra attncc cells, e.g. \'{"tiles": [16, 32, 4], "min_kv_chunk": 512}\' '
                          'or \'{"pdl": false}\'')
@@ -350,10 +486,12 @@ def main(argv: list[str] | None = None) -> int:
             "head_dim": D, "timing": TIME_CALL_TIMING + "; plan() timed separately (median of "
             "200 host calls after 20 warm-up calls)"}
     results = []
-    for b in args.batch:
+    for b in ([] if args.multi_token_only else args.batch):
         for h in args.hkv:
             for dist in args.dist:
                 results += run_cell(b, h, dist, tuple(args.impls), bw, args.sweep)
+    if args.multi_token or args.multi_token_only:
+        results += multi_token_cells(bw, args.sweep)
     save({"meta": meta, "results": results}, args.out, "decode-h200.json", table)
     return 0
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 
 from attncc.errors import InvalidArgument, InvalidArgumentType, TraceError
@@ -383,7 +384,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
                         float_dtype: torch.dtype = torch.float64, q_chunk: int | None = None,
                         q_offset: int = 0, b_offset: int = 0,
                         stats: dict[str, torch.Tensor] | None = None,
-                        sinks: torch.Tensor | None = None
+                        sinks: torch.Tensor | None = None,
+                        keep_mask: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact attention for a traced variant: `(out [B,Hq,Sq,Dv], lse [B,Hq,Sq] or None)`.
 
@@ -400,6 +402,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
     head's sink logit joins the softmax denominator with no value (gpt-oss's attention sinks);
     the LSE then includes it, and a fully masked row gives output 0 and LSE = the sink. The
     result is differentiable in `sinks` too.
+    `keep_mask`, a bool [Sq, Skv] tensor, is ANDed with the variant's mask (serving's custom /
+    tree masks).
 
     Example:
         >>> import torch
@@ -488,6 +492,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: V
                 bm_hooks.check("mask_mod", bm_hooks.reads, env, st == 1)  # type: ignore[union-attr]
             else:
                 kept = kept | (st == 1)
+            keep = kept if keep is None else keep & kept
+        if keep_mask is not None:
+            kept = keep_mask[r0:r1].to(device)
             keep = kept if keep is None else keep & kept
         if keep is not None:
             keep = keep.expand(shape)
@@ -626,12 +633,16 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
                               kv_indices: Any = None, kv_last_page_len: Any = None, *,
                               kv_layout: str = "NHD", page_size: int = 1,
                               variant: Variant | None = None, scale: float | None = None,
-                              sinks: torch.Tensor | None = None
+                              sinks: torch.Tensor | None = None,
+                              custom_mask: Any = None, packed_custom_mask: Any = None
                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact (float64) batch attention, request by request: the oracle of `BatchAttention.run`.
     The hooks see b = the request's index, q_idx counted so that the queries are the request's
     last tokens, as in the batch kernels. `sinks` [num_qo_heads]: per-head sink logits, as in
-    `attention_reference` (the LSE includes them).
+    `attention_reference` (the LSE includes them). `custom_mask` / `packed_custom_mask`:
+    FlashInfer's per-request masks (`BatchAttention.plan`'s), ANDed with the variant's mask; any
+    pattern here, where the kernels take tree masks only (docs/serving.md, "Multi-token decode
+    and tree masks").
 
     Example:
         >>> import torch
@@ -662,6 +673,7 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
            if ir.use_softmax else None)
     pages = b.pages if kv_layout != "ragged" else None
     last = np_int(kv_last_page_len, "kv_last_page_len") if kv_last_page_len is not None else None
+    masks = _request_masks(custom_mask, packed_custom_mask, b.qo, b.kv_lens)
     for i in range(qo.size - 1):
         lq = int(qo[i + 1] - qo[i])
         if lq == 0:
@@ -685,8 +697,40 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
                                        v.transpose(0, 1)[None], ir, bindings, scale=scale,
                                        enable_gqa=H != k.shape[1], q_offset=k.shape[0] - lq,
                                        b_offset=i,  # the kernels' hooks see b = the request
-                                       sinks=sinks)
+                                       sinks=sinks,
+                                       keep_mask=masks[i] if masks is not None else None)
         out[int(qo[i]):int(qo[i + 1])] = o_i[0].transpose(0, 1)
         if lse is not None and l_i is not None:
             lse[int(qo[i]):int(qo[i + 1])] = l_i[0].transpose(0, 1)
     return out, lse
+
+
+def _request_masks(custom_mask: Any, packed_custom_mask: Any, qo: Any, kv_lens: Any
+                   ) -> list[torch.Tensor] | None:
+    """Each request's bool [q_len, kv_len] mask from FlashInfer's flattened `custom_mask` or
+    its per-request little-endian `packed_custom_mask` (None: neither given)."""
+    if custom_mask is None and packed_custom_mask is None:
+        return None
+    if custom_mask is not None and packed_custom_mask is not None:
+        raise InvalidArgument("pass custom_mask or packed_custom_mask, not both")
+    packed = packed_custom_mask is not None
+    flat = torch.as_tensor(packed_custom_mask if packed else custom_mask).detach().cpu()
+    if flat.dtype != (torch.uint8 if packed else torch.bool) or flat.dim() != 1:
+        raise InvalidArgument(f"{'packed_custom_mask' if packed else 'custom_mask'} must be a "
+                              f"1-D {'uint8' if packed else 'bool'} tensor, got "
+                              f"{tuple(flat.shape)} {flat.dtype}")
+    out, at = [], 0
+    for i in range(len(qo) - 1):
+        lq, lkv = int(qo[i + 1] - qo[i]), int(kv_lens[i])
+        n = lq * lkv
+        seg = (n + 7) // 8 if packed else n
+        if at + seg > flat.numel():
+            raise InvalidArgument(f"the mask ends inside request {i}'s [{lq}, {lkv}] segment")
+        part = flat[at:at + seg].numpy()
+        if packed:
+            part = np.unpackbits(part, bitorder="little")[:n].astype(bool)
+        out.append(torch.as_tensor(np.asarray(part, bool)).reshape(lq, lkv))
+        at += seg
+    if at != flat.numel():
+        raise InvalidArgument(f"the mask has {flat.numel()} elements; the batch's masks use {at}")
+    return out

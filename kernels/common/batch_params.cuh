@@ -55,6 +55,10 @@ struct BatchParams {
     const int* kv_pos_offset;    // [batch] added to kv positions for the hooks, or null
     const void* tma;             // the FA3 batch kernel's q / k / v tensor maps (3 x 128 bytes,
                                  // fa3_batch.cuh), or null for the FA2 batch kernel
+    const int* tree_mask;        // [batch][16] multi-token decode tree rows, or null: bit j of
+                                 // word 16*i + t keeps request i's key kv_lens[i] - q_len_i + j
+                                 // for its query t (the FA2 batch kernel; docs/serving.md,
+                                 // "Multi-token decode and tree masks")
     i64 q_stride_tok, q_stride_h;
     i64 o_stride_tok, o_stride_h;
     i64 kv_stride_page, kv_stride_slot, kv_stride_h;

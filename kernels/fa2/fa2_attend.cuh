@@ -39,6 +39,9 @@
 //   bool has_lse() const; float* lse_at(int tok, int hq) const;
 //   static constexpr bool kMaySplit; float* partial_o() const; float* partial_lse() const;
 //   const float* sinks() const;                   per-query-head sink logits, or null
+//   static constexpr bool kTreeMask; bool tree_tile(int kv0, int kv_end) const;  a multi-token
+//                                decode tree mask: whether tile [kv0, kv_end) needs it, and
+//   bool tree_keeps(int qi, int kv) const;        whether it keeps (query position, key)
 #ifndef ATTNCC_FA2_ATTEND_CUH
 #define ATTNCC_FA2_ATTEND_CUH
 
@@ -200,8 +203,10 @@ __device__ __forceinline__ void transform_kv_tile(const View& t, const typename 
 }
 
 // Logits of one tile: scale, LogitsTransform, LogitsMask; kBounds masks rows and kv positions
-// outside the sequence (they never reach the hooks), kMask applies the LogitsMask.
-template <typename Variant, bool kBounds, bool kMask, int M_FRAGS, int TKVW, typename View>
+// outside the sequence (they never reach the hooks) and, for a Work with a tree mask, the keys
+// it hides (ANDed with the LogitsMask); kMask applies the LogitsMask.
+template <typename Variant, bool kBounds, bool kMask, int M_FRAGS, int TKVW, typename Work,
+          typename View>
 __device__ __forceinline__ void logits_tile(const View& t, const typename Variant::Params& vp,
                                             float (&s_acc)[M_FRAGS][TKVW / 8][4], int kv0,
                                             float qk_scale) {
@@ -221,7 +226,8 @@ __device__ __forceinline__ void logits_tile(const View& t, const typename Varian
         for (int e = 0; e < 2; ++e) {
           const int kv = kv0 + TKVW * t.kvw + nf * 8 + 2 * (t.lane & 3) + e;
           float sc = s_acc[mf][nf][2 * hr + e] * qk_scale;
-          if (kBounds && (!row_in || (unsigned)kv >= (unsigned)t.kv_len)) {
+          if (kBounds && (!row_in || (unsigned)kv >= (unsigned)t.kv_len ||
+                          (Work::kTreeMask && !t.w.tree_keeps(qi, kv)))) {
             sc = masked;
           } else {
             if constexpr (Variant::has_logits_transform) {
@@ -547,10 +553,14 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
     // compile-time specializations so that the common tile -- inside the sequence, and a full
     // block (or no mask) -- pays only for the scale and, if present, the LogitsTransform; bounds
     // checks and the mask cost only on edge tiles and partial blocks.
-    const bool bounds = kv0 < 0 || kv0 + TKV > t.kv_len || !tile_rows_in;
+    // (a multi-token decode tree mask rides on the bounds path: only the tiles holding the
+    // request's last q_len keys test it, BatchWork::tree_tile)
+    const bool bounds = kv0 < 0 || kv0 + TKV > t.kv_len || !tile_rows_in ||
+                        (Work::kTreeMask && w.tree_tile(kv0, kv0 + TKV));
     const bool apply_mask = Variant::has_logits_mask && !is_full;
     auto logits = [&](auto bounds_tag, auto mask_tag) {
-      logits_tile<Variant, decltype(bounds_tag)::value, decltype(mask_tag)::value, M_FRAGS, TKVW>(
+      logits_tile<Variant, decltype(bounds_tag)::value, decltype(mask_tag)::value, M_FRAGS, TKVW,
+                  Work>(
           t, vp, s_acc, kv0, qk_scale);
     };
     if (!bounds && !apply_mask) {

@@ -107,6 +107,23 @@ struct BatchWork {
     return query_position(p, q_pos0, qo_offset, tok);
   }
 
+  // Multi-token decode tree mask (docs/serving.md, "Multi-token decode and tree masks"): query t
+  // (< 16) of request b keeps its step's key j (< 16; kv = q_pos0 + j) only where bit j of word
+  // 16 b + t is set; every other key stays visible, and so does everything of a plan with
+  // q_positions (there t is no token index; plan() refuses masks with them). Unmasked requests'
+  // words are all ones. Read from the kernel parameters, not kept in registers: only the one or
+  // two tiles tree_tile() names pay for it.
+  static constexpr bool kTreeMask = true;
+  __device__ __forceinline__ bool tree_tile(int kv0, int kv_end) const {
+    return p.tree_mask != nullptr && p.q_positions == nullptr && kv_end > q_pos0 &&
+           kv0 < q_pos0 + 16;
+  }
+  __device__ __forceinline__ bool tree_keeps(int qi, int kv) const {
+    const unsigned j = kv - q_pos0, t = qi - q_pos0;
+    return p.tree_mask == nullptr || p.q_positions != nullptr || j >= 16u || t >= 16u ||
+           ((__ldg(p.tree_mask + 16 * b + t) >> j) & 1) != 0;
+  }
+
   __device__ __forceinline__ void load_q(u32 sq, int tid) const {
     const DType* gQ = reinterpret_cast<const DType*>(p.q);
     const int ld_row = tid / CHUNKS, ld_ch = tid % CHUNKS;

@@ -71,6 +71,7 @@ from .reads import SafeReads
 from .staging import UPLOAD_GAP, Staging, Uploader, int_words, stage_tables, table_offsets
 from .staging import used_ranges  # (looked up here at each upload: bench/plan_time.py times it)
 from .tiles import BatchTiles, PlanConfig, batch_tiles, fa3_mode, keep_captured_tiles, plan_config
+from .tree_mask import TreeTable, tree_rows
 # importable from here as before (tests, bench/, scripts/); the role modules own them
 from .causal import L2_SECTION_BYTES  # noqa: F401
 from .staging import Uploader as _Uploader, coalesce_ranges  # noqa: F401
@@ -218,6 +219,9 @@ class BatchAttention:
         # plan prologue overlap the attention kernel's tail (kernels/common/batch_params.cuh)
         self._pdl = True
         self._sinks32: torch.Tensor | None = None  # run()'s float32 sinks (_sinks_operand)
+        self._tree: TreeTable | None = None  # the tree-mask table (CUDA: made at the first plan)
+        self._tree_plan = False  # whether the plan being made / the current plan has a tree mask
+        self._fa3_captured = False  # a CUDA graph captured the FA3 batch kernel (no tree masks)
         from .ops import register_batch  # torch.compile's op finds this object by it
 
         self.op_handle = register_batch(self)
@@ -233,7 +237,8 @@ class BatchAttention:
              kv_last_page_len: Any = None, *, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, page_size: int = 1, q_positions: Any = None,
              kv_position_offset: Any = None,
-             q_data_type: torch.dtype = torch.bfloat16) -> None:
+             q_data_type: torch.dtype = torch.bfloat16, custom_mask: Any = None,
+             packed_custom_mask: Any = None) -> None:
         """Schedule one batch. Paged layouts: `kv_indptr` is the CSR of page ids `kv_indices`
         per request and `kv_last_page_len` the tokens used in each request's last page;
         "ragged": `kv_indptr` is the CSR of KV tokens (no indices, no page size). Host-side
@@ -244,6 +249,12 @@ class BatchAttention:
         tokens]) overrides the first and `kv_position_offset` ([batch]) shifts the second --
         what CascadeAttention uses for a shared prefix and the suffixes after it.
         `q_data_type` is the dtype `run` will get.
+
+        `custom_mask` / `packed_custom_mask` (FlashInfer's names and layout: each request's
+        `[q_len, kv_len]` bool mask, row-major, concatenated; or each one bit-packed with
+        `bitorder="little"`): a multi-token decode tree mask, ANDed with the variant's mask. The
+        kernels take trees: at most 16 query tokens per request, every key before the step's
+        own tokens kept (docs/serving.md, "Multi-token decode and tree masks"); no q_positions.
 
         Host time: with the compiled planner (plan/planner.c) a plan whose tiles are the
         last plan's (a serving loop's every step) is one C call,
@@ -256,6 +267,20 @@ class BatchAttention:
         same words come from numpy (`scheduler.plan_into` and `stage_tables`).
         """
         b, staged = None, None
+        tree = custom_mask is not None or packed_custom_mask is not None
+        if tree and q_positions is not None:
+            raise ValueError("custom_mask / packed_custom_mask with q_positions: a tree mask "
+                             "is indexed by the step's tokens, which q_positions re-numbers; "
+                             "leave q_positions out")
+        if tree and self.kernel == "fa3":
+            raise ValueError("BatchAttention(kernel='fa3') with a tree mask: the FA3 batch "
+                             "kernel does not read tree masks; use kernel=None or 'fa2'")
+        if tree and self._fa3_captured:
+            raise ValueError("a CUDA graph captured run() with the FA3 batch kernel, which does "
+                             "not read tree masks, so its replays would ignore this mask; capture "
+                             "the multi-token decode loop on a plan of its own batches (or pass "
+                             "kernel='fa2' to the BatchAttention that a graph captures)")
+        self._tree_plan = tree  # (read by _config_key and _fa3_mode: masks run on FA2)
         if q_positions is None and kv_position_offset is None:
             b, staged = self._checked_fast(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                            num_qo_heads, num_kv_heads, head_dim, page_size,
@@ -264,6 +289,7 @@ class BatchAttention:
         if b is None:
             b = self._checked(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
                               num_kv_heads, head_dim, page_size, q_positions, kv_position_offset)
+        rows = tree_rows(custom_mask, packed_custom_mask, b.qo, b.kv_lens) if tree else None
         if staged is None:
             staged = self._stage_plan(b, fast, num_qo_heads, num_kv_heads, head_dim,
                                       q_data_type)
@@ -272,10 +298,18 @@ class BatchAttention:
         # (only now: a plan() that raised leaves the last plan's layout and offsets for run())
         self._commit(b, cfg, half, buf, offsets, num_qo_heads, num_kv_heads, head_dim)
         if self.device.type == "cuda":
+            self._upload_tree(rows)
             if c_staged:  # planner.c listed the used words
                 self._upload(*self._planner.used_ranges()[::-1])
             else:
                 self._upload(offsets["pages"] + int(b.page_indptr[-1]))
+
+    def _upload_tree(self, rows: np.ndarray | None) -> None:
+        """The plan's tree-mask rows (None: no mask) to the device table, made at the first
+        CUDA plan so that every run -- and a CUDA graph capturing one -- points at it."""
+        if self._tree is None:
+            self._tree = TreeTable(self.max_batch, self.device)
+        self._tree.upload(rows)
 
     def _clip_causal(self, buf: np.ndarray, cfg: PlanConfig, b: CheckedBatch, group: int,
                      head_dim: int, q_dtype: torch.dtype) -> None:
@@ -415,7 +449,8 @@ class BatchAttention:
                   q_dtype: torch.dtype) -> str:
         """choose_batch_tiles' `fa3` (`tiles.fa3_mode`), with fa3_unsupported's answer
         memoised per batch shape: plan() runs every step."""
-        if self.kernel == "fa2" or (self.kernel is None and self._forced_tiles is not None):
+        if self.kernel == "fa2" or (self.kernel is None and self._forced_tiles is not None) \
+                or self._tree_plan:  # (tree masks: the FA2 batch kernel reads them)
             return "off"
         key = (group, head_dim, page_size, q_dtype)
         why = self._fa3_why.get(key, False)
@@ -431,7 +466,8 @@ class BatchAttention:
         and every knob `_config` reads (a knob changed between plans is honoured)."""
         return (head_dim, num_qo_heads, num_kv_heads, page, q_dtype, self.kernel, self.tiles,
                 self._planner, self.min_kv_chunk, self.max_batch, self.max_qo_tokens,
-                self.max_pages, self.kv_layout, self._forced_tiles, self.balance)
+                self.max_pages, self.kv_layout, self._forced_tiles, self.balance,
+                self._tree_plan)
 
     def _config(self, b: CheckedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                 q_dtype: Any) -> PlanConfig:
@@ -586,6 +622,8 @@ class BatchAttention:
             params["sinks"] = sinks32.data_ptr()
         if self._own_workspace and not self._graph_captured:
             self._graph_captured = torch.cuda.is_current_stream_capturing()
+        if self.tiles.kernel == "fa3" and not self._fa3_captured:  # (never in a decode loop)
+            self._fa3_captured = torch.cuda.is_current_stream_capturing()
         self._launch(kern, params, bindings)
         return (out, lse) if return_lse else out
 
@@ -616,6 +654,8 @@ class BatchAttention:
         pointers = launch.workspace_pointers(
             ws.data_ptr(), self._int_words(), lay, self._offsets, head_dim=self.head_dim,
             q_positions=self._has_q_pos, kv_positions=self._has_kv_pos)
+        # always the table's address: a graph captured now replays later plans' masks
+        pointers["tree_mask"] = self._tree.device.data_ptr() if self._tree is not None else 0
         shape = dict(num_kv_heads=self.num_kv_heads, page_size=self.page_size,
                      page_shift=self.page_shift,
                      sm_scale=1.0 / math.sqrt(self.head_dim) if scale is None else float(scale))

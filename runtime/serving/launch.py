@@ -67,6 +67,7 @@ def fa2_batch_args(pointers: dict[str, int], q: torch.Tensor, k: torch.Tensor,
     from `workspace_pointers`, the operands, the KV cache's (page, slot, head) `strides` in
     elements, and the shape; no tensor maps."""
     return {
+        "tree_mask": 0,  # (BatchAttention's tree table, where it has one: `pointers` has it)
         **pointers,
         "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": out.data_ptr(),
         "lse": lse.data_ptr() if lse is not None else 0,

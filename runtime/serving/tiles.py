@@ -18,7 +18,7 @@ from .fa3_batch import fa3_batch_tiles
 from .plan import planner, scheduler
 
 __all__ = ["BatchTiles", "PlanConfig", "batch_tiles", "choose_batch_tiles", "fa3_mode",
-           "keep_captured_tiles", "plan_config", "plan_layout"]
+           "keep_captured_tiles", "multi_token_kv_tiles", "plan_config", "plan_layout"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,8 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
     stages, kv_warps = 2, 1
     if tq == 16:
         kv_warps = 2
+    elif tq <= 64 and head_dim <= 128:
+        tkv, stages = multi_token_kv_tiles(tq)
     if force is not None:
         tq, tkv, stages = force[:3]
         kv_warps = force[3] if len(force) > 3 else 1
@@ -82,6 +84,22 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
     by_smem = (227 * 1024) // cfg.smem_bytes
     per_sm = max(1, min(by_regs, by_smem, 16))
     return BatchTiles(tq, tkv, stages, m_frags, per_sm, per_sm * num_sms, kv_warps)
+
+
+def multi_token_kv_tiles(tq: int) -> tuple[int, int]:
+    """(T_kv, stages) of 32- and 64-row query tiles at D <= 128: multi-token decode (2-8
+    tokens x a GQA group) and short chunks. They are bound by memory, and two 2-stage 32-row
+    K/V rings per SM (the residency 255 registers leave a 64-row tile) keep ~32 KB of loads in
+    flight per SM, under what the H200's memory latency needs for its bandwidth: 8 tokens x 8
+    heads read 0.76 of copy bandwidth so. Three 64-row stages (two tiles ahead, 128 KB per SM)
+    for 64 rows, four 32-row stages for 32 (three CTAs per SM) (docs/serving.md, "Multi-token
+    decode and tree masks").
+
+    Example:
+        >>> multi_token_kv_tiles(64), choose_batch_tiles(128, 64, 132)
+        ((64, 3), BatchTiles(tq=64, tkv=64, stages=3, m_frags=1, ctas_per_sm=2, num_ctas=264, kv_warps=1, kernel='fa2'))
+    """
+    return (64, 3) if tq == 64 else (32, 4)
 
 
 @functools.lru_cache(maxsize=256)

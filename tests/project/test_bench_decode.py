@@ -27,3 +27,34 @@ def test_flex_paged_call_matches_the_reference() -> None:
     ref, _ = batch_attention_reference(q, (k, v), np.arange(lens.size + 1), ind, perm,
                                        lens - (npg - 1) * PAGE, page_size=PAGE)
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_multi_token_records_get_their_own_table() -> None:
+    """The committed decode results with multi-token records added: the decode table is
+    unchanged, and the multi-token cells follow in their own table (batch, kv, tokens, impl,
+    fraction, tiles)."""
+    import json
+
+    from bench.decode import table
+    from tests.helpers import ROOT
+
+    doc = json.loads((ROOT / "bench/results/decode-h200.json").read_text())
+    before = table(doc)
+    rec = {"impl": "attncc_tree", "batch": 32, "hq": 64, "hkv": 8, "kv_len": 8192,
+           "q_per_request": 8, "kv_dtype": "bfloat16", "ms": 0.5, "tb_s": 4.3,
+           "bw_fraction": 0.91, "tq": 64, "tkv": 64, "stages": 3}
+    after = table({**doc, "results": doc["results"] + [rec]})
+    assert after.startswith(before.rstrip("\n"))
+    assert "| 32 | 8192 | 8 | attncc_tree |  | 0.91 (4.30) | 64/64/3 | 500.0 |" in after
+
+
+def test_multi_token_batch_matches_its_mask() -> None:
+    """The bench's multi-token plans: `tokens` queries per request, the packed tree sized for
+    [tokens, kv_len] per request and accepted by plan()'s checks."""
+    from attncc.runtime.serving.tree_mask import tree_rows
+    from bench.decode import multi_token_batch
+
+    b = multi_token_batch(3, 100, 8, tree_seed=1)
+    rows = tree_rows(None, b["mask"]["packed_custom_mask"], b["qo_indptr"], np.full(3, 100))
+    assert rows.shape == (3, 16) and (rows[:, 0] == 1).all()
+    assert b["kv_indices"].size == 3 * 7 and sorted(b["kv_indices"].tolist()) == list(range(21))

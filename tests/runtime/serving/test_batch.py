@@ -467,6 +467,7 @@ def test_cuda_plans_upload_the_ranges_planner_c_listed() -> None:
     ws = torch.empty(1, dtype=torch.uint8)
     ba._workspace_for = lambda used: ws  # type: ignore[method-assign]
     ba._uploader, ba.device = Uploader(), types.SimpleNamespace(type="cuda")  # type: ignore
+    ba._upload_tree = lambda rows: None  # type: ignore[method-assign]  (no device table here)
     listed: list[tuple] = []  # what the compiled planner listed, when it staged the plan
     if ba._planner:
         c_ranges = ba._planner.used_ranges

@@ -63,3 +63,37 @@ def test_batch_kernels_with_the_sink_epilogue_compile_without_spills(name: str, 
     res = compile_spec(KernelSpec("fa3_batch", ir, d, "bfloat16", fa3_batch_tiles(d)),
                        "sm_90a").result
     assert spill_bytes(res.log) == 0, res.log
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("rows", [32, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_multi_token_decode_kernels_compile_without_spills(rows: int, head_dim: int) -> None:
+    """The FA2 batch kernel at the tiles choose_batch_tiles gives multi-token decode (4 and 8
+    tokens x a GQA group of 8 = 32 and 64 fused rows; tree-mask checks included, as every
+    batch kernel carries them) for a causal variant and a softcap one compiles spill-free.
+    (16 tokens x 8 = 128 rows take the prefill tiles: FA3 on sm_90, FA2's 128-row tiles with
+    a tree mask.) tests/gpu/test_multitoken_gpu.py runs them."""
+    import torch
+
+    from attncc.frontend import Variant
+    from attncc.ir.simplify import simplify_variant
+    from attncc.runtime.jit.nvrtc import compile_cuda
+    from attncc.runtime.serving.tiles import choose_batch_tiles
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 30 * torch.tanh(score / 30)
+
+    t = choose_batch_tiles(head_dim, rows, 132)
+    assert t.kernel == "fa2" and t.tq == rows
+    for var in (Variant(mask_mod=causal, name="mtd_causal"),
+                Variant(score_mod=softcap, mask_mod=causal, name="mtd_softcap")):
+        ir = simplify_variant(var.trace()[0])
+        src, _, _, _ = fa2_source(ir, head_dim=head_dim, dtype="bfloat16", tq=t.tq, tkv=t.tkv,
+                                  stages=t.stages, m_frags=t.m_frags, batch=True,
+                                  kv_warps=t.kv_warps)
+        log = compile_cuda(src, arch="sm_90a", verbose=True).log
+        assert spill_bytes(log) == 0, log
