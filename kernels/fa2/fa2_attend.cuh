@@ -38,6 +38,8 @@
 //   DType* o_row(int tok, int hq) const;          output row of (token, head)
 //   bool has_lse() const; float* lse_at(int tok, int hq) const;
 //   static constexpr bool kMaySplit; float* partial_o() const; float* partial_lse() const;
+//   static constexpr bool kKv8;  an fp8 cache (fa2_kv8.cuh); then also `using KvT` (its format)
+//                                and `float v_scale`, and load_kv copies fp8 bytes
 #ifndef ATTNCC_FA2_ATTEND_CUH
 #define ATTNCC_FA2_ATTEND_CUH
 
@@ -163,17 +165,19 @@ __device__ __forceinline__ void transform_warp_rows(const View& t, u16* s, Hook&
   }
 }
 
-// Issue the cp.async copies of KV tile i into its ring stage, and commit its group.
+// Issue the cp.async copies of KV tile i into its ring stage (K at k_base, V at v_base, stages
+// STAGE_BYTES apart), and commit its group.
 // Commit-group discipline: Q is one group; then every tile (its K and V rows) is one group,
 // committed even when empty, so at the top of iteration `it` exactly STAGES-2 groups are newer
 // than tile `it` and cp.async.wait_group takes a compile-time count.
-template <int STAGES, int TILE_ELEMS, typename Work>
-__device__ __forceinline__ void load_kv_tile(const Work& w, int i, u16* sK, u16* sV, int tid) {
+template <int STAGES, int STAGE_BYTES, typename Work>
+__device__ __forceinline__ void load_kv_tile(const Work& w, int i, u32 k_base, u32 v_base,
+                                             int tid) {
   if (i < w.count) {
     bool f;
     const int kv0 = w.tile_start(i, f);
     const int st = i % STAGES;
-    w.load_kv(smem_addr(sK + st * TILE_ELEMS), smem_addr(sV + st * TILE_ELEMS), kv0, tid);
+    w.load_kv(k_base + st * STAGE_BYTES, v_base + st * STAGE_BYTES, kv0, tid);
   }
   cp_async_commit();
 }
@@ -371,11 +375,22 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   constexpr int N_FRAGS_O = D / 8;     // O accumulator fragments per 16-row fragment
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool kSoftmax = Variant::use_softmax;
+  // An fp8 cache (fa2_kv8.cuh) streams fp8 tiles through a ring in the same shared memory, after
+  // one 16-bit K and V tile that each landed tile is widened into: 2 * (STAGES - 1) ring stages.
+  constexpr bool kKv8 = Work::kKv8;
+  constexpr int RING = kKv8 ? 2 * (STAGES - 1) : STAGES;
+  constexpr int RING_BYTES = 2 * Cfg::kTileElems;  // a stage: a 16-bit tile, or fp8 K and V
+  static_assert(!kKv8 || (STAGES >= 2 && !Variant::has_key_transform &&
+                          !Variant::has_value_transform),
+                "an fp8 cache needs 2+ stages and no K/V transform (the host refuses those)");
 
   extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa2_smem[];
   u16* sQ = reinterpret_cast<u16*>(attncc_fa2_smem);
   u16* sK = sQ + TQ * D;
-  u16* sV = sK + STAGES * Cfg::kTileElems;
+  u16* sV = sK + (kKv8 ? 1 : STAGES) * Cfg::kTileElems;
+  unsigned char* ring = reinterpret_cast<unsigned char*>(sV + Cfg::kTileElems);  // kKv8 only
+  const u32 ring_k = kKv8 ? smem_addr(ring) : smem_addr(sK);
+  const u32 ring_v = kKv8 ? ring_k + Cfg::kTileElems : smem_addr(sV);
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -391,8 +406,8 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   w.load_q(smem_addr(sQ), tid);
   cp_async_commit();
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) load_kv_tile<STAGES, Cfg::kTileElems>(w, s, sK, sV, tid);
-  cp_async_wait<STAGES - 1>();  // Q landed (this thread's copies) ...
+  for (int s = 0; s < RING - 1; ++s) load_kv_tile<RING, RING_BYTES>(w, s, ring_k, ring_v, tid);
+  cp_async_wait<RING - 1>();  // Q landed (this thread's copies) ...
   __syncthreads();              // ... and everyone's
 
   if constexpr (Variant::has_query_transform) {
@@ -460,16 +475,21 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   // finished iteration it-1, so the stage that tile it-1 used can be refilled right away.
 #pragma unroll 1
   for (int it = 0; it < w.count; ++it) {
-    const int stage = it % STAGES;
+    int stage = it % RING;
     if constexpr (STAGES == 1) {  // no prefetch: refill the only stage once everyone is done
       __syncthreads();
-      load_kv_tile<STAGES, Cfg::kTileElems>(w, it, sK, sV, tid);
+      load_kv_tile<RING, RING_BYTES>(w, it, ring_k, ring_v, tid);
       cp_async_wait<0>();
       __syncthreads();
     } else {
-      cp_async_wait<STAGES - 2>();  // tile it landed (this thread's copies) ...
-      __syncthreads();              // ... and everyone's; stage (it-1) % STAGES is free
-      load_kv_tile<STAGES, Cfg::kTileElems>(w, it + STAGES - 1, sK, sV, tid);  // prefetch
+      cp_async_wait<RING - 2>();  // tile it landed (this thread's copies) ...
+      __syncthreads();            // ... and everyone's; stage (it-1) % RING is free
+      load_kv_tile<RING, RING_BYTES>(w, it + RING - 1, ring_k, ring_v, tid);  // prefetch
+    }
+    if constexpr (kKv8) {  // widen the landed fp8 tile into the one 16-bit tile
+      widen_kv_tile<DType, typename Work::KvT, D, TKV, KV_WARPS, Cfg::kThreads>(
+          ring + stage * RING_BYTES, sK, sV, kvw, tid);
+      stage = 0;
     }
 
     bool is_full;
@@ -634,6 +654,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   // ---- epilogue --------------------------------------------------------------------------------
   float lse_val[M_FRAGS][2];
   normalize_rows<kSoftmax>(o_acc, row_m, row_l, lse_val);
+  if constexpr (kKv8) scale_o(o_acc, w.v_scale);
 
   if constexpr (Work::kMaySplit) {
     float* po = w.partial_o();

@@ -20,6 +20,7 @@ namespace fa2 {
 template <typename DType, int D, int TQ, int TKV, int NT>
 struct DenseWork {
   static constexpr bool kMaySplit = false;
+  static constexpr bool kKv8 = false;  // q's dtype in K and V (fa2_kv8.cuh is the batch kernel's)
   static constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
   // Loader layout: each thread owns one 16-byte column chunk (tid % CHUNKS) and every
   // ROWS_PER_PASS-th row from tid / CHUNKS. Fixed chunk + compile-time pass count let the compiler
