@@ -591,10 +591,12 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
     variant = variant if variant is not None else Variant(name="batch_plain")
     ir, bindings = variant.trace()
     k_all, v_all = _reference_cache(kv_cache, kv_layout)
+    fp8 = k_all.dtype in FP8_KV_DTYPES or v_all.dtype in FP8_KV_DTYPES
     k_all, v_all = _dequantized_cache(k_all, v_all, kv_layout, k_scale, v_scale)
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise InvalidArgument(f"q must be a [total_q, num_qo_heads, head_dim] tensor, got "
                               f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}")
+    q_in = q.to(torch.float64) if fp8 else q  # (exact) the dequantized cache is float64
     # plan()'s checks, with the sizes read off q and the cache
     b = check_batch(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_layout=kv_layout,
                     num_qo_heads=q.shape[1], num_kv_heads=_cache_heads(k_all, kv_layout),
@@ -625,7 +627,7 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
             n = (ids.numel() - 1) * page_size + int(last[i]) if ids.numel() else 0
             k, v = k[:n], v[:n]
         # queries are the last lq positions of the sequence: q_idx = lkv - lq + t
-        qi = q[int(qo[i]):int(qo[i + 1])]
+        qi = q_in[int(qo[i]):int(qo[i + 1])]
         o_i, l_i = attention_reference(qi.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                        v.transpose(0, 1)[None], ir, bindings, scale=scale,
                                        enable_gqa=H != k.shape[1], q_offset=k.shape[0] - lq,
