@@ -76,11 +76,13 @@ class CascadeAttention:
     def plan(self, qo_indptr: Any, *, prefix_indices: Any, prefix_last_page_len: int,
              suffix_indptr: Any, suffix_indices: Any, suffix_last_page_len: Any,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-             q_data_type: torch.dtype = torch.bfloat16) -> None:
+             q_data_type: torch.dtype = torch.bfloat16,
+             kv_data_type: torch.dtype | None = None) -> None:
         """Plan both passes. `prefix_indices`: the shared prefix's page ids (in order);
         `prefix_last_page_len`: tokens in its last page. `suffix_*`: each request's own pages,
-        as `BatchAttention.plan` takes them (and `q_data_type`). Every request's queries must be
-        suffix tokens."""
+        as `BatchAttention.plan` takes them (and `q_data_type`, `kv_data_type`: an fp8 cache,
+        which `run` reads with its k_scale / v_scale). Every request's queries must be suffix
+        tokens."""
         qo = np_int(qo_indptr, "qo_indptr")
         pre = np_int(prefix_indices, "prefix_indices")
         last = int(prefix_last_page_len)
@@ -104,23 +106,26 @@ class CascadeAttention:
         tok = np.arange(int(qo[-1])) - np.repeat(qo[:-1], q_len)
         qpos = P + s_len[req] - q_len[req] + tok
         heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     page_size=page_size, q_data_type=q_data_type)
+                     page_size=page_size, q_data_type=q_data_type, kv_data_type=kv_data_type)
         self.prefix.plan([0, int(qo[-1])], [0, pre.size], pre, [last if pre.size else 0],
                          q_positions=qpos, **heads)
         self.suffix.plan(qo, sptr, suffix_indices, slast, q_positions=qpos,
                          kv_position_offset=np.full(q_len.size, P), **heads)
         self.prefix_len, self.q_positions = P, qpos
 
-    def run(self, q: torch.Tensor, kv_cache: Any, *, return_lse: bool = False) -> Any:
-        """`out [total_q, num_qo_heads, head_dim]` in q's dtype (and the merged lse)."""
+    def run(self, q: torch.Tensor, kv_cache: Any, *, return_lse: bool = False,
+            k_scale: Any = None, v_scale: Any = None) -> Any:
+        """`out [total_q, num_qo_heads, head_dim]` in q's dtype (and the merged lse). An fp8
+        cache's `k_scale` / `v_scale` as `BatchAttention.run` takes them."""
         if not self._softmax and return_lse:
             raise ValueError("return_lse=True but the variant has normalize='none'")
+        sc = dict(k_scale=k_scale, v_scale=v_scale)
         if self._softmax:
-            o1, l1 = self.prefix.run(q, kv_cache, return_lse=True)
-            o2, l2 = self.suffix.run(q, kv_cache, return_lse=True)
+            o1, l1 = self.prefix.run(q, kv_cache, return_lse=True, **sc)
+            o2, l2 = self.suffix.run(q, kv_cache, return_lse=True, **sc)
         else:
-            o1, l1 = self.prefix.run(q, kv_cache), None
-            o2, l2 = self.suffix.run(q, kv_cache), None
+            o1, l1 = self.prefix.run(q, kv_cache, **sc), None
+            o2, l2 = self.suffix.run(q, kv_cache, **sc), None
         if fits_kernel(o1, l1, o2, l2):  # one launch (a dozen elementwise ops otherwise)
             out, lse = merge_fitting_states(o1, l1, o2, l2, want_lse=return_lse)
             return (out, lse) if return_lse else out
