@@ -22,6 +22,14 @@ pages, no padding (`flex_paged_call`; checked against the fp64 reference on the 
     python -m bench.decode                               -> bench/results/decode-h200.json
     python -m bench.decode --batch 16 --hkv 8 --dist constant
     python -m bench.decode --report bench/results/decode-h200.json   # table + PNG (CPU ok)
+    python -m bench.decode --kv-cells                    # the KV-dtype cells only (below)
+
+KV-dtype cells (`--kv-cells`, `KV_CELLS`): the long-context cell (batch 128, Hq 64 / Hkv 8,
+D 128, kv 32768, page 16) and batch 64 at 16K (GQA 64/8 and MHA 32/32), each with a bf16, an
+fp8 e4m3 and an fp8 e5m2 cache (per-tensor scales) in the same process. Records carry
+`kv_len`, `hq`, `q_per_request`, `kv_dtype` (the torch dtype's name), `bw_fraction` of the
+bytes the cache actually holds (fp8: half of bf16's) and `vs_bf16`, the step time over the
+bf16 cache's (the fp8 target: <= 0.55).
 
 Example (the length distributions are deterministic):
     >>> [int(x) for x in kv_lengths("uniform", 4, seed=0)]
@@ -43,6 +51,9 @@ import numpy as np
 HQ, D, PAGE = 32, 128, 16
 BATCHES, HKVS, DISTS = (16, 64, 256), (32, 8, 4), ("constant", "uniform", "skewed")
 IMPLS = ("attncc", "attncc_noschedule", "flex", "flex_paged", "sdpa_mask", "read_floor")
+KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+# (batch, Hq, Hkv, kv_len) of the KV-dtype cells: long context, then batch 64 at 16K
+KV_CELLS = ((128, 64, 8, 32768), (64, 64, 8, 16384), (64, 32, 32, 16384))
 
 
 def kv_lengths(dist: str, batch: int, seed: int = 0) -> np.ndarray:
@@ -187,7 +198,8 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
     def record(impl: str, ms: float, **extra: Any) -> None:
         tbs = kv_bytes / (ms * 1e-3) / 1e12
         rec = {"impl": impl, "batch": batch, "hkv": hkv, "dist": dist, "ms": ms,
-               "tb_s": tbs, "bw_fraction": tbs * 1e12 / copy_bw, **extra}
+               "tb_s": tbs, "bw_fraction": tbs * 1e12 / copy_bw, "kv_dtype": "bfloat16",
+               **extra}
         if "ms_eager" in extra:
             rec["bw_fraction_eager"] = kv_bytes / (extra["ms_eager"] * 1e-3) / copy_bw
         out.append(rec)
@@ -265,10 +277,90 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
     return out
 
 
+def run_kv_cell(batch: int, hq: int, hkv: int, kv_len: int, copy_bw: float,
+                kv_dtypes: tuple[str, ...] = KV_DTYPES) -> list[dict[str, Any]]:
+    """One KV-dtype cell (module docstring): decode of `batch` requests of `kv_len` keys over a
+    paged cache in each of `kv_dtypes`, the same values quantized with a per-tensor scale;
+    `vs_bf16` is each step time over the bf16 cache's, `rel_err` each output's against the
+    bf16 one's."""
+    import torch
+
+    from attncc.runtime.kv8 import kv_scale, quantize
+    from attncc.runtime.serving.batch import BatchAttention
+    from bench.timing import time_call
+
+    n_pages = -(-kv_len // PAGE)
+    ids = torch.randperm(batch * n_pages, generator=torch.Generator().manual_seed(2)).numpy()
+    args = (np.arange(batch + 1), np.arange(batch + 1) * n_pages, ids,
+            np.full(batch, kv_len - (n_pages - 1) * PAGE))
+    g = torch.Generator(device="cuda").manual_seed(batch + hkv)
+    shape = (batch * n_pages, PAGE, hkv, D)
+    k = torch.randn(*shape, generator=g, device="cuda").bfloat16()
+    v = torch.randn(*shape, generator=g, device="cuda").bfloat16()
+    q = torch.randn(batch, hq, D, generator=g, device="cuda").bfloat16()
+    out: list[dict[str, Any]] = []
+    base_ms, ref = None, None
+    for name in kv_dtypes:
+        kvdt = getattr(torch, name)
+        scales: dict[str, Any] = {}
+        cache = (k, v)
+        if name != "bfloat16":  # amax / the format's largest finite value
+            top = torch.finfo(kvdt).max
+            scales = {"k_scale": float(k.abs().max()) / top, "v_scale": float(v.abs().max()) / top}
+            cache = tuple(quantize(t, kv_scale(s, hkv, "scale").cuda(), head_axis=2, dtype=kvdt)
+                          for t, s in ((k, scales["k_scale"]), (v, scales["v_scale"])))
+        ba = BatchAttention(None, kv_layout="NHD", max_batch=max(batch, 16),
+                            max_qo_tokens=max(batch, 16))
+        ba.plan(*args, num_qo_heads=hq, num_kv_heads=hkv, head_dim=D, page_size=PAGE,
+                kv_data_type=None if name == "bfloat16" else kvdt)
+        res = ba.run(q, cache, **scales)
+        torch.cuda.synchronize()
+        t = time_call(lambda: ba.run(q, cache, **scales))
+        ms = t.get("ms_graph", t["ms_eager"])
+        nbytes = batch * kv_len * hkv * D * 2 * cache[0].element_size() + 2 * q.numel() * 2
+        tbs = nbytes / (ms * 1e-3) / 1e12
+        base_ms = ms if base_ms is None else base_ms
+        rec = {"impl": "attncc", "batch": batch, "hq": hq, "hkv": hkv, "kv_len": kv_len,
+               "q_per_request": 1, "kv_dtype": name, "ms": ms, "tb_s": tbs,
+               "bw_fraction": tbs * 1e12 / copy_bw, "vs_bf16": ms / base_ms, **t,
+               "spill": ba.kernel_record().spill_bytes}
+        if ref is None:
+            ref = res.float()
+        else:
+            rec["rel_err"] = float((res.float() - ref).norm() / ref.norm())
+        out.append(rec)
+        print(f"B={batch:4d} Hq={hq} Hkv={hkv:2d} kv={kv_len} {name:14s} {ms * 1e3:9.1f} us "
+              f"{tbs:6.2f} TB/s ({rec['bw_fraction']:.2f} of copy) x{rec['vs_bf16']:.3f} of "
+              f"bf16", flush=True)
+        del cache, ba
+    return out
+
+
+def kv_table(res: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines of the KV-dtype cells (records with `kv_len`).
+
+    Example:
+        >>> r = dict(batch=128, hq=64, hkv=8, kv_len=32768, kv_dtype="float8_e4m3fn", ms=1.5,
+        ...          tb_s=2.9, bw_fraction=0.6, vs_bf16=0.52)
+        >>> kv_table([r])[-1]
+        '| 128 | 64 | 8 | 32768 | float8_e4m3fn | 1500.0 | 0.60 (2.90) | 0.520 |'
+    """
+    lines = ["", "KV-dtype cells (decode, page 16, D 128; fraction of copy bandwidth of the "
+             "bytes the cache holds; step time over the bf16 cache's):", "",
+             "| batch | Hq | Hkv | kv | kv_dtype | us | fraction (TB/s) | vs bf16 |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['hq']} | {r['hkv']} | {r['kv_len']} | {r['kv_dtype']} | "
+              f"{r['ms'] * 1e3:.1f} | {r['bw_fraction']:.2f} ({r['tb_s']:.2f}) | "
+              f"{r['vs_bf16']:.3f} |" for r in res]
+    return lines
+
+
 def table(doc: dict[str, Any]) -> str:
     """Markdown: fraction of copy bandwidth per cell, and attncc against the faster of the two
     FlexAttention setups (padded cache, paged helper); sweep cells after."""
-    res = [r for r in doc["results"] if "bw_fraction" in r and "knobs" not in r]
+    kv_cells = [r for r in doc["results"] if "kv_len" in r and "bw_fraction" in r]
+    res = [r for r in doc["results"] if "bw_fraction" in r and "knobs" not in r
+           and "kv_len" not in r]
     by = {(r["impl"], r["batch"], r["hkv"], r["dist"]): r for r in res}
     m = doc["meta"]
     lines = [f"{m['gpu']}, torch {m['torch']}, attncc {m['attncc_commit'][:10]}, "
@@ -294,6 +386,8 @@ def table(doc: dict[str, Any]) -> str:
         lines += ["", "| batch | Hkv | dist | knobs | fraction (TB/s) | CTAs |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['hkv']} | {r['dist']} | `{r['knobs']}` | "
                   f"{r['bw_fraction']:.2f} ({r['tb_s']:.2f}) | {r['num_ctas']} |" for r in swept]
+    if kv_cells:
+        lines += kv_table(kv_cells)
     return "\n".join(lines) + "\n"
 
 
@@ -303,7 +397,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    res = [r for r in doc["results"] if "bw_fraction" in r and "knobs" not in r]
+    res = [r for r in doc["results"] if "bw_fraction" in r and "knobs" not in r
+           and "kv_len" not in r]
     hkvs = sorted({r["hkv"] for r in res}, reverse=True)
     fig, axes = plt.subplots(1, len(hkvs), figsize=(5 * len(hkvs), 3.6), squeeze=False)
     for ax, h in zip(axes[0], hkvs):
@@ -337,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", type=json.loads, nargs="*", default=None,
                     help='extra attncc cells, e.g. \'{"tiles": [16, 32, 4], "min_kv_chunk": 512}\' '
                          'or \'{"pdl": false}\'')
+    ap.add_argument("--kv-cells", action="store_true",
+                    help="only the KV-dtype cells (KV_CELLS: bf16 / fp8 e4m3 / e5m2 caches)")
+    ap.add_argument("--no-kv-cells", action="store_true", help="skip the KV-dtype cells")
     args = ap.parse_args(argv)
     from bench.prefill import _meta, report, save
     from bench.timing import TIME_CALL_TIMING
@@ -350,10 +448,12 @@ def main(argv: list[str] | None = None) -> int:
             "head_dim": D, "timing": TIME_CALL_TIMING + "; plan() timed separately (median of "
             "200 host calls after 20 warm-up calls)"}
     results = []
-    for b in args.batch:
+    for b in args.batch if not args.kv_cells else ():
         for h in args.hkv:
             for dist in args.dist:
                 results += run_cell(b, h, dist, tuple(args.impls), bw, args.sweep)
+    for cell in KV_CELLS if not args.no_kv_cells else ():
+        results += run_kv_cell(*cell, bw)
     save({"meta": meta, "results": results}, args.out, "decode-h200.json", table)
     return 0
 
