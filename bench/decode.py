@@ -54,6 +54,10 @@ IMPLS = ("attncc", "attncc_noschedule", "flex", "flex_paged", "sdpa_mask", "read
 KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 # (batch, Hq, Hkv, kv_len) of the KV-dtype cells: long context, then batch 64 at 16K
 KV_CELLS = ((128, 64, 8, 32768), (64, 64, 8, 16384), (64, 32, 32, 16384))
+# fp8 decode tiles timed besides the default (T_q, T_kv, stages, kv_warps): an fp8 tile is half
+# the bytes, so deeper rings keep as many bytes in flight per SM as bf16's default does
+# (docs/serving.md, "fp8 KV cache"); records carry them as `knobs`
+KV_TILE_SWEEP = ((16, 32, 3, 2), (16, 64, 3, 4))
 
 
 def kv_lengths(dist: str, batch: int, seed: int = 0) -> np.ndarray:
@@ -300,7 +304,9 @@ def run_kv_cell(batch: int, hq: int, hkv: int, kv_len: int, copy_bw: float,
     q = torch.randn(batch, hq, D, generator=g, device="cuda").bfloat16()
     out: list[dict[str, Any]] = []
     base_ms, ref = None, None
-    for name in kv_dtypes:
+    runs = [(name, None) for name in kv_dtypes]
+    runs += [(name, t) for name in kv_dtypes if name != "bfloat16" for t in KV_TILE_SWEEP]
+    for name, tiles in runs:
         kvdt = getattr(torch, name)
         scales: dict[str, Any] = {}
         cache = (k, v)
@@ -310,7 +316,7 @@ def run_kv_cell(batch: int, hq: int, hkv: int, kv_len: int, copy_bw: float,
             cache = tuple(quantize(t, kv_scale(s, hkv, "scale").cuda(), head_axis=2, dtype=kvdt)
                           for t, s in ((k, scales["k_scale"]), (v, scales["v_scale"])))
         ba = BatchAttention(None, kv_layout="NHD", max_batch=max(batch, 16),
-                            max_qo_tokens=max(batch, 16))
+                            max_qo_tokens=max(batch, 16), tiles=tiles)
         ba.plan(*args, num_qo_heads=hq, num_kv_heads=hkv, head_dim=D, page_size=PAGE,
                 kv_data_type=None if name == "bfloat16" else kvdt)
         res = ba.run(q, cache, **scales)
@@ -323,7 +329,10 @@ def run_kv_cell(batch: int, hq: int, hkv: int, kv_len: int, copy_bw: float,
         rec = {"impl": "attncc", "batch": batch, "hq": hq, "hkv": hkv, "kv_len": kv_len,
                "q_per_request": 1, "kv_dtype": name, "ms": ms, "tb_s": tbs,
                "bw_fraction": tbs * 1e12 / copy_bw, "vs_bf16": ms / base_ms, **t,
-               "spill": ba.kernel_record().spill_bytes}
+               "spill": ba.kernel_record().spill_bytes, "tq": ba.tiles.tq, "tkv": ba.tiles.tkv,
+               "stages": ba.tiles.stages, "kv_warps": ba.tiles.kv_warps}
+        if tiles is not None:
+            rec["knobs"] = json.dumps({"tiles": list(tiles)})
         if ref is None:
             ref = res.float()
         else:
@@ -331,7 +340,7 @@ def run_kv_cell(batch: int, hq: int, hkv: int, kv_len: int, copy_bw: float,
         out.append(rec)
         print(f"B={batch:4d} Hq={hq} Hkv={hkv:2d} kv={kv_len} {name:14s} {ms * 1e3:9.1f} us "
               f"{tbs:6.2f} TB/s ({rec['bw_fraction']:.2f} of copy) x{rec['vs_bf16']:.3f} of "
-              f"bf16", flush=True)
+              f"bf16 {rec.get('knobs', '')}", flush=True)
         del cache, ba
     return out
 
@@ -349,7 +358,8 @@ def kv_table(res: list[dict[str, Any]]) -> list[str]:
              "bytes the cache holds; step time over the bf16 cache's):", "",
              "| batch | Hq | Hkv | kv | kv_dtype | us | fraction (TB/s) | vs bf16 |",
              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['hq']} | {r['hkv']} | {r['kv_len']} | {r['kv_dtype']} | "
+    lines += [f"| {r['batch']} | {r['hq']} | {r['hkv']} | {r['kv_len']} | {r['kv_dtype']}"
+              f"{' `' + r['knobs'] + '`' if 'knobs' in r else ''} | "
               f"{r['ms'] * 1e3:.1f} | {r['bw_fraction']:.2f} ({r['tb_s']:.2f}) | "
               f"{r['vs_bf16']:.3f} |" for r in res]
     return lines
@@ -381,7 +391,8 @@ def table(doc: dict[str, Any]) -> str:
         ratio = f"{min(flexes) / a['ms']:.2f}" if a and flexes else "-"
         plan_us = f"{a['plan_us']:.0f}" if a else "-"
         lines.append(f"| {b} | {h} | {dist} | " + " | ".join(cells) + f" | {ratio} | {plan_us} |")
-    swept = [r for r in doc["results"] if "knobs" in r and "bw_fraction" in r]
+    swept = [r for r in doc["results"] if "knobs" in r and "bw_fraction" in r
+             and "kv_len" not in r]
     if swept:
         lines += ["", "| batch | Hkv | dist | knobs | fraction (TB/s) | CTAs |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['hkv']} | {r['dist']} | `{r['knobs']}` | "

@@ -221,11 +221,12 @@ _BATCH_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("lse", "float*"), ("partial_o", "float*"), ("partial_lse", "float*"),
     *((n, "const int*") for n in ("qo_indptr", "kv_page_indptr", "kv_page_indices", "kv_lens",
                                    "plan", "q_positions", "kv_pos_offset")),
-    ("tma", "const void*"), ("k_scale", "const float*"), ("v_scale", "const float*"),
+    ("tma", "const void*"),
     *((n, "attncc::i64") for n in ("q_stride_tok", "q_stride_h", "o_stride_tok", "o_stride_h",
                                    "kv_stride_page", "kv_stride_slot", "kv_stride_h")),
     ("lse_stride_tok", "int"), ("num_q_heads", "int"), ("num_kv_heads", "int"),
     ("page_size", "int"), ("page_shift", "int"), ("sm_scale", "float"),
+    ("k_scale", "const float*"), ("v_scale", "const float*"),
 )
 
 BATCH_PARAMS: StructLayout = struct_layout("attncc::BatchParams", _BATCH_PARAMS_MEMBERS)

@@ -55,8 +55,6 @@ struct BatchParams {
     const int* kv_pos_offset;    // [batch] added to kv positions for the hooks, or null
     const void* tma;             // the FA3 batch kernel's q / k / v tensor maps (3 x 128 bytes,
                                  // fa3_batch.cuh), or null for the FA2 batch kernel
-    const float* k_scale;        // [num_kv_heads] an fp8 cache's key / value scales (the
-    const float* v_scale;        // cache holds k / k_scale), or null for a 16-bit cache
     i64 q_stride_tok, q_stride_h;
     i64 o_stride_tok, o_stride_h;
     i64 kv_stride_page, kv_stride_slot, kv_stride_h;
@@ -65,6 +63,8 @@ struct BatchParams {
     int page_size;               // tokens per page
     int page_shift;              // log2(page_size) when it is a power of two, else -1
     float sm_scale;
+    const float* k_scale;        // [num_kv_heads] an fp8 cache's key / value scales (the
+    const float* v_scale;        // cache holds k / k_scale), or null for a 16-bit cache
 };
 
 // Section `at` (one of the kPlan*At words) of the packed plan. Its offset is loaded at each use

@@ -165,19 +165,18 @@ __device__ __forceinline__ void transform_warp_rows(const View& t, u16* s, Hook&
   }
 }
 
-// Issue the cp.async copies of KV tile i into its ring stage (K at k_base, V at v_base, stages
-// STAGE_BYTES apart), and commit its group.
+// Issue the cp.async copies of KV tile i into its ring stage, and commit its group.
 // Commit-group discipline: Q is one group; then every tile (its K and V rows) is one group,
 // committed even when empty, so at the top of iteration `it` exactly STAGES-2 groups are newer
-// than tile `it` and cp.async.wait_group takes a compile-time count.
-template <int STAGES, int STAGE_BYTES, typename Work>
-__device__ __forceinline__ void load_kv_tile(const Work& w, int i, u32 k_base, u32 v_base,
-                                             int tid) {
+// than tile `it` and cp.async.wait_group takes a compile-time count. (An fp8 cache's ring:
+// load_kv8_tile, fa2_kv8.cuh.)
+template <int STAGES, int TILE_ELEMS, typename Work>
+__device__ __forceinline__ void load_kv_tile(const Work& w, int i, u16* sK, u16* sV, int tid) {
   if (i < w.count) {
     bool f;
     const int kv0 = w.tile_start(i, f);
     const int st = i % STAGES;
-    w.load_kv(k_base + st * STAGE_BYTES, v_base + st * STAGE_BYTES, kv0, tid);
+    w.load_kv(smem_addr(sK + st * TILE_ELEMS), smem_addr(sV + st * TILE_ELEMS), kv0, tid);
   }
   cp_async_commit();
 }
@@ -379,7 +378,6 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   // one 16-bit K and V tile that each landed tile is widened into: 2 * (STAGES - 1) ring stages.
   constexpr bool kKv8 = Work::kKv8;
   constexpr int RING = kKv8 ? 2 * (STAGES - 1) : STAGES;
-  constexpr int RING_BYTES = 2 * Cfg::kTileElems;  // a stage: a 16-bit tile, or fp8 K and V
   static_assert(!kKv8 || (STAGES >= 2 && !Variant::has_key_transform &&
                           !Variant::has_value_transform),
                 "an fp8 cache needs 2+ stages and no K/V transform (the host refuses those)");
@@ -388,9 +386,8 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   u16* sQ = reinterpret_cast<u16*>(attncc_fa2_smem);
   u16* sK = sQ + TQ * D;
   u16* sV = sK + (kKv8 ? 1 : STAGES) * Cfg::kTileElems;
-  unsigned char* ring = reinterpret_cast<unsigned char*>(sV + Cfg::kTileElems);  // kKv8 only
-  const u32 ring_k = kKv8 ? smem_addr(ring) : smem_addr(sK);
-  const u32 ring_v = kKv8 ? ring_k + Cfg::kTileElems : smem_addr(sV);
+  const unsigned char* ring = reinterpret_cast<const unsigned char*>(sV + Cfg::kTileElems);
+  const u32 ring_addr = kKv8 ? smem_addr(ring) : 0u;
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -406,7 +403,10 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   w.load_q(smem_addr(sQ), tid);
   cp_async_commit();
 #pragma unroll
-  for (int s = 0; s < RING - 1; ++s) load_kv_tile<RING, RING_BYTES>(w, s, ring_k, ring_v, tid);
+  for (int s = 0; s < RING - 1; ++s) {
+    if constexpr (kKv8) load_kv8_tile<RING, 2 * Cfg::kTileElems>(w, s, ring_addr, tid);
+    else load_kv_tile<STAGES, Cfg::kTileElems>(w, s, sK, sV, tid);
+  }
   cp_async_wait<RING - 1>();  // Q landed (this thread's copies) ...
   __syncthreads();              // ... and everyone's
 
@@ -475,28 +475,31 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   // finished iteration it-1, so the stage that tile it-1 used can be refilled right away.
 #pragma unroll 1
   for (int it = 0; it < w.count; ++it) {
-    int stage = it % RING;
+    const int stage = it % RING;
     if constexpr (STAGES == 1) {  // no prefetch: refill the only stage once everyone is done
       __syncthreads();
-      load_kv_tile<RING, RING_BYTES>(w, it, ring_k, ring_v, tid);
+      load_kv_tile<STAGES, Cfg::kTileElems>(w, it, sK, sV, tid);
       cp_async_wait<0>();
       __syncthreads();
     } else {
       cp_async_wait<RING - 2>();  // tile it landed (this thread's copies) ...
       __syncthreads();            // ... and everyone's; stage (it-1) % RING is free
-      load_kv_tile<RING, RING_BYTES>(w, it + RING - 1, ring_k, ring_v, tid);  // prefetch
+      if constexpr (kKv8)
+        load_kv8_tile<RING, 2 * Cfg::kTileElems>(w, it + RING - 1, ring_addr, tid);  // prefetch
+      else
+        load_kv_tile<STAGES, Cfg::kTileElems>(w, it + STAGES - 1, sK, sV, tid);  // prefetch
     }
     if constexpr (kKv8) {  // widen the landed fp8 tile into the one 16-bit tile
       widen_kv_tile<DType, typename Work::KvT, D, TKV, KV_WARPS, Cfg::kThreads>(
-          ring + stage * RING_BYTES, sK, sV, kvw, tid);
-      stage = 0;
+          ring + stage * 2 * Cfg::kTileElems, sK, sV, kvw, tid);
     }
+    const int cst = kKv8 ? 0 : stage;  // the 16-bit stage the MMAs read
 
     bool is_full;
     const int kv0 = w.tile_start(it, is_full);
     if constexpr (Variant::has_key_transform || Variant::has_value_transform)
       transform_kv_tile<Variant, DType, D, TKV, Cfg::kWarps>(
-          t, vp, sK + stage * Cfg::kTileElems, sV + stage * Cfg::kTileElems, kv0, tid);
+          t, vp, sK + cst * Cfg::kTileElems, sV + cst * Cfg::kTileElems, kv0, tid);
 
     // S = Q K^T for this warp's rows: M_FRAGS x (TKV/8) fragments.
     float s_acc[M_FRAGS][N_FRAGS_S][4];
@@ -509,7 +512,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
 
     {
       const u32 qa = opaque(q_row_addr), qx = opaque(q_x), kx = opaque(k_x);
-      const u32 ka = opaque(sK_addr + 2 * stage * Cfg::kTileElems + k_lane_off);
+      const u32 ka = opaque(sK_addr + 2 * cst * Cfg::kTileElems + k_lane_off);
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
         u32 a[M_FRAGS][4];
@@ -625,7 +628,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
         pa[mf][kk][3] = pack2<DType>(s_acc[mf][2 * kk + 1][2], s_acc[mf][2 * kk + 1][3]);
       }
     {
-      const u32 va = opaque(sV_addr + 2 * stage * Cfg::kTileElems + v_lane_off);
+      const u32 va = opaque(sV_addr + 2 * cst * Cfg::kTileElems + v_lane_off);
       const u32 vx = opaque(v_x);
 #pragma unroll
       for (int kk = 0; kk < TKVW / 16; ++kk) {

@@ -80,6 +80,21 @@ __device__ __forceinline__ u32x4 widen8(uint2 b) {
   return u32x4{h[0], h[1], h[2], h[3]};
 }
 
+// load_kv_tile (fa2_attend.cuh) for an fp8 cache: tile i's fp8 K and V into ring stage
+// i % STAGES at shared address `ring` (STAGE_BYTES per stage: K's TKV*D bytes, then V's), one
+// commit group. The caller converts `ring` to a shared address once, before its loop: per
+// tile, ptxas spilled 16 bytes of the decode form at D = 128.
+template <int STAGES, int STAGE_BYTES, typename Work>
+__device__ __forceinline__ void load_kv8_tile(const Work& w, int i, u32 ring, int tid) {
+  if (i < w.count) {
+    bool f;
+    const int kv0 = w.tile_start(i, f);
+    const u32 k = ring + (i % STAGES) * STAGE_BYTES;
+    w.load_kv(k, k + STAGE_BYTES / 2, kv0, tid);
+  }
+  cp_async_commit();
+}
+
 // Widen rows [r0, r0 + ROWS) of one fp8 tile `src` ([TKV][D] bytes, rows D bytes apart, no
 // swizzle) into the 16-bit tile `dst` (common.cuh's swizzled layout), N threads sharing them
 // (`idx` < N), 8 elements each: 8-byte shared loads, 16-byte conflict-free stores. UNROLL
