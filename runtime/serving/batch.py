@@ -128,6 +128,9 @@ def _kernels_for(ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
     """The batch kernel and its merge kernel (`.launcher`, `.merge`) for one (variant, head
     dim, dtype, tiles, fp8 cache dtype `kv8` or None), from the kernel cache
     (runtime/jit/kernels.py)."""
+    if kv8 is not None and tiles.stages < 2:
+        raise ValueError(f"an fp8 KV cache streams through a ring of 2 * (stages - 1) fp8 "
+                         f"stages: tiles={tiles.tq, tiles.tkv, tiles.stages} needs stages >= 2")
     if tiles.kernel == "fa3":
         spec = KernelSpec("fa3_batch", ir, head_dim, dtype, fa3_batch_tiles(head_dim),
                           device=device)

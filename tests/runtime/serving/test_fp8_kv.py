@@ -237,6 +237,10 @@ def _fp8_forms() -> list[tuple[str, str, int, tuple]]:
             if d == 128:
                 pairs += [("float8_e4m3fn", "float16"), ("float8_e5m2", "bfloat16")]
             forms += [(kv, dt, d, tiles) for kv, dt in pairs]
+    from bench.decode import KV_TILE_SWEEP  # the deeper fp8 decode rings the bench times
+
+    forms += [("float8_e4m3fn", "bfloat16", 128, (tq, tkv, st, 1, w))
+              for tq, tkv, st, w in KV_TILE_SWEEP]
     return forms
 
 
@@ -254,3 +258,13 @@ def test_fp8_batch_forms_compile_within_budget(kv: str, dtype: str, d: int, tile
                                    KernelTiles(*tiles), kv_dtype=kv), "sm_90a")
     assert form.gen.kernel_name.endswith("_kve4m3" if "e4m3" in kv else "_kve5m2")
     assert form.spill_bytes <= FA2_SPILL_BUDGET[tiles[3]], form.result.log
+
+
+def test_fp8_needs_two_stages() -> None:
+    """Forced one-stage tiles have no room for the fp8 ring: refused before any compile."""
+    from attncc.runtime.serving.batch import _kernels_for
+    from attncc.runtime.serving.tiles import BatchTiles
+
+    tiles = BatchTiles(16, 32, 1, 1, 6, 792, 2, "fa2")
+    with pytest.raises(ValueError, match="needs stages >= 2"):
+        _kernels_for(VariantIR(name="plain"), 128, "bfloat16", tiles, 0, E4M3)
