@@ -98,8 +98,9 @@ __device__ __forceinline__ void load_kv8_tile(const Work& w, int i, u32 ring, in
 // Widen rows [r0, r0 + ROWS) of one fp8 tile `src` ([TKV][D] bytes, rows D bytes apart, no
 // swizzle) into the 16-bit tile `dst` (common.cuh's swizzled layout), N threads sharing them
 // (`idx` < N), 8 elements each: 8-byte shared loads, 16-byte conflict-free stores. UNROLL
-// chunks are in flight at once: all of them in decode; two where the O accumulators of a
-// two-fragment prefill tile leave few registers (more spilled past the budget).
+// chunks are in flight at once: four in decode, two where the O accumulators of a
+// two-fragment prefill tile leave few registers (more spilled: 16 B in the fp16 decode form at
+// D = 128 fully unrolled, 216 B in the bf16 two-fragment form).
 template <typename DType, typename KvT, int D, int ROWS, int N, int UNROLL>
 __device__ __forceinline__ void widen_rows(const unsigned char* src, u16* dst, int r0, int idx) {
   constexpr int CH = D / 8;
@@ -123,9 +124,9 @@ __device__ __forceinline__ void widen_kv_tile(const unsigned char* ring, u16* sK
                                               int kvw, int tid) {
   if constexpr (KV_WARPS > 1) {
     constexpr int SLICE = TKV / KV_WARPS;
-    constexpr int ALL = SLICE * D / 8 / 32;
-    widen_rows<DType, KvT, D, SLICE, 32, ALL>(ring, sK, kvw * SLICE, tid & 31);
-    widen_rows<DType, KvT, D, SLICE, 32, ALL>(ring + TKV * D, sV, kvw * SLICE, tid & 31);
+    constexpr int UNROLL = SLICE * D / 8 / 32 > 4 ? 4 : SLICE * D / 8 / 32;
+    widen_rows<DType, KvT, D, SLICE, 32, UNROLL>(ring, sK, kvw * SLICE, tid & 31);
+    widen_rows<DType, KvT, D, SLICE, 32, UNROLL>(ring + TKV * D, sV, kvw * SLICE, tid & 31);
     __syncwarp();
   } else {
     widen_rows<DType, KvT, D, TKV, NT, 2>(ring, sK, 0, tid);

@@ -268,3 +268,20 @@ def test_fp8_needs_two_stages() -> None:
     tiles = BatchTiles(16, 32, 1, 1, 6, 792, 2, "fa2")
     with pytest.raises(ValueError, match="needs stages >= 2"):
         _kernels_for(VariantIR(name="plain"), 128, "bfloat16", tiles, 0, E4M3)
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("tiles", [(16, 32, 2, 1, 2), (128, 64, 2, 2, 1)], ids=["decode", "q128"])
+def test_fp8_forms_with_hooks_compile_within_budget(tiles: tuple) -> None:
+    """A variant with a LogitsTransform and a mask (softcap, causal): the logits' scale carries
+    k_scale; the decode form stays spill-free, the two-fragment form within its budget."""
+    from attncc.codegen.tiles import KernelTiles
+    from attncc.gym import GYM
+    from attncc.ir.simplified import simplify_variant
+    from attncc.runtime.jit.kernels import FA2_SPILL_BUDGET, KernelSpec, compile_spec
+
+    ir = simplify_variant(GYM["softcap_causal"](1, 8, 4096, 128, seed=5).trace()[0])
+    kind = "decode" if tiles[4] > 1 else "fa2_batch"
+    form = compile_spec(KernelSpec(kind, ir, 128, "bfloat16", KernelTiles(*tiles),
+                                   kv_dtype="float8_e4m3fn"), "sm_90a")
+    assert form.spill_bytes <= FA2_SPILL_BUDGET[tiles[3]], form.result.log
