@@ -30,6 +30,15 @@ D 128, page 16, constant KV lengths (MT_CELLS: kv 8192 x batch 32, kv 32768 x ba
 ("attncc_tree") and without ("attncc") a random speculative tree mask; records carry `hq`,
 `kv_len`, `q_per_request` and `kv_dtype` (no `dist`) and are tabled on their own.
 
+    python -m bench.decode --kv-cells                    # the KV-dtype cells only (below)
+
+KV-dtype cells (`--kv-cells`, `KV_CELLS`): the long-context cell (batch 128, Hq 64 / Hkv 8,
+D 128, kv 32768, page 16) and batch 64 at 16K (GQA 64/8 and MHA 32/32), each with a bf16, an
+fp8 e4m3 and an fp8 e5m2 cache (per-tensor scales) in the same process. Records carry
+`kv_len`, `hq`, `q_per_request`, `kv_dtype` (the torch dtype's name), `bw_fraction` of the
+bytes the cache actually holds (fp8: half of bf16's) and `vs_bf16`, the step time over the
+bf16 cache's (the fp8 target: <= 0.55).
+
 Example (the length distributions are deterministic):
     >>> [int(x) for x in kv_lengths("uniform", 4, seed=0)]
     [948, 838, 774, 650]
@@ -53,6 +62,13 @@ IMPLS = ("attncc", "attncc_noschedule", "flex", "flex_paged", "sdpa_mask", "read
 MT_HQ, MT_HKV, Q_PER_REQUEST = 64, 8, 8
 MT_CELLS = ((32, 8192), (128, 32768))  # (batch, kv_len) of the multi-token decode cells
 MT_IMPLS = ("attncc", "attncc_tree", "read_floor")
+KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+# (batch, Hq, Hkv, kv_len) of the KV-dtype cells: long context, then batch 64 at 16K
+KV_CELLS = ((128, 64, 8, 32768), (64, 64, 8, 16384), (64, 32, 32, 16384))
+# fp8 decode tiles timed besides the default (T_q, T_kv, stages, kv_warps): an fp8 tile is half
+# the bytes, so deeper rings keep as many bytes in flight per SM as bf16's default does
+# (docs/serving.md, "fp8 KV cache"); records carry them as `knobs`
+KV_TILE_SWEEP = ((16, 32, 3, 2), (16, 64, 3, 4))
 
 
 def kv_lengths(dist: str, batch: int, seed: int = 0) -> np.ndarray:
@@ -197,7 +213,8 @@ def run_cell(batch: int, hkv: int, dist: str, impls: tuple[str, ...], copy_bw: f
     def record(impl: str, ms: float, **extra: Any) -> None:
         tbs = kv_bytes / (ms * 1e-3) / 1e12
         rec = {"impl": impl, "batch": batch, "hkv": hkv, "dist": dist, "ms": ms,
-               "tb_s": tbs, "bw_fraction": tbs * 1e12 / copy_bw, **extra}
+               "tb_s": tbs, "bw_fraction": tbs * 1e12 / copy_bw, "kv_dtype": "bfloat16",
+               **extra}
         if "ms_eager" in extra:
             rec["bw_fraction_eager"] = kv_bytes / (extra["ms_eager"] * 1e-3) / copy_bw
         out.append(rec)
@@ -394,12 +411,97 @@ def multi_token_table(doc: dict[str, Any]) -> list[str]:
         lines.append(f"| {r['batch']} | {r['kv_len']} | {r['q_per_request']} | {r['impl']} | "
                      f"{r.get('knobs', '')} | {r['bw_fraction']:.2f} ({r['tb_s']:.2f}) | "
                      f"{tiles} | {r['ms'] * 1e3:.1f} |")
+
+
+def run_kv_cell(batch: int, hq: int, hkv: int, kv_len: int, copy_bw: float,
+                kv_dtypes: tuple[str, ...] = KV_DTYPES) -> list[dict[str, Any]]:
+    """One KV-dtype cell (module docstring): decode of `batch` requests of `kv_len` keys over a
+    paged cache in each of `kv_dtypes`, the same values quantized with a per-tensor scale;
+    `vs_bf16` is each step time over the bf16 cache's, `rel_err` each output's against the
+    bf16 one's."""
+    import torch
+
+    from attncc.runtime.kv8 import kv_scale, quantize
+    from attncc.runtime.serving.batch import BatchAttention
+    from bench.timing import time_call
+
+    n_pages = -(-kv_len // PAGE)
+    ids = torch.randperm(batch * n_pages, generator=torch.Generator().manual_seed(2)).numpy()
+    args = (np.arange(batch + 1), np.arange(batch + 1) * n_pages, ids,
+            np.full(batch, kv_len - (n_pages - 1) * PAGE))
+    g = torch.Generator(device="cuda").manual_seed(batch + hkv)
+    shape = (batch * n_pages, PAGE, hkv, D)
+    k = torch.randn(*shape, generator=g, device="cuda").bfloat16()
+    v = torch.randn(*shape, generator=g, device="cuda").bfloat16()
+    q = torch.randn(batch, hq, D, generator=g, device="cuda").bfloat16()
+    out: list[dict[str, Any]] = []
+    base_ms, ref = None, None
+    runs = [(name, None) for name in kv_dtypes]
+    runs += [(name, t) for name in kv_dtypes if name != "bfloat16" for t in KV_TILE_SWEEP]
+    for name, tiles in runs:
+        kvdt = getattr(torch, name)
+        scales: dict[str, Any] = {}
+        cache = (k, v)
+        if name != "bfloat16":  # amax / the format's largest finite value
+            top = torch.finfo(kvdt).max
+            scales = {"k_scale": float(k.abs().max()) / top, "v_scale": float(v.abs().max()) / top}
+            cache = tuple(quantize(t, kv_scale(s, hkv, "scale").cuda(), head_axis=2, dtype=kvdt)
+                          for t, s in ((k, scales["k_scale"]), (v, scales["v_scale"])))
+        ba = BatchAttention(None, kv_layout="NHD", max_batch=max(batch, 16),
+                            max_qo_tokens=max(batch, 16), tiles=tiles)
+        ba.plan(*args, num_qo_heads=hq, num_kv_heads=hkv, head_dim=D, page_size=PAGE,
+                kv_data_type=None if name == "bfloat16" else kvdt)
+        res = ba.run(q, cache, **scales)
+        torch.cuda.synchronize()
+        t = time_call(lambda: ba.run(q, cache, **scales))
+        ms = t.get("ms_graph", t["ms_eager"])
+        nbytes = batch * kv_len * hkv * D * 2 * cache[0].element_size() + 2 * q.numel() * 2
+        tbs = nbytes / (ms * 1e-3) / 1e12
+        base_ms = ms if base_ms is None else base_ms
+        rec = {"impl": "attncc", "batch": batch, "hq": hq, "hkv": hkv, "kv_len": kv_len,
+               "q_per_request": 1, "kv_dtype": name, "ms": ms, "tb_s": tbs,
+               "bw_fraction": tbs * 1e12 / copy_bw, "vs_bf16": ms / base_ms, **t,
+               "spill": ba.kernel_record().spill_bytes, "tq": ba.tiles.tq, "tkv": ba.tiles.tkv,
+               "stages": ba.tiles.stages, "kv_warps": ba.tiles.kv_warps}
+        if tiles is not None:
+            rec["knobs"] = json.dumps({"tiles": list(tiles)})
+        if ref is None:
+            ref = res.float()
+        else:
+            rec["rel_err"] = float((res.float() - ref).norm() / ref.norm())
+        out.append(rec)
+        print(f"B={batch:4d} Hq={hq} Hkv={hkv:2d} kv={kv_len} {name:14s} {ms * 1e3:9.1f} us "
+              f"{tbs:6.2f} TB/s ({rec['bw_fraction']:.2f} of copy) x{rec['vs_bf16']:.3f} of "
+              f"bf16 {rec.get('knobs', '')}", flush=True)
+        del cache, ba
+    return out
+
+
+def kv_table(res: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines of the KV-dtype cells (records with `kv_len`).
+
+    Example:
+        >>> r = dict(batch=128, hq=64, hkv=8, kv_len=32768, kv_dtype="float8_e4m3fn", ms=1.5,
+        ...          tb_s=2.9, bw_fraction=0.6, vs_bf16=0.52)
+        >>> kv_table([r])[-1]
+        '| 128 | 64 | 8 | 32768 | float8_e4m3fn | 1500.0 | 0.60 (2.90) | 0.520 |'
+    """
+    lines = ["", "KV-dtype cells (decode, page 16, D 128; fraction of copy bandwidth of the "
+             "bytes the cache holds; step time over the bf16 cache's):", "",
+             "| batch | Hq | Hkv | kv | kv_dtype | us | fraction (TB/s) | vs bf16 |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['hq']} | {r['hkv']} | {r['kv_len']} | {r['kv_dtype']}"
+              f"{' `' + r['knobs'] + '`' if 'knobs' in r else ''} | "
+              f"{r['ms'] * 1e3:.1f} | {r['bw_fraction']:.2f} ({r['tb_s']:.2f}) | "
+              f"{r['vs_bf16']:.3f} |" for r in res]
     return lines
 
 
 def table(doc: dict[str, Any]) -> str:
     """Markdown: fraction of copy bandwidth per cell, and attncc against the faster of the two
     FlexAttention setups (padded cache, paged helper); sweep cells after."""
+    kv_cells = [r for r in doc["results"] if "kv_len" in r and "bw_fraction" in r
+                and r.get("q_per_request", 1) == 1]
     res = [r for r in doc["results"] if "bw_fraction" in r and "knobs" not in r and "dist" in r]
     by = {(r["impl"], r["batch"], r["hkv"], r["dist"]): r for r in res}
     m = doc["meta"]
@@ -426,6 +528,8 @@ def table(doc: dict[str, Any]) -> str:
         lines += ["", "| batch | Hkv | dist | knobs | fraction (TB/s) | CTAs |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['hkv']} | {r['dist']} | `{r['knobs']}` | "
                   f"{r['bw_fraction']:.2f} ({r['tb_s']:.2f}) | {r['num_ctas']} |" for r in swept]
+    if kv_cells:
+        lines += kv_table(kv_cells)
     return "\n".join(lines + multi_token_table(doc)) + "\n"
 
 
@@ -473,6 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", type=json.loads, nargs="*", default=None,
                     help='extra attncc cells, e.g. \'{"tiles": [16, 32, 4], "min_kv_chunk": 512}\' '
                          'or \'{"pdl": false}\'')
+    ap.add_argument("--kv-cells", action="store_true",
+                    help="only the KV-dtype cells (KV_CELLS: bf16 / fp8 e4m3 / e5m2 caches)")
+    ap.add_argument("--no-kv-cells", action="store_true", help="skip the KV-dtype cells")
     args = ap.parse_args(argv)
     from bench.prefill import _meta, report, save
     from bench.timing import TIME_CALL_TIMING
@@ -486,10 +593,12 @@ def main(argv: list[str] | None = None) -> int:
             "head_dim": D, "timing": TIME_CALL_TIMING + "; plan() timed separately (median of "
             "200 host calls after 20 warm-up calls)"}
     results = []
-    for b in ([] if args.multi_token_only else args.batch):
+    for b in ([] if args.multi_token_only or args.kv_cells else args.batch):
         for h in args.hkv:
             for dist in args.dist:
                 results += run_cell(b, h, dist, tuple(args.impls), bw, args.sweep)
+    for cell in KV_CELLS if not (args.no_kv_cells or args.multi_token_only) else ():
+        results += run_kv_cell(*cell, bw)
     if args.multi_token or args.multi_token_only:
         results += multi_token_cells(bw, args.sweep)
     save({"meta": meta, "results": results}, args.out, "decode-h200.json", table)

@@ -52,6 +52,7 @@ from attncc.ir.evaluator import evaluate
 from attncc.ir.nodes import Node
 from attncc.ir.program import Bindings, VariantIR
 
+from .kv8 import FP8_KV_DTYPES, dequantize, kv_scale
 from .serving.plan.checks import CheckedBatch, check_batch, np_int
 
 # Elements of one [B, H, rows, Skv] intermediate when q_chunk is chosen automatically: the
@@ -603,6 +604,24 @@ def _reference_cache(kv_cache: Any, kv_layout: str) -> tuple[torch.Tensor, torch
     return k, v
 
 
+def _dequantized_cache(k: torch.Tensor, v: torch.Tensor, kv_layout: str, k_scale: Any,
+                       v_scale: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 cache's float64 values (runtime/kv8.py); a 16-bit cache as it is (no scales)."""
+    fp8 = k.dtype in FP8_KV_DTYPES or v.dtype in FP8_KV_DTYPES
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise InvalidArgument(f"k_scale / v_scale are the scales of an fp8 cache; this "
+                                  f"cache holds {k.dtype}: drop them")
+        return k, v
+    if k.dtype != v.dtype:
+        raise InvalidArgument(f"k_cache is {k.dtype} and v_cache {v.dtype}: an fp8 cache holds "
+                              f"one of {FP8_KV_DTYPES} in both")
+    heads, axis = _cache_heads(k, kv_layout), 1 if kv_layout == "HND" else k.dim() - 2
+    ks = kv_scale(1.0 if k_scale is None else k_scale, heads, "k_scale")
+    vs = kv_scale(1.0 if v_scale is None else v_scale, heads, "v_scale")
+    return dequantize(k, ks, head_axis=axis), dequantize(v, vs, head_axis=axis)
+
+
 def _cache_heads(k: torch.Tensor, kv_layout: str) -> int:
     """KV heads of a cache: [pages, page, H, D] (NHD), [pages, H, page, D] (HND), [tokens, H, D]."""
     return int(k.shape[1] if kv_layout == "HND" else k.shape[-2])
@@ -634,7 +653,8 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
                               kv_layout: str = "NHD", page_size: int = 1,
                               variant: Variant | None = None, scale: float | None = None,
                               sinks: torch.Tensor | None = None,
-                              custom_mask: Any = None, packed_custom_mask: Any = None
+                              custom_mask: Any = None, packed_custom_mask: Any = None,
+                              k_scale: Any = None, v_scale: Any = None
                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact (float64) batch attention, request by request: the oracle of `BatchAttention.run`.
     The hooks see b = the request's index, q_idx counted so that the queries are the request's
@@ -642,7 +662,8 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
     `attention_reference` (the LSE includes them). `custom_mask` / `packed_custom_mask`:
     FlashInfer's per-request masks (`BatchAttention.plan`'s), ANDed with the variant's mask; any
     pattern here, where the kernels take tree masks only (docs/serving.md, "Multi-token decode
-    and tree masks").
+    and tree masks"). An fp8 cache is dequantized first (`k_scale` / `v_scale`: a float or a
+    tensor [num_kv_heads], default 1; runtime/kv8.py).
 
     Example:
         >>> import torch
@@ -656,9 +677,12 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
     variant = variant if variant is not None else Variant(name="batch_plain")
     ir, bindings = variant.trace()
     k_all, v_all = _reference_cache(kv_cache, kv_layout)
+    fp8 = k_all.dtype in FP8_KV_DTYPES or v_all.dtype in FP8_KV_DTYPES
+    k_all, v_all = _dequantized_cache(k_all, v_all, kv_layout, k_scale, v_scale)
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise InvalidArgument(f"q must be a [total_q, num_qo_heads, head_dim] tensor, got "
                               f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}")
+    q_in = q.to(torch.float64) if fp8 else q  # (exact) the dequantized cache is float64
     # plan()'s checks, with the sizes read off q and the cache
     b = check_batch(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_layout=kv_layout,
                     num_qo_heads=q.shape[1], num_kv_heads=_cache_heads(k_all, kv_layout),
@@ -692,7 +716,7 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
             n = (ids.numel() - 1) * page_size + int(last[i]) if ids.numel() else 0
             k, v = k[:n], v[:n]
         # queries are the last lq positions of the sequence: q_idx = lkv - lq + t
-        qi = q[int(qo[i]):int(qo[i + 1])]
+        qi = q_in[int(qo[i]):int(qo[i + 1])]
         o_i, l_i = attention_reference(qi.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                        v.transpose(0, 1)[None], ir, bindings, scale=scale,
                                        enable_gqa=H != k.shape[1], q_offset=k.shape[0] - lq,

@@ -143,8 +143,8 @@ KERNELS: dict[str, KernelSpec] = {
     "simple": KernelSpec("simple", ("small/simple_attention.cuh",), "attncc::simple_attention",
                          threads=128, rows_per_cta=4, head_dim_multiple=32, head_dim_max=256),
     # FlashAttention-2-style prefill (dense or BlockMask-sparse): threads / rows come from tiles
-    "fa2": KernelSpec("fa2", ("common/common.cuh", "fa2/fa2_config.cuh", "fa2/fa2_attend.cuh",
-                              "fa2/fa2_prefill.cuh"),
+    "fa2": KernelSpec("fa2", ("common/common.cuh", "fa2/fa2_config.cuh", "fa2/fa2_kv8.cuh",
+                              "fa2/fa2_attend.cuh", "fa2/fa2_prefill.cuh"),
                       "attncc::fa2::fa2_prefill", threads=0, rows_per_cta=0,
                       head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
                       entry_macro="ATTNCC_FA2_ENTRY"),
@@ -165,14 +165,16 @@ KERNELS: dict[str, KernelSpec] = {
                       entry_macro="ATTNCC_FA3_ENTRY"),
     # the persistent serving kernel over a plan (runtime/serving/batch.py) and its merge kernel
     "fa2batch": KernelSpec("fa2batch", ("common/batch_params.cuh", "common/common.cuh",
-                                        "fa2/fa2_config.cuh", "fa2/fa2_attend.cuh",
+                                        "fa2/fa2_config.cuh", "fa2/fa2_kv8.cuh",
+                                        "fa2/fa2_attend.cuh",
                                         "fa2/fa2_batch.cuh"),
                            "attncc::fa2::fa2_batch", threads=0, rows_per_cta=0,
                            head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
                            entry_macro="ATTNCC_FA2_BATCH_ENTRY", batch=True),
     # the same plans run by the FA3 pipeline (sm_90a; prefill-shaped batches)
     "fa3batch": KernelSpec("fa3batch", ("common/batch_params.cuh", "common/common.cuh",
-                                        "fa2/fa2_config.cuh", "fa2/fa2_attend.cuh",
+                                        "fa2/fa2_config.cuh", "fa2/fa2_kv8.cuh",
+                                        "fa2/fa2_attend.cuh",
                                         "fa2/fa2_batch.cuh", "hopper/wgmma.cuh", "hopper/tma.cuh",
                                         "fa3/fa3_consumer.cuh", "fa3/fa3_store.cuh",
                                         "fa3/fa3_batch.cuh"),
@@ -191,6 +193,13 @@ DTYPES: dict[str, tuple[str, str]] = {
     "bfloat16": ("attncc::bf16", "bf16"),
     "float16": ("attncc::f16", "f16"),
     "float32": ("float", "f32"),
+}
+
+# An fp8 KV cache's dtype name (torch's) -> (C tag type, kernel-name suffix): the FA2 batch
+# kernel reads it as bytes and widens them to q's dtype (kernels/fa2/fa2_kv8.cuh).
+KV8_DTYPES: dict[str, tuple[str, str]] = {
+    "float8_e4m3fn": ("attncc::fa2::kv_e4m3", "_kve4m3"),
+    "float8_e5m2": ("attncc::fa2::kv_e5m2", "_kve5m2"),
 }
 
 
@@ -456,13 +465,31 @@ def _check_form(kernel: str, head_dim: int, paired: bool, low_pressure: bool) ->
                            f"{kernel!r}, head dim {head_dim}")
 
 
+def _check_kv_dtype(kv_dtype: str | None, kernel: str, ir: VariantIR) -> None:
+    """An fp8 `kv_dtype` (KV8_DTYPES) is the 'fa2batch' kernel's, for variants without a
+    key / value transform (they would see the cache's unscaled values)."""
+    if kv_dtype is None:
+        return
+    if kv_dtype not in KV8_DTYPES:
+        raise CodegenError(f"kv_dtype={kv_dtype!r}: use None (q's dtype) or one of "
+                           f"{', '.join(KV8_DTYPES)}")
+    if kernel != "fa2batch":
+        raise CodegenError(f"an fp8 KV cache (kv_dtype={kv_dtype!r}) runs on the 'fa2batch' "
+                           f"kernel, not {kernel!r}")
+    if "key_mod" in ir.hooks or "value_mod" in ir.hooks:
+        raise CodegenError(f"variant {ir.name!r} has a key_mod / value_mod: an fp8 cache holds "
+                           f"keys and values already transformed (append_paged_kv_cache's "
+                           f"key_mod=); read it with a variant without them")
+
+
 def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
            fast_math: bool | None = None, tiles: KernelTiles | None = None,
            paired: bool = False, low_pressure: bool = False,
-           grad_tensors: Sequence[str] = ()) -> GeneratedKernel:
+           grad_tensors: Sequence[str] = (), kv_dtype: str | None = None) -> GeneratedKernel:
     from ..kernels import read_template
 
     spec = _check_options(head_dim, dtype, kernel)
+    _check_kv_dtype(kv_dtype, kernel, ir)
     _check_form(kernel, head_dim, paired, low_pressure)
     if fast_math is None:  # the performance templates approximate, the simple one is exact
         fast_math = bool(spec.entry_macro)
@@ -493,8 +520,13 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
         if kernel in ("fa3", "fa3batch"):  # producer + 2 consumer warpgroups
             threads = FA3_THREADS
             smem = fa3_smem_bytes(head_dim, tiles)
+        kv_arg = ""
+        if kernel == "fa2batch":  # the cache's element type: q's, or an fp8 tag
+            kv_arg = f", {KV8_DTYPES[kv_dtype][0] if kv_dtype else DTYPES[dtype][0]}"
+            name += KV8_DTYPES[kv_dtype][1] if kv_dtype else ""
         entry = (f"{spec.entry_macro}({name}, {vc.struct_name}, {DTYPES[dtype][0]}, {head_dim}, "
-                 f"{tiles.tq}, {tiles.tkv}, {tiles.stages}, {tiles.m_frags}, {tiles.kv_warps})")
+                 f"{tiles.tq}, {tiles.tkv}, {tiles.stages}, {tiles.m_frags}, {tiles.kv_warps}"
+                 f"{kv_arg})")
     elif tiles is not None:
         raise CodegenError(f"tiles are for the 'fa2' / 'fa2batch' kernels, not {kernel!r}")
     if spec.prepass:
@@ -570,7 +602,8 @@ def _build_backward(ir: VariantIR, vc: VariantCode, spec: KernelSpec, name: str,
 def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",
                     fast_math: bool | None = None, tiles: KernelTiles | None = None,
                     paired: bool = False, low_pressure: bool = False,
-                    grad_tensors: Sequence[str] = ()) -> GeneratedKernel:
+                    grad_tensors: Sequence[str] = (), kv_dtype: str | None = None
+                    ) -> GeneratedKernel:
     """One self-contained translation unit (for NVRTC) running `ir` on a kernel template.
 
     `dtype` is the storage type of q, k, v and o: "bfloat16", "float16" or "float32".
@@ -582,7 +615,8 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
     (KernelSpec.backward) also gets the gradient hooks; `grad_tensors` names the captured tensors
     that require grad (docs/backward.md). `fast_math=True` spells the hooks' math with
     one-instruction approximations (see `cuda_expr.emit`); None (default) means True for the
-    FA2 templates, False for "simple".
+    FA2 templates, False for "simple". `kv_dtype` ("fa2batch" only): an fp8 KV cache's dtype
+    (KV8_DTYPES; None: q's dtype).
 
     Example:
         >>> gk = generate_source(VariantIR(name="plain"), head_dim=64, dtype="float16")
@@ -596,7 +630,8 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
         ('attncc_plain_fa2_d128_bf16_q64_k64_s2', (128, 1, 1), 81920)
     """
     return _build(ir, head_dim, dtype, kernel, export=False, fast_math=fast_math, tiles=tiles,
-                  paired=paired, low_pressure=low_pressure, grad_tensors=grad_tensors)
+                  paired=paired, low_pressure=low_pressure, grad_tensors=grad_tensors,
+                  kv_dtype=kv_dtype)
 
 
 def export_kernel(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",

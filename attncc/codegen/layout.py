@@ -227,6 +227,7 @@ _BATCH_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("lse_stride_tok", "int"), ("num_q_heads", "int"), ("num_kv_heads", "int"),
     ("page_size", "int"), ("page_shift", "int"), ("sm_scale", "float"),
     ("sinks", "const float*"),
+    ("k_scale", "const float*"), ("v_scale", "const float*"),
 )
 
 BATCH_PARAMS: StructLayout = struct_layout("attncc::BatchParams", _BATCH_PARAMS_MEMBERS)

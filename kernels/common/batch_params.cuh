@@ -69,6 +69,8 @@ struct BatchParams {
     float sm_scale;
     const float* sinks;          // [num_q_heads] float32 sink logits (common.cuh join_sink), or
                                  // null: joined once per row, in the epilogue or the merge
+    const float* k_scale;        // [num_kv_heads] an fp8 cache's key / value scales (the
+    const float* v_scale;        // cache holds k / k_scale), or null for a 16-bit cache
 };
 
 // Section `at` (one of the kPlan*At words) of the packed plan. Its offset is loaded at each use

@@ -42,6 +42,8 @@
 //   static constexpr bool kTreeMask; bool tree_tile(int kv0, int kv_end) const;  a multi-token
 //                                decode tree mask: whether tile [kv0, kv_end) needs it, and
 //   bool tree_keeps(int qi, int kv) const;        whether it keeps (query position, key)
+//   static constexpr bool kKv8;  an fp8 cache (fa2_kv8.cuh); then also `using KvT` (its format)
+//                                and `float v_scale`, and load_kv copies fp8 bytes
 #ifndef ATTNCC_FA2_ATTEND_CUH
 #define ATTNCC_FA2_ATTEND_CUH
 
@@ -170,7 +172,8 @@ __device__ __forceinline__ void transform_warp_rows(const View& t, u16* s, Hook&
 // Issue the cp.async copies of KV tile i into its ring stage, and commit its group.
 // Commit-group discipline: Q is one group; then every tile (its K and V rows) is one group,
 // committed even when empty, so at the top of iteration `it` exactly STAGES-2 groups are newer
-// than tile `it` and cp.async.wait_group takes a compile-time count.
+// than tile `it` and cp.async.wait_group takes a compile-time count. (An fp8 cache's ring:
+// load_kv8_tile, fa2_kv8.cuh.)
 template <int STAGES, int TILE_ELEMS, typename Work>
 __device__ __forceinline__ void load_kv_tile(const Work& w, int i, u16* sK, u16* sV, int tid) {
   if (i < w.count) {
@@ -401,11 +404,20 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   constexpr int N_FRAGS_O = D / 8;     // O accumulator fragments per 16-row fragment
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool kSoftmax = Variant::use_softmax;
+  // An fp8 cache (fa2_kv8.cuh) streams fp8 tiles through a ring in the same shared memory, after
+  // one 16-bit K and V tile that each landed tile is widened into: 2 * (STAGES - 1) ring stages.
+  constexpr bool kKv8 = Work::kKv8;
+  constexpr int RING = kKv8 ? 2 * (STAGES - 1) : STAGES;
+  static_assert(!kKv8 || (STAGES >= 2 && !Variant::has_key_transform &&
+                          !Variant::has_value_transform),
+                "an fp8 cache needs 2+ stages and no K/V transform (the host refuses those)");
 
   extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa2_smem[];
   u16* sQ = reinterpret_cast<u16*>(attncc_fa2_smem);
   u16* sK = sQ + TQ * D;
-  u16* sV = sK + STAGES * Cfg::kTileElems;
+  u16* sV = sK + (kKv8 ? 1 : STAGES) * Cfg::kTileElems;
+  const unsigned char* ring = reinterpret_cast<const unsigned char*>(sV + Cfg::kTileElems);
+  const u32 ring_addr = kKv8 ? smem_addr(ring) : 0u;
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -421,8 +433,11 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   w.load_q(smem_addr(sQ), tid);
   cp_async_commit();
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) load_kv_tile<STAGES, Cfg::kTileElems>(w, s, sK, sV, tid);
-  cp_async_wait<STAGES - 1>();  // Q landed (this thread's copies) ...
+  for (int s = 0; s < RING - 1; ++s) {
+    if constexpr (kKv8) load_kv8_tile<RING, 2 * Cfg::kTileElems>(w, s, ring_addr, tid);
+    else load_kv_tile<STAGES, Cfg::kTileElems>(w, s, sK, sV, tid);
+  }
+  cp_async_wait<RING - 1>();  // Q landed (this thread's copies) ...
   __syncthreads();              // ... and everyone's
 
   if constexpr (Variant::has_query_transform) {
@@ -490,23 +505,31 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   // finished iteration it-1, so the stage that tile it-1 used can be refilled right away.
 #pragma unroll 1
   for (int it = 0; it < w.count; ++it) {
-    const int stage = it % STAGES;
+    const int stage = it % RING;
     if constexpr (STAGES == 1) {  // no prefetch: refill the only stage once everyone is done
       __syncthreads();
       load_kv_tile<STAGES, Cfg::kTileElems>(w, it, sK, sV, tid);
       cp_async_wait<0>();
       __syncthreads();
     } else {
-      cp_async_wait<STAGES - 2>();  // tile it landed (this thread's copies) ...
-      __syncthreads();              // ... and everyone's; stage (it-1) % STAGES is free
-      load_kv_tile<STAGES, Cfg::kTileElems>(w, it + STAGES - 1, sK, sV, tid);  // prefetch
+      cp_async_wait<RING - 2>();  // tile it landed (this thread's copies) ...
+      __syncthreads();            // ... and everyone's; stage (it-1) % RING is free
+      if constexpr (kKv8)
+        load_kv8_tile<RING, 2 * Cfg::kTileElems>(w, it + RING - 1, ring_addr, tid);  // prefetch
+      else
+        load_kv_tile<STAGES, Cfg::kTileElems>(w, it + STAGES - 1, sK, sV, tid);  // prefetch
     }
+    if constexpr (kKv8) {  // widen the landed fp8 tile into the one 16-bit tile
+      widen_kv_tile<DType, typename Work::KvT, D, TKV, KV_WARPS, Cfg::kThreads>(
+          ring + stage * 2 * Cfg::kTileElems, sK, sV, kvw, tid);
+    }
+    const int cst = kKv8 ? 0 : stage;  // the 16-bit stage the MMAs read
 
     bool is_full;
     const int kv0 = w.tile_start(it, is_full);
     if constexpr (Variant::has_key_transform || Variant::has_value_transform)
       transform_kv_tile<Variant, DType, D, TKV, Cfg::kWarps>(
-          t, vp, sK + stage * Cfg::kTileElems, sV + stage * Cfg::kTileElems, kv0, tid);
+          t, vp, sK + cst * Cfg::kTileElems, sV + cst * Cfg::kTileElems, kv0, tid);
 
     // S = Q K^T for this warp's rows: M_FRAGS x (TKV/8) fragments.
     float s_acc[M_FRAGS][N_FRAGS_S][4];
@@ -519,7 +542,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
 
     {
       const u32 qa = opaque(q_row_addr), qx = opaque(q_x), kx = opaque(k_x);
-      const u32 ka = opaque(sK_addr + 2 * stage * Cfg::kTileElems + k_lane_off);
+      const u32 ka = opaque(sK_addr + 2 * cst * Cfg::kTileElems + k_lane_off);
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
         u32 a[M_FRAGS][4];
@@ -639,7 +662,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
         pa[mf][kk][3] = pack2<DType>(s_acc[mf][2 * kk + 1][2], s_acc[mf][2 * kk + 1][3]);
       }
     {
-      const u32 va = opaque(sV_addr + 2 * stage * Cfg::kTileElems + v_lane_off);
+      const u32 va = opaque(sV_addr + 2 * cst * Cfg::kTileElems + v_lane_off);
       const u32 vx = opaque(v_x);
 #pragma unroll
       for (int kk = 0; kk < TKVW / 16; ++kk) {
@@ -668,6 +691,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   // ---- epilogue --------------------------------------------------------------------------------
   float lse_val[M_FRAGS][2];
   normalize_rows<kSoftmax>(o_acc, row_m, row_l, lse_val);
+  if constexpr (kKv8) scale_o(o_acc, w.v_scale);
 
   if constexpr (Work::kMaySplit) {
     float* po = w.partial_o();

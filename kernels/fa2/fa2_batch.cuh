@@ -65,9 +65,11 @@ __device__ __forceinline__ int query_position(const attncc::BatchParams& p, int 
 // ---------------------------------------------------------------------------------------------
 // BatchWork: fa2_attend's view of one work unit.
 // ---------------------------------------------------------------------------------------------
-template <typename DType, int D, int TQ, int TKV, int NT>
+template <typename DType, int D, int TQ, int TKV, int NT, typename KvType = DType>
 struct BatchWork {
   static constexpr bool kMaySplit = true;
+  using KvT = KvType;  // the cache's element type: DType, or an fp8 tag (fa2_kv8.cuh)
+  static constexpr bool kKv8 = KvTraits<KvT>::kIs8;
   static constexpr int CHUNKS = D / 8;
   static constexpr int ROWS_PER_PASS = NT / CHUNKS;  // loader layout as in DenseWork
   static_assert(NT % CHUNKS == 0 && TQ % ROWS_PER_PASS == 0 && TKV % ROWS_PER_PASS == 0,
@@ -76,6 +78,7 @@ struct BatchWork {
   const attncc::BatchParams& p;
   int b, gf, head0, h_kv, row0, rows, q_pos0, kv_len, count;
   int kv_start, qo_offset, slot, kv_pos0;
+  float v_scale;     // an fp8 cache's value scale of this KV head (1 otherwise)
   const int* pages;  // this request's page ids
 
   // Head `kv_head` of unit u (one of its kv_heads), whose request's first query token is
@@ -97,6 +100,7 @@ struct BatchWork {
     qo_offset = qo_off;
     slot = u.slot;
     pages = p.kv_page_indices + __ldg(p.kv_page_indptr + b);
+    v_scale = kKv8 ? __ldg(p.v_scale + kv_head) : 1.f;
   }
 
   __device__ __forceinline__ int tile_start(int i, bool& is_full) const {
@@ -159,6 +163,10 @@ struct BatchWork {
   // are gathered one 16-byte chunk per thread, so any page size (down to 1) works; a page never
   // has to hold a whole tile.
   __device__ __forceinline__ void load_kv(u32 sk, u32 sv, int kv0, int tid) const {
+    if constexpr (kKv8) {
+      load_kv8(sk, sv, kv0, tid);
+      return;
+    }
     const int ld_row = tid / CHUNKS, ld_ch = tid % CHUNKS;
     const DType* kb = reinterpret_cast<const DType*>(p.k) + h_kv * p.kv_stride_h + ld_ch * 8;
     const DType* vb = reinterpret_cast<const DType*>(p.v) + h_kv * p.kv_stride_h + ld_ch * 8;
@@ -170,6 +178,27 @@ struct BatchWork {
       const attncc::i64 off = ok ? kv_offset(kv) : 0;
       cp_async_16(sk + 2 * swz<D>(r, ld_ch * 8), kb + off, ok);
       cp_async_16(sv + 2 * swz<D>(r, ld_ch * 8), vb + off, ok);
+    }
+  }
+
+  // An fp8 cache's K and V rows: 16 bytes (16 values) per copy, rows D bytes apart and not
+  // swizzled (fa2_kv8.cuh widens them); kv_offset's strides are in elements, here bytes.
+  __device__ __forceinline__ void load_kv8(u32 sk, u32 sv, int kv0, int tid) const {
+    constexpr int CH = D / 16, PASS = NT / CH;  // 16-byte chunks per row; rows per pass
+    const int ld_row = tid / CH, ld_ch = tid % CH;
+    const unsigned char* kb = reinterpret_cast<const unsigned char*>(p.k) +
+                              h_kv * p.kv_stride_h + ld_ch * 16;
+    const unsigned char* vb = reinterpret_cast<const unsigned char*>(p.v) +
+                              h_kv * p.kv_stride_h + ld_ch * 16;
+#pragma unroll
+    for (int j = 0; j < (TKV + PASS - 1) / PASS; ++j) {
+      const int r = ld_row + j * PASS;
+      if (PASS > TKV && r >= TKV) break;  // more threads than chunks: the rest idle
+      const int kv = kv0 + r;
+      const bool ok = (unsigned)kv < (unsigned)kv_len;
+      const attncc::i64 off = ok ? kv_offset(kv) : 0;
+      cp_async_16(sk + r * D + ld_ch * 16, kb + off, ok);
+      cp_async_16(sv + r * D + ld_ch * 16, vb + off, ok);
     }
   }
 
@@ -414,8 +443,10 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
 
 // The persistent attention kernel: this CTA's queue of work units, in order, and each unit's
 // KV heads in order.
+// KvT: the cache's element type, DType or an fp8 tag (fa2_kv8.cuh), whose k_scale joins the
+// logits' scale here.
 template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,
-          int M_FRAGS, int KV_WARPS>
+          int M_FRAGS, int KV_WARPS, typename KvT = DType>
 __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp) {
   using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>;
@@ -437,8 +468,9 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
 #pragma unroll 1
     for (int h = u.kv_head; h < u.kv_head + u.kv_heads; ++h) {
       __syncthreads();  // the previous head's (unit's) epilogue is done with shared memory
-      const BatchWork<DType, HEAD_DIM, TQ, TKV, Cfg::kThreads> w(p, u, h, qo_offset);
-      fa2_attend<Variant, DType, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(w, vp, p.sm_scale);
+      const BatchWork<DType, HEAD_DIM, TQ, TKV, Cfg::kThreads, KvT> w(p, u, h, qo_offset);
+      const float sm_scale = KvTraits<KvT>::kIs8 ? p.sm_scale * __ldg(p.k_scale + h) : p.sm_scale;
+      fa2_attend<Variant, DType, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(w, vp, sm_scale);
     }
   }
 }
@@ -449,11 +481,14 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
 // The line codegen emits per batch kernel: the persistent attention kernel NAME (grid: the plan's
 // num_ctas; block: Config::kThreads; dynamic shared memory: Config::kSmemBytes) and the merge
 // kernel NAME_merge of its split items (grid: at most one CTA per SM; block:
-// MergeKernel::kThreads; static shared memory).
-#define ATTNCC_FA2_BATCH_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS) \
+// MergeKernel::kThreads; static shared memory). KV_DTYPE: the cache's element type (DTYPE, or
+// attncc::fa2::kv_e4m3 / kv_e5m2 for an fp8 cache).
+#define ATTNCC_FA2_BATCH_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS, \
+                               KV_DTYPE)                                                           \
   extern "C" __global__ void ATTNCC_FA2_LAUNCH_BOUNDS(HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)\
       NAME(attncc::BatchParams p, VARIANT::Params vp) {                                            \
-    attncc::fa2::fa2_batch<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(p, vp);   \
+    attncc::fa2::fa2_batch<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS, KV_DTYPE>(\
+        p, vp);                                                                                    \
   }                                                                                                \
   extern "C" __global__ void __launch_bounds__(attncc::fa2::MergeKernel::kThreads, 1)              \
       NAME##_merge(attncc::BatchParams p, VARIANT::Params vp) {                                    \

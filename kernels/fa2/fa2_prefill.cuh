@@ -23,6 +23,7 @@ struct DenseWork {
   static constexpr bool kTreeMask = false;  // (BatchWork's multi-token decode tree mask)
   __device__ __forceinline__ bool tree_tile(int, int) const { return false; }
   __device__ __forceinline__ bool tree_keeps(int, int) const { return true; }
+  static constexpr bool kKv8 = false;  // q's dtype in K and V (fa2_kv8.cuh is the batch kernel's)
   static constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
   // Loader layout: each thread owns one 16-byte column chunk (tid % CHUNKS) and every
   // ROWS_PER_PASS-th row from tid / CHUNKS. Fixed chunk + compile-time pass count let the compiler

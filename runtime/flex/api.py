@@ -46,6 +46,7 @@ from attncc.ir.analysis import check_vector_indices
 from attncc.ir.program import Bindings, VariantIR
 
 from ..reference import attention_reference, check_sinks, validate_attention_inputs
+from .fp8 import fp8_flex_attention, wants_fp8
 from .torch_compat import aux_request, finish, forward_kernel_options
 
 # kernel_options keys attncc understands: the compiled kernel's tile shape (query rows, kv
@@ -208,7 +209,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable[..., Any] | Variant | None = None, block_mask: Any = None,
                    scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
                    kernel_options: Mapping[str, Any] | None = None, *, return_aux: Any = None,
-                   sinks: torch.Tensor | None = None) -> Any:
+                   sinks: torch.Tensor | None = None, k_scale: Any = None,
+                   v_scale: Any = None) -> Any:
     """FlexAttention-compatible attention; `score_mod` may be an `attncc.Variant`.
 
     query [B, Hq, Sq, D], key [B, Hkv, Skv, D], value [B, Hkv, Skv, Dv] -> out [B, Hq, Sq, Dv]
@@ -226,6 +228,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     logit per query head joined to every row's softmax denominator with no value (gpt-oss);
     the returned LSE includes it, a fully masked row gives 0 and LSE = the sink, and it is
     differentiable (docs/flex-api.md, "Attention sinks").
+    key / value may be fp8 (torch.float8_e4m3fn / float8_e5m2) standing for `key * k_scale`,
+    `value * v_scale` (a float or a tensor [Hkv] each, default 1): runtime/flex/fp8.py.
 
     Example:
         >>> import torch
@@ -236,6 +240,11 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         True
     """
     global _warned_no_gpu_kernel
+    if wants_fp8(key, value, k_scale, v_scale):  # a call on widened operands (flex/fp8.py)
+        return fp8_flex_attention(flex_attention, query, key, value, scale, enable_gqa, k_scale,
+                                  v_scale, score_mod=score_mod, block_mask=block_mask,
+                                  return_lse=return_lse, kernel_options=kernel_options,
+                                  return_aux=return_aux, sinks=sinks)
     if torch.compiler.is_compiling():  # Dynamo traces this: one op call (docs/compile.md)
         from .ops import compiled_flex_attention
 

@@ -91,7 +91,9 @@ class KernelSpec:
     given, no fallback, no resource check; `device` the CUDA device (None: compile only).
     "fa2_backward" takes `BackwardTiles`, `fallbacks` (the forms compile_spec tries after
     them, attncc.codegen.tiles.backward_fallbacks) and `grad_tensors`, the captured tensors whose
-    gradients its CapturedGrad hook accumulates (docs/backward.md, "Kernels").
+    gradients its CapturedGrad hook accumulates (docs/backward.md, "Kernels"). `kv_dtype`: an
+    fp8 KV cache's dtype name ("float8_e4m3fn" / "float8_e5m2"; the FA2 batch and decode kinds
+    only), None when the cache holds `dtype`.
 
     Example:
         >>> a = KernelSpec("prepass", ir=VariantIR(name="x"), head_dim=64)
@@ -111,6 +113,7 @@ class KernelSpec:
     device: int | None = None
     grad_tensors: tuple[str, ...] = ()
     fallbacks: tuple[BackwardTiles, ...] = ()
+    kv_dtype: str | None = None
     ir_key: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -119,6 +122,9 @@ class KernelSpec:
         if (self.paired and self.kind != "fa3_prefill") or (
                 self.low_pressure and self.kind not in ("fa3_prefill", "fa3_batch")):
             raise ValueError(f"a {self.kind} kernel has no paired / low-pressure form")
+        if self.kv_dtype is not None and self.kind not in ("fa2_batch", "decode"):
+            raise ValueError(f"kv_dtype={self.kv_dtype!r}: fp8 KV caches run on the fa2_batch "
+                             f"and decode kernels, not {self.kind}")
         object.__setattr__(self, "ir_key", variant_key(self.ir))
 
 
@@ -146,7 +152,7 @@ def _fa2(spec: KernelSpec) -> Generated:
     src, name, vp, ap = fa2_source(spec.ir, head_dim=spec.head_dim, dtype=spec.dtype, tq=t.tq,
                                    tkv=t.tkv, stages=t.stages, m_frags=t.m_frags,
                                    fast_math=spec.fast_math, batch=spec.kind != "fa2_prefill",
-                                   kv_warps=t.kv_warps)
+                                   kv_warps=t.kv_warps, kv_dtype=spec.kv_dtype)
     return Generated(spec, src, name, ap, vp, cfg.threads, cfg.smem_bytes, cfg)
 
 

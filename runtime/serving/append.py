@@ -12,6 +12,11 @@ page_size, dim]`), as `BatchAttention.run` reads it.
 `key_mod` (an `attncc.Variant` with a key_mod, e.g. RoPE) transforms each key at its position on
 the way in, so the cache holds transformed keys: read it with a variant *without* that key_mod.
 
+An fp8 cache (torch.float8_e4m3fn / float8_e5m2) is written quantized: `k / k_scale` and
+`v / v_scale` (a float or a tensor [num_kv_heads], default 1) in float32, rounded to the cache's
+dtype by torch's `.to()` (round to nearest even); `BatchAttention.run` reads it with the same
+scales (runtime/kv8.py, docs/serving.md "fp8 KV cache").
+
 Example:
     >>> import torch
     >>> k_cache, v_cache = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
@@ -36,6 +41,7 @@ import torch
 from attncc.errors import InvalidArgument
 from attncc.frontend import Variant
 
+from ..kv8 import FP8_KV_DTYPES, kv_scale, quantize
 from .operands import _split_cache
 
 __all__ = ["append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens"]
@@ -66,17 +72,20 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
                           batch_indices: torch.Tensor, positions: torch.Tensor,
                           paged_kv_cache: Any, kv_indices: torch.Tensor,
                           kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor,
-                          kv_layout: str = "NHD", *, key_mod: Variant | None = None) -> None:
+                          kv_layout: str = "NHD", *, key_mod: Variant | None = None,
+                          k_scale: Any = None, v_scale: Any = None) -> None:
     """Write `append_key` / `append_value` ([nnz, num_kv_heads, head_dim]) into the paged cache
     at (`batch_indices`, `positions`) (module docstring). Every position is checked to lie
     inside its request's pages and length before anything is written: a position past them
-    would land in another request's page."""
+    would land in another request's page. An fp8 cache gets `k / k_scale`, `v / v_scale`
+    rounded to its dtype."""
     k_cache, v_cache = _split_cache(paged_kv_cache, ragged=False)
     if kv_layout not in ("NHD", "HND"):
         raise InvalidArgument(f"kv_layout={kv_layout!r}: use 'NHD' or 'HND' (paged caches)")
     heads_dim = 2 if kv_layout == "NHD" else 1
     page_size = k_cache.shape[1 if kv_layout == "NHD" else 2]
     _check(append_key, append_value, k_cache, v_cache, heads_dim)
+    scales = _scales(k_cache, k_cache.shape[heads_dim], k_scale, v_scale)
     dev = k_cache.device
     b = batch_indices.to(dev, torch.int64)
     pos = positions.to(dev, torch.int64)
@@ -98,12 +107,35 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     page = kv_indices.to(dev, torch.int64)[indptr[b] + pos // page_size]
     slot = pos % page_size
     key = append_key if key_mod is None else _transformed_keys(key_mod, append_key, b, pos)
+    key, value = _stored(key, k_cache.dtype, scales[0]), _stored(append_value, v_cache.dtype,
+                                                                  scales[1])
     if kv_layout == "NHD":
-        k_cache[page, slot] = key.to(k_cache.dtype)
-        v_cache[page, slot] = append_value.to(v_cache.dtype)
+        k_cache[page, slot] = key
+        v_cache[page, slot] = value
     else:
-        k_cache[page, :, slot] = key.to(k_cache.dtype)
-        v_cache[page, :, slot] = append_value.to(v_cache.dtype)
+        k_cache[page, :, slot] = key
+        v_cache[page, :, slot] = value
+
+
+def _scales(k_cache: torch.Tensor, heads: int, k_scale: Any,
+            v_scale: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """An fp8 cache's (k, v) scales as float32 tensors [num_kv_heads] (default 1, checked
+    positive and finite); (None, None) for a 16-bit cache, which takes no scales."""
+    if k_cache.dtype not in FP8_KV_DTYPES:
+        if k_scale is not None or v_scale is not None:
+            raise InvalidArgument(f"k_scale / v_scale quantize an fp8 cache on write; this "
+                                  f"cache holds {k_cache.dtype}: drop them")
+        return None, None
+    return (kv_scale(1.0 if k_scale is None else k_scale, heads, "k_scale"),
+            kv_scale(1.0 if v_scale is None else v_scale, heads, "v_scale"))
+
+
+def _stored(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """`t` [nnz, heads, dim] as the cache stores it: quantized per head with `scale` (an fp8
+    cache), else rounded to `dtype`."""
+    if scale is None:
+        return t.to(dtype)
+    return quantize(t, scale, head_axis=1, dtype=dtype)
 
 
 def _check(k: Any, v: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, heads_dim: int) -> None:

@@ -68,6 +68,7 @@ from .operands import PlannedShape, cache_views, check_kv_dtype, check_lse, chec
 from .plan import planner, scheduler
 from .plan.checks import KV_LAYOUTS, RAGGED_PAGE, CheckedBatch, check_batch, int_array, page_shift
 from .reads import SafeReads
+from .scales import KvScales, check_kv_data_type
 from .staging import UPLOAD_GAP, Staging, Uploader, int_words, stage_tables, table_offsets
 from .staging import used_ranges  # (looked up here at each upload: bench/plan_time.py times it)
 from .tiles import BatchTiles, PlanConfig, batch_tiles, fa3_mode, keep_captured_tiles, plan_config
@@ -125,16 +126,21 @@ class _LazyPlan:
 
 
 def _kernels_for(ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
-                 device: int) -> LoadedKernel:
+                 device: int, kv8: torch.dtype | None = None) -> LoadedKernel:
     """The batch kernel and its merge kernel (`.launcher`, `.merge`) for one (variant, head
-    dim, dtype, tiles), from the kernel cache (runtime/jit/kernels.py)."""
+    dim, dtype, tiles, fp8 cache dtype `kv8` or None), from the kernel cache
+    (runtime/jit/kernels.py)."""
+    if kv8 is not None and tiles.stages < 2:
+        raise ValueError(f"an fp8 KV cache streams through a ring of 2 * (stages - 1) fp8 "
+                         f"stages: tiles={tiles.tq, tiles.tkv, tiles.stages} needs stages >= 2")
     if tiles.kernel == "fa3":
         spec = KernelSpec("fa3_batch", ir, head_dim, dtype, fa3_batch_tiles(head_dim),
                           device=device)
     else:
         spec = KernelSpec("decode" if tiles.kv_warps > 1 else "fa2_batch", ir, head_dim, dtype,
                           KernelTiles(tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
-                                   tiles.kv_warps), device=device)
+                                   tiles.kv_warps), device=device,
+                          kv_dtype=str(kv8).removeprefix("torch.") if kv8 is not None else None)
     return get_kernel(spec)
 
 
@@ -222,6 +228,8 @@ class BatchAttention:
         self._tree: TreeTable | None = None  # the tree-mask table (CUDA: made at the first plan)
         self._tree_plan = False  # whether the plan being made / the current plan has a tree mask
         self._fa3_captured = False  # a CUDA graph captured the FA3 batch kernel (no tree masks)
+        self.kv_data_type: torch.dtype | None = None  # the plan's fp8 cache dtype (None: q's)
+        self._scales = KvScales()  # run()'s k_scale / v_scale pointers
         from .ops import register_batch  # torch.compile's op finds this object by it
 
         self.op_handle = register_batch(self)
@@ -238,7 +246,7 @@ class BatchAttention:
              head_dim: int, page_size: int = 1, q_positions: Any = None,
              kv_position_offset: Any = None,
              q_data_type: torch.dtype = torch.bfloat16, custom_mask: Any = None,
-             packed_custom_mask: Any = None) -> None:
+             packed_custom_mask: Any = None, kv_data_type: torch.dtype | None = None) -> None:
         """Schedule one batch. Paged layouts: `kv_indptr` is the CSR of page ids `kv_indices`
         per request and `kv_last_page_len` the tokens used in each request's last page;
         "ragged": `kv_indptr` is the CSR of KV tokens (no indices, no page size). Host-side
@@ -248,7 +256,9 @@ class BatchAttention:
         `kv_len_i - q_len_i + t` and KV token j is position j. `q_positions` ([total query
         tokens]) overrides the first and `kv_position_offset` ([batch]) shifts the second --
         what CascadeAttention uses for a shared prefix and the suffixes after it.
-        `q_data_type` is the dtype `run` will get.
+        `q_data_type` is the dtype `run` will get; `kv_data_type` the KV cache's (None: q's),
+        `torch.float8_e4m3fn` / `torch.float8_e5m2` for an fp8 cache, which `run` reads with
+        its `k_scale` / `v_scale` (docs/serving.md, "fp8 KV cache").
 
         `custom_mask` / `packed_custom_mask` (FlashInfer's names and layout: each request's
         `[q_len, kv_len]` bool mask, row-major, concatenated; or each one bit-packed with
@@ -281,10 +291,11 @@ class BatchAttention:
                              "the multi-token decode loop on a plan of its own batches (or pass "
                              "kernel='fa2' to the BatchAttention that a graph captures)")
         self._tree_plan = tree  # (read by _config_key and _fa3_mode: masks run on FA2)
+        kv8 = check_kv_data_type(kv_data_type, q_data_type, self.device)
         if q_positions is None and kv_position_offset is None:
             b, staged = self._checked_fast(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                            num_qo_heads, num_kv_heads, head_dim, page_size,
-                                           q_data_type)
+                                           q_data_type, kv8)
         fast = b is not None
         if b is None:
             b = self._checked(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
@@ -292,11 +303,12 @@ class BatchAttention:
         rows = tree_rows(custom_mask, packed_custom_mask, b.qo, b.kv_lens) if tree else None
         if staged is None:
             staged = self._stage_plan(b, fast, num_qo_heads, num_kv_heads, head_dim,
-                                      q_data_type)
+                                      q_data_type, kv8)
         cfg, half, buf, offsets, c_staged = staged
         self._clip_causal(buf, cfg, b, num_qo_heads // num_kv_heads, head_dim, q_data_type)
         # (only now: a plan() that raised leaves the last plan's layout and offsets for run())
         self._commit(b, cfg, half, buf, offsets, num_qo_heads, num_kv_heads, head_dim)
+        self.kv_data_type = kv8
         if self.device.type == "cuda":
             self._upload_tree(rows)
             if c_staged:  # planner.c listed the used words
@@ -335,7 +347,7 @@ class BatchAttention:
         self._has_kv_pos, self._has_q_pos = b.kvoff is not None, b.qpos is not None
     def _checked_fast(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any,
                       kv_last_page_len: Any, num_qo_heads: Any, num_kv_heads: Any,
-                      head_dim: Any, page_size: Any, q_dtype: Any
+                      head_dim: Any, page_size: Any, q_dtype: Any, kv8: torch.dtype | None = None
                       ) -> tuple[CheckedBatch | None, _Staged | None]:
         """The batch checked by the compiled planner in one pass and, when it needs the last
         plan's tiles, staged by the same C call: (batch, what `_stage_plan` returns); (batch,
@@ -351,7 +363,7 @@ class BatchAttention:
         page = RAGGED_PAGE if ragged else page_size
         memo, bp = self._last_config, self._planner
         if memo is None or memo[0] != self._config_key(num_qo_heads, num_kv_heads, head_dim,
-                                                       page, q_dtype):
+                                                       page, q_dtype, kv8):
             memo = None  # (a hit vouches for the planner too: the key holds it and its limits)
             if bp is None or (bp and bp.limits != (self.max_batch, self.max_qo_tokens,
                                                    self.max_pages, ragged)):
@@ -386,13 +398,13 @@ class BatchAttention:
                             max_q_len), staged
 
     def _stage_plan(self, b: CheckedBatch, fast: bool, num_qo_heads: int, num_kv_heads: int,
-                    head_dim: int, q_dtype: Any) -> _Staged:
+                    head_dim: int, q_dtype: Any, kv8: torch.dtype | None = None) -> _Staged:
         """Batch `b`'s config, and its plan and tables written to the next staging half: by the
         compiled planner when its checks passed `b` (`fast`), else -- or when the layout cannot
         hold the plan -- with numpy (the same words, or the error scheduler.plan raises).
         Returns (config, staging half, its numpy view, table offsets, whether planner.c
         staged it)."""
-        cfg = self._config(b, num_qo_heads, num_kv_heads, head_dim, q_dtype)
+        cfg = self._config(b, num_qo_heads, num_kv_heads, head_dim, q_dtype, kv8)
         tiles, layout = cfg.tiles, cfg.layout
         half, buf, offsets = self._staging_for(layout)
         if fast and self._planner.plan_and_stage(cfg.problem, buf, offsets):
@@ -446,40 +458,40 @@ class BatchAttention:
         return self._kv_bound  # type: ignore[return-value]
 
     def _fa3_mode(self, group: int, head_dim: int, page_size: int,
-                  q_dtype: torch.dtype) -> str:
+                  q_dtype: torch.dtype, kv8: torch.dtype | None = None) -> str:
         """choose_batch_tiles' `fa3` (`tiles.fa3_mode`), with fa3_unsupported's answer
         memoised per batch shape: plan() runs every step."""
         if self.kernel == "fa2" or (self.kernel is None and self._forced_tiles is not None) \
                 or self._tree_plan:  # (tree masks: the FA2 batch kernel reads them)
             return "off"
-        key = (group, head_dim, page_size, q_dtype)
+        key = (group, head_dim, page_size, q_dtype, kv8)
         why = self._fa3_why.get(key, False)
         if why is False:
             why = self._fa3_why[key] = fa3_unsupported(
                 self.device, head_dim=head_dim, group=group, kv_layout=self.kv_layout,
-                page_size=page_size, q_dtype=q_dtype)
+                page_size=page_size, q_dtype=q_dtype, kv_dtype=kv8)
         return fa3_mode(self.kernel, self._forced_tiles, why)
 
     def _config_key(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page: int,
-                    q_dtype: Any) -> tuple:
+                    q_dtype: Any, kv8: torch.dtype | None = None) -> tuple:
         """What a plan's config depends on besides its batch's longest query: the arguments
         and every knob `_config` reads (a knob changed between plans is honoured)."""
-        return (head_dim, num_qo_heads, num_kv_heads, page, q_dtype, self.kernel, self.tiles,
+        return (head_dim, num_qo_heads, num_kv_heads, page, q_dtype, kv8, self.kernel, self.tiles,
                 self._planner, self.min_kv_chunk, self.max_batch, self.max_qo_tokens,
                 self.max_pages, self.kv_layout, self._forced_tiles, self.balance,
                 self._tree_plan)
 
     def _config(self, b: CheckedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                q_dtype: Any) -> PlanConfig:
+                q_dtype: Any, kv8: torch.dtype | None = None) -> PlanConfig:
         """The tiles, layout and scheduler arguments of batch `b` (`tiles.plan_config`): the
         last ones again when everything they depend on is the last call's (a serving loop's
         every step: a decode batch is the same shape step after step)."""
-        key = self._config_key(num_qo_heads, num_kv_heads, head_dim, b.page, q_dtype)
+        key = self._config_key(num_qo_heads, num_kv_heads, head_dim, b.page, q_dtype, kv8)
         memo = self._last_config
         if memo is not None and memo[0] == key and memo[1] == b.max_q_len:
             return memo[2]
         group = num_qo_heads // num_kv_heads
-        fa3 = self._fa3_mode(group, head_dim, b.page, q_dtype)
+        fa3 = self._fa3_mode(group, head_dim, b.page, q_dtype, kv8)
         tiles = self._tiles_for(head_dim, b.max_q_len * group, fa3)
         cfg = plan_config(tiles, b.qo, b.kv_lens, num_qo_heads=num_qo_heads,
                           num_kv_heads=num_kv_heads, max_batch=self.max_batch,
@@ -582,7 +594,8 @@ class BatchAttention:
     # ------------------------------------------------------------------------------ run
     def run(self, q: torch.Tensor, kv_cache: Any, *, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None, return_lse: bool = False,
-            scale: float | None = None, sinks: torch.Tensor | None = None) -> Any:
+            scale: float | None = None, sinks: torch.Tensor | None = None,
+            k_scale: Any = None, v_scale: Any = None) -> Any:
         """Attention of the planned batch: `out [total_q, num_qo_heads, head_dim]` (and `lse
         [total_q, num_qo_heads]` float32 with `return_lse`). CUDA-graph capturable once the
         kernels are compiled (call run once before capturing); replays use the latest plan.
@@ -591,8 +604,13 @@ class BatchAttention:
         [num_qo_heads] (float32 or q's dtype): attention-sink logits joined once to each row's
         denominator (in the epilogue, or the merge of a split row); the LSE includes them
         (docs/serving.md, "Attention sinks"). A captured graph reads the sinks' memory at each
-        replay (a float32 tensor is read in place, so updates to it are seen)."""
+        replay (a float32 tensor is read in place, so updates to it are seen). An fp8 cache
+        (plan(kv_data_type=...)) stands for `k8 * k_scale`, `v8 * v_scale`: a float or a tensor
+        [num_kv_heads] each, default 1 (docs/serving.md, "fp8 KV cache")."""
         if torch.compiler.is_compiling():  # one op call in the graph (docs/compile.md)
+            if k_scale is not None or v_scale is not None or self.kv_data_type is not None:
+                raise ValueError("BatchAttention.run with an fp8 KV cache does not run under "
+                                 "torch.compile yet; call it outside the compiled region")
             if out is not None or lse is not None:
                 raise ValueError("BatchAttention.run under torch.compile makes its own out / "
                                  "lse; drop out= and lse= (the compiler manages buffers)")
@@ -607,19 +625,26 @@ class BatchAttention:
         shape = self._planned_shape()
         k, v, strides = cache_views(kv_cache, shape)
         check_q(q, int(self.qo_indptr[-1]), shape)
-        check_kv_dtype(q, k, v)
+        check_kv_dtype(q, k, v, self.kv_data_type)
         ir, bindings = self._safe_reads(*self.variant.trace())
+        if self.kv_data_type is not None and ("key_mod" in ir.hooks or "value_mod" in ir.hooks):
+            raise ValueError("an fp8 KV cache holds keys and values already transformed "
+                             "(append_paged_kv_cache(key_mod=...)): read it with a variant "
+                             "without key_mod / value_mod")
+        scales = self._scales.pointers(k_scale, v_scale, self.num_kv_heads, self.kv_data_type,
+                                       self.device)
         if not ir.use_softmax and (return_lse or lse is not None):
             raise ValueError("return_lse=True but the variant has normalize='none'")
         sinks32 = self._sinks_operand(sinks, q, ir)
         kern = self._last_kernel = _kernels_for(
             ir, self.head_dim, "bfloat16" if q.dtype == torch.bfloat16 else "float16",
-            self.tiles, self.device.index or 0)
+            self.tiles, self.device.index or 0, self.kv_data_type)
         out = check_out(out, q)
         lse = check_lse(lse, return_lse, q, self.device)
         params = self._launch_args(q, k, v, out, lse, strides, scale)
         if sinks32 is not None:
             params["sinks"] = sinks32.data_ptr()
+        params["k_scale"], params["v_scale"] = scales
         if self._own_workspace and not self._graph_captured:
             self._graph_captured = torch.cuda.is_current_stream_capturing()
         if self.tiles.kernel == "fa3" and not self._fa3_captured:  # (never in a decode loop)

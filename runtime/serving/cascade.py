@@ -77,11 +77,13 @@ class CascadeAttention:
     def plan(self, qo_indptr: Any, *, prefix_indices: Any, prefix_last_page_len: int,
              suffix_indptr: Any, suffix_indices: Any, suffix_last_page_len: Any,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-             q_data_type: torch.dtype = torch.bfloat16) -> None:
+             q_data_type: torch.dtype = torch.bfloat16,
+             kv_data_type: torch.dtype | None = None) -> None:
         """Plan both passes. `prefix_indices`: the shared prefix's page ids (in order);
         `prefix_last_page_len`: tokens in its last page. `suffix_*`: each request's own pages,
-        as `BatchAttention.plan` takes them (and `q_data_type`). Every request's queries must be
-        suffix tokens."""
+        as `BatchAttention.plan` takes them (and `q_data_type`, `kv_data_type`: an fp8 cache,
+        which `run` reads with its k_scale / v_scale). Every request's queries must be suffix
+        tokens."""
         qo = np_int(qo_indptr, "qo_indptr")
         pre = np_int(prefix_indices, "prefix_indices")
         last = int(prefix_last_page_len)
@@ -105,7 +107,7 @@ class CascadeAttention:
         tok = np.arange(int(qo[-1])) - np.repeat(qo[:-1], q_len)
         qpos = P + s_len[req] - q_len[req] + tok
         heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     page_size=page_size, q_data_type=q_data_type)
+                     page_size=page_size, q_data_type=q_data_type, kv_data_type=kv_data_type)
         self.prefix.plan([0, int(qo[-1])], [0, pre.size], pre, [last if pre.size else 0],
                          q_positions=qpos, **heads)
         self.suffix.plan(qo, sptr, suffix_indices, slast, q_positions=qpos,
@@ -113,25 +115,28 @@ class CascadeAttention:
         self.prefix_len, self.q_positions = P, qpos
 
     def run(self, q: torch.Tensor, kv_cache: Any, *, return_lse: bool = False,
-            sinks: torch.Tensor | None = None) -> Any:
+            sinks: torch.Tensor | None = None, k_scale: Any = None,
+            v_scale: Any = None) -> Any:
         """`out [total_q, num_qo_heads, head_dim]` in q's dtype (and the merged lse).
         `sinks` [num_qo_heads]: attention-sink logits, joined once: by the prefix pass's
         kernels (every query row is in it), or the suffix pass's when the prefix is empty; the
         merge composes the states, so the merged lse includes the sink (docs/serving.md,
-        "Attention sinks")."""
+        "Attention sinks"). An fp8 cache's `k_scale` / `v_scale` as `BatchAttention.run` takes
+        them."""
         if not self._softmax and return_lse:
             raise ValueError("return_lse=True but the variant has normalize='none'")
         if sinks is not None and not self._softmax:
             raise InvalidArgument("sinks were given but the variant has normalize='none': a "
                                   "sink joins a softmax denominator; drop sinks")
+        sc = dict(k_scale=k_scale, v_scale=v_scale)
         if self._softmax:
             pre_sinks = sinks if getattr(self, "prefix_len", 0) > 0 else None
             suf_sinks = sinks if pre_sinks is None else None
-            o1, l1 = self.prefix.run(q, kv_cache, return_lse=True, sinks=pre_sinks)
-            o2, l2 = self.suffix.run(q, kv_cache, return_lse=True, sinks=suf_sinks)
+            o1, l1 = self.prefix.run(q, kv_cache, return_lse=True, sinks=pre_sinks, **sc)
+            o2, l2 = self.suffix.run(q, kv_cache, return_lse=True, sinks=suf_sinks, **sc)
         else:
-            o1, l1 = self.prefix.run(q, kv_cache), None
-            o2, l2 = self.suffix.run(q, kv_cache), None
+            o1, l1 = self.prefix.run(q, kv_cache, **sc), None
+            o2, l2 = self.suffix.run(q, kv_cache, **sc), None
         if fits_kernel(o1, l1, o2, l2):  # one launch (a dozen elementwise ops otherwise)
             out, lse = merge_fitting_states(o1, l1, o2, l2, want_lse=return_lse)
             return (out, lse) if return_lse else out

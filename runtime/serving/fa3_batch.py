@@ -31,9 +31,12 @@ FA3_BATCH_HEAD_DIMS = (64, 128)
 
 
 def fa3_unsupported(device: Any, *, head_dim: int, group: int, kv_layout: str,
-                    page_size: int, q_dtype: torch.dtype | None) -> str | None:
+                    page_size: int, q_dtype: torch.dtype | None,
+                    kv_dtype: torch.dtype | None = None) -> str | None:
     """What the FA3 batch kernel would need and this batch lacks (None: it can run it).
-    `q_dtype` None means not known yet (checked again at run)."""
+    `q_dtype` None means not known yet (checked again at run). An fp8 cache (`kv_dtype`) runs
+    on the FA2 batch kernel, which widens its tiles in the load path (docs/serving.md, "fp8
+    KV cache")."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return "a CUDA device"
@@ -41,6 +44,8 @@ def fa3_unsupported(device: Any, *, head_dim: int, group: int, kv_layout: str,
         return "an sm_90 (Hopper) GPU"
     if q_dtype is not None and q_dtype not in (torch.bfloat16, torch.float16):
         return f"bf16 or fp16 queries (plan(q_data_type={q_dtype}))"
+    if kv_dtype is not None and kv_dtype != q_dtype:
+        return f"a KV cache in q's dtype (plan(kv_data_type={kv_dtype}) runs on the FA2 kernel)"
     if head_dim not in FA3_BATCH_HEAD_DIMS:
         return f"head dim 64 or 128 (got {head_dim})"
     if 64 % group:

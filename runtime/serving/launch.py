@@ -79,6 +79,7 @@ def fa2_batch_args(pointers: dict[str, int], q: torch.Tensor, k: torch.Tensor,
         "page_size": page_size, "page_shift": page_shift,
         "sm_scale": sm_scale,
         "tma": 0, "sinks": 0,  # BatchAttention.run sets the sinks' pointer when it has some
+        "k_scale": 0, "v_scale": 0,  # an fp8 cache's: run() sets them (serving/scales.py)
     }
 
 

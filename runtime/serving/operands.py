@@ -100,10 +100,20 @@ def check_q(q: Any, total_q: int, s: PlannedShape) -> None:
                          f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}")
 
 
-def check_kv_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """The cache holds q's dtype (the kernels read both as one element type)."""
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"kv_cache dtype {k.dtype} != q dtype {q.dtype}")
+def check_kv_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   kv8: torch.dtype | None = None) -> None:
+    """The cache holds q's dtype (the kernels read both as one element type), or the fp8
+    dtype `kv8` the plan named (plan(kv_data_type=...)), with 16-byte aligned rows."""
+    want = kv8 if kv8 is not None else q.dtype
+    if k.dtype != want or v.dtype != want:
+        bad = k.dtype if k.dtype != want else v.dtype
+        if kv8 is None:
+            raise ValueError(f"kv_cache dtype {bad} != q dtype {q.dtype} (an fp8 cache: "
+                             f"plan(..., kv_data_type={bad}))")
+        raise ValueError(f"kv_cache dtype {bad} != the plan's kv_data_type {kv8}")
+    if kv8 is not None and any(st % 16 for st in (*k.stride()[:-1], *v.stride()[:-1])):
+        raise ValueError(f"an fp8 kv_cache needs rows 16-byte aligned: strides that are "
+                         f"multiples of 16 elements; got {k.stride()} and {v.stride()}")
 
 
 def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:

@@ -58,3 +58,19 @@ def test_multi_token_batch_matches_its_mask() -> None:
     rows = tree_rows(None, b["mask"]["packed_custom_mask"], b["qo_indptr"], np.full(3, 100))
     assert rows.shape == (3, 16) and (rows[:, 0] == 1).all()
     assert b["kv_indices"].size == 3 * 7 and sorted(b["kv_indices"].tolist()) == list(range(21))
+
+
+def test_kv_cells_table_section() -> None:
+    """The KV-dtype cells (records with kv_len) get their own table section, one row each, and
+    stay out of the main table and the plot's cells."""
+    from bench.decode import table
+
+    meta = {"gpu": "H200", "torch": "2.11", "attncc_commit": "0123456789ab",
+            "date": "2026-12-02", "copy_tb_s": 4.25}
+    cells = [dict(impl="attncc", batch=128, hq=64, hkv=8, kv_len=32768, q_per_request=1,
+                  kv_dtype=name, ms=ms, tb_s=tbs, bw_fraction=tbs / 4.25, vs_bf16=ms / 3.0)
+             for name, ms, tbs in (("bfloat16", 3.0, 4.0), ("float8_e4m3fn", 1.6, 3.75))]
+    text = table({"meta": meta, "results": cells})
+    rows = [ln for ln in text.splitlines() if ln.startswith("| 128 | 64 | 8 | 32768 |")]
+    assert rows == ["| 128 | 64 | 8 | 32768 | bfloat16 | 3000.0 | 0.94 (4.00) | 1.000 |",
+                    "| 128 | 64 | 8 | 32768 | float8_e4m3fn | 1600.0 | 0.88 (3.75) | 0.533 |"]

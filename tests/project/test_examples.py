@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("name", ["quickstart", "serving"])
+@pytest.mark.parametrize("name", ["quickstart", "serving", "serving_fp8"])
 def test_example_runs(name: str, capsys: pytest.CaptureFixture) -> None:
     importlib.import_module(f"examples.{name}").main()
     assert capsys.readouterr().out.strip()
