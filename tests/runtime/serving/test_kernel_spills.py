@@ -97,3 +97,19 @@ def test_multi_token_decode_kernels_compile_without_spills(rows: int, head_dim: 
                                   kv_warps=t.kv_warps)
         log = compile_cuda(src, arch="sm_90a", verbose=True).log
         assert spill_bytes(log) == 0, log
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("name,d", [("relative_bias", 128), ("document_causal", 64)])
+def test_fa3_batch_low_pressure_variants_with_sinks_have_no_spills(name: str, d: int) -> None:
+    """The variants whose FA3 batch kernel needs the low-pressure form (tests/gpu/test_batch.py)
+    stay spill-free with the sink epilogue, as the kernel cache compiles them."""
+    from attncc.gym import GYM
+    from attncc.ir.simplify import simplify_variant
+    from attncc.runtime.jit.kernels import KernelSpec, compile_spec
+    from attncc.runtime.serving.fa3_batch import fa3_batch_tiles
+
+    ir = simplify_variant(GYM[name](4, 8, 4096, d, seed=5).trace()[0])
+    form = compile_spec(KernelSpec("fa3_batch", ir, d, "bfloat16", fa3_batch_tiles(d)),
+                        "sm_90a")
+    assert form.spill_bytes == 0, form.result.log
