@@ -43,7 +43,7 @@
 //                                decode tree mask: whether tile [kv0, kv_end) needs it, and
 //   bool tree_keeps(int qi, int kv) const;        whether it keeps (query position, key)
 //   static constexpr bool kKv8;  an fp8 cache (fa2_kv8.cuh); then also `using KvT` (its format)
-//                                and `float v_scale`, and load_kv copies fp8 bytes
+//                                and `float value_scale()`, and load_kv copies fp8 bytes
 #ifndef ATTNCC_FA2_ATTEND_CUH
 #define ATTNCC_FA2_ATTEND_CUH
 
@@ -691,16 +691,17 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   // ---- epilogue --------------------------------------------------------------------------------
   float lse_val[M_FRAGS][2];
   normalize_rows<kSoftmax>(o_acc, row_m, row_l, lse_val);
-  if constexpr (kKv8) scale_o(o_acc, w.v_scale);
 
   if constexpr (Work::kMaySplit) {
     float* po = w.partial_o();
     if (po != nullptr) {
+      if constexpr (kKv8) scale_o(o_acc, w.value_scale());
       store_partial<D, M_FRAGS>(t, po, w.partial_lse(), o_acc, lse_val);
       return;
     }
   }
   if constexpr (kSoftmax) add_sinks<M_FRAGS>(t, o_acc, lse_val);
+  if constexpr (kKv8) scale_o(o_acc, w.value_scale());
   stage_o<DType, D, M_FRAGS>(t, sQ, o_acc);
   if constexpr (Variant::has_output_transform) {
     transform_warp_rows<DType, D, M_FRAGS>(t, sQ, [&](const SmemRow<DType, D>& o, int hq, int qi,

@@ -78,7 +78,6 @@ struct BatchWork {
   const attncc::BatchParams& p;
   int b, gf, head0, h_kv, row0, rows, q_pos0, kv_len, count;
   int kv_start, qo_offset, slot, kv_pos0;
-  float v_scale;     // an fp8 cache's value scale of this KV head (1 otherwise)
   const int* pages;  // this request's page ids
 
   // Head `kv_head` of unit u (one of its kv_heads), whose request's first query token is
@@ -100,9 +99,12 @@ struct BatchWork {
     qo_offset = qo_off;
     slot = u.slot;
     pages = p.kv_page_indices + __ldg(p.kv_page_indptr + b);
-    v_scale = kKv8 ? __ldg(p.v_scale + kv_head) : 1.f;
   }
 
+  // an fp8 cache's value scale of this KV head, read in the epilogue (not held across the loop)
+  __device__ __forceinline__ float value_scale() const {
+    return kKv8 ? __ldg(p.v_scale + h_kv) : 1.f;
+  }
   __device__ __forceinline__ int tile_start(int i, bool& is_full) const {
     is_full = false;  // no block lists here: the variant's own mask applies to every tile
     return kv_start + i * TKV;
@@ -116,8 +118,9 @@ struct BatchWork {
   // 16 b + t is set; every other key stays visible, and so does everything of a plan with
   // q_positions (there t is no token index; plan() refuses masks with them). Unmasked requests'
   // words are all ones. Read from the kernel parameters, not kept in registers: only the one or
-  // two tiles tree_tile() names pay for it.
-  static constexpr bool kTreeMask = true;
+  // two tiles tree_tile() names pay for it. An fp8 cache's forms carry none (plan() refuses
+  // masks with one): their registers are spent on widening the cache.
+  static constexpr bool kTreeMask = !kKv8;
   __device__ __forceinline__ bool tree_tile(int kv0, int kv_end) const {
     return p.tree_mask != nullptr && p.q_positions == nullptr && kv_end > q_pos0 &&
            kv0 < q_pos0 + 16;

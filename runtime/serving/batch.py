@@ -290,8 +290,12 @@ class BatchAttention:
                              "not read tree masks, so its replays would ignore this mask; capture "
                              "the multi-token decode loop on a plan of its own batches (or pass "
                              "kernel='fa2' to the BatchAttention that a graph captures)")
-        self._tree_plan = tree  # (read by _config_key and _fa3_mode: masks run on FA2)
         kv8 = check_kv_data_type(kv_data_type, q_data_type, self.device)
+        if tree and kv8 is not None:
+            raise ValueError(f"custom_mask / packed_custom_mask with kv_data_type={kv8}: the fp8 "
+                             f"cache's kernels do not read tree masks; use a 16-bit cache for "
+                             f"tree-masked steps, or plan without the mask")
+        self._tree_plan = tree  # (read by _config_key and _fa3_mode: masks run on FA2)
         if q_positions is None and kv_position_offset is None:
             b, staged = self._checked_fast(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                            num_qo_heads, num_kv_heads, head_dim, page_size,

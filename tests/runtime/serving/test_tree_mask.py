@@ -217,3 +217,14 @@ def test_masked_plan_after_an_fa3_capture_raises() -> None:
     with pytest.raises(ValueError, match="FA3 batch kernel"):
         ba.plan(qo_of(lq), [0, 2], [0, 1], [14], **KW, custom_mask=mask)
     ba.plan(qo_of(lq), [0, 2], [0, 1], [14], **KW)  # without a mask it plans
+
+
+def test_a_tree_mask_with_an_fp8_cache_is_refused() -> None:
+    """The fp8 cache's kernel forms carry no tree checks (their registers widen the cache), so
+    plan() refuses the pair before anything runs, naming both arguments."""
+    ba = BatchAttention(None, kv_layout="NHD", max_batch=2, max_qo_tokens=8, device="cpu")
+    mask = np.ones(2 * 40, dtype=bool)
+    with pytest.raises(ValueError, match="custom_mask / packed_custom_mask with kv_data_type"):
+        ba.plan(np.array([0, 2]), np.array([0, 3]), np.arange(3), np.array([8]),
+                num_qo_heads=8, num_kv_heads=8, head_dim=64, page_size=16,
+                custom_mask=mask, kv_data_type=torch.float8_e4m3fn)
