@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-from bench.prefill import (_compiled_flex, _meta, _rel_err, pairs, plot_panels, report, save)
+from bench.prefill import _compiled_flex, _meta, _rel_err, pairs, report, save
 
 TOKENS = 16384
 HIDDEN = 2048  # H * D of the head-dim sweep
@@ -259,7 +259,8 @@ def table(doc: dict[str, Any]) -> str:
              f"half). Head-dim sweep: H * D = {HIDDEN}, B * S = {TOKENS}; GQA: Llama-3.1 "
              f"64/8 heads, D = 128, B = 1. Targets: S >= 2048 "
              + ", ".join(f">= {x} x {i}" for i, x in TARGETS_LONG) + "; S < 2048 "
-             + ", ".join(f">= {x} x {i}" for i, x in TARGETS_SHORT) + ".", "",
+             + ", ".join(f">= {x} x {i}" for i, x in TARGETS_SHORT) + ".",
+             *([m["note"]] if "note" in m else []), "",
              "| shape | variant | S | attncc | flex | sdpa_flash | sdpa_cudnn | / flex "
              "| / cuDNN | targets met |", "|---|---|---|---|---|---|---|---|---|---|"]
     for shape in SHAPES:
@@ -280,12 +281,36 @@ def table(doc: dict[str, Any]) -> str:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    """One panel per (shape family, variant): TFLOP/s against S for every implementation."""
-    res = [{**r, "variant": f"{Shape(r['D'], r['hq'], r['hkv'], 0, 0).label} {r['variant']}"}
-           for r in doc["results"] if "tflops" in r and "kernel_options" not in r]
-    panels = sorted({r["variant"] for r in res})
-    plot_panels(res, "tflops", panels, IMPLS, "TFLOP/s",
-                f"prefill shapes, {doc['meta']['gpu']}, bf16", path)
+    """A grid of panels, one per (shape family, variant): TFLOP/s against S per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = [r for r in doc["results"] if "tflops" in r and "kernel_options" not in r]
+    label = {id(r): f"{Shape(r['D'], r['hq'], r['hkv'], 0, 0).label} {r['variant']}" for r in res}
+    panels = sorted(set(label.values()))
+    cols = 3
+    rows = -(-len(panels) // cols) or 1
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        for impl in IMPLS:
+            pts = sorted((r["S"], r["tflops"]) for r in res
+                         if r["impl"] == impl and label[id(r)] == panel)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(panel, fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("TFLOP/s")
+    fig.suptitle(f"prefill shapes, {doc['meta']['gpu']}, bf16 (x: S)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:
