@@ -13,6 +13,7 @@ implementation's output (`rel_err`). Records carry `impl`, `variant`, `S`, `D`, 
 
     python -m bench.prefill_shapes                               # -> $OUT or bench/results/
     python -m bench.prefill_shapes --D 256 --impls attncc sdpa_cudnn --variants full causal
+    python -m bench.prefill_shapes --S 512 --graph          # + CUDA-graph replays (host-bound S)
     python -m bench.prefill_shapes --report bench/results/prefill-shapes-h200.json  # CPU ok
 
 Example (the shape list and one target check):
@@ -173,9 +174,24 @@ def _time(fn: Callable[[], Any]) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def _time_graph(fn: Callable[[], Any]) -> float | None:
+    """do_bench median of one CUDA-graph replay of `fn`, or None if it cannot be captured."""
+    from bench.timing import graph_of
+
+    try:
+        g = graph_of(fn)
+    except Exception as e:  # noqa: BLE001 -- reported, the eager figure stands
+        print(f"  (CUDA graph capture failed: {type(e).__name__}: {str(e)[:120]})", flush=True)
+        return None
+    return _time(g.replay)
+
+
 def run(shapes: tuple[Shape, ...], variants: tuple[str, ...], impls: tuple[str, ...],
-        sweep: list[dict] | None = None, rounds: int = 3) -> list[dict[str, Any]]:
-    """Measure every (shape, variant, impl) cell (rounds interleaved as bench/prefill.py run)."""
+        sweep: list[dict] | None = None, rounds: int = 3,
+        graph: bool = False) -> list[dict[str, Any]]:
+    """Measure every (shape, variant, impl) cell (rounds interleaved as bench/prefill.py run).
+    `graph`: also time one CUDA-graph replay of each cell (`ms_graph`, `tflops_graph`;
+    bench/timing.py), the kernels' own time where an eager call is host-bound (S = 512)."""
     import torch
 
     from attncc.errors import ResourceError
@@ -210,6 +226,11 @@ def run(shapes: tuple[Shape, ...], variants: tuple[str, ...], impls: tuple[str, 
                     continue
                 rec = {**base, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
                        "first_call_s": round(first_s, 2)}
+                if graph:
+                    ms_graph = _time_graph(fn)
+                    if ms_graph is not None:
+                        rec["ms_graph"] = ms_graph
+                        rec["tflops_graph"] = flops / (ms_graph * 1e-3) / 1e12
                 if opts is not None:
                     rec["kernel_options"] = opts
                 if impl == "attncc":
@@ -245,14 +266,14 @@ def run(shapes: tuple[Shape, ...], variants: tuple[str, ...], impls: tuple[str, 
 
 
 # ------------------------------------------------------------------------------------ report
-def _by(doc: dict[str, Any]) -> dict[tuple, float]:
-    return {(r["impl"], r["variant"], r["D"], r["hq"], r["hkv"], r["S"]): r["tflops"]
-            for r in doc["results"] if "tflops" in r and "kernel_options" not in r}
+def _by(doc: dict[str, Any], key: str = "tflops") -> dict[tuple, float]:
+    return {(r["impl"], r["variant"], r["D"], r["hq"], r["hkv"], r["S"]): r[key]
+            for r in doc["results"] if key in r and "kernel_options" not in r}
 
 
 def table(doc: dict[str, Any]) -> str:
-    """Markdown table: TFLOP/s per (shape, variant), attncc's ratios, the issue's targets."""
-    by = _by(doc)
+    """Markdown table: TFLOP/s per (shape, variant), attncc's ratios, the issue's targets; and
+    the same of the CUDA-graph replays when the run timed them (`--graph`)."""
     m = doc["meta"]
     lines = [f"{m['gpu']}, torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, "
              f"attncc {m['attncc_commit'][:10]}, {m['date'][:10]}; bf16, TFLOP/s (causal counts "
@@ -260,7 +281,15 @@ def table(doc: dict[str, Any]) -> str:
              f"64/8 heads, D = 128, B = 1. Targets: S >= 2048 "
              + ", ".join(f">= {x} x {i}" for i, x in TARGETS_LONG) + "; S < 2048 "
              + ", ".join(f">= {x} x {i}" for i, x in TARGETS_SHORT) + ".",
-             *([m["note"]] if "note" in m else []), "",
+             *([m["note"]] if "note" in m else [])]
+    lines += _rows(_by(doc), "eager calls")
+    if any("tflops_graph" in r for r in doc["results"]):
+        lines += _rows(_by(doc, "tflops_graph"), "one CUDA-graph replay (the kernels' time)")
+    return "\n".join(lines) + "\n"
+
+
+def _rows(by: dict[tuple, float], title: str) -> list[str]:
+    lines = ["", f"TFLOP/s of {title}:", "",
              "| shape | variant | S | attncc | flex | sdpa_flash | sdpa_cudnn | / flex "
              "| / cuDNN | targets met |", "|---|---|---|---|---|---|---|---|---|---|"]
     for shape in SHAPES:
@@ -277,7 +306,7 @@ def table(doc: dict[str, Any]) -> str:
             lines.append(f"| {shape.label} | {variant} | {shape.S} | " + " | ".join(cells_)
                          + " | " + " | ".join(f"{ratios[i]:.2f}" if i in ratios else "-"
                                               for i in ("flex", "sdpa_cudnn")) + f" | {met} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -324,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", type=json.loads, nargs="*", default=None,
                     help="extra attncc cells with these kernel_options (JSON dicts)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--graph", action="store_true",
+                    help="also time one CUDA-graph replay per cell (ms_graph, tflops_graph)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--report", type=Path, default=None,
                     help="only write the markdown table and PNG of an existing JSON")
@@ -339,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"a cell's ms is the median of {args.rounds} interleaved rounds",
             "sdpa_gqa": "K/V expanded to the query heads before timing"}
     doc = {"meta": meta, "results": run(shapes, tuple(args.variants), tuple(args.impls),
-                                        args.sweep, args.rounds)}
+                                        args.sweep, args.rounds, args.graph)}
     save(doc, args.out, "prefill-shapes-h200.json", table)
     return 0
 

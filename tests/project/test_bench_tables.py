@@ -86,3 +86,19 @@ def test_prefill_shapes_table_checks_the_shape_targets(tmp_path) -> None:
     assert main(["--report", str(path)]) == 0
     assert path.with_suffix(".md").read_text() == table(doc)
     assert path.with_suffix(".png").stat().st_size > 0
+
+
+def test_prefill_shapes_table_adds_the_graph_replays() -> None:
+    """With `--graph` records (tflops_graph) a second table rates the replays alone."""
+    from bench.prefill_shapes import table
+
+    recs = [{"impl": i, "variant": "causal", "D": 128, "S": 512, "hq": 16, "hkv": 16,
+             "tflops": t, "tflops_graph": g}
+            for i, t, g in (("attncc", 200.0, 400.0), ("sdpa_cudnn", 330.0, 380.0))]
+    text = table({"meta": {**META, "tokens": 16384}, "results": recs})
+    eager, graph = text.split("one CUDA-graph replay")
+    assert "| 200 | - | - | 330 | - | 0.61 | **no** |" in eager
+    assert "| 400 | - | - | 380 | - | 1.05 | yes |" in graph
+    plain = [{k: v for k, v in r.items() if k != "tflops_graph"} for r in recs]
+    assert "one CUDA-graph replay" not in table({"meta": {**META, "tokens": 16384},
+                                                 "results": plain})
