@@ -150,11 +150,11 @@ def _forced_low(spec: Any, kind: str, variant: str, d: int, arch: str) -> list[s
 
 
 def _fa3_dense(kind: str, variant: str, d: int, arch: str, ir: Any = None) -> list[str]:
-    from attncc.runtime.flex.gpu_flex import FA3_PERSISTENT_HEAD_DIMS, kernel_spec
+    from attncc.runtime.flex.gpu_flex import FA3_SPLIT_HEAD_DIMS, kernel_spec
     from attncc.runtime.jit.kernels import compile_spec
 
     paired = kind.startswith("fa3-pair")
-    if paired and d not in FA3_PERSISTENT_HEAD_DIMS:
+    if paired and d not in FA3_SPLIT_HEAD_DIMS:
         return []
     ir = ir if ir is not None else _ir(variant, d)
     spec = kernel_spec(ir, d, "bfloat16", _fa3_plan(d, paired))

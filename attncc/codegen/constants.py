@@ -9,8 +9,8 @@ structs), so changing one side alone fails compilation instead of launching a wr
 docs/kernel-interface.md, section 5 lists them.
 
 Example:
-    >>> FA3_THREADS, FA3_PERSISTENT_HEAD_DIMS
-    (384, (64, 128))
+    >>> FA3_THREADS, FA3_PERSISTENT_HEAD_DIMS, FA3_SPLIT_HEAD_DIMS
+    (384, (64, 128, 256), (64, 128))
     >>> static_asserts("merge")
     ['static_assert((attncc::merge::kThreads) == 256, "attncc.codegen.constants.MERGE_STATE_THREADS = 256 must equal attncc::merge::kThreads (kernels/small/merge_state.cuh): change both");']
 """
@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["Mirror", "MIRRORS", "static_asserts", "tile_static_asserts", "FA3_THREADS",
-           "FA3_PERSISTENT_HEAD_DIMS", "FA3_SLOT_WARPS", "MERGE_THREADS", "MERGE_STATE_THREADS",
-           "L2_SECTION_BYTES", "MAX_PIECES_PER_ITEM", "MIN_SPLIT_KEYS", "PREPASS_WARPS"]
+           "FA3_PERSISTENT_HEAD_DIMS", "FA3_SPLIT_HEAD_DIMS", "FA3_SLOT_WARPS", "MERGE_THREADS",
+           "MERGE_STATE_THREADS", "L2_SECTION_BYTES", "MAX_PIECES_PER_ITEM", "MIN_SPLIT_KEYS", "PREPASS_WARPS"]
 
 _FA3 = ("fa3", "fa3batch")
 _BATCH = ("fa2batch", "fa3batch")
@@ -57,7 +57,11 @@ MIRRORS: tuple[Mirror, ...] = (
     # the consumer warps, each with a split-tail slot and arrival counter per unit
     Mirror("FA3_SLOT_WARPS", 8, "attncc::fa3::kConsumers * 4", "fa3/fa3_consumer.cuh", _FA3),
     # head dims at which the dense FA3 kernel is persistent (else one CTA per 128-row item)
-    Mirror("FA3_PERSISTENT_HEAD_DIMS", (64, 128), "attncc::fa3::kPersistentHeadDim<{d}>",
+    Mirror("FA3_PERSISTENT_HEAD_DIMS", (64, 128, 256), "attncc::fa3::kPersistentHeadDim<{d}>",
+           "fa3/fa3_prefill.cuh", ("fa3",)),
+    # head dims at which it also has the split tail and the CTA-pair form (docs/fa3.md,
+    # "The split K/V ring and D = 256")
+    Mirror("FA3_SPLIT_HEAD_DIMS", (64, 128), "attncc::fa3::kSplitHeadDim<{d}>",
            "fa3/fa3_prefill.cuh", ("fa3",)),
     # K/V bytes of the heads whose items run together (docs/fa3.md, "Persistent scheduling")
     Mirror("L2_SECTION_BYTES", 12 << 20, "ATTNCC_FA3_L2_SECTION_BYTES_DEFAULT",
@@ -79,6 +83,8 @@ FA3_THREADS: int = _BY_NAME["FA3_THREADS"].value  # type: ignore[assignment]
 FA3_SLOT_WARPS: int = _BY_NAME["FA3_SLOT_WARPS"].value  # type: ignore[assignment]
 FA3_PERSISTENT_HEAD_DIMS: tuple[int, ...] = (
     _BY_NAME["FA3_PERSISTENT_HEAD_DIMS"].value)  # type: ignore[assignment]
+FA3_SPLIT_HEAD_DIMS: tuple[int, ...] = (
+    _BY_NAME["FA3_SPLIT_HEAD_DIMS"].value)  # type: ignore[assignment]
 L2_SECTION_BYTES: int = _BY_NAME["L2_SECTION_BYTES"].value  # type: ignore[assignment]
 MAX_PIECES_PER_ITEM: int = _BY_NAME["MAX_PIECES_PER_ITEM"].value  # type: ignore[assignment]
 MIN_SPLIT_KEYS: int = _BY_NAME["MIN_SPLIT_KEYS"].value  # type: ignore[assignment]
@@ -95,7 +101,7 @@ def static_asserts(kernel: str, head_dim: int = 0) -> list[str]:
         >>> [a.split(")")[0] for a in static_asserts("prepass", 64)]
         ['static_assert((attncc::prepass::kWarps']
         >>> static_asserts("fa3", 256)[2][:60]
-        'static_assert((attncc::fa3::kPersistentHeadDim<256>) == fals'
+        'static_assert((attncc::fa3::kPersistentHeadDim<256>) == true'
         >>> static_asserts("simple", 64)
         []
     """
@@ -109,8 +115,8 @@ def tile_static_asserts(kernel: str, head_dim: int, threads: int, smem: int,
     Config, FA3's kThreads and Smem::kBytes.
 
     Example:
-        >>> tile_static_asserts("fa3", 128, 384, 230536, (128, 128, 3, 1, 1))[1][:65]
-        'static_assert(attncc::fa3::Smem<128, 128, 3>::kBytes == 230536, "'
+        >>> tile_static_asserts("fa3", 128, 384, 230584, (128, 128, 3, 1, 1))[1][:65]
+        'static_assert(attncc::fa3::Smem<128, 128, 3>::kBytes == 230584, "'
     """
     tq, tkv, stages, m_frags, kv_warps = tiles
     if kernel == "fa2bwd":  # the fourth tile is BackwardTiles.dsplit

@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 import jinja2
 
 from ..ir.program import HOOK_ORDER, VariantIR
-from .constants import (FA3_PERSISTENT_HEAD_DIMS, FA3_THREADS, static_asserts,
+from .constants import (FA3_SPLIT_HEAD_DIMS, FA3_THREADS, static_asserts,
                         tile_static_asserts)
 from .errors import CodegenError
 from .hooks import EMITTERS, HookCode, captured_grad, logits_grad
@@ -459,9 +459,9 @@ def _check_form(kernel: str, head_dim: int, paired: bool, low_pressure: bool) ->
     if (paired or low_pressure) and kernel not in FORM_KERNELS:
         raise CodegenError(f"paired / low_pressure are forms of the FA3 kernels "
                            f"{FORM_KERNELS}, not of {kernel!r}")
-    if paired and (kernel != "fa3" or head_dim not in FA3_PERSISTENT_HEAD_DIMS):
-        raise CodegenError(f"paired=True: CTA pairs are a form of the persistent dense 'fa3' "
-                           f"kernel (head dims {FA3_PERSISTENT_HEAD_DIMS}); got kernel="
+    if paired and (kernel != "fa3" or head_dim not in FA3_SPLIT_HEAD_DIMS):
+        raise CodegenError(f"paired=True: CTA pairs are a form of the dense 'fa3' kernel at "
+                           f"head dims {FA3_SPLIT_HEAD_DIMS}; got kernel="
                            f"{kernel!r}, head dim {head_dim}")
 
 

@@ -108,14 +108,16 @@ def fa3_tiles(stages: int = 2, tkv: int = 128) -> KernelTiles:
 def fa3_smem_bytes(head_dim: int, tiles: KernelTiles) -> int:
     """Dynamic shared memory of an FA3 kernel, dense or batch (kernels/fa3/fa3_prefill.cuh Smem):
     the Q tile and the K/V ring, 2 * stages mbarriers plus Q's two (full and empty: both kernels
-    are persistent), the dense kernel's 32-byte work-item slot, 16-byte split-tail record and
-    8-byte record of each stage's tile, and 1 KB of slack that aligns the tiles to 1024 bytes.
+    are persistent), 2 * stages more for the split ring's V-full and K-empty barriers (reserved
+    in every form; docs/fa3.md, "The split K/V ring and D = 256"), the dense kernel's 32-byte
+    work-item slot, 16-byte split-tail record and 8-byte record of each stage's tile, and 1 KB
+    of slack that aligns the tiles to 1024 bytes.
 
     Example:
         >>> fa3_smem_bytes(128, fa3_tiles(3)), fa3_smem_bytes(64, fa3_tiles(4))
-        (230536, 148640)
+        (230584, 148704)
     """
-    return (tiles.smem_bytes(head_dim) + 8 * (2 * tiles.stages + 2) + 32 + 16 + 8 * tiles.stages
+    return (tiles.smem_bytes(head_dim) + 8 * (4 * tiles.stages + 2) + 32 + 16 + 8 * tiles.stages
             + 1024)
 
 

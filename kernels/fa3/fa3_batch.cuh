@@ -164,7 +164,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
   // ---- consumers -------------------------------------------------------------------------------
   wg::setmaxnreg_inc<kConsumerRegs>();
   const u32 sq_w = sq + (wg - 1) * BLOCKS * kBoxBytes;
-  const Ring ring{sk, sv, full_bar, empty_bar, S::kKvTileBytes, STAGES};
+  const Ring<> ring{sk, sv, full_bar, empty_bar, S::kKvTileBytes, STAGES};
   const Turns turns{wg - 1};
   const float qk_scale = (kSoftmax && !Variant::has_logits_transform) ? p.sm_scale * kLog2e
                                                                       : p.sm_scale;

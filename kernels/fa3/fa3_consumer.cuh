@@ -47,11 +47,13 @@ struct Smem {
   static constexpr int kQ = 0;                     // [consumer][column block]
   static constexpr int kK = kQ + kConsumers * 64 * 2 * D;
   static constexpr int kV = kK + STAGES * kKvTileBytes;
-  // full[STAGES], empty[STAGES], q_full, q_empty
+  // full[STAGES], empty[STAGES], q_full, q_empty, then the split ring's V-full[STAGES] and
+  // K-empty[STAGES] (Ring<true>; reserved in every form, so the layout is one)
   static constexpr int kBar = kV + STAGES * kKvTileBytes;
+  static constexpr int kSplitBar = kBar + 8 * (2 * STAGES + 2);
   // the dense kernel's current work item and its tiles, as the producer publishes them with its
   // Q (two int4: fa3_prefill's ItemSlot), then the launch's split tail (fa3_split.cuh)
-  static constexpr int kItem = kBar + 8 * (2 * STAGES + 2);
+  static constexpr int kItem = kSplitBar + 8 * (2 * STAGES);
   static constexpr int kTail = kItem + 32;
   // the dense kernel's ring stages' tiles, as its producer loaded them (fa3_prefill's TileMeta)
   static constexpr int kMeta = kTail + 16;
@@ -594,13 +596,29 @@ __device__ __forceinline__ void arrive_both(u32 bar) {
   if constexpr (paired_ctas()) tma::mbar_arrive_remote(bar, tma::cluster_rank() ^ 1u, 1);
 }
 
+// kSplit (the split ring; docs/fa3.md, "The split K/V ring and D = 256"): K and V of a stage
+// land and are released on barriers of their own -- full = K landed, full_v = V landed,
+// empty_k = every consumer warp's S read K, empty = every P V read V -- so a 2-stage ring
+// refills K(t + 2) once S(t) completed, half an iteration before P(t) V(t) frees V, and
+// S(t + 1) waits for K only. Without it (kSplit false) full and empty cover the whole stage
+// and wait_v / release_k are nothing.
+template <bool kSplit = false>
 struct Ring {
   u32 k, v, full, empty;
   int tile_bytes, stages;
-  __device__ __forceinline__ void wait_full(int t) const {
+  u32 full_v = 0, empty_k = 0;  // kSplit: Smem::kSplitBar, + 8 * stages
+  __device__ __forceinline__ void wait_full(int t) const {  // K (the whole stage unless kSplit)
     tma::mbar_wait(full + 8 * (t % stages), (t / stages) & 1);
   }
+  __device__ __forceinline__ void wait_v(int t) const {
+    if constexpr (kSplit) tma::mbar_wait(full_v + 8 * (t % stages), (t / stages) & 1);
+  }
   __device__ __forceinline__ u32 empty_of(int t) const { return empty + 8 * (t % stages); }
+  __device__ __forceinline__ void release_k(int t) const {  // this warp's S(t) completed
+    if constexpr (kSplit) {
+      if ((threadIdx.x & 31) == 0) arrive_both(empty_k + 8 * (t % stages));
+    }
+  }
   __device__ __forceinline__ void release(int t) const {  // this warp is done with tile t
     if ((threadIdx.x & 31) == 0) arrive_both(empty_of(t));
   }
@@ -616,7 +634,8 @@ struct Ring {
 // epilogue sets it). tile < 0: none held.
 struct HeldStage {
   int tile = -1, owe = 1;
-  __device__ __forceinline__ void settle(const Ring& ring) {
+  template <typename R>
+  __device__ __forceinline__ void settle(const R& ring) {
     if (tile >= 0) {
       tma::bulk_wait_read<0>();
       __syncwarp();
@@ -632,15 +651,20 @@ struct HeldStage {
 // and published by the CTA's last __syncthreads -- and, when paired, by a cluster barrier each
 // role passes first (fa3_prefill.cuh), since the peer's copies and arrivals reach them too:
 // from there the roles only meet on mbarriers and named barriers.
-template <int STAGES>
+// kSplit: also the split ring's full_v[s] and empty_k[s] at split_bar (Ring<true>).
+template <int STAGES, bool kSplit = false>
 __device__ __forceinline__ void init_barriers(u32 full_bar, u32 empty_bar,
-                                              u32 q_full, u32 q_empty) {
+                                              u32 q_full, u32 q_empty, u32 split_bar = 0) {
   if (threadIdx.x == 0) {
     constexpr unsigned ctas = paired_ctas() ? 2 : 1;
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       tma::mbar_init(full_bar + 8 * s, 1);
       tma::mbar_init(empty_bar + 8 * s, 4 * kConsumers * ctas);
+      if constexpr (kSplit) {
+        tma::mbar_init(split_bar + 8 * s, 1);
+        tma::mbar_init(split_bar + 8 * (STAGES + s), 4 * kConsumers * ctas);
+      }
     }
     tma::mbar_init(q_full, 1);
     tma::mbar_init(q_empty, 128 * kConsumers);
@@ -693,9 +717,10 @@ template <int H>
 struct Half {
   static constexpr int value = H;
 };
-template <typename DType, int D, int TKV, int kTrims = 0,
+template <typename DType, int D, int TKV, int kTrims = 0, bool kSplitRing = false,
           typename LogitsSoftmax, typename Landed, typename LastS>
-__device__ __forceinline__ void consume_tiles(int n, int t0, u32 sq_w, const Ring& ring,
+__device__ __forceinline__ void consume_tiles(int n, int t0, u32 sq_w,
+                                              const Ring<kSplitRing>& ring,
                                               const Turns& turns, float (&o)[D / 64][32],
                                               LogitsSoftmax&& logits_softmax, Landed&& landed,
                                               LastS&& last_s_done, HeldStage* held = nullptr,
@@ -725,6 +750,7 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, u32 sq_w, const Rin
     if (held != nullptr) held->settle(ring);  // (while S(0) runs)
     wg::wait<0>();
     wg::fence_operands(s);
+    ring.release_k(t0);
   };
   if constexpr ((kTrims & 1) != 0) {
     if (half0 == 1) {
@@ -762,6 +788,7 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, u32 sq_w, const Rin
     const int t = t0 + i;
     ring.wait_full(t);
     landed(i, t);
+    ring.wait_v(t - 1);  // (split ring: V(i-1) may land after K(i))
     wg::fence_operands(pa);
     wg::fence_operands(o);
     turns.wait_mine();
@@ -774,6 +801,7 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, u32 sq_w, const Rin
     turns.pass();
     wg::wait<1>();  // S(i) is done; P(i-1) V(i-1) may still run
     wg::fence_operands(s);
+    ring.release_k(t);
     if (i == n - 1) last_s_done();
     logits_softmax(s, i, corr);
     wg::wait<0>();
@@ -792,6 +820,7 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, u32 sq_w, const Rin
   for (; i < n; ++i) step(i, Half<0>{});
 
   rescale<D>(o, corr);
+  ring.wait_v(t0 + n - 1);
   wg::fence_operands(pa);
   wg::fence_operands(o);
   turns.wait_mine();

@@ -146,12 +146,16 @@ __device__ __forceinline__ common::TileList item_tiles(const attncc::AttentionPa
   return tiles;
 }
 
-// Whether the dense kernel is persistent at head dim D: at D = 256 the consumers' 240 registers
-// hold 128 O accumulators and have none left for the item loop's state (sliding-window and
-// prefix-LM masks spilled 8 bytes), so there each CTA runs one item (grid = the items).
-// runtime/flex/gpu_flex.py mirrors this (FA3_PERSISTENT_HEAD_DIMS).
+// Whether the dense kernel is persistent at head dim D (every one it supports); at D = 256 the
+// consumers' 240 registers hold 128 O accumulators, and the item loop's state fits beside them
+// (0 spills for every AttentionGym variant as loaded, docs/fa3.md, "The split K/V ring and
+// D = 256"). runtime/flex/gpu_flex.py mirrors this (FA3_PERSISTENT_HEAD_DIMS).
 template <int D>
-constexpr bool kPersistentHeadDim = D <= 128;
+constexpr bool kPersistentHeadDim = D <= 256;
+// Whether it also has the split tail (fa3_split.cuh) and the CTA-pair form: not at D = 256,
+// where the split tail's park/merge spilled ~400 bytes beside O (FA3_SPLIT_HEAD_DIMS).
+template <int D>
+constexpr bool kSplitHeadDim = D <= 128;
 
 // The k-th item of this CTA (the producer asks once per item), or -1 when there is none: a
 // CTA's first item is blockIdx.x and every later one the next unclaimed item of the list, from a
@@ -325,10 +329,42 @@ struct ProducerView {
   int q_len, kv_len, nqb, num_items;
 };
 
+// One ring tile of the split ring (Ring<true>, docs/fa3.md "The split K/V ring and D = 256"):
+// K into stage tile % STAGES once every consumer warp's S read its last K there (the stage's
+// K-empty barrier), completing its full barrier; then V once the last P V read its V (empty),
+// completing its V-full barrier. `full` and `empty` are the stage's joint-ring barriers; the
+// split ones sit at fixed offsets from them (Smem::kSplitBar). kv_row: the tile's first map row.
+template <int D, int TKV, int STAGES>
+__device__ __forceinline__ void produce_split_tile(int tile, u32 full, u32 empty, u32 sk, u32 sv,
+                                                   const void* tm_k, const void* tm_v,
+                                                   int kv_row, TileMeta meta) {
+  using S = Smem<D, TKV, STAGES>;
+  const int st = tile % STAGES, phase = ((tile / STAGES) - 1) & 1;
+  const u32 full_v = full + (S::kSplitBar - S::kBar), empty_k = full_v + 8 * STAGES;
+  const u32 off0 = st * S::kKvTileBytes;
+  if (tile >= STAGES) tma::mbar_wait(empty_k, phase);
+  put_meta(full + (S::kMeta - S::kBar), meta);  // published by the arrival
+  tma::mbar_arrive_expect_tx(full, S::kKvTileBytes);
+#pragma unroll
+  for (int blk = 0; blk < D / 64; ++blk)
+#pragma unroll
+    for (int h = 0; h < TKV / 64; ++h)
+      tma::load_2d(sk + off0 + blk * S::kKvBlockBytes + h * kBoxBytes, tm_k, full, 64 * blk,
+                   kv_row + 64 * h);
+  if (tile >= STAGES) tma::mbar_wait(empty, phase);
+  tma::mbar_arrive_expect_tx(full_v, S::kKvTileBytes);
+#pragma unroll
+  for (int blk = 0; blk < D / 64; ++blk)
+#pragma unroll
+    for (int h = 0; h < TKV / 64; ++h)
+      tma::load_2d(sv + off0 + blk * S::kKvBlockBytes + h * kBoxBytes, tm_v, full_v, 64 * blk,
+                   kv_row + 64 * h);
+}
+
 // The producer of unpaired CTAs (one thread): claims units -- whole items, then (with a split
 // tail, fa3_split.cuh) pieces -- publishes each in the item slot, loads its Q once the consumers
 // released the last one, and streams its K/V tiles into the ring as stages free up.
-template <int D, int TKV, int STAGES>
+template <int D, int TKV, int STAGES, bool kSplitRing>
 __device__ __forceinline__ void produce_items(const attncc::AttentionParams& p,
                                               const ProducerView& v) {
   using S = Smem<D, TKV, STAGES>;
@@ -344,8 +380,6 @@ __device__ __forceinline__ void produce_items(const attncc::AttentionParams& p,
   // of two units runs its second (`pending`, noted in the item slot) before the next claim
 #pragma unroll 1
   for (int k = 0;; ++k) {  // k: units (items, or parts of them) run by this CTA so far
-    // one item per CTA at D = 256: its consumers never hand Q back, and stop by themselves
-    if (!kPersistentHeadDim<D> && k > 0) break;
     const TailSplit tail = get_tail(tail_at);
     // the last unit's note (the slot is unchanged until this iteration publishes)
     const int pending = k > 0 ? pending_piece(item_slot) : -1;
@@ -381,22 +415,29 @@ __device__ __forceinline__ void produce_items(const attncc::AttentionParams& p,
 #pragma unroll 1
     for (int i = 0; i < tiles.count; ++i, ++tile) {
       const int st = tile % STAGES;
-      // refill stage st once every consumer warp released its previous tile (tile - STAGES):
-      // that was phase (tile / STAGES - 1) of the stage's empty barrier
-      if (tile >= STAGES) tma::mbar_wait(empty_bar + 8 * st, ((tile / STAGES) - 1) & 1);
-      bool f;
-      const int kv0 = tiles.start(i, f);
-      const u32 full = full_bar + 8 * st;
-      put_meta(full + (S::kMeta - S::kBar), TileMeta::of(kv0, f));  // published by the arrival
-      tma::mbar_arrive_expect_tx(full, 2 * S::kKvTileBytes);
+      if constexpr (kSplitRing) {
+        bool f;
+        const int kv0 = tiles.start(i, f);
+        produce_split_tile<D, TKV, STAGES>(tile, full_bar + 8 * st, empty_bar + 8 * st, sk, sv,
+                                           tm_k, tm_v, kv_row0 + kv0, TileMeta::of(kv0, f));
+      } else {
+        // refill stage st once every consumer warp released its previous tile (tile - STAGES):
+        // that was phase (tile / STAGES - 1) of the stage's empty barrier
+        if (tile >= STAGES) tma::mbar_wait(empty_bar + 8 * st, ((tile / STAGES) - 1) & 1);
+        bool f;
+        const int kv0 = tiles.start(i, f);
+        const u32 full = full_bar + 8 * st;
+        put_meta(full + (S::kMeta - S::kBar), TileMeta::of(kv0, f));  // published by the arrival
+        tma::mbar_arrive_expect_tx(full, 2 * S::kKvTileBytes);
 #pragma unroll
-      for (int blk = 0; blk < BLOCKS; ++blk)
+        for (int blk = 0; blk < BLOCKS; ++blk)
 #pragma unroll
-        for (int h = 0; h < TKV / 64; ++h) {
-          const u32 off = st * S::kKvTileBytes + blk * S::kKvBlockBytes + h * kBoxBytes;
-          tma::load_2d(sk + off, tm_k, full, 64 * blk, kv_row0 + kv0 + 64 * h);
-          tma::load_2d(sv + off, tm_v, full, 64 * blk, kv_row0 + kv0 + 64 * h);
-        }
+          for (int h = 0; h < TKV / 64; ++h) {
+            const u32 off = st * S::kKvTileBytes + blk * S::kKvBlockBytes + h * kBoxBytes;
+            tma::load_2d(sk + off, tm_k, full, 64 * blk, kv_row0 + kv0 + 64 * h);
+            tma::load_2d(sv + off, tm_v, full, 64 * blk, kv_row0 + kv0 + 64 * h);
+          }
+      }
     }
   }
 }
@@ -481,7 +522,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
                                             const typename Variant::Params& vp) {
   static_assert(D == 64 || D == 128 || D == 256, "the FA3 kernel supports head dims 64, 128, 256");
   static_assert(TKV == 64 || TKV == 128, "the FA3 kernel's KV tiles are 64 or 128 keys");
-  static_assert(!paired_ctas() || kPersistentHeadDim<D>, "CTA pairs are persistent");
+  static_assert(!paired_ctas() || kSplitHeadDim<D>, "CTA pairs run at D = 64 and 128");
   using S = Smem<D, TKV, STAGES>;
   constexpr int BLOCKS = D / 64;     // 64-column blocks per tile
   constexpr bool kSoftmax = Variant::use_softmax;
@@ -493,9 +534,16 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   constexpr bool kBulkO = kPersistentHeadDim<D> && TKV == 128 &&
                           !Variant::has_output_transform && !form::low_pressure();
   static_assert(!kBulkO || S::kKvTileBytes >= kTQ * 2 * D, "O does not fit in a K tile");
+  // The split K/V ring (Ring<true>; docs/fa3.md, "The split K/V ring and D = 256"): with 2
+  // stages a joint stage is refilled only after the P V that frees it, when the next S needs
+  // it. Not with key/value transforms (a landed tile's transform rewrites K and V together),
+  // not with the bulk-store epilogue (it holds the K half of a stage) nor CTA pairs (their own
+  // producer).
+  constexpr bool kSplitRing = STAGES == 2 && !kBulkO && !paired_ctas() &&
+                              !Variant::has_key_transform && !Variant::has_value_transform;
   // The split tail (fa3_split.cuh): for persistent CTAs, where a unit's state is softmax
   // statistics and nothing is staged in Q after the loop.
-  constexpr bool kSplit = kPersistentHeadDim<D> && kSoftmax &&
+  constexpr bool kSplit = kSplitHeadDim<D> && kSoftmax &&
                           !Variant::has_output_transform && !paired_ctas();
 
   // Tile 0 trimmed to a 64-key half (consume_tiles): for a band mask's bounded sides, 128-key
@@ -528,7 +576,8 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   const int num_items = p.batch * p.num_q_heads * nqb;
 
   if (tid == 0) put_tail(tail_at, tail_split<TKV, kSplit>(p, num_items));
-  init_barriers<STAGES>(full_bar, empty_bar, q_full, q_empty);  // (its __syncthreads publishes it)
+  init_barriers<STAGES, kSplitRing>(full_bar, empty_bar, q_full, q_empty,
+                                    base + S::kSplitBar);  // (its __syncthreads publishes it)
 
   // ---- producer: one thread; the other producer threads have nothing to do ------------------
   if (wg == 0) {
@@ -546,7 +595,7 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
     if (tid != 0) return;
     const ProducerView view{sq,      sk,   sv,   full_bar, empty_bar, q_full, q_empty, item_slot,
                             tail_at, tm_q, tm_k, tm_v,     q_len,     kv_len, nqb,     num_items};
-    produce_items<D, TKV, STAGES>(p, view);
+    produce_items<D, TKV, STAGES, kSplitRing>(p, view);
     return;
   }
 
@@ -556,7 +605,8 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   const u32 sq_w = sq + (wg - 1) * BLOCKS * kBoxBytes;
   const float qk_scale = (kSoftmax && !Variant::has_logits_transform) ? p.sm_scale * kLog2e
                                                                       : p.sm_scale;
-  const Ring ring{sk, sv, full_bar, empty_bar, S::kKvTileBytes, STAGES};
+  const Ring<kSplitRing> ring{sk,     sv,     full_bar, empty_bar, S::kKvTileBytes,
+                              STAGES, base + S::kSplitBar, base + S::kSplitBar + 8 * STAGES};
   // Both consumers visit the same tiles, so they meet at the same issue points.
   const Turns turns{wg - 1};
   DType* out = reinterpret_cast<DType*>(p.o);
@@ -723,8 +773,8 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
 }  // namespace fa3
 }  // namespace attncc
 
-// Grid (min(#SMs, items): persistent; items = batch * num_q_heads * ceil(q_len / 128), and
-// grid = items at head dim 256, see kPersistentHeadDim), block kThreads (384),
+// Grid (min(#SMs, items): persistent; items = batch * num_q_heads * ceil(q_len / 128), or
+// items with kernel_options PERSISTENT False), block kThreads (384),
 // dynamic shared memory attncc::fa3::Smem<HEAD_DIM, TKV, STAGES>::kBytes; AttentionParams::tma
 // points at the q/k/v maps.
 #define ATTNCC_FA3_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)       \

@@ -88,6 +88,8 @@ _FA3_MAPS = MapCache(64)  # the dense FA3 kernel's q/k/v maps (runtime/jit/tma.p
 # head dims at which the dense FA3 kernel is persistent (kernels/fa3/fa3_prefill.cuh
 # kPersistentHeadDim): its grid is then at most one CTA per SM, else one CTA per 128-row item
 FA3_PERSISTENT_HEAD_DIMS = constants.FA3_PERSISTENT_HEAD_DIMS
+# head dims at which it also has the split tail and CTA pairs (kSplitHeadDim; not D = 256)
+FA3_SPLIT_HEAD_DIMS = constants.FA3_SPLIT_HEAD_DIMS
 # Without kernel_options PAIRED, launches with at most this many keys pair: pairs win up to
 # 8192 keys and lose at 16384, where the split tail beats them (docs/fa3.md#cta-pairs).
 FA3_PAIRED_MAX_KEYS = 8192
@@ -99,7 +101,7 @@ def fa3_pairs(tiles: TilePlan, masked: bool, q_len: int, kv_len: int, head_dim: 
     clusters of two CTAs that run two query blocks of one head over the same K/V tiles, each
     tile read from L2 once and multicast into both CTAs' shared memory. Needs what makes the
     two blocks' tile lists equal and the pairs whole: no block mask (`masked` False), an even
-    number of 128-row query blocks, a persistent head dim. kernel_options PAIRED True / False
+    number of 128-row query blocks, head dim 64 or 128. kernel_options PAIRED True / False
     forces it on / off (default: on up to FA3_PAIRED_MAX_KEYS keys); PERSISTENT False turns it
     off. Pairs take the place of the split tail.
 
@@ -115,7 +117,7 @@ def fa3_pairs(tiles: TilePlan, masked: bool, q_len: int, kv_len: int, head_dim: 
         (False, True)
     """
     opts = kernel_options or {}
-    return (tiles.kernel == "fa3" and not masked and head_dim in FA3_PERSISTENT_HEAD_DIMS
+    return (tiles.kernel == "fa3" and not masked and head_dim in FA3_SPLIT_HEAD_DIMS
             and bool(opts.get("PAIRED", kv_len <= FA3_PAIRED_MAX_KEYS))
             and opts.get("PERSISTENT", True) and -(-q_len // tiles.tq) % 2 == 0)
 
@@ -922,7 +924,8 @@ def _fa3_launch(pl: LaunchPlan, kern: LoadedKernel, kernel_options: Mapping[str,
     args["tma"] = maps.data_ptr()
     if D in FA3_PERSISTENT_HEAD_DIMS:
         split = _fa3_tail_split(pl, kernel_options, items, grid, key.shape[2],
-                                kern.config.tkv, persistent, kern.paired)
+                                kern.config.tkv, persistent and D in FA3_SPLIT_HEAD_DIMS,
+                                kern.paired)
         keep += _fa3_split_args(split, D, query.device, args)
     return _Launch((grid, 1, 1), args, 2 if kern.paired else 1, keep)
 
@@ -935,7 +938,7 @@ def _fa3_split_args(split: TailSplit, head_dim: int, device: torch.device,
 
     The dynamic item order claims items past the first from the counter: zeroed once per
     launch (a memset on the stream; in a CUDA graph, a memset node), so no two launches share
-    one. At head dim 256 each CTA runs one item and claims none: no counter, no memset."""
+    one."""
     counter = torch.zeros(split.counter_ints(), dtype=torch.int32, device=device)
     args["item_counter"] = counter.data_ptr()
     if not split.pieces:

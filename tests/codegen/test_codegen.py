@@ -523,10 +523,11 @@ def test_fa3_translation_unit() -> None:
     ir = VariantIR(name="plain")
     gk = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3")
     assert gk.block == (384, 1, 1)
-    # the ring's 2 stages x (full, empty) mbarriers, then q_full and q_empty, the work item
-    # slot (item and tile range, 32 bytes), the split tail's record (16) and each stage's
-    # TileMeta (8 bytes a stage)
-    assert gk.shared_mem_bytes == 2 * 128 * (128 + 2 * 2 * 128) + 8 * 6 + 32 + 16 + 8 * 2 + 1024
+    # the ring's 2 stages x (full, empty) mbarriers, then q_full and q_empty, the split ring's
+    # 2 stages x (V full, K empty), the work item slot (item and tile range, 32 bytes), the
+    # split tail's record (16) and each stage's TileMeta (8 bytes a stage)
+    assert gk.shared_mem_bytes == (2 * 128 * (128 + 2 * 2 * 128) + 8 * 6 + 8 * 4 + 32 + 16
+                                   + 8 * 2 + 1024)
     assert "ATTNCC_FA3_ENTRY(attncc_plain_fa3_d128_bf16_q128_k128_s2, " in gk.source
     gk = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3",
                          tiles=KernelTiles(128, 64, 2, 1))

@@ -42,7 +42,9 @@ def test_every_unit_asserts_the_rows_its_kernel_declares(kernel: str, head_dim: 
 
 def test_the_fa3_rows_say_which_head_dims_run_persistent() -> None:
     assert "kPersistentHeadDim<64>) == true" in _source("fa3", 64)
-    assert "kPersistentHeadDim<256>) == false" in _source("fa3", 256)
+    assert "kPersistentHeadDim<256>) == true" in _source("fa3", 256)
+    assert "kSplitHeadDim<256>) == false" in _source("fa3", 256)
+    assert "kSplitHeadDim<128>) == true" in _source("fa3", 128)
 
 
 def test_changing_the_table_changes_the_asserts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -61,6 +63,7 @@ def test_the_runtime_reads_its_mirrors_from_the_table() -> None:
     from attncc.runtime.serving import causal, launch, merge_kernel
 
     assert gpu_flex.FA3_PERSISTENT_HEAD_DIMS is constants.FA3_PERSISTENT_HEAD_DIMS
+    assert gpu_flex.FA3_SPLIT_HEAD_DIMS is constants.FA3_SPLIT_HEAD_DIMS
     assert (fa3_split.SLOT_WARPS, fa3_split.MAX_PIECES_PER_ITEM, fa3_split.MIN_SPLIT_KEYS) == (
         constants.FA3_SLOT_WARPS, constants.MAX_PIECES_PER_ITEM, constants.MIN_SPLIT_KEYS)
     assert (launch.MERGE_THREADS, causal.L2_SECTION_BYTES) == (constants.MERGE_THREADS,

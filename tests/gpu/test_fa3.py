@@ -116,6 +116,30 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: Any, bind: Any
     assert (lse[live].double() - ref_lse[live]).abs().max().item() < 2e-2
 
 
+# The split K/V ring (every 2-stage ring without K/V transforms or the bulk O store) and the
+# persistent D = 256 kernel (docs/fa3.md, "The split K/V ring and D = 256"): 256 items on the
+# SMs, so CTAs run several items and the ring's phases run on across them; GQA; causal through
+# a block mask; lengths that leave partial tiles; PERSISTENT False (one CTA per item).
+RING_CASES = [("noop", 256, 2048, 1, True), ("softcap_causal", 256, 1900, 2, True),
+              ("causal", 256, 2048, 4, False), ("alibi_causal", 256, 1000, 1, True),
+              ("causal", 128, 2048, 1, True), ("softcap_causal", 64, 1900, 2, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,d,s,g,persistent", RING_CASES,
+                         ids=[f"{c[0]}-d{c[1]}-s{c[2]}-g{c[3]}-{'p' if c[4] else 'np'}"
+                              for c in RING_CASES])
+def test_fa3_split_ring_and_persistent_d256(name: str, d: int, s: int, g: int, persistent: bool,
+                                            rng: Any) -> None:
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FA3 kernel needs an sm_90 GPU")
+    q, k, v = rng.qkv(2, 8, s, d, Hkv=8 // g, dtype=torch.bfloat16, device="cuda")
+    ir, bind = VARIANTS[name](2, 8, s, d).trace()
+    bm = (attncc.create_block_mask(causal, None, None, s, s, device="cuda")
+          if name.endswith("causal") else None)
+    _check(q, k, v, ir, bind, bm, g, 64, num_stages=2, PERSISTENT=persistent)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,d,s,g,tkv", CASES,
                          ids=[f"{c[0]}-d{c[1]}-s{c[2]}-g{c[3]}-k{c[4]}" for c in CASES])

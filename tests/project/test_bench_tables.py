@@ -51,3 +51,54 @@ def test_fa3_experiment_pair_summary_ratios_per_round() -> None:
         "S=2048 full A=1: 1.020 0.990 1.030 median 1.020, faster in 2 of 3",
         "S=2048 full B=1: 0.900 1.050 0.980 median 0.980, faster in 1 of 3",
         "S=8192 causal A=1: 0.900 median 0.900, faster in 0 of 1"]
+
+
+def test_prefill_shapes_table_checks_the_shape_targets(tmp_path) -> None:
+    """bench/prefill_shapes.py (issue 32): a row per (shape, variant) with its ratios; S >= 2048
+    needs 1.0 x cuDNN and 1.3 x flex, S = 512 0.95 x cuDNN; GQA shapes are labelled Hq/Hkv;
+    --report writes the .md (and .png) beside the JSON."""
+    import json
+
+    from bench.prefill_shapes import main, table
+
+    def rec(impl: str, variant: str, D: int, S: int, tflops: float, hq: int = 0,
+            hkv: int = 0) -> dict:
+        return {"impl": impl, "variant": variant, "D": D, "S": S, "hq": hq or 2048 // D,
+                "hkv": hkv or 2048 // D, "tflops": tflops}
+
+    recs = [rec("attncc", "full", 256, 2048, 600.0), rec("sdpa_cudnn", "full", 256, 2048, 650.0),
+            rec("flex", "full", 256, 2048, 350.0),
+            rec("attncc", "causal", 128, 512, 330.0), rec("sdpa_cudnn", "causal", 128, 512, 340.0),
+            rec("attncc", "causal", 128, 16384, 620.0, 64, 8),
+            rec("sdpa_cudnn", "causal", 128, 16384, 580.0, 64, 8),
+            rec("attncc", "softcap_causal", 256, 8192, 400.0),
+            {"impl": "flex", "variant": "softcap_causal", "D": 256, "S": 8192, "hq": 8,
+             "hkv": 8, "error": "x"}]
+    doc = {"meta": {**META, "tokens": 16384}, "results": recs}
+    rows = {" ".join(c.strip() for c in ln.split("|")[1:4]): ln
+            for ln in table(doc).splitlines() if ln.startswith("| D=")}
+    assert rows["D=256 H=8 full 2048"].endswith("| 600 | 350 | - | 650 | 1.71 | 0.92 | **no** |")
+    assert rows["D=128 H=16 causal 512"].endswith("| 0.97 | yes |")      # 0.97 >= 0.95
+    assert rows["D=128 H=64/8 causal 16384"].endswith("| - | 1.07 | yes |")
+    assert rows["D=256 H=8 softcap_causal 8192"].endswith("| 400 | - | - | - | - | - | - |")
+    path = tmp_path / "shapes.json"
+    path.write_text(json.dumps(doc))
+    assert main(["--report", str(path)]) == 0
+    assert path.with_suffix(".md").read_text() == table(doc)
+    assert path.with_suffix(".png").stat().st_size > 0
+
+
+def test_prefill_shapes_table_adds_the_graph_replays() -> None:
+    """With `--graph` records (tflops_graph) a second table rates the replays alone."""
+    from bench.prefill_shapes import table
+
+    recs = [{"impl": i, "variant": "causal", "D": 128, "S": 512, "hq": 16, "hkv": 16,
+             "tflops": t, "tflops_graph": g}
+            for i, t, g in (("attncc", 200.0, 400.0), ("sdpa_cudnn", 330.0, 380.0))]
+    text = table({"meta": {**META, "tokens": 16384}, "results": recs})
+    eager, graph = text.split("one CUDA-graph replay")
+    assert "| 200 | - | - | 330 | - | 0.61 | **no** |" in eager
+    assert "| 400 | - | - | 380 | - | 1.05 | yes |" in graph
+    plain = [{k: v for k, v in r.items() if k != "tflops_graph"} for r in recs]
+    assert "one CUDA-graph replay" not in table({"meta": {**META, "tokens": 16384},
+                                                 "results": plain})

@@ -101,3 +101,22 @@ def test_split_tail_option_is_checked() -> None:
     _validate_kernel_options({"SPLIT_TAIL": False})
     with pytest.raises(ValueError, match="SPLIT_TAIL"):
         _validate_kernel_options({"SPLIT_TAIL": 0})
+
+
+def test_head_dim_256_is_persistent_without_split_tail_or_pairs() -> None:
+    """D = 256 runs the persistent kernel (kPersistentHeadDim) but neither the split tail nor
+    CTA pairs (kSplitHeadDim: the tail's park/merge spilled beside O's 128 accumulators), even
+    when kernel_options ask for pairs; codegen refuses a paired D = 256 unit."""
+    from attncc.codegen.errors import CodegenError
+    from attncc.codegen.generate import generate_source
+    from attncc.runtime.flex.gpu_flex import (FA3_PERSISTENT_HEAD_DIMS, FA3_SPLIT_HEAD_DIMS,
+                                              fa3_pairs)
+    from attncc.runtime.flex.tile_choice import TilePlan
+
+    assert FA3_PERSISTENT_HEAD_DIMS == (64, 128, 256) and FA3_SPLIT_HEAD_DIMS == (64, 128)
+    fa3 = TilePlan(128, 64, 2, 1, kernel="fa3")
+    assert not fa3_pairs(fa3, False, 2048, 2048, 256, {"PAIRED": True})
+    assert fa3_pairs(fa3, False, 2048, 2048, 128, {"PAIRED": True})
+    with pytest.raises(CodegenError, match="CTA pairs .* head dims \\(64, 128\\)"):
+        generate_source(attncc.Variant().trace()[0], head_dim=256, dtype="bfloat16",
+                        kernel="fa3", paired=True)

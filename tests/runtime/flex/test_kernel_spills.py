@@ -28,7 +28,13 @@ FA3 = {"KERNEL": "fa3"}
                                               ("rope", 128, 128, 3), ("rope", 64, 128, 4),
                                               ("value_output", 128, 128, 3),
                                               ("value_output", 256, 64, 2),
-                                              ("rope", 256, 64, 2)])
+                                              ("rope", 256, 64, 2),
+                                              # the split K/V ring (2 stages, 64-key tiles)
+                                              # and persistent D = 256
+                                              ("noop", 256, 64, 2), ("causal", 256, 64, 2),
+                                              ("softcap_causal", 256, 64, 2),
+                                              ("alibi_causal", 256, 64, 2),
+                                              ("causal", 64, 64, 2)])
 def test_fa3_compiles_without_spills(name: str, d: int, tkv: int, stages: int) -> None:
     """Zero spills, and the software pipeline intact: ptxas did not serialize the wgmmas (it
     does, with a "Potential Performance Loss" warning, when registers an in-flight wgmma uses
@@ -51,7 +57,8 @@ def test_fa3_compiles_without_spills(name: str, d: int, tkv: int, stages: int) -
 
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("name,d", [("document_causal", 64), ("document_causal", 128),
-                                    ("relative_bias", 128), ("causal", 128)])
+                                    ("relative_bias", 128), ("causal", 128),
+                                    ("relative_bias", 256), ("document_causal", 256)])
 def test_fa3_kernel_attncc_runs_has_no_spills(name: str, d: int) -> None:
     """The kernel cache's `compile_spec` (what attncc runs): the kernel as it is when its first
     compile is spill-free, else its low-pressure form -- spill-free in every case
