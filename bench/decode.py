@@ -411,6 +411,7 @@ def multi_token_table(doc: dict[str, Any]) -> list[str]:
         lines.append(f"| {r['batch']} | {r['kv_len']} | {r['q_per_request']} | {r['impl']} | "
                      f"{r.get('knobs', '')} | {r['bw_fraction']:.2f} ({r['tb_s']:.2f}) | "
                      f"{tiles} | {r['ms'] * 1e3:.1f} |")
+    return lines
 
 
 def run_kv_cell(batch: int, hq: int, hkv: int, kv_len: int, copy_bw: float,
