@@ -10,11 +10,11 @@ widen the fp8 values exactly and apply the scales in fp32.
 
 Example:
     >>> import torch
-    >>> k = torch.tensor([[[1.0, -3.0]], [[0.5, 448.0]]])        # [tokens, heads, dim]
+    >>> k = torch.tensor([[[1.1, -3.0]], [[0.5, 448.0]]])        # [tokens, heads, dim]
     >>> s = kv_scale(2.0, 1, "k_scale")
     >>> k8 = quantize(k, s, head_axis=1, dtype=torch.float8_e4m3fn)
-    >>> dequantize(k8, s, head_axis=1).tolist()                   # 448 / 2 = 224 in e4m3
-    [[[1.0, -3.0]], [[0.5, 224.0]]]
+    >>> dequantize(k8, s, head_axis=1).tolist()    # 1.1 / 2 rounds to 0.5625 (3 mantissa bits)
+    [[[1.125, -3.0]], [[0.5, 448.0]]]
 """
 from __future__ import annotations
 

@@ -25,8 +25,11 @@ __all__ = ["KvScales", "check_kv_data_type"]
 def check_kv_data_type(kv_data_type: Any, q_data_type: Any,
                        device: torch.device) -> torch.dtype | None:
     """plan()'s `kv_data_type`: None (or q's dtype) for a cache in q's dtype, else an fp8
-    dtype, returned; anything else raises, naming the argument. An fp8 cache needs an sm_89+
+    dtype, returned; anything else (or an fp8 `q_data_type`) raises, naming the argument. An fp8 cache needs an sm_89+
     GPU (the e4m3 widening is a cvt those have)."""
+    if q_data_type in FP8_KV_DTYPES:
+        raise InvalidArgument(f"q_data_type={q_data_type}: queries are bf16 or fp16; an fp8 "
+                              f"KV cache is plan(..., kv_data_type={q_data_type})")
     if kv_data_type is None or kv_data_type == q_data_type:
         return None
     if kv_data_type not in FP8_KV_DTYPES:

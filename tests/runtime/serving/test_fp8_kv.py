@@ -137,6 +137,9 @@ def test_plan_kv_data_type() -> None:
     assert ba.kv_data_type is None
     with pytest.raises(InvalidArgument, match="kv_data_type=torch.int8"):
         ba.plan(*args, **plan, kv_data_type=torch.int8)
+    with pytest.raises(InvalidArgument, match="q_data_type=torch.float8_e4m3fn: queries"):
+        ba.plan(*args, **plan, q_data_type=E4M3)
+    assert ba.kv_data_type is None  # a plan that raised keeps the last plan's
 
 
 def test_run_operand_checks() -> None:
