@@ -9,14 +9,14 @@
 // Grid: (ceil(kv_len / 128), num_kv_heads, batch); two warpgroups, warpgroup w owns KV rows
 // [64 w, 64 w + 64) of the CTA's 128-row KV tile. As in the FA2-class kernel, a CTA keeps its K
 // and V tile in shared memory and dK, dV in registers, visits the 64-row query tiles of every
-// query head of its GQA group that touch it, and writes dK, dV once. Per query tile, each
-// warpgroup (wgmma m64n64, its 64 KV rows as M):
-//   S^T = K Q^T, dP^T = V dO^T                 SS, both issued at once
+// query head of its GQA group that touch it, and writes dK, dV once. Per query tile and each of
+// its two 32-column query sub-tiles, each warpgroup (its 64 KV rows are every wgmma's M):
+//   S^T = K Q^T, dP^T = V dO^T                 SS m64n32, both issued at once
 //   P^T, dS^T in registers                     fa2_backward.cuh's probs_tile / dscores_tile: the
 //                                              wgmma accumulator is mma.sync's C layout per warp
 //   dV += P^T dO, dK += dS^T Q                 RS: P^T / dS^T as A fragments, dO / Q N-major
-//   dQ += dS K                                 SS over dS in shared memory (query-major), fp32
-//                                              atomics into dq_accum
+//   dQ += dS K                                 after both sub-tiles: SS m64n64 over dS in shared
+//                                              memory (query-major), fp32 atomics into dq_accum
 // dQ's columns are split over the warpgroups at head dim 128 (one m64n64 each, all 128 keys);
 // at head dim 64 warpgroup 0 computes it alone, so every dQ element takes one atomic add per
 // CTA and query tile -- what the deterministic mode's per-tile launches rely on.
@@ -231,8 +231,8 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
                                         const typename Variant::Params& vp,
                                         const typename Variant::Grads& vg,
                                         const BwdSmem<D, TQ, TKV>& sm, const fa2::BwdTileView& t,
-                                        int st, int qs0, int wgi, int wi, float (&dk)[D / 64][32],
-                                        float (&dv)[D / 64][32]) {
+                                        int st, int qs0, int wgi, int wi, bool mask_here,
+                                        float (&dk)[D / 64][32], float (&dv)[D / 64][32]) {
   constexpr bool F16 = !ElemTraits<DType>::kIsBf16;
   constexpr int NF = QS / 8;
   const u32 kv_rows = wgi * 64 * 128;  // the warpgroup's first K / V row in each column block
@@ -248,7 +248,8 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   float(&pt)[NF][4] = *reinterpret_cast<float(*)[NF][4]>(s);
   float sc[NF][4];
   u32 live;
-  fa2::probs_tile<Variant, kMask, NF>(t, vp, pt, sc, live, sm.lse2(st) + qs0, p.sm_scale);
+  fa2::probs_tile<Variant, kMask, NF>(t, vp, pt, sc, live, sm.lse2(st) + qs0, p.sm_scale,
+                                      mask_here);
 
   u32 pa[NF / 2][4];
   fa2::pack_a<DType, NF>(pa, pt);
@@ -279,24 +280,27 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   wg::fence_operands(dk);
 }
 
-// One query tile against the CTA's KV tile (the header's per-tile steps): its query sub-tiles
-// (two of 32 columns at head dim 128, where a whole 64-column S^T and dP^T do not fit in
-// registers beside dK and dV), then dQ. Ends with every wgmma of the tile complete, so the
+// One query tile against the CTA's KV tile (the header's per-tile steps): its two query sub-tiles
+// of 32 columns (a whole 64-column S^T and dP^T spilled beside dK and dV at head dim 128, and
+// serialized the wgmmas of several variants at 64), then dQ. Ends with every wgmma of the tile complete, so the
 // caller may refill the stage.
 template <typename Variant, typename DType, int D, int TQ, int TKV, bool kMask>
 __device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
                                          const typename Variant::Params& vp,
                                          const typename Variant::Grads& vg,
                                          const BwdSmem<D, TQ, TKV>& sm, const fa2::BwdTileView& t,
-                                         int st, int wgi, int wi, float (&dk)[D / 64][32],
-                                         float (&dv)[D / 64][32]) {
+                                         int st, int wgi, int wi, bool mask_here,
+                                         float (&dk)[D / 64][32], float (&dv)[D / 64][32]) {
   constexpr bool F16 = !ElemTraits<DType>::kIsBf16;
-  constexpr int QS = D == 128 ? 32 : 64;
-#pragma unroll
+  constexpr int QS = 32;
+  // not unrolled: two inlined sub-tiles let ptxas hoist the second's loads and offsets into
+  // the first, and hook-carrying variants spilled at head dim 128
+#pragma unroll 1
   for (int qs0 = 0; qs0 < TQ; qs0 += QS) {
     fa2::BwdTileView ts = t;
     ts.q0 = t.q0 + qs0;
-    bwd_sub<Variant, DType, D, TQ, TKV, QS, kMask>(p, vp, vg, sm, ts, st, qs0, wgi, wi, dk, dv);
+    bwd_sub<Variant, DType, D, TQ, TKV, QS, kMask>(p, vp, vg, sm, ts, st, qs0, wgi, wi, mask_here,
+                                                   dk, dv);
   }
   wg::fence_proxy_async();  // the dS stores, before wgmma reads them
   __syncthreads();          // dS complete (both warpgroups)
@@ -375,11 +379,10 @@ __device__ __forceinline__ void fa3_backward(const attncc::BackwardParams& p,
       bool is_full;
       const int q0 = tl.start(it, is_full);
       const fa2::BwdTileView t{b, hq, q0, kv_row0, p.q_len, p.kv_len, lane};
-      if (Variant::has_logits_mask && !is_full)
-        bwd_tile<Variant, DType, D, TQ, TKV, Variant::has_logits_mask>(p, vp, vg, sm, t, it & 1,
-                                                                       wgi, wi, dk, dv);
-      else
-        bwd_tile<Variant, DType, D, TQ, TKV, false>(p, vp, vg, sm, t, it & 1, wgi, wi, dk, dv);
+      // one instantiation, the mask decided per tile: two inlined copies of the tile body (one
+      // masked, one not) spilled at head dim 128 (docs/backward.md, "The FA3-class kernel")
+      bwd_tile<Variant, DType, D, TQ, TKV, Variant::has_logits_mask>(p, vp, vg, sm, t, it & 1,
+                                                                     wgi, wi, !is_full, dk, dv);
     }
     cp_async_wait<0>();
     __syncthreads();  // the last tile's stages are read before the next head refills them

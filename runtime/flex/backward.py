@@ -1,9 +1,10 @@
-"""The FA2-class backward launch (kernels/fa2/fa2_backward.cuh): the block mask's KV-major lists,
-BackwardParams, the captured tensors' fp32 gradient buffers, and the launch.
+"""The backward launch (kernels/fa2/fa2_backward.cuh, and kernels/fa3/fa3_backward.cuh on sm_90):
+which template runs, the block mask's KV-major lists, BackwardParams, the captured tensors' fp32
+gradient buffers, and the launch.
 
 `run_backward` takes what the forward saved (materialized q/k/v, the output and its LSE) and
 the output's gradient, and returns dq, dk, dv and the gradients of the captured tensors named in
-`grad_tensors`. docs/backward.md, "Kernels", is the design note.
+`grad_tensors`. docs/backward.md, "Kernels" and "The FA3-class kernel", is the design note.
 
 Example (the KV-major lists need no GPU):
     >>> import torch
@@ -30,7 +31,8 @@ from ..jit.kernels import KernelSpec, get_kernel
 from ..jit.launch_args import captured
 from .block_mask import kv_major_blocks
 
-__all__ = ["kv_major_lists", "BackwardResult", "run_backward", "backward_kernel"]
+__all__ = ["kv_major_lists", "BackwardResult", "run_backward", "backward_kernel",
+           "backward_spec"]
 
 BACKWARD_KERNELS = ("fa2", "fa3")
 
@@ -126,8 +128,9 @@ def backward_kernel(choice: str | None, head_dim: int, mask: Any, sm90: bool) ->
     return "fa3" if why is None else "fa2"
 
 
-def _backward_spec(kind: str, ir: VariantIR, head_dim: int, dtype: str, mask: Any, *,
-                   fast_math: bool, device: int, grad_tensors: Sequence[str]) -> KernelSpec:
+def backward_spec(kind: str, ir: VariantIR, head_dim: int, dtype: str, mask: Any, *,
+                  fast_math: bool, device: int | None,
+                  grad_tensors: Sequence[str]) -> KernelSpec:
     """The kernel cache's spec: FA3's one form with the FA2-class forms as its fallbacks (a
     variant whose FA3-class form spills runs FA2), or the FA2-class forms alone."""
     forms = backward_fallbacks(head_dim, mask.block_kv if mask is not None else None)
@@ -181,7 +184,7 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     dtype = "bfloat16" if query.dtype == torch.bfloat16 else "float16"
     sm90 = torch.cuda.get_device_capability(device) == (9, 0)
     kind = backward_kernel(kernel, D, mask, sm90)
-    kern = get_kernel(_backward_spec(kind, ir, D, dtype, mask, fast_math=fast_math,
+    kern = get_kernel(backward_spec(kind, ir, D, dtype, mask, fast_math=fast_math,
                                      device=device, grad_tensors=grad_tensors))
     # the form the kernel cache compiled (an FA3 spec may have fallen back to an FA2 form)
     tiles = kern.spec.tiles
