@@ -16,7 +16,7 @@
 //                                              wgmma accumulator is mma.sync's C layout per warp
 //   dV += P^T dO, dK += dS^T Q                 RS: P^T / dS^T as A fragments, dO / Q N-major
 //   dQ += dS K                                 after both sub-tiles: SS m64n64 over dS in shared
-//                                              memory (query-major), fp32 atomics into dq_accum
+//                                              memory (query-major), fp32 reductions into dq_accum
 // dQ's columns are split over the warpgroups at head dim 128 (one m64n64 each, all 128 keys);
 // at head dim 64 warpgroup 0 computes it alone, so every dQ element takes one atomic add per
 // CTA and query tile -- what the deterministic mode's per-tile launches rely on.
@@ -189,8 +189,15 @@ __device__ __forceinline__ void store_ds(u16* sds, const float (&ds)[NF][4], int
     }
 }
 
+// Two adjacent fp32 adds into global memory (8-byte aligned), one vector reduction (sm_90):
+// half the atomic instructions of dQ's element-wise atomicAdd.
+__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+}
+
 // dQ[TQ x 64] += dS K over the 64 columns [n0, n0 + 64) and key steps [kk0, kk0 + KS), then
-// fp32 atomics (times sm_scale) into dq_accum. Warp wi holds query rows 16 wi + lane/4 (+8).
+// fp32 vector reductions (times sm_scale) into dq_accum. Warp wi holds query rows
+// 16 wi + lane/4 (+8).
 template <bool F16, int D, int TQ, int TKV, int KS>
 __device__ __forceinline__ void dq_part(const attncc::BackwardParams& p, u32 sds, u32 sk, int b,
                                         int hq, int q0, int n0, int kk0, int wi, int lane) {
@@ -216,10 +223,9 @@ __device__ __forceinline__ void dq_part(const attncc::BackwardParams& p, u32 sds
     if (qi >= p.q_len) continue;
     float* row = dq + (i64)qi * p.dq_stride_s + n0 + 2 * (lane & 3);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      atomicAdd(row + 8 * j, acc[4 * j + 2 * hr] * p.sm_scale);
-      atomicAdd(row + 8 * j + 1, acc[4 * j + 2 * hr + 1] * p.sm_scale);
-    }
+    for (int j = 0; j < 8; ++j)
+      red_add2(row + 8 * j, acc[4 * j + 2 * hr] * p.sm_scale,
+               acc[4 * j + 2 * hr + 1] * p.sm_scale);
   }
 }
 
@@ -282,8 +288,8 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
 
 // One query tile against the CTA's KV tile (the header's per-tile steps): its two query sub-tiles
 // of 32 columns (a whole 64-column S^T and dP^T spilled beside dK and dV at head dim 128, and
-// serialized the wgmmas of several variants at 64), then dQ. Ends with every wgmma of the tile complete, so the
-// caller may refill the stage.
+// serialized the wgmmas of several variants at 64), then dQ. Ends with every wgmma of the tile
+// complete, so the caller may refill the stage.
 template <typename Variant, typename DType, int D, int TQ, int TKV, bool kMask>
 __device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
                                          const typename Variant::Params& vp,
