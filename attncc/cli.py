@@ -46,6 +46,7 @@ KERNEL_HELP = {
     "fa3batch": "the serving kernel on Hopper, sm_90a only",
     "prepass": "query/key/value transforms once per row",
     "fa2bwd": "the FA2-class backward (dQ, dK, dV, captured grads), sm_80+; not exported",
+    "fa3bwd": "the FA3-class backward (wgmma), sm_90a only, head dims 64/128; not exported",
 }
 
 

@@ -119,8 +119,9 @@ def tile_static_asserts(kernel: str, head_dim: int, threads: int, smem: int,
         'static_assert(attncc::fa3::Smem<128, 128, 3>::kBytes == 230584, "'
     """
     tq, tkv, stages, m_frags, kv_warps = tiles
-    if kernel == "fa2bwd":  # the fourth tile is BackwardTiles.dsplit
-        cfg = f"attncc::fa2::BwdConfig<{head_dim}, {tq}, {tkv}, {stages}, {m_frags}>"
+    if kernel in ("fa2bwd", "fa3bwd"):  # the fourth tile is BackwardTiles.dsplit
+        ns = "fa2" if kernel == "fa2bwd" else "fa3bwd"
+        cfg = f"attncc::{ns}::BwdConfig<{head_dim}, {tq}, {tkv}, {stages}, {m_frags}>"
         pairs = [(f"{cfg}::kThreads", threads), (f"{cfg}::kSmemBytes", smem)]
     elif kernel in _FA3:
         pairs = [("attncc::fa3::kThreads", threads),

@@ -34,8 +34,8 @@ from .constants import (FA3_SPLIT_HEAD_DIMS, FA3_THREADS, static_asserts,
                         tile_static_asserts)
 from .errors import CodegenError
 from .hooks import EMITTERS, HookCode, captured_grad, logits_grad
-from .tiles import (FA2_HEAD_DIMS, FA3_TKV_CHOICES, BackwardTiles, KernelTiles, backward_tiles,
-                    default_tiles, fa3_smem_bytes, fa3_tiles)
+from .tiles import (FA2_HEAD_DIMS, FA3_BACKWARD_TILES, FA3_TKV_CHOICES, BackwardTiles,
+                    KernelTiles, backward_tiles, default_tiles, fa3_smem_bytes, fa3_tiles)
 from .layout import (ATTENTION_PARAMS, BACKWARD_PARAMS, BATCH_PARAMS, PREPASS_PARAMS, StructLayout,
                      c_identifier, plan_header_static_asserts, variant_grads_layout,
                      variant_params_layout)
@@ -155,6 +155,14 @@ KERNELS: dict[str, KernelSpec] = {
                          "attncc::fa2::fa2_backward", threads=0, rows_per_cta=0,
                          head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
                          entry_macro="ATTNCC_FA2_BWD_ENTRY", backward=True),
+    # the FA3-class backward for sm_90a (wgmma; kernels/fa3/fa3_backward.cuh): the FA2-class
+    # kernel's grid and arguments, two warpgroups of 64 KV rows, tiles BackwardTiles(64, 128)
+    "fa3bwd": KernelSpec("fa3bwd", ("common/backward_params.cuh", "common/common.cuh",
+                                    "fa2/fa2_config.cuh", "fa2/fa2_backward.cuh",
+                                    "hopper/wgmma.cuh", "fa3/fa3_backward.cuh"),
+                         "attncc::fa3bwd::fa3_backward", threads=0, rows_per_cta=0,
+                         head_dim_multiple=64, head_dim_max=128, head_dims=(64, 128),
+                         entry_macro="ATTNCC_FA3_BWD_ENTRY", backward=True),
     # Hopper: TMA + wgmma, warp-specialized, 64 query rows per consumer warpgroup
     # (kernels/fa3/fa3_prefill.cuh)
     "fa3": KernelSpec("fa3", ("common/common.cuh", "hopper/wgmma.cuh", "hopper/tma.cuh",
@@ -571,14 +579,21 @@ def _build_backward(ir: VariantIR, vc: VariantCode, spec: KernelSpec, name: str,
     if export:
         raise CodegenError(f"the {spec.name!r} backward kernel runs inside attncc's autograd "
                            f"and is not exported; export 'fa2' or 'simple'")
-    tiles = tiles if tiles is not None else backward_tiles(head_dim)
+    fa3 = spec.name == "fa3bwd"
+    tiles = tiles if tiles is not None else (FA3_BACKWARD_TILES if fa3 else
+                                             backward_tiles(head_dim))
     if not isinstance(tiles, BackwardTiles):
         raise CodegenError(f"the {spec.name!r} kernel takes attncc.codegen.tiles.BackwardTiles, "
                            f"got {tiles!r}")
     tiles.check(head_dim)
+    if fa3 and tiles != FA3_BACKWARD_TILES:
+        raise CodegenError(f"the 'fa3bwd' kernel has one form, {FA3_BACKWARD_TILES}; got {tiles}")
     name += tiles.suffix
     threads, smem = tiles.threads(head_dim), tiles.smem_bytes(head_dim)
+    smem += 1024 if fa3 else 0  # the 128-byte swizzle's 1024-byte alignment slack
     shipped = [(f, read_template(f).rstrip("\n") + "\n") for f in (*COMMON_TEMPLATES, *spec.files)]
+    if fa3:  # wgmma.cuh reads the form (never paired here)
+        shipped.insert(len(COMMON_TEMPLATES), ("kernel form", form_text()))
     asserts = (ATTENTION_PARAMS.static_asserts() + BACKWARD_PARAMS.static_asserts()
                + vc.params_layout.static_asserts()
                + (vc.grads_layout.static_asserts() if vc.grads_layout is not None else [])

@@ -25,7 +25,7 @@ from .errors import CodegenError
 __all__ = ["KernelTiles", "default_tiles", "fa3_tiles", "fa3_smem_bytes", "FA2_HEAD_DIMS",
            "TQ_CHOICES",
            "TKV_CHOICES", "FA3_TKV_CHOICES", "BackwardTiles", "backward_tiles",
-           "backward_fallbacks"]
+           "backward_fallbacks", "FA3_BACKWARD_TILES"]
 
 FA2_HEAD_DIMS = (64, 128, 256)
 TQ_CHOICES = (16, 32, 64, 128)
@@ -187,6 +187,12 @@ def backward_fallbacks(head_dim: int, block_kv: int | None = None) -> tuple[Back
              256: ((16, 64, 2),)}[head_dim]
     return tuple(BackwardTiles(q, k, 2, ds) for q, k, ds in forms
                  if block_kv is None or block_kv % k == 0)
+
+
+# The FA3-class backward's one form (kernels/fa3/fa3_backward.cuh): 64-row query tiles, 128-row
+# KV tiles, two warpgroups (BackwardTiles.threads: 8 warps), the FA2-class kernel's shared tiles
+# plus 1 KB of alignment slack.
+FA3_BACKWARD_TILES = BackwardTiles(64, 128, 2, 1)
 
 
 def backward_tiles(head_dim: int, block_kv: int | None = None) -> BackwardTiles:

@@ -152,10 +152,13 @@ struct BwdTileView {
 // gets bit 4 nf + i for each element inside the sequence and unmasked; `sc` the scaled scores
 // (what LogitsGrad / CapturedGrad take). Out-of-range elements never reach the hooks.
 // sLse2: the stage's LSE in base 2 per query column (+inf for a row with no weight: P = 0).
+// mask_here: with kMask, whether this tile applies LogitsMask (false on a full block); the FA3-
+// class kernel decides at run time, so that its tile body is inlined once (docs/backward.md).
 template <typename Variant, bool kMask, int NF>
 __device__ __forceinline__ void probs_tile(const BwdTileView& t, const typename Variant::Params& vp,
                                            float (&st)[NF][4], float (&sc)[NF][4], u32& live,
-                                           const float* sLse2, float sm_scale) {
+                                           const float* sLse2, float sm_scale,
+                                           bool mask_here = true) {
   constexpr float kLog2e = 1.4426950408889634f;
   live = 0u;
 #pragma unroll
@@ -168,7 +171,7 @@ __device__ __forceinline__ void probs_tile(const BwdTileView& t, const typename 
       sc[nf][i] = score;
       const bool in = qi < t.q_len && kv < t.kv_len;
       bool ok = in;
-      if constexpr (kMask) ok = in && Variant::LogitsMask(vp, t.b, t.hq, qi, kv);
+      if constexpr (kMask) ok = in && (!mask_here || Variant::LogitsMask(vp, t.b, t.hq, qi, kv));
       float s1 = score;
       if constexpr (Variant::has_logits_transform) {
         if (ok) s1 = Variant::LogitsTransform(vp, score, t.b, t.hq, qi, kv);

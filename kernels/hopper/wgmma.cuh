@@ -144,6 +144,26 @@ __device__ __forceinline__ void mma_rs_m64n64k16(float (&d)[32], const u32 (&a)[
   if constexpr (F16) ATTNCC_WG_RS_N64("f16"); else ATTNCC_WG_RS_N64("bf16");
 }
 
+#define ATTNCC_WG_D16                                                                     \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),    \
+      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),          \
+      "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define ATTNCC_WG_D16_LIST "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+
+// D[64x32] (+)= A[64x16] (shared, K-major) * B[16x32] (shared; K-major, or N-major when
+// TRANS_B): the FA3-class backward's half query tiles at head dim 128 (fa3_backward.cuh).
+#define ATTNCC_WG_SS_N32(T)                                                                \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." T "." T " " ATTNCC_WG_D16_LIST \
+               ", %16, %17, p, 1, 1, 0, %19;\n}\n"                                          \
+               : ATTNCC_WG_D16                                                               \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B))
+template <int TRANS_B, bool F16 = false>
+__device__ __forceinline__ void mma_ss_m64n32k16(float (&d)[16], u64 desc_a, u64 desc_b,
+                                                 int accumulate) {
+  if constexpr (F16) ATTNCC_WG_SS_N32("f16"); else ATTNCC_WG_SS_N32("bf16");
+}
+
 #define ATTNCC_WG_D64                                                                     \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),    \
       "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),          \
@@ -213,6 +233,9 @@ __device__ __forceinline__ void fence_operands(T (&r)[M][N]) {
 #undef ATTNCC_WG_D64
 #undef ATTNCC_WG_D64_LIST
 #undef ATTNCC_WG_SS_N64
+#undef ATTNCC_WG_D16
+#undef ATTNCC_WG_D16_LIST
+#undef ATTNCC_WG_SS_N32
 #undef ATTNCC_WG_RS_N64
 #undef ATTNCC_WG_SS_N128
 

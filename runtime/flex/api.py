@@ -75,6 +75,7 @@ SUPPORTED_KERNEL_OPTIONS: dict[str, type] = {
     "SPLIT_TAIL": bool,
     "PAIRED": bool,
     "DETERMINISTIC": bool,  # the GPU backward: bitwise reproducible dQ/dK/dV (docs/backward.md)
+    "BACKWARD_KERNEL": str,  # the GPU backward's template: "fa2" or "fa3" (docs/backward.md)
 }
 
 _warned_no_gpu_kernel = False

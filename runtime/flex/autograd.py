@@ -183,7 +183,8 @@ def _run(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     return run_backward(q, k, v, out, lse, dout, dlse, ir, bindings, pl.mask,
                         scale=default_scale(D, call.scale), grad_tensors=call.grad_tensors,
                         device=pl.device, fast_math=opts.get("FAST_MATH", True),
-                        deterministic=bool(opts.get("DETERMINISTIC", False)))
+                        deterministic=bool(opts.get("DETERMINISTIC", False)),
+                        kernel=opts.get("BACKWARD_KERNEL"))
 
 
 def differentiable_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -1,9 +1,10 @@
-"""The FA2-class backward launch (kernels/fa2/fa2_backward.cuh): the block mask's KV-major lists,
-BackwardParams, the captured tensors' fp32 gradient buffers, and the launch.
+"""The backward launch (kernels/fa2/fa2_backward.cuh, and kernels/fa3/fa3_backward.cuh on sm_90):
+which template runs, the block mask's KV-major lists, BackwardParams, the captured tensors' fp32
+gradient buffers, and the launch.
 
 `run_backward` takes what the forward saved (materialized q/k/v, the output and its LSE) and
 the output's gradient, and returns dq, dk, dv and the gradients of the captured tensors named in
-`grad_tensors`. docs/backward.md, "Kernels", is the design note.
+`grad_tensors`. docs/backward.md, "Kernels" and "The FA3-class kernel", is the design note.
 
 Example (the KV-major lists need no GPU):
     >>> import torch
@@ -21,7 +22,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from attncc.codegen.tiles import BackwardTiles, backward_fallbacks, backward_tiles
+from attncc.codegen.tiles import (FA3_BACKWARD_TILES, BackwardTiles, backward_fallbacks,
+                                  backward_tiles)
 from attncc.errors import InvalidArgument
 from attncc.ir.program import Bindings, VariantIR
 
@@ -29,7 +31,10 @@ from ..jit.kernels import KernelSpec, get_kernel
 from ..jit.launch_args import captured
 from .block_mask import kv_major_blocks
 
-__all__ = ["kv_major_lists", "BackwardResult", "run_backward"]
+__all__ = ["kv_major_lists", "BackwardResult", "run_backward", "backward_kernel",
+           "backward_spec"]
+
+BACKWARD_KERNELS = ("fa2", "fa3")
 
 
 def _padded(q_num: torch.Tensor, q_idx: torch.Tensor, n_kv_blocks: int
@@ -90,6 +95,57 @@ def _mask_params(mask: Any, tiles: BackwardTiles, kv_len: int) -> tuple[dict[str
     return zero, (qn, qi, fqn, fqi)
 
 
+def _fa3_fits(head_dim: int, mask: Any) -> str | None:
+    """Why the FA3-class kernel cannot run this backward (None: it can)."""
+    t = FA3_BACKWARD_TILES
+    if head_dim not in (64, 128):
+        return f"head dim {head_dim} (it runs 64 and 128)"
+    if mask is not None and (mask.block_kv % t.tkv or mask.block_q % t.tq):
+        return (f"block_mask BLOCK_SIZE ({mask.block_q}, {mask.block_kv}) (it needs multiples "
+                f"of ({t.tq}, {t.tkv}))")
+    return None
+
+
+def backward_kernel(choice: str | None, head_dim: int, mask: Any, sm90: bool) -> str:
+    """"fa2" or "fa3": the backward kernel kernel_options['BACKWARD_KERNEL'] (`choice`) asks for,
+    or by default FA3 on sm_90 where it fits (docs/backward.md, "The FA3-class kernel").
+
+    Example:
+        >>> backward_kernel(None, 128, None, sm90=True), backward_kernel(None, 256, None, True)
+        ('fa3', 'fa2')
+        >>> backward_kernel("fa2", 128, None, sm90=True)
+        'fa2'
+    """
+    if choice is not None and choice not in BACKWARD_KERNELS:
+        raise InvalidArgument(f"kernel_options['BACKWARD_KERNEL']={choice!r}: use 'fa2' or "
+                              f"'fa3', or leave it out (attncc picks)")
+    why = _fa3_fits(head_dim, mask) if sm90 else "a GPU other than sm_90 (H100/H200)"
+    if choice == "fa3" and why is not None:
+        raise InvalidArgument(f"kernel_options['BACKWARD_KERNEL']='fa3' cannot run {why}; use "
+                              f"'fa2' or leave BACKWARD_KERNEL out")
+    if choice is not None:
+        return choice
+    return "fa3" if why is None else "fa2"
+
+
+def backward_spec(kind: str, ir: VariantIR, head_dim: int, dtype: str, mask: Any, *,
+                  fast_math: bool, device: int | None,
+                  grad_tensors: Sequence[str]) -> KernelSpec:
+    """The kernel cache's spec: FA3's one form with the FA2-class forms as its fallbacks (a
+    variant whose FA3-class form spills runs FA2), or the FA2-class forms alone."""
+    forms = backward_fallbacks(head_dim, mask.block_kv if mask is not None else None)
+    if not forms:  # the FA2-class first form's message (BLOCK_SIZE=128)
+        _mask_params(mask, backward_tiles(head_dim), 0)
+    if kind == "fa3":
+        forms = tuple(f for f in forms if mask is None or mask.block_q % f.tq == 0)
+        return KernelSpec("fa3_backward", ir=ir, head_dim=head_dim, dtype=dtype,
+                          tiles=FA3_BACKWARD_TILES, fast_math=fast_math, device=device,
+                          grad_tensors=tuple(grad_tensors), fallbacks=forms)
+    return KernelSpec("fa2_backward", ir=ir, head_dim=head_dim, dtype=dtype, tiles=forms[0],
+                      fast_math=fast_math, device=device, grad_tensors=tuple(grad_tensors),
+                      fallbacks=forms[1:])
+
+
 def _strides(prefix: str, t: torch.Tensor) -> dict[str, int]:
     return {f"{prefix}_stride_b": t.stride(0), f"{prefix}_stride_h": t.stride(1),
             f"{prefix}_stride_s": t.stride(2)}
@@ -106,12 +162,14 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor | None, dout: torch.Tensor,
                  dlse: torch.Tensor | None, ir: VariantIR, bindings: Bindings, mask: Any, *,
                  scale: float, grad_tensors: Sequence[str] = (), device: int,
-                 fast_math: bool = True, deterministic: bool = False) -> BackwardResult:
+                 fast_math: bool = True, deterministic: bool = False,
+                 kernel: str | None = None) -> BackwardResult:
     """dq, dk, dv (and captured gradients) of attention `ir` (no q/k/v/output transforms; its
     mask_mod already merged with the block mask's, `mask` the forward's lists: gpu_flex's plan).
     `lse` is the forward's (None for normalize none); `dlse` the LSE's gradient or None.
     `deterministic`: one launch per KV tile, in order, so every dQ element takes at most one
-    atomic add per launch and the sum's order is fixed (docs/backward.md, "Kernels")."""
+    atomic add per launch and the sum's order is fixed (docs/backward.md, "Kernels").
+    `kernel`: kernel_options['BACKWARD_KERNEL'] ("fa2", "fa3" or None: chosen)."""
     if deterministic and grad_tensors:
         raise InvalidArgument(f"kernel_options['DETERMINISTIC']=True with captured tensors that "
                               f"require grad ({', '.join(grad_tensors)}): their gradients are "
@@ -124,12 +182,14 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               torch.zeros_like(value),
                               {n: torch.zeros_like(bindings.tensors[n]) for n in grad_tensors})
     dtype = "bfloat16" if query.dtype == torch.bfloat16 else "float16"
-    forms = backward_fallbacks(D, mask.block_kv if mask is not None else None)
-    mvals, keep = _mask_params(mask, forms[0] if forms else backward_tiles(D), Skv)
-    kern = get_kernel(KernelSpec("fa2_backward", ir=ir, head_dim=D, dtype=dtype, tiles=forms[0],
-                                 fast_math=fast_math, device=device,
-                                 grad_tensors=tuple(grad_tensors), fallbacks=forms[1:]))
-    tkv = kern.config.tkv  # the form the kernel cache compiled
+    sm90 = torch.cuda.get_device_capability(device) == (9, 0)
+    kind = backward_kernel(kernel, D, mask, sm90)
+    kern = get_kernel(backward_spec(kind, ir, D, dtype, mask, fast_math=fast_math,
+                                     device=device, grad_tensors=grad_tensors))
+    # the form the kernel cache compiled (an FA3 spec may have fallen back to an FA2 form)
+    tiles = kern.spec.tiles
+    mvals, keep = _mask_params(mask, tiles, Skv)
+    tkv = kern.config.tkv
     dev = query.device
     q, k, v, do = (_dense(t) for t in (query, key, value, dout))
     dq_acc = torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=dev)

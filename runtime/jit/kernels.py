@@ -56,7 +56,7 @@ __all__ = ["KINDS", "FA2_SPILL_BUDGET", "STRICT_ENV",
            "get_kernel", "check_resources", "clear_loaded", "KernelTiles"]
 
 KINDS = ("fa2_prefill", "fa3_prefill", "fa2_batch", "decode", "fa3_batch", "prepass", "merge",
-         "fa2_backward")
+         "fa2_backward", "fa3_backward")
 
 # Spill bytes (stores + loads, ptxas -v) an FA2 form may have before the prefill path falls back
 # to smaller tiles. One fragment per warp: none. Two: ptxas at the 255-register cap spills a few
@@ -91,7 +91,9 @@ class KernelSpec:
     given, no fallback, no resource check; `device` the CUDA device (None: compile only).
     "fa2_backward" takes `BackwardTiles`, `fallbacks` (the forms compile_spec tries after
     them, attncc.codegen.tiles.backward_fallbacks) and `grad_tensors`, the captured tensors whose
-    gradients its CapturedGrad hook accumulates (docs/backward.md, "Kernels"). `kv_dtype`: an
+    gradients its CapturedGrad hook accumulates (docs/backward.md, "Kernels"). "fa3_backward"
+    (sm_90a, `attncc.codegen.tiles.FA3_BACKWARD_TILES`) takes the FA2-class forms as its
+    `fallbacks`: a variant whose FA3-class form spills runs the FA2-class kernel. `kv_dtype`: an
     fp8 KV cache's dtype name ("float8_e4m3fn" / "float8_e5m2"; the FA2 batch and decode kinds
     only), None when the cache holds `dtype`.
 
@@ -186,7 +188,8 @@ def _fa2_backward(spec: KernelSpec) -> Generated:
     from attncc.codegen.generate import generate_source
 
     t = spec.tiles
-    gk = generate_source(spec.ir, head_dim=spec.head_dim, dtype=spec.dtype, kernel="fa2bwd",
+    kernel = "fa3bwd" if spec.kind == "fa3_backward" else "fa2bwd"
+    gk = generate_source(spec.ir, head_dim=spec.head_dim, dtype=spec.dtype, kernel=kernel,
                          fast_math=spec.fast_math, tiles=t, grad_tensors=spec.grad_tensors)
     cfg = LaunchConfig(spec.head_dim, t.tq, t.tkv, t.stages, 1, gk.threads // 32, gk.threads,
                        gk.shared_mem_bytes)
@@ -203,7 +206,8 @@ def _merge(spec: KernelSpec) -> Generated:
 
 _GENERATORS: dict[str, Callable[[KernelSpec], Generated]] = {
     "fa2_prefill": _fa2, "fa2_batch": _fa2, "decode": _fa2, "fa3_prefill": _fa3,
-    "fa3_batch": _fa3, "prepass": _prepass, "merge": _merge, "fa2_backward": _fa2_backward}
+    "fa3_batch": _fa3, "prepass": _prepass, "merge": _merge, "fa2_backward": _fa2_backward,
+    "fa3_backward": _fa2_backward}
 
 
 def generate(spec: KernelSpec) -> Generated:
@@ -391,6 +395,22 @@ def _backward_fallback(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -
     raise AssertionError("unreachable: the last form returns")
 
 
+def _fa3_backward_fallback(spec: KernelSpec, arch: str,
+                           trail: list[CompiledForm]) -> CompiledForm:
+    """The FA3-class backward's one form and, if ptxas reports spills or a stack frame, the
+    FA2-class forms of `spec.fallbacks` (docs/backward.md, "The FA3-class kernel"): the caller
+    launches the returned form's spec, whichever kind it is. Serialized wgmmas (ptxas's C7511
+    note) cost speed, not correctness, and keep the FA3-class form."""
+    form = compile_form(replace(spec, fallbacks=()), arch)
+    trail.append(form)
+    clean = form.spill_bytes == 0 and stack_frame(form.result.log) == 0
+    if clean or not spec.fallbacks:
+        return form
+    fa2 = replace(spec, kind="fa2_backward", tiles=spec.fallbacks[0],
+                  fallbacks=spec.fallbacks[1:])
+    return _backward_fallback(fa2, arch, trail)
+
+
 def _fa3_low_pressure(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -> CompiledForm:
     """The form as it is and, if it spills or loses its wgmma pipeline, its low-pressure form,
     kept only if that does better."""
@@ -429,6 +449,8 @@ def compile_spec(spec: KernelSpec, arch: str,
         return _fa2_fallback(spec, arch, trail)
     if spec.kind == "fa2_backward":
         return _backward_fallback(spec, arch, trail)
+    if spec.kind == "fa3_backward":
+        return _fa3_backward_fallback(spec, arch, trail)
     if spec.kind in ("fa3_prefill", "fa3_batch"):
         return _fa3_fallback(spec, arch, trail)
     form = compile_form(spec, arch)
@@ -581,6 +603,9 @@ def _load(spec: KernelSpec) -> LoadedKernel:
     if spec.kind == "fa3_prefill" and not arch.startswith("sm_90"):
         raise ValueError(f"kernel_options['KERNEL']='fa3' needs an sm_90 (Hopper) GPU; this one "
                          f"is {arch}")
+    if spec.kind == "fa3_backward" and not arch.startswith("sm_90"):
+        raise ValueError(f"kernel_options['BACKWARD_KERNEL']='fa3' needs an sm_90 (Hopper) GPU; "
+                         f"this one is {arch}")
     ir = spec.ir
     if ir is not None and spec.kind != "prepass":  # the pre-pass's IR comes simplified (hoist)
         from attncc.ir.simplified import simplify_variant

@@ -1,4 +1,5 @@
-"""The GPU backward (kernels/fa2/fa2_backward.cuh through runtime/flex/autograd.py): dQ, dK, dV
+"""The GPU backward (kernels/fa2/fa2_backward.cuh and, on sm_90, kernels/fa3/fa3_backward.cuh,
+through runtime/flex/autograd.py): dQ, dK, dV
 and captured tensors' gradients of `attncc.flex_attention` on CUDA bf16/fp16 against torch's
 autograd through the fp64 reference (runtime/reference.py) on the same inputs. Fresh random
 inputs per test; relative Frobenius error < 2e-2 (bf16) and no NaN; each gradient is its own
@@ -23,6 +24,28 @@ pytestmark = pytest.mark.gpu
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
 _SEED = [0]
+_KERNEL = ["fa2"]  # kernel_options['BACKWARD_KERNEL'] of the running test (the fixture below)
+
+
+@pytest.fixture(autouse=True, params=["fa2", "fa3"])
+def backward_kernel(request: Any) -> Any:
+    """Every test runs on both backward templates: "fa3" (wgmma) on an sm_90 GPU for the shapes
+    it takes (head dims 64/128, block masks of 128 x 128), skipped elsewhere."""
+    if request.param == "fa3" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the FA3-class backward runs on sm_90 only")
+    _KERNEL[0] = request.param
+    yield request.param
+    _KERNEL[0] = "fa2"
+
+
+def _options(kernel_options: dict | None, head_dim: int, block_mask: Any) -> dict:
+    """The test's kernel_options with BACKWARD_KERNEL set to the fixture's template; a shape the
+    FA3-class kernel does not take skips the fa3 run (the fa2 run covers it)."""
+    if _KERNEL[0] == "fa3" and (head_dim not in (64, 128) or (
+            block_mask is not None and (block_mask.BLOCK_SIZE[0] % 64
+                                        or block_mask.BLOCK_SIZE[1] % 128))):
+        pytest.skip("the FA3-class backward runs head dims 64/128, blocks of (64k, 128k)")
+    return {**(kernel_options or {}), "BACKWARD_KERNEL": _KERNEL[0]}
 
 
 def _gen() -> torch.Generator:
@@ -44,6 +67,7 @@ def _grads(variant: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            kernel_options: dict | None = None) -> dict[str, torch.Tensor]:
     """Gradients of <out, dO> (+ <lse, dLSE>) w.r.t. q, k, v and `extra` (captured leaves),
     through attncc's GPU path; dO / dLSE fixed by the test's generator."""
+    kernel_options = _options(kernel_options, q.shape[-1], block_mask)
     res = attncc.flex_attention(q, k, v, score_mod=variant, block_mask=block_mask, scale=scale,
                                 enable_gqa=enable_gqa, return_lse=with_lse,
                                 kernel_options=kernel_options)
