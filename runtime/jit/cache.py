@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from attncc.ir import simplified
 
+from .cache_dir import default_cache_dir
 from .nvrtc import (NvrtcResult, build_options, compile_cuda, loaded_version, normalize_arch,
                     nvrtc_version)
 
@@ -84,23 +85,6 @@ def code_text(source: str) -> str:
         return "\n" * tok.count("\n")
 
     return _LEXEMES.sub(repl, source)
-
-
-def default_cache_dir() -> Path:
-    """Where compiled kernels live: $ATTNCC_CACHE_DIR, $XDG_CACHE_HOME/attncc or ~/.cache/attncc.
-
-    Example:
-        >>> import os
-        >>> os.environ["ATTNCC_CACHE_DIR"] = "/tmp/attncc-doc"; str(default_cache_dir())
-        '/tmp/attncc-doc'
-        >>> del os.environ["ATTNCC_CACHE_DIR"]
-    """
-    env = os.environ.get("ATTNCC_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "attncc"
 
 
 class CorruptEntry(Exception):

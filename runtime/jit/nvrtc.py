@@ -114,7 +114,7 @@ def loaded_version() -> tuple[int, int]:
 
 
 def _memo_path() -> "os.PathLike[str]":
-    from .cache import default_cache_dir  # (cache.py imports this module)
+    from .cache_dir import default_cache_dir
 
     return default_cache_dir() / _MEMO_NAME
 
