@@ -1,10 +1,11 @@
-"""attncc serving with an fp8 KV cache: a decode loop that appends each step's tokens into an
-e4m3 paged cache (quantized on write) and attends over it.
+"""attncc serving with an fp8 KV cache and attention sinks: a decode loop that appends each
+step's tokens into an e4m3 paged cache (quantized on write) and attends over it, with a learned
+sink logit per query head (gpt-oss) joining every row's softmax denominator.
 
 Run: `python examples/serving_fp8.py`. Three requests start from prompts of different lengths;
 each of 4 decode steps appends one new key / value per request with
 `attncc.append_paged_kv_cache(..., k_scale=, v_scale=)`, plans the step with
-`plan(kv_data_type=torch.float8_e4m3fn)` and attends. On a CUDA GPU (sm_89+) `BatchAttention.run`
+`plan(kv_data_type=torch.float8_e4m3fn)` and attends with `run(..., sinks=)`. On a CUDA GPU (sm_89+) `BatchAttention.run`
 reads the fp8 bytes and is checked against the fp64 reference on the dequantized cache; on a
 CPU the reference alone runs. Each step also prints the quantization error: the fp8 cache's
 output against the same step over the unquantized keys and values.
@@ -20,6 +21,7 @@ from attncc.runtime.reference import batch_attention_reference
 HQ, HKV, D, PAGE = 8, 2, 64, 16
 FP8 = torch.float8_e4m3fn
 K_SCALE, V_SCALE = torch.tensor([0.01, 0.02]), 0.01   # per head / per tensor: the cache holds k / k_scale
+SINKS = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.5, -0.5, 3.0, 1.0])  # one sink logit per query head
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -72,13 +74,16 @@ def main() -> None:
                 page_size=PAGE, kv_data_type=FP8)
         q = torch.randn(3, HQ, D, device=dev, dtype=torch.bfloat16)
         ref, _ = batch_attention_reference(q, cache8, torch.arange(4), **table, page_size=PAGE,
-                                           k_scale=K_SCALE, v_scale=V_SCALE)
+                                           k_scale=K_SCALE, v_scale=V_SCALE,
+                                           sinks=SINKS.to(dev))
         exact, _ = batch_attention_reference(q.float(), cache32, torch.arange(4), **table,
-                                             page_size=PAGE)
+                                             page_size=PAGE, sinks=SINKS.to(dev))
         line = f"step {step}: lengths {lens}, fp8 quantization error {rel_err(ref, exact):.1e}"
         if cuda:
-            out = ba.run(q, cache8, k_scale=K_SCALE.to(dev), v_scale=V_SCALE)
-            line += f", BatchAttention.run vs reference {rel_err(out, ref):.1e}"
+            out = ba.run(q, cache8, k_scale=K_SCALE.to(dev), v_scale=V_SCALE, sinks=SINKS.to(dev))
+            err = rel_err(out, ref)
+            line += f", BatchAttention.run vs reference {err:.1e}"
+            assert err < 2e-2, f"BatchAttention.run differs from the reference: {err:.1e}"
         print(line)
 
 
