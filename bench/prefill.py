@@ -76,8 +76,11 @@ def _meta() -> dict[str, Any]:
     commit = os.environ.get("ATTNCC_COMMIT")
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                    text=True, check=True).stdout.strip()
+            # --dirty: a copy whose files differ from the commit git finds (the device machine's
+            # tree is sent without its history) says so instead of naming that commit
+            commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"],
+                                    cwd=ROOT, capture_output=True, text=True,
+                                    check=True).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             commit = "unknown"
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
