@@ -5,6 +5,7 @@
 #
 #   scripts/gpu_check.sh                 # tests + benchmark
 #   scripts/gpu_check.sh tests [ARGS]    # GPU tests only: pytest -m gpu tests, in SHARDS processes
+#                                        # (TESTS="tests/gpu/a.py tests/gpu/b.py": only those files)
 #   scripts/gpu_check.sh bench [ARGS]    # bench/prefill.py only (ARGS go to it)
 #   scripts/gpu_check.sh decode [ARGS]   # bench/decode.py only (ARGS go to it)
 #   scripts/gpu_check.sh shared_prefix   # bench/shared_prefix.py (cascade vs single format)
@@ -44,7 +45,7 @@ if [[ "$MODE" == "all" || "$MODE" == "tests" ]]; then
     SHARDS="${SHARDS:-4}"
     pids=()
     for ((i = 0; i < SHARDS; i++)); do
-        ATTNCC_TEST_SHARD="$i/$SHARDS" ATTNCC_FULL_MATRIX=1 python3 -m pytest -m gpu tests -q -rs \
+        ATTNCC_TEST_SHARD="$i/$SHARDS" ATTNCC_FULL_MATRIX=1 python3 -m pytest -m gpu ${TESTS:-tests} -q -rs \
             -p no:cacheprovider --tb=short --durations=5 "${@:2}" >"$OUT/pytest-shard$i.log" 2>&1 &
         pids+=($!)
     done
