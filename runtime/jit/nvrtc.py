@@ -212,8 +212,11 @@ def normalize_arch(arch: str | None) -> str:
 
 
 def _version_or_zero() -> tuple[int, int]:
-    if _VERSION is None and _remembered_version() is None and not available():
-        return (0, 0)
+    global _VERSION
+    if _VERSION is None:  # read the memo once: nvrtc_version() then answers from _VERSION
+        _VERSION = _remembered_version()
+        if _VERSION is None and not available():
+            return (0, 0)
     return nvrtc_version()
 
 
