@@ -33,6 +33,7 @@ from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
 from ..jit.device import num_sms
 from ..jit.launch_args import ELEM_NAMES, captured, clamped
 from ..jit.kernels import KernelSpec, LoadedKernel, compile_spec, get_kernel
+from ..jit.launcher import zero_ints
 from ..jit.tiles import HEAD_DIMS
 from ..jit.tma import MapCache, MapSlot
 from ..reference import check_sinks, is_noop_mask, trace_mask, validate_attention_inputs
@@ -939,7 +940,8 @@ def _fa3_split_args(split: TailSplit, head_dim: int, device: torch.device,
     The dynamic item order claims items past the first from the counter: zeroed once per
     launch (a memset on the stream; in a CUDA graph, a memset node), so no two launches share
     one."""
-    counter = torch.zeros(split.counter_ints(), dtype=torch.int32, device=device)
+    counter = torch.empty(split.counter_ints(), dtype=torch.int32, device=device)
+    zero_ints(counter)
     args["item_counter"] = counter.data_ptr()
     if not split.pieces:
         return (counter,)

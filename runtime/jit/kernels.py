@@ -42,6 +42,7 @@ from attncc.errors import ResourceError
 from attncc.ir.program import VariantIR
 
 from .cache import KernelCache, cached_compile, is_confirmed, store_compile
+from .forms import FormMemo
 from .nvrtc import NvrtcResult, compile_cuda
 from .policy import spill_bytes, stack_frame, wgmma_notes
 from .tiles import LaunchConfig, fa2_config
@@ -444,7 +445,20 @@ def compile_spec(spec: KernelSpec, arch: str,
         ...     f = compile_spec(KernelSpec("merge", dtype="float16"), "sm_90a")
         ...     assert f.spill_bytes == 0 and f.spec.kind == "merge"
     """
-    trail = trail if trail is not None else []
+    if trail is not None:  # the caller wants every form compiled: no memo
+        return _walk_forms(spec, arch, trail)
+    memo = FormMemo.default()
+    form = memo.load(spec, arch)  # a warm start: no rendering, no hashing of the source
+    if isinstance(form, CompiledForm):  # re-pointed at the caller's IR object and device
+        own = replace(form.gen.spec, ir=spec.ir, device=spec.device)
+        return replace(form, gen=replace(form.gen, spec=own))
+    form = _walk_forms(spec, arch, [])
+    memo.save(spec, arch, form)
+    return form
+
+
+def _walk_forms(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -> CompiledForm:
+    """compile_spec's search over a kind's forms, each through the cubin cache."""
     if spec.kind == "fa2_prefill" and spec.tiles is not None:
         return _fa2_fallback(spec, arch, trail)
     if spec.kind == "fa2_backward":

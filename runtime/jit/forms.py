@@ -1,0 +1,108 @@
+"""The form memo: `compile_spec`'s answer for a spec, remembered in the cache directory, so a warm
+start neither renders the translation unit nor hashes its text (docs/jit.md, "Warm start").
+
+An entry is the pickled `CompiledForm` (the form compile_spec chose, fallbacks included, with
+its source, cubin and ptxas report) under a sha256 key over the memo format, the sources that
+turn a spec into a form (the IR and codegen packages, the CUDA templates, this package's rules),
+the arch, the NVRTC version and the spec itself (its fields and its IR's pickle). Any change to
+those sources (seen as a new size or modification time) or to NVRTC gives new keys; an unreadable entry is a miss. The cubin cache below
+stays the authority: the memo only skips the work of finding its key.
+
+Example:
+    >>> import tempfile
+    >>> from attncc.runtime.jit.kernels import KernelSpec
+    >>> memo, spec = FormMemo(tempfile.mkdtemp()), KernelSpec("merge", dtype="float16")
+    >>> memo.load(spec, "sm_90a") is None
+    True
+    >>> memo.save(spec, "sm_90a", {"any": "picklable form"}); memo.load(spec, "sm_90a")
+    {'any': 'picklable form'}
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from .cache import KernelCache, default_cache_dir
+from .nvrtc import nvrtc_version
+
+__all__ = ["FormMemo", "FORMAT"]
+
+FORMAT = 1
+_digest: str | None = None
+
+
+def _package_dirs() -> list[Path]:
+    import attncc.codegen
+    import attncc.ir
+    import attncc.kernels
+
+    return [Path(attncc.codegen.__file__).parent, Path(attncc.ir.__file__).parent,
+            Path(attncc.kernels.__file__).parent, Path(__file__).parent]
+
+
+def sources_digest() -> str:
+    """sha256 over the name, size and modification time of every source file that takes part
+    in turning a spec into a compiled form (read once per process; stat only, so a warm start
+    reads no source: an edited or reinstalled file gives new keys)."""
+    global _digest
+    if _digest is None:
+        h = hashlib.sha256()
+        for root in _package_dirs():
+            for dirpath, dirnames, filenames in os.walk(root):
+                dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+                for name in sorted(filenames):
+                    st = os.stat(os.path.join(dirpath, name))
+                    rel = os.path.relpath(os.path.join(dirpath, name), root)
+                    h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        _digest = h.hexdigest()
+    return _digest
+
+
+class FormMemo:
+    """Compiled forms by spec, in `dir` (default: `forms/` inside the kernel cache directory)."""
+
+    def __init__(self, dir: str | Path | None = None) -> None:
+        self.store = KernelCache.shared(Path(dir) if dir is not None
+                                        else default_cache_dir() / "forms")
+
+    @staticmethod
+    def default() -> "FormMemo":
+        return FormMemo()
+
+    @staticmethod
+    def key(spec: Any, arch: str) -> str | None:
+        """The entry's key, or None when the spec's IR cannot be pickled (too deep)."""
+        try:
+            ir_blob = pickle.dumps(spec.ir, protocol=4)
+        except (RecursionError, pickle.PicklingError):
+            return None
+        h = hashlib.sha256(b"attncc-form\0%d\0" % FORMAT)
+        fields = repr(replace(spec, device=None))  # the form does not depend on the device
+        for part in (sources_digest(), arch, repr(nvrtc_version()), fields):
+            h.update(part.encode() + b"\0")
+        h.update(ir_blob)
+        return h.hexdigest()
+
+    def load(self, spec: Any, arch: str) -> Any:
+        """The object saved for `spec` (compile_spec checks its type), or None."""
+        key = self.key(spec, arch)
+        data = self.store.get(key) if key is not None else None
+        if data is None:
+            return None
+        try:
+            return pickle.loads(data)
+        except Exception:  # an unreadable entry is a miss: compile_spec overwrites it
+            return None
+
+    def save(self, spec: Any, arch: str, form: Any) -> None:
+        key = self.key(spec, arch)
+        if key is None:
+            return
+        try:
+            self.store.put(key, pickle.dumps(form, protocol=4))
+        except (OSError, RecursionError, pickle.PicklingError):
+            pass  # only the next process's warm start is lost
