@@ -45,7 +45,7 @@ if [[ "$MODE" == "all" || "$MODE" == "tests" ]]; then
     SHARDS="${SHARDS:-4}"
     pids=()
     for ((i = 0; i < SHARDS; i++)); do
-        ATTNCC_TEST_SHARD="$i/$SHARDS" ATTNCC_FULL_MATRIX=1 python3 -m pytest -m gpu ${TESTS:-tests} -q -rs \
+        ATTNCC_TEST_SHARD="$i/$SHARDS" ATTNCC_FULL_MATRIX=1 python3 -m pytest -m gpu ${TESTS:-tests} -q -rfEs \
             -p no:cacheprovider --tb=short --durations=5 "${@:2}" >"$OUT/pytest-shard$i.log" 2>&1 &
         pids+=($!)
     done

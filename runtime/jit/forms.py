@@ -4,7 +4,7 @@ start neither renders the translation unit nor hashes its text (docs/jit.md, "Wa
 An entry is the pickled `CompiledForm` (the form compile_spec chose, fallbacks included, with
 its source, cubin and ptxas report) under a sha256 key over the memo format, the sources that
 turn a spec into a form (the IR and codegen packages, the CUDA templates, this package's rules),
-the arch, the NVRTC version and the spec itself (its fields and its IR's pickle). Any change to
+the arch, the NVRTC version and the spec itself (its fields and its IR's canonical text). Any change to
 those sources (seen as a new size or modification time) or to NVRTC gives new keys; an unreadable entry is a miss. The cubin cache below
 stays the authority: the memo only skips the work of finding its key.
 
@@ -62,6 +62,28 @@ def sources_digest() -> str:
     return _digest
 
 
+def ir_text(ir: Any) -> str:
+    """A canonical text of a VariantIR: its declarations and, per hook, its source line and
+    its DAG in walk order, each node as (op, dtype, argument numbers, attribute with its type:
+    floats by their bits). Equal for equal IRs in any process, unlike a pickle, whose bytes
+    depend on how the objects were built (a freshly simplified IR against one read back)."""
+    if ir is None:
+        return "-"
+    from attncc.ir.nodes import walk
+
+    out = [ir.name, ir.normalize, repr(ir.scalars), repr(ir.tensors)]
+    for name, hook in ir.hooks.items():
+        out.append(f"hook {name} {hook.source}")
+        num: dict[int, int] = {}
+        for n in walk(hook.expr):
+            num[id(n)] = len(num)
+            a = n.attr
+            attr = a.hex() if isinstance(a, float) else repr(a)
+            out.append(f"{n.op} {n.dtype} {[num[id(x)] for x in n.args]} "
+                       f"{type(a).__name__}:{attr}")
+    return "\n".join(out)
+
+
 class FormMemo:
     """Compiled forms by spec, in `dir` (default: `forms/` inside the kernel cache directory)."""
 
@@ -74,23 +96,17 @@ class FormMemo:
         return FormMemo()
 
     @staticmethod
-    def key(spec: Any, arch: str) -> str | None:
-        """The entry's key, or None when the spec's IR cannot be pickled (too deep)."""
-        try:
-            ir_blob = pickle.dumps(spec.ir, protocol=4)
-        except (RecursionError, pickle.PicklingError):
-            return None
+    def key(spec: Any, arch: str) -> str:
+        """The entry's key: the same for the same spec in any process (`ir_text`)."""
         h = hashlib.sha256(b"attncc-form\0%d\0" % FORMAT)
         fields = repr(replace(spec, device=None))  # the form does not depend on the device
-        for part in (sources_digest(), arch, repr(nvrtc_version()), fields):
+        for part in (sources_digest(), arch, repr(nvrtc_version()), fields, ir_text(spec.ir)):
             h.update(part.encode() + b"\0")
-        h.update(ir_blob)
         return h.hexdigest()
 
     def load(self, spec: Any, arch: str) -> Any:
         """The object saved for `spec` (compile_spec checks its type), or None."""
-        key = self.key(spec, arch)
-        data = self.store.get(key) if key is not None else None
+        data = self.store.get(self.key(spec, arch))
         if data is None:
             return None
         try:
@@ -99,10 +115,7 @@ class FormMemo:
             return None
 
     def save(self, spec: Any, arch: str, form: Any) -> None:
-        key = self.key(spec, arch)
-        if key is None:
-            return
         try:
-            self.store.put(key, pickle.dumps(form, protocol=4))
+            self.store.put(self.key(spec, arch), pickle.dumps(form, protocol=4))
         except (OSError, RecursionError, pickle.PicklingError):
             pass  # only the next process's warm start is lost

@@ -72,6 +72,35 @@ def test_the_digest_sees_an_edited_source(tmp_path: Path, monkeypatch: pytest.Mo
     assert forms.sources_digest() != before
 
 
+_PROCESS = """
+import sys
+from attncc.gym import GYM
+from attncc.ir.simplified import simplify_variant
+from attncc.runtime.jit import kernels
+ir = simplify_variant(GYM["rope"](1, 4, 256, 64).trace()[0])  # fresh, then read from the store
+if sys.argv[1] == "warm":
+    def refuse(*a, **kw):
+        raise SystemExit("the warm process rendered or compiled")
+    kernels.generate = kernels.compile_form = refuse
+kernels.compile_spec(kernels.KernelSpec("prepass", ir, 64, "bfloat16"), "sm_90a")
+"""
+
+
+@pytest.mark.nvrtc
+def test_a_new_process_finds_the_form_a_cold_one_compiled(cache_dir: Path) -> None:
+    """The key of a freshly simplified IR equals that of the same IR read back from the store,
+    so the first warm process (the one `attncc warm` prepared for) renders nothing."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ATTNCC_CACHE_DIR": str(cache_dir)}
+    for mode in ("cold", "warm"):
+        p = subprocess.run([sys.executable, "-c", _PROCESS, mode], env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+
+
 def test_an_unreadable_entry_is_a_miss(cache_dir: Path) -> None:
     memo, spec = forms.FormMemo(), _prepass()
     memo.store.put(memo.key(spec, ARCH), b"not a pickle")
