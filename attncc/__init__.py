@@ -24,6 +24,9 @@ from .runtime.jit.compile import CompiledKernel, compile, export
 from .runtime.flex.api import flex_attention
 from .runtime.serving.merge import merge_state, merge_states
 from .version import __version__
+from .runtime.jit.launcher import preload_driver
+
+preload_driver()  # on a CUDA build, the driver bindings load while the caller sets up
 
 __all__ = ["AttnccError", "AttnSyntaxError", "AuxOutput", "AuxRequest", "BatchAttention",
            "BlockMask", "CapturedReadError", "CascadeAttention", "CodegenError", "CompileError",

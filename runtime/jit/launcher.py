@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
+import os
 import struct
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -51,6 +54,37 @@ def driver() -> Any:
     from cuda.bindings import driver  # lazily: the compiler half must import without CUDA
 
     return driver
+
+
+_PRELOAD: list[threading.Thread] = []
+
+
+def preload_driver() -> threading.Thread | None:
+    """Start importing the CUDA driver bindings on a daemon thread, once per process, when torch
+    is a CUDA build and cuda-bindings is installed: importing them takes ~27 ms on the H200 host,
+    which a first launch would otherwise wait for (docs/jit.md, "Warm start"). `import attncc`
+    calls it; a launch that comes first simply imports them itself. A fork waits for the
+    thread, so no child inherits an import lock held by a thread it does not have."""
+    torch = sys.modules.get("torch")
+    if _PRELOAD or torch is None or getattr(torch.version, "cuda", None) is None:
+        return None
+    try:
+        if importlib.util.find_spec("cuda.bindings") is None:
+            return None
+    except (ImportError, ValueError):
+        return None
+
+    def run() -> None:
+        try:
+            driver()
+        except Exception:  # the first launch imports them again and reports the error
+            pass
+
+    t = threading.Thread(target=run, name="attncc-driver-import", daemon=True)
+    _PRELOAD.append(t)
+    os.register_at_fork(before=t.join)
+    t.start()
+    return t
 
 
 def driver_check(result: Any, call: str) -> Any:
