@@ -692,6 +692,7 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
     H = q.shape[1]
     if sinks is not None:
         check_sinks(sinks, H, q.device, q.dtype)
+        sinks = sinks.float()  # (exact; q's 16-bit dtype is not q_in's with an fp8 cache)
     out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     lse = (torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
            if ir.use_softmax else None)

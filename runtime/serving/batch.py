@@ -35,7 +35,8 @@ and the upload), `causal` (causal clipping of the staged units), `reads` (clampe
 reads), `operands` (run()'s tensor checks) and `launch` (one launch-argument builder per kernel
 kind, and the launches). Kernels come from `_kernels_for` below.
 
-Example (CPU: the plan and its checks; `run` needs a CUDA GPU):
+Example (CPU: the plan and its checks; `run` on a CPU plan computes the float64 reference
+`batch_attention_reference`, the kernels need a CUDA GPU):
     >>> import torch
     >>> ba = BatchAttention(None, kv_layout="NHD", device="cpu")
     >>> ba.plan(torch.tensor([0, 1, 3]), torch.tensor([0, 2, 3]), torch.tensor([4, 0, 2]),
@@ -60,7 +61,7 @@ from ..jit.device import num_sms
 from ..jit.launch_args import captured
 from ..jit.kernels import KernelTiles, KernelRecord, KernelSpec, LoadedKernel, get_kernel
 from ..jit.tiles import HEAD_DIMS
-from ..reference import check_sinks
+from ..reference import batch_attention_reference, check_sinks
 from . import launch
 from .causal import clip_causal_units, mask_causal_bound, section_tokens
 from .fa3_batch import fa3_batch_tiles, fa3_unsupported
@@ -144,6 +145,13 @@ def _kernels_for(ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
     return get_kernel(spec)
 
 
+def _host_copy(a: Any) -> Any:
+    """A copy of a plan() argument that the caller may change after plan (None stays)."""
+    if isinstance(a, torch.Tensor):
+        return a.detach().to("cpu", copy=True)
+    return None if a is None else np.array(a, copy=True)
+
+
 def _check_device(device: Any) -> None:
     """A CUDA device for BatchAttention needs torch to see a GPU: say so, and what runs
     without one, instead of torch's assertion deep inside the constructor."""
@@ -225,6 +233,7 @@ class BatchAttention:
         # plan prologue overlap the attention kernel's tail (kernels/common/batch_params.cuh)
         self._pdl = True
         self._sinks32: torch.Tensor | None = None  # run()'s float32 sinks (_sinks_operand)
+        self._host_batch: tuple = ()  # a CPU plan's arguments, for run()'s reference
         self._tree: TreeTable | None = None  # the tree-mask table (CUDA: made at the first plan)
         self._tree_plan = False  # whether the plan being made / the current plan has a tree mask
         self._fa3_captured = False  # a CUDA graph captured the FA3 batch kernel (no tree masks)
@@ -313,6 +322,10 @@ class BatchAttention:
         # (only now: a plan() that raised leaves the last plan's layout and offsets for run())
         self._commit(b, cfg, half, buf, offsets, num_qo_heads, num_kv_heads, head_dim)
         self.kv_data_type = kv8
+        if self.device.type != "cuda":  # what run()'s reference reads (CPU plans only)
+            self._host_batch = tuple(_host_copy(a) for a in (
+                qo_indptr, kv_indptr, kv_indices, kv_last_page_len, custom_mask,
+                packed_custom_mask))
         if self.device.type == "cuda":
             self._upload_tree(rows)
             if c_staged:  # planner.c listed the used words
@@ -612,33 +625,25 @@ class BatchAttention:
         (plan(kv_data_type=...)) stands for `k8 * k_scale`, `v8 * v_scale`: a float or a tensor
         [num_kv_heads] each, default 1 (docs/serving.md, "fp8 KV cache")."""
         if torch.compiler.is_compiling():  # one op call in the graph (docs/compile.md)
-            if k_scale is not None or v_scale is not None or self.kv_data_type is not None:
-                raise ValueError("BatchAttention.run with an fp8 KV cache does not run under "
-                                 "torch.compile yet; call it outside the compiled region")
             if out is not None or lse is not None:
                 raise ValueError("BatchAttention.run under torch.compile makes its own out / "
                                  "lse; drop out= and lse= (the compiler manages buffers)")
             from .ops import compiled_run
 
-            return compiled_run(self, q, kv_cache, return_lse, scale, sinks)
+            return compiled_run(self, q, kv_cache, return_lse, scale, sinks, k_scale, v_scale)
         if self._plan is None or self.tiles is None or self.layout is None:
             raise RuntimeError("call plan() before run()")
-        if self.device.type != "cuda":
-            raise ValueError("BatchAttention.run needs CUDA tensors; use "
-                             "batch_attention_reference on the CPU")
+        if self.device.type != "cuda":  # a CPU plan: the exact result (no kernel)
+            return self._reference_run(q, kv_cache, out, lse, return_lse, scale, sinks,
+                                       k_scale, v_scale)
         shape = self._planned_shape()
         k, v, strides = cache_views(kv_cache, shape)
         check_q(q, int(self.qo_indptr[-1]), shape)
         check_kv_dtype(q, k, v, self.kv_data_type)
         ir, bindings = self._safe_reads(*self.variant.trace())
-        if self.kv_data_type is not None and ("key_mod" in ir.hooks or "value_mod" in ir.hooks):
-            raise ValueError("an fp8 KV cache holds keys and values already transformed "
-                             "(append_paged_kv_cache(key_mod=...)): read it with a variant "
-                             "without key_mod / value_mod")
+        self._check_run_hooks(ir, return_lse or lse is not None)
         scales = self._scales.pointers(k_scale, v_scale, self.num_kv_heads, self.kv_data_type,
                                        self.device)
-        if not ir.use_softmax and (return_lse or lse is not None):
-            raise ValueError("return_lse=True but the variant has normalize='none'")
         sinks32 = self._sinks_operand(sinks, q, ir)
         kern = self._last_kernel = _kernels_for(
             ir, self.head_dim, "bfloat16" if q.dtype == torch.bfloat16 else "float16",
@@ -656,6 +661,49 @@ class BatchAttention:
         self._launch(kern, params, bindings)
         return (out, lse) if return_lse else out
 
+    def _check_run_hooks(self, ir: VariantIR, want_lse: bool) -> None:
+        """What run() refuses of the variant with this plan: key/value mods on an fp8 cache,
+        an LSE without a softmax."""
+        if self.kv_data_type is not None and ("key_mod" in ir.hooks or "value_mod" in ir.hooks):
+            raise ValueError("an fp8 KV cache holds keys and values already transformed "
+                             "(append_paged_kv_cache(key_mod=...)): read it with a variant "
+                             "without key_mod / value_mod")
+        if not ir.use_softmax and want_lse:
+            raise ValueError("return_lse=True but the variant has normalize='none'")
+
+    def _reference_run(self, q: torch.Tensor, kv_cache: Any, out: torch.Tensor | None,
+                       lse: torch.Tensor | None, return_lse: bool, scale: float | None,
+                       sinks: torch.Tensor | None, k_scale: Any, v_scale: Any) -> Any:
+        """run() of a CPU plan (BatchAttention(device="cpu")): the float64 reference
+        `batch_attention_reference` of the planned batch (fp8 cache, sinks and tree mask
+        included), after run()'s own checks, written as run() writes: out in q's dtype, lse
+        float32, rows past the plan's zero (lse -inf). What torch.compile'd code runs on the
+        CPU too (attncc::batch_attention_run). Plans with q_positions / kv_position_offset
+        have no reference there."""
+        if self._has_q_pos or self._has_kv_pos:
+            raise ValueError("run() on a CPU plan computes batch_attention_reference, which "
+                             "takes no q_positions / kv_position_offset; run such plans on a "
+                             "CUDA GPU")
+        shape = self._planned_shape()
+        k, v, _ = cache_views(kv_cache, shape)
+        n = int(self.qo_indptr[-1])
+        check_q(q, n, shape)
+        check_kv_dtype(q, k, v, self.kv_data_type)
+        ir = self.variant.trace()[0]
+        self._check_run_hooks(ir, return_lse or lse is not None)
+        sinks = self._sinks_operand(sinks, q, ir)  # (checked, float32)
+        out, lse = check_out(out, q), check_lse(lse, return_lse, q, self.device)
+        qo, kvp, pages, last, mask, packed = self._host_batch
+        ref, ref_lse = batch_attention_reference(
+            q[:n], (k, v), qo, kvp, pages, last, kv_layout=self.kv_layout,
+            page_size=1 if self.kv_layout == "ragged" else self.page_size, variant=self.variant,
+            scale=scale, sinks=sinks, custom_mask=mask, packed_custom_mask=packed,
+            k_scale=k_scale, v_scale=v_scale)
+        out[:n], out[n:] = ref, 0
+        if lse is not None:
+            lse[:n], lse[n:] = (ref_lse if ref_lse is not None else 0), -math.inf
+        return (out, lse) if return_lse else out
+
     def _sinks_operand(self, sinks: Any, q: torch.Tensor, ir: VariantIR) -> torch.Tensor | None:
         """The kernels' float32 sinks, checked (reference.check_sinks); kept on the instance so
         that a converted copy lives as long as a graph that captured its address."""
@@ -665,8 +713,11 @@ class BatchAttention:
             raise InvalidArgument("sinks were given but the variant has normalize='none': a "
                                   "sink joins a softmax denominator; drop sinks")
         check_sinks(sinks, self.num_qo_heads, self.device, q.dtype)
-        self._sinks32 = sinks.detach().to(torch.float32).contiguous()
-        return self._sinks32
+        s32 = sinks.detach().to(torch.float32).contiguous()
+        # a copy is kept; the caller's own float32 tensor is not (under torch.compile's
+        # CUDA graphs it lives in the graph's pool, which must hold no untracked tensor)
+        self._sinks32 = s32 if s32.data_ptr() != sinks.data_ptr() else None
+        return s32
 
     def _planned_shape(self) -> PlannedShape:
         """What the current plan fixes about run()'s tensors (`operands`)."""
