@@ -63,6 +63,7 @@ from ..jit.kernels import KernelTiles, KernelRecord, KernelSpec, LoadedKernel, g
 from ..jit.tiles import HEAD_DIMS
 from ..reference import batch_attention_reference, check_sinks
 from . import launch
+from .capture import LaunchShape, capture_mismatch
 from .causal import clip_causal_units, mask_causal_bound, section_tokens
 from .fa3_batch import fa3_batch_tiles, fa3_unsupported
 from .operands import PlannedShape, cache_views, check_kv_dtype, check_lse, check_out, check_q
@@ -237,6 +238,7 @@ class BatchAttention:
         self._tree: TreeTable | None = None  # the tree-mask table (CUDA: made at the first plan)
         self._tree_plan = False  # whether the plan being made / the current plan has a tree mask
         self._fa3_captured = False  # a CUDA graph captured the FA3 batch kernel (no tree masks)
+        self._captured: LaunchShape | None = None  # what the last captured run fixed (capture.py)
         self.kv_data_type: torch.dtype | None = None  # the plan's fp8 cache dtype (None: q's)
         self._scales = KvScales()  # run()'s k_scale / v_scale pointers
         from .ops import register_batch  # torch.compile's op finds this object by it
@@ -318,10 +320,13 @@ class BatchAttention:
             staged = self._stage_plan(b, fast, num_qo_heads, num_kv_heads, head_dim,
                                       q_data_type, kv8)
         cfg, half, buf, offsets, c_staged = staged
+        self._check_captured(cfg, offsets, b, (num_qo_heads, num_kv_heads), head_dim, kv8)
         self._clip_causal(buf, cfg, b, num_qo_heads // num_kv_heads, head_dim, q_data_type)
         # (only now: a plan() that raised leaves the last plan's layout and offsets for run())
         self._commit(b, cfg, half, buf, offsets, num_qo_heads, num_kv_heads, head_dim)
         self.kv_data_type = kv8
+        if kv8 is not None:  # (here, not in run(): maybe inside a compiled CUDA graph)
+            self._scales.reserve(num_kv_heads, self.device)
         if self.device.type != "cuda":  # what run()'s reference reads (CPU plans only)
             self._host_batch = tuple(_host_copy(a) for a in (
                 qo_indptr, kv_indptr, kv_indices, kv_last_page_len, custom_mask,
@@ -654,12 +659,49 @@ class BatchAttention:
         if sinks32 is not None:
             params["sinks"] = sinks32.data_ptr()
         params["k_scale"], params["v_scale"] = scales
-        if self._own_workspace and not self._graph_captured:
-            self._graph_captured = torch.cuda.is_current_stream_capturing()
-        if self.tiles.kernel == "fa3" and not self._fa3_captured:  # (never in a decode loop)
-            self._fa3_captured = torch.cuda.is_current_stream_capturing()
+        if torch.cuda.is_current_stream_capturing():
+            self._note_capture()
         self._launch(kern, params, bindings)
         return (out, lse) if return_lse else out
+
+    def _note_capture(self) -> None:
+        """run() is being captured in a CUDA graph: its workspace cannot grow, and later plans
+        must keep what its kernels and launch arguments fixed (`_check_captured`)."""
+        self._graph_captured = self._graph_captured or self._own_workspace
+        self._fa3_captured = self._fa3_captured or self.tiles.kernel == "fa3"
+        self._captured = self._launch_shape(
+            self.tiles, self.layout, self._offsets, (self.num_qo_heads, self.num_kv_heads),
+            self.head_dim, self.page_size, self.kv_data_type,
+            (self._has_q_pos, self._has_kv_pos), self.kv_lens)
+
+    def _launch_shape(self, tiles: BatchTiles, layout: Any, offsets: dict, heads: tuple,
+                      head_dim: int, page_size: int, kv8: torch.dtype | None,
+                      positions: tuple[bool, bool], kv_lens: np.ndarray) -> LaunchShape:
+        """What a graph capturing a run of this plan fixes (`capture.LaunchShape`)."""
+        ir, bindings = self.variant.trace()
+        reads = self._safe.signature(ir, bindings, kv_lens, positions_unknown=any(positions),
+                                     num_qo_heads=heads[0], num_kv_heads=heads[1],
+                                     head_dim=head_dim)
+        return LaunchShape(heads, head_dim, page_size, kv8, positions, tiles, layout,
+                           tuple(sorted(offsets.items())), reads)
+
+    def _check_captured(self, cfg: PlanConfig, offsets: dict, b: CheckedBatch,
+                        heads: tuple[int, int], head_dim: int, kv8: torch.dtype | None) -> None:
+        """After run() was captured in a CUDA graph, a plan that the captured kernels and launch
+        arguments cannot run raises here, before it becomes current (`capture.py`)."""
+        if self._captured is None:
+            return
+        new = self._launch_shape(cfg.tiles, cfg.layout, offsets, heads, head_dim, b.page, kv8,
+                                 (b.qpos is not None, b.kvoff is not None), b.kv_lens)
+        why = capture_mismatch(self._captured, new)
+        if why is not None:
+            raise ValueError(
+                f"a CUDA graph captured run() on an earlier plan, and this plan changes {why}: "
+                f"its replays would run the captured kernel with the captured arguments on a "
+                f"plan they cannot run. Keep later plans within the capture (query rows per "
+                f"request that fit the captured tiles; the same heads, head_dim, page_size and "
+                f"kv_data_type), capture on the largest step's plan, or give each captured "
+                f"graph its own BatchAttention (as FlashInfer's use_cuda_graph wrappers)")
 
     def _check_run_hooks(self, ir: VariantIR, want_lse: bool) -> None:
         """What run() refuses of the variant with this plan: key/value mods on an fp8 cache,
