@@ -319,3 +319,38 @@ def test_batch_attention_reduce_overhead_fp8_new_plans():
                                                  k_scale=0.04, v_scale=vs, sinks=sinks)
         assert _rel(out, ref) < 2e-2, i
         assert float((lse.double() - ref_lse).abs().max()) < 2e-2, i
+
+
+def test_cascade_attention_compiled_with_sinks():
+    """CascadeAttention.run compiled: the two passes are op calls and the merge traced torch
+    ops; zero graph breaks, eager's result within merge rounding, the reference over prefix +
+    suffix pages within bf16 tolerance (out and lse, sinks joined once)."""
+    k, v = _serving_cache(None, seed=7)
+    ids = torch.randperm(POOL, generator=torch.Generator().manual_seed(3))
+    pre, q_lens, s_pages, s_last = ids[:40], [1, 3, 1, 17], [2, 5, 1, 9], [7, 16, 3, 12]
+    suf = ids[40:40 + sum(s_pages)]
+    sptr = torch.tensor([0] + list(itertools.accumulate(s_pages)))
+    qo = torch.tensor([0] + list(itertools.accumulate(q_lens)))
+    q = torch.randn(int(qo[-1]), HKV * G, D, device="cuda").bfloat16()
+    sinks = torch.linspace(-1.0, 2.0, HKV * G, device="cuda")
+    ca = attncc.CascadeAttention(attncc.Variant(mask_mod=causal), kv_layout="NHD")
+    ca.plan(qo, prefix_indices=pre, prefix_last_page_len=PAGE, suffix_indptr=sptr,
+            suffix_indices=suf, suffix_last_page_len=s_last, num_qo_heads=HKV * G,
+            num_kv_heads=HKV, head_dim=D, page_size=PAGE)
+
+    def step(q, k, v, s):
+        return ca.run(q, (k, v), return_lse=True, sinks=s)
+
+    assert torch._dynamo.explain(step)(q, k, v, sinks).graph_break_count == 0
+    torch._dynamo.reset()
+    out, lse = torch.compile(step, fullgraph=True)(q, k, v, sinks)
+    eager_out, eager_lse = step(q, k, v, sinks)
+    assert _rel(out, eager_out) < 1e-2 and float((lse - eager_lse).abs().max()) < 1e-4
+    pages = torch.cat([torch.cat([pre, suf[int(sptr[i]):int(sptr[i + 1])]])
+                       for i in range(len(q_lens))])
+    indptr = torch.tensor([0] + list(itertools.accumulate(40 + n for n in s_pages)))
+    ref, ref_lse = batch_attention_reference(q, (k, v), qo, indptr, pages, torch.tensor(s_last),
+                                             page_size=PAGE, variant=ca.prefix.variant,
+                                             sinks=sinks)
+    assert _rel(out, ref) < 2e-2
+    assert float((lse.double() - ref_lse).abs().max()) < 2e-2
