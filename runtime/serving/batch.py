@@ -620,7 +620,10 @@ class BatchAttention:
             k_scale: Any = None, v_scale: Any = None) -> Any:
         """Attention of the planned batch: `out [total_q, num_qo_heads, head_dim]` (and `lse
         [total_q, num_qo_heads]` float32 with `return_lse`). CUDA-graph capturable once the
-        kernels are compiled (call run once before capturing); replays use the latest plan.
+        kernels are compiled (call run once before capturing); replays use the latest plan,
+        and a later plan the captured kernel cannot run raises in plan() (capture.py).
+        Under torch.compile: one `attncc::batch_attention_run` call (ops.py); on a CPU plan:
+        the float64 reference (`_reference_run`).
         `q` may have more rows than the plan's `total_q` (a static buffer a graph captures
         once): only the plan's rows are read, and `out` / `lse` have q's rows. `sinks`
         [num_qo_heads] (float32 or q's dtype): attention-sink logits joined once to each row's
