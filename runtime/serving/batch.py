@@ -330,7 +330,7 @@ class BatchAttention:
         if self.device.type != "cuda":  # what run()'s reference reads (CPU plans only)
             self._host_batch = tuple(_host_copy(a) for a in (
                 qo_indptr, kv_indptr, kv_indices, kv_last_page_len, custom_mask,
-                packed_custom_mask))
+                packed_custom_mask, q_positions, kv_position_offset))
         if self.device.type == "cuda":
             self._upload_tree(rows)
             if c_staged:  # planner.c listed the used words
@@ -723,12 +723,7 @@ class BatchAttention:
         `batch_attention_reference` of the planned batch (fp8 cache, sinks and tree mask
         included), after run()'s own checks, written as run() writes: out in q's dtype, lse
         float32, rows past the plan's zero (lse -inf). What torch.compile'd code runs on the
-        CPU too (attncc::batch_attention_run). Plans with q_positions / kv_position_offset
-        have no reference there."""
-        if self._has_q_pos or self._has_kv_pos:
-            raise ValueError("run() on a CPU plan computes batch_attention_reference, which "
-                             "takes no q_positions / kv_position_offset; run such plans on a "
-                             "CUDA GPU")
+        CPU too (attncc::batch_attention_run)."""
         shape = self._planned_shape()
         k, v, _ = cache_views(kv_cache, shape)
         n = int(self.qo_indptr[-1])
@@ -738,12 +733,12 @@ class BatchAttention:
         self._check_run_hooks(ir, return_lse or lse is not None)
         sinks = self._sinks_operand(sinks, q, ir)  # (checked, float32)
         out, lse = check_out(out, q), check_lse(lse, return_lse, q, self.device)
-        qo, kvp, pages, last, mask, packed = self._host_batch
+        qo, kvp, pages, last, mask, packed, qpos, kvoff = self._host_batch
         ref, ref_lse = batch_attention_reference(
             q[:n], (k, v), qo, kvp, pages, last, kv_layout=self.kv_layout,
             page_size=1 if self.kv_layout == "ragged" else self.page_size, variant=self.variant,
             scale=scale, sinks=sinks, custom_mask=mask, packed_custom_mask=packed,
-            k_scale=k_scale, v_scale=v_scale)
+            k_scale=k_scale, v_scale=v_scale, q_positions=qpos, kv_position_offset=kvoff)
         out[:n], out[n:] = ref, 0
         if lse is not None:
             lse[:n], lse[n:] = (ref_lse if ref_lse is not None else 0), -math.inf

@@ -213,8 +213,7 @@ def test_bad_scales_raise_under_compile() -> None:
 
 
 def test_cpu_run_checks_like_the_gpu() -> None:
-    """run() on a CPU plan checks its operands as the kernels' path does, and refuses plans
-    with explicit positions (no reference takes them)."""
+    """run() on a CPU plan checks its operands as the kernels' path does."""
     ba, q, (k, v), _, plan = _setup("plain-nhd")
     with pytest.raises(ValueError, match="q must be"):
         ba.run(q[:2], (k, v))
@@ -222,8 +221,54 @@ def test_cpu_run_checks_like_the_gpu() -> None:
         ba.run(q, (k.half(), v.half()))
     with pytest.raises(ValueError, match="k_cache has shape"):
         ba.run(q, (k[:1], v[:1]))
-    ba.plan(plan["qo"], plan["kv_indptr"], plan["kv_indices"], plan["last"],
-            num_qo_heads=HKV * G, num_kv_heads=HKV, head_dim=D, page_size=PAGE,
-            q_positions=np.arange(int(plan["qo"][-1])))
-    with pytest.raises(ValueError, match="q_positions"):
-        ba.run(q, (k, v))
+
+
+@pytest.mark.parametrize("kv8", [None, E4M3])
+def test_cascade_compiled_on_the_cpu(kv8) -> None:
+    """CascadeAttention.run (its passes' plans carry q_positions / kv_position_offset) compiled:
+    zero graph breaks, eager's result (up to the merge's float32 rounding), and within bf16 rounding of one reference over each
+    request's prefix + suffix pages (sinks joined once; fp8 scales on both passes)."""
+    gen = torch.Generator().manual_seed(4)
+    pool = 40
+    k, v = (torch.randn(pool, PAGE, HKV, D, generator=gen) for _ in range(2))
+    if kv8 is None:
+        k, v = k.bfloat16(), v.bfloat16()
+    else:
+        k, v = (quantize(t, torch.full((HKV,), 0.5), head_axis=2, dtype=kv8) for t in (k, v))
+    ids = torch.randperm(pool, generator=gen)
+    pre, q_lens, s_pages, s_last = ids[:3], [1, 3, 1, 5], [2, 1, 1, 3], [7, 16, 3, 12]
+    suf = ids[3:3 + sum(s_pages)]
+    sptr = torch.tensor([0, *itertools.accumulate(s_pages)])
+    qo = torch.tensor([0, *itertools.accumulate(q_lens)])
+    q = torch.randn(int(qo[-1]), HKV * G, D, generator=gen).bfloat16()
+    kw = dict(sinks=_sinks("f32"), **({} if kv8 is None else dict(k_scale=0.5, v_scale=0.25)))
+    variant = _slopes_variant()
+    ca = attncc.CascadeAttention(variant, kv_layout="NHD", max_batch=8, max_qo_tokens=64,
+                                 device="cpu")
+    ca.plan(qo, prefix_indices=pre, prefix_last_page_len=11, suffix_indptr=sptr,
+            suffix_indices=suf, suffix_last_page_len=s_last, num_qo_heads=HKV * G,
+            num_kv_heads=HKV, head_dim=D, page_size=PAGE, kv_data_type=kv8)
+
+    def step(q, k, v):
+        return ca.run(q, (k, v), return_lse=True, **kw)
+
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(step)(q, k, v).graph_break_count == 0
+    out, lse = torch.compile(step, fullgraph=True)(q, k, v)
+    want, want_lse = step(q, k, v)
+    # (inductor fuses the merge's float32 ops its own way: equal up to their rounding)
+    assert float((out.double() - want.double()).norm() / want.double().norm()) < 1e-3
+    assert float((lse - want_lse).abs().max()) < 1e-5
+    # one request's keys: the prefix (its last page holds 11 tokens), then its suffix
+    pre_k, pre_v = (t[pre].flatten(0, 1)[:2 * PAGE + 11] for t in (k, v))
+    tot = {}
+    for name, t, p in (("k", k, pre_k), ("v", v, pre_v)):
+        tot[name] = torch.cat([torch.cat([p, t[suf[int(sptr[i]):int(sptr[i + 1])]]
+                                          .flatten(0, 1)[:(s_pages[i] - 1) * PAGE + s_last[i]]])
+                               for i in range(len(q_lens))])
+    lens = [2 * PAGE + 11 + (n - 1) * PAGE + last for n, last in zip(s_pages, s_last)]
+    ref, ref_lse = batch_attention_reference(q, (tot["k"], tot["v"]), qo,
+                                             torch.tensor([0, *itertools.accumulate(lens)]),
+                                             kv_layout="ragged", variant=variant, **kw)
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
+    assert float((lse.double() - ref_lse).abs().max()) < 1e-5
