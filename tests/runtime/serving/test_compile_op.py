@@ -181,9 +181,9 @@ def test_opcheck(case: str) -> None:
     ks, vs = kw.get("k_scale"), kw.get("v_scale")
     tensors = (ks, vs) if isinstance(ks, torch.Tensor) else (None, None)
     floats = (ks, vs) if isinstance(ks, float) else (None, None)
-    # (test_schema's mutation check compares every aten op's inputs with a multiply torch's
-    # CPU lacks for fp8 -- inside the reference's indexing of the cache, not in the op's
-    # schema, which the 16-bit cases check; tests/gpu/test_compile_gpu.py runs it on fp8)
+    # (test_schema's mutation check compares the inputs with allclose, which torch lacks for
+    # fp8 tensors; the op's schema is the same whatever the cache's dtype, and the 16-bit
+    # cases check it)
     utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.attncc.batch_attention_run.default,
                           (q, [k, v], ba.op_handle, None, s, *tensors, *floats),
