@@ -163,7 +163,7 @@ def _check_device(device: Any) -> None:
                           "attncc.runtime.reference.batch_attention_reference(q, kv_cache, "
                           "qo_indptr, kv_indptr, kv_indices, kv_last_page_len, ...) computes "
                           "the exact result on the CPU, and BatchAttention(..., device='cpu') "
-                          "plans without running")
+                          "plans and runs it (no kernels)")
 
 
 
