@@ -654,7 +654,8 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
                               variant: Variant | None = None, scale: float | None = None,
                               sinks: torch.Tensor | None = None,
                               custom_mask: Any = None, packed_custom_mask: Any = None,
-                              k_scale: Any = None, v_scale: Any = None
+                              k_scale: Any = None, v_scale: Any = None,
+                              q_positions: Any = None, kv_position_offset: Any = None
                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact (float64) batch attention, request by request: the oracle of `BatchAttention.run`.
     The hooks see b = the request's index, q_idx counted so that the queries are the request's
@@ -663,7 +664,8 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
     FlashInfer's per-request masks (`BatchAttention.plan`'s), ANDed with the variant's mask; any
     pattern here, where the kernels take tree masks only (docs/serving.md, "Multi-token decode
     and tree masks"). An fp8 cache is dequantized first (`k_scale` / `v_scale`: a float or a
-    tensor [num_kv_heads], default 1; runtime/kv8.py).
+    tensor [num_kv_heads], default 1; runtime/kv8.py). `q_positions` / `kv_position_offset`:
+    the positions the hooks see, as `BatchAttention.plan` takes them (CascadeAttention's passes).
 
     Example:
         >>> import torch
@@ -686,12 +688,14 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
     # plan()'s checks, with the sizes read off q and the cache
     b = check_batch(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_layout=kv_layout,
                     num_qo_heads=q.shape[1], num_kv_heads=_cache_heads(k_all, kv_layout),
-                    head_dim=q.shape[2], page_size=page_size, head_dims=None)
+                    head_dim=q.shape[2], page_size=page_size, head_dims=None,
+                    q_positions=q_positions, kv_position_offset=kv_position_offset)
     _check_reference_shapes(q, k_all, v_all, b, kv_layout)
     qo, kvp = b.qo, np_int(kv_indptr, "kv_indptr")
     H = q.shape[1]
     if sinks is not None:
         check_sinks(sinks, H, q.device, q.dtype)
+        sinks = sinks.float()  # (exact; q's 16-bit dtype is not q_in's with an fp8 cache)
     out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     lse = (torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
            if ir.use_softmax else None)
@@ -715,18 +719,46 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
                 v = v_all[ids].transpose(1, 2).flatten(0, 1)
             n = (ids.numel() - 1) * page_size + int(last[i]) if ids.numel() else 0
             k, v = k[:n], v[:n]
-        # queries are the last lq positions of the sequence: q_idx = lkv - lq + t
-        qi = q_in[int(qo[i]):int(qo[i + 1])]
-        o_i, l_i = attention_reference(qi.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                       v.transpose(0, 1)[None], ir, bindings, scale=scale,
-                                       enable_gqa=H != k.shape[1], q_offset=k.shape[0] - lq,
-                                       b_offset=i,  # the kernels' hooks see b = the request
-                                       sinks=sinks,
-                                       keep_mask=masks[i] if masks is not None else None)
+        o_i, l_i = _request_attention(q_in[int(qo[i]):int(qo[i + 1])], k, v, ir, bindings, i, b,
+                                      masks[i] if masks is not None else None, scale=scale,
+                                      sinks=sinks)
         out[int(qo[i]):int(qo[i + 1])] = o_i[0].transpose(0, 1)
         if lse is not None and l_i is not None:
             lse[int(qo[i]):int(qo[i + 1])] = l_i[0].transpose(0, 1)
     return out, lse
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    """[tokens, H, D] as attention_reference's [1, H, tokens, D]."""
+    return t.transpose(0, 1)[None]
+
+
+def _request_attention(qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: VariantIR,
+                       bindings: Bindings, i: int, b: CheckedBatch, keep: torch.Tensor | None,
+                       **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Request i's (out [1, H, lq, D], lse) over its keys `k`, `v` [n, Hkv, D]. By default
+    its queries are the last lq positions of its sequence (q_idx = n - lq + t, kv_idx = j);
+    with the batch's `q_positions` / `kv_position_offset` each query row runs alone at its
+    position, over the keys behind `off` masked padding keys (kv_idx = off + j)."""
+    lq, n = qi.shape[0], k.shape[0]
+    kw.update(enable_gqa=qi.shape[1] != k.shape[1], b_offset=i)  # the hooks' b: the request
+    if b.qpos is None and b.kvoff is None:
+        return attention_reference(_heads_first(qi), _heads_first(k), _heads_first(v), ir,
+                                   bindings, q_offset=n - lq, keep_mask=keep, **kw)
+    pos = b.qpos[int(b.qo[i]):int(b.qo[i + 1])] if b.qpos is not None else range(n - lq, n)
+    off = int(b.kvoff[i]) if b.kvoff is not None else 0
+    kp, vp = (_heads_first(torch.cat([t.new_zeros((off, *t.shape[1:])), t])) for t in (k, v))
+    rows = []
+    for t, p in enumerate(pos):
+        row_keep = torch.ones(1, off + n, dtype=torch.bool, device=k.device)
+        row_keep[:, :off] = False
+        if keep is not None:
+            row_keep[:, off:] &= keep[t].to(k.device)
+        rows.append(attention_reference(_heads_first(qi[t:t + 1]), kp, vp, ir, bindings,
+                                        q_offset=int(p), keep_mask=row_keep, **kw))
+    lses = [r[1] for r in rows]
+    return (torch.cat([r[0] for r in rows], dim=2),
+            torch.cat(lses, dim=2) if lses[0] is not None else None)
 
 
 def _request_masks(custom_mask: Any, packed_custom_mask: Any, qo: Any, kv_lens: Any

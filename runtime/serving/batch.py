@@ -35,7 +35,8 @@ and the upload), `causal` (causal clipping of the staged units), `reads` (clampe
 reads), `operands` (run()'s tensor checks) and `launch` (one launch-argument builder per kernel
 kind, and the launches). Kernels come from `_kernels_for` below.
 
-Example (CPU: the plan and its checks; `run` needs a CUDA GPU):
+Example (CPU: the plan and its checks; `run` on a CPU plan computes the float64 reference
+`batch_attention_reference`, the kernels need a CUDA GPU):
     >>> import torch
     >>> ba = BatchAttention(None, kv_layout="NHD", device="cpu")
     >>> ba.plan(torch.tensor([0, 1, 3]), torch.tensor([0, 2, 3]), torch.tensor([4, 0, 2]),
@@ -60,8 +61,9 @@ from ..jit.device import num_sms
 from ..jit.launch_args import captured
 from ..jit.kernels import KernelTiles, KernelRecord, KernelSpec, LoadedKernel, get_kernel
 from ..jit.tiles import HEAD_DIMS
-from ..reference import check_sinks
+from ..reference import batch_attention_reference, check_sinks
 from . import launch
+from .capture import LaunchShape, capture_mismatch
 from .causal import clip_causal_units, mask_causal_bound, section_tokens
 from .fa3_batch import fa3_batch_tiles, fa3_unsupported
 from .operands import PlannedShape, cache_views, check_kv_dtype, check_lse, check_out, check_q
@@ -144,6 +146,13 @@ def _kernels_for(ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
     return get_kernel(spec)
 
 
+def _host_copy(a: Any) -> Any:
+    """A copy of a plan() argument that the caller may change after plan (None stays)."""
+    if isinstance(a, torch.Tensor):
+        return a.detach().to("cpu", copy=True)
+    return None if a is None else np.array(a, copy=True)
+
+
 def _check_device(device: Any) -> None:
     """A CUDA device for BatchAttention needs torch to see a GPU: say so, and what runs
     without one, instead of torch's assertion deep inside the constructor."""
@@ -154,7 +163,7 @@ def _check_device(device: Any) -> None:
                           "attncc.runtime.reference.batch_attention_reference(q, kv_cache, "
                           "qo_indptr, kv_indptr, kv_indices, kv_last_page_len, ...) computes "
                           "the exact result on the CPU, and BatchAttention(..., device='cpu') "
-                          "plans without running")
+                          "plans and runs it (no kernels)")
 
 
 
@@ -225,9 +234,11 @@ class BatchAttention:
         # plan prologue overlap the attention kernel's tail (kernels/common/batch_params.cuh)
         self._pdl = True
         self._sinks32: torch.Tensor | None = None  # run()'s float32 sinks (_sinks_operand)
+        self._host_batch: tuple = ()  # a CPU plan's arguments, for run()'s reference
         self._tree: TreeTable | None = None  # the tree-mask table (CUDA: made at the first plan)
         self._tree_plan = False  # whether the plan being made / the current plan has a tree mask
         self._fa3_captured = False  # a CUDA graph captured the FA3 batch kernel (no tree masks)
+        self._captured: LaunchShape | None = None  # what the last captured run fixed (capture.py)
         self.kv_data_type: torch.dtype | None = None  # the plan's fp8 cache dtype (None: q's)
         self._scales = KvScales()  # run()'s k_scale / v_scale pointers
         from .ops import register_batch  # torch.compile's op finds this object by it
@@ -309,10 +320,17 @@ class BatchAttention:
             staged = self._stage_plan(b, fast, num_qo_heads, num_kv_heads, head_dim,
                                       q_data_type, kv8)
         cfg, half, buf, offsets, c_staged = staged
+        self._check_captured(cfg, offsets, b, (num_qo_heads, num_kv_heads), head_dim, kv8)
         self._clip_causal(buf, cfg, b, num_qo_heads // num_kv_heads, head_dim, q_data_type)
         # (only now: a plan() that raised leaves the last plan's layout and offsets for run())
         self._commit(b, cfg, half, buf, offsets, num_qo_heads, num_kv_heads, head_dim)
         self.kv_data_type = kv8
+        if kv8 is not None:  # (here, not in run(): maybe inside a compiled CUDA graph)
+            self._scales.reserve(num_kv_heads, self.device)
+        if self.device.type != "cuda":  # what run()'s reference reads (CPU plans only)
+            self._host_batch = tuple(_host_copy(a) for a in (
+                qo_indptr, kv_indptr, kv_indices, kv_last_page_len, custom_mask,
+                packed_custom_mask, q_positions, kv_position_offset))
         if self.device.type == "cuda":
             self._upload_tree(rows)
             if c_staged:  # planner.c listed the used words
@@ -602,7 +620,10 @@ class BatchAttention:
             k_scale: Any = None, v_scale: Any = None) -> Any:
         """Attention of the planned batch: `out [total_q, num_qo_heads, head_dim]` (and `lse
         [total_q, num_qo_heads]` float32 with `return_lse`). CUDA-graph capturable once the
-        kernels are compiled (call run once before capturing); replays use the latest plan.
+        kernels are compiled (call run once before capturing); replays use the latest plan,
+        and a later plan the captured kernel cannot run raises in plan() (capture.py).
+        Under torch.compile: one `attncc::batch_attention_run` call (ops.py); on a CPU plan:
+        the float64 reference (`_reference_run`).
         `q` may have more rows than the plan's `total_q` (a static buffer a graph captures
         once): only the plan's rows are read, and `out` / `lse` have q's rows. `sinks`
         [num_qo_heads] (float32 or q's dtype): attention-sink logits joined once to each row's
@@ -612,33 +633,25 @@ class BatchAttention:
         (plan(kv_data_type=...)) stands for `k8 * k_scale`, `v8 * v_scale`: a float or a tensor
         [num_kv_heads] each, default 1 (docs/serving.md, "fp8 KV cache")."""
         if torch.compiler.is_compiling():  # one op call in the graph (docs/compile.md)
-            if k_scale is not None or v_scale is not None or self.kv_data_type is not None:
-                raise ValueError("BatchAttention.run with an fp8 KV cache does not run under "
-                                 "torch.compile yet; call it outside the compiled region")
             if out is not None or lse is not None:
                 raise ValueError("BatchAttention.run under torch.compile makes its own out / "
                                  "lse; drop out= and lse= (the compiler manages buffers)")
             from .ops import compiled_run
 
-            return compiled_run(self, q, kv_cache, return_lse, scale, sinks)
+            return compiled_run(self, q, kv_cache, return_lse, scale, sinks, k_scale, v_scale)
         if self._plan is None or self.tiles is None or self.layout is None:
             raise RuntimeError("call plan() before run()")
-        if self.device.type != "cuda":
-            raise ValueError("BatchAttention.run needs CUDA tensors; use "
-                             "batch_attention_reference on the CPU")
+        if self.device.type != "cuda":  # a CPU plan: the exact result (no kernel)
+            return self._reference_run(q, kv_cache, out, lse, return_lse, scale, sinks,
+                                       k_scale, v_scale)
         shape = self._planned_shape()
         k, v, strides = cache_views(kv_cache, shape)
         check_q(q, int(self.qo_indptr[-1]), shape)
         check_kv_dtype(q, k, v, self.kv_data_type)
         ir, bindings = self._safe_reads(*self.variant.trace())
-        if self.kv_data_type is not None and ("key_mod" in ir.hooks or "value_mod" in ir.hooks):
-            raise ValueError("an fp8 KV cache holds keys and values already transformed "
-                             "(append_paged_kv_cache(key_mod=...)): read it with a variant "
-                             "without key_mod / value_mod")
+        self._check_run_hooks(ir, return_lse or lse is not None)
         scales = self._scales.pointers(k_scale, v_scale, self.num_kv_heads, self.kv_data_type,
                                        self.device)
-        if not ir.use_softmax and (return_lse or lse is not None):
-            raise ValueError("return_lse=True but the variant has normalize='none'")
         sinks32 = self._sinks_operand(sinks, q, ir)
         kern = self._last_kernel = _kernels_for(
             ir, self.head_dim, "bfloat16" if q.dtype == torch.bfloat16 else "float16",
@@ -649,11 +662,86 @@ class BatchAttention:
         if sinks32 is not None:
             params["sinks"] = sinks32.data_ptr()
         params["k_scale"], params["v_scale"] = scales
-        if self._own_workspace and not self._graph_captured:
-            self._graph_captured = torch.cuda.is_current_stream_capturing()
-        if self.tiles.kernel == "fa3" and not self._fa3_captured:  # (never in a decode loop)
-            self._fa3_captured = torch.cuda.is_current_stream_capturing()
+        if torch.cuda.is_current_stream_capturing():
+            self._note_capture()
         self._launch(kern, params, bindings)
+        return (out, lse) if return_lse else out
+
+    def _note_capture(self) -> None:
+        """run() is being captured in a CUDA graph: its workspace cannot grow, and later plans
+        must keep what its kernels and launch arguments fixed (`_check_captured`)."""
+        self._graph_captured = self._graph_captured or self._own_workspace
+        self._fa3_captured = self._fa3_captured or self.tiles.kernel == "fa3"
+        self._captured = self._launch_shape(
+            self.tiles, self.layout, self._offsets, (self.num_qo_heads, self.num_kv_heads),
+            self.head_dim, self.page_size, self.kv_data_type,
+            (self._has_q_pos, self._has_kv_pos), self.kv_lens)
+
+    def _launch_shape(self, tiles: BatchTiles, layout: Any, offsets: dict, heads: tuple,
+                      head_dim: int, page_size: int, kv8: torch.dtype | None,
+                      positions: tuple[bool, bool], kv_lens: np.ndarray) -> LaunchShape:
+        """What a graph capturing a run of this plan fixes (`capture.LaunchShape`)."""
+        ir, bindings = self.variant.trace()
+        reads = self._safe.signature(ir, bindings, kv_lens, positions_unknown=any(positions),
+                                     num_qo_heads=heads[0], num_kv_heads=heads[1],
+                                     head_dim=head_dim)
+        return LaunchShape(heads, head_dim, page_size, kv8, positions, tiles, layout,
+                           tuple(sorted(offsets.items())), reads)
+
+    def _check_captured(self, cfg: PlanConfig, offsets: dict, b: CheckedBatch,
+                        heads: tuple[int, int], head_dim: int, kv8: torch.dtype | None) -> None:
+        """After run() was captured in a CUDA graph, a plan that the captured kernels and launch
+        arguments cannot run raises here, before it becomes current (`capture.py`)."""
+        if self._captured is None:
+            return
+        new = self._launch_shape(cfg.tiles, cfg.layout, offsets, heads, head_dim, b.page, kv8,
+                                 (b.qpos is not None, b.kvoff is not None), b.kv_lens)
+        why = capture_mismatch(self._captured, new)
+        if why is not None:
+            raise ValueError(
+                f"a CUDA graph captured run() on an earlier plan, and this plan changes {why}: "
+                f"its replays would run the captured kernel with the captured arguments on a "
+                f"plan they cannot run. Keep later plans within the capture (query rows per "
+                f"request that fit the captured tiles; the same heads, head_dim, page_size and "
+                f"kv_data_type), capture on the largest step's plan, or give each captured "
+                f"graph its own BatchAttention (as FlashInfer's use_cuda_graph wrappers)")
+
+    def _check_run_hooks(self, ir: VariantIR, want_lse: bool) -> None:
+        """What run() refuses of the variant with this plan: key/value mods on an fp8 cache,
+        an LSE without a softmax."""
+        if self.kv_data_type is not None and ("key_mod" in ir.hooks or "value_mod" in ir.hooks):
+            raise ValueError("an fp8 KV cache holds keys and values already transformed "
+                             "(append_paged_kv_cache(key_mod=...)): read it with a variant "
+                             "without key_mod / value_mod")
+        if not ir.use_softmax and want_lse:
+            raise ValueError("return_lse=True but the variant has normalize='none'")
+
+    def _reference_run(self, q: torch.Tensor, kv_cache: Any, out: torch.Tensor | None,
+                       lse: torch.Tensor | None, return_lse: bool, scale: float | None,
+                       sinks: torch.Tensor | None, k_scale: Any, v_scale: Any) -> Any:
+        """run() of a CPU plan (BatchAttention(device="cpu")): the float64 reference
+        `batch_attention_reference` of the planned batch (fp8 cache, sinks and tree mask
+        included), after run()'s own checks, written as run() writes: out in q's dtype, lse
+        float32, rows past the plan's zero (lse -inf). What torch.compile'd code runs on the
+        CPU too (attncc::batch_attention_run)."""
+        shape = self._planned_shape()
+        k, v, _ = cache_views(kv_cache, shape)
+        n = int(self.qo_indptr[-1])
+        check_q(q, n, shape)
+        check_kv_dtype(q, k, v, self.kv_data_type)
+        ir = self.variant.trace()[0]
+        self._check_run_hooks(ir, return_lse or lse is not None)
+        sinks = self._sinks_operand(sinks, q, ir)  # (checked, float32)
+        out, lse = check_out(out, q), check_lse(lse, return_lse, q, self.device)
+        qo, kvp, pages, last, mask, packed, qpos, kvoff = self._host_batch
+        ref, ref_lse = batch_attention_reference(
+            q[:n], (k, v), qo, kvp, pages, last, kv_layout=self.kv_layout,
+            page_size=1 if self.kv_layout == "ragged" else self.page_size, variant=self.variant,
+            scale=scale, sinks=sinks, custom_mask=mask, packed_custom_mask=packed,
+            k_scale=k_scale, v_scale=v_scale, q_positions=qpos, kv_position_offset=kvoff)
+        out[:n], out[n:] = ref, 0
+        if lse is not None:
+            lse[:n], lse[n:] = (ref_lse if ref_lse is not None else 0), -math.inf
         return (out, lse) if return_lse else out
 
     def _sinks_operand(self, sinks: Any, q: torch.Tensor, ir: VariantIR) -> torch.Tensor | None:
@@ -665,8 +753,11 @@ class BatchAttention:
             raise InvalidArgument("sinks were given but the variant has normalize='none': a "
                                   "sink joins a softmax denominator; drop sinks")
         check_sinks(sinks, self.num_qo_heads, self.device, q.dtype)
-        self._sinks32 = sinks.detach().to(torch.float32).contiguous()
-        return self._sinks32
+        s32 = sinks.detach().to(torch.float32).contiguous()
+        # a copy is kept; the caller's own float32 tensor is not (under torch.compile's
+        # CUDA graphs it lives in the graph's pool, which must hold no untracked tensor)
+        self._sinks32 = s32 if s32.data_ptr() != sinks.data_ptr() else None
+        return s32
 
     def _planned_shape(self) -> PlannedShape:
         """What the current plan fixes about run()'s tensors (`operands`)."""

@@ -122,7 +122,8 @@ class CascadeAttention:
         kernels (every query row is in it), or the suffix pass's when the prefix is empty; the
         merge composes the states, so the merged lse includes the sink (docs/serving.md,
         "Attention sinks"). An fp8 cache's `k_scale` / `v_scale` as `BatchAttention.run` takes
-        them."""
+        them. Under torch.compile: two `attncc::batch_attention_run` calls and the merge as
+        torch ops (docs/compile.md)."""
         if not self._softmax and return_lse:
             raise ValueError("return_lse=True but the variant has normalize='none'")
         if sinks is not None and not self._softmax:
@@ -137,7 +138,9 @@ class CascadeAttention:
         else:
             o1, l1 = self.prefix.run(q, kv_cache, **sc), None
             o2, l2 = self.suffix.run(q, kv_cache, **sc), None
-        if fits_kernel(o1, l1, o2, l2):  # one launch (a dozen elementwise ops otherwise)
+        # one launch (a dozen elementwise ops otherwise; those under torch.compile, where the
+        # two passes are attncc::batch_attention_run calls and the merge is traced torch ops)
+        if not torch.compiler.is_compiling() and fits_kernel(o1, l1, o2, l2):
             out, lse = merge_fitting_states(o1, l1, o2, l2, want_lse=return_lse)
             return (out, lse) if return_lse else out
         if not self._softmax:

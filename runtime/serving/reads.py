@@ -51,6 +51,26 @@ class SafeReads:
         kv_idx < the longest KV length), with the clamps' sizes among the scalars."""
         if not ir.tensors:
             return ir, bindings
+        _, safe, sizes = self._entry(ir, bindings, kv_lens, positions_unknown, num_qo_heads,
+                                     num_kv_heads, head_dim)
+        if not sizes:
+            return safe, bindings
+        return safe, Bindings({**bindings.scalars, **sizes}, bindings.tensors)
+
+    def signature(self, ir: VariantIR, bindings: Bindings, kv_lens: Any, *,
+                  positions_unknown: bool, num_qo_heads: int, num_kv_heads: int,
+                  head_dim: int) -> tuple[bool, tuple]:
+        """(whether any read is clamped, the clamps' sizes) for a plan of `kv_lens`: what a
+        kernel captured in a CUDA graph fixed of the reads (capture.LaunchShape.reads)."""
+        if not ir.tensors:
+            return False, ()
+        _, safe, sizes = self._entry(ir, bindings, kv_lens, positions_unknown, num_qo_heads,
+                                     num_kv_heads, head_dim)
+        return safe is not ir, tuple(sorted(sizes.items()))
+
+    def _entry(self, ir: VariantIR, bindings: Bindings, kv_lens: Any, positions_unknown: bool,
+               num_qo_heads: int, num_kv_heads: int, head_dim: int) -> tuple:
+        """The cache entry (ir, clamped variant, clamp sizes), computed on a miss."""
         tensors = {t.name: bindings.tensors.get(t.name) for t in ir.tensors}
         kv = int(kv_lens.max()) if len(kv_lens) else 0
         try:
@@ -69,7 +89,4 @@ class SafeReads:
                 if len(self.cache) > 64:
                     self.cache.clear()
                 self.cache[key] = hit
-        _, safe, sizes = hit
-        if not sizes:
-            return safe, bindings
-        return safe, Bindings({**bindings.scalars, **sizes}, bindings.tensors)
+        return hit

@@ -5,7 +5,8 @@ A scale is a float or a tensor [num_kv_heads] (runtime/kv8.py). A float32 CUDA t
 exactly [num_kv_heads] on the kernel's device is read where it is (a captured graph then reads
 its current values); anything else is written into the instance's own [2, num_kv_heads] device
 buffer, floats only when they change, so a decode loop with fixed float scales launches nothing
-extra. Values are checked positive and finite before any launch: floats every call, a tensor
+extra (while a CUDA graph captures, a float is always written: the graph's replays then
+write it again). Values are checked positive and finite before any launch: floats every call, a tensor
 once per (tensor, version) -- an in-place update bumps torch's version counter -- so a loop
 passing the same tensor does not read it back every step.
 """
@@ -43,6 +44,11 @@ def check_kv_data_type(kv_data_type: Any, q_data_type: Any,
     return kv_data_type
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether `t` is a CUDA tensor and its device's current stream is capturing a graph."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class KvScales:
     """The device pointers of run()'s k_scale / v_scale (module docstring)."""
 
@@ -62,12 +68,17 @@ class KvScales:
                                       "plan's cache is in q's dtype (plan(kv_data_type=...) "
                                       "names an fp8 one)")
             return 0, 0
+        self.reserve(num_kv_heads, device)
+        return (self._pointer(0, 1.0 if k_scale is None else k_scale, "k_scale", num_kv_heads),
+                self._pointer(1, 1.0 if v_scale is None else v_scale, "v_scale", num_kv_heads))
+
+    def reserve(self, num_kv_heads: int, device: torch.device) -> None:
+        """The [2, num_kv_heads] buffer on `device` (plan() makes it for an fp8 plan, outside
+        any compiled region: one made in a torch.compile CUDA graph's pool would be kept)."""
         if self._buf is None or self._buf.shape[1] != num_kv_heads \
                 or self._buf.device != device:
             self._buf = torch.empty(2, num_kv_heads, dtype=torch.float32, device=device)
             self._floats = (None, None)
-        return (self._pointer(0, 1.0 if k_scale is None else k_scale, "k_scale", num_kv_heads),
-                self._pointer(1, 1.0 if v_scale is None else v_scale, "v_scale", num_kv_heads))
 
     def _pointer(self, row: int, scale: Any, name: str, heads: int) -> int:
         buf = self._buf
@@ -80,7 +91,9 @@ class KvScales:
             buf[row].copy_(scale.detach().reshape(-1).expand(heads))
             self._forget_float(row)
             return buf[row].data_ptr()
-        if isinstance(scale, bool) or self._floats[row] != scale:
+        # while a CUDA graph captures, the fill is always recorded: the graph's replays then
+        # write their own float, whatever an eager call wrote into the buffer since
+        if isinstance(scale, bool) or self._floats[row] != scale or _capturing(buf):
             kv_scale(scale, heads, name)  # raises for a bad float
             buf[row].fill_(float(scale))
             self._floats = tuple(scale if i == row else f for i, f in enumerate(self._floats))

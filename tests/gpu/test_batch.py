@@ -348,6 +348,42 @@ def test_cuda_graph_replays_new_plans(case: str) -> None:
         assert float((got.double() - ref).norm() / ref.norm()) < 2e-2, i
 
 
+def test_replan_after_capture_needing_another_kernel_raises() -> None:
+    """A graph captured on a decode plan (16-row tiles) holds the decode kernel: a multi-token
+    plan (32 fused rows) and a prefill chunk raise in plan(), naming the tiles, before they
+    become current; the graph still replays the last good plan correctly after both."""
+    hkv, g, d, page, cache_pages = 2, 4, 128, 16, 1024
+    variant = _variant("causal", hkv * g, d)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    k = torch.randn(cache_pages, page, hkv, d, generator=gen, device="cuda").bfloat16()
+    v = torch.randn(cache_pages, page, hkv, d, generator=gen, device="cuda").bfloat16()
+    q_buf = torch.randn(64, hkv * g, d, generator=gen, device="cuda").bfloat16()
+    out_buf = torch.empty_like(q_buf)
+    ba = BatchAttention(variant, kv_layout="NHD", max_batch=16, max_qo_tokens=64)
+    _plan_on_cache(ba, [1] * 4, [300, 17, 4000, 64], cache_pages, page, hkv, g, d, seed=0)
+    ba.run(q_buf, (k, v), out=out_buf)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ba.run(q_buf, (k, v), out=out_buf)
+    meta = _plan_on_cache(ba, [1] * 6, [5, 900, 2048, 1, 77, 3000], cache_pages, page, hkv, g,
+                          d, seed=1)
+    tiles = ba.tiles
+    for q_lens, kv_lens in (([8] * 4, [300] * 4), ([60], [2000])):
+        with pytest.raises(ValueError, match="CUDA graph captured run.*tiles / form"):
+            _plan_on_cache(ba, q_lens, kv_lens, cache_pages, page, hkv, g, d, seed=2)
+        assert ba.tiles is tiles
+    out_buf.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = batch_attention_reference(q_buf[:6], (k, v), meta["qo"], meta["kv_indptr"],
+                                       meta["kv_indices"], meta["last"], page_size=page,
+                                       variant=variant)
+    got = out_buf[:6]
+    assert not torch.isnan(got).any()
+    assert float((got.double() - ref).norm() / ref.norm()) < 2e-2
+
+
 def test_invalid_input_raises_before_launch() -> None:
     ba = BatchAttention(None, kv_layout="NHD")
     kw = dict(num_qo_heads=4, num_kv_heads=2, head_dim=128, page_size=16)

@@ -2,8 +2,12 @@
 kernels through attncc::flex_attention and attncc::batch_attention_run): fullgraph, dynamic
 lengths and mode="reduce-overhead" (CUDA graphs) x {captured tensor + scalar, block mask, GQA,
 return_lse}; zero graph breaks, outputs equal to eager and within bf16 tolerance of the fp64
-reference; opcheck on CUDA tensors; the backward through the op (docs/compile.md)."""
+reference; opcheck on CUDA tensors; the backward through the op; BatchAttention.run with an fp8
+cache (float and per-head scales), sinks and tree masks, compiled and under reduce-overhead
+across new plans (docs/compile.md)."""
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -12,8 +16,10 @@ import torch._dynamo
 import attncc
 from attncc.runtime.flex import ops
 from attncc.runtime.flex.api import EAGER_CHECKS
+from attncc.runtime.kv8 import quantize
 from attncc.runtime.reference import attention_reference, batch_attention_reference
 from attncc.runtime.serving.batch import BatchAttention
+from tests.helpers.trees import tree_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -208,3 +214,147 @@ def test_batch_attention_run_compiled():
                           (q, list(cache), ba.op_handle, None),
                           test_utils=("test_schema", "test_faketensor"))
 
+
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+HKV, G, D, PAGE, POOL = 2, 4, 128, 16, 1200  # POOL: pages of the serving caches
+
+
+def _serving_cache(kv8, seed=0):
+    """A paged NHD cache of POOL pages: bf16, or fp8 quantized with per-head scales (returned;
+    the fp8 values stand for k8 * scale whatever scale run() is given)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k, v = (torch.randn(POOL, PAGE, HKV, D, device="cuda", generator=gen) for _ in range(2))
+    if kv8 is None:
+        return k.bfloat16(), v.bfloat16()
+    s = torch.tensor([0.03, 0.05], device="cuda")
+    return quantize(k, s, head_axis=2, dtype=kv8), quantize(v, s, head_axis=2, dtype=kv8)
+
+
+def _serving_plan(ba, q_lens, kv_lens, kv8=None, mask=False, seed=0):
+    """Plan `ba` over random pages of the pool; the arrays (and mask) the reference needs."""
+    n = [-(-x // PAGE) for x in kv_lens]
+    ids = torch.randperm(POOL, generator=torch.Generator().manual_seed(seed))
+    indptr = torch.tensor([0] + list(itertools.accumulate(n)))
+    last = torch.tensor([x - (p - 1) * PAGE for x, p in zip(kv_lens, n)])
+    qo = torch.tensor([0] + list(itertools.accumulate(q_lens)))
+    masks = {"custom_mask": torch.from_numpy(tree_batch(q_lens, kv_lens, seed)[0])} if mask else {}
+    arrays = dict(qo_indptr=qo, kv_indptr=indptr, kv_indices=ids[:int(indptr[-1])],
+                  kv_last_page_len=last)
+    ba.plan(*arrays.values(), num_qo_heads=HKV * G, num_kv_heads=HKV, head_dim=D,
+            page_size=PAGE, kv_data_type=kv8, **masks)
+    return {**arrays, **masks}
+
+
+# name: (kv dtype, scales, sinks dtype, tree mask, q_lens, kv_lens)
+SERVING = {
+    "e4m3-float": (E4M3, "float", None, False, [1, 1, 1], [700, 33, 2000]),
+    "e5m2-head-sinks": (E5M2, "head", torch.bfloat16, False, [1, 3, 1], [64, 900, 5000]),
+    "tree-sinks": (None, None, torch.float32, True, [4, 8, 2], [300, 1000, 17]),
+}
+
+
+def _serving_kw(scales, sinks):
+    kw = {}
+    if scales == "float":
+        kw.update(k_scale=0.04, v_scale=0.05)
+    elif scales == "head":
+        kw.update(k_scale=torch.tensor([0.03, 0.06], device="cuda"),
+                  v_scale=torch.tensor([0.05, 0.02], device="cuda"))
+    if sinks is not None:
+        kw["sinks"] = torch.linspace(-1.0, 2.0, HKV * G, device="cuda").to(sinks)
+    return kw
+
+
+@pytest.mark.parametrize("case", SERVING)
+def test_batch_attention_run_compiled_serving_features(case):
+    """fp8 caches (float / per-head scales), sinks and tree masks through the op: zero graph
+    breaks, the compiled step equals eager bit for bit and the fp64 reference within bf16
+    tolerance (out and lse); opcheck on the CUDA inputs, fp8 included (but its schema check)."""
+    kv8, scales, sinks, mask, q_lens, kv_lens = SERVING[case]
+    k, v = _serving_cache(kv8)
+    ba = BatchAttention(None, kv_layout="NHD", max_batch=8, max_qo_tokens=64)
+    arrays = _serving_plan(ba, q_lens, kv_lens, kv8, mask)
+    q = torch.randn(sum(q_lens), HKV * G, D, device="cuda").bfloat16()
+    kw = _serving_kw(scales, sinks)
+
+    def step(q, k, v):
+        return ba.run(q, (k, v), return_lse=True, **kw)
+
+    assert torch._dynamo.explain(step)(q, k, v).graph_break_count == 0
+    torch._dynamo.reset()
+    out, lse = torch.compile(step, fullgraph=True)(q, k, v)
+    eager_out, eager_lse = step(q, k, v)
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+    ref, ref_lse = batch_attention_reference(q, (k, v), **arrays, page_size=PAGE, **kw)
+    assert _rel(out, ref) < 2e-2
+    assert float((lse.double() - ref_lse).abs().max()) < 2e-2
+    s32 = kw["sinks"].float() if "sinks" in kw else None
+    ks, vs = kw.get("k_scale"), kw.get("v_scale")
+    tensors = (ks, vs) if isinstance(ks, torch.Tensor) else (None, None)
+    floats = (ks, vs) if isinstance(ks, float) else (None, None)
+    # (no test_schema with an fp8 cache: its mutation check compares the inputs with
+    # allclose, which torch lacks for fp8; the 16-bit cases and the CPU tests check the schema)
+    utils = ("test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.attncc.batch_attention_run.default,
+                          (q, [k, v], ba.op_handle, None, s32, *tensors, *floats),
+                          test_utils=utils if kv8 is not None else (*utils, "test_schema"))
+
+
+def test_batch_attention_reduce_overhead_fp8_new_plans():
+    """mode="reduce-overhead" around run() with an e4m3 cache, a float k_scale, a per-head
+    v_scale tensor and sinks: warm-up, recording, then replays after new decode plans (and an
+    in-place update of v_scale) each match the reference of their plan."""
+    k, v = _serving_cache(E4M3, seed=3)
+    ba = BatchAttention(None, kv_layout="NHD", max_batch=8, max_qo_tokens=8)
+    vs = torch.tensor([0.05, 0.02], device="cuda")
+    sinks = torch.linspace(-1.0, 1.0, HKV * G, device="cuda")
+    step = torch.compile(lambda q, k, v, vs, s: ba.run(q, (k, v), return_lse=True, k_scale=0.04,
+                                                       v_scale=vs, sinks=s),
+                         fullgraph=True, mode="reduce-overhead")
+    for i, lens in enumerate([[100] * 8, [5, 3000, 17, 900, 1, 64, 2048, 333], [2000] * 8,
+                              [1, 2, 3, 4, 5, 6, 7, 8000]]):
+        arrays = _serving_plan(ba, [1] * 8, lens, E4M3, seed=i)
+        if i == 3:
+            vs.copy_(torch.tensor([0.01, 0.07], device="cuda"))
+        q = torch.randn(8, HKV * G, D, device="cuda").bfloat16()
+        out, lse = (t.clone() for t in step(q, k, v, vs, sinks))
+        ref, ref_lse = batch_attention_reference(q, (k, v), **arrays, page_size=PAGE,
+                                                 k_scale=0.04, v_scale=vs, sinks=sinks)
+        assert _rel(out, ref) < 2e-2, i
+        assert float((lse.double() - ref_lse).abs().max()) < 2e-2, i
+
+
+def test_cascade_attention_compiled_with_sinks():
+    """CascadeAttention.run compiled: the two passes are op calls and the merge traced torch
+    ops; zero graph breaks, eager's result within merge rounding, the reference over prefix +
+    suffix pages within bf16 tolerance (out and lse, sinks joined once)."""
+    k, v = _serving_cache(None, seed=7)
+    ids = torch.randperm(POOL, generator=torch.Generator().manual_seed(3))
+    pre, q_lens, s_pages, s_last = ids[:40], [1, 3, 1, 17], [2, 5, 1, 9], [7, 16, 3, 12]
+    suf = ids[40:40 + sum(s_pages)]
+    sptr = torch.tensor([0] + list(itertools.accumulate(s_pages)))
+    qo = torch.tensor([0] + list(itertools.accumulate(q_lens)))
+    q = torch.randn(int(qo[-1]), HKV * G, D, device="cuda").bfloat16()
+    sinks = torch.linspace(-1.0, 2.0, HKV * G, device="cuda")
+    ca = attncc.CascadeAttention(attncc.Variant(mask_mod=causal), kv_layout="NHD")
+    ca.plan(qo, prefix_indices=pre, prefix_last_page_len=PAGE, suffix_indptr=sptr,
+            suffix_indices=suf, suffix_last_page_len=s_last, num_qo_heads=HKV * G,
+            num_kv_heads=HKV, head_dim=D, page_size=PAGE)
+
+    def step(q, k, v, s):
+        return ca.run(q, (k, v), return_lse=True, sinks=s)
+
+    assert torch._dynamo.explain(step)(q, k, v, sinks).graph_break_count == 0
+    torch._dynamo.reset()
+    out, lse = torch.compile(step, fullgraph=True)(q, k, v, sinks)
+    eager_out, eager_lse = step(q, k, v, sinks)
+    assert _rel(out, eager_out) < 1e-2 and float((lse - eager_lse).abs().max()) < 1e-4
+    pages = torch.cat([torch.cat([pre, suf[int(sptr[i]):int(sptr[i + 1])]])
+                       for i in range(len(q_lens))])
+    indptr = torch.tensor([0] + list(itertools.accumulate(40 + n for n in s_pages)))
+    ref, ref_lse = batch_attention_reference(q, (k, v), qo, indptr, pages, torch.tensor(s_last),
+                                             page_size=PAGE, variant=ca.prefix.variant,
+                                             sinks=sinks)
+    assert _rel(out, ref) < 2e-2
+    assert float((lse.double() - ref_lse).abs().max()) < 2e-2

@@ -203,6 +203,40 @@ def test_fp8_cuda_graph_replays_new_plans_and_scales() -> None:
         assert float((got.double() - ref).norm() / ref.norm()) < 2e-2
 
 
+def test_fp8_graph_replays_its_own_float_scales() -> None:
+    """Float scales captured in a graph are written by the graph itself: an eager run with other
+    floats between capture and replay (the instance's scale buffer then holds those) does not
+    change what the replay computes."""
+    hkv, g, d, page, pages = 2, 8, 128, 16, 600
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    k8, v8 = ((torch.randn(pages, page, hkv, d, generator=gen, device="cuda") * 8).to(E4M3)
+              for _ in range(2))
+    q = torch.randn(4, hkv * g, d, generator=gen, device="cuda").bfloat16()
+    out = torch.empty_like(q)
+    ba = BatchAttention(None, kv_layout="NHD", max_batch=8)
+    lens = [100, 2000, 17, 3000]
+    n = [-(-x // page) for x in lens]
+    args = (torch.arange(5), torch.tensor([0] + list(itertools.accumulate(n))),
+            torch.randperm(pages, generator=torch.Generator().manual_seed(2))[:sum(n)],
+            torch.tensor([x - (p - 1) * page for x, p in zip(lens, n)]))
+    ba.plan(*args, num_qo_heads=hkv * g, num_kv_heads=hkv, head_dim=d, page_size=page,
+            kv_data_type=E4M3)
+    ba.run(q, (k8, v8), out=out, k_scale=0.02, v_scale=0.05)  # the buffer holds these floats
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ba.run(q, (k8, v8), out=out, k_scale=0.02, v_scale=0.05)
+    other = ba.run(q, (k8, v8), k_scale=0.01, v_scale=0.5)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = batch_attention_reference(q, (k8, v8), *args, page_size=page, k_scale=0.02,
+                                       v_scale=0.05)
+    assert not torch.isnan(out).any()
+    assert float((out.double() - ref).norm() / ref.norm()) < 2e-2
+    assert float((other.double() - ref).norm() / ref.norm()) > 0.5
+
+
 @pytest.mark.parametrize("kvdt,mode", [(E4M3, "tensor"), (E5M2, "head")],
                          ids=["e4m3-tensor", "e5m2-head"])
 def test_fp8_cascade_equals_single_format(kvdt: torch.dtype, mode: str) -> None:
