@@ -36,7 +36,7 @@
 //   void load_q(u32 sQ, int tid) const;           cp.async the tile's Q rows (zero-fill padding)
 //   void load_kv(u32 sK, u32 sV, int kv0, int tid) const;  cp.async K and V rows kv0..kv0+TKV-1
 //   DType* o_row(int tok, int hq) const;          output row of (token, head)
-//   static constexpr bool kPadded; bool o_chunk(int ch) const;  D is the padded width of the
+//   kPadded (a constant); bool o_chunk(int ch) const;  D is the padded width of the
 //                                real head dims; o_chunk: 16-byte chunk ch of O is stored
 //   bool has_lse() const; float* lse_at(int tok, int hq) const;
 //   static constexpr bool kMaySplit; float* partial_o() const; float* partial_lse() const;
@@ -132,7 +132,7 @@ __device__ __forceinline__ void merge_kv_slices(float* red, int kvw, int lane, f
 // ---------------------------------------------------------------------------------------------
 template <typename Work, int M_FRAGS>
 struct TileView {
-  static constexpr bool kPadded = Work::kPadded;  // a padded head dim (fa2_prefill.cuh)
+  enum : bool { kPadded = Work::kPadded };  // a padded head dim (fa2_prefill.cuh DenseWork)
   const Work& w;
   int lane, warp, kvw;  // lane; row warp (its M_FRAGS fragments); KV slice of each tile (decode)
   int b, gf, head0, h_kv;  // hooks' batch index; heads fused per KV head; first query head; KV head

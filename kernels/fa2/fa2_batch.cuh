@@ -72,10 +72,10 @@ struct BatchWork {
   using KvT = KvType;  // the cache's element type: DType, or an fp8 tag (fa2_kv8.cuh)
   static constexpr bool kKv8 = KvTraits<KvT>::kIs8;
   // a padded form: D is the padded width of the real head dims DQK, DV (as DenseWork's)
-  static constexpr bool kPadded = DQK != D || DV != D;
+  enum : bool { kPadded = DQK != D || DV != D };  // (an enumerator: as DenseWork's)
   // DV != DQK: the host gives the cache's strides in head rows (a K row is DQK elements, a V
   // row DV), and the offsets scale by these; else they are elements (steps of 1)
-  static constexpr int kKStep = DQK != DV ? DQK : 1, kVStep = DQK != DV ? DV : 1;
+  enum : int { kKStep = DQK != DV ? DQK : 1, kVStep = DQK != DV ? DV : 1 };
   static constexpr int CHUNKS = D / 8;
   static constexpr int ROWS_PER_PASS = NT / CHUNKS;  // loader layout as in DenseWork
   static_assert(NT % CHUNKS == 0 && TQ % ROWS_PER_PASS == 0 && TKV % ROWS_PER_PASS == 0,

@@ -23,7 +23,9 @@ struct DenseWork {
   // A padded form: D is the padded width (64/128/256) of the real head dims DQK (q, k) and DV
   // (v, o), multiples of 8, so a 16-byte chunk is all in or all out. Chunks past them load as
   // zeros (zero-fill copies: no global read) and are not stored (docs/flex-api.md, "Head dims").
-  static constexpr bool kPadded = DQK != D || DV != D;
+  // (an enumerator, not a static data member: that would add a global symbol to the PTX, and
+  // ptxas then schedules some native forms differently)
+  enum : bool { kPadded = DQK != D || DV != D };
   static constexpr bool kTreeMask = false;  // (BatchWork's multi-token decode tree mask)
   __device__ __forceinline__ bool tree_tile(int, int) const { return false; }
   __device__ __forceinline__ bool tree_keeps(int, int) const { return true; }
