@@ -634,13 +634,15 @@ def _check_reference_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     total_q = int(b.qo[-1])
     if q.shape[0] < total_q:
         raise InvalidArgument(f"q has {q.shape[0]} rows but qo_indptr[-1] = {total_q}")
-    Hkv, D = _cache_heads(k, kv_layout), q.shape[2]
-    if kv_layout == "ragged":
-        want = (b.max_page, Hkv, D)
-    else:
-        want = (b.max_page, b.page, Hkv, D) if kv_layout == "NHD" else (b.max_page, Hkv, b.page, D)
+    Hkv = _cache_heads(k, kv_layout)
     where = "" if kv_layout == "ragged" else f", page_size={b.page}"
-    for name, t in (("k_cache", k), ("v_cache", v)):
+    # v_cache's head dim is its own (the value head dim may differ from q's and k's)
+    for name, t, D in (("k_cache", k, q.shape[2]), ("v_cache", v, v.shape[-1])):
+        if kv_layout == "ragged":
+            want = (b.max_page, Hkv, D)
+        else:
+            want = ((b.max_page, b.page, Hkv, D) if kv_layout == "NHD"
+                    else (b.max_page, Hkv, b.page, D))
         if t.shape[0] < want[0] or tuple(t.shape[1:]) != want[1:]:
             raise InvalidArgument(f"{name} has shape {tuple(t.shape)}; the batch needs "
                                   f"[>={want[0]}, {', '.join(map(str, want[1:]))}] "
@@ -660,7 +662,8 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
     """Exact (float64) batch attention, request by request: the oracle of `BatchAttention.run`.
     The hooks see b = the request's index, q_idx counted so that the queries are the request's
     last tokens, as in the batch kernels. `sinks` [num_qo_heads]: per-head sink logits, as in
-    `attention_reference` (the LSE includes them). `custom_mask` / `packed_custom_mask`:
+    `attention_reference` (the LSE includes them); out has v's head dim, which may differ from
+    q's and k's. `custom_mask` / `packed_custom_mask`:
     FlashInfer's per-request masks (`BatchAttention.plan`'s), ANDed with the variant's mask; any
     pattern here, where the kernels take tree masks only (docs/serving.md, "Multi-token decode
     and tree masks"). An fp8 cache is dequantized first (`k_scale` / `v_scale`: a float or a
@@ -696,7 +699,7 @@ def batch_attention_reference(q: torch.Tensor, kv_cache: Any, qo_indptr: Any, kv
     if sinks is not None:
         check_sinks(sinks, H, q.device, q.dtype)
         sinks = sinks.float()  # (exact; q's 16-bit dtype is not q_in's with an fp8 cache)
-    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    out = torch.zeros(*q.shape[:2], v_all.shape[-1], dtype=torch.float64, device=q.device)
     lse = (torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
            if ir.use_softmax else None)
     pages = b.pages if kv_layout != "ragged" else None

@@ -29,12 +29,12 @@ from typing import Any, Mapping, Sequence
 
 import jinja2
 
-from ..ir.program import HOOK_ORDER, VariantIR
+from ..ir.program import HOOK_ORDER, TRANSFORM_HOOKS, VariantIR
 from .constants import (FA3_SPLIT_HEAD_DIMS, FA3_THREADS, static_asserts,
                         tile_static_asserts)
 from .errors import CodegenError
 from .hooks import EMITTERS, HookCode, captured_grad, logits_grad
-from .tiles import (FA2_HEAD_DIMS, FA3_BACKWARD_TILES, FA3_TKV_CHOICES, BackwardTiles,
+from .tiles import (FA2_HEAD_DIMS, padded_head_dim, FA3_BACKWARD_TILES, FA3_TKV_CHOICES, BackwardTiles,
                     KernelTiles, backward_tiles, default_tiles, fa3_smem_bytes, fa3_tiles)
 from .layout import (ATTENTION_PARAMS, BACKWARD_PARAMS, BATCH_PARAMS, PREPASS_PARAMS, StructLayout,
                      c_identifier, plan_header_static_asserts, variant_grads_layout,
@@ -490,14 +490,54 @@ def _check_kv_dtype(kv_dtype: str | None, kernel: str, ir: VariantIR) -> None:
                            f"key_mod=); read it with a variant without them")
 
 
+# The kernels with a padded form (a head dim below its tile width; docs/flex-api.md, "Head dims")
+PADDED_KERNELS = ("fa2", "fa2batch")
+
+
+def _entry_extras(kernel: str, dtype: str, kv_dtype: str | None, head_dim: int, dqk: int,
+                  dv: int) -> tuple[str, str]:
+    """The FA2 entry macros' trailing arguments and the kernel name's suffix: "fa2batch"'s
+    cache element type (q's, or an fp8 tag: `_kve4m3`), then both FA2 kernels' real head dims
+    (a padded form's, smaller than `head_dim`: `_dqk<Dqk>_dv<Dv>`)."""
+    arg, suffix = "", ""
+    if kernel == "fa2batch":
+        arg = f", {KV8_DTYPES[kv_dtype][0] if kv_dtype else DTYPES[dtype][0]}"
+        suffix = KV8_DTYPES[kv_dtype][1] if kv_dtype else ""
+    if kernel in PADDED_KERNELS:
+        arg += f", {dqk}, {dv}"
+        suffix += f"_dqk{dqk}_dv{dv}" if (dqk, dv) != (head_dim, head_dim) else ""
+    return arg, suffix
+
+
+def _check_padded(head_dims: tuple[int, int] | None, head_dim: int, kernel: str, ir: VariantIR,
+                  kv_dtype: str | None) -> tuple[int, int]:
+    """The real (query/key, value) head dims; CodegenError unless they are `head_dim` or a
+    padded form of a kernel that has one (`head_dim` their padded width), for a variant without
+    row hooks (they would see the padding columns) and a 16-bit cache."""
+    if head_dims is None or tuple(head_dims) == (head_dim, head_dim):
+        return head_dim, head_dim
+    if kernel not in PADDED_KERNELS:
+        raise CodegenError(f"the {kernel!r} kernel has no padded form; {PADDED_KERNELS} have")
+    rows = [h for h in TRANSFORM_HOOKS if not ir.hook(h).is_identity]
+    if rows or kv_dtype is not None:
+        raise CodegenError(f"a padded head dim runs no {', '.join(rows) or 'fp8 cache'}: "
+                           f"those see whole rows, padding columns included; use head dim "
+                           f"64, 128 or 256")
+    if padded_head_dim(*head_dims) != (head_dim, True):
+        raise CodegenError(f"head_dims={tuple(head_dims)} pad to "
+                           f"{padded_head_dim(*head_dims)[0]}, not head_dim={head_dim}")
+    return head_dims[0], head_dims[1]
+
 def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
            fast_math: bool | None = None, tiles: KernelTiles | None = None,
            paired: bool = False, low_pressure: bool = False,
-           grad_tensors: Sequence[str] = (), kv_dtype: str | None = None) -> GeneratedKernel:
+           grad_tensors: Sequence[str] = (), kv_dtype: str | None = None,
+           head_dims: tuple[int, int] | None = None) -> GeneratedKernel:
     from ..kernels import read_template
 
     spec = _check_options(head_dim, dtype, kernel)
     _check_kv_dtype(kv_dtype, kernel, ir)
+    dqk, dv = _check_padded(head_dims, head_dim, kernel, ir, kv_dtype)
     _check_form(kernel, head_dim, paired, low_pressure)
     if fast_math is None:  # the performance templates approximate, the simple one is exact
         fast_math = bool(spec.entry_macro)
@@ -528,10 +568,8 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
         if kernel in ("fa3", "fa3batch"):  # producer + 2 consumer warpgroups
             threads = FA3_THREADS
             smem = fa3_smem_bytes(head_dim, tiles)
-        kv_arg = ""
-        if kernel == "fa2batch":  # the cache's element type: q's, or an fp8 tag
-            kv_arg = f", {KV8_DTYPES[kv_dtype][0] if kv_dtype else DTYPES[dtype][0]}"
-            name += KV8_DTYPES[kv_dtype][1] if kv_dtype else ""
+        kv_arg, suffix = _entry_extras(kernel, dtype, kv_dtype, head_dim, dqk, dv)
+        name += suffix
         entry = (f"{spec.entry_macro}({name}, {vc.struct_name}, {DTYPES[dtype][0]}, {head_dim}, "
                  f"{tiles.tq}, {tiles.tkv}, {tiles.stages}, {tiles.m_frags}, {tiles.kv_warps}"
                  f"{kv_arg})")
@@ -617,8 +655,8 @@ def _build_backward(ir: VariantIR, vc: VariantCode, spec: KernelSpec, name: str,
 def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",
                     fast_math: bool | None = None, tiles: KernelTiles | None = None,
                     paired: bool = False, low_pressure: bool = False,
-                    grad_tensors: Sequence[str] = (), kv_dtype: str | None = None
-                    ) -> GeneratedKernel:
+                    grad_tensors: Sequence[str] = (), kv_dtype: str | None = None,
+                    head_dims: tuple[int, int] | None = None) -> GeneratedKernel:
     """One self-contained translation unit (for NVRTC) running `ir` on a kernel template.
 
     `dtype` is the storage type of q, k, v and o: "bfloat16", "float16" or "float32".
@@ -631,7 +669,11 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
     that require grad (docs/backward.md). `fast_math=True` spells the hooks' math with
     one-instruction approximations (see `cuda_expr.emit`); None (default) means True for the
     FA2 templates, False for "simple". `kv_dtype` ("fa2batch" only): an fp8 KV cache's dtype
-    (KV8_DTYPES; None: q's dtype).
+    (KV8_DTYPES; None: q's dtype). `head_dims` ("fa2" / "fa2batch"): the real (query/key,
+    value) head dims when they are not both `head_dim`; `head_dim` is then their padded width
+    (64/128/256, attncc.codegen.tiles.padded_head_dim) and the kernel zero-fills the columns
+    past them and does not store them (docs/flex-api.md, "Head dims"); the name ends in
+    `_dqk<Dqk>_dv<Dv>`.
 
     Example:
         >>> gk = generate_source(VariantIR(name="plain"), head_dim=64, dtype="float16")
@@ -646,7 +688,7 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
     """
     return _build(ir, head_dim, dtype, kernel, export=False, fast_math=fast_math, tiles=tiles,
                   paired=paired, low_pressure=low_pressure, grad_tensors=grad_tensors,
-                  kv_dtype=kv_dtype)
+                  kv_dtype=kv_dtype, head_dims=head_dims)
 
 
 def export_kernel(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",

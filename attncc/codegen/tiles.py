@@ -23,11 +23,14 @@ from dataclasses import dataclass
 from .errors import CodegenError
 
 __all__ = ["KernelTiles", "default_tiles", "fa3_tiles", "fa3_smem_bytes", "FA2_HEAD_DIMS",
-           "TQ_CHOICES",
+           "TQ_CHOICES", "HEAD_DIM_STEP", "HEAD_DIM_MIN", "HEAD_DIM_MAX", "padded_head_dim",
            "TKV_CHOICES", "FA3_TKV_CHOICES", "BackwardTiles", "backward_tiles",
            "backward_fallbacks", "FA3_BACKWARD_TILES"]
 
 FA2_HEAD_DIMS = (64, 128, 256)
+# Head dims the GPU paths take: multiples of 8 (one 16-byte chunk of 16-bit elements) from 32 to
+# 256; those not in FA2_HEAD_DIMS run the FA2 kernels' padded form (padded_head_dim).
+HEAD_DIM_STEP, HEAD_DIM_MIN, HEAD_DIM_MAX = 8, 32, 256
 TQ_CHOICES = (16, 32, 64, 128)
 TKV_CHOICES = (32, 64, 128)
 FA3_TKV_CHOICES = (64, 128)
@@ -75,6 +78,34 @@ class KernelTiles:
         return (f"_q{self.tq}_k{self.tkv}_s{self.stages}"
                 + (f"_m{self.m_frags}" if self.m_frags > 1 else "")
                 + (f"_w{self.kv_warps}" if self.kv_warps > 1 else ""))
+
+
+def padded_head_dim(head_dim_qk: int, head_dim_vo: int | None = None,
+                    names: tuple[str, str] = ("query head_dim", "value head_dim")
+                    ) -> tuple[int, bool]:
+    """(kernel head dim, padded) for a query/key head dim and a value head dim (None: the same):
+    the smallest of FA2_HEAD_DIMS holding both, and whether a real dim is below it (then the
+    kernel runs its padded form: zero-filled columns past the real dims, which it does not
+    store; docs/flex-api.md, "Head dims"). ValueError, naming `names`, for a dim that is not a
+    multiple of 8 from 32 to 256.
+
+    Example:
+        >>> padded_head_dim(128), padded_head_dim(80), padded_head_dim(192, 128)
+        ((128, False), (128, True), (256, True))
+        >>> padded_head_dim(100)
+        Traceback (most recent call last):
+        ...
+        ValueError: query head_dim 100: the GPU kernels take head dims that are multiples of 8 from 32 to 256 (pad the head dim to a multiple of 8)
+    """
+    head_dim_vo = head_dim_qk if head_dim_vo is None else head_dim_vo
+    for name, d in zip(names, (head_dim_qk, head_dim_vo)):
+        if (isinstance(d, bool) or not isinstance(d, int) or d % HEAD_DIM_STEP
+                or not HEAD_DIM_MIN <= d <= HEAD_DIM_MAX):
+            raise ValueError(f"{name} {d!r}: the GPU kernels take head dims that are multiples "
+                             f"of {HEAD_DIM_STEP} from {HEAD_DIM_MIN} to {HEAD_DIM_MAX} (pad the "
+                             f"head dim to a multiple of {HEAD_DIM_STEP})")
+    width = next(w for w in FA2_HEAD_DIMS if w >= max(head_dim_qk, head_dim_vo))
+    return width, (head_dim_qk, head_dim_vo) != (width, width)
 
 
 def default_tiles(head_dim: int) -> KernelTiles:

@@ -36,6 +36,8 @@
 //   void load_q(u32 sQ, int tid) const;           cp.async the tile's Q rows (zero-fill padding)
 //   void load_kv(u32 sK, u32 sV, int kv0, int tid) const;  cp.async K and V rows kv0..kv0+TKV-1
 //   DType* o_row(int tok, int hq) const;          output row of (token, head)
+//   kPadded (a constant); bool o_chunk(int ch) const;  D is the padded width of the
+//                                real head dims; o_chunk: 16-byte chunk ch of O is stored
 //   bool has_lse() const; float* lse_at(int tok, int hq) const;
 //   static constexpr bool kMaySplit; float* partial_o() const; float* partial_lse() const;
 //   const float* sinks() const;                   per-query-head sink logits, or null
@@ -130,6 +132,7 @@ __device__ __forceinline__ void merge_kv_slices(float* red, int kvw, int lane, f
 // ---------------------------------------------------------------------------------------------
 template <typename Work, int M_FRAGS>
 struct TileView {
+  enum : bool { kPadded = Work::kPadded };  // a padded head dim (fa2_prefill.cuh DenseWork)
   const Work& w;
   int lane, warp, kvw;  // lane; row warp (its M_FRAGS fragments); KV slice of each tile (decode)
   int b, gf, head0, h_kv;  // hooks' batch index; heads fused per KV head; first query head; KV head
@@ -357,6 +360,9 @@ __device__ __forceinline__ void store_o(const View& t, const u16* sQ) {
     const int r = (t.warp * M_FRAGS) * 16 + c / CHUNKS;
     const int ch = c % CHUNKS;
     const int fr = t.row0 + r;
+    if constexpr (View::kPadded) {  // (if constexpr: the native forms' code is unchanged)
+      if (!t.w.o_chunk(ch)) continue;  // past the real value head dim
+    }
     if (fr < t.rows) {
       const int tok = t.gdiv.div(fr);
       const int hq = t.head0 + (fr - tok * t.gf);
@@ -411,6 +417,12 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   static_assert(!kKv8 || (STAGES >= 2 && !Variant::has_key_transform &&
                           !Variant::has_value_transform),
                 "an fp8 cache needs 2+ stages and no K/V transform (the host refuses those)");
+  // A padded head dim (Work::kPadded): the row hooks would see the padding columns
+  static_assert(!Work::kPadded || !(kKv8 || Variant::has_query_transform ||
+                                    Variant::has_key_transform || Variant::has_value_transform ||
+                                    Variant::has_output_transform),
+                "a padded head dim has no q/k/v/output transform and no fp8 cache (the host "
+                "refuses those)");
 
   extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa2_smem[];
   u16* sQ = reinterpret_cast<u16*>(attncc_fa2_smem);

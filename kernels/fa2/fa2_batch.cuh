@@ -65,15 +65,22 @@ __device__ __forceinline__ int query_position(const attncc::BatchParams& p, int 
 // ---------------------------------------------------------------------------------------------
 // BatchWork: fa2_attend's view of one work unit.
 // ---------------------------------------------------------------------------------------------
-template <typename DType, int D, int TQ, int TKV, int NT, typename KvType = DType>
+template <typename DType, int D, int TQ, int TKV, int NT, typename KvType = DType,
+          int DQK = D, int DV = D>
 struct BatchWork {
   static constexpr bool kMaySplit = true;
   using KvT = KvType;  // the cache's element type: DType, or an fp8 tag (fa2_kv8.cuh)
   static constexpr bool kKv8 = KvTraits<KvT>::kIs8;
+  // a padded form: D is the padded width of the real head dims DQK, DV (as DenseWork's)
+  enum : bool { kPadded = DQK != D || DV != D };  // (an enumerator: as DenseWork's)
+  // DV != DQK: the host gives the cache's strides in head rows (a K row is DQK elements, a V
+  // row DV), and the offsets scale by these; else they are elements (steps of 1)
+  enum : int { kKStep = DQK != DV ? DQK : 1, kVStep = DQK != DV ? DV : 1 };
   static constexpr int CHUNKS = D / 8;
   static constexpr int ROWS_PER_PASS = NT / CHUNKS;  // loader layout as in DenseWork
   static_assert(NT % CHUNKS == 0 && TQ % ROWS_PER_PASS == 0 && TKV % ROWS_PER_PASS == 0,
                 "loader layout");
+  static_assert(!kPadded || !kKv8, "a padded head dim reads a 16-bit cache (the host checks)");
 
   const attncc::BatchParams& p;
   int b, gf, head0, h_kv, row0, rows, q_pos0, kv_len, count;
@@ -141,7 +148,7 @@ struct BatchWork {
       const int fr = row0 + r;
       const int tok = gdiv.div(fr);
       const int hq = head0 + (fr - tok * gf);
-      const bool ok = fr < rows;
+      const bool ok = fr < rows && col_in(ld_ch, DQK);
       const DType* src = ok ? gQ + (qo_offset + tok) * p.q_stride_tok + hq * p.q_stride_h +
                                   ld_ch * 8
                             : gQ;
@@ -171,16 +178,19 @@ struct BatchWork {
       return;
     }
     const int ld_row = tid / CHUNKS, ld_ch = tid % CHUNKS;
-    const DType* kb = reinterpret_cast<const DType*>(p.k) + h_kv * p.kv_stride_h + ld_ch * 8;
-    const DType* vb = reinterpret_cast<const DType*>(p.v) + h_kv * p.kv_stride_h + ld_ch * 8;
+    const DType* kb =
+        reinterpret_cast<const DType*>(p.k) + h_kv * p.kv_stride_h * kKStep + ld_ch * 8;
+    const DType* vb =
+        reinterpret_cast<const DType*>(p.v) + h_kv * p.kv_stride_h * kVStep + ld_ch * 8;
+    const bool k_col = col_in(ld_ch, DQK), v_col = col_in(ld_ch, DV);
 #pragma unroll
     for (int j = 0; j < TKV / ROWS_PER_PASS; ++j) {
       const int r = ld_row + j * ROWS_PER_PASS;
       const int kv = kv0 + r;
       const bool ok = (unsigned)kv < (unsigned)kv_len;
       const attncc::i64 off = ok ? kv_offset(kv) : 0;
-      cp_async_16(sk + 2 * swz<D>(r, ld_ch * 8), kb + off, ok);
-      cp_async_16(sv + 2 * swz<D>(r, ld_ch * 8), vb + off, ok);
+      cp_async_16(sk + 2 * swz<D>(r, ld_ch * 8), kb + off * kKStep, ok && k_col);
+      cp_async_16(sv + 2 * swz<D>(r, ld_ch * 8), vb + off * kVStep, ok && v_col);
     }
   }
 
@@ -205,6 +215,11 @@ struct BatchWork {
     }
   }
 
+  // Whether 16-byte chunk `ch` lies inside a real head dim `width` (always, unpadded).
+  __device__ __forceinline__ static bool col_in(int ch, int width) {
+    return !kPadded || ch * 8 < width;
+  }
+  __device__ __forceinline__ bool o_chunk(int ch) const { return col_in(ch, DV); }
   __device__ __forceinline__ DType* o_row(int tok, int hq) const {
     return reinterpret_cast<DType*>(p.o) + (qo_offset + tok) * p.o_stride_tok + hq * p.o_stride_h;
   }
@@ -274,7 +289,7 @@ __device__ __forceinline__ float lse_max(float a, float b) { return fmax_nan(a, 
 // NaN and inf propagate as in one softmax: a NaN partial LSE gives NaN, a +inf one (a +inf
 // logit) an LSE of +inf and NaN output; a slot of weight 0 is still read (0 * NaN is NaN), and
 // an empty slot (-inf) holds a zero row (fa2_attend.cuh's epilogue).
-template <typename Variant, typename DType, int D, int TQ>
+template <typename Variant, typename DType, int D, int TQ, int DV>
 __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp, const MergeItem& it,
                                           int r, int lane, MergeScratch<D>& scratch) {
@@ -364,7 +379,8 @@ __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
   }
 #pragma unroll
   for (int j = 0; j < D / 32; ++j)
-    reinterpret_cast<u16*>(out)[lane + 32 * j] = float_to_elem<DType>(vals[j]);
+    if (DV == D || lane + 32 * j < DV)  // a padded head dim: the real columns only
+      reinterpret_cast<u16*>(out)[lane + 32 * j] = float_to_elem<DType>(vals[j]);
   if constexpr (kSoftmax) {
     if (p.lse != nullptr && lane == 0)
       p.lse[(attncc::i64)(it.qo_offset + tok) * p.lse_stride_tok + hq] = lse;
@@ -380,7 +396,7 @@ __device__ __forceinline__ void merge_row(const attncc::BatchParams& p,
 // matters for decode: a GQA-8 item has 8 rows, so one item at a time kept half of the 16 warps
 // idle and the CTA's items ran one after another (docs/serving.md, "Merge kernel and
 // programmatic dependent launch").
-template <typename Variant, typename DType, int HEAD_DIM, int TQ>
+template <typename Variant, typename DType, int HEAD_DIM, int TQ, int DV = HEAD_DIM>
 __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp) {
   constexpr int NTH = MergeKernel::kThreads, WARPS = NTH / 32;
@@ -434,7 +450,7 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
         if (row_end[mid] > f) hi = mid; else lo = mid + 1;
       }
       const MergeItem it = items[lo];
-      merge_row<Variant, DType, HEAD_DIM, TQ>(p, vp, it, f - (row_end[lo] - it.q_rows), lane,
+      merge_row<Variant, DType, HEAD_DIM, TQ, DV>(p, vp, it, f - (row_end[lo] - it.q_rows), lane,
                                               scratch[warp]);
     }
     __syncthreads();  // items and row_end are rewritten for the next items
@@ -449,7 +465,8 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
 // KvT: the cache's element type, DType or an fp8 tag (fa2_kv8.cuh), whose k_scale joins the
 // logits' scale here.
 template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,
-          int M_FRAGS, int KV_WARPS, typename KvT = DType>
+          int M_FRAGS, int KV_WARPS, typename KvT = DType, int DQK = HEAD_DIM,
+          int DV = HEAD_DIM>
 __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp) {
   using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>;
@@ -471,7 +488,7 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
 #pragma unroll 1
     for (int h = u.kv_head; h < u.kv_head + u.kv_heads; ++h) {
       __syncthreads();  // the previous head's (unit's) epilogue is done with shared memory
-      const BatchWork<DType, HEAD_DIM, TQ, TKV, Cfg::kThreads, KvT> w(p, u, h, qo_offset);
+      const BatchWork<DType, HEAD_DIM, TQ, TKV, Cfg::kThreads, KvT, DQK, DV> w(p, u, h, qo_offset);
       const float sm_scale = KvTraits<KvT>::kIs8 ? p.sm_scale * __ldg(p.k_scale + h) : p.sm_scale;
       fa2_attend<Variant, DType, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(w, vp, sm_scale);
     }
@@ -485,17 +502,18 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
 // num_ctas; block: Config::kThreads; dynamic shared memory: Config::kSmemBytes) and the merge
 // kernel NAME_merge of its split items (grid: at most one CTA per SM; block:
 // MergeKernel::kThreads; static shared memory). KV_DTYPE: the cache's element type (DTYPE, or
-// attncc::fa2::kv_e4m3 / kv_e5m2 for an fp8 cache).
+// attncc::fa2::kv_e4m3 / kv_e5m2 for an fp8 cache). DQK, DV: the real head dims (HEAD_DIM both,
+// or a padded form: BatchWork).
 #define ATTNCC_FA2_BATCH_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS, \
-                               KV_DTYPE)                                                           \
+                               KV_DTYPE, DQK, DV)                                                  \
   extern "C" __global__ void ATTNCC_FA2_LAUNCH_BOUNDS(HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)\
       NAME(attncc::BatchParams p, VARIANT::Params vp) {                                            \
-    attncc::fa2::fa2_batch<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS, KV_DTYPE>(\
-        p, vp);                                                                                    \
+    attncc::fa2::fa2_batch<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS, KV_DTYPE, \
+                           DQK, DV>(p, vp);                                                        \
   }                                                                                                \
   extern "C" __global__ void __launch_bounds__(attncc::fa2::MergeKernel::kThreads, 1)              \
       NAME##_merge(attncc::BatchParams p, VARIANT::Params vp) {                                    \
-    attncc::fa2::fa2_merge<VARIANT, DTYPE, HEAD_DIM, TQ>(p, vp);                                   \
+    attncc::fa2::fa2_merge<VARIANT, DTYPE, HEAD_DIM, TQ, DV>(p, vp);                               \
   }
 
 #endif  // ATTNCC_FA2_BATCH_CUH

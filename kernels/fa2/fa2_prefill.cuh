@@ -17,9 +17,15 @@ namespace fa2 {
 // ---------------------------------------------------------------------------------------------
 // DenseWork: fa2_attend's view of one CTA of a dense (optionally BSR-masked) prefill launch.
 // ---------------------------------------------------------------------------------------------
-template <typename DType, int D, int TQ, int TKV, int NT>
+template <typename DType, int D, int TQ, int TKV, int NT, int DQK = D, int DV = D>
 struct DenseWork {
   static constexpr bool kMaySplit = false;
+  // A padded form: D is the padded width (64/128/256) of the real head dims DQK (q, k) and DV
+  // (v, o), multiples of 8, so a 16-byte chunk is all in or all out. Chunks past them load as
+  // zeros (zero-fill copies: no global read) and are not stored (docs/flex-api.md, "Head dims").
+  // (an enumerator, not a static data member: that would add a global symbol to the PTX, and
+  // ptxas then schedules some native forms differently)
+  enum : bool { kPadded = DQK != D || DV != D };
   static constexpr bool kTreeMask = false;  // (BatchWork's multi-token decode tree mask)
   __device__ __forceinline__ bool tree_tile(int, int) const { return false; }
   __device__ __forceinline__ bool tree_keeps(int, int) const { return true; }
@@ -99,23 +105,30 @@ struct DenseWork {
       const int fr = row0 + r;
       const int qi = gdiv.div(fr);
       const int hq = head0 + (fr - qi * gf);
-      const bool ok = fr < rows;
+      const bool ok = fr < rows && col_in(ld_ch, DQK);
       const DType* src =
           ok ? gQ + b * p.q_stride_b + hq * p.q_stride_h + qi * p.q_stride_s + ld_ch * 8 : gQ;
       cp_async_16(sq + 2 * swz<D>(r, ld_ch * 8), src, ok);
     }
   }
 
+  // Whether 16-byte chunk `ch` lies inside a real head dim `width` (always, unpadded).
+  __device__ __forceinline__ static bool col_in(int ch, int width) {
+    return !kPadded || ch * 8 < width;
+  }
+  __device__ __forceinline__ bool o_chunk(int ch) const { return col_in(ch, DV); }
+
   __device__ __forceinline__ void load_rows(const DType* __restrict__ g, attncc::i64 stride_s,
-                                            u32 stage_addr, int kv0, int tid) const {
+                                            u32 stage_addr, int kv0, int tid, int width) const {
     const int ld_row = tid / CHUNKS, ld_ch = tid % CHUNKS;
+    const bool col = col_in(ld_ch, width);
     const DType* src = g + (kv0 + ld_row) * stride_s + ld_ch * 8;
     const attncc::i64 step = ROWS_PER_PASS * stride_s;
 #pragma unroll
     for (int j = 0; j < TKV / ROWS_PER_PASS; ++j) {
       const int r = ld_row + j * ROWS_PER_PASS;
       // unsigned compare: also rejects negative positions from a malformed block list
-      const bool ok = (unsigned)(kv0 + r) < (unsigned)kv_len;
+      const bool ok = (unsigned)(kv0 + r) < (unsigned)kv_len && col;
       cp_async_16(stage_addr + 2 * swz<D>(r, ld_ch * 8), ok ? src : g, ok);
       src += step;
     }
@@ -123,9 +136,9 @@ struct DenseWork {
 
   __device__ __forceinline__ void load_kv(u32 sk, u32 sv, int kv0, int tid) const {
     load_rows(reinterpret_cast<const DType*>(p.k) + b * p.k_stride_b + h_kv * p.k_stride_h,
-              p.k_stride_s, sk, kv0, tid);
+              p.k_stride_s, sk, kv0, tid, DQK);
     load_rows(reinterpret_cast<const DType*>(p.v) + b * p.v_stride_b + h_kv * p.v_stride_h,
-              p.v_stride_s, sv, kv0, tid);
+              p.v_stride_s, sv, kv0, tid, DV);
   }
 
   __device__ __forceinline__ DType* o_row(int tok, int hq) const {
@@ -142,11 +155,11 @@ struct DenseWork {
 };
 
 template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,
-          int M_FRAGS, int KV_WARPS>
+          int M_FRAGS, int KV_WARPS, int DQK = HEAD_DIM, int DV = HEAD_DIM>
 __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
                                             const typename Variant::Params& vp) {
   using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>;
-  const DenseWork<DType, HEAD_DIM, TQ, TKV, Cfg::kThreads> w(p);
+  const DenseWork<DType, HEAD_DIM, TQ, TKV, Cfg::kThreads, DQK, DV> w(p);
   fa2_attend<Variant, DType, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(w, vp, p.sm_scale);
 }
 
@@ -159,11 +172,13 @@ __device__ __forceinline__ void fa2_prefill(const attncc::AttentionParams& p,
 // launcher checks kThreads against the function's CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK).
 // Launch bounds (Config::kMinBlocks): one CTA per SM is all we ask of the prefill tiles, so ptxas
 // may use up to 255 registers (with no minimum it sometimes capped small CTAs at 128 registers
-// and spilled).
-#define ATTNCC_FA2_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)       \
+// and spilled). DQK, DV: the real head dims (HEAD_DIM both, or a padded form: DenseWork).
+#define ATTNCC_FA2_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS, DQK,  \
+                         DV)                                                                       \
   extern "C" __global__ void ATTNCC_FA2_LAUNCH_BOUNDS(HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)\
       NAME(attncc::AttentionParams p, VARIANT::Params vp) {                                        \
-    attncc::fa2::fa2_prefill<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(p, vp); \
+    attncc::fa2::fa2_prefill<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS, DQK,    \
+                             DV>(p, vp);                                                           \
   }
 
 #endif  // ATTNCC_FA2_PREFILL_CUH

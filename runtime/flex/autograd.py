@@ -201,6 +201,11 @@ def differentiable_attention(query: torch.Tensor, key: torch.Tensor, value: torc
 
     from attncc.errors import InvalidArgument
 
+    from .backward import backward_head_dims_why
+
+    why = backward_head_dims_why(query.shape[-1], value.shape[-1])
+    if why is not None:
+        raise InvalidArgument(why)
     attn = attention_ir(ir)
     names = check_grad_tensors(attn, _score_grad_tensors(attn, bindings))
     if names and (kernel_options or {}).get("DETERMINISTIC", False):
@@ -228,9 +233,12 @@ def backward_of_saved(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """The backward of a forward whose `out` and `lse` were saved elsewhere (the torch.library
     op's, runtime/flex/ops.py): (dq, dk, dv, gradients of every float tensor the score_mod
     reads). The op cannot see which captured tensors require grad, so all of them get one.
-    None where this path does not apply: transforms (the op's reference differentiates them)
-    or a tensor that the mask reads too."""
-    if attention_ir(ir) is not ir:
+    None where this path does not apply: transforms (the op's reference differentiates them),
+    a tensor that the mask reads too, or head dims the backward kernels do not take."""
+    from .backward import backward_head_dims_why
+
+    if attention_ir(ir) is not ir or backward_head_dims_why(query.shape[-1],
+                                                           value.shape[-1]) is not None:
         return None
     score_reads = _loads(ir, "score_mod")
     if score_reads & _loads(ir, "mask_mod"):

@@ -32,7 +32,7 @@ from ..jit.launch_args import captured
 from .block_mask import kv_major_blocks
 
 __all__ = ["kv_major_lists", "BackwardResult", "run_backward", "backward_kernel",
-           "backward_spec"]
+           "backward_spec", "backward_head_dims_why"]
 
 BACKWARD_KERNELS = ("fa2", "fa3")
 
@@ -93,6 +93,23 @@ def _mask_params(mask: Any, tiles: BackwardTiles, kv_len: int) -> tuple[dict[str
                 qm_stride_b=nb[0], qm_stride_h=nb[1], qi_stride_b=ix[0], qi_stride_h=ix[1],
                 qi_stride_kv=qi.stride(2), block_q=mask.block_q, block_kv=mask.block_kv)
     return zero, (qn, qi, fqn, fqi)
+
+
+def backward_head_dims_why(head_dim: int, head_dim_vo: int) -> str | None:
+    """Why the GPU backward cannot run these (query/key, value) head dims, None when it can:
+    its kernels take 64, 128 and 256 with one head dim for q, k and v (the forward's padded
+    form has no backward; docs/backward.md, "Head dims").
+
+    Example:
+        >>> backward_head_dims_why(128, 128) is None, backward_head_dims_why(96, 96)[:35]
+        (True, 'the GPU backward runs head dims 64,')
+    """
+    if head_dim == head_dim_vo and head_dim in (64, 128, 256):
+        return None
+    return (f"the GPU backward runs head dims 64, 128 and 256 with one head dim for q, k and v, "
+            f"not {head_dim}/{head_dim_vo} (q/k, v), which the forward runs padded; call it "
+            f"without gradients (torch.no_grad() or detached inputs), or use head dim 64, 128 "
+            f"or 256")
 
 
 def _fa3_fits(head_dim: int, mask: Any) -> str | None:

@@ -29,12 +29,12 @@ from attncc.codegen import constants
 from attncc.codegen.tiles import KernelTiles, fa3_tiles
 from attncc.errors import InvalidArgument
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
-from attncc.ir.program import Bindings, ScalarParam, TensorParam, VariantIR
+from attncc.ir.program import TRANSFORM_HOOKS, Bindings, ScalarParam, TensorParam, VariantIR
 from ..jit.device import num_sms
 from ..jit.launch_args import ELEM_NAMES, captured, clamped
 from ..jit.kernels import KernelSpec, LoadedKernel, compile_spec, get_kernel
 from ..jit.launcher import zero_ints
-from ..jit.tiles import HEAD_DIMS
+from ..jit.tiles import padded_head_dim
 from ..jit.tma import MapCache, MapSlot
 from ..reference import check_sinks, is_noop_mask, trace_mask, validate_attention_inputs
 from .fa3_split import TailSplit, tail_split
@@ -62,7 +62,8 @@ def kernel_spec(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
                           paired=plan.paired, fast_math=plan.fast_math, device=device)
     return KernelSpec("fa2_prefill", ir, head_dim, dtype,
                       KernelTiles(plan.tq, plan.tkv, plan.stages, plan.m_frags),
-                      fast_math=plan.fast_math, forced=plan_forced(plan), device=device)
+                      fast_math=plan.fast_math, forced=plan_forced(plan), device=device,
+                      head_dims=plan.head_dims)
 
 
 def _kernel_for(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
@@ -159,12 +160,7 @@ def _validate(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
             raise ValueError(f"{name} has dtype {t.dtype}; the GPU kernel runs bfloat16 or "
                              f"float16 (convert with .to(torch.bfloat16))")
     validate_attention_inputs(query, key, value, None, enable_gqa)
-    D, Dv = query.shape[3], value.shape[3]
-    if D not in HEAD_DIMS:
-        raise ValueError(f"query head_dim {D}: the GPU kernel supports head dims {HEAD_DIMS}")
-    if Dv != D:
-        raise ValueError(f"value head_dim {Dv} != query head_dim {D}: the GPU kernel needs one "
-                         f"head dim for q, k and v")
+    padded_head_dim(query.shape[3], value.shape[3])  # ValueError naming the bad head dim
     for name, t in (("query", query), ("key", key), ("value", value)):
         # cp.async moves 16-byte chunks: the head dim must be contiguous and every row start
         # 16-byte aligned
@@ -424,6 +420,7 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
     bindings = bindings if bindings is not None else Bindings()
     _validate(query, key, value, enable_gqa)
     B, Hq, Sq, D = query.shape
+    Dv = value.shape[3]
     Hkv, Skv = key.shape[1], key.shape[2]
     device = query.device
     dev_index = device.index if device.index is not None else torch.cuda.current_device()
@@ -431,7 +428,8 @@ def plan_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
                                                   device)
     dtype = "bfloat16" if query.dtype == torch.bfloat16 else "float16"
     pl = plan_shapes(ir, bindings, batch=B, num_q_heads=Hq, num_kv_heads=Hkv, q_len=Sq,
-                     kv_len=Skv, head_dim=D, dtype=dtype, num_sms=num_sms(dev_index),
+                     kv_len=Skv, head_dim=D, head_dim_vo=Dv, dtype=dtype,
+                     num_sms=num_sms(dev_index),
                      fa3_ok=_fa3_ok(query, key, value, dev_index), mask=margs,
                      kernel_options=kernel_options, device=dev_index, mask_scalars=mscal,
                      mask_tensors=mtens)
@@ -456,14 +454,40 @@ def mask_plan(ir: VariantIR, bindings: Bindings, block_mask: Any, B: int, Hq: in
     return ir, merged, margs, mscal, mtens
 
 
+def _padded_plan(ir: VariantIR, head_dim: int, head_dim_vo: int | None,
+                 kernel_options: Mapping[str, Any] | None) -> tuple[int, bool]:
+    """(kernel head dim, padded) of a call (attncc.codegen.tiles.padded_head_dim), with the
+    padded form's limits checked: FA2 only, and no q/k/v/output transform (they see whole rows,
+    padding columns included)."""
+    D, padded = padded_head_dim(head_dim, head_dim_vo)
+    if not padded:
+        return D, False
+    dims = f"head dims {head_dim}/{head_dim if head_dim_vo is None else head_dim_vo} (q/k, v)"
+    if (kernel_options or {}).get("KERNEL") == "fa3":
+        raise ValueError(f"kernel_options['KERNEL']='fa3' runs head dims 64, 128 and 256 with "
+                         f"one head dim for q, k and v; {dims} run on FA2: drop KERNEL or use "
+                         f"'fa2'")
+    rows = [h for h in TRANSFORM_HOOKS if not ir.hook(h).is_identity]
+    if rows:
+        raise ValueError(f"variant {ir.name!r} has {', '.join(rows)}: with {dims} the GPU "
+                         f"kernels run a padded head dim, which these hooks would see; use head "
+                         f"dim 64, 128 or 256 for q, k and v, or run the hooks on the tensors "
+                         f"before the call")
+    return D, True
+
+
 def plan_shapes(ir: VariantIR, bindings: Bindings, *, batch: int, num_q_heads: int,
                 num_kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: str,
                 num_sms: int, fa3_ok: bool, mask: _MaskArgs | None = None,
                 kernel_options: Mapping[str, Any] | None = None, device: int = -1,
                 mask_scalars: Mapping[str, Any] | None = None,
-                mask_tensors: Mapping[str, Any] | None = None) -> LaunchPlan:
+                mask_tensors: Mapping[str, Any] | None = None,
+                head_dim_vo: int | None = None) -> LaunchPlan:
     """The launch decided from shapes and device facts alone (`plan_launch` past its tensor
-    checks; `attncc warm` without a GPU): tiles, CTA pairs, the pre-pass split.
+    checks; `attncc warm` without a GPU): tiles, CTA pairs, the pre-pass split. `head_dim` is
+    the query/key head dim, `head_dim_vo` the value's (None: the same); head dims other than
+    64/128/256 (or two different ones) run FA2's padded form (`_padded_plan`), whose width is
+    the plan's `head_dim`.
 
     Example:
         >>> from attncc.ir.program import VariantIR
@@ -473,12 +497,16 @@ def plan_shapes(ir: VariantIR, bindings: Bindings, *, batch: int, num_q_heads: i
         >>> pl.tiles.kernel, pl.tiles.paired
         ('fa3', True)
     """
-    B, Hq, Hkv, Sq, Skv, D = batch, num_q_heads, num_kv_heads, q_len, kv_len, head_dim
+    B, Hq, Hkv, Sq, Skv = batch, num_q_heads, num_kv_heads, q_len, kv_len
+    D, padded = _padded_plan(ir, head_dim, head_dim_vo, kernel_options)
+    dims = (head_dim, head_dim if head_dim_vo is None else head_dim_vo)
     tiles = choose_tiles(D, q_len=Sq, kv_len=Skv, group=Hq // Hkv, heads=Hq, batch=B,
                          num_sms=num_sms, block_q=mask.block_q if mask else None,
                          block_kv=mask.block_kv if mask else None,
                          mask_head_uniform=mask.head_uniform if mask else True,
-                         kernel_options=kernel_options, fa3_ok=fa3_ok)
+                         kernel_options=kernel_options, fa3_ok=fa3_ok and not padded)
+    if padded:
+        tiles = replace(tiles, head_dims=dims)
     if fa3_pairs(tiles, mask is not None, Sq, Skv, D, kernel_options):
         tiles = replace(tiles, paired=True)
     if Hq // tiles.gf > 65535 or B > 65535:
@@ -697,17 +725,19 @@ def _call_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: VariantIR, 
             tuple(sorted(kernel_options.items())) if kernel_options else None)
 
 
-def _outputs(query: torch.Tensor, return_lse: bool, out: torch.Tensor | None,
-             lse_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The output buffers of a launch: the given ones, checked, or new ones."""
-    B, Hq, Sq, D = query.shape
+def _outputs(query: torch.Tensor, value: torch.Tensor, return_lse: bool,
+             out: torch.Tensor | None, lse_out: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output buffers of a launch ([B, Hq, Sq, Dv]): the given ones, checked, or new ones."""
+    B, Hq, Sq, _ = query.shape
+    shape = (B, Hq, Sq, value.shape[3])
     device = query.device
     if out is None:
-        out = torch.empty(B, Hq, Sq, D, dtype=query.dtype, device=device)
-    elif (out.shape != query.shape or out.dtype != query.dtype or out.device != device
+        out = torch.empty(shape, dtype=query.dtype, device=device)
+    elif (out.shape != shape or out.dtype != query.dtype or out.device != device
           or out.stride(3) != 1 or any(out.stride(i) % 8 for i in range(3))
           or out.data_ptr() % 16):
-        raise ValueError(f"out must be a {tuple(query.shape)} {query.dtype} tensor on {device} "
+        raise ValueError(f"out must be a {shape} {query.dtype} tensor on {device} "
                          f"with a contiguous, 16-byte aligned head dim; got {tuple(out.shape)} "
                          f"{out.dtype} strides {tuple(out.stride())}")
     lse = None
@@ -731,7 +761,7 @@ def _no_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir: Va
     from ..reference import attention_reference
 
     _validate(query, key, value, enable_gqa)
-    out, lse = _outputs(query, return_lse, out, lse_out)
+    out, lse = _outputs(query, value, return_lse, out, lse_out)
     o, l = attention_reference(query, key, value, ir, bindings, block_mask=block_mask,
                                scale=scale, enable_gqa=enable_gqa, float_dtype=torch.float32,
                                sinks=sinks)
@@ -751,8 +781,9 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a traced variant on CUDA tensors with the FA3 or FA2 kernel: `(out, lse or None)`.
 
-    query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D] (bf16 or fp16, D in 64/128/256) ->
-    out [B, Hq, Sq, D] in query's dtype; lse [B, Hq, Sq] float32 (natural log, -inf for a fully
+    query [B, Hq, Sq, D], key [B, Hkv, Skv, D], value [B, Hkv, Skv, Dv] (bf16 or fp16; D and
+    Dv multiples of 8 from 32 to 256; other than D = Dv in 64/128/256 they run FA2's padded
+    form) -> out [B, Hq, Sq, Dv] in query's dtype; lse [B, Hq, Sq] float32 (natural log, -inf for a fully
     masked row) when `return_lse`. The variant's mask_mod applies everywhere; the block mask's
     mask_mod only in its partial blocks (FlexAttention's semantics); absent blocks are skipped.
     `out` / `lse_out` may be given (e.g. static buffers for CUDA graphs). `sinks` [Hq]: per-head
@@ -794,7 +825,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if reads.sizes:
         bindings = Bindings({**bindings.scalars, **reads.sizes}, bindings.tensors)
     values = captured(reads.ir, bindings, device)
-    out, lse = _outputs(query, return_lse, out, lse_out)
+    out, lse = _outputs(query, value, return_lse, out, lse_out)
     if out.numel() == 0:
         return out, lse
     if reads.prepass_kernel is not None:  # q/k/v transforms once per row, before attention

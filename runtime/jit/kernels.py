@@ -96,7 +96,9 @@ class KernelSpec:
     (sm_90a, `attncc.codegen.tiles.FA3_BACKWARD_TILES`) takes the FA2-class forms as its
     `fallbacks`: a variant whose FA3-class form spills runs the FA2-class kernel. `kv_dtype`: an
     fp8 KV cache's dtype name ("float8_e4m3fn" / "float8_e5m2"; the FA2 batch and decode kinds
-    only), None when the cache holds `dtype`.
+    only), None when the cache holds `dtype`. `head_dims` (the FA2 kinds): the real (query/key,
+    value) head dims of a padded form, whose `head_dim` is their padded width
+    (attncc.codegen.tiles.padded_head_dim); None: both `head_dim`.
 
     Example:
         >>> a = KernelSpec("prepass", ir=VariantIR(name="x"), head_dim=64)
@@ -117,6 +119,7 @@ class KernelSpec:
     grad_tensors: tuple[str, ...] = ()
     fallbacks: tuple[BackwardTiles, ...] = ()
     kv_dtype: str | None = None
+    head_dims: tuple[int, int] | None = None
     ir_key: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -128,6 +131,9 @@ class KernelSpec:
         if self.kv_dtype is not None and self.kind not in ("fa2_batch", "decode"):
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: fp8 KV caches run on the fa2_batch "
                              f"and decode kernels, not {self.kind}")
+        if self.head_dims is not None and self.kind not in ("fa2_prefill", "fa2_batch",
+                                                            "decode"):
+            raise ValueError(f"a {self.kind} kernel has no padded head-dim form")
         object.__setattr__(self, "ir_key", variant_key(self.ir))
 
 
@@ -155,7 +161,8 @@ def _fa2(spec: KernelSpec) -> Generated:
     src, name, vp, ap = fa2_source(spec.ir, head_dim=spec.head_dim, dtype=spec.dtype, tq=t.tq,
                                    tkv=t.tkv, stages=t.stages, m_frags=t.m_frags,
                                    fast_math=spec.fast_math, batch=spec.kind != "fa2_prefill",
-                                   kv_warps=t.kv_warps, kv_dtype=spec.kv_dtype)
+                                   kv_warps=t.kv_warps, kv_dtype=spec.kv_dtype,
+                                   head_dims=spec.head_dims)
     return Generated(spec, src, name, ap, vp, cfg.threads, cfg.smem_bytes, cfg)
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attncc.codegen.tiles import FA2_HEAD_DIMS as HEAD_DIMS
-from attncc.codegen.tiles import KernelTiles, fa3_smem_bytes, fa3_tiles
+from attncc.codegen.tiles import KernelTiles, fa3_smem_bytes, fa3_tiles, padded_head_dim
 
-__all__ = ["LaunchConfig", "fa2_config", "fa3_stages", "HEAD_DIMS", "SMEM_PER_CTA"]
+__all__ = ["LaunchConfig", "fa2_config", "fa3_stages", "HEAD_DIMS", "SMEM_PER_CTA",
+           "padded_head_dim"]
 
 # Dynamic shared memory one CTA may opt into on sm_90 (227 KB of the SM's 228).
 SMEM_PER_CTA = 227 * 1024

@@ -55,7 +55,7 @@ import torch
 
 from attncc.errors import DeviceError, InvalidArgument, check_bool, check_int
 from attncc.frontend import Variant
-from attncc.ir.program import Bindings, VariantIR
+from attncc.ir.program import TRANSFORM_HOOKS, Bindings, VariantIR
 
 from ..jit.device import num_sms
 from ..jit.launch_args import captured
@@ -66,7 +66,8 @@ from . import launch
 from .capture import LaunchShape, capture_mismatch
 from .causal import clip_causal_units, mask_causal_bound, section_tokens
 from .fa3_batch import fa3_batch_tiles, fa3_unsupported
-from .operands import PlannedShape, cache_views, check_kv_dtype, check_lse, check_out, check_q
+from .operands import (HeadDims, PlannedShape, cache_views, check_kv_dtype, check_lse, check_out,
+                       check_q, plan_head_dims)
 from .plan import planner, scheduler
 from .plan.checks import KV_LAYOUTS, RAGGED_PAGE, CheckedBatch, check_batch, int_array, page_shift
 from .reads import SafeReads
@@ -128,10 +129,11 @@ class _LazyPlan:
 
 
 def _kernels_for(ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
-                 device: int, kv8: torch.dtype | None = None) -> LoadedKernel:
+                 device: int, kv8: torch.dtype | None = None,
+                 head_dims: tuple[int, int] | None = None) -> LoadedKernel:
     """The batch kernel and its merge kernel (`.launcher`, `.merge`) for one (variant, head
-    dim, dtype, tiles, fp8 cache dtype `kv8` or None), from the kernel cache
-    (runtime/jit/kernels.py)."""
+    dim, dtype, tiles, fp8 cache dtype `kv8` or None, a padded form's real `head_dims`), from
+    the kernel cache (runtime/jit/kernels.py)."""
     if kv8 is not None and tiles.stages < 2:
         raise ValueError(f"an fp8 KV cache streams through a ring of 2 * (stages - 1) fp8 "
                          f"stages: tiles={tiles.tq, tiles.tkv, tiles.stages} needs stages >= 2")
@@ -142,7 +144,8 @@ def _kernels_for(ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
         spec = KernelSpec("decode" if tiles.kv_warps > 1 else "fa2_batch", ir, head_dim, dtype,
                           KernelTiles(tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
                                    tiles.kv_warps), device=device,
-                          kv_dtype=str(kv8).removeprefix("torch.") if kv8 is not None else None)
+                          kv_dtype=str(kv8).removeprefix("torch.") if kv8 is not None else None,
+                          head_dims=head_dims)
     return get_kernel(spec)
 
 
@@ -237,6 +240,10 @@ class BatchAttention:
         self._host_batch: tuple = ()  # a CPU plan's arguments, for run()'s reference
         self._tree: TreeTable | None = None  # the tree-mask table (CUDA: made at the first plan)
         self._tree_plan = False  # whether the plan being made / the current plan has a tree mask
+        # the plan's real (query/key, value) head dims when they run the padded form, else None
+        self._padded_plan: tuple[int, int] | None = None
+        self.head_dim_vo: int | None = None  # the current plan's value head dim
+        self._width = 0  # its kernels' head dim (padded width; operands.plan_head_dims)
         self._fa3_captured = False  # a CUDA graph captured the FA3 batch kernel (no tree masks)
         self._captured: LaunchShape | None = None  # what the last captured run fixed (capture.py)
         self.kv_data_type: torch.dtype | None = None  # the plan's fp8 cache dtype (None: q's)
@@ -254,10 +261,11 @@ class BatchAttention:
     # ------------------------------------------------------------------------------ plan
     def plan(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any = None,
              kv_last_page_len: Any = None, *, num_qo_heads: int, num_kv_heads: int,
-             head_dim: int, page_size: int = 1, q_positions: Any = None,
+             head_dim: int | None = None, page_size: int = 1, q_positions: Any = None,
              kv_position_offset: Any = None,
              q_data_type: torch.dtype = torch.bfloat16, custom_mask: Any = None,
-             packed_custom_mask: Any = None, kv_data_type: torch.dtype | None = None) -> None:
+             packed_custom_mask: Any = None, kv_data_type: torch.dtype | None = None,
+             head_dim_qk: int | None = None, head_dim_vo: int | None = None) -> None:
         """Schedule one batch. Paged layouts: `kv_indptr` is the CSR of page ids `kv_indices`
         per request and `kv_last_page_len` the tokens used in each request's last page;
         "ragged": `kv_indptr` is the CSR of KV tokens (no indices, no page size). Host-side
@@ -270,6 +278,10 @@ class BatchAttention:
         `q_data_type` is the dtype `run` will get; `kv_data_type` the KV cache's (None: q's),
         `torch.float8_e4m3fn` / `torch.float8_e5m2` for an fp8 cache, which `run` reads with
         its `k_scale` / `v_scale` (docs/serving.md, "fp8 KV cache").
+
+        Head dims: `head_dim` (or FlashInfer's name `head_dim_qk`) is q's and k's, `head_dim_vo`
+        v's and the output's (default: the same); multiples of 8 from 32 to 256. Other than one
+        dim of 64/128/256 they run the FA2 kernels' padded form (docs/serving.md, "Head dims").
 
         `custom_mask` / `packed_custom_mask` (FlashInfer's names and layout: each request's
         `[q_len, kv_len]` bool mask, row-major, concatenated; or each one bit-packed with
@@ -288,25 +300,14 @@ class BatchAttention:
         same words come from numpy (`scheduler.plan_into` and `stage_tables`).
         """
         b, staged = None, None
+        dims = plan_head_dims(head_dim, head_dim_qk, head_dim_vo)
+        head_dim = dims.width  # the kernels' (and the plan config's) head dim
         tree = custom_mask is not None or packed_custom_mask is not None
-        if tree and q_positions is not None:
-            raise ValueError("custom_mask / packed_custom_mask with q_positions: a tree mask "
-                             "is indexed by the step's tokens, which q_positions re-numbers; "
-                             "leave q_positions out")
-        if tree and self.kernel == "fa3":
-            raise ValueError("BatchAttention(kernel='fa3') with a tree mask: the FA3 batch "
-                             "kernel does not read tree masks; use kernel=None or 'fa2'")
-        if tree and self._fa3_captured:
-            raise ValueError("a CUDA graph captured run() with the FA3 batch kernel, which does "
-                             "not read tree masks, so its replays would ignore this mask; capture "
-                             "the multi-token decode loop on a plan of its own batches (or pass "
-                             "kernel='fa2' to the BatchAttention that a graph captures)")
         kv8 = check_kv_data_type(kv_data_type, q_data_type, self.device)
-        if tree and kv8 is not None:
-            raise ValueError(f"custom_mask / packed_custom_mask with kv_data_type={kv8}: the fp8 "
-                             f"cache's kernels do not read tree masks; use a 16-bit cache for "
-                             f"tree-masked steps, or plan without the mask")
+        if tree:
+            self._check_tree(q_positions, kv8)
         self._tree_plan = tree  # (read by _config_key and _fa3_mode: masks run on FA2)
+        self._padded_plan = self._check_padded(dims, kv8)  # (read there too: padded -> FA2)
         if q_positions is None and kv_position_offset is None:
             b, staged = self._checked_fast(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                            num_qo_heads, num_kv_heads, head_dim, page_size,
@@ -323,7 +324,7 @@ class BatchAttention:
         self._check_captured(cfg, offsets, b, (num_qo_heads, num_kv_heads), head_dim, kv8)
         self._clip_causal(buf, cfg, b, num_qo_heads // num_kv_heads, head_dim, q_data_type)
         # (only now: a plan() that raised leaves the last plan's layout and offsets for run())
-        self._commit(b, cfg, half, buf, offsets, num_qo_heads, num_kv_heads, head_dim)
+        self._commit(b, cfg, half, buf, offsets, num_qo_heads, num_kv_heads, dims)
         self.kv_data_type = kv8
         if kv8 is not None:  # (here, not in run(): maybe inside a compiled CUDA graph)
             self._scales.reserve(num_kv_heads, self.device)
@@ -337,6 +338,44 @@ class BatchAttention:
                 self._upload(*self._planner.used_ranges()[::-1])
             else:
                 self._upload(offsets["pages"] + int(b.page_indptr[-1]))
+
+    def _check_tree(self, q_positions: Any, kv8: torch.dtype | None) -> None:
+        """plan()'s checks of a tree mask against what its kernels read."""
+        if q_positions is not None:
+            raise ValueError("custom_mask / packed_custom_mask with q_positions: a tree mask "
+                             "is indexed by the step's tokens, which q_positions re-numbers; "
+                             "leave q_positions out")
+        if self.kernel == "fa3":
+            raise ValueError("BatchAttention(kernel='fa3') with a tree mask: the FA3 batch "
+                             "kernel does not read tree masks; use kernel=None or 'fa2'")
+        if self._fa3_captured:
+            raise ValueError("a CUDA graph captured run() with the FA3 batch kernel, which does "
+                             "not read tree masks, so its replays would ignore this mask; capture "
+                             "the multi-token decode loop on a plan of its own batches (or pass "
+                             "kernel='fa2' to the BatchAttention that a graph captures)")
+        if kv8 is not None:
+            raise ValueError(f"custom_mask / packed_custom_mask with kv_data_type={kv8}: the fp8 "
+                             f"cache's kernels do not read tree masks; use a 16-bit cache for "
+                             f"tree-masked steps, or plan without the mask")
+
+    def _check_padded(self, dims: HeadDims, kv8: torch.dtype | None) -> tuple[int, int] | None:
+        """The real head dims a padded plan's kernels take (None: native dims), checked against
+        what the padded form runs: FA2, a 16-bit cache, a variant without q/k/v/output hooks."""
+        if not dims.padded:
+            return None
+        what = f"head dims {dims.qk}/{dims.vo} (q/k, v) run the FA2 kernels' padded form"
+        if self.kernel == "fa3":
+            raise InvalidArgument(f"BatchAttention(kernel='fa3') with {what}; use kernel=None "
+                                  f"or 'fa2', or head dims 64/128 for q, k and v")
+        if kv8 is not None:
+            raise InvalidArgument(f"kv_data_type={kv8} with {what}, which reads 16-bit caches; "
+                                  f"use a 16-bit cache or head dim 64, 128 or 256")
+        rows = [h for h in TRANSFORM_HOOKS if not self._variant_ir().hook(h).is_identity]
+        if rows:
+            raise InvalidArgument(f"variant {self.variant.name!r} has {', '.join(rows)}: with "
+                                  f"{what}, whose padding columns these hooks would see; use "
+                                  f"head dim 64, 128 or 256 for q, k and v")
+        return dims.qk, dims.vo
 
     def _upload_tree(self, rows: np.ndarray | None) -> None:
         """The plan's tree-mask rows (None: no mask) to the device table, made at the first
@@ -356,14 +395,15 @@ class BatchAttention:
 
     def _commit(self, b: CheckedBatch, cfg: PlanConfig, half: int, buf: np.ndarray,
                 offsets: dict[str, int], num_qo_heads: int, num_kv_heads: int,
-                head_dim: int) -> None:
+                dims: HeadDims) -> None:
         """Make the staged plan the current one: what run() and inspection read."""
         tiles = cfg.tiles
         self.tiles, self.layout, self._offsets = tiles, cfg.layout, offsets
         self._stager.commit(half, buf)
         self._plan = _LazyPlan((b.qo, b.kv_lens, num_qo_heads, num_kv_heads, tiles.tq,
                                 tiles.num_ctas), cfg.kwargs)
-        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
+        self.head_dim, self.head_dim_vo, self._width = dims.qk, dims.vo, dims.width
         self.page_size, self.page_shift, self._max_page = b.page, b.shift, b.max_page
         self.qo_indptr, self.kv_lens = b.qo, b.kv_lens
         self._has_kv_pos, self._has_q_pos = b.kvoff is not None, b.qpos is not None
@@ -463,7 +503,7 @@ class BatchAttention:
         return self._safe(ir, bindings, self.kv_lens,
                           positions_unknown=self._has_q_pos or self._has_kv_pos,
                           num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
-                          head_dim=self.head_dim)
+                          head_dim=self.head_dim, head_dim_vo=self.head_dim_vo)
 
     def _variant_ir(self) -> VariantIR:
         """The variant's traced IR, for plan()'s checks (traced once; run() traces again for the
@@ -484,7 +524,7 @@ class BatchAttention:
         """choose_batch_tiles' `fa3` (`tiles.fa3_mode`), with fa3_unsupported's answer
         memoised per batch shape: plan() runs every step."""
         if self.kernel == "fa2" or (self.kernel is None and self._forced_tiles is not None) \
-                or self._tree_plan:  # (tree masks: the FA2 batch kernel reads them)
+                or self._tree_plan or self._padded_plan:  # (both run on the FA2 kernels)
             return "off"
         key = (group, head_dim, page_size, q_dtype, kv8)
         why = self._fa3_why.get(key, False)
@@ -501,7 +541,7 @@ class BatchAttention:
         return (head_dim, num_qo_heads, num_kv_heads, page, q_dtype, kv8, self.kernel, self.tiles,
                 self._planner, self.min_kv_chunk, self.max_batch, self.max_qo_tokens,
                 self.max_pages, self.kv_layout, self._forced_tiles, self.balance,
-                self._tree_plan)
+                self._tree_plan, self._padded_plan)
 
     def _config(self, b: CheckedBatch, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                 q_dtype: Any, kv8: torch.dtype | None = None) -> PlanConfig:
@@ -536,7 +576,7 @@ class BatchAttention:
         if self.layout is None:
             raise RuntimeError("call plan() first: the workspace size depends on the layout")
         return 4 * self._int_words() + scheduler.workspace_bytes(
-            self.layout, self.head_dim, self.num_qo_heads, 4)
+            self.layout, self._width, self.num_qo_heads, 4)
 
     def _int_words(self, layout: scheduler.PlanLayout | None = None) -> int:
         """int32 words of the plan (`layout`, default the current one) and the page tables."""
@@ -584,7 +624,7 @@ class BatchAttention:
         are the last check's and the `used` words lie within the int32 words it checked."""
         ws, lay = self.workspace, self.layout
         last = self._ws_checked
-        if ws is not None and ws is last[0] and lay is last[1] and self.head_dim == last[2] \
+        if ws is not None and ws is last[0] and lay is last[1] and self._width == last[2] \
                 and used <= last[3]:
             return ws
         need = self.workspace_bytes()
@@ -604,7 +644,7 @@ class BatchAttention:
             ws = self.workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
         if ws.dtype != torch.uint8 or ws.device != self.device:
             raise ValueError("workspace_buffer must be a uint8 tensor on the kernel's device")
-        self._ws_checked = (ws, lay, self.head_dim, self._int_words())
+        self._ws_checked = (ws, lay, self._width, self._int_words())
         return ws
 
     def kernel_record(self) -> KernelRecord | None:
@@ -654,9 +694,9 @@ class BatchAttention:
                                        self.device)
         sinks32 = self._sinks_operand(sinks, q, ir)
         kern = self._last_kernel = _kernels_for(
-            ir, self.head_dim, "bfloat16" if q.dtype == torch.bfloat16 else "float16",
-            self.tiles, self.device.index or 0, self.kv_data_type)
-        out = check_out(out, q)
+            ir, self._width, "bfloat16" if q.dtype == torch.bfloat16 else "float16",
+            self.tiles, self.device.index or 0, self.kv_data_type, self._padded_plan)
+        out = check_out(out, q, self.head_dim_vo)
         lse = check_lse(lse, return_lse, q, self.device)
         params = self._launch_args(q, k, v, out, lse, strides, scale)
         if sinks32 is not None:
@@ -762,7 +802,7 @@ class BatchAttention:
     def _planned_shape(self) -> PlannedShape:
         """What the current plan fixes about run()'s tensors (`operands`)."""
         return PlannedShape(self.kv_layout, self.device, self.num_qo_heads, self.num_kv_heads,
-                            self.head_dim, self.page_size, self._max_page)
+                            self.head_dim, self.page_size, self._max_page, self.head_dim_vo)
 
     def _launch_args(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      out: torch.Tensor, lse: torch.Tensor | None,
@@ -772,7 +812,7 @@ class BatchAttention:
         ws, lay = self.workspace, self.layout
         assert ws is not None and lay is not None and self.tiles is not None
         pointers = launch.workspace_pointers(
-            ws.data_ptr(), self._int_words(), lay, self._offsets, head_dim=self.head_dim,
+            ws.data_ptr(), self._int_words(), lay, self._offsets, head_dim=self._width,
             q_positions=self._has_q_pos, kv_positions=self._has_kv_pos)
         # always the table's address: a graph captured now replays later plans' masks
         pointers["tree_mask"] = self._tree.device.data_ptr() if self._tree is not None else 0

@@ -76,14 +76,15 @@ class CascadeAttention:
 
     def plan(self, qo_indptr: Any, *, prefix_indices: Any, prefix_last_page_len: int,
              suffix_indptr: Any, suffix_indices: Any, suffix_last_page_len: Any,
-             num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-             q_data_type: torch.dtype = torch.bfloat16,
-             kv_data_type: torch.dtype | None = None) -> None:
+             num_qo_heads: int, num_kv_heads: int, head_dim: int | None = None,
+             page_size: int, q_data_type: torch.dtype = torch.bfloat16,
+             kv_data_type: torch.dtype | None = None, head_dim_qk: int | None = None,
+             head_dim_vo: int | None = None) -> None:
         """Plan both passes. `prefix_indices`: the shared prefix's page ids (in order);
         `prefix_last_page_len`: tokens in its last page. `suffix_*`: each request's own pages,
         as `BatchAttention.plan` takes them (and `q_data_type`, `kv_data_type`: an fp8 cache,
-        which `run` reads with its k_scale / v_scale). Every request's queries must be suffix
-        tokens."""
+        which `run` reads with its k_scale / v_scale; `head_dim` or `head_dim_qk`, and
+        `head_dim_vo`: the head dims). Every request's queries must be suffix tokens."""
         qo = np_int(qo_indptr, "qo_indptr")
         pre = np_int(prefix_indices, "prefix_indices")
         last = int(prefix_last_page_len)
@@ -107,7 +108,8 @@ class CascadeAttention:
         tok = np.arange(int(qo[-1])) - np.repeat(qo[:-1], q_len)
         qpos = P + s_len[req] - q_len[req] + tok
         heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     page_size=page_size, q_data_type=q_data_type, kv_data_type=kv_data_type)
+                     head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size,
+                     q_data_type=q_data_type, kv_data_type=kv_data_type)
         self.prefix.plan([0, int(qo[-1])], [0, pre.size], pre, [last if pre.size else 0],
                          q_positions=qpos, **heads)
         self.suffix.plan(qo, sptr, suffix_indices, slast, q_positions=qpos,
@@ -117,7 +119,7 @@ class CascadeAttention:
     def run(self, q: torch.Tensor, kv_cache: Any, *, return_lse: bool = False,
             sinks: torch.Tensor | None = None, k_scale: Any = None,
             v_scale: Any = None) -> Any:
-        """`out [total_q, num_qo_heads, head_dim]` in q's dtype (and the merged lse).
+        """`out [total_q, num_qo_heads, head_dim_vo]` in q's dtype (and the merged lse).
         `sinks` [num_qo_heads]: attention-sink logits, joined once: by the prefix pass's
         kernels (every query row is in it), or the suffix pass's when the prefix is empty; the
         merge composes the states, so the merged lse includes the sink (docs/serving.md,

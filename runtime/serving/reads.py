@@ -46,7 +46,7 @@ class SafeReads:
 
     def __call__(self, ir: VariantIR, bindings: Bindings, kv_lens: Any, *,
                  positions_unknown: bool, num_qo_heads: int, num_kv_heads: int,
-                 head_dim: int) -> tuple[VariantIR, Bindings]:
+                 head_dim: int, head_dim_vo: int | None = None) -> tuple[VariantIR, Bindings]:
         """The variant and bindings for a plan of `kv_lens` (positions: b < requests, q_idx and
         kv_idx < the longest KV length), with the clamps' sizes among the scalars."""
         if not ir.tensors:
@@ -75,14 +75,15 @@ class SafeReads:
         kv = int(kv_lens.max()) if len(kv_lens) else 0
         try:
             key = (id(ir), len(kv_lens), kv, positions_unknown, num_qo_heads, num_kv_heads,
-                   head_dim, tuple((n, tuple(t.shape)) for n, t in tensors.items()
+                   head_dim, head_dim_vo, tuple((n, tuple(t.shape)) for n, t in tensors.items()
                                    if isinstance(t, torch.Tensor)),
                    tuple(sorted(bindings.scalars.items())))
             hit = self.cache.get(key)
         except TypeError:  # an unhashable scalar: clamp every read, uncached
             key, hit = None, None
         if hit is None or hit[0] is not ir:
-            shapes = Shapes(len(kv_lens), num_qo_heads, num_kv_heads, kv, kv, head_dim, head_dim)
+            shapes = Shapes(len(kv_lens), num_qo_heads, num_kv_heads, kv, kv, head_dim,
+                            head_dim if head_dim_vo is None else head_dim_vo)
             hit = (ir, *serving_clamps(ir, tensors, bindings.scalars,
                                        key[3] if key else True, shapes))
             if key is not None:
