@@ -321,7 +321,8 @@ class BatchAttention:
             staged = self._stage_plan(b, fast, num_qo_heads, num_kv_heads, head_dim,
                                       q_data_type, kv8)
         cfg, half, buf, offsets, c_staged = staged
-        self._check_captured(cfg, offsets, b, (num_qo_heads, num_kv_heads), head_dim, kv8)
+        self._check_captured(cfg, offsets, b, (num_qo_heads, num_kv_heads), (dims.qk, dims.vo),
+                             kv8)
         self._clip_causal(buf, cfg, b, num_qo_heads // num_kv_heads, head_dim, q_data_type)
         # (only now: a plan() that raised leaves the last plan's layout and offsets for run())
         self._commit(b, cfg, half, buf, offsets, num_qo_heads, num_kv_heads, dims)
@@ -714,27 +715,29 @@ class BatchAttention:
         self._fa3_captured = self._fa3_captured or self.tiles.kernel == "fa3"
         self._captured = self._launch_shape(
             self.tiles, self.layout, self._offsets, (self.num_qo_heads, self.num_kv_heads),
-            self.head_dim, self.page_size, self.kv_data_type,
+            (self.head_dim, self.head_dim_vo), self.page_size, self.kv_data_type,
             (self._has_q_pos, self._has_kv_pos), self.kv_lens)
 
     def _launch_shape(self, tiles: BatchTiles, layout: Any, offsets: dict, heads: tuple,
-                      head_dim: int, page_size: int, kv8: torch.dtype | None,
+                      head_dims: tuple[int, int], page_size: int, kv8: torch.dtype | None,
                       positions: tuple[bool, bool], kv_lens: np.ndarray) -> LaunchShape:
-        """What a graph capturing a run of this plan fixes (`capture.LaunchShape`)."""
+        """What a graph capturing a run of this plan fixes (`capture.LaunchShape`); `head_dims`
+        the real (Dqk, Dv)."""
         ir, bindings = self.variant.trace()
         reads = self._safe.signature(ir, bindings, kv_lens, positions_unknown=any(positions),
                                      num_qo_heads=heads[0], num_kv_heads=heads[1],
-                                     head_dim=head_dim)
-        return LaunchShape(heads, head_dim, page_size, kv8, positions, tiles, layout,
+                                     head_dim=head_dims[0], head_dim_vo=head_dims[1])
+        return LaunchShape(heads, head_dims, page_size, kv8, positions, tiles, layout,
                            tuple(sorted(offsets.items())), reads)
 
     def _check_captured(self, cfg: PlanConfig, offsets: dict, b: CheckedBatch,
-                        heads: tuple[int, int], head_dim: int, kv8: torch.dtype | None) -> None:
+                        heads: tuple[int, int], head_dims: tuple[int, int],
+                        kv8: torch.dtype | None) -> None:
         """After run() was captured in a CUDA graph, a plan that the captured kernels and launch
         arguments cannot run raises here, before it becomes current (`capture.py`)."""
         if self._captured is None:
             return
-        new = self._launch_shape(cfg.tiles, cfg.layout, offsets, heads, head_dim, b.page, kv8,
+        new = self._launch_shape(cfg.tiles, cfg.layout, offsets, heads, head_dims, b.page, kv8,
                                  (b.qpos is not None, b.kvoff is not None), b.kv_lens)
         why = capture_mismatch(self._captured, new)
         if why is not None:

@@ -30,7 +30,7 @@ class LaunchShape:
 
     # (in the order a mismatch is reported: the arguments first, then what follows from them)
     heads: tuple[int, int]       # (num_qo_heads, num_kv_heads)
-    head_dim: int
+    head_dim: tuple[int, int]     # the real (Dqk, Dv) (their padded width is in the tiles' kernel)
     page_size: int
     kv_data_type: torch.dtype | None
     positions: tuple[bool, bool]  # explicit q_positions, kv_position_offset
@@ -42,7 +42,8 @@ class LaunchShape:
 
 _WHAT = {"tiles": "the kernel's tiles / form", "layout": "the plan layout (grid, room)",
          "offsets": "the page tables' offsets", "heads": "(num_qo_heads, num_kv_heads)",
-         "head_dim": "head_dim", "page_size": "page_size", "kv_data_type": "kv_data_type",
+         "head_dim": "(head_dim_qk, head_dim_vo)", "page_size": "page_size",
+         "kv_data_type": "kv_data_type",
          "positions": "explicit (q_positions, kv_position_offset)",
          "reads": "the clamps of the variant's captured-tensor reads"}
 
@@ -53,7 +54,7 @@ def capture_mismatch(captured: LaunchShape | None, new: LaunchShape) -> str | No
 
     Example:
         >>> from attncc.runtime.serving.tiles import choose_batch_tiles
-        >>> s = LaunchShape((8, 2), 128, 16, None, (False, False),
+        >>> s = LaunchShape((8, 2), (128, 128), 16, None, (False, False),
         ...                 choose_batch_tiles(128, 8, 132), None, (), (False, ()))
         >>> capture_mismatch(s, s) is None
         True

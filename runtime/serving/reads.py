@@ -52,31 +52,33 @@ class SafeReads:
         if not ir.tensors:
             return ir, bindings
         _, safe, sizes = self._entry(ir, bindings, kv_lens, positions_unknown, num_qo_heads,
-                                     num_kv_heads, head_dim)
+                                     num_kv_heads, head_dim, head_dim_vo)
         if not sizes:
             return safe, bindings
         return safe, Bindings({**bindings.scalars, **sizes}, bindings.tensors)
 
     def signature(self, ir: VariantIR, bindings: Bindings, kv_lens: Any, *,
                   positions_unknown: bool, num_qo_heads: int, num_kv_heads: int,
-                  head_dim: int) -> tuple[bool, tuple]:
+                  head_dim: int, head_dim_vo: int | None = None) -> tuple[bool, tuple]:
         """(whether any read is clamped, the clamps' sizes) for a plan of `kv_lens`: what a
         kernel captured in a CUDA graph fixed of the reads (capture.LaunchShape.reads)."""
         if not ir.tensors:
             return False, ()
         _, safe, sizes = self._entry(ir, bindings, kv_lens, positions_unknown, num_qo_heads,
-                                     num_kv_heads, head_dim)
+                                     num_kv_heads, head_dim, head_dim_vo)
         return safe is not ir, tuple(sorted(sizes.items()))
 
     def _entry(self, ir: VariantIR, bindings: Bindings, kv_lens: Any, positions_unknown: bool,
-               num_qo_heads: int, num_kv_heads: int, head_dim: int) -> tuple:
+               num_qo_heads: int, num_kv_heads: int, head_dim: int,
+               head_dim_vo: int | None) -> tuple:
         """The cache entry (ir, clamped variant, clamp sizes), computed on a miss."""
         tensors = {t.name: bindings.tensors.get(t.name) for t in ir.tensors}
         kv = int(kv_lens.max()) if len(kv_lens) else 0
         try:
             key = (id(ir), len(kv_lens), kv, positions_unknown, num_qo_heads, num_kv_heads,
-                   head_dim, head_dim_vo, tuple((n, tuple(t.shape)) for n, t in tensors.items()
-                                   if isinstance(t, torch.Tensor)),
+                   head_dim, head_dim_vo,
+                   tuple((n, tuple(t.shape)) for n, t in tensors.items()
+                         if isinstance(t, torch.Tensor)),
                    tuple(sorted(bindings.scalars.items())))
             hit = self.cache.get(key)
         except TypeError:  # an unhashable scalar: clamp every read, uncached

@@ -50,7 +50,7 @@ def test_decode_loop_replans_within_the_capture() -> None:
     ({"kv_data_type": torch.float8_e4m3fn}, "kv_data_type: captured None"),
     ({"hq": 4}, r"\(num_qo_heads, num_kv_heads\): captured \(8, 2\), this plan \(4, 2\)"),
     ({"hkv": 4}, "num_kv_heads"),
-    ({"d": 64}, "head_dim: captured 128"),
+    ({"d": 64}, r"head_dim_vo\): captured \(128, 128\)"),
 ])
 def test_a_plan_the_capture_cannot_run_raises(change: dict, match: str) -> None:
     """Each plan a captured decode kernel cannot run raises, naming what changed, and leaves
@@ -85,3 +85,15 @@ def test_a_plan_whose_reads_need_other_clamps_raises() -> None:
     _plan(ba, [1] * 3, [10, 64, 5])  # still within the table
     with pytest.raises(ValueError, match="clamps of the variant's captured-tensor reads"):
         _plan(ba, [1] * 2, [40, 100])
+
+
+def test_padded_head_dims_keep_their_capture_and_a_new_value_dim_raises() -> None:
+    """A plan at a padded head dim (80: the width-128 kernel) re-plans within its capture; a
+    new value head dim needs another kernel and raises, naming both dims."""
+    ba = BatchAttention(None, device="cpu", max_batch=16, max_qo_tokens=256)
+    _plan(ba, [1] * 4, [100, 200, 3, 40], d=80)
+    ba._note_capture()
+    _plan(ba, [1] * 3, [7, 9, 300], d=80)
+    with pytest.raises(ValueError, match=r"head_dim_vo\): captured \(80, 80\), this plan "
+                                         r"\(80, 64\)"):
+        _plan(ba, [1] * 3, [7, 9, 300], d=80, head_dim_vo=64)
