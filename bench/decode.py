@@ -508,10 +508,11 @@ def table(doc: dict[str, Any]) -> str:
     m = doc["meta"]
     lines = [f"{m['gpu']}, torch {m['torch']}, attncc {m['attncc_commit'][:10]}, "
              f"{m['date'][:10]}; decode, bf16, Hq={HQ}, D={D}, page {PAGE}; copy bandwidth "
-             f"{m['copy_tb_s']:.2f} TB/s. Cells: fraction of copy bandwidth (TB/s).", "",
-             "| batch | Hkv | dist | attncc | no scheduler | flex | flex paged | sdpa+mask "
-             "| read floor | attncc / best flex | plan us |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{m['copy_tb_s']:.2f} TB/s. Cells: fraction of copy bandwidth (TB/s)."]
+    if res:  # (a file of only KV-dtype or multi-token cells has no grid)
+        lines += ["", "| batch | Hkv | dist | attncc | no scheduler | flex | flex paged | "
+                  "sdpa+mask | read floor | attncc / best flex | plan us |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r["batch"], r["hkv"], r["dist"]) for r in res},
                   key=lambda k: (k[0], -k[1], DISTS.index(k[2])))
     for b, h, dist in keys:
@@ -542,6 +543,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
     res = [r for r in doc["results"] if "bw_fraction" in r and "knobs" not in r and "dist" in r]
     hkvs = sorted({r["hkv"] for r in res}, reverse=True)
+    if not hkvs:  # no grid cells to draw (the tables say the rest)
+        return
     fig, axes = plt.subplots(1, len(hkvs), figsize=(5 * len(hkvs), 3.6), squeeze=False)
     for ax, h in zip(axes[0], hkvs):
         cells = sorted({(r["batch"], r["dist"]) for r in res if r["hkv"] == h},
