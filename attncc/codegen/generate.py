@@ -518,7 +518,9 @@ def _check_padded(head_dims: tuple[int, int] | None, head_dim: int, kernel: str,
         return head_dim, head_dim
     if kernel not in PADDED_KERNELS:
         raise CodegenError(f"the {kernel!r} kernel has no padded form; {PADDED_KERNELS} have")
-    rows = [h for h in TRANSFORM_HOOKS if not ir.hook(h).is_identity]
+    from ..ir.hoist import transforms_in
+
+    rows = transforms_in(ir, TRANSFORM_HOOKS)
     if rows or kv_dtype is not None:
         raise CodegenError(f"a padded head dim runs no {', '.join(rows) or 'fp8 cache'}: "
                            f"those see whole rows, padding columns included; use head dim "

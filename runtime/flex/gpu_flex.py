@@ -467,7 +467,9 @@ def _padded_plan(ir: VariantIR, head_dim: int, head_dim_vo: int | None,
         raise ValueError(f"kernel_options['KERNEL']='fa3' runs head dims 64, 128 and 256 with "
                          f"one head dim for q, k and v; {dims} run on FA2: drop KERNEL or use "
                          f"'fa2'")
-    rows = [h for h in TRANSFORM_HOOKS if not ir.hook(h).is_identity]
+    from attncc.ir.hoist import transforms_in
+
+    rows = transforms_in(ir, TRANSFORM_HOOKS)
     if rows:
         raise ValueError(f"variant {ir.name!r} has {', '.join(rows)}: with {dims} the GPU "
                          f"kernels run a padded head dim, which these hooks would see; use head "

@@ -371,7 +371,9 @@ class BatchAttention:
         if kv8 is not None:
             raise InvalidArgument(f"kv_data_type={kv8} with {what}, which reads 16-bit caches; "
                                   f"use a 16-bit cache or head dim 64, 128 or 256")
-        rows = [h for h in TRANSFORM_HOOKS if not self._variant_ir().hook(h).is_identity]
+        from attncc.ir.hoist import transforms_in
+
+        rows = transforms_in(self._variant_ir(), TRANSFORM_HOOKS)
         if rows:
             raise InvalidArgument(f"variant {self.variant.name!r} has {', '.join(rows)}: with "
                                   f"{what}, whose padding columns these hooks would see; use "
