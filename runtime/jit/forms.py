@@ -4,17 +4,19 @@ start neither renders the translation unit nor hashes its text (docs/jit.md, "Wa
 An entry is the pickled `CompiledForm` (the form compile_spec chose, fallbacks included, with
 its source, cubin and ptxas report) under a sha256 key over the memo format, the sources that
 turn a spec into a form (the IR and codegen packages, the CUDA templates, this package's rules),
-the arch, the NVRTC version and the spec itself (its fields and its IR's canonical text). Any change to
-those sources (seen as a new size or modification time) or to NVRTC gives new keys; an unreadable entry is a miss. The cubin cache below
-stays the authority: the memo only skips the work of finding its key.
+the arch, the NVRTC version and the spec itself (its fields and its IR's canonical text). Any
+change to those sources (seen as a new size or modification time) or to NVRTC gives new keys;
+an unreadable entry is a miss. The cubin cache below stays the authority: the memo only skips
+the work of finding its key.
 
 Example:
     >>> import tempfile
     >>> from attncc.runtime.jit.kernels import KernelSpec
-    >>> memo, spec = FormMemo(tempfile.mkdtemp()), KernelSpec("merge", dtype="float16")
-    >>> memo.load(spec, "sm_90a") is None
+    >>> memo = FormMemo(tempfile.mkdtemp())
+    >>> key = memo.key(KernelSpec("merge", dtype="float16"), "sm_90a")
+    >>> memo.load(key) is None
     True
-    >>> memo.save(spec, "sm_90a", {"any": "picklable form"}); memo.load(spec, "sm_90a")
+    >>> memo.save(key, {"any": "picklable form"}); memo.load(key)
     {'any': 'picklable form'}
 """
 from __future__ import annotations
@@ -104,9 +106,9 @@ class FormMemo:
             h.update(part.encode() + b"\0")
         return h.hexdigest()
 
-    def load(self, spec: Any, arch: str) -> Any:
-        """The object saved for `spec` (compile_spec checks its type), or None."""
-        data = self.store.get(self.key(spec, arch))
+    def load(self, key: str) -> Any:
+        """The object saved under `key` (compile_spec checks its type), or None."""
+        data = self.store.get(key)
         if data is None:
             return None
         try:
@@ -114,8 +116,8 @@ class FormMemo:
         except Exception:  # an unreadable entry is a miss: compile_spec overwrites it
             return None
 
-    def save(self, spec: Any, arch: str, form: Any) -> None:
+    def save(self, key: str, form: Any) -> None:
         try:
-            self.store.put(self.key(spec, arch), pickle.dumps(form, protocol=4))
+            self.store.put(key, pickle.dumps(form, protocol=4))
         except (OSError, RecursionError, pickle.PicklingError):
             pass  # only the next process's warm start is lost

@@ -455,12 +455,13 @@ def compile_spec(spec: KernelSpec, arch: str,
     if trail is not None:  # the caller wants every form compiled: no memo
         return _walk_forms(spec, arch, trail)
     memo = FormMemo.default()
-    form = memo.load(spec, arch)  # a warm start: no rendering, no hashing of the source
+    key = memo.key(spec, arch)
+    form = memo.load(key)  # a warm start: no rendering, no hashing of the source
     if isinstance(form, CompiledForm):  # re-pointed at the caller's IR object and device
         own = replace(form.gen.spec, ir=spec.ir, device=spec.device)
         return replace(form, gen=replace(form.gen, spec=own))
     form = _walk_forms(spec, arch, [])
-    memo.save(spec, arch, form)
+    memo.save(key, form)
     return form
 
 

@@ -104,7 +104,7 @@ def test_a_new_process_finds_the_form_a_cold_one_compiled(cache_dir: Path) -> No
 def test_an_unreadable_entry_is_a_miss(cache_dir: Path) -> None:
     memo, spec = forms.FormMemo(), _prepass()
     memo.store.put(memo.key(spec, ARCH), b"not a pickle")
-    assert memo.load(spec, ARCH) is None
+    assert memo.load(memo.key(spec, ARCH)) is None
 
 
 @pytest.mark.nvrtc
