@@ -33,7 +33,7 @@ from attncc.ir.program import TRANSFORM_HOOKS, Bindings, ScalarParam, TensorPara
 from ..jit.device import num_sms
 from ..jit.launch_args import ELEM_NAMES, captured, clamped
 from ..jit.kernels import KernelSpec, LoadedKernel, compile_spec, get_kernel
-from ..jit.launcher import zero_ints
+from ..jit.launcher import current_raw_stream, zero_ints
 from ..jit.tiles import padded_head_dim
 from ..jit.tma import MapCache, MapSlot
 from ..reference import check_sinks, is_noop_mask, trace_mask, validate_attention_inputs
@@ -125,7 +125,7 @@ def fa3_pairs(tiles: TilePlan, masked: bool, q_len: int, kv_len: int, head_dim: 
 
 
 def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     out: torch.Tensor) -> MapSlot:
+                     out: torch.Tensor, stream: int | None = None) -> MapSlot:
     """The q, k, v TMA maps over [rows, head_dim] views and out's over [B, H, S, D] (512 bytes
     on the device; the dense FA3 kernel's epilogue stores [64 rows][64] boxes through the last;
     `out`'s strides are multiples of 16 bytes, as gpu_flex_attention requires)."""
@@ -140,7 +140,7 @@ def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         (*((t.data_ptr(), tuple(t.shape), t.dtype, t.device) for t in (query, key, value)),
          (out.data_ptr(), tuple(out.shape), out.stride())), query.device,
         lambda: b"".join([*(encode_map(t.view(-1, D), (64, 64)) for t in (query, key, value)),
-                          encode_map(out, (1, 1, 64, 64))]))
+                          encode_map(out, (1, 1, 64, 64))]), stream)
 
 
 def plan_forced(plan: TilePlan) -> bool:
@@ -720,11 +720,27 @@ def _call_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: VariantIR, 
               enable_gqa: bool, kernel_options: Mapping[str, Any] | None) -> tuple:
     """What a launch plan depends on: the variant's content (interned IR nodes), the block mask's
     identity, and the inputs' shapes, strides, dtype and device (alignment is checked per call)."""
-    return (tuple((n, h.expr) for n, h in ir.hooks.items()), ir.normalize, ir.name, ir.scalars,
-            ir.tensors, id(block_mask), q.shape, q.stride(), k.shape, k.stride(), v.shape,
+    return (_ir_key(ir), id(block_mask), q.shape, q.stride(), k.shape, k.stride(), v.shape,
             v.stride(), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
             bool(enable_gqa),
             tuple(sorted(kernel_options.items())) if kernel_options else None)
+
+
+_IR_KEYS: dict[int, tuple[VariantIR, tuple]] = {}  # id -> (the IR, held; its content key)
+
+
+def _ir_key(ir: VariantIR) -> tuple:
+    """The variant's content as a launch plan depends on it (interned IR nodes), built once per
+    IR object: a traced variant's IR is the same object call after call."""
+    hit = _IR_KEYS.get(id(ir))
+    if hit is not None and hit[0] is ir:
+        return hit[1]
+    key = (tuple((n, h.expr) for n, h in ir.hooks.items()), ir.normalize, ir.name, ir.scalars,
+           ir.tensors)
+    if len(_IR_KEYS) >= _CALL_CACHE_SIZE:
+        _IR_KEYS.clear()
+    _IR_KEYS[id(ir)] = (ir, key)
+    return key
 
 
 def _outputs(query: torch.Tensor, value: torch.Tensor, return_lse: bool,
@@ -840,11 +856,12 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     args = _attention_args(query, key, value, out, lse, sm_scale, pl.mask)
     if sinks32 is not None:
         args["sinks"] = sinks32.data_ptr()
+    stream = current_raw_stream(device.index)  # once: the maps' copy, the memset, the launch
     if pl.tiles.kernel == "fa3":
-        launch = _fa3_launch(pl, kern, kernel_options, args, query, key, value, out)
+        launch = _fa3_launch(pl, kern, kernel_options, args, query, key, value, out, stream)
     else:
         launch = _fa2_launch(pl, kern, args, query)
-    _launch(kern, launch, values, device)
+    _launch(kern, launch, values, stream)
     del sinks32  # alive until the launch is enqueued
     return out, lse
 
@@ -905,17 +922,16 @@ def _attention_args(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """The AttentionParams values every prefill kernel reads: tensors, strides, sizes, scale
     and the block mask's lists (kernels/params.cuh); the FA3-only members are 0 here."""
     B, Hq, Sq, _ = query.shape
+    qs, ks, vs, os_ = query.stride(), key.stride(), value.stride(), out.stride()
+    ls = lse.stride() if lse is not None else (0, 0)
     ap = {
         "q": query.data_ptr(), "k": key.data_ptr(), "v": value.data_ptr(), "o": out.data_ptr(),
         "lse": lse.data_ptr() if lse is not None else 0,
-        "q_stride_b": query.stride(0), "q_stride_h": query.stride(1),
-        "q_stride_s": query.stride(2),
-        "k_stride_b": key.stride(0), "k_stride_h": key.stride(1), "k_stride_s": key.stride(2),
-        "v_stride_b": value.stride(0), "v_stride_h": value.stride(1),
-        "v_stride_s": value.stride(2),
-        "o_stride_b": out.stride(0), "o_stride_h": out.stride(1), "o_stride_s": out.stride(2),
-        "lse_stride_b": lse.stride(0) if lse is not None else 0,
-        "lse_stride_h": lse.stride(1) if lse is not None else 0,
+        "q_stride_b": qs[0], "q_stride_h": qs[1], "q_stride_s": qs[2],
+        "k_stride_b": ks[0], "k_stride_h": ks[1], "k_stride_s": ks[2],
+        "v_stride_b": vs[0], "v_stride_h": vs[1], "v_stride_s": vs[2],
+        "o_stride_b": os_[0], "o_stride_h": os_[1], "o_stride_s": os_[2],
+        "lse_stride_b": ls[0], "lse_stride_h": ls[1],
         "batch": B, "num_q_heads": Hq, "num_kv_heads": key.shape[1], "q_len": Sq,
         "kv_len": key.shape[2], "sm_scale": sm_scale,
         "kv_num_blocks": 0, "kv_indices": 0, "full_kv_num_blocks": 0, "full_kv_indices": 0,
@@ -943,7 +959,7 @@ def _fa2_launch(pl: LaunchPlan, kern: LoadedKernel, args: dict[str, Any],
 
 def _fa3_launch(pl: LaunchPlan, kern: LoadedKernel, kernel_options: Mapping[str, Any] | None,
                 args: dict[str, Any], query: torch.Tensor, key: torch.Tensor,
-                value: torch.Tensor, out: torch.Tensor) -> _Launch:
+                value: torch.Tensor, out: torch.Tensor, stream: int) -> _Launch:
     """kernels/fa3/fa3_prefill.cuh: one CTA per 128-row item, or persistent CTAs (at most one per
     SM; whole clusters of two on CTA pairs) reading q/k/v/out through TMA maps."""
     B, Hq, Sq, D = query.shape
@@ -953,19 +969,20 @@ def _fa3_launch(pl: LaunchPlan, kern: LoadedKernel, kernel_options: Mapping[str,
     grid = min(items, num_sms(pl.device)) if persistent else items
     if kern.paired:  # whole clusters of two (items is even: fa3_pairs)
         grid = grid // 2 * 2
-    maps = _fa3_tensor_maps(query, key, value, out)
+    maps = _fa3_tensor_maps(query, key, value, out, stream)
     keep: tuple[Any, ...] = (maps,)
     args["tma"] = maps.data_ptr()
     if D in FA3_PERSISTENT_HEAD_DIMS:
         split = _fa3_tail_split(pl, kernel_options, items, grid, key.shape[2],
                                 kern.config.tkv, persistent and D in FA3_SPLIT_HEAD_DIMS,
                                 kern.paired)
-        keep += _fa3_split_args(split, D, query.device, args)
+        keep += _fa3_split_args(split, D, query.device, args, stream)
     return _Launch((grid, 1, 1), args, 2 if kern.paired else 1, keep)
 
 
 def _fa3_split_args(split: TailSplit, head_dim: int, device: torch.device,
-                    args: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+                    args: dict[str, Any], stream: int | None = None
+                    ) -> tuple[torch.Tensor, ...]:
     """The persistent FA3 kernel's item counter and, with a split tail (fa3_split.py), the
     tail's arrival counters (one zeroed buffer) and its partial-state workspace (written before
     it is read: not cleared); sets their AttentionParams members, returns the buffers.
@@ -974,7 +991,7 @@ def _fa3_split_args(split: TailSplit, head_dim: int, device: torch.device,
     launch (a memset on the stream; in a CUDA graph, a memset node), so no two launches share
     one."""
     counter = torch.empty(split.counter_ints(), dtype=torch.int32, device=device)
-    zero_ints(counter)
+    zero_ints(counter, stream)
     args["item_counter"] = counter.data_ptr()
     if not split.pieces:
         return (counter,)
@@ -984,15 +1001,14 @@ def _fa3_split_args(split: TailSplit, head_dim: int, device: torch.device,
 
 
 def _launch(kern: LoadedKernel, launch: _Launch, values: Mapping[str, Any],
-            device: torch.device) -> None:
-    """Pack the variant's captured values and launch on torch's current stream."""
+            stream: int) -> None:
+    """Pack the variant's captured values and launch on `stream` (torch's current one)."""
     from attncc.codegen.generate import variant_param_values
 
     kl, cfg = kern.launcher, kern.config
     vp = variant_param_values(kl.vp.layout, values["scalars"], values["tensors"])
     kl.launch(launch.grid, (cfg.threads, 1, 1), cfg.smem_bytes, kl.ap.flatten(launch.args),
-              kl.vp.flatten(vp), stream=torch.cuda.current_stream(device).cuda_stream,
-              cluster=launch.cluster)
+              kl.vp.flatten(vp), stream=stream, cluster=launch.cluster)
 
 
 def _fa3_tail_split(pl: LaunchPlan, kernel_options: Mapping[str, Any] | None, items: int,

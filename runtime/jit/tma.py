@@ -25,7 +25,7 @@ from typing import Any, Callable, Hashable
 import numpy as np
 import torch
 
-from .launcher import _ensure_context, driver, driver_check
+from .launcher import _ensure_context, current_raw_stream, driver, driver_check
 
 __all__ = ["tensor_map_2d", "tensor_map_3d", "tensor_map_4d", "encode_map", "MapCache", "MapSlot",
            "SLOT_BYTES"]
@@ -209,17 +209,26 @@ class MapCache:
         self._arenas: dict[int, _Arena] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: Hashable, device: torch.device, make: Callable[[], bytes]) -> MapSlot:
-        """The slot holding `make()`'s maps (at most SLOT_BYTES) for `key` on `device`."""
+    def get(self, key: Hashable, device: torch.device, make: Callable[[], bytes],
+            stream: int | None = None) -> MapSlot:
+        """The slot holding `make()`'s maps (at most SLOT_BYTES) for `key` on `device`, ready
+        for a launch on `stream` (a CUstream handle; default: torch's current stream)."""
         capturing = torch.cuda.is_current_stream_capturing()
         index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = torch.cuda.current_stream(index).cuda_stream
+        if stream is None:
+            stream = current_raw_stream(index)
         key = (index, key)
         with self._lock:
             hit = self._maps.get(key)
             if hit is not None:
                 self._maps.move_to_end(key)
                 hit.pinned = hit.pinned or capturing
+                if hit.stream != stream and hit.event is not None and not capturing:
+                    # filled on another stream: its copy may not have landed yet (a capture
+                    # starts after a device synchronize, and may not wait on outside events)
+                    d = driver()
+                    driver_check(d.cuStreamWaitEvent(d.CUstream(stream), hit.event, 0),
+                                 "cuStreamWaitEvent")
                 hit.stream = stream
                 return hit
         raw = make()

@@ -94,3 +94,30 @@ def test_map_cache_reuse_waits_for_the_other_stream() -> None:
     driver_check(d.cuMemcpyDtoD(d.CUdeviceptr(got.data_ptr()), d.CUdeviceptr(second.data_ptr()),
                                 128), "cuMemcpyDtoD")
     assert bytes(got.cpu().numpy()) == encode_map(b, (64, 64))
+
+
+@pytest.mark.gpu
+def test_map_cache_hit_on_another_stream_waits_for_the_fill() -> None:
+    """A cached slot filled on a busy stream and then read by a launch on another stream: that
+    stream waits for the fill's copy, so it never reads the slot's previous maps."""
+    from attncc.runtime.jit.launcher import driver, driver_check
+    from attncc.runtime.jit.tma import MapCache, encode_map
+
+    cache = MapCache(1)
+    x = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(512, 64, device="cuda", dtype=torch.bfloat16)
+    got = torch.zeros(128, dtype=torch.uint8, device="cuda")
+    cache.get("x", x.device, lambda: encode_map(x, (64, 64)))  # the slot holds x's map
+    torch.cuda.synchronize()
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: the fill's copy queues behind it
+        cache.get("a", a.device, lambda: encode_map(a, (64, 64)))
+    d = driver()
+    with torch.cuda.stream(s2):
+        slot = cache.get("a", a.device, lambda: b"")  # a hit: must wait for s1's copy
+        driver_check(d.cuMemcpyDtoDAsync(d.CUdeviceptr(got.data_ptr()),
+                                         d.CUdeviceptr(slot.data_ptr()), 128,
+                                         d.CUstream(s2.cuda_stream)), "cuMemcpyDtoDAsync")
+    torch.cuda.synchronize()
+    assert bytes(got.cpu().numpy()) == encode_map(a, (64, 64))
