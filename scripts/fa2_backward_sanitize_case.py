@@ -1,9 +1,11 @@
-"""Small FA2-class backward launches for compute-sanitizer (memcheck, racecheck): each checked
-against torch's autograd through the fp64 reference, so a clean sanitizer log comes from
-launches that also computed the right gradients.
+"""Small backward launches for compute-sanitizer (memcheck, racecheck): each checked against
+torch's autograd through the fp64 reference, so a clean sanitizer log comes from launches that
+also computed the right gradients. `--kernel fa2|fa3` forces the template
+(kernel_options["BACKWARD_KERNEL"]); without it each head dim runs what a call picks (on sm_90
+the FA3-class kernel at 64/128, the FA2-class one at 256).
 
     compute-sanitizer --tool memcheck --report-api-errors no python -m scripts.fa2_backward_sanitize_case
-    compute-sanitizer --tool racecheck python -m scripts.fa2_backward_sanitize_case dense64
+    compute-sanitizer --tool racecheck python -m scripts.fa2_backward_sanitize_case --kernel fa3 dense64
 
 Arguments pick parts (default: all): dense64, dense128, dense256 (odd lengths: a partial last
 query tile and KV tile; GQA 2; a causal block mask with partial and full blocks; a softcap
@@ -37,6 +39,7 @@ def _case(name: str, variant: attncc.Variant, d: int, *, hq: int = 4, hkv: int =
     v = torch.randn(1, hkv, skv, d, device="cuda", dtype=torch.bfloat16, generator=g)
     extra = extra or {}
     leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    options = {**(options or {}), **_KERNEL} or None
     out = attncc.flex_attention(q, k, v, score_mod=variant, block_mask=block_mask,
                                 enable_gqa=hq != hkv, kernel_options=options)
     do = torch.randn(out.shape, device="cuda", generator=g, dtype=torch.float64)
@@ -52,6 +55,9 @@ def _case(name: str, variant: attncc.Variant, d: int, *, hq: int = 4, hkv: int =
         print(f"{name}: {n} rel err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
         if not ok:
             raise SystemExit(1)
+
+
+_KERNEL: dict[str, str] = {}  # kernel_options["BACKWARD_KERNEL"] of every case (--kernel)
 
 
 def main(parts: list[str]) -> None:
@@ -76,5 +82,10 @@ def main(parts: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["dense64", "dense128", "dense256", "bias", "sigmoid",
-                          "deterministic"])
+    args = sys.argv[1:]
+    if args[:1] == ["--kernel"]:
+        _KERNEL["BACKWARD_KERNEL"] = args[1]
+        args = args[2:]
+        if _KERNEL["BACKWARD_KERNEL"] == "fa3":  # the FA3-class kernel runs head dims 64 and 128
+            args = args or ["dense64", "dense128", "bias", "sigmoid", "deterministic"]
+    main(args or ["dense64", "dense128", "dense256", "bias", "sigmoid", "deterministic"])

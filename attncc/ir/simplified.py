@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from .digest import tree_digest
 from .program import VariantIR
 
 # Bump when the stored payload's meaning changes (the sources digest covers code changes).
@@ -31,7 +32,6 @@ _MEMO_SIZE = 256
 _memo: dict[tuple, VariantIR] = {}
 _lock = threading.Lock()
 _store: tuple[Callable[[str], bytes | None], Callable[[str, bytes], None]] | None = None
-_digest: str | None = None
 
 
 def use_store(get: Callable[[str], bytes | None] | None,
@@ -109,12 +109,7 @@ def _load(get: Callable[[str], bytes | None], key: str) -> VariantIR | None:
 
 
 def _sources_digest() -> str:
-    """A digest of the IR package's sources: any change to the simplifier (or to the nodes it
-    builds) gives new keys, so a store never answers with another version's result."""
-    global _digest
-    if _digest is None:
-        h = hashlib.sha256()
-        for path in sorted(Path(__file__).parent.glob("*.py")):
-            h.update(path.name.encode() + b"\0" + path.read_bytes())
-        _digest = h.hexdigest()
-    return _digest
+    """A digest of the IR package's sources (`digest.tree_digest`): any change to the
+    simplifier (or to the nodes it builds) gives new keys, so a store never answers with
+    another version's result."""
+    return tree_digest((Path(__file__).parent,))

@@ -22,11 +22,12 @@ Example:
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from attncc.ir.digest import tree_digest
 
 from .cache import KernelCache, default_cache_dir
 from .nvrtc import nvrtc_version
@@ -34,7 +35,6 @@ from .nvrtc import nvrtc_version
 __all__ = ["FormMemo", "FORMAT"]
 
 FORMAT = 1
-_digest: str | None = None
 
 
 def _package_dirs() -> list[Path]:
@@ -47,21 +47,9 @@ def _package_dirs() -> list[Path]:
 
 
 def sources_digest() -> str:
-    """sha256 over the name, size and modification time of every source file that takes part
-    in turning a spec into a compiled form (read once per process; stat only, so a warm start
-    reads no source: an edited or reinstalled file gives new keys)."""
-    global _digest
-    if _digest is None:
-        h = hashlib.sha256()
-        for root in _package_dirs():
-            for dirpath, dirnames, filenames in os.walk(root):
-                dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-                for name in sorted(filenames):
-                    st = os.stat(os.path.join(dirpath, name))
-                    rel = os.path.relpath(os.path.join(dirpath, name), root)
-                    h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-        _digest = h.hexdigest()
-    return _digest
+    """The digest (`attncc.ir.digest.tree_digest`: names, sizes and modification times) of
+    every source tree that takes part in turning a spec into a compiled form."""
+    return tree_digest(_package_dirs())
 
 
 def ir_text(ir: Any) -> str:

@@ -55,21 +55,27 @@ def test_the_key_covers_the_spec_the_arch_and_the_sources(monkeypatch: pytest.Mo
     others = {key(replace(spec, head_dim=128), ARCH), key(spec, "sm_80"),
               key(replace(spec, fast_math=False), ARCH), key(_prepass("alibi"), ARCH)}
     assert base not in others and len(others) == 4
-    monkeypatch.setattr(forms, "_digest", "an edited template")
+    monkeypatch.setattr(forms, "sources_digest", lambda: "an edited template")
     assert key(spec, ARCH) != base
 
 
 def test_the_digest_sees_an_edited_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                           ) -> None:
+    from attncc.ir import digest
+
     src = tmp_path / "pkg"
     src.mkdir()
     (src / "a.cuh").write_text("int x;")
     monkeypatch.setattr(forms, "_package_dirs", lambda: [src])
-    monkeypatch.setattr(forms, "_digest", None)
+    monkeypatch.setattr(digest, "_digests", {})
     before = forms.sources_digest()
+    assert forms.sources_digest() == before  # remembered for the process
     (src / "a.cuh").write_text("int yy;")
-    monkeypatch.setattr(forms, "_digest", None)
+    monkeypatch.setattr(digest, "_digests", {})
     assert forms.sources_digest() != before
+    (src / "b.cuh").write_text("")  # a new file too
+    monkeypatch.setattr(digest, "_digests", {})
+    assert len({before, forms.sources_digest()}) == 2
 
 
 _PROCESS = """
