@@ -42,8 +42,8 @@ struct BackwardParams {
     i64 qm_stride_b, qm_stride_h;                // strides of q_num_blocks; 0 broadcasts b / h
     i64 qi_stride_b, qi_stride_h, qi_stride_kv;  // strides of q_indices (full_* share them)
     int block_q, block_kv;
-    // first KV tile of the launch (CTA x runs tile kv_tile0 + blockIdx.x): 0, or the tile of one
-    // launch of the deterministic sequence (docs/backward.md, "Kernels")
+    // first KV tile of the launch (CTA x runs tile kv_tile0 + x / C, fa2_backward.cuh bwd_cta):
+    // 0, or the tile of one launch of the deterministic sequence (docs/backward.md, "Kernels")
     int kv_tile0;
 };
 

@@ -6,11 +6,11 @@
 // Self-contained: no #include. Comes after attncc_types.cuh, backward_params.cuh, common.cuh and
 // fa2_config.cuh, and before the generated Variant_<name> (ATTNCC_FA2_BWD_ENTRY at the bottom).
 //
-// Grid: (ceil(kv_len / TKV), num_kv_heads, batch). One CTA owns one KV tile of one KV head: it
-// keeps K and V in shared memory and dK, dV in registers, and visits every query tile of every
-// query head of the GQA group that touches it (all of them, or the block mask's KV-major lists),
-// so dK and dV are written once, without atomics. Per query tile (Q, dO, LSE, delta through a
-// two-stage cp.async ring):
+// Grid: (ceil(kv_len / TKV) C, num_kv_heads / C, batch), KV heads in chunks of C (bwd_cta). One
+// CTA owns one KV tile of one KV head: it keeps K and V in shared memory and dK, dV in registers,
+// and visits every query tile of every query head of the GQA group that touches it (all of them,
+// or the block mask's KV-major lists), so dK and dV are written once, without atomics. Per query
+// tile (Q, dO, LSE, delta through a two-stage cp.async ring):
 //   S^T = K Q^T (scaled)           -> S' = LogitsTransform(S), LogitsMask (partial blocks)
 //   P^T = exp(S' - LSE)            (normalize none: W^T = S', masked 0)
 //   dV += P^T dO;  dP^T = V dO^T;  dS'^T = P^T (dP^T - delta)   (none: dS' = dP)
@@ -133,6 +133,29 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NF][4]) {
   for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[nf][i] = 0.f;
+}
+
+// The CTA's batch, KV head and first KV position. Grid (n_tiles C, num_kv_heads / C, batch):
+// KV heads in chunks of C, x enumerating (KV tile, head of the chunk) with the head fastest, so
+// the chunk's first tiles -- a causal mask's longest -- launch first. C = num_kv_heads /
+// gridDim.y is 4, 2 or 1 (runtime/flex/backward.py kv_head_chunk), found by comparisons rather
+// than a division. The special registers are read by volatile asm so that each call re-derives
+// the values (a few instructions) where it is used instead of keeping them live across the
+// query loop: one more live register there spilled the FA3-class kernel at head dim 128.
+struct BwdCta {
+  int b, h_kv, kv0;
+};
+template <int TKV>
+__device__ __forceinline__ BwdCta bwd_cta(const attncc::BackwardParams& p) {
+  u32 x, y, z, ny;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
+  asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(y));
+  asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(z));
+  asm volatile("mov.u32 %0, %%nctaid.y;\n" : "=r"(ny));
+  const int hy = (int)ny;
+  const int lc = 4 * hy == p.num_kv_heads ? 2 : 2 * hy == p.num_kv_heads ? 1 : 0;
+  const int tile = ((int)x >> lc) + p.kv_tile0;
+  return BwdCta{(int)z, ((int)y << lc) + ((int)x & ((1 << lc) - 1)), tile * TKV};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -462,7 +485,8 @@ __device__ __forceinline__ void fa2_backward(const attncc::BackwardParams& p,
   extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa2_bwd_smem[];
   const BwdSmem<D, TQ, TKV, STAGES> sm(attncc_fa2_bwd_smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int b = blockIdx.z, h_kv = blockIdx.y, kv0 = (blockIdx.x + p.kv_tile0) * TKV;
+  const BwdCta cta = bwd_cta<TKV>(p);
+  const int b = cta.b, h_kv = cta.h_kv, kv0 = cta.kv0;
   const int group = warp % Cfg::kKvGroups;
   const int gsize = p.num_q_heads / p.num_kv_heads;
 
@@ -508,9 +532,9 @@ __device__ __forceinline__ void fa2_backward(const attncc::BackwardParams& p,
 }  // namespace fa2
 }  // namespace attncc
 
-// The entry point codegen emits for a backward unit. Launch with grid (ceil(kv_len / TKV),
-// num_kv_heads, batch), block (BwdConfig::kThreads), dynamic shared memory BwdConfig::kSmemBytes
-// (attncc.codegen.tiles.BackwardTiles mirrors both); dq_accum zeroed first.
+// The entry point codegen emits for a backward unit. Launch with grid (ceil(kv_len / TKV) C,
+// num_kv_heads / C, batch) (bwd_cta), block (BwdConfig::kThreads), dynamic shared memory
+// BwdConfig::kSmemBytes (attncc.codegen.tiles.BackwardTiles mirrors both); dq_accum zeroed first.
 #define ATTNCC_FA2_BWD_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, DSPLIT)              \
   extern "C" __global__ void __launch_bounds__(                                                    \
       attncc::fa2::BwdConfig<HEAD_DIM, TQ, TKV, STAGES, DSPLIT>::kThreads, 1)                      \

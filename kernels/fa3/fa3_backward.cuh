@@ -6,11 +6,12 @@
 // fa2_config.cuh, fa2_backward.cuh (the per-element hooks, the tile lists), codegen's form
 // block and wgmma.cuh, and before the generated Variant_<name> (ATTNCC_FA3_BWD_ENTRY below).
 //
-// Grid: (ceil(kv_len / 128), num_kv_heads, batch); two warpgroups, warpgroup w owns KV rows
-// [64 w, 64 w + 64) of the CTA's 128-row KV tile. As in the FA2-class kernel, a CTA keeps its K
-// and V tile in shared memory and dK, dV in registers, visits the 64-row query tiles of every
-// query head of its GQA group that touch it, and writes dK, dV once. Per query tile and each of
-// its two 32-column query sub-tiles, each warpgroup (its 64 KV rows are every wgmma's M):
+// Grid: fa2::bwd_cta's (ceil(kv_len / 128) C, num_kv_heads / C, batch), KV heads in chunks of C.
+// Two warpgroups, warpgroup w owns KV rows [64 w, 64 w + 64) of the CTA's 128-row KV tile. As in
+// the FA2-class kernel, a CTA keeps its K and V tile in shared memory and dK, dV in registers,
+// visits the 64-row query tiles of every query head of its GQA group that touch it, and writes
+// dK, dV once. Per query tile and each of its two 32-column query sub-tiles, each warpgroup (its
+// 64 KV rows are every wgmma's M):
 //   S^T = K Q^T, dP^T = V dO^T                 SS m64n32, both issued at once
 //   P^T, dS^T in registers                     fa2_backward.cuh's probs_tile / dscores_tile: the
 //                                              wgmma accumulator is mma.sync's C layout per warp
@@ -353,7 +354,8 @@ __device__ __forceinline__ void fa3_backward(const attncc::BackwardParams& p,
   extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa3_bwd_smem[];
   const BwdSmem<D, TQ, TKV> sm(attncc_fa3_bwd_smem);
   const int tid = threadIdx.x, lane = tid & 31, wgi = tid >> 7, wi = (tid >> 5) & 3;
-  const int b = blockIdx.z, h_kv = blockIdx.y, kv0 = (blockIdx.x + p.kv_tile0) * TKV;
+  const fa2::BwdCta cta = fa2::bwd_cta<TKV>(p);
+  const int b = cta.b, h_kv = cta.h_kv, kv0 = cta.kv0;
   const int gsize = p.num_q_heads / p.num_kv_heads;
   const int kv_row0 = kv0 + 64 * wgi + 16 * wi;
 
@@ -373,7 +375,7 @@ __device__ __forceinline__ void fa3_backward(const attncc::BackwardParams& p,
 
 #pragma unroll 1
   for (int j = 0; j < gsize; ++j) {
-    const int hq = h_kv * gsize + j;
+    const int hq = fa2::bwd_cta<TKV>(p).h_kv * gsize + j;  // re-derived, not live (bwd_cta)
     const TileList tl = fa2::query_tiles<TQ>(p, b, hq, kv0);
     load_q_tile<DType, D, TQ, TKV, Cfg::kThreads>(p, sm, tl, 0, b, hq, tid);
 #pragma unroll 1
@@ -393,15 +395,15 @@ __device__ __forceinline__ void fa3_backward(const attncc::BackwardParams& p,
     cp_async_wait<0>();
     __syncthreads();  // the last tile's stages are read before the next head refills them
   }
-  store_dkdv<DType, D>(p, b, h_kv, kv_row0, lane, dk, dv);
+  store_dkdv<DType, D>(p, b, fa2::bwd_cta<TKV>(p).h_kv, kv_row0, lane, dk, dv);  // likewise
 }
 
 }  // namespace fa3bwd
 }  // namespace attncc
 
 // The entry point codegen emits for an FA3-class backward unit: the FA2-class macro's arguments
-// (BackwardTiles), grid (ceil(kv_len / TKV), num_kv_heads, batch), block BwdConfig::kThreads,
-// dynamic shared memory BwdConfig::kSmemBytes; dq_accum zeroed first.
+// (BackwardTiles), grid (ceil(kv_len / TKV) C, num_kv_heads / C, batch) (fa2::bwd_cta), block
+// BwdConfig::kThreads, dynamic shared memory BwdConfig::kSmemBytes; dq_accum zeroed first.
 #define ATTNCC_FA3_BWD_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, DSPLIT)              \
   extern "C" __global__ void __launch_bounds__(                                                    \
       attncc::fa3bwd::BwdConfig<HEAD_DIM, TQ, TKV, STAGES, DSPLIT>::kThreads, 1)                   \

@@ -32,7 +32,7 @@ from ..jit.launch_args import captured
 from .block_mask import kv_major_blocks
 
 __all__ = ["kv_major_lists", "BackwardResult", "run_backward", "backward_kernel",
-           "backward_spec", "backward_head_dims_why"]
+           "backward_spec", "backward_head_dims_why", "kv_head_chunk", "backward_grid"]
 
 BACKWARD_KERNELS = ("fa2", "fa3")
 
@@ -163,6 +163,36 @@ def backward_spec(kind: str, ir: VariantIR, head_dim: int, dtype: str, mask: Any
                       fallbacks=forms[1:])
 
 
+def kv_head_chunk(num_kv_heads: int) -> int:
+    """C, the number of KV heads a backward grid takes together (fa2_backward.cuh `bwd_cta`:
+    grid (n_tiles C, num_kv_heads / C, batch), x = KV tile * C + head of the chunk): 4 when it
+    divides num_kv_heads, else 2 when that does, else 1.
+
+    Why: CTAs launch in x order, and a causal mask gives KV tile 0 the most query tiles. With
+    one head per y the last head's longest CTA starts after every other head's tiles and ends
+    last; interleaving C heads starts the chunk's longest tiles first (longest-first within a
+    chunk). Chunks rather than all heads at once: the CTAs running together then read the Q and
+    dO of C heads (times the GQA group), which stay in L2.
+
+    Example:
+        >>> [kv_head_chunk(h) for h in (1, 2, 3, 6, 8, 16)]
+        [1, 2, 1, 2, 4, 4]
+    """
+    return 4 if num_kv_heads % 4 == 0 else 2 if num_kv_heads % 2 == 0 else 1
+
+
+def backward_grid(n_tiles: int, num_kv_heads: int, batch: int) -> tuple[int, int, int]:
+    """The backward kernels' grid for `n_tiles` KV tiles per head (kv_head_chunk's order); the
+    deterministic mode launches it with n_tiles = 1 once per tile (BackwardParams.kv_tile0).
+
+    Example:
+        >>> backward_grid(16, 8, 2), backward_grid(1, 6, 1)
+        ((64, 2, 2), (2, 3, 1))
+    """
+    c = kv_head_chunk(num_kv_heads)
+    return n_tiles * c, num_kv_heads // c, batch
+
+
 def _strides(prefix: str, t: torch.Tensor) -> dict[str, int]:
     return {f"{prefix}_stride_b": t.stride(0), f"{prefix}_stride_h": t.stride(1),
             f"{prefix}_stride_s": t.stride(2)}
@@ -233,9 +263,10 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     n_tiles = -(-Skv // tkv)
     if deterministic:
         for t in range(n_tiles):
-            _launch(kern, {**args, "kv_tile0": t}, ir, bindings, bufs, dev, (1, Hkv, B))
+            _launch(kern, {**args, "kv_tile0": t}, ir, bindings, bufs, dev,
+                    backward_grid(1, Hkv, B))
     else:
-        _launch(kern, args, ir, bindings, bufs, dev, (n_tiles, Hkv, B))
+        _launch(kern, args, ir, bindings, bufs, dev, backward_grid(n_tiles, Hkv, B))
     del keep  # the lists stay alive until the launch is enqueued
     # on each tensor's own device: a captured CPU tensor's kernel reads a device copy
     grads = {n: bufs[n].to(device=bindings.tensors[n].device, dtype=bindings.tensors[n].dtype)

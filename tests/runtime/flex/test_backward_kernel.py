@@ -18,7 +18,7 @@ from attncc.gym import GYM
 from attncc.ir.program import Bindings
 from attncc.ir.simplify import simplify_variant
 from attncc.runtime.flex.autograd import attention_ir, differentiable_attention, needs_grad
-from attncc.runtime.flex.backward import kv_major_lists, run_backward
+from attncc.runtime.flex.backward import backward_grid, kv_major_lists, run_backward
 from tests.helpers.learnable import LEARNABLE
 
 
@@ -162,6 +162,36 @@ def test_kv_major_lists_match_brute_force(seed: int) -> None:
                 for kv in range(n_kv):
                     n = int(cn[b, h, kv])
                     assert sorted(ci[b, h, kv, :n].tolist()) == want[b][h][kv]
+
+
+def _cta(grid: tuple[int, int, int], x: int, y: int, z: int, num_kv_heads: int,
+         kv_tile0: int) -> tuple[int, int, int]:
+    """(batch, KV head, KV tile) of CTA (x, y, z): fa2_backward.cuh's bwd_cta, transcribed."""
+    c = num_kv_heads // grid[1]
+    return z, y * c + x % c, x // c + kv_tile0
+
+
+@pytest.mark.parametrize("hkv", [1, 2, 3, 4, 6, 8, 12])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_grid_covers_every_tile_once_longest_first(hkv: int, deterministic: bool
+                                                            ) -> None:
+    """Every (batch, KV head, KV tile) is one CTA's, in the normal launch and over the
+    deterministic mode's per-tile launches; in launch order (x fastest) a chunk's heads start
+    their tile 0 before any of them starts tile 1."""
+    B, n_tiles = 2, 5
+    launches = ([(backward_grid(1, hkv, B), t) for t in range(n_tiles)] if deterministic
+                else [(backward_grid(n_tiles, hkv, B), 0)])
+    seen = []
+    for grid, t0 in launches:
+        assert grid[1] * (grid[0] // (n_tiles if not deterministic else 1)) == hkv
+        for z in range(grid[2]):
+            for y in range(grid[1]):
+                order = [_cta(grid, x, y, z, hkv, t0) for x in range(grid[0])]
+                tiles = [t for _, _, t in order]
+                assert tiles == sorted(tiles)  # within a chunk: tile-major, heads fastest
+                seen += order
+    assert sorted(seen) == [(b, h, t) for b in range(B) for h in range(hkv)
+                            for t in range(n_tiles)]
 
 
 def test_needs_grad_and_attention_ir() -> None:
