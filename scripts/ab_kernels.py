@@ -4,10 +4,11 @@ cannot be judged from two separate runs).
 
     git archive REV kernels | tar -x -C /tmp/rev      # then, on the GPU machine:
     python -m scripts.ab_kernels /tmp/rev/kernels [/tmp/rev2/kernels ...] --S 2048 --variants causal
+    python -m scripts.ab_kernels /tmp/rev/kernels --D 64      # another head dim, same B*S and H
 
 The current codegen generates both translation units; only the templates differ, so a revision
 whose templates expect another codegen does not compile. Variants and inputs are
-bench/prefill.py's (B*S = 16384, H = 16, D = 128, bf16); figures are the best of `--rounds`
+bench/prefill.py's (B*S = 16384, H = 16, D = 128 unless --D, bf16); figures are the best of `--rounds`
 interleaved medians in TFLOP/s (each revision named by its folder's parent), and max|diff|
 compares each output with the current one.
 """
@@ -62,7 +63,13 @@ def main() -> None:
     ap.add_argument("--S", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--variants", nargs="+", default=["full", "causal"], choices=VARIANTS)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--D", type=int, default=None, choices=(64, 128, 256),
+                    help="head dim (default: bench/prefill.py's, 128)")
     args = ap.parse_args()
+    if args.D is not None:
+        import bench.prefill
+
+        bench.prefill.HEAD_DIM = args.D  # read by Bench and by compare's FLOP count
     current = shipped.read_template
 
     def use(folder: Path | None) -> Callable[[], None]:
