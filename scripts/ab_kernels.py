@@ -66,6 +66,12 @@ def main() -> None:
     ap.add_argument("--D", type=int, default=None, choices=(64, 128, 256),
                     help="head dim (default: bench/prefill.py's, 128)")
     args = ap.parse_args()
+    # compile_spec's form memo is keyed by the installed sources, not by the templates a build
+    # reads: left on, every build would get the first build's kernels (identical outputs)
+    from attncc.runtime.jit import forms
+
+    forms.FormMemo.load = lambda self, key: None  # type: ignore[method-assign]
+    forms.FormMemo.save = lambda self, key, form: None  # type: ignore[method-assign]
     if args.D is not None:
         import bench.prefill
 
