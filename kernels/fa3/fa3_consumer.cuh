@@ -326,8 +326,8 @@ __device__ __forceinline__ void softmax_step(float (&s)[TKV / 2], float (&row_m)
 // (Variant::has_kv_window: causal, a causal sliding window) on a tile inside both sequences:
 // column c = 8 j + 2 (lane & 3) + e of row hr keeps its key iff c lies in the row's range of
 // columns, so each logit costs one compare of a constant with a per-row bound and a select --
-// instead of the checked path's hook, row check and key bounds check (docs/fa3.md, "Band mask
-// and trim"). `kv` is the hooks' position of the tile's key 0.
+// instead of the checked path's hook, row check and key bounds check (docs/fa3.md, "Band
+// mask"). `kv` is the hooks' position of the tile's key 0.
 template <typename Variant, int TKV>
 __device__ __forceinline__ void mask_band(float (&s)[TKV / 2], const int (&qi)[2], int kv) {
   constexpr bool kLo = Variant::kv_window_lo > -(1LL << 40);  // (unbounded: -+2^62)

@@ -496,27 +496,6 @@ __device__ __forceinline__ void store_rows_lse(const attncc::AttentionParams& p,
   }
 }
 
-// Which 64-key half of tile 0 the band leaves a consumer warpgroup whose first query is qw
-// (0: both; consume_tiles' half0); see docs/fa3.md, "Band mask and trim". Tile 0 is the
-// item's first in the ring (`tile`), described by its stage's TileMeta at meta_at.
-template <typename Variant, int TKV, int STAGES, int kTrims, typename Ring>
-__device__ __forceinline__ int trim_half0(const Ring& ring, u32 meta_at, int tile, int n,
-                                          int kv_skip, int qw_first, bool rows_inside,
-                                          int kv_len) {
-  int half0 = 0;
-  if (n >= 2) {
-    ring.wait_full(tile);  // (its TileMeta is written: consume_tiles waits for it anyway)
-    const TileMeta m0 = get_meta(meta_at + 8 * (tile % STAGES));
-    const int kv0 = m0.kv0() + kv_skip;
-    const long long qw = qw_first;  // the warpgroup's first row
-    if (!m0.full() && rows_inside && kv0 + TKV <= kv_len) {
-      if ((kTrims & 1) && qw + 63 + Variant::kv_window_hi < kv0 + 64) half0 = 1;
-      if ((kTrims & 2) && qw + Variant::kv_window_lo >= kv0 + 64) half0 = 2;
-    }
-  }
-  return __shfl_sync(0xffffffffu, half0, 0);  // (provably warp-uniform, as sq_w)
-}
-
 template <typename Variant, typename DType, int D, int TKV, int STAGES>
 __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
                                             const typename Variant::Params& vp) {
@@ -545,14 +524,6 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
   // statistics and nothing is staged in Q after the loop.
   constexpr bool kSplit = kSplitHeadDim<D> && kSoftmax &&
                           !Variant::has_output_transform && !paired_ctas();
-
-  // Tile 0 trimmed to a 64-key half (consume_tiles): for a band mask's bounded sides, 128-key
-  // tiles -- bit 0 an upper bound (causal), bit 1 a lower bound (a sliding window).
-  constexpr int kTrims =
-      (TKV == 128 && Variant::has_kv_window)
-          ? (Variant::kv_window_hi < (1LL << 40) ? 1 : 0) |
-                (Variant::kv_window_lo > -(1LL << 40) ? 2 : 0)
-          : 0;
 
   extern __shared__ __attribute__((aligned(1024))) unsigned char attncc_fa3_smem_raw[];
   // the 128-byte swizzle works on absolute address bits: align the tiles to 1024 bytes
@@ -684,20 +655,12 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
         consumers_sync();
       }
     };
-    // tile 0 trimmed to the half of its keys the band leaves this warpgroup's 64 rows
-    // (consume_tiles' half0): a causal diagonal tile (tile 0: a block mask lists its partial
-    // blocks first) keeps keys 0..63 for consumer 0, a sliding window's far tile 64..127 for
-    // consumer 1. The tile must take the band path (partial, inside both sequences).
-    int half0 = 0;
-    if constexpr (kTrims != 0)
-      half0 = trim_half0<Variant, TKV, STAGES, kTrims>(ring, meta_at, tile, n, kv_skip,
-                                                       q0 + 64 * (wg - 1), rows_inside, kv_len);
     const QRelease<Variant, kPersistentHeadDim<D>> q_release{q_empty};
     auto last_s_done = [&] { q_release.last_s_done(); };
     if (n > 0) {
-      consume_tiles<DType, D, TKV, kTrims>(
-          n, tile, sq_w, ring, turns, o, logits_softmax, landed, last_s_done,
-          kBulkO ? &held : nullptr, kBulkO && o_v4() && part < 0, half0);
+      consume_tiles<DType, D, TKV>(n, tile, sq_w, ring, turns, o, logits_softmax, landed,
+                                   last_s_done, kBulkO ? &held : nullptr,
+                                   kBulkO && o_v4() && part < 0);
     } else {
       last_s_done();  // nothing reads it (the block mask left this query block no keys)
       if constexpr (kBulkO) held.settle(ring);
