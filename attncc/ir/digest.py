@@ -32,8 +32,8 @@ def tree_digest(roots: Sequence[Path]) -> str:
     if hit is not None:
         return hit
     h = hashlib.sha256()
-    for root in roots:
-        h.update(f"{len(key)}\0".encode())
+    for i, root in enumerate(roots):
+        h.update(f"root {i}\0".encode())  # a file cannot pass for one under another root
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
             for name in sorted(filenames):

@@ -29,6 +29,7 @@ from attncc.ir.program import Bindings, VariantIR
 
 from ..jit.kernels import KernelSpec, get_kernel
 from ..jit.launch_args import captured
+from ..jit.launcher import current_raw_stream
 from .block_mask import kv_major_blocks
 
 __all__ = ["kv_major_lists", "BackwardResult", "run_backward", "backward_kernel",
@@ -288,7 +289,7 @@ def _launch(kern: Any, args: Mapping[str, Any], ir: VariantIR, bindings: Binding
     gp = variant_grad_values(kl.gp.layout, {n: (b.data_ptr(), list(b.stride()))
                                             for n, b in bufs.items()})
     kl.launch(grid, (cfg.threads, 1, 1), cfg.smem_bytes, kl.ap.flatten(args), kl.vp.flatten(vp),
-              stream=torch.cuda.current_stream(dev).cuda_stream, gp_flat=kl.gp.flatten(gp))
+              stream=current_raw_stream(dev.index), gp_flat=kl.gp.flatten(gp))
 
 
 def default_scale(head_dim: int, scale: float | None) -> float:

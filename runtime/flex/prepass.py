@@ -22,6 +22,8 @@ from attncc.codegen import constants
 from attncc.ir.hoist import KV_HOOKS, PREPASS_HOOKS, kv_loads_per_row, transforms_in
 from attncc.ir.program import VariantIR
 
+from ..jit.launcher import current_raw_stream
+
 WARPS = constants.PREPASS_WARPS  # kernels/small/prepass.cuh kWarps
 ROWS_PER_WARP = 16  # kRowsPerWarp
 THREADS = 32 * WARPS
@@ -124,5 +126,5 @@ def run_prepass(kernel: Any, pre: VariantIR, q: torch.Tensor, k: torch.Tensor, v
         ap.update(_strides(n, ins[n]), **_strides(f"{n}_out", outs[n]))
     vp = variant_param_values(kernel.vp.layout, captured["scalars"], captured["tensors"])
     kernel.launch(prepass_grid(warps=warps), (THREADS, 1, 1), 0, kernel.ap.flatten(ap),
-                  kernel.vp.flatten(vp), stream=torch.cuda.current_stream(q.device).cuda_stream)
+                  kernel.vp.flatten(vp), stream=current_raw_stream(q.device.index))
     return outs["q"], outs["k"], outs["v"]

@@ -115,11 +115,14 @@ def driver_check(result: Any, call: str) -> Any:
     return rest[0] if len(rest) == 1 else rest
 
 
-def current_raw_stream(index: int) -> int:
-    """The CUstream handle of torch's current stream on device `index`, without building a
-    `torch.cuda.Stream` (a few microseconds of host time each on the eager launch path)."""
+def current_raw_stream(index: int | None) -> int:
+    """The CUstream handle of torch's current stream on device `index` (None: the current
+    device), without building a `torch.cuda.Stream` (a few microseconds of host time each on
+    the eager launch path)."""
     import torch
 
+    if index is None:
+        index = torch.cuda.current_device()
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (CUDA builds of torch)
     if raw is not None:
         return int(raw(index))
@@ -134,7 +137,7 @@ def zero_ints(t: Any, stream: int | None = None) -> None:
         t.zero_()
     elif t.numel():
         if stream is None:
-            stream = current_raw_stream(t.device.index if t.device.index is not None else 0)
+            stream = current_raw_stream(t.device.index)
         driver_check(driver().cuMemsetD32Async(t.data_ptr(), 0, t.numel(), stream),
                      "cuMemsetD32Async")
 

@@ -60,6 +60,7 @@ from attncc.ir.program import TRANSFORM_HOOKS, Bindings, VariantIR
 from ..jit.device import num_sms
 from ..jit.launch_args import captured
 from ..jit.kernels import KernelTiles, KernelRecord, KernelSpec, LoadedKernel, get_kernel
+from ..jit.launcher import current_raw_stream
 from ..jit.tiles import HEAD_DIMS
 from ..reference import batch_attention_reference, check_sinks
 from . import launch
@@ -838,7 +839,7 @@ class BatchAttention:
 
         cap = captured(kern.ir, bindings, self.device)
         vp = variant_param_values(kern.launcher.vp.layout, cap["scalars"], cap["tensors"])
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = current_raw_stream(self.device.index)
         lay = self.layout
         assert lay is not None
         launch.launch_attention(kern, params, vp, lay, stream)

@@ -20,6 +20,8 @@ import torch
 
 from attncc.codegen import constants
 
+from ..jit.launcher import current_raw_stream
+
 __all__ = ["fits_kernel", "merge_fitting_states", "merge_state_cuda"]
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -135,5 +137,5 @@ def _launch(o_a: torch.Tensor, lse_a: torch.Tensor | None, o_b: torch.Tensor,
               "rows": rows, "head_dim": head_dim, "softmax": int(softmax)}
     blocks = -(-rows * (head_dim // 8) // _THREADS)
     kern.launch((blocks, 1, 1), (_THREADS, 1, 1), 0, kern.ap.flatten(params), (),
-                stream=torch.cuda.current_stream(o_a.device).cuda_stream)
+                stream=current_raw_stream(o_a.device.index))
     return out, (lse_out if softmax else None)

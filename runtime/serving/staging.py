@@ -21,7 +21,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from ..jit.launcher import driver, driver_check
+from ..jit.launcher import current_raw_stream, driver, driver_check
 from .plan import scheduler
 from .plan.checks import CheckedBatch
 
@@ -139,8 +139,7 @@ class Uploader:
         self.index = device.index or 0
         self.memcpy = driver().cuMemcpyHtoDAsync
         self.current_stream = torch.cuda.current_stream
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (CUDA builds of torch)
-        self.raw_stream = raw or (lambda i: self.current_stream(i).cuda_stream)
+        self.raw_stream = current_raw_stream
         self.events = (torch.cuda.Event(), torch.cuda.Event())
         self.pending = [False, False]  # per half: its copies may still be reading it
         self._stream: tuple[int, Any] = (-1, None)  # (raw handle, torch.cuda.Stream)
