@@ -414,6 +414,23 @@ def multi_token_table(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def kv_cell_inputs(batch: int, hq: int, hkv: int, kv_len: int) -> tuple[tuple, Any, Any, Any]:
+    """A KV-dtype cell's plan() arguments (`batch` requests of `kv_len` keys, pages of PAGE in a
+    seeded random order) and its bf16 q, K and V on the GPU (seeded)."""
+    import torch
+
+    n_pages = -(-kv_len // PAGE)
+    ids = torch.randperm(batch * n_pages, generator=torch.Generator().manual_seed(2)).numpy()
+    args = (np.arange(batch + 1), np.arange(batch + 1) * n_pages, ids,
+            np.full(batch, kv_len - (n_pages - 1) * PAGE))
+    g = torch.Generator(device="cuda").manual_seed(batch + hkv)
+    shape = (batch * n_pages, PAGE, hkv, D)
+    k = torch.randn(*shape, generator=g, device="cuda").bfloat16()
+    v = torch.randn(*shape, generator=g, device="cuda").bfloat16()
+    q = torch.randn(batch, hq, D, generator=g, device="cuda").bfloat16()
+    return args, q, k, v
+
+
 def run_kv_cell(batch: int, hq: int, hkv: int, kv_len: int, copy_bw: float,
                 kv_dtypes: tuple[str, ...] = KV_DTYPES) -> list[dict[str, Any]]:
     """One KV-dtype cell (module docstring): decode of `batch` requests of `kv_len` keys over a
@@ -426,15 +443,7 @@ def run_kv_cell(batch: int, hq: int, hkv: int, kv_len: int, copy_bw: float,
     from attncc.runtime.serving.batch import BatchAttention
     from bench.timing import time_call
 
-    n_pages = -(-kv_len // PAGE)
-    ids = torch.randperm(batch * n_pages, generator=torch.Generator().manual_seed(2)).numpy()
-    args = (np.arange(batch + 1), np.arange(batch + 1) * n_pages, ids,
-            np.full(batch, kv_len - (n_pages - 1) * PAGE))
-    g = torch.Generator(device="cuda").manual_seed(batch + hkv)
-    shape = (batch * n_pages, PAGE, hkv, D)
-    k = torch.randn(*shape, generator=g, device="cuda").bfloat16()
-    v = torch.randn(*shape, generator=g, device="cuda").bfloat16()
-    q = torch.randn(batch, hq, D, generator=g, device="cuda").bfloat16()
+    args, q, k, v = kv_cell_inputs(batch, hq, hkv, kv_len)
     out: list[dict[str, Any]] = []
     base_ms, ref = None, None
     runs = [(name, None) for name in kv_dtypes]
