@@ -27,9 +27,13 @@ export ATTNCC_CACHE_DIR="${ATTNCC_CACHE_DIR:-/tmp/attncc-cache}"
 # (runtime/jit/kernels.py check_resources), in the tests and the benchmarks alike
 export ATTNCC_STRICT_RESOURCES=1
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps .whl/*.whl || exit 1
-fi
+# lark, and transformers when carried, by name: their dependencies come from the image where it
+# has them, else from .whl (DEVELOPERS.md: transformers' are not all on the image)
+for pkg in lark transformers; do
+    if ls .whl/"$pkg"-*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --find-links .whl "$pkg" || exit 1
+    fi
+done
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || {
     cat "$OUT/install.log"; exit 1; }
 
