@@ -115,18 +115,25 @@ def driver_check(result: Any, call: str) -> Any:
     return rest[0] if len(rest) == 1 else rest
 
 
+_raw_stream_of: Any = None  # index -> handle, resolved at the first current_raw_stream call
+
+
 def current_raw_stream(index: int | None) -> int:
     """The CUstream handle of torch's current stream on device `index` (None: the current
     device), without building a `torch.cuda.Stream` (a few microseconds of host time each on
-    the eager launch path)."""
-    import torch
+    the eager launch path). The getter is looked up once per process."""
+    global _raw_stream_of
+    get = _raw_stream_of
+    if get is None or index is None:
+        import torch
 
-    if index is None:
-        index = torch.cuda.current_device()
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (CUDA builds of torch)
-    if raw is not None:
-        return int(raw(index))
-    return int(torch.cuda.current_stream(index).cuda_stream)
+        if index is None:
+            index = torch.cuda.current_device()
+        if get is None:
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (CUDA builds of torch)
+            get = _raw_stream_of = raw if raw is not None else (
+                lambda i: torch.cuda.current_stream(i).cuda_stream)
+    return int(get(index))
 
 
 def zero_ints(t: Any, stream: int | None = None) -> None:
