@@ -91,27 +91,16 @@ def step(cell: dict[str, Any], name: str) -> tuple[float, Any]:
 
 
 def main() -> None:
-    import attncc.kernels as shipped
-    from attncc.runtime.jit import forms, kernels
     from bench.decode import copy_bandwidth
     from bench.timing import spin_gpu
+    from scripts.ab_kernels import template_switch
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("base", type=Path, help="another revision's kernels/ folder")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-grid", action="store_true", help="only the KV-dtype cells")
     a = ap.parse_args()
-    # the form memo is keyed by the installed sources, not the templates a build reads
-    # (scripts/ab_kernels.py): off, or both builds would run the first build's kernels
-    forms.FormMemo.load = lambda self, key: None  # type: ignore[method-assign]
-    forms.FormMemo.save = lambda self, key, form: None  # type: ignore[method-assign]
-    current = shipped.read_template
-
-    def use(folder: Path | None) -> None:
-        shipped.read_template = current if folder is None else (
-            lambda name: (folder / name).read_text(encoding="utf-8"))
-        kernels.clear_loaded()
-
+    use = template_switch()
     bw = copy_bandwidth()
     todo = cells(not a.no_grid)
     spin_gpu()

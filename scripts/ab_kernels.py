@@ -51,11 +51,30 @@ def compare(builds: list[tuple[str, Callable[[], None], dict[str, Any] | None]],
             print(f"{variant:15s} S={S:5d}: {first} {best[first]:6.1f}  {others}", flush=True)
 
 
-def main() -> None:
+def template_switch() -> Callable[[Path | None], None]:
+    """`use(folder)`, which makes every later compile read its templates from `folder`'s
+    kernels (None: the installed ones) and drops what was loaded or planned with the others.
+    Turns compile_spec's form memo off for the process: it is keyed by the installed sources,
+    not by the templates a build reads, so left on every build would get the first build's
+    kernels (identical outputs). scripts/ab_decode.py uses it too."""
     import attncc.kernels as shipped
     from attncc.runtime.flex import gpu_flex
-    from attncc.runtime.jit import kernels
+    from attncc.runtime.jit import forms, kernels
 
+    forms.FormMemo.load = lambda self, key: None  # type: ignore[method-assign]
+    forms.FormMemo.save = lambda self, key, form: None  # type: ignore[method-assign]
+    current = shipped.read_template
+
+    def use(folder: Path | None) -> None:
+        shipped.read_template = current if folder is None else (
+            lambda name: (folder / name).read_text(encoding="utf-8"))
+        kernels.clear_loaded()
+        gpu_flex._CALLS.clear()
+
+    return use
+
+
+def main() -> None:
     from bench.prefill import VARIANTS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -66,28 +85,13 @@ def main() -> None:
     ap.add_argument("--D", type=int, default=None, choices=(64, 128, 256),
                     help="head dim (default: bench/prefill.py's, 128)")
     args = ap.parse_args()
-    # compile_spec's form memo is keyed by the installed sources, not by the templates a build
-    # reads: left on, every build would get the first build's kernels (identical outputs)
-    from attncc.runtime.jit import forms
-
-    forms.FormMemo.load = lambda self, key: None  # type: ignore[method-assign]
-    forms.FormMemo.save = lambda self, key, form: None  # type: ignore[method-assign]
     if args.D is not None:
         import bench.prefill
 
         bench.prefill.HEAD_DIM = args.D  # read by Bench and by compare's FLOP count
-    current = shipped.read_template
-
-    def use(folder: Path | None) -> Callable[[], None]:
-        def setup() -> None:
-            shipped.read_template = current if folder is None else (
-                lambda name: (folder / name).read_text(encoding="utf-8"))
-            kernels.clear_loaded()
-            gpu_flex._CALLS.clear()
-        return setup
-
-    builds = [("current", use(None), None)] + [
-        (f.resolve().parent.name, use(f), None) for f in args.base]
+    use = template_switch()
+    builds = [("current", lambda: use(None), None)] + [
+        (f.resolve().parent.name, lambda f=f: use(f), None) for f in args.base]
     compare(builds, args.S, args.variants, args.rounds)
 
 
