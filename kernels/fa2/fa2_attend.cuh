@@ -414,6 +414,10 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   // one 16-bit K and V tile that each landed tile is widened into: 2 * (STAGES - 1) ring stages.
   constexpr bool kKv8 = Work::kKv8;
   constexpr int RING = kKv8 ? 2 * (STAGES - 1) : STAGES;
+  // decode forms read the fp8 ring straight into registers (fa2_kv8.cuh, Kv8Frags), but at
+  // D = 64, whose form runs under 128 registers: there it spilled 16 bytes
+  constexpr bool kKv8Regs = kKv8 && KV_WARPS > 1 && D >= 128;
+  static_assert(!kKv8Regs || M_FRAGS == 1, "decode tiles are one 16-row fragment");
   static_assert(!kKv8 || (STAGES >= 2 && !Variant::has_key_transform &&
                           !Variant::has_value_transform),
                 "an fp8 cache needs 2+ stages and no K/V transform (the host refuses those)");
@@ -462,6 +466,10 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
       });
     }
     if constexpr (KV_WARPS > 1) __syncthreads();
+  }
+  if constexpr (kKv8Regs) {  // Q's columns in the order of the register-widened K fragments
+    permute_q_cols<D, TQ, Cfg::kThreads>(sQ, tid);
+    __syncthreads();
   }
 
   // ---- accumulators ----------------------------------------------------------------------------
@@ -531,10 +539,12 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
       else
         load_kv_tile<STAGES, Cfg::kTileElems>(w, it + STAGES - 1, sK, sV, tid);  // prefetch
     }
-    if constexpr (kKv8) {  // widen the landed fp8 tile into the one 16-bit tile
+    if constexpr (kKv8 && !kKv8Regs) {  // widen the landed fp8 tile into the one 16-bit tile
       widen_kv_tile<DType, typename Work::KvT, D, TKV, KV_WARPS, Cfg::kThreads>(
           ring + stage * 2 * Cfg::kTileElems, sK, sV, kvw, tid);
     }
+    // this warp's slice of the landed fp8 tile (decode forms: K rows, then V rows)
+    const u32 kv8_k = ring_addr + stage * 2 * Cfg::kTileElems + TKVW * D * kvw;
     const int cst = kKv8 ? 0 : stage;  // the 16-bit stage the MMAs read
 
     bool is_full;
@@ -552,7 +562,26 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
 #pragma unroll
         for (int i = 0; i < 4; ++i) s_acc[mf][nf][i] = 0.f;
 
-    {
+    if constexpr (kKv8Regs) {
+      const Kv8Frags<DType, typename Work::KvT, D, TKV> kv8(opaque(kv8_k), lane);
+      const u32 qa = opaque(q_row_addr), qx = opaque(q_x);
+#pragma unroll
+      for (int j = 0; j < D / 32; ++j) {  // k-steps 2j, 2j+1 (Q's columns permuted to match)
+        u32 a[2][4];
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) ldmatrix_x4(a[ks], chunk_addr(qa, 2 * (2 * j + ks), qx));
+#pragma unroll
+        for (int g = 0; g < TKVW / 16; ++g) {
+          u32 bk[2][2][2];
+          kv8.k_frags(g, j, bk);
+#pragma unroll
+          for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int ks = 0; ks < 2; ++ks)
+              mma_16816<DType>(s_acc[0][2 * g + n], a[ks], bk[n][ks][0], bk[n][ks][1]);
+        }
+      }
+    } else {
       const u32 qa = opaque(q_row_addr), qx = opaque(q_x), kx = opaque(k_x);
       const u32 ka = opaque(sK_addr + 2 * cst * Cfg::kTileElems + k_lane_off);
 #pragma unroll
@@ -673,7 +702,19 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
         pa[mf][kk][2] = pack2<DType>(s_acc[mf][2 * kk + 1][0], s_acc[mf][2 * kk + 1][1]);
         pa[mf][kk][3] = pack2<DType>(s_acc[mf][2 * kk + 1][2], s_acc[mf][2 * kk + 1][3]);
       }
-    {
+    if constexpr (kKv8Regs) {
+      const Kv8Frags<DType, typename Work::KvT, D, TKV> kv8(opaque(kv8_k), lane);
+#pragma unroll
+      for (int kk = 0; kk < TKVW / 16; ++kk)
+#pragma unroll
+        for (int q = 0; q < D / 16; ++q) {  // head-dim block q
+          u32 bv[2][2];
+          kv8.v_frags(kk, q, bv);
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            mma_16816<DType>(o_acc[0][2 * q + h], pa[0][kk], bv[h][0], bv[h][1]);
+        }
+    } else {
       const u32 va = opaque(sV_addr + 2 * cst * Cfg::kTileElems + v_lane_off);
       const u32 vx = opaque(v_x);
 #pragma unroll
@@ -694,6 +735,8 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
     }
   }
   cp_async_wait<0>();  // only empty groups can remain; drain them before the CTA exits
+  // (every warp, while the warps are converged: after merge_kv_slices only warp 0 is left)
+  if constexpr (kKv8Regs) unpermute_o<N_FRAGS_O>(o_acc[0], lane);
   if constexpr (KV_WARPS > 1) {
     merge_kv_slices<kSoftmax, D, KV_WARPS>(reinterpret_cast<float*>(sK), kvw, lane, o_acc[0],
                                            row_m[0], row_l[0]);

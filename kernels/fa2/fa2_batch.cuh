@@ -194,8 +194,8 @@ struct BatchWork {
     }
   }
 
-  // An fp8 cache's K and V rows: 16 bytes (16 values) per copy, rows D bytes apart and not
-  // swizzled (fa2_kv8.cuh widens them); kv_offset's strides are in elements, here bytes.
+  // An fp8 cache's K and V rows: 16 bytes (16 values) per copy, rows D bytes apart, chunks
+  // swizzled by kv8_chunk (fa2_kv8.cuh); kv_offset's strides are in elements, here bytes.
   __device__ __forceinline__ void load_kv8(u32 sk, u32 sv, int kv0, int tid) const {
     constexpr int CH = D / 16, PASS = NT / CH;  // 16-byte chunks per row; rows per pass
     const int ld_row = tid / CH, ld_ch = tid % CH;
@@ -210,8 +210,9 @@ struct BatchWork {
       const int kv = kv0 + r;
       const bool ok = (unsigned)kv < (unsigned)kv_len;
       const attncc::i64 off = ok ? kv_offset(kv) : 0;
-      cp_async_16(sk + r * D + ld_ch * 16, kb + off, ok);
-      cp_async_16(sv + r * D + ld_ch * 16, vb + off, ok);
+      const int at = r * D + 16 * kv8_chunk<D>(r, ld_ch);  // (swizzled: fa2_kv8.cuh)
+      cp_async_16(sk + at, kb + off, ok);
+      cp_async_16(sv + at, vb + off, ok);
     }
   }
 
