@@ -67,17 +67,25 @@ __device__ __forceinline__ u32 f16x2_to_bf16x2(u32 h) {
   return r;
 }
 
+// Four fp8 values (little-endian bytes of `x`) -> two DType pairs: (x0, x1), (x2, x3).
+template <typename DType, typename KvT>
+__device__ __forceinline__ void widen4(u32 x, u32& lo, u32& hi) {
+  constexpr bool kE4m3 = KvTraits<KvT>::kE4m3;
+  lo = fp8x2_to_f16x2<kE4m3, false>(x);
+  hi = fp8x2_to_f16x2<kE4m3, true>(x);
+  if constexpr (ElemTraits<DType>::kIsBf16) {
+    lo = f16x2_to_bf16x2(lo);
+    hi = f16x2_to_bf16x2(hi);
+  }
+}
+
 // Eight fp8 values (little-endian bytes of `b`) -> eight DType values, in order.
 template <typename DType, typename KvT>
 __device__ __forceinline__ u32x4 widen8(uint2 b) {
-  constexpr bool kE4m3 = KvTraits<KvT>::kE4m3;
-  u32 h[4] = {fp8x2_to_f16x2<kE4m3, false>(b.x), fp8x2_to_f16x2<kE4m3, true>(b.x),
-              fp8x2_to_f16x2<kE4m3, false>(b.y), fp8x2_to_f16x2<kE4m3, true>(b.y)};
-  if constexpr (ElemTraits<DType>::kIsBf16) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = f16x2_to_bf16x2(h[i]);
-  }
-  return u32x4{h[0], h[1], h[2], h[3]};
+  u32x4 r;
+  widen4<DType, KvT>(b.x, r.x, r.y);
+  widen4<DType, KvT>(b.y, r.z, r.w);
+  return r;
 }
 
 // The fp8 ring's rows are D bytes in 16-byte chunks; chunk c of row r is stored at chunk
@@ -164,18 +172,6 @@ __device__ __forceinline__ void widen_kv_tile(const unsigned char* ring, u16* sK
 //   transposed in registers (movmatrix), which leaves O with a lane's 4 consecutive head-dim
 //   columns per block instead of FA2's two pairs; unpermute_o restores FA2's layout once.
 // ---------------------------------------------------------------------------------------------
-
-// Four fp8 values (little-endian bytes of `x`) -> two DType pairs: (x0, x1), (x2, x3).
-template <typename DType, typename KvT>
-__device__ __forceinline__ void widen4(u32 x, u32& lo, u32& hi) {
-  constexpr bool kE4m3 = KvTraits<KvT>::kE4m3;
-  lo = fp8x2_to_f16x2<kE4m3, false>(x);
-  hi = fp8x2_to_f16x2<kE4m3, true>(x);
-  if constexpr (ElemTraits<DType>::kIsBf16) {
-    lo = f16x2_to_bf16x2(lo);
-    hi = f16x2_to_bf16x2(hi);
-  }
-}
 
 __device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
