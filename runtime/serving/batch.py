@@ -75,7 +75,8 @@ from .reads import SafeReads
 from .scales import KvScales, check_kv_data_type
 from .staging import UPLOAD_GAP, Staging, Uploader, int_words, stage_tables, table_offsets
 from .staging import used_ranges  # (looked up here at each upload: bench/plan_time.py times it)
-from .tiles import BatchTiles, PlanConfig, batch_tiles, fa3_mode, keep_captured_tiles, plan_config
+from .tiles import (BatchTiles, PlanConfig, batch_tiles, fa3_mode, keep_captured_depth,
+                    keep_captured_tiles, long_kv_batch, plan_config)
 from .tree_mask import TreeTable, tree_rows
 # importable from here as before (tests, bench/, scripts/); the role modules own them
 from .causal import L2_SECTION_BYTES  # noqa: F401
@@ -233,7 +234,8 @@ class BatchAttention:
         self._plan: _LazyPlan | None = None  # the typed plan, computed when looked at
         self._planner: planner.BatchPlanner | None | bool = None  # None: not made yet
         # _config's memo: (_config_key, longest query, PlanConfig) of the last config
-        self._last_config: tuple[tuple, int, PlanConfig] | None = None
+        # (config key, (longest query, long_kv_batch), config) of the last plan
+        self._last_config: tuple[tuple, tuple[int, bool], PlanConfig] | None = None
         # launch the merge kernel with programmatic dependent launch (sm_90+): its launch and
         # plan prologue overlap the attention kernel's tail (kernels/common/batch_params.cuh)
         self._pdl = True
@@ -448,9 +450,10 @@ class BatchAttention:
         if memo is not None:  # the last plan's tiles, if the batch's longest query is the same
             cfg = memo[2]
             half, buf, offsets = self._staging_for(cfg.layout)
-            code, checked = bp.plan(qo, kvp, pages, last, ps, cfg.problem, memo[1], buf,
+            code, checked = bp.plan(qo, kvp, pages, last, ps, cfg.problem, memo[1][0], buf,
                                     offsets)
-            if code == planner.STAGED:
+            # (staged with the last tiles; a batch crossing LONG_KV_KEYS re-stages with its own)
+            if code == planner.STAGED and long_kv_batch(checked[1]) == memo[1][1]:
                 staged = (cfg, half, buf, offsets, True)
         else:
             checked = bp.check(qo, kvp, pages, last, page_size=ps)
@@ -554,25 +557,29 @@ class BatchAttention:
         every step: a decode batch is the same shape step after step)."""
         key = self._config_key(num_qo_heads, num_kv_heads, head_dim, b.page, q_dtype, kv8)
         memo = self._last_config
-        if memo is not None and memo[0] == key and memo[1] == b.max_q_len:
+        shape = (b.max_q_len, long_kv_batch(b.kv_lens))
+        if memo is not None and memo[0] == key and memo[1] == shape:
             return memo[2]
         group = num_qo_heads // num_kv_heads
         fa3 = self._fa3_mode(group, head_dim, b.page, q_dtype, kv8)
-        tiles = self._tiles_for(head_dim, b.max_q_len * group, fa3)
+        tiles = self._tiles_for(head_dim, b.max_q_len * group, fa3, shape[1])
         cfg = plan_config(tiles, b.qo, b.kv_lens, num_qo_heads=num_qo_heads,
                           num_kv_heads=num_kv_heads, max_batch=self.max_batch,
                           max_qo_tokens=self.max_qo_tokens, balance=self.balance,
                           min_kv_chunk=self.min_kv_chunk, compiled=bool(self._planner))
         if self.balance:  # (without it the grid depends on the whole batch: nothing to keep)
-            self._last_config = (key, b.max_q_len, cfg)
+            self._last_config = (key, shape, cfg)
         return cfg
 
-    def _tiles_for(self, head_dim: int, max_fused_rows: int, fa3: str = "off") -> BatchTiles:
-        """`choose_batch_tiles` for this device, keeping the captured kernel's tiles when the
-        new batch fits them (`tiles.keep_captured_tiles`)."""
+    def _tiles_for(self, head_dim: int, max_fused_rows: int, fa3: str = "off",
+                   long_kv: bool = False) -> BatchTiles:
+        """`choose_batch_tiles` for this device, keeping the current kernel's tiles when the
+        new batch fits them (`tiles.keep_captured_tiles`) and a captured run's pipeline depth
+        (`tiles.keep_captured_depth`)."""
         forced = tuple(self._forced_tiles) if self._forced_tiles is not None else None
-        tiles = batch_tiles(head_dim, max_fused_rows, num_sms(self.device), forced, fa3)
-        return keep_captured_tiles(self.tiles, tiles, fa3)
+        tiles = batch_tiles(head_dim, max_fused_rows, num_sms(self.device), forced, fa3, long_kv)
+        tiles = keep_captured_tiles(self.tiles, tiles, fa3)
+        return keep_captured_depth(self._captured.tiles if self._captured else None, tiles)
 
     # ------------------------------------------------------------------------------ staging
     def workspace_bytes(self) -> int:

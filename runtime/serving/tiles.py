@@ -17,8 +17,16 @@ from ..jit.tiles import HEAD_DIMS, fa2_config
 from .fa3_batch import fa3_batch_tiles
 from .plan import planner, scheduler
 
-__all__ = ["BatchTiles", "PlanConfig", "batch_tiles", "choose_batch_tiles", "fa3_mode",
-           "keep_captured_tiles", "multi_token_kv_tiles", "plan_config", "plan_layout"]
+__all__ = ["BatchTiles", "PlanConfig", "LONG_KV_KEYS", "batch_tiles", "choose_batch_tiles",
+           "fa3_mode", "keep_captured_depth", "keep_captured_tiles", "long_kv_batch",
+           "multi_token_kv_tiles", "plan_config", "plan_layout"]
+
+# A decode batch whose requests hold this many keys on average gets three-stage decode tiles
+# (long_kv_batch): measured on the H200 at D = 128, three stages read the long-context cell
+# (B128, Hq 64 / Hkv 8, kv 32768) at 1.007 of copy bandwidth against 0.84 with two, while at
+# ~1K keys per request they cost 5-16 % on uniform and skewed lengths (fewer CTAs per SM for
+# the scheduler's many short units) (docs/serving.md, "Decode tiles by KV length").
+LONG_KV_KEYS = 8192
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,8 @@ class BatchTiles:
 
 
 def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
-                       force: tuple[int, ...] | None = None, fa3: str = "off") -> BatchTiles:
+                       force: tuple[int, ...] | None = None, fa3: str = "off",
+                       long_kv: bool = False) -> BatchTiles:
     """Tiles for a batch whose longest request has `max_fused_rows` (query tokens x GQA group);
     `force=(T_q, T_kv, stages[, kv_warps])` takes those instead (the grid still follows
     residency). `fa3` ("off", "auto", "on"; the caller checked the FA3 batch kernel can run the
@@ -47,14 +56,16 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
 
     Decode (up to 16 fused rows) gets 16-row tiles with 2 warps splitting each 32-row KV tile:
     the memory-bound case wants many loads in flight per SM, and a 16-row tile alone is one
-    warp (docs/serving.md#decode). Larger tiles are FA2's, with the
-    prefill kernel's 128-row tiles at D <= 128.
+    warp (docs/serving.md#decode); a third stage at D <= 128 when `long_kv` (long_kv_batch).
+    Larger tiles are FA2's, with the prefill kernel's 128-row tiles at D <= 128.
 
     Example:
         >>> choose_batch_tiles(128, 8, 132)
         BatchTiles(tq=16, tkv=32, stages=2, m_frags=1, ctas_per_sm=6, num_ctas=792, kv_warps=2, kernel='fa2')
         >>> choose_batch_tiles(128, 4096, 132).tq
         128
+        >>> choose_batch_tiles(128, 8, 132, long_kv=True)
+        BatchTiles(tq=16, tkv=32, stages=3, m_frags=1, ctas_per_sm=4, num_ctas=528, kv_warps=2, kernel='fa2')
         >>> choose_batch_tiles(128, 4096, 132, fa3="auto")
         BatchTiles(tq=128, tkv=128, stages=3, m_frags=1, ctas_per_sm=1, num_ctas=132, kv_warps=1, kernel='fa3')
     """
@@ -70,6 +81,8 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
     stages, kv_warps = 2, 1
     if tq == 16:
         kv_warps = 2
+        if long_kv and head_dim <= 128:
+            stages = 3
     elif tq <= 64 and head_dim <= 128:
         tkv, stages = multi_token_kv_tiles(tq)
     if force is not None:
@@ -104,9 +117,38 @@ def multi_token_kv_tiles(tq: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=256)
 def batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
-                force: tuple[int, ...] | None, fa3: str) -> BatchTiles:
+                force: tuple[int, ...] | None, fa3: str, long_kv: bool = False) -> BatchTiles:
     """`choose_batch_tiles`, memoised: plan() runs every generation step."""
-    return choose_batch_tiles(head_dim, max_fused_rows, num_sms, force, fa3)
+    return choose_batch_tiles(head_dim, max_fused_rows, num_sms, force, fa3, long_kv)
+
+
+def long_kv_batch(kv_lens: np.ndarray) -> bool:
+    """Whether a batch's requests hold LONG_KV_KEYS keys or more on average (its decode tiles
+    take a third stage).
+
+    Example:
+        >>> long_kv_batch(np.array([32768, 4096])), long_kv_batch(np.array([1024] * 64))
+        (True, False)
+    """
+    return len(kv_lens) > 0 and int(kv_lens.sum()) >= LONG_KV_KEYS * len(kv_lens)
+
+
+def keep_captured_depth(captured: BatchTiles | None, new: BatchTiles) -> BatchTiles:
+    """`captured` (the tiles of a run a CUDA graph captured) when `new` differs from them only
+    in pipeline depth (stages and, following from it, CTAs per SM): both run any batch, and a
+    serving loop whose requests grow past LONG_KV_KEYS keeps replaying its graph instead of
+    failing plan()'s capture check. Else `new`.
+
+    Example:
+        >>> short, long = choose_batch_tiles(128, 8, 132), choose_batch_tiles(128, 8, 132, long_kv=True)
+        >>> keep_captured_depth(short, long) is short, keep_captured_depth(None, long) is long
+        (True, True)
+    """
+    if captured is not None and captured != new and dataclasses.replace(
+            captured, stages=new.stages, ctas_per_sm=new.ctas_per_sm,
+            num_ctas=new.num_ctas) == new:
+        return captured
+    return new
 
 
 def keep_captured_tiles(current: BatchTiles | None, new: BatchTiles, fa3: str) -> BatchTiles:

@@ -97,3 +97,27 @@ def test_padded_head_dims_keep_their_capture_and_a_new_value_dim_raises() -> Non
     with pytest.raises(ValueError, match=r"head_dim_vo\): captured \(80, 80\), this plan "
                                          r"\(80, 64\)"):
         _plan(ba, [1] * 3, [7, 9, 300], d=80, head_dim_vo=64)
+
+
+def test_long_requests_take_a_third_stage_and_a_capture_keeps_its_depth() -> None:
+    """Decode batches averaging LONG_KV_KEYS keys or more get three-stage tiles, shorter ones
+    two; without a capture the depth follows each batch, after one the captured depth stays
+    (a decode loop growing past the threshold keeps replaying its graph)."""
+    from attncc.runtime.serving.tiles import LONG_KV_KEYS
+
+    ba = BatchAttention(None, device="cpu", max_batch=16, max_qo_tokens=256)
+    depth = []
+    for kv in (1000, LONG_KV_KEYS, 1000):
+        _plan(ba, [1] * 4, [kv] * 4)
+        depth.append(ba.tiles.stages)
+    assert depth == [2, 3, 2]
+    _plan(ba, [1] * 2, [LONG_KV_KEYS * 2 - 100, 100])  # the mean decides
+    assert ba.tiles.stages == 3
+    short = _captured([1] * 4, [1000] * 4)
+    tiles = short.tiles
+    _plan(short, [1] * 4, [4 * LONG_KV_KEYS] * 4)
+    assert short.tiles is tiles and tiles.stages == 2
+    long = _captured([1] * 4, [2 * LONG_KV_KEYS] * 4)
+    assert long.tiles.stages == 3
+    _plan(long, [1] * 2, [10, 20])
+    assert long.tiles.stages == 3 and long.tiles.num_ctas == long.layout.max_ctas
