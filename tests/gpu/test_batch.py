@@ -384,6 +384,52 @@ def test_replan_after_capture_needing_another_kernel_raises() -> None:
     assert float((got.double() - ref).norm() / ref.norm()) < 2e-2
 
 
+def test_long_requests_take_three_stages_and_replay_a_short_capture() -> None:
+    """Batches averaging LONG_KV_KEYS keys or more run three-stage decode tiles, correctly; a
+    graph captured on a short batch keeps its two-stage kernel when the batch grows past the
+    threshold, and its replay of the long plan is correct (runtime/serving/tiles.py)."""
+    from attncc.runtime.serving.tiles import LONG_KV_KEYS
+
+    hkv, g, d, page, cache_pages = 2, 4, 128, 16, 4096
+    variant = _variant("causal", hkv * g, d)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    k = torch.randn(cache_pages, page, hkv, d, generator=gen, device="cuda").bfloat16()
+    v = torch.randn(cache_pages, page, hkv, d, generator=gen, device="cuda").bfloat16()
+    q_buf = torch.randn(16, hkv * g, d, generator=gen, device="cuda").bfloat16()
+    long_lens = [LONG_KV_KEYS + 1000, LONG_KV_KEYS - 3, 2 * LONG_KV_KEYS + 17, 9000]
+
+    def check(ba: BatchAttention, meta: dict[str, Any], got: torch.Tensor) -> None:
+        n = len(meta["qo"]) - 1
+        ref, _ = batch_attention_reference(q_buf[:n], (k, v), meta["qo"], meta["kv_indptr"],
+                                           meta["kv_indices"], meta["last"], page_size=page,
+                                           variant=variant)
+        assert not torch.isnan(got[:n]).any()
+        assert float((got[:n].double() - ref).norm() / ref.norm()) < 2e-2
+
+    eager = BatchAttention(variant, kv_layout="NHD", max_batch=16, max_qo_tokens=16)
+    meta = _plan_on_cache(eager, [1] * 4, long_lens, cache_pages, page, hkv, g, d, seed=0)
+    assert eager.tiles.stages == 3
+    out = torch.full_like(q_buf, float("nan"))
+    eager.run(q_buf[:4], (k, v), out=out[:4])
+    check(eager, meta, out)
+
+    ba = BatchAttention(variant, kv_layout="NHD", max_batch=16, max_qo_tokens=16)
+    _plan_on_cache(ba, [1] * 4, [300, 17, 4000, 64], cache_pages, page, hkv, g, d, seed=1)
+    out_buf = torch.empty_like(q_buf)
+    ba.run(q_buf[:4], (k, v), out=out_buf[:4])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ba.run(q_buf[:4], (k, v), out=out_buf[:4])
+    tiles = ba.tiles
+    meta = _plan_on_cache(ba, [1] * 4, long_lens, cache_pages, page, hkv, g, d, seed=2)
+    assert ba.tiles is tiles and tiles.stages == 2
+    out_buf.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(ba, meta, out_buf)
+
+
 def test_invalid_input_raises_before_launch() -> None:
     ba = BatchAttention(None, kv_layout="NHD")
     kw = dict(num_qo_heads=4, num_kv_heads=2, head_dim=128, page_size=16)
