@@ -4,6 +4,7 @@ counterpart of scripts/ab_kernels.py).
 
     git archive REV kernels | tar -x -C /tmp/rev      # then, on the GPU machine:
     python -m scripts.ab_decode /tmp/rev/kernels [--rounds 3] [--no-grid]
+    python -m scripts.ab_decode kernels --base-long-kv-keys 1000000000   # a planning policy
 
 Cells: bench/decode.py's KV-dtype cells (long context B128 Hq64/Hkv8 kv 32768, B64 at 16K GQA
 with bf16 / fp8 e4m3 / e5m2 caches, MHA 32/32 at 16K with bf16) and, unless --no-grid, its
@@ -99,7 +100,14 @@ def main() -> None:
     ap.add_argument("base", type=Path, help="another revision's kernels/ folder")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-grid", action="store_true", help="only the KV-dtype cells")
+    ap.add_argument("--base-long-kv-keys", type=int, default=None, metavar="N",
+                    help="the base build plans with tiles.LONG_KV_KEYS = N (a huge N: never "
+                         "three-stage decode tiles); with the current kernels/ as base, an A/B "
+                         "of that planning policy alone")
     a = ap.parse_args()
+    from attncc.runtime.serving import tiles
+
+    policy = {"current": tiles.LONG_KV_KEYS, "base": a.base_long_kv_keys or tiles.LONG_KV_KEYS}
     use = template_switch()
     bw = copy_bandwidth()
     todo = cells(not a.no_grid)
@@ -111,6 +119,7 @@ def main() -> None:
             outs = {}
             for build, folder in (("current", None), ("base", a.base)):
                 use(folder)
+                tiles.LONG_KV_KEYS = policy[build]
                 ms, outs[build] = step(cell, name)
                 best[label, build] = min(best.get((label, build), float("inf")), ms)
             diff[label] = max(diff.get(label, 0.0),

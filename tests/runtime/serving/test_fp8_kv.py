@@ -233,8 +233,10 @@ def _fp8_forms() -> list[tuple[str, str, int, tuple]]:
 
     forms = []
     for d in (64, 128, 256):
-        for rows in (8, 4096):
-            t = choose_batch_tiles(d, rows, 132)
+        for rows, long_kv in ((8, False), (8, True), (4096, False)):
+            t = choose_batch_tiles(d, rows, 132, long_kv=long_kv)
+            if long_kv and t.stages == 2:
+                continue  # (no deeper decode ring at this head dim)
             tiles = (t.tq, t.tkv, t.stages, t.m_frags, t.kv_warps)
             pairs = [("float8_e4m3fn", "bfloat16"), ("float8_e5m2", "float16")]
             if d == 128:
@@ -244,12 +246,12 @@ def _fp8_forms() -> list[tuple[str, str, int, tuple]]:
 
     forms += [("float8_e4m3fn", "bfloat16", 128, (tq, tkv, st, 1, w))
               for tq, tkv, st, w in KV_TILE_SWEEP]
-    return forms
+    return list(dict.fromkeys(forms))
 
 
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("kv,dtype,d,tiles", _fp8_forms(),
-                         ids=[f"{f[0][7:]}-{f[1]}-d{f[2]}-q{f[3][0]}" for f in _fp8_forms()])
+                         ids=[f"{f[0][7:]}-{f[1]}-d{f[2]}-q{f[3][0]}-kv{f[3][1]}-s{f[3][2]}" for f in _fp8_forms()])
 def test_fp8_batch_forms_compile_within_budget(kv: str, dtype: str, d: int, tiles: tuple) -> None:
     """Decode and one-fragment forms compile spill-free; a two-fragment prefill form (spills
     allowed up to FA2_SPILL_BUDGET, as its 16-bit twin) stays within the budget."""

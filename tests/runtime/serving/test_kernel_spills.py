@@ -113,3 +113,22 @@ def test_fa3_batch_low_pressure_variants_with_sinks_have_no_spills(name: str, d:
     form = compile_spec(KernelSpec("fa3_batch", ir, d, "bfloat16", fa3_batch_tiles(d)),
                         "sm_90a")
     assert form.spill_bytes == 0, form.result.log
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("long_kv", [False, True])
+def test_decode_forms_compile_without_spills(d: int, long_kv: bool) -> None:
+    """The 16-bit decode forms BatchAttention picks, with and without the third stage of long
+    batches (tiles.long_kv_batch), load with no spills or local memory."""
+    from attncc.codegen.tiles import KernelTiles
+    from attncc.ir.program import VariantIR
+    from attncc.runtime.jit.kernels import KernelSpec, compile_spec
+    from attncc.runtime.serving.tiles import choose_batch_tiles
+
+    t = choose_batch_tiles(d, 8, 132, long_kv=long_kv)
+    assert t.stages == (3 if long_kv else 2)
+    form = compile_spec(KernelSpec("decode", VariantIR(name="plain"), d, "bfloat16",
+                                   KernelTiles(t.tq, t.tkv, t.stages, t.m_frags, t.kv_warps)),
+                        "sm_90a")
+    assert form.spill_bytes == 0, form.result.log
