@@ -65,10 +65,10 @@ MT_IMPLS = ("attncc", "attncc_tree", "read_floor")
 KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 # (batch, Hq, Hkv, kv_len) of the KV-dtype cells: long context, then batch 64 at 16K
 KV_CELLS = ((128, 64, 8, 32768), (64, 64, 8, 16384), (64, 32, 32, 16384))
-# fp8 decode tiles timed besides the default (T_q, T_kv, stages, kv_warps): an fp8 tile is half
-# the bytes, so deeper rings keep as many bytes in flight per SM as bf16's default does
-# (docs/serving.md, "fp8 KV cache"); records carry them as `knobs`
-KV_TILE_SWEEP = ((16, 32, 3, 2), (16, 64, 3, 4))
+# fp8 decode tiles timed besides the default (T_q, T_kv, stages, kv_warps; long batches take
+# 16 x 32 x 3 x 2): an fp8 tile is half the bytes, so how deep a ring the SM wants differs
+# from bf16 (docs/serving.md, "fp8 KV cache"); records carry them as `knobs`
+KV_TILE_SWEEP = ((16, 32, 2, 2), (16, 64, 2, 4), (16, 64, 3, 4))
 
 
 def kv_lengths(dist: str, batch: int, seed: int = 0) -> np.ndarray:
