@@ -417,6 +417,10 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   // decode forms read the fp8 ring straight into registers (fa2_kv8.cuh, Kv8Frags), but at
   // D = 64, whose form runs under 128 registers: there it spilled 16 bytes
   constexpr bool kKv8Regs = kKv8 && KV_WARPS > 1 && D >= 128;
+  // ... and with bf16 queries and softmax weights (P <= 1) in fp16: Q's rows rescaled into fp16
+  // once per unit (q_bf16_to_f16), so K and V widen in one instruction
+  constexpr bool kF16Mma = kKv8Regs && kSoftmax && ElemTraits<DType>::kIsBf16;
+  using MmaT = typename MmaType<kF16Mma, DType>::T;  // the MMAs' 16-bit operand type
   static_assert(!kKv8Regs || M_FRAGS == 1, "decode tiles are one 16-row fragment");
   static_assert(!kKv8 || (STAGES >= 2 && !Variant::has_key_transform &&
                           !Variant::has_value_transform),
@@ -467,9 +471,18 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
     }
     if constexpr (KV_WARPS > 1) __syncthreads();
   }
+  float q_pow[2] = {1.f, 1.f};  // kF16Mma: 2^e of this thread's rows (lane/4, lane/4 + 8)
   if constexpr (kKv8Regs) {  // Q's columns in the order of the register-widened K fragments
     permute_q_cols<D, TQ, Cfg::kThreads>(sQ, tid);
     __syncthreads();
+    if constexpr (kF16Mma) {  // (other threads own the rows; the unused 16-bit K tile is scratch)
+      int* row_exp = reinterpret_cast<int*>(sK);
+      q_bf16_to_f16<D, TQ, Cfg::kThreads>(sQ, row_exp, tid);
+      __syncthreads();
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+        q_pow[hr] = __uint_as_float((u32)(127 + row_exp[(lane >> 2) + 8 * hr]) << 23);
+    }
   }
 
   // ---- accumulators ----------------------------------------------------------------------------
@@ -563,7 +576,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
         for (int i = 0; i < 4; ++i) s_acc[mf][nf][i] = 0.f;
 
     if constexpr (kKv8Regs) {
-      const Kv8Frags<DType, typename Work::KvT, D, TKV> kv8(opaque(kv8_k), lane);
+      const Kv8Frags<MmaT, typename Work::KvT, D, TKV> kv8(opaque(kv8_k), lane);
       const u32 qa = opaque(q_row_addr), qx = opaque(q_x);
 #pragma unroll
       for (int j = 0; j < D / 32; ++j) {  // k-steps 2j, 2j+1 (Q's columns permuted to match)
@@ -578,8 +591,14 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
           for (int n = 0; n < 2; ++n)
 #pragma unroll
             for (int ks = 0; ks < 2; ++ks)
-              mma_16816<DType>(s_acc[0][2 * g + n], a[ks], bk[n][ks][0], bk[n][ks][1]);
+              mma_16816<MmaT>(s_acc[0][2 * g + n], a[ks], bk[n][ks][0], bk[n][ks][1]);
         }
+      }
+      if constexpr (kF16Mma) {  // undo each row's 2^-e (exact): S is the bf16 path's
+#pragma unroll
+        for (int nf = 0; nf < N_FRAGS_S; ++nf)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) s_acc[0][nf][i] *= q_pow[i >> 1];
       }
     } else {
       const u32 qa = opaque(q_row_addr), qx = opaque(q_x), kx = opaque(k_x);
@@ -697,13 +716,13 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
     for (int mf = 0; mf < M_FRAGS; ++mf)
 #pragma unroll
       for (int kk = 0; kk < TKVW / 16; ++kk) {
-        pa[mf][kk][0] = pack2<DType>(s_acc[mf][2 * kk][0], s_acc[mf][2 * kk][1]);
-        pa[mf][kk][1] = pack2<DType>(s_acc[mf][2 * kk][2], s_acc[mf][2 * kk][3]);
-        pa[mf][kk][2] = pack2<DType>(s_acc[mf][2 * kk + 1][0], s_acc[mf][2 * kk + 1][1]);
-        pa[mf][kk][3] = pack2<DType>(s_acc[mf][2 * kk + 1][2], s_acc[mf][2 * kk + 1][3]);
+        pa[mf][kk][0] = pack2<MmaT>(s_acc[mf][2 * kk][0], s_acc[mf][2 * kk][1]);
+        pa[mf][kk][1] = pack2<MmaT>(s_acc[mf][2 * kk][2], s_acc[mf][2 * kk][3]);
+        pa[mf][kk][2] = pack2<MmaT>(s_acc[mf][2 * kk + 1][0], s_acc[mf][2 * kk + 1][1]);
+        pa[mf][kk][3] = pack2<MmaT>(s_acc[mf][2 * kk + 1][2], s_acc[mf][2 * kk + 1][3]);
       }
     if constexpr (kKv8Regs) {
-      const Kv8Frags<DType, typename Work::KvT, D, TKV> kv8(opaque(kv8_k), lane);
+      const Kv8Frags<MmaT, typename Work::KvT, D, TKV> kv8(opaque(kv8_k), lane);
 #pragma unroll
       for (int kk = 0; kk < TKVW / 16; ++kk)
 #pragma unroll
@@ -712,7 +731,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
           kv8.v_frags(kk, q, bv);
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            mma_16816<DType>(o_acc[0][2 * q + h], pa[0][kk], bv[h][0], bv[h][1]);
+            mma_16816<MmaT>(o_acc[0][2 * q + h], pa[0][kk], bv[h][0], bv[h][1]);
         }
     } else {
       const u32 va = opaque(sV_addr + 2 * cst * Cfg::kTileElems + v_lane_off);

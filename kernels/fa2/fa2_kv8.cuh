@@ -32,6 +32,17 @@ struct KvTraits<kv_e5m2> {
   static constexpr bool kE4m3 = false;
 };
 
+// The 16-bit type the MMAs of a tile read: fp16 where the kernel takes it instead of q's bf16
+// (q_bf16_to_f16 below), else q's DType.
+template <bool kF16, typename DType>
+struct MmaType {
+  using T = DType;
+};
+template <typename DType>
+struct MmaType<true, DType> {
+  using T = f16;
+};
+
 // Two fp8 values (bytes 0, 1 of `x` if !kHigh, else bytes 2, 3) -> f16x2, first value in the low
 // half. e5m2 is the top byte of an fp16 (same exponent, 2 of its 10 mantissa bits), so a byte
 // permute is exact, inf and NaN included; e4m3 needs sm_89's cvt (the host refuses fp8 caches
@@ -202,6 +213,53 @@ __device__ __forceinline__ void permute_q_cols(u16* sQ, int tid) {
     *a = u32x4{x.x, x.z, y.x, y.z};
     *b = u32x4{x.y, x.w, y.y, y.w};
   }
+}
+
+// bf16 queries over an fp8 cache run the register path's MMAs in fp16 (the fp8 -> fp16 widening
+// is one instruction; fp16 -> bf16 cost ~15 % of the step): each row of Q, already in shared
+// memory, is multiplied by its own 2^-e so that its largest finite |value| lands in
+// [2^14, 2^15), and rewritten as fp16 -- exact wherever the result is a normal fp16, as fp16
+// holds bf16's 8 significant bits. The caller multiplies the row's dot products by 2^e, which
+// makes S the bf16 path's S bit for bit. Rows of one tile (GQA heads) scale apart: one scale
+// for the tile would flush a small row's values to zero (docs/serving.md, "fp8 KV cache").
+// inf and NaN stay inf and NaN; e >= -100 keeps 2^e a normal float. NT / TQ threads share a
+// row; `row_exp` (TQ ints of scratch) receives each row's e, for after the caller's barrier.
+template <int D, int TQ, int NT>
+__device__ __forceinline__ void q_bf16_to_f16(u16* sQ, int* row_exp, int tid) {
+  constexpr int TPR = NT / TQ, VECS = D / 8 / TPR;  // threads per row; 16-byte vectors each
+  static_assert(NT % TQ == 0 && TPR <= 32 && (TPR & (TPR - 1)) == 0 && (D / 8) % TPR == 0,
+                "a power-of-two number of threads of one warp share each row");
+  const int r = tid / TPR, c = tid % TPR;
+  u32x4* row = reinterpret_cast<u32x4*>(sQ + r * D);  // (the swizzle keeps chunks in their row)
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < VECS; ++j) {
+    const u32x4 x = row[c + j * TPR];
+    const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float a = fabsf(__uint_as_float(w[i] << 16));
+      const float b = fabsf(__uint_as_float(w[i] & 0xffff0000u));
+      amax = fmaxf(amax, a <= 3.402823466e38f ? a : 0.f);  // (inf and NaN fail the test)
+      amax = fmaxf(amax, b <= 3.402823466e38f ? b : 0.f);
+    }
+  }
+#pragma unroll
+  for (int o = TPR / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  // floor(log2(amax)) from the exponent field (a subnormal amax reads -127; clamped below)
+  const int e = amax > 0.f ? max((int)((__float_as_uint(amax) >> 23) & 0xff) - 127 - 14, -100) : 0;
+  const float f = __uint_as_float((u32)(127 - e) << 23);  // 2^-e
+#pragma unroll
+  for (int j = 0; j < VECS; ++j) {
+    const u32x4 x = row[c + j * TPR];
+    const u32 w[4] = {x.x, x.y, x.z, x.w};
+    u32 h[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      h[i] = pack2<f16>(__uint_as_float(w[i] << 16) * f, __uint_as_float(w[i] & 0xffff0000u) * f);
+    row[c + j * TPR] = u32x4{h[0], h[1], h[2], h[3]};
+  }
+  if (c == 0) row_exp[r] = e;
 }
 
 // The fp8 fragments of one warp's slice of a landed tile (`k`: the shared address of the slice's

@@ -134,6 +134,43 @@ def test_fp8_head_dims(d: int, kvdt: torch.dtype) -> None:
         _check(ba, b, "NHD", 16)
 
 
+@pytest.mark.parametrize("lens", [[1000, 33, 4096, 517], [9000, 33, 20000, 8200]],
+                         ids=["short", "long"])
+@pytest.mark.parametrize("kvdt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_fp8_bf16_queries_of_any_magnitude(kvdt: torch.dtype, lens: list[int]) -> None:
+    """bf16 queries over an fp8 cache run fp16 MMAs in the decode form, Q rescaled per unit by
+    a power of two (fa2_kv8.cuh, q_bf16_to_f16): the heads of one GQA group (one tile) with
+    magnitudes from 1e-30 to 1e30, beyond fp16's range both ways, match the reference row by
+    row, and a NaN or an inf in one head's query leaves the group's other heads exact. Short
+    and long batches (two- and three-stage decode tiles, tiles.long_kv_batch)."""
+    from attncc.runtime.serving.tiles import long_kv_batch
+
+    hkv, g, d, page = 2, 8, 128, 16
+    b = _fp8_batch("NHD", page, [1] * 4, lens, hkv, g, d, torch.bfloat16, kvdt, "head", seed=21)
+    mags = torch.tensor([1e-30, 1e-8, 1e-3, 1.0, 30.0, 1e4, 1e12, 1e30], device="cuda")
+    q = (b["q"].float() * mags.repeat(hkv).view(1, -1, 1)).bfloat16()
+    q[1, 3, 7], q[2, 12, 5] = float("nan"), float("inf")
+    b["q"] = q
+    ba = BatchAttention(None, kv_layout="NHD")
+    ba.plan(b["qo"], b["kv_indptr"], b["kv_indices"], b["last"], num_qo_heads=hkv * g,
+            num_kv_heads=hkv, head_dim=d, page_size=page, kv_data_type=kvdt)
+    assert ba.tiles is not None and ba.tiles.kv_warps > 1  # the decode form
+    assert ba.tiles.stages == (3 if long_kv_batch(torch.tensor(lens).numpy()) else 2)
+    out = torch.full_like(q, float("nan"))
+    ba.run(q, b["cache"], out=out, k_scale=b["k_scale"], v_scale=b["v_scale"])
+    torch.cuda.synchronize()
+    ref, _ = batch_attention_reference(q, b["cache"], b["qo"], b["kv_indptr"], b["kv_indices"],
+                                       b["last"], page_size=page, k_scale=b["k_scale"],
+                                       v_scale=b["v_scale"])
+    assert torch.isnan(ref[1, 3]).all() and torch.isnan(out[1, 3]).all()  # NaN propagates
+    others = torch.ones(q.shape[:2], dtype=torch.bool)
+    others[1, 3] = others[2, 12] = False
+    got, want = out[others].double(), ref[others]
+    assert torch.isfinite(want).all() and torch.isfinite(got).all()
+    err = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    assert float(err.max()) < 2e-2, f"worst row's relative error {float(err.max()):.3e}"
+
+
 def test_fp8_refusals_before_launch() -> None:
     """A cache of another dtype than the plan's, scales with a 16-bit plan, bad scales and
     kernel='fa3' raise before any launch, naming what to change."""
