@@ -1,7 +1,8 @@
 // attncc fp8 KV caches in the FA2 batch kernel (e4m3 / e5m2): the tile is copied into shared
 // memory as bytes -- half the global traffic of a bf16 tile, the point of an fp8 cache -- and
-// widened to the compute dtype (q's: bf16 or fp16) right before the tile's MMAs. Both fp8
-// formats widen exactly into bf16 and fp16, so the tile the MMAs read is the cache's values
+// widened to a 16-bit type right before the tile's MMAs: q's (bf16 or fp16), or fp16 where
+// the decode forms' register path rescales bf16 queries (q_bf16_to_f16). Both fp8 formats
+// widen exactly into bf16 and fp16, so the tile the MMAs read is the cache's values
 // exactly; the per-head scales are applied in fp32 outside the tile: k_scale folded into the
 // logits' scale, v_scale into the normalized output (docs/serving.md, "fp8 KV cache").
 //
