@@ -481,7 +481,7 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
       __syncthreads();
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr)
-        q_pow[hr] = __uint_as_float((u32)(127 + row_exp[(lane >> 2) + 8 * hr]) << 23);
+        q_pow[hr] = pow2i(row_exp[(lane >> 2) + 8 * hr]);
     }
   }
 

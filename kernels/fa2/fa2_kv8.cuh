@@ -216,6 +216,9 @@ __device__ __forceinline__ void permute_q_cols(u16* sQ, int tid) {
   }
 }
 
+// 2^e as a float for e in the normal range [-126, 127]: the exponent field alone, exact.
+__device__ __forceinline__ float pow2i(int e) { return __uint_as_float((u32)(127 + e) << 23); }
+
 // bf16 queries over an fp8 cache run the register path's MMAs in fp16 (the fp8 -> fp16 widening
 // is one instruction; fp16 -> bf16 cost ~15 % of the step): each row of Q, already in shared
 // memory, is multiplied by its own 2^-e so that its largest finite |value| lands in
@@ -249,7 +252,7 @@ __device__ __forceinline__ void q_bf16_to_f16(u16* sQ, int* row_exp, int tid) {
   for (int o = TPR / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   // floor(log2(amax)) from the exponent field (a subnormal amax reads -127; clamped below)
   const int e = amax > 0.f ? max((int)((__float_as_uint(amax) >> 23) & 0xff) - 127 - 14, -100) : 0;
-  const float f = __uint_as_float((u32)(127 - e) << 23);  // 2^-e
+  const float f = pow2i(-e);
 #pragma unroll
   for (int j = 0; j < VECS; ++j) {
     const u32x4 x = row[c + j * TPR];
