@@ -431,6 +431,24 @@ def kv_cell_inputs(batch: int, hq: int, hkv: int, kv_len: int) -> tuple[tuple, A
     return args, q, k, v
 
 
+def kv_cache(k: Any, v: Any, name: str, hkv: int) -> tuple[tuple[Any, Any], dict[str, float]]:
+    """(cache, run()'s scale keywords) of bf16 `k`, `v` [pages, PAGE, hkv, D] as a `name`
+    cache: themselves for bfloat16; else quantized with per-tensor scales, amax over the
+    format's largest finite value."""
+    import torch
+
+    from attncc.runtime.kv8 import kv_scale, quantize
+
+    if name == "bfloat16":
+        return (k, v), {}
+    kvdt = getattr(torch, name)
+    top = torch.finfo(kvdt).max
+    scales = {"k_scale": float(k.abs().max()) / top, "v_scale": float(v.abs().max()) / top}
+    k8, v8 = (quantize(t, kv_scale(s, hkv, "scale").cuda(), head_axis=2, dtype=kvdt)
+              for t, s in ((k, scales["k_scale"]), (v, scales["v_scale"])))
+    return (k8, v8), scales
+
+
 def run_kv_cell(batch: int, hq: int, hkv: int, kv_len: int, copy_bw: float,
                 kv_dtypes: tuple[str, ...] = KV_DTYPES) -> list[dict[str, Any]]:
     """One KV-dtype cell (module docstring): decode of `batch` requests of `kv_len` keys over a
@@ -439,7 +457,6 @@ def run_kv_cell(batch: int, hq: int, hkv: int, kv_len: int, copy_bw: float,
     bf16 one's."""
     import torch
 
-    from attncc.runtime.kv8 import kv_scale, quantize
     from attncc.runtime.serving.batch import BatchAttention
     from bench.timing import time_call
 
@@ -450,13 +467,7 @@ def run_kv_cell(batch: int, hq: int, hkv: int, kv_len: int, copy_bw: float,
     runs += [(name, t) for name in kv_dtypes if name != "bfloat16" for t in KV_TILE_SWEEP]
     for name, tiles in runs:
         kvdt = getattr(torch, name)
-        scales: dict[str, Any] = {}
-        cache = (k, v)
-        if name != "bfloat16":  # amax / the format's largest finite value
-            top = torch.finfo(kvdt).max
-            scales = {"k_scale": float(k.abs().max()) / top, "v_scale": float(v.abs().max()) / top}
-            cache = tuple(quantize(t, kv_scale(s, hkv, "scale").cuda(), head_axis=2, dtype=kvdt)
-                          for t, s in ((k, scales["k_scale"]), (v, scales["v_scale"])))
+        cache, scales = kv_cache(k, v, name, hkv)
         ba = BatchAttention(None, kv_layout="NHD", max_batch=max(batch, 16),
                             max_qo_tokens=max(batch, 16), tiles=tiles)
         ba.plan(*args, num_qo_heads=hq, num_kv_heads=hkv, head_dim=D, page_size=PAGE,

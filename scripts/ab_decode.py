@@ -68,20 +68,13 @@ def step(cell: dict[str, Any], name: str) -> tuple[float, Any]:
     CUDA-graph median ms of run() and its output."""
     import torch
 
-    from attncc.runtime.kv8 import kv_scale, quantize
     from attncc.runtime.serving.batch import BatchAttention
+    from bench.decode import kv_cache
     from bench.timing import time_call
 
     q, k, v, kw = cell["q"], cell["k"], cell["v"], cell["kw"]
     kvdt = getattr(torch, name)
-    scales: dict[str, float] = {}
-    cache: tuple[Any, Any] = (k, v)
-    if kvdt.itemsize == 1:
-        top = torch.finfo(kvdt).max
-        scales = {"k_scale": float(k.abs().max()) / top, "v_scale": float(v.abs().max()) / top}
-        cache = tuple(quantize(t, kv_scale(s, kw["num_kv_heads"], "scale").cuda(), head_axis=2,
-                               dtype=kvdt) for t, s in ((k, scales["k_scale"]),
-                                                        (v, scales["v_scale"])))
+    cache, scales = kv_cache(k, v, name, kw["num_kv_heads"])
     n = max(q.shape[0], 16)
     ba = BatchAttention(None, kv_layout="NHD", max_batch=n, max_qo_tokens=n)
     ba.plan(*cell["args"], **kw, kv_data_type=None if kvdt.itemsize == 2 else kvdt)

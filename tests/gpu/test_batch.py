@@ -108,6 +108,17 @@ def test_batch_matches_reference(layout: str, page: int, var: str, g: int, dtype
     _check(ba, b, variant, layout, page)
 
 
+def _cache_and_queries(seed: int, cache_pages: int, page: int, hkv: int, g: int, d: int,
+                       rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random bf16 NHD cache (k, v) of `cache_pages` pages and `rows` query rows, drawn in
+    that order from one CUDA generator seeded `seed` (static buffers of the capture tests)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k = torch.randn(cache_pages, page, hkv, d, generator=gen, device="cuda").bfloat16()
+    v = torch.randn(cache_pages, page, hkv, d, generator=gen, device="cuda").bfloat16()
+    q = torch.randn(rows, hkv * g, d, generator=gen, device="cuda").bfloat16()
+    return k, v, q
+
+
 def _plan_on_cache(ba: BatchAttention, q_lens: list[int], kv_lens: list[int], cache_pages: int,
                    page: int, hkv: int, g: int, d: int, seed: int) -> dict[str, Any]:
     """Plan `ba` for the lengths over random page ids of an existing NHD cache; returns the
@@ -320,10 +331,7 @@ def test_cuda_graph_replays_new_plans(case: str) -> None:
         _needs_sm90()
     hkv, d, page, cache_pages = 2, 128, 16, 2048
     variant = _variant(var, hkv * g, d)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    k = torch.randn(cache_pages, page, hkv, d, generator=gen, device="cuda").bfloat16()
-    v = torch.randn(cache_pages, page, hkv, d, generator=gen, device="cuda").bfloat16()
-    q_buf = torch.randn(rows, hkv * g, d, generator=gen, device="cuda").bfloat16()
+    k, v, q_buf = _cache_and_queries(0, cache_pages, page, hkv, g, d, rows)
     out_buf = torch.empty_like(q_buf)
     ba = BatchAttention(variant, kv_layout="NHD", max_batch=16, max_qo_tokens=rows,
                         kernel=kernel)
@@ -354,10 +362,7 @@ def test_replan_after_capture_needing_another_kernel_raises() -> None:
     become current; the graph still replays the last good plan correctly after both."""
     hkv, g, d, page, cache_pages = 2, 4, 128, 16, 1024
     variant = _variant("causal", hkv * g, d)
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    k = torch.randn(cache_pages, page, hkv, d, generator=gen, device="cuda").bfloat16()
-    v = torch.randn(cache_pages, page, hkv, d, generator=gen, device="cuda").bfloat16()
-    q_buf = torch.randn(64, hkv * g, d, generator=gen, device="cuda").bfloat16()
+    k, v, q_buf = _cache_and_queries(2, cache_pages, page, hkv, g, d, 64)
     out_buf = torch.empty_like(q_buf)
     ba = BatchAttention(variant, kv_layout="NHD", max_batch=16, max_qo_tokens=64)
     _plan_on_cache(ba, [1] * 4, [300, 17, 4000, 64], cache_pages, page, hkv, g, d, seed=0)
@@ -392,10 +397,7 @@ def test_long_requests_take_three_stages_and_replay_a_short_capture() -> None:
 
     hkv, g, d, page, cache_pages = 2, 4, 128, 16, 4096
     variant = _variant("causal", hkv * g, d)
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    k = torch.randn(cache_pages, page, hkv, d, generator=gen, device="cuda").bfloat16()
-    v = torch.randn(cache_pages, page, hkv, d, generator=gen, device="cuda").bfloat16()
-    q_buf = torch.randn(16, hkv * g, d, generator=gen, device="cuda").bfloat16()
+    k, v, q_buf = _cache_and_queries(3, cache_pages, page, hkv, g, d, 16)
     long_lens = [LONG_KV_KEYS + 1000, LONG_KV_KEYS - 3, 2 * LONG_KV_KEYS + 17, 9000]
 
     def check(ba: BatchAttention, meta: dict[str, Any], got: torch.Tensor) -> None:
