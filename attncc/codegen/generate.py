@@ -35,7 +35,8 @@ from .constants import (FA3_SPLIT_HEAD_DIMS, FA3_THREADS, static_asserts,
 from .errors import CodegenError
 from .hooks import EMITTERS, HookCode, captured_grad, logits_grad
 from .tiles import (FA2_HEAD_DIMS, padded_head_dim, FA3_BACKWARD_TILES, FA3_TKV_CHOICES, BackwardTiles,
-                    KernelTiles, backward_tiles, default_tiles, fa3_smem_bytes, fa3_tiles)
+                    KernelTiles, backward_tiles, default_tiles, fa3_smem_bytes, fa3_tiles,
+                    FA3_PADDED_MIN_DIM)
 from .layout import (ATTENTION_PARAMS, BACKWARD_PARAMS, BATCH_PARAMS, PREPASS_PARAMS, StructLayout,
                      c_identifier, plan_header_static_asserts, variant_grads_layout,
                      variant_params_layout)
@@ -491,14 +492,14 @@ def _check_kv_dtype(kv_dtype: str | None, kernel: str, ir: VariantIR) -> None:
 
 
 # The kernels with a padded form (a head dim below its tile width; docs/flex-api.md, "Head dims")
-PADDED_KERNELS = ("fa2", "fa2batch")
+PADDED_KERNELS = ("fa2", "fa2batch", "fa3")
 
 
 def _entry_extras(kernel: str, dtype: str, kv_dtype: str | None, head_dim: int, dqk: int,
                   dv: int) -> tuple[str, str]:
-    """The FA2 entry macros' trailing arguments and the kernel name's suffix: "fa2batch"'s
-    cache element type (q's, or an fp8 tag: `_kve4m3`), then both FA2 kernels' real head dims
-    (a padded form's, smaller than `head_dim`: `_dqk<Dqk>_dv<Dv>`)."""
+    """The FA2 and FA3 entry macros' trailing arguments and the kernel name's suffix:
+    "fa2batch"'s cache element type (q's, or an fp8 tag: `_kve4m3`), then the padded kernels'
+    real head dims (a padded form's, smaller than `head_dim`: `_dqk<Dqk>_dv<Dv>`)."""
     arg, suffix = "", ""
     if kernel == "fa2batch":
         arg = f", {KV8_DTYPES[kv_dtype][0] if kv_dtype else DTYPES[dtype][0]}"
@@ -528,6 +529,9 @@ def _check_padded(head_dims: tuple[int, int] | None, head_dim: int, kernel: str,
     if padded_head_dim(*head_dims) != (head_dim, True):
         raise CodegenError(f"head_dims={tuple(head_dims)} pad to "
                            f"{padded_head_dim(*head_dims)[0]}, not head_dim={head_dim}")
+    if kernel == "fa3" and min(head_dims) < FA3_PADDED_MIN_DIM:
+        raise CodegenError(f"head_dims={tuple(head_dims)}: the 'fa3' kernel's padded form takes "
+                           f"real head dims of {FA3_PADDED_MIN_DIM} or more; use 'fa2'")
     return head_dims[0], head_dims[1]
 
 def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
@@ -671,7 +675,7 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
     that require grad (docs/backward.md). `fast_math=True` spells the hooks' math with
     one-instruction approximations (see `cuda_expr.emit`); None (default) means True for the
     FA2 templates, False for "simple". `kv_dtype` ("fa2batch" only): an fp8 KV cache's dtype
-    (KV8_DTYPES; None: q's dtype). `head_dims` ("fa2" / "fa2batch"): the real (query/key,
+    (KV8_DTYPES; None: q's dtype). `head_dims` ("fa2" / "fa2batch" / "fa3"): the real (query/key,
     value) head dims when they are not both `head_dim`; `head_dim` is then their padded width
     (64/128/256, attncc.codegen.tiles.padded_head_dim) and the kernel zero-fills the columns
     past them and does not store them (docs/flex-api.md, "Head dims"); the name ends in

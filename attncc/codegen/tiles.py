@@ -25,7 +25,7 @@ from .errors import CodegenError
 __all__ = ["KernelTiles", "default_tiles", "fa3_tiles", "fa3_smem_bytes", "FA2_HEAD_DIMS",
            "TQ_CHOICES", "HEAD_DIM_STEP", "HEAD_DIM_MIN", "HEAD_DIM_MAX", "padded_head_dim",
            "TKV_CHOICES", "FA3_TKV_CHOICES", "BackwardTiles", "backward_tiles",
-           "backward_fallbacks", "FA3_BACKWARD_TILES"]
+           "backward_fallbacks", "FA3_BACKWARD_TILES", "FA3_PADDED_MIN_DIM"]
 
 FA2_HEAD_DIMS = (64, 128, 256)
 # Head dims the GPU paths take: multiples of 8 (one 16-byte chunk of 16-bit elements) from 32 to
@@ -78,6 +78,11 @@ class KernelTiles:
         return (f"_q{self.tq}_k{self.tkv}_s{self.stages}"
                 + (f"_m{self.m_frags}" if self.m_frags > 1 else "")
                 + (f"_w{self.kv_warps}" if self.kv_warps > 1 else ""))
+
+
+# The FA3 kernel's padded form reads q/k/v through TMA maps of the real widths in boxes of 64
+# columns: every real head dim is at least one box wide (fa3_prefill.cuh's static_assert).
+FA3_PADDED_MIN_DIM = 64
 
 
 def padded_head_dim(head_dim_qk: int, head_dim_vo: int | None = None,

@@ -478,7 +478,7 @@ __device__ __forceinline__ void store_o_bulk(const attncc::AttentionParams& p, u
 
 // The epilogue's per-thread stores: O rows r_lo and r_lo + 8 (unless an output transform or
 // the 16-byte path already wrote them) and their LSE, by the quad's first lane.
-template <typename Variant, typename DType, int D, typename OutRow>
+template <typename Variant, typename DType, int D, int DV, typename OutRow>
 __device__ __forceinline__ void store_rows_lse(const attncc::AttentionParams& p, OutRow&& out_row,
                                                const float (&o)[D / 64][32], const float (&inv)[2],
                                                const float (&lse)[2], int r_lo, int q_len, bool v4,
@@ -487,7 +487,8 @@ __device__ __forceinline__ void store_rows_lse(const attncc::AttentionParams& p,
   for (int hr = 0; hr < 2; ++hr) {
     const int qi = r_lo + 8 * hr;
     if (qi < q_len) {
-      if (!Variant::has_output_transform && !v4) store_row<DType, D>(out_row(qi), o, hr, inv[hr]);
+      if (!Variant::has_output_transform && !v4)
+        store_row<DType, D, DV>(out_row(qi), o, hr, inv[hr]);
       if constexpr (Variant::use_softmax) {
         if (p.lse != nullptr && (lane & 3) == 0)
           p.lse[b * p.lse_stride_b + hq * p.lse_stride_h + qi] = lse[hr];
@@ -496,10 +497,19 @@ __device__ __forceinline__ void store_rows_lse(const attncc::AttentionParams& p,
   }
 }
 
-template <typename Variant, typename DType, int D, int TKV, int STAGES>
+// DQK, DV: the real head dims of q/k and v; a padded form (either below D) reads its rows
+// through TMA maps of the real widths, which fill the columns past them with zeros, and
+// stores the DV columns of O (docs/flex-api.md, "Head dims").
+template <typename Variant, typename DType, int D, int TKV, int STAGES, int DQK = D, int DV = D>
 __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
                                             const typename Variant::Params& vp) {
   static_assert(D == 64 || D == 128 || D == 256, "the FA3 kernel supports head dims 64, 128, 256");
+  static_assert(DQK % 8 == 0 && DV % 8 == 0 && DQK <= D && DV <= D && DQK >= 64 && DV >= 64,
+                "a padded form's real head dims are multiples of 8 from 64 (a TMA box's width)");
+  static_assert((DQK == D && DV == D) ||
+                    !(Variant::has_query_transform || Variant::has_key_transform ||
+                      Variant::has_value_transform || Variant::has_output_transform),
+                "a padded head dim has no q/k/v/output transform (the host refuses those)");
   static_assert(TKV == 64 || TKV == 128, "the FA3 kernel's KV tiles are 64 or 128 keys");
   static_assert(!paired_ctas() || kSplitHeadDim<D>, "CTA pairs run at D = 64 and 128");
   using S = Smem<D, TKV, STAGES>;
@@ -695,12 +705,12 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
                              hq, b, o, inv);
       held.owe = warp == 0 ? 4 : 0;
     } else if (v4) {
-      store_rows_v4<DType, D>(o, inv, [&](int hr) -> DType* {
+      store_rows_v4<DType, D, DV>(o, inv, [&](int hr) -> DType* {
         const int qi = r_lo + 8 * hr;
         return qi < q_len ? out_row(qi) : nullptr;
       });
     }
-    store_rows_lse<Variant, DType, D>(p, out_row, o, inv, lse, r_lo, q_len, v4, b, hq, lane);
+    store_rows_lse<Variant, DType, D, DV>(p, out_row, o, inv, lse, r_lo, q_len, v4, b, hq, lane);
     q_release.stored();
   };
   // The producer picks the items (the consumers keep no scheduling state in their registers)
@@ -739,13 +749,14 @@ __device__ __forceinline__ void fa3_prefill(const attncc::AttentionParams& p,
 // Grid (min(#SMs, items): persistent; items = batch * num_q_heads * ceil(q_len / 128), or
 // items with kernel_options PERSISTENT False), block kThreads (384),
 // dynamic shared memory attncc::fa3::Smem<HEAD_DIM, TKV, STAGES>::kBytes; AttentionParams::tma
-// points at the q/k/v maps.
-#define ATTNCC_FA3_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)       \
+// points at the q/k/v maps. DQK, DV: the real head dims (HEAD_DIM both, or a padded form).
+#define ATTNCC_FA3_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS, DQK,  \
+                         DV)                                                                       \
   extern "C" __global__ void __launch_bounds__(attncc::fa3::kThreads, 1)                           \
       NAME(attncc::AttentionParams p, VARIANT::Params vp) {                                        \
     static_assert(TQ == attncc::fa3::kTQ && M_FRAGS == 1 && KV_WARPS == 1,                         \
                   "the FA3 kernel has 128-row CTAs of two 64-row consumer warpgroups");            \
-    attncc::fa3::fa3_prefill<VARIANT, DTYPE, HEAD_DIM, TKV, STAGES>(p, vp);                        \
+    attncc::fa3::fa3_prefill<VARIANT, DTYPE, HEAD_DIM, TKV, STAGES, DQK, DV>(p, vp);               \
   }
 
 #endif  // ATTNCC_FA3_PREFILL_CUH

@@ -11,8 +11,9 @@
 namespace attncc {
 namespace fa3 {
 
-// Store this thread's half-row hr of O (its 2 x D/8 columns), times inv, as 16-bit pairs.
-template <typename DType, int D>
+// Store this thread's half-row hr of O (its 2 x D/8 columns), times inv, as 16-bit pairs; of a
+// padded form (the value head dim DV < D), the columns below DV only.
+template <typename DType, int D, int DV = D>
 __device__ __forceinline__ void store_row(DType* row, const float (&o)[D / 64][32], int hr,
                                           float inv) {
   const int lane = threadIdx.x & 31;
@@ -20,6 +21,7 @@ __device__ __forceinline__ void store_row(DType* row, const float (&o)[D / 64][3
   for (int blk = 0; blk < D / 64; ++blk)
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
+      if (64 * blk + 8 * j >= DV) continue;  // (a multiple of 8: whole 8-column groups)
       const int col = 64 * blk + 8 * j + 2 * (lane & 3);
       *reinterpret_cast<u32*>(row + col) =
           common::pack2<DType>(o[blk][4 * j + 2 * hr] * inv, o[blk][4 * j + 2 * hr + 1] * inv);
@@ -69,8 +71,9 @@ __device__ __forceinline__ uint4 o_chunk(const float (&o)[D / 64][32], float inv
 // chunk t -- a quarter of store_row's store instructions, each writing whole 32-byte sectors.
 // Every lane of the warp must call it (shuffles); row pointers must be 16-byte aligned
 // (v4_aligned); unaligned rows take store_row. (The dense kernel stages O in shared memory and
-// writes it with TMA tensor stores where it can: fa3_prefill's kBulkO.)
-template <typename DType, int D, typename RowPtr>
+// writes it with TMA tensor stores where it can: fa3_prefill's kBulkO.) A padded form (DV < D)
+// stores the chunks below DV.
+template <typename DType, int D, int DV = D, typename RowPtr>
 __device__ __forceinline__ void store_rows_v4(const float (&o)[D / 64][32], const float (&inv)[2],
                                               RowPtr&& row_ptr) {
   const int t = threadIdx.x & 3;
@@ -82,7 +85,8 @@ __device__ __forceinline__ void store_rows_v4(const float (&o)[D / 64][32], cons
 #pragma unroll
       for (int g = 0; g < 2; ++g) {
         const uint4 c = o_chunk<DType, D>(o, inv[hr], hr, blk, g);
-        if (row != nullptr) *reinterpret_cast<uint4*>(row + 64 * blk + 8 * (4 * g + t)) = c;
+        const int col = 64 * blk + 8 * (4 * g + t);
+        if (row != nullptr && col < DV) *reinterpret_cast<uint4*>(row + col) = c;
       }
   }
 }

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from attncc.codegen import constants
-from attncc.codegen.tiles import KernelTiles, fa3_tiles
+from attncc.codegen.tiles import FA3_PADDED_MIN_DIM, KernelTiles, fa3_tiles
 from attncc.errors import InvalidArgument
 from attncc.ir.nodes import Node, load, param, rebuild, rewrite, walk
 from attncc.ir.program import TRANSFORM_HOOKS, Bindings, ScalarParam, TensorParam, VariantIR
@@ -59,7 +59,8 @@ def kernel_spec(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
     """
     if plan.kernel == "fa3":
         return KernelSpec("fa3_prefill", ir, head_dim, dtype, fa3_tiles(plan.stages, plan.tkv),
-                          paired=plan.paired, fast_math=plan.fast_math, device=device)
+                          paired=plan.paired, fast_math=plan.fast_math, device=device,
+                          head_dims=plan.head_dims)
     return KernelSpec("fa2_prefill", ir, head_dim, dtype,
                       KernelTiles(plan.tq, plan.tkv, plan.stages, plan.m_frags),
                       fast_math=plan.fast_math, forced=plan_forced(plan), device=device,
@@ -126,20 +127,21 @@ def fa3_pairs(tiles: TilePlan, masked: bool, q_len: int, kv_len: int, head_dim: 
 
 def _fa3_tensor_maps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      out: torch.Tensor, stream: int | None = None) -> MapSlot:
-    """The q, k, v TMA maps over [rows, head_dim] views and out's over [B, H, S, D] (512 bytes
+    """The q, k, v TMA maps over [rows, head_dim] views and out's over [B, H, S, Dv] (512 bytes
     on the device; the dense FA3 kernel's epilogue stores [64 rows][64] boxes through the last;
-    `out`'s strides are multiples of 16 bytes, as gpu_flex_attention requires)."""
+    `out`'s strides are multiples of 16 bytes, as gpu_flex_attention requires). Each map has
+    its tensor's real width: a padded form's boxes past it load zeros and store nothing."""
     from ..jit.tma import encode_map
 
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not t.is_contiguous():
             raise ValueError(f"kernel_options['KERNEL']='fa3' reads {name} with TMA and needs it "
                              f"contiguous: pass {name}.contiguous()")
-    D = query.shape[-1]
     return _FA3_MAPS.get(
         (*((t.data_ptr(), tuple(t.shape), t.dtype, t.device) for t in (query, key, value)),
          (out.data_ptr(), tuple(out.shape), out.stride())), query.device,
-        lambda: b"".join([*(encode_map(t.view(-1, D), (64, 64)) for t in (query, key, value)),
+        lambda: b"".join([*(encode_map(t.view(-1, t.shape[-1]), (64, 64))
+                            for t in (query, key, value)),
                           encode_map(out, (1, 1, 64, 64))]), stream)
 
 
@@ -455,17 +457,20 @@ def mask_plan(ir: VariantIR, bindings: Bindings, block_mask: Any, B: int, Hq: in
 
 
 def _padded_plan(ir: VariantIR, head_dim: int, head_dim_vo: int | None,
-                 kernel_options: Mapping[str, Any] | None) -> tuple[int, bool]:
-    """(kernel head dim, padded) of a call (attncc.codegen.tiles.padded_head_dim), with the
-    padded form's limits checked: FA2 only, and no q/k/v/output transform (they see whole rows,
-    padding columns included)."""
+                 kernel_options: Mapping[str, Any] | None) -> tuple[int, bool, bool]:
+    """(kernel head dim, padded, FA3 may run it) of a call (attncc.codegen.tiles.padded_head_dim),
+    with the padded form's limits checked: no q/k/v/output transform (they see whole rows,
+    padding columns included), and FA3's padded form only for real head dims of
+    FA3_PADDED_MIN_DIM or more (its TMA boxes are that wide)."""
     D, padded = padded_head_dim(head_dim, head_dim_vo)
     if not padded:
-        return D, False
-    dims = f"head dims {head_dim}/{head_dim if head_dim_vo is None else head_dim_vo} (q/k, v)"
-    if (kernel_options or {}).get("KERNEL") == "fa3":
-        raise ValueError(f"kernel_options['KERNEL']='fa3' runs head dims 64, 128 and 256 with "
-                         f"one head dim for q, k and v; {dims} run on FA2: drop KERNEL or use "
+        return D, False, True
+    dv = head_dim if head_dim_vo is None else head_dim_vo
+    dims = f"head dims {head_dim}/{dv} (q/k, v)"
+    fa3 = min(head_dim, dv) >= FA3_PADDED_MIN_DIM
+    if (kernel_options or {}).get("KERNEL") == "fa3" and not fa3:
+        raise ValueError(f"kernel_options['KERNEL']='fa3' runs padded head dims of "
+                         f"{FA3_PADDED_MIN_DIM} or more; {dims} run on FA2: drop KERNEL or use "
                          f"'fa2'")
     from attncc.ir.hoist import transforms_in
 
@@ -475,7 +480,7 @@ def _padded_plan(ir: VariantIR, head_dim: int, head_dim_vo: int | None,
                          f"kernels run a padded head dim, which these hooks would see; use head "
                          f"dim 64, 128 or 256 for q, k and v, or run the hooks on the tensors "
                          f"before the call")
-    return D, True
+    return D, True, fa3
 
 
 def plan_shapes(ir: VariantIR, bindings: Bindings, *, batch: int, num_q_heads: int,
@@ -488,8 +493,8 @@ def plan_shapes(ir: VariantIR, bindings: Bindings, *, batch: int, num_q_heads: i
     """The launch decided from shapes and device facts alone (`plan_launch` past its tensor
     checks; `attncc warm` without a GPU): tiles, CTA pairs, the pre-pass split. `head_dim` is
     the query/key head dim, `head_dim_vo` the value's (None: the same); head dims other than
-    64/128/256 (or two different ones) run FA2's padded form (`_padded_plan`), whose width is
-    the plan's `head_dim`.
+    64/128/256 (or two different ones) run a padded form (`_padded_plan`: FA3's where it may,
+    else FA2's), whose width is the plan's `head_dim`.
 
     Example:
         >>> from attncc.ir.program import VariantIR
@@ -500,13 +505,13 @@ def plan_shapes(ir: VariantIR, bindings: Bindings, *, batch: int, num_q_heads: i
         ('fa3', True)
     """
     B, Hq, Hkv, Sq, Skv = batch, num_q_heads, num_kv_heads, q_len, kv_len
-    D, padded = _padded_plan(ir, head_dim, head_dim_vo, kernel_options)
+    D, padded, fa3_padded = _padded_plan(ir, head_dim, head_dim_vo, kernel_options)
     dims = (head_dim, head_dim if head_dim_vo is None else head_dim_vo)
     tiles = choose_tiles(D, q_len=Sq, kv_len=Skv, group=Hq // Hkv, heads=Hq, batch=B,
                          num_sms=num_sms, block_q=mask.block_q if mask else None,
                          block_kv=mask.block_kv if mask else None,
                          mask_head_uniform=mask.head_uniform if mask else True,
-                         kernel_options=kernel_options, fa3_ok=fa3_ok and not padded)
+                         kernel_options=kernel_options, fa3_ok=fa3_ok and fa3_padded)
     if padded:
         tiles = replace(tiles, head_dims=dims)
     if fa3_pairs(tiles, mask is not None, Sq, Skv, D, kernel_options):
@@ -800,7 +805,7 @@ def gpu_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     """Run a traced variant on CUDA tensors with the FA3 or FA2 kernel: `(out, lse or None)`.
 
     query [B, Hq, Sq, D], key [B, Hkv, Skv, D], value [B, Hkv, Skv, Dv] (bf16 or fp16; D and
-    Dv multiples of 8 from 32 to 256; other than D = Dv in 64/128/256 they run FA2's padded
+    Dv multiples of 8 from 32 to 256; other than D = Dv in 64/128/256 they run a padded
     form) -> out [B, Hq, Sq, Dv] in query's dtype; lse [B, Hq, Sq] float32 (natural log, -inf for a fully
     masked row) when `return_lse`. The variant's mask_mod applies everywhere; the block mask's
     mask_mod only in its partial blocks (FlexAttention's semantics); absent blocks are skipped.
@@ -962,7 +967,8 @@ def _fa3_launch(pl: LaunchPlan, kern: LoadedKernel, kernel_options: Mapping[str,
                 value: torch.Tensor, out: torch.Tensor, stream: int) -> _Launch:
     """kernels/fa3/fa3_prefill.cuh: one CTA per 128-row item, or persistent CTAs (at most one per
     SM; whole clusters of two on CTA pairs) reading q/k/v/out through TMA maps."""
-    B, Hq, Sq, D = query.shape
+    B, Hq, Sq, _ = query.shape
+    D = pl.head_dim  # (the kernel's: a padded form's width)
     items = B * Hq * -(-Sq // kern.config.tq)
     persistent = D in FA3_PERSISTENT_HEAD_DIMS and (kernel_options or {}).get("PERSISTENT",
                                                                               True)

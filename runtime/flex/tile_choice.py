@@ -54,8 +54,8 @@ class TilePlan:
     fast_math: bool = field(default=True, repr=False)  # kernel_options FAST_MATH
     kernel: str = field(default="fa2", repr=False)  # kernel_options KERNEL: "fa2" or "fa3"
     paired: bool = field(default=False, repr=False)  # FA3 on CTA pairs (gpu_flex.fa3_pairs)
-    # FA2's padded form: the real (query/key, value) head dims, whose padded width the tiles
-    # were chosen for (attncc.codegen.tiles.padded_head_dim; docs/flex-api.md, "Head dims")
+    # a padded form (FA2's or FA3's): the real (query/key, value) head dims, whose padded width
+    # the tiles were chosen for (attncc.codegen.tiles.padded_head_dim; docs/flex-api.md, "Head dims")
     head_dims: tuple[int, int] | None = field(default=None, repr=False)
 
 

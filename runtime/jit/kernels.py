@@ -132,7 +132,7 @@ class KernelSpec:
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: fp8 KV caches run on the fa2_batch "
                              f"and decode kernels, not {self.kind}")
         if self.head_dims is not None and self.kind not in ("fa2_prefill", "fa2_batch",
-                                                            "decode"):
+                                                            "decode", "fa3_prefill"):
             raise ValueError(f"a {self.kind} kernel has no padded head-dim form")
         object.__setattr__(self, "ir_key", variant_key(self.ir))
 
@@ -176,7 +176,7 @@ def _fa3(spec: KernelSpec) -> Generated:
     else:
         gk = generate_source(spec.ir, head_dim=spec.head_dim, dtype=spec.dtype, kernel="fa3",
                              fast_math=spec.fast_math, tiles=t, paired=spec.paired,
-                             low_pressure=spec.low_pressure)
+                             low_pressure=spec.low_pressure, head_dims=spec.head_dims)
     cfg = LaunchConfig(spec.head_dim, t.tq, t.tkv, t.stages, 1, gk.threads // 32, gk.threads,
                     gk.shared_mem_bytes)
     return Generated(spec, gk.source, gk.kernel_name, gk.attention_params_layout,

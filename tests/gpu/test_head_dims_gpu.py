@@ -1,7 +1,8 @@
 """Head dims other than 64/128/256 and a value head dim other than the query's, on the GPU
 (issue 31; docs/flex-api.md and docs/serving.md, "Head dims"): flex_attention (FA2's padded
-form; on sm_90 the default picks it too) at D in {32, 80, 96, 112, 160, 192} and (Dqk, Dv) in
-{(192, 128), (128, 64), (64, 128)}, causal and a score_mod, odd lengths, GQA; BatchAttention
+form, and on sm_90 FA3's where both real dims are 64 or more) at D in {32, 80, 96, 112, 160,
+192} and (Dqk, Dv) in {(192, 128), (128, 64), (64, 128)}, causal and a score_mod, odd lengths,
+GQA, and a shape with more 128-row items than SMs (FA3's persistent CTAs); BatchAttention
 paged decode and prefill at a few of those dims, page sizes 1 and 16, NHD and HND (split-KV
 rows merged), and a CascadeAttention; the errors before launch. Every case against the fp64
 reference: fresh random inputs, outputs poisoned with NaN before the run, relative Frobenius
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.gpu
 
 FLEX_DIMS = [(d, d) for d in (32, 80, 96, 112, 160, 192)] + [(192, 128), (128, 64), (64, 128)]
 # (batch, Hq, Hkv, Sq, Skv): odd lengths with GQA 4, and a short query block against long keys
-FLEX_SHAPES = [(2, 8, 2, 77, 133), (1, 4, 4, 5, 1031)]
+FLEX_SHAPES = [(2, 8, 2, 77, 133), (1, 4, 4, 5, 1031), (2, 16, 4, 999, 1999)]
 BATCH_DIMS = [(80, 80), (96, 96), (192, 128), (64, 128)]
 
 
@@ -52,8 +53,12 @@ def _lse_close(got: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("dims", FLEX_DIMS, ids=lambda d: f"{d[0]}x{d[1]}")
 @pytest.mark.parametrize("shape", FLEX_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", ["causal", "softcap_bias"])
-def test_flex_padded_head_dims(dims: tuple[int, int], shape: tuple[int, ...], name: str) -> None:
+@pytest.mark.parametrize("kernel", ["fa2", "fa3"])
+def test_flex_padded_head_dims(dims: tuple[int, int], shape: tuple[int, ...], name: str,
+                               kernel: str) -> None:
     dqk, dv = dims
+    if kernel == "fa3" and (min(dims) < 64 or torch.cuda.get_device_capability() < (9, 0)):
+        pytest.skip("FA3's padded form: sm_90 and real head dims of 64 or more")
     B, hq, hkv, sq, skv = shape
     g = torch.Generator(device="cuda").manual_seed(dqk * 7 + dv + sq)
     q = torch.randn(B, hq, sq, dqk, generator=g, device="cuda").bfloat16()
@@ -63,7 +68,7 @@ def test_flex_padded_head_dims(dims: tuple[int, int], shape: tuple[int, ...], na
     out = torch.full((B, hq, sq, dv), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((B, hq, sq), float("nan"), device="cuda")
     gpu_flex_attention(q, k, v, ir, bindings, enable_gqa=hq != hkv, return_lse=True, out=out,
-                       lse_out=lse)
+                       lse_out=lse, kernel_options={"KERNEL": kernel})
     torch.cuda.synchronize()
     ref, ref_lse = attention_reference(q, k, v, ir, bindings, enable_gqa=hq != hkv)
     assert out.shape[-1] == dv
@@ -84,8 +89,9 @@ def test_flex_bad_head_dims_fail_before_launch() -> None:
         vv = torch.randn(1, 4, 32, dv, device="cuda", dtype=torch.bfloat16)
         with pytest.raises(ValueError, match=msg):
             gpu_flex_attention(qq, qq, vv, ir)
-    with pytest.raises(ValueError, match="'fa3' runs head dims 64, 128 and 256"):
-        gpu_flex_attention(q, q, q, ir, kernel_options={"KERNEL": "fa3"})
+    q48 = torch.randn(1, 4, 32, 48, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'fa3' runs padded head dims of 64 or more"):
+        gpu_flex_attention(q48, q48, q48, ir, kernel_options={"KERNEL": "fa3"})
     rope = GYM["rope"](1, 4, 32, 96)
     with pytest.raises(ValueError, match="query_mod, key_mod"):
         attncc.flex_attention(q, q, q, rope)

@@ -12,7 +12,7 @@ import torch
 import attncc
 from attncc.codegen.errors import CodegenError
 from attncc.codegen.generate import generate_source
-from attncc.codegen.tiles import KernelTiles, padded_head_dim
+from attncc.codegen.tiles import KernelTiles, fa3_tiles, padded_head_dim
 from attncc.gym import GYM
 from attncc.ir.program import Bindings, VariantIR
 from attncc.runtime.flex import gpu_flex
@@ -47,26 +47,33 @@ def _plan(ir: VariantIR, d: int, dv: int | None = None, **kw) -> gpu_flex.Launch
                                 dtype="bfloat16", num_sms=132, fa3_ok=True, **kw)
 
 
-def test_padded_dims_plan_fa2_at_the_padded_width() -> None:
-    """On sm_90 a native dim runs FA3; a padded one runs FA2 at its padded width, its real dims
-    in the tiles and the kernel spec."""
+def test_padded_dims_plan_at_the_padded_width() -> None:
+    """On sm_90 a native dim runs FA3; a padded one runs FA3's padded form when both real dims
+    are FA3_PADDED_MIN_DIM (64) or more, else FA2's, at its padded width, its real dims in the
+    tiles and the kernel spec."""
     ir = GYM["causal"](1, 16, 4096, 128).trace()[0]
     native = _plan(ir, 128)
     assert native.tiles.kernel == "fa3" and native.tiles.head_dims is None
-    for d, dv, width in ((80, None, 128), (192, 128, 256), (128, 64, 128), (64, 128, 128),
-                         (32, None, 64)):
+    for d, dv, width, kernel in ((80, None, 128, "fa3"), (192, 128, 256, "fa3"),
+                                 (128, 64, 128, "fa3"), (64, 128, 128, "fa3"),
+                                 (72, 72, 128, "fa3"), (128, 56, 128, "fa2"),
+                                 (32, None, 64, "fa2"), (48, 128, 128, "fa2")):
         pl = _plan(ir, d, dv)
-        assert pl.tiles.kernel == "fa2" and pl.head_dim == width
+        assert pl.tiles.kernel == kernel and pl.head_dim == width, (d, dv)
         assert pl.tiles.head_dims == (d, d if dv is None else dv)
         (spec,) = gpu_flex.plan_specs(pl)
-        assert spec.kind == "fa2_prefill" and spec.head_dim == width
+        assert spec.kind == f"{kernel}_prefill" and spec.head_dim == width
         assert spec.head_dims == pl.tiles.head_dims
+        fa2 = _plan(ir, d, dv, kernel_options={"KERNEL": "fa2"})
+        assert fa2.tiles.kernel == "fa2" and fa2.tiles.head_dims == pl.tiles.head_dims
 
 
-def test_padded_dims_refuse_fa3_and_row_hooks() -> None:
+def test_padded_dims_refuse_narrow_fa3_and_row_hooks() -> None:
     ir = GYM["causal"](1, 16, 4096, 128).trace()[0]
-    with pytest.raises(ValueError, match="KERNEL'\\]='fa3' runs head dims 64, 128 and 256"):
-        _plan(ir, 96, kernel_options={"KERNEL": "fa3"})
+    assert _plan(ir, 96, kernel_options={"KERNEL": "fa3"}).tiles.kernel == "fa3"
+    with pytest.raises(ValueError, match="KERNEL'\\]='fa3' runs padded head dims of 64 or more; "
+                                         "head dims 48/48"):
+        _plan(ir, 48, kernel_options={"KERNEL": "fa3"})
     rope = GYM["rope"](1, 16, 4096, 96).trace()[0]
     with pytest.raises(ValueError, match="query_mod, key_mod.*padded head dim"):
         _plan(rope, 96)
@@ -93,10 +100,18 @@ def test_codegen_padded_form() -> None:
                             tiles=KernelTiles(16, 64, 2, 1, 4), head_dims=(96, 96))
     assert batch.kernel_name.endswith("_w4_dqk96_dv96") and "attncc::bf16, 96, 96)" in \
         batch.source
+    fa3 = generate_source(ir, head_dim=256, dtype="bfloat16", kernel="fa3",
+                          tiles=fa3_tiles(2, 64), head_dims=(192, 128))
+    assert fa3.kernel_name.endswith("_q128_k64_s2_dqk192_dv128") and \
+        ", 256, 128, 64, 2, 1, 1, 192, 128)" in fa3.source
+    fa3_nat = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3",
+                              tiles=fa3_tiles(3, 128))
+    assert ", 128, 128, 128, 3, 1, 1, 128, 128)" in fa3_nat.source
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(kernel="fa3", head_dim=128, head_dims=(96, 96)), "no padded form"),
+    (dict(kernel="fa3batch", head_dim=128, head_dims=(96, 96)), "no padded form"),
+    (dict(kernel="fa3", head_dim=64, head_dims=(48, 48)), "real head dims of 64 or more"),
     (dict(kernel="fa2", head_dim=256, head_dims=(96, 96)), "pad to 128, not head_dim=256"),
     (dict(kernel="fa2", head_dim=128, head_dims=(96, 96), kv_dtype=None, ir="rope"),
      "no query_mod, key_mod"),
@@ -137,16 +152,18 @@ _SPILL_CASES = [("causal", 80, None), ("softcap_causal", 96, None), ("alibi_caus
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("name,d,dv", _SPILL_CASES)
 def test_padded_flex_kernels_compile_without_spills(name: str, d: int, dv: int | None) -> None:
-    """The padded forms a flex call plans (long prefill, and a short one on 16-row tiles)
-    compile as the kernel cache compiles them: zero spills at one fragment per warp, within
-    the two-fragment budget otherwise (as the native forms)."""
+    """The padded forms a flex call plans (long prefill -- FA3's padded form by default, FA2's
+    when forced -- and a short one on 16-row tiles) compile as the kernel cache compiles them:
+    zero spills at one fragment per warp, within the two-fragment budget otherwise (as the
+    native forms)."""
     from attncc.ir.simplify import simplify_variant
 
     ir = GYM[name](1, 16, 4096, d).trace()[0]
-    for q_len in (4096, 7):
+    for q_len, opts in ((4096, None), (4096, {"KERNEL": "fa2"}), (7, None)):
         pl = gpu_flex.plan_shapes(ir, Bindings(), batch=1, num_q_heads=16, num_kv_heads=16,
                                   q_len=q_len, kv_len=4096, head_dim=d, head_dim_vo=dv,
-                                  dtype="bfloat16", num_sms=132, fa3_ok=True)
+                                  dtype="bfloat16", num_sms=132, fa3_ok=True,
+                                  kernel_options=opts)
         assert pl.tiles.head_dims is not None
         spec = gpu_flex.kernel_spec(simplify_variant(pl.ir), pl.head_dim, pl.dtype, pl.tiles)
         form = compile_spec(spec, "sm_90a")
