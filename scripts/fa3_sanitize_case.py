@@ -8,7 +8,8 @@ Under memcheck the H200 image reports 34 CUDA API errors, all failed cuGetProcAd
 made while the libraries load; `--report-api-errors no` leaves the kernels' own (expected: 0).
 
 Arguments pick parts (default: all): dense64, dense128, transforms, batch, document, split,
-pairs, pairs_small (the one to racecheck the pair form with), short_table (captured reads
+pairs, pairs_small (the one to racecheck the pair form with), padded (head dims FA3 runs in a
+wider tile: 96, 160 with a box wholly past the real columns, 192/128), short_table (captured reads
 clamped by attncc, under PYTORCH_NO_CUDA_MEMORY_CACHING=1).
 Racecheck instruments every shared-memory access, so the whole script takes minutes under it;
 one part does not.
@@ -178,9 +179,31 @@ def pairs(d: int = 128, S: int = 1024, Hq: int = 40, Hkv: int = 8) -> None:
     _check_fa3(f"pairs d={d} S={S}", q, k, v, ir, bind, enable_gqa=True)
 
 
+def padded() -> None:
+    """The padded form (head dims read through TMA maps of their real widths): q/k/v boxes
+    partly (96 of 128) and wholly (160 of 256: columns 192-255) past the real columns, and a
+    value dim other than the query's (192/128), causal with softcap, odd lengths and GQA 2.
+    Memcheck sees a store past O's Dv columns or a load past q/k/v's real widths."""
+    S, Hq, Hkv = 300, 8, 4
+    for dqk, dv in ((96, 96), (160, 160), (192, 128)):
+        q = torch.randn(2, Hq, S, dqk, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(2, Hkv, S, dqk, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(2, Hkv, S, dv, device="cuda", dtype=torch.bfloat16)
+        bm = attncc.create_block_mask(causal, None, None, S, S, device="cuda")
+        ir, bind = attncc.Variant(score_mod=GYM["softcap"](1, Hq, S, dqk).score_mod).trace()
+        out = torch.full((2, Hq, S, dv), float("nan"), device="cuda", dtype=torch.bfloat16)
+        gpu_flex.gpu_flex_attention(q, k, v, ir, bind, out=out, kernel_options={"KERNEL": "fa3"},
+                                    block_mask=bm, enable_gqa=True)
+        torch.cuda.synchronize()
+        ref, _ = attention_reference(q, k, v, ir, bind, block_mask=bm, enable_gqa=True)
+        err = float((out.double() - ref).norm() / ref.norm())
+        assert not torch.isnan(out).any() and err < 2e-2, (dqk, dv, err)
+        print(f"padded {dqk}/{dv} S={S}: FA3 rel err {err:.1e}")
+
+
 PARTS = {"dense64": lambda: dense(64), "dense128": lambda: dense(128),
          "transforms": dense_transforms, "batch": batch, "document": document,
-         "split": split_tail, "pairs": pairs, "short_table": short_table,
+         "split": split_tail, "pairs": pairs, "padded": padded, "short_table": short_table,
          "pairs_small": lambda: pairs(64, 256, 80, 16)}
 
 
