@@ -173,7 +173,10 @@ struct BwdTileView {
 
 // P^T (softmax) or W^T (normalize none) of the tile, in place of the raw dot products st; `live`
 // gets bit 4 nf + i for each element inside the sequence and unmasked; `sc` the scaled scores
-// (what LogitsGrad / CapturedGrad take). Out-of-range elements never reach the hooks.
+// (what LogitsGrad / CapturedGrad take). Out-of-range elements never reach a hook that indexes a
+// captured tensor by position (Variant::loads_at_positions); every other hook is arithmetic and
+// runs on every element, its result selected, so the tile has no branches (a guarded exp2 and
+// LSE load cost ~20 instructions an element in reconvergence: docs/backward.md, "Per-element code").
 // sLse2: the stage's LSE in base 2 per query column (+inf for a row with no weight: P = 0).
 // mask_here: with kMask, whether this tile applies LogitsMask (false on a full block); the FA3-
 // class kernel decides at run time, so that its tile body is inlined once (docs/backward.md).
@@ -183,6 +186,7 @@ __device__ __forceinline__ void probs_tile(const BwdTileView& t, const typename 
                                            const float* sLse2, float sm_scale,
                                            bool mask_here = true) {
   constexpr float kLog2e = 1.4426950408889634f;
+  constexpr bool kGuard = Variant::loads_at_positions;
   live = 0u;
 #pragma unroll
   for (int nf = 0; nf < NF; ++nf)
@@ -194,14 +198,20 @@ __device__ __forceinline__ void probs_tile(const BwdTileView& t, const typename 
       sc[nf][i] = score;
       const bool in = qi < t.q_len && kv < t.kv_len;
       bool ok = in;
-      if constexpr (kMask) ok = in && (!mask_here || Variant::LogitsMask(vp, t.b, t.hq, qi, kv));
+      if constexpr (kMask) {
+        if constexpr (kGuard)
+          ok = in && (!mask_here || Variant::LogitsMask(vp, t.b, t.hq, qi, kv));
+        else
+          ok = in & (!mask_here | Variant::LogitsMask(vp, t.b, t.hq, qi, kv));
+      }
       float s1 = score;
       if constexpr (Variant::has_logits_transform) {
-        if (ok) s1 = Variant::LogitsTransform(vp, score, t.b, t.hq, qi, kv);
+        if (!kGuard || ok) s1 = Variant::LogitsTransform(vp, score, t.b, t.hq, qi, kv);
       }
       float val;
       if constexpr (Variant::use_softmax) {
-        val = ok ? fast_exp2(s1 * kLog2e - sLse2[qc]) : 0.f;
+        const float e = fast_exp2(s1 * kLog2e - sLse2[qc]);
+        val = ok ? e : 0.f;
       } else {
         val = ok ? s1 : 0.f;
       }
@@ -211,7 +221,9 @@ __device__ __forceinline__ void probs_tile(const BwdTileView& t, const typename 
 }
 
 // dS^T in place of dP^T: dS' = P (dP - delta) (softmax) or dP (none), then CapturedGrad(dS') and
-// dS = dS' * LogitsGrad(S) at live elements; 0 elsewhere (docs/backward.md, "Kernels").
+// dS = dS' * LogitsGrad(S) at live elements; 0 elsewhere (docs/backward.md, "Kernels"). As in
+// probs_tile, LogitsGrad runs on every element unless it indexes a captured tensor by position;
+// CapturedGrad (atomics) only ever at live ones.
 template <typename Variant, int NF>
 __device__ __forceinline__ void dscores_tile(const BwdTileView& t,
                                              const typename Variant::Params& vp,
@@ -219,24 +231,24 @@ __device__ __forceinline__ void dscores_tile(const BwdTileView& t,
                                              const float (&pt)[NF][4], const float (&sc)[NF][4],
                                              float (&dpt)[NF][4], u32 live, const float* sDelta,
                                              bool grads_here) {
+  constexpr bool kGuard = Variant::loads_at_positions;
 #pragma unroll
   for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int qc = t.q_col(nf, i);
+      const bool lv = (live >> (nf * 4 + i)) & 1u;
       float dl = dpt[nf][i];
       if constexpr (Variant::use_softmax) dl = pt[nf][i] * (dl - sDelta[qc]);
-      float ds = 0.f;
-      if ((live >> (nf * 4 + i)) & 1u) {
-        const int qi = t.q0 + qc, kv = t.kv_at(i);
-        if constexpr (Variant::has_captured_grad) {
-          if (grads_here) Variant::CapturedGrad(vp, vg, dl, sc[nf][i], t.b, t.hq, qi, kv);
-        }
-        ds = dl;
-        if constexpr (Variant::has_logits_grad)
-          ds = dl * Variant::LogitsGrad(vp, sc[nf][i], t.b, t.hq, qi, kv);
+      const int qi = t.q0 + qc, kv = t.kv_at(i);
+      if constexpr (Variant::has_captured_grad) {
+        if (lv && grads_here) Variant::CapturedGrad(vp, vg, dl, sc[nf][i], t.b, t.hq, qi, kv);
       }
-      dpt[nf][i] = ds;
+      float ds = dl;
+      if constexpr (Variant::has_logits_grad) {
+        if (!kGuard || lv) ds = dl * Variant::LogitsGrad(vp, sc[nf][i], t.b, t.hq, qi, kv);
+      }
+      dpt[nf][i] = lv ? ds : 0.f;
     }
 }
 

@@ -95,7 +95,6 @@ struct BwdSmem {
   __device__ __forceinline__ u32 q(int st) const { return base + Cfg::kQ + st * TQ * D * 2; }
   __device__ __forceinline__ u32 dout(int st) const { return base + Cfg::kDo + st * TQ * D * 2; }
   __device__ __forceinline__ u32 ds() const { return base + Cfg::kDs; }
-  __device__ __forceinline__ u16* ds_ptr() const { return reinterpret_cast<u16*>(ptr + Cfg::kDs); }
   __device__ __forceinline__ float* lse2(int st) const {
     return reinterpret_cast<float*>(ptr + Cfg::kLse) + st * TQ;
   }
@@ -176,18 +175,21 @@ __device__ __forceinline__ void issue_rs(float (&acc)[NB][32], const u32 (&a)[KS
 }
 
 // dS^T of the warp's 16 KV rows to shared memory as dS [TQ][TKV] (query-major, swizzled): the
-// K-major A operand of dQ = dS K.
-template <typename DType, int TQ, int NF>
-__device__ __forceinline__ void store_ds(u16* sds, const float (&ds)[NF][4], int qs0,
-                                         int kv_local0, int lane) {
+// K-major A operand of dQ = dS K. da[kk] (pack_a's A fragment of query columns [16 kk, 16 kk +
+// 16)) is four 8 x 8 blocks in mma.sync's C layout, block j at query columns + 8 (j / 2) and KV
+// rows + 8 (j % 2); one stmatrix.trans stores them as rows of dS, lane L giving the address of
+// row L % 8 (a query column) of block L / 8. Rows are 16 bytes of one swizzle chunk.
+template <int TQ, int KS>
+__device__ __forceinline__ void store_ds(u32 sds, const u32 (&da)[KS][4], int qs0, int kv_local0,
+                                         int lane) {
+  const int j = lane >> 3;
+  const int qc = qs0 + 8 * (j >> 1) + (lane & 7), kr = kv_local0 + 8 * (j & 1);
 #pragma unroll
-  for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int qc = qs0 + nf * 8 + 2 * (lane & 3) + (i & 1);
-      const int kr = kv_local0 + (lane >> 2) + 8 * (i >> 1);
-      sds[wg::sw128_offset(qc, kr, TQ) >> 1] = common::float_to_elem<DType>(ds[nf][i]);
-    }
+  for (int kk = 0; kk < KS; ++kk)
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                     sds + wg::sw128_offset(qc + 16 * kk, kr, TQ)),
+                 "r"(da[kk][0]), "r"(da[kk][1]), "r"(da[kk][2]), "r"(da[kk][3])
+                 : "memory");
 }
 
 // Two adjacent fp32 adds into global memory (8-byte aligned), one vector reduction (sm_90):
@@ -276,8 +278,7 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   fa2::pack_a<DType, NF>(da, dpt);
   // an opaque lane: the stores' swizzled offsets are the same every tile, and ptxas otherwise
   // hoists all of them out of the query loop into registers of their own (then spills)
-  store_ds<DType, TQ, NF>(sm.ds_ptr(), dpt, qs0, 64 * wgi + 16 * wi,
-                          (int)common::opaque((u32)t.lane));
+  store_ds<TQ, NF / 2>(sm.ds(), da, qs0, 64 * wgi + 16 * wi, (int)common::opaque((u32)t.lane));
   wg::fence_operands(da);
   wg::fence();
   issue_rs<F16, NF / 2, D / 64, TQ>(dk, da, sm.q(st) + q_rows);  // dK += dS^T Q
