@@ -107,10 +107,13 @@ def main() -> None:
     spin_gpu()
     best: dict[tuple[str, str], float] = {}
     diff: dict[str, float] = {}
-    for _ in range(a.rounds):
+    builds = (("current", None), ("base", a.base))
+    for r in range(a.rounds):
         for label, cell, name in todo:
             outs = {}
-            for build, folder in (("current", None), ("base", a.base)):
+            # alternate which build runs first: with a fixed order an A/A run (base = the current
+            # kernels) read the first cell 5 % apart (journal 2026-12-02, "Session of 21:35")
+            for build, folder in (builds if r % 2 == 0 else builds[::-1]):
                 use(folder)
                 tiles.LONG_KV_KEYS = policy[build]
                 ms, outs[build] = step(cell, name)
