@@ -575,6 +575,11 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
             threads = FA3_THREADS
             smem = fa3_smem_bytes(head_dim, tiles)
         kv_arg, suffix = _entry_extras(kernel, dtype, kv_dtype, head_dim, dqk, dv)
+        if kernel == "fa2batch":
+            kv_arg += f", {'true' if tiles.half_rows else 'false'}"
+        elif tiles.half_rows:
+            raise CodegenError(f"half_rows is a form of the 'fa2batch' decode kernel, not of "
+                               f"{kernel!r}")
         name += suffix
         entry = (f"{spec.entry_macro}({name}, {vc.struct_name}, {DTYPES[dtype][0]}, {head_dim}, "
                  f"{tiles.tq}, {tiles.tkv}, {tiles.stages}, {tiles.m_frags}, {tiles.kv_warps}"

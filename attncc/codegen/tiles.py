@@ -12,7 +12,7 @@ Example:
     >>> t.warps, t.threads, t.smem_bytes(128), t.suffix
     (4, 128, 98304, '_q128_k64_s2_m2')
     >>> default_tiles(256)
-    KernelTiles(tq=64, tkv=32, stages=2, m_frags=1, kv_warps=1)
+    KernelTiles(tq=64, tkv=32, stages=2, m_frags=1, kv_warps=1, half_rows=False)
     >>> KernelTiles(16, 64, 2, 1, kv_warps=4).threads
     128
 """
@@ -45,6 +45,9 @@ class KernelTiles:
     stages: int = 2
     m_frags: int = 2
     kv_warps: int = 1
+    # decode (kv_warps > 1): tiles of exactly 8 fused rows skip their padding row (one token of
+    # a GQA group of 8, or q_len x group = 8; fa2_attend's kHalf, docs/serving.md "GQA-8 tiles")
+    half_rows: bool = False
 
     def __post_init__(self) -> None:
         if self.tq not in TQ_CHOICES or self.tkv not in TKV_CHOICES or \
@@ -59,6 +62,8 @@ class KernelTiles:
             raise CodegenError(f"kv_warps={self.kv_warps} with T_q={self.tq}, T_kv={self.tkv}: "
                                f"1, 2 or 4; more than 1 needs T_q=16, m_frags=1 and KV slices "
                                f"(T_kv / kv_warps) that are multiples of 16 rows")
+        if self.half_rows and self.kv_warps == 1:
+            raise CodegenError("half_rows is a decode form: it needs kv_warps > 1")
 
     @property
     def warps(self) -> int:
@@ -77,7 +82,8 @@ class KernelTiles:
         """What the kernel name appends for these tiles."""
         return (f"_q{self.tq}_k{self.tkv}_s{self.stages}"
                 + (f"_m{self.m_frags}" if self.m_frags > 1 else "")
-                + (f"_w{self.kv_warps}" if self.kv_warps > 1 else ""))
+                + (f"_w{self.kv_warps}" if self.kv_warps > 1 else "")
+                + ("_h8" if self.half_rows else ""))
 
 
 # The FA3 kernel's padded form reads q/k/v through TMA maps of the real widths in boxes of 64
@@ -127,7 +133,7 @@ def fa3_tiles(stages: int = 2, tkv: int = 128) -> KernelTiles:
 
     Example:
         >>> fa3_tiles(3)
-        KernelTiles(tq=128, tkv=128, stages=3, m_frags=1, kv_warps=1)
+        KernelTiles(tq=128, tkv=128, stages=3, m_frags=1, kv_warps=1, half_rows=False)
         >>> fa3_tiles(2, tkv=64).suffix
         '_q128_k64_s2'
     """

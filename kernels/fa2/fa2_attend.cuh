@@ -215,7 +215,7 @@ template <typename Variant, bool kBounds, bool kMask, int M_FRAGS, int TKVW, typ
           typename View>
 __device__ __forceinline__ void logits_tile(const View& t, const typename Variant::Params& vp,
                                             float (&s_acc)[M_FRAGS][TKVW / 8][4], int kv0,
-                                            float qk_scale) {
+                                            float qk_scale, bool half_tile) {
   constexpr bool kSoftmax = Variant::use_softmax;
   constexpr float kLog2e = 1.4426950408889634f;
   const float masked = kSoftmax ? neg_inf() : 0.f;
@@ -223,6 +223,7 @@ __device__ __forceinline__ void logits_tile(const View& t, const typename Varian
   for (int mf = 0; mf < M_FRAGS; ++mf)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
+      if (hr == 1 && half_tile) continue;  // a half tile's padding row: the softmax skips it
       int fr = 0, qi = 0, hq = 0;
       if constexpr (Variant::has_logits_transform || kMask || kBounds) t.row_of(mf, hr, fr, qi, hq);
       const bool row_in = !kBounds || fr < t.rows;
@@ -397,7 +398,7 @@ __device__ __forceinline__ void store_lse(const View& t, const float (&lse_val)[
 // accumulator PHIs and change the SASS (docs/kernel-interface.md, "The FA2 tile body").
 // ---------------------------------------------------------------------------------------------
 template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,
-          int M_FRAGS, int KV_WARPS = 1, typename Work>
+          int M_FRAGS, int KV_WARPS = 1, bool kHalf = false, typename Work>
 __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant::Params& vp,
                                            float sm_scale) {
   using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>;
@@ -448,6 +449,13 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
                                   FastDiv(w.gf)};
   // every fused row of this tile is a real query row (all but the last tile of a sequence)
   const bool tile_rows_in = t.row0 + TQ <= t.rows;
+  // kHalf (the decode form planned for 8 fused rows a request: KernelTiles.half_rows): in a tile
+  // of exactly 8 rows each thread's first row (lane/4) is real and its second (lane/4 + 8)
+  // padding, so interior KV tiles take the plain path and skip that row's logits and softmax
+  // instead of masking it element by element (docs/serving.md, "GQA-8 tiles"). Other forms
+  // compile it out; other tiles of this form run as before.
+  static_assert(!kHalf || KV_WARPS > 1, "half tiles are decode tiles");
+  const bool half_tile = kHalf && t.row0 + 8 == t.rows;
 
   // ---- prologue: Q and the first STAGES-1 K/V tiles in flight (see load_kv_tile) ------------
   w.load_q(smem_addr(sQ), tid);
@@ -638,13 +646,13 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
     // checks and the mask cost only on edge tiles and partial blocks.
     // (a multi-token decode tree mask rides on the bounds path: only the tiles holding the
     // request's last q_len keys test it, BatchWork::tree_tile)
-    const bool bounds = kv0 < 0 || kv0 + TKV > t.kv_len || !tile_rows_in ||
+    const bool bounds = kv0 < 0 || kv0 + TKV > t.kv_len || !(tile_rows_in || half_tile) ||
                         (Work::kTreeMask && w.tree_tile(kv0, kv0 + TKV));
     const bool apply_mask = Variant::has_logits_mask && !is_full;
     auto logits = [&](auto bounds_tag, auto mask_tag) {
       logits_tile<Variant, decltype(bounds_tag)::value, decltype(mask_tag)::value, M_FRAGS, TKVW,
                   Work>(
-          t, vp, s_acc, kv0, qk_scale);
+          t, vp, s_acc, kv0, qk_scale, half_tile);
     };
     if (!bounds && !apply_mask) {
       logits(BoolTag<false>{}, BoolTag<false>{});
@@ -669,6 +677,12 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
       for (int mf = 0; mf < M_FRAGS; ++mf)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
+          if (hr == 1 && half_tile) {  // padding row: no weight, its state stays empty
+            corr[mf][hr] = 1.f;
+#pragma unroll
+            for (int nf = 0; nf < N_FRAGS_S; ++nf) s_acc[mf][nf][2] = s_acc[mf][nf][3] = 0.f;
+            continue;
+          }
           float mx = row_m[mf][hr];
 #pragma unroll
           for (int nf = 0; nf < N_FRAGS_S; ++nf)

@@ -464,10 +464,10 @@ __device__ __forceinline__ void fa2_merge(const attncc::BatchParams& p,
 // The persistent attention kernel: this CTA's queue of work units, in order, and each unit's
 // KV heads in order.
 // KvT: the cache's element type, DType or an fp8 tag (fa2_kv8.cuh), whose k_scale joins the
-// logits' scale here.
+// logits' scale here. HALF: the decode form for tiles of 8 fused rows (fa2_attend's kHalf).
 template <typename Variant, typename DType, int HEAD_DIM, int TQ, int TKV, int STAGES,
           int M_FRAGS, int KV_WARPS, typename KvT = DType, int DQK = HEAD_DIM,
-          int DV = HEAD_DIM>
+          int DV = HEAD_DIM, bool HALF = false>
 __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp) {
   using Cfg = Config<HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>;
@@ -491,7 +491,8 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
       __syncthreads();  // the previous head's (unit's) epilogue is done with shared memory
       const BatchWork<DType, HEAD_DIM, TQ, TKV, Cfg::kThreads, KvT, DQK, DV> w(p, u, h, qo_offset);
       const float sm_scale = KvTraits<KvT>::kIs8 ? p.sm_scale * __ldg(p.k_scale + h) : p.sm_scale;
-      fa2_attend<Variant, DType, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS>(w, vp, sm_scale);
+      fa2_attend<Variant, DType, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS, HALF>(w, vp,
+                                                                                sm_scale);
     }
   }
 }
@@ -504,13 +505,13 @@ __device__ __forceinline__ void fa2_batch(const attncc::BatchParams& p,
 // kernel NAME_merge of its split items (grid: at most one CTA per SM; block:
 // MergeKernel::kThreads; static shared memory). KV_DTYPE: the cache's element type (DTYPE, or
 // attncc::fa2::kv_e4m3 / kv_e5m2 for an fp8 cache). DQK, DV: the real head dims (HEAD_DIM both,
-// or a padded form: BatchWork).
+// or a padded form: BatchWork). HALF: the decode form for 8-row tiles (KernelTiles.half_rows).
 #define ATTNCC_FA2_BATCH_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS, \
-                               KV_DTYPE, DQK, DV)                                                  \
+                               KV_DTYPE, DQK, DV, HALF)                                            \
   extern "C" __global__ void ATTNCC_FA2_LAUNCH_BOUNDS(HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS)\
       NAME(attncc::BatchParams p, VARIANT::Params vp) {                                            \
     attncc::fa2::fa2_batch<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS, KV_DTYPE, \
-                           DQK, DV>(p, vp);                                                        \
+                           DQK, DV, HALF>(p, vp);                                                  \
   }                                                                                                \
   extern "C" __global__ void __launch_bounds__(attncc::fa2::MergeKernel::kThreads, 1)              \
       NAME##_merge(attncc::BatchParams p, VARIANT::Params vp) {                                    \

@@ -55,7 +55,7 @@ def kernel_spec(ir: VariantIR, head_dim: int, dtype: str, plan: TilePlan,
     Example:
         >>> from attncc.runtime.flex.tile_choice import TilePlan
         >>> kernel_spec(VariantIR(), 128, "bfloat16", TilePlan(128, 64, 2, 1, 2)).tiles
-        KernelTiles(tq=128, tkv=64, stages=2, m_frags=2, kv_warps=1)
+        KernelTiles(tq=128, tkv=64, stages=2, m_frags=2, kv_warps=1, half_rows=False)
     """
     if plan.kernel == "fa3":
         return KernelSpec("fa3_prefill", ir, head_dim, dtype, fa3_tiles(plan.stages, plan.tkv),

@@ -162,7 +162,7 @@ def _fa2(spec: KernelSpec) -> Generated:
                                    tkv=t.tkv, stages=t.stages, m_frags=t.m_frags,
                                    fast_math=spec.fast_math, batch=spec.kind != "fa2_prefill",
                                    kv_warps=t.kv_warps, kv_dtype=spec.kv_dtype,
-                                   head_dims=spec.head_dims)
+                                   head_dims=spec.head_dims, half_rows=t.half_rows)
     return Generated(spec, src, name, ap, vp, cfg.threads, cfg.smem_bytes, cfg)
 
 
@@ -382,8 +382,7 @@ def _fa2_fallback(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -> Com
     tiles += [(q, min(t.tkv, 64), 1) for q in (64,) if q < t.tq]
     for i, (tq, tkv, mf) in enumerate(tiles):
         fa2_config(spec.head_dim, tq, tkv, t.stages, mf)  # ValueError naming a bad tile
-        form = compile_form(replace(spec, tiles=KernelTiles(tq, tkv, t.stages, mf, t.kv_warps)),
-                            arch)
+        form = compile_form(replace(spec, tiles=replace(t, tq=tq, tkv=tkv, m_frags=mf)), arch)
         trail.append(form)
         if form.spill_bytes <= form.budget or i == len(tiles) - 1 or spec.forced:
             return form

@@ -145,7 +145,7 @@ def _kernels_for(ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
     else:
         spec = KernelSpec("decode" if tiles.kv_warps > 1 else "fa2_batch", ir, head_dim, dtype,
                           KernelTiles(tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
-                                   tiles.kv_warps), device=device,
+                                      tiles.kv_warps, tiles.half_rows), device=device,
                           kv_dtype=str(kv8).removeprefix("torch.") if kv8 is not None else None,
                           head_dims=head_dims)
     return get_kernel(spec)

@@ -61,7 +61,7 @@ def fa3_batch_tiles(head_dim: int) -> KernelTiles:
 
     Example:
         >>> fa3_batch_tiles(128)
-        KernelTiles(tq=128, tkv=128, stages=3, m_frags=1, kv_warps=1)
+        KernelTiles(tq=128, tkv=128, stages=3, m_frags=1, kv_warps=1, half_rows=False)
     """
     return fa3_tiles(fa3_stages(head_dim, 128), 128)
 

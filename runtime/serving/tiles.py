@@ -43,6 +43,8 @@ class BatchTiles:
     num_ctas: int
     kv_warps: int = 1
     kernel: str = "fa2"  # "fa3": kernels/fa3/fa3_batch.cuh (sm_90; runtime/serving/fa3_batch.py)
+    # decode: the form for 8 fused rows a request (KernelTiles.half_rows); it runs any batch
+    half_rows: bool = False
 
 
 def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
@@ -61,13 +63,13 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
 
     Example:
         >>> choose_batch_tiles(128, 8, 132)
-        BatchTiles(tq=16, tkv=32, stages=2, m_frags=1, ctas_per_sm=6, num_ctas=792, kv_warps=2, kernel='fa2')
+        BatchTiles(tq=16, tkv=32, stages=2, m_frags=1, ctas_per_sm=6, num_ctas=792, kv_warps=2, kernel='fa2', half_rows=True)
         >>> choose_batch_tiles(128, 4096, 132).tq
         128
         >>> choose_batch_tiles(128, 8, 132, long_kv=True)
-        BatchTiles(tq=16, tkv=32, stages=3, m_frags=1, ctas_per_sm=4, num_ctas=528, kv_warps=2, kernel='fa2')
+        BatchTiles(tq=16, tkv=32, stages=3, m_frags=1, ctas_per_sm=4, num_ctas=528, kv_warps=2, kernel='fa2', half_rows=True)
         >>> choose_batch_tiles(128, 4096, 132, fa3="auto")
-        BatchTiles(tq=128, tkv=128, stages=3, m_frags=1, ctas_per_sm=1, num_ctas=132, kv_warps=1, kernel='fa3')
+        BatchTiles(tq=128, tkv=128, stages=3, m_frags=1, ctas_per_sm=1, num_ctas=132, kv_warps=1, kernel='fa3', half_rows=False)
     """
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim}: the batch kernel supports {HEAD_DIMS}")
@@ -96,7 +98,12 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
     by_regs = 65536 // (cfg.threads * (128 if kv_warps > 1 else 256))
     by_smem = (227 * 1024) // cfg.smem_bytes
     per_sm = max(1, min(by_regs, by_smem, 16))
-    return BatchTiles(tq, tkv, stages, m_frags, per_sm, per_sm * num_sms, kv_warps)
+    # a decode batch whose longest request fuses exactly 8 rows (one token of a GQA group of 8,
+    # or q_len x group = 8): its tiles of 8 rows skip their padding row (docs/serving.md,
+    # "GQA-8 tiles"); a run-time test in the one form cost MHA decode 3-5 %
+    half = kv_warps > 1 and max_fused_rows == 8 and force is None
+    return BatchTiles(tq, tkv, stages, m_frags, per_sm, per_sm * num_sms, kv_warps,
+                      half_rows=half)
 
 
 def multi_token_kv_tiles(tq: int) -> tuple[int, int]:
@@ -110,7 +117,7 @@ def multi_token_kv_tiles(tq: int) -> tuple[int, int]:
 
     Example:
         >>> multi_token_kv_tiles(64), choose_batch_tiles(128, 64, 132)
-        ((64, 3), BatchTiles(tq=64, tkv=64, stages=3, m_frags=1, ctas_per_sm=2, num_ctas=264, kv_warps=1, kernel='fa2'))
+        ((64, 3), BatchTiles(tq=64, tkv=64, stages=3, m_frags=1, ctas_per_sm=2, num_ctas=264, kv_warps=1, kernel='fa2', half_rows=False))
     """
     return (64, 3) if tq == 64 else (32, 4)
 
@@ -135,9 +142,10 @@ def long_kv_batch(kv_lens: np.ndarray) -> bool:
 
 def keep_captured_depth(captured: BatchTiles | None, new: BatchTiles) -> BatchTiles:
     """`captured` (the tiles of a run a CUDA graph captured) when `new` differs from them only
-    in pipeline depth (stages and, following from it, CTAs per SM): both run any batch, and a
-    serving loop whose requests grow past LONG_KV_KEYS keeps replaying its graph instead of
-    failing plan()'s capture check. Else `new`.
+    in pipeline depth (stages and, following from it, CTAs per SM) or in the 8-row decode form
+    (half_rows): both run any batch, and a serving loop whose requests grow past LONG_KV_KEYS,
+    or whose step has a second query token, keeps replaying its graph instead of failing
+    plan()'s capture check. Else `new`.
 
     Example:
         >>> short, long = choose_batch_tiles(128, 8, 132), choose_batch_tiles(128, 8, 132, long_kv=True)
@@ -146,7 +154,7 @@ def keep_captured_depth(captured: BatchTiles | None, new: BatchTiles) -> BatchTi
     """
     if captured is not None and captured != new and dataclasses.replace(
             captured, stages=new.stages, ctas_per_sm=new.ctas_per_sm,
-            num_ctas=new.num_ctas) == new:
+            num_ctas=new.num_ctas, half_rows=new.half_rows) == new:
         return captured
     return new
 
