@@ -104,3 +104,33 @@ def test_compiled_config_carries_the_planners_arguments() -> None:
     assert cfg.layout is _config(FA2_PREFILL, [300, 20], [300, 900]).layout
     with pytest.raises(ValueError):  # scheduler.plan's own checks, before the planner runs
         _config(dataclasses.replace(FA2_PREFILL, num_ctas=0), [3], [3], compiled=True)
+
+
+@pytest.mark.parametrize("fused_rows,half", [(1, False), (4, False), (8, True), (16, False),
+                                             (64, False)])
+def test_half_rows_form_is_planned_for_eight_fused_rows(fused_rows: int, half: bool) -> None:
+    """Decode batches whose longest request fuses exactly 8 rows (one token of a GQA group of
+    8, or 2 tokens of a group of 4) get the 8-row form; MHA (1 row), GQA-4 and multi-token
+    tiles keep the plain decode form, so their kernels are unchanged; forced tiles never
+    get it."""
+    assert choose_batch_tiles(128, fused_rows, 132).half_rows is half
+    assert not choose_batch_tiles(128, fused_rows, 132, force=(16, 32, 2, 2)).half_rows
+
+
+def test_a_captured_graph_keeps_its_decode_form() -> None:
+    """The 8-row form and the plain decode form run any decode batch: a graph captured with
+    either keeps replaying when a step's longest request changes between 8 and other rows."""
+    from attncc.runtime.serving.tiles import keep_captured_depth
+
+    half, plain = choose_batch_tiles(128, 8, 132), choose_batch_tiles(128, 16, 132)
+    assert half.half_rows and not plain.half_rows
+    assert keep_captured_depth(half, plain) is half and keep_captured_depth(plain, half) is plain
+
+
+def test_half_rows_is_a_decode_form() -> None:
+    from attncc.codegen.tiles import KernelTiles
+    from attncc.errors import CodegenError
+
+    assert KernelTiles(16, 32, 2, 1, 2, half_rows=True).suffix.endswith("_w2_h8")
+    with pytest.raises(CodegenError, match="kv_warps"):
+        KernelTiles(64, 64, 2, 1, 1, half_rows=True)
