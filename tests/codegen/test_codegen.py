@@ -511,7 +511,7 @@ def test_fa2_tiles_kv_warps() -> None:
     gk = generate_source(VariantIR(name="plain"), head_dim=128, dtype="bfloat16",
                          kernel="fa2batch", tiles=t)
     assert "ATTNCC_FA2_BATCH_ENTRY(attncc_plain_fa2batch_d128_bf16_q16_k64_s2_w4," in gk.source
-    assert gk.source.count(", 16, 64, 2, 1, 4, attncc::bf16, 128, 128)") == 1 and gk.block == (128, 1, 1)
+    assert gk.source.count(", 16, 64, 2, 1, 4, attncc::bf16, 128, 128, false)") == 1 and gk.block == (128, 1, 1)
 
 
 def test_fa3_translation_unit() -> None:

@@ -98,7 +98,7 @@ def test_codegen_padded_form() -> None:
     assert same.source == nat.source
     batch = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa2batch",
                             tiles=KernelTiles(16, 64, 2, 1, 4), head_dims=(96, 96))
-    assert batch.kernel_name.endswith("_w4_dqk96_dv96") and "attncc::bf16, 96, 96)" in \
+    assert batch.kernel_name.endswith("_w4_dqk96_dv96") and "attncc::bf16, 96, 96, false)" in \
         batch.source
     fa3 = generate_source(ir, head_dim=256, dtype="bfloat16", kernel="fa3",
                           tiles=fa3_tiles(2, 64), head_dims=(192, 128))

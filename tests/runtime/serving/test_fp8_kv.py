@@ -188,9 +188,9 @@ def test_codegen_fp8_entry() -> None:
                         kv_dtype="float8_e5m2")
     assert g.kernel_name.endswith("_w2_kve5m2")
     assert f"ATTNCC_FA2_BATCH_ENTRY({g.kernel_name}, " in g.source
-    assert "attncc::fa2::kv_e5m2, 128, 128)" in g.source
+    assert "attncc::fa2::kv_e5m2, 128, 128, false)" in g.source
     plain = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa2batch", tiles=tiles)
-    assert plain.kernel_name.endswith("_w2") and "1, 2, attncc::bf16, 128, 128)" in plain.source
+    assert plain.kernel_name.endswith("_w2") and "1, 2, attncc::bf16, 128, 128, false)" in plain.source
     with pytest.raises(CodegenError, match="runs on the 'fa2batch' kernel"):
         generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa2",
                         tiles=KernelTiles(64, 64, 2, 1), kv_dtype="float8_e4m3fn")
