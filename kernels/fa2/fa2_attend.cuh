@@ -452,8 +452,8 @@ __device__ __forceinline__ void fa2_attend(const Work& w, const typename Variant
   // kHalf (the decode form planned for 8 fused rows a request: KernelTiles.half_rows): in a tile
   // of exactly 8 rows each thread's first row (lane/4) is real and its second (lane/4 + 8)
   // padding, so interior KV tiles take the plain path and skip that row's logits and softmax
-  // instead of masking it element by element (docs/serving.md, "GQA-8 tiles"). Other forms
-  // compile it out; other tiles of this form run as before.
+  // instead of masking it element by element. Other forms compile it out; other tiles of this
+  // form run as before (docs/serving.md#decode, "GQA-8 tiles").
   static_assert(!kHalf || KV_WARPS > 1, "half tiles are decode tiles");
   const bool half_tile = kHalf && t.row0 + 8 == t.rows;
 
