@@ -617,15 +617,19 @@ def main(argv: list[str] | None = None) -> int:
             "head_dim": D, "timing": TIME_CALL_TIMING + "; plan() timed separately (median of "
             "200 host calls after 20 warm-up calls)"}
     results = []
+
+    def done(cells: list) -> None:  # saved after every cell: a run cut short keeps what it has
+        results.extend(cells)
+        save({"meta": meta, "results": results}, args.out, "decode-h200.json", table)
+
     for b in ([] if args.multi_token_only or args.kv_cells else args.batch):
         for h in args.hkv:
             for dist in args.dist:
-                results += run_cell(b, h, dist, tuple(args.impls), bw, args.sweep)
+                done(run_cell(b, h, dist, tuple(args.impls), bw, args.sweep))
     for cell in KV_CELLS if not (args.no_kv_cells or args.multi_token_only) else ():
-        results += run_kv_cell(*cell, bw)
+        done(run_kv_cell(*cell, bw))
     if args.multi_token or args.multi_token_only:
-        results += multi_token_cells(bw, args.sweep)
-    save({"meta": meta, "results": results}, args.out, "decode-h200.json", table)
+        done(multi_token_cells(bw, args.sweep))
     return 0
 
 
