@@ -10,7 +10,8 @@ the FA3-class kernel at 64/128, the FA2-class one at 256).
 Arguments pick parts (default: all): dense64, dense128, dense256 (odd lengths: a partial last
 query tile and KV tile; GQA 2; a causal block mask with partial and full blocks; a softcap
 score_mod), bias (a learnable relative-bias table: CapturedGrad's atomics), sigmoid
-(normalize none), deterministic (one launch per KV tile). Racecheck instruments every
+(normalize none), deterministic (one launch per KV tile, and the learnable table again in
+exact sums: kernels/common/exact_grad.cuh). Racecheck instruments every
 shared-memory access: run one part under it. The kernel: kernels/fa2/fa2_backward.cuh;
 docs/backward.md, "Kernels".
 """
@@ -66,12 +67,12 @@ def main(parts: list[str]) -> None:
     for d in (64, 128, 256):
         if f"dense{d}" in parts:
             _case(f"dense{d}", attncc.Variant(score_mod=_softcap), d, block_mask=bm)
+    bias = torch.randn(4, 197 + S - 1, device="cuda").mul_(0.5).requires_grad_(True)
+
+    def rel(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return s + bias[h, q - kv + S - 1]
+
     if "bias" in parts:
-        bias = torch.randn(4, 197 + S - 1, device="cuda").mul_(0.5).requires_grad_(True)
-
-        def rel(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
-            return s + bias[h, q - kv + S - 1]
-
         _case("bias", attncc.Variant(score_mod=rel, mask_mod=causal), 64, extra={"bias": bias})
     if "sigmoid" in parts:
         _case("sigmoid", attncc.Variant(score_mod=lambda s, b, h, q, kv: torch.sigmoid(s - 2),
@@ -79,6 +80,8 @@ def main(parts: list[str]) -> None:
     if "deterministic" in parts:
         _case("deterministic", attncc.Variant(mask_mod=causal), 128,
               options={"DETERMINISTIC": True})
+        _case("deterministic bias", attncc.Variant(score_mod=rel, mask_mod=causal), 64,
+              extra={"bias": bias}, options={"DETERMINISTIC": True})
 
 
 if __name__ == "__main__":

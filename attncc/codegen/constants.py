@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 __all__ = ["Mirror", "MIRRORS", "static_asserts", "tile_static_asserts", "FA3_THREADS",
            "FA3_PERSISTENT_HEAD_DIMS", "FA3_SPLIT_HEAD_DIMS", "FA3_SLOT_WARPS", "MERGE_THREADS",
-           "MERGE_STATE_THREADS", "L2_SECTION_BYTES", "MAX_PIECES_PER_ITEM", "MIN_SPLIT_KEYS", "PREPASS_WARPS"]
+           "MERGE_STATE_THREADS", "L2_SECTION_BYTES", "MAX_PIECES_PER_ITEM", "MIN_SPLIT_KEYS", "PREPASS_WARPS",
+           "EXACT_GRAD_WORDS"]
 
 _FA3 = ("fa3", "fa3batch")
 _BATCH = ("fa2batch", "fa3batch")
@@ -76,6 +77,10 @@ MIRRORS: tuple[Mirror, ...] = (
     Mirror("MERGE_STATE_THREADS", 256, "attncc::merge::kThreads", "small/merge_state.cuh",
            ("merge",)),
     Mirror("PREPASS_WARPS", 8, "attncc::prepass::kWarps", "small/prepass.cuh", ("prepass",)),
+    # words per element of a captured gradient in the deterministic mode (12 of an exact sum,
+    # 1 of non-finite flags; runtime/flex/exact_grad.py reads them back)
+    Mirror("EXACT_GRAD_WORDS", 13, "attncc::kExactGradWords", "common/exact_grad.cuh",
+           ("fa2bwd", "fa3bwd")),
 )
 
 _BY_NAME = {m.name: m for m in MIRRORS}
@@ -91,6 +96,7 @@ MIN_SPLIT_KEYS: int = _BY_NAME["MIN_SPLIT_KEYS"].value  # type: ignore[assignmen
 MERGE_THREADS: int = _BY_NAME["MERGE_THREADS"].value  # type: ignore[assignment]
 MERGE_STATE_THREADS: int = _BY_NAME["MERGE_STATE_THREADS"].value  # type: ignore[assignment]
 PREPASS_WARPS: int = _BY_NAME["PREPASS_WARPS"].value  # type: ignore[assignment]
+EXACT_GRAD_WORDS: int = _BY_NAME["EXACT_GRAD_WORDS"].value  # type: ignore[assignment]
 
 
 def static_asserts(kernel: str, head_dim: int = 0) -> list[str]:

@@ -152,14 +152,16 @@ KERNELS: dict[str, KernelSpec] = {
     # the FA2-class backward (dQ, dK, dV, captured gradients; kernels/fa2/fa2_backward.cuh):
     # one CTA per KV tile, tiles from attncc.codegen.tiles.backward_tiles
     "fa2bwd": KernelSpec("fa2bwd", ("common/backward_params.cuh", "common/common.cuh",
-                                    "fa2/fa2_config.cuh", "fa2/fa2_backward.cuh"),
+                                    "common/exact_grad.cuh", "fa2/fa2_config.cuh",
+                                    "fa2/fa2_backward.cuh"),
                          "attncc::fa2::fa2_backward", threads=0, rows_per_cta=0,
                          head_dim_multiple=64, head_dim_max=256, head_dims=FA2_HEAD_DIMS,
                          entry_macro="ATTNCC_FA2_BWD_ENTRY", backward=True),
     # the FA3-class backward for sm_90a (wgmma; kernels/fa3/fa3_backward.cuh): the FA2-class
     # kernel's grid and arguments, two warpgroups of 64 KV rows, tiles BackwardTiles(64, 128)
     "fa3bwd": KernelSpec("fa3bwd", ("common/backward_params.cuh", "common/common.cuh",
-                                    "fa2/fa2_config.cuh", "fa2/fa2_backward.cuh",
+                                    "common/exact_grad.cuh", "fa2/fa2_config.cuh",
+                                    "fa2/fa2_backward.cuh",
                                     "hopper/wgmma.cuh", "fa3/fa3_backward.cuh"),
                          "attncc::fa3bwd::fa3_backward", threads=0, rows_per_cta=0,
                          head_dim_multiple=64, head_dim_max=128, head_dims=(64, 128),
@@ -250,6 +252,8 @@ class VariantCode:
     has_logits_grad: bool = False
     has_captured_grad: bool = False
     backward_hooks: tuple[HookCode, ...] = ()
+    # the deterministic mode's CapturedGrad: exact integer sums (kernels/common/exact_grad.cuh)
+    exact_grads: bool = False
 
     @property
     def kv_window_bounds(self) -> tuple[int, int]:
@@ -373,12 +377,14 @@ def _mask_window(ir: VariantIR) -> tuple[int | None, int | None] | None:
 
 
 def generate_variant(ir: VariantIR, *, fast_math: bool = False, backward: bool = False,
-                     grad_tensors: Sequence[str] = ()) -> VariantCode:
+                     grad_tensors: Sequence[str] = (), exact_grads: bool = False
+                     ) -> VariantCode:
     """The VariantParams_<name> and Variant_<name> structs for `ir` (`fast_math`: hooks use
     hardware approximations of exp/log/tanh/sigmoid and reciprocal multiplies, see
     `cuda_expr.emit`). `backward=True` adds VariantGrads_<name> and the gradient hooks
     LogitsGrad / CapturedGrad (docs/backward.md); `grad_tensors` names the captured tensors that
-    require grad (backward only).
+    require grad (backward only); `exact_grads` makes CapturedGrad's sums exact and
+    order-independent (the deterministic mode; kernels/common/exact_grad.cuh).
 
     Example:
         >>> from attncc.ir.nodes import var
@@ -406,7 +412,9 @@ def generate_variant(ir: VariantIR, *, fast_math: bool = False, backward: bool =
     flags = {h.spec.flag: h.enabled for h in hooks}
     if grad_tensors and not backward:
         raise CodegenError("grad_tensors is for backward translation units (backward=True)")
-    bwd = _backward_parts(ir, name, pl, grad_tensors, fast_math) if backward else {}
+    if exact_grads and not backward:
+        raise CodegenError("exact_grads is for backward translation units (backward=True)")
+    bwd = _backward_parts(ir, name, pl, grad_tensors, fast_math, exact_grads) if backward else {}
     vc = VariantCode(name=name, struct_name=struct_name, params_name=params_name,
                      params_struct="", variant_struct="", normalize=ir.normalize,
                      use_softmax=ir.use_softmax, **flags, params_layout=pl.layout,
@@ -419,21 +427,24 @@ def generate_variant(ir: VariantIR, *, fast_math: bool = False, backward: bool =
 
 
 def _backward_parts(ir: VariantIR, name: str, pl: Any, grad_tensors: Sequence[str],
-                    fast_math: bool) -> dict[str, Any]:
+                    fast_math: bool, exact: bool) -> dict[str, Any]:
     """The VariantCode fields of a backward unit: derivatives (attncc.ir.autodiff) as hooks."""
     from ..ir.autodiff import score_mod_grad
 
     grad = score_mod_grad(ir, grad_tensors)
     names = tuple(r.tensor for r in grad.reads)
     grad_names = tuple(t.name for t in ir.tensors if t.name in set(grad_tensors))
-    gl = variant_grads_layout(f"VariantGrads_{name}", ir.tensors, grad_names, pl.tensor_fields)
+    exact = exact and bool(grad_names)  # the form exists only where there is a sum to take
+    gl = variant_grads_layout(f"VariantGrads_{name}", ir.tensors, grad_names, pl.tensor_fields,
+                              exact=exact)
     hook = ir.hook("score_mod")
     kw = dict(tensors=pl.tensor_fields, scalars=pl.scalar_fields, fast_math=fast_math)
-    hooks = (logits_grad(hook, grad, **kw), captured_grad(hook, grad, gl.tensor_fields, **kw))
+    hooks = (logits_grad(hook, grad, **kw),
+             captured_grad(hook, grad, gl.tensor_fields, exact=exact, **kw))
     return dict(backward=True, grad_tensors=grad_names, grads_name=gl.layout.name,
                 grads_layout=gl.layout, grad_fields=dict(gl.tensor_fields),
                 has_logits_grad=hooks[0].enabled, has_captured_grad=bool(names),
-                backward_hooks=hooks)
+                backward_hooks=hooks, exact_grads=exact)
 
 
 def _version() -> str:
@@ -538,7 +549,8 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
            fast_math: bool | None = None, tiles: KernelTiles | None = None,
            paired: bool = False, low_pressure: bool = False,
            grad_tensors: Sequence[str] = (), kv_dtype: str | None = None,
-           head_dims: tuple[int, int] | None = None) -> GeneratedKernel:
+           head_dims: tuple[int, int] | None = None, exact_grads: bool = False
+           ) -> GeneratedKernel:
     from ..kernels import read_template
 
     spec = _check_options(head_dim, dtype, kernel)
@@ -549,8 +561,10 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
         fast_math = bool(spec.entry_macro)
     if grad_tensors and not spec.backward:
         raise CodegenError(f"grad_tensors is for backward kernels; {kernel!r} is a forward one")
+    if exact_grads and not spec.backward:
+        raise CodegenError(f"exact_grads is for backward kernels; {kernel!r} is a forward one")
     vc = generate_variant(ir, fast_math=fast_math, backward=spec.backward,
-                          grad_tensors=grad_tensors)
+                          grad_tensors=grad_tensors, exact_grads=exact_grads)
     name = kernel_name(vc.name, kernel, head_dim, dtype)
     threads, rows, smem, entry = spec.threads, spec.rows_per_cta, 0, ""
     first_arg = spec.first_arg
@@ -637,7 +651,7 @@ def _build_backward(ir: VariantIR, vc: VariantCode, spec: KernelSpec, name: str,
     tiles.check(head_dim)
     if fa3 and tiles != FA3_BACKWARD_TILES:
         raise CodegenError(f"the 'fa3bwd' kernel has one form, {FA3_BACKWARD_TILES}; got {tiles}")
-    name += tiles.suffix
+    name += tiles.suffix + ("_exact" if vc.exact_grads else "")
     threads, smem = tiles.threads(head_dim), tiles.smem_bytes(head_dim)
     smem += 1024 if fa3 else 0  # the 128-byte swizzle's 1024-byte alignment slack
     shipped = [(f, read_template(f).rstrip("\n") + "\n") for f in (*COMMON_TEMPLATES, *spec.files)]
@@ -667,7 +681,8 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
                     fast_math: bool | None = None, tiles: KernelTiles | None = None,
                     paired: bool = False, low_pressure: bool = False,
                     grad_tensors: Sequence[str] = (), kv_dtype: str | None = None,
-                    head_dims: tuple[int, int] | None = None) -> GeneratedKernel:
+                    head_dims: tuple[int, int] | None = None, exact_grads: bool = False
+                    ) -> GeneratedKernel:
     """One self-contained translation unit (for NVRTC) running `ir` on a kernel template.
 
     `dtype` is the storage type of q, k, v and o: "bfloat16", "float16" or "float32".
@@ -677,7 +692,8 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
     forms: `paired` (dense "fa3" at a persistent head dim: CTA pairs) and `low_pressure` (fewer
     registers; the spill fallback), emitted as `attncc::form` (form_text). A backward kernel
     (KernelSpec.backward) also gets the gradient hooks; `grad_tensors` names the captured tensors
-    that require grad (docs/backward.md). `fast_math=True` spells the hooks' math with
+    that require grad (docs/backward.md), `exact_grads` sums their gradients exactly, in any
+    order the same (the deterministic mode; the name ends in `_exact`). `fast_math=True` spells the hooks' math with
     one-instruction approximations (see `cuda_expr.emit`); None (default) means True for the
     FA2 templates, False for "simple". `kv_dtype` ("fa2batch" only): an fp8 KV cache's dtype
     (KV8_DTYPES; None: q's dtype). `head_dims` ("fa2" / "fa2batch" / "fa3"): the real (query/key,
@@ -699,7 +715,7 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
     """
     return _build(ir, head_dim, dtype, kernel, export=False, fast_math=fast_math, tiles=tiles,
                   paired=paired, low_pressure=low_pressure, grad_tensors=grad_tensors,
-                  kv_dtype=kv_dtype, head_dims=head_dims)
+                  kv_dtype=kv_dtype, head_dims=head_dims, exact_grads=exact_grads)
 
 
 def export_kernel(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",

@@ -251,11 +251,13 @@ def logits_grad(hook: Hook, grad: "ScoreModGrad", *, tensors: Mapping[str, str] 
 
 def captured_grad(hook: Hook, grad: "ScoreModGrad", grad_fields: Mapping[str, str], *,
                   tensors: Mapping[str, str] | None = None,
-                  scalars: Mapping[str, str] | None = None, fast_math: bool = False
-                  ) -> HookCode:
+                  scalars: Mapping[str, str] | None = None, fast_math: bool = False,
+                  exact: bool = False) -> HookCode:
     """CapturedGrad: for every read `t[idx...]` of a captured tensor requiring grad,
-    `g.<t>_grad[idx...] += dlogit * d score_mod / d t[idx...]` (a float atomicAdd). Each read
-    is one C++ block, so the temporaries of its index and derivative expressions stay local.
+    `g.<t>_grad[idx...] += dlogit * d score_mod / d t[idx...]` (a float atomicAdd; `exact`,
+    the deterministic mode: `attncc::exact_grad_add`, an order-independent integer sum,
+    kernels/common/exact_grad.cuh). Each read is one C++ block, so the temporaries of its index
+    and derivative expressions stay local.
 
     Example:
         >>> import torch, attncc
@@ -267,6 +269,9 @@ def captured_grad(hook: Hook, grad: "ScoreModGrad", grad_fields: Mapping[str, st
         ...                      tensors={t: t})
         >>> code.body[1:]
         ('    atomicAdd(g.bias_grad + (attncc::i64)h * g.bias_grad_stride[0], dlogit * score);', '}')
+        >>> captured_grad(ir.hook("score_mod"), score_mod_grad(ir, (t,)), {t: t + "_grad"},
+        ...               tensors={t: t}, exact=True).body[1]
+        '    attncc::exact_grad_add(g.bias_grad, (attncc::i64)h * g.bias_grad_stride[0], dlogit * score);'
     """
     names = ExprNames(tensors=dict(tensors or {}), scalars=dict(scalars or {}))
     where = str(hook.source) if hook.source is not None else "(no source location)"
@@ -280,7 +285,8 @@ def captured_grad(hook: Hook, grad: "ScoreModGrad", grad_fields: Mapping[str, st
         terms = [f"(attncc::i64){_atom(c.value)} * {base}_stride[{k}]"
                  for k, (x, c) in enumerate(zip(r.indices, idx))
                  if not (x.op == "const" and x.attr == 0)]
-        addr = f"{base} + {' + '.join(terms)}" if terms else base
+        offset = " + ".join(terms) if terms else "0"
+        addr = f"{base} + {offset}" if terms else base
         one = r.grad.op == "const" and r.grad.attr == 1.0
         scaled = "dlogit" if one else f"dlogit * {_atom(d.value)}"
         comments.append(comment_text(
@@ -288,7 +294,8 @@ def captured_grad(hook: Hook, grad: "ScoreModGrad", grad_fields: Mapping[str, st
             f"d/d read = {format_expr(r.grad)}"))
         body += ["{", *(f"    {s}" for c in idx for s in c.temps),
                  *(f"    {s}" for s in d.temps),
-                 f"    atomicAdd({addr}, {scaled});", "}"]
+                 (f"    attncc::exact_grad_add({base}, {offset}, {scaled});" if exact else
+                  f"    atomicAdd({addr}, {scaled});"), "}"]
     if not body:
         body = ["(void)g; (void)dlogit;  // no captured tensor requires grad"]
     return HookCode(CAPTURED_GRAD, bool(grad.reads), tuple(comments), tuple(body))

@@ -397,13 +397,15 @@ def variant_params_layout(struct_name: str, scalars: Sequence[ScalarParam],
 
 
 def variant_grads_layout(struct_name: str, tensors: Sequence[TensorParam],
-                         grad_tensors: Sequence[str], tensor_fields: Mapping[str, str]
-                         ) -> ParamsLayout:
+                         grad_tensors: Sequence[str], tensor_fields: Mapping[str, str],
+                         exact: bool = False) -> ParamsLayout:
     """Layout of the generated `VariantGrads_<name>` struct, the backward kernels' third
     argument: per captured tensor that requires grad (IR order), `float* <t>_grad;
     i64 <t>_grad_stride[ndim];` -- an fp32 buffer of the tensor's shape the kernel atomically
     adds into (element strides; a 0-d tensor has no stride array) -- where `<t>` is the tensor's
-    member name in the params struct (`tensor_fields`). None: `int _unused;`.
+    member name in the params struct (`tensor_fields`). None: `int _unused;`. `exact` (the
+    deterministic mode): `attncc::u64* <t>_grad`, EXACT_GRAD_WORDS words per element
+    (kernels/common/exact_grad.cuh), the strides still counting elements.
     docs/backward.md, section 2.
 
     Example:
@@ -423,7 +425,7 @@ def variant_grads_layout(struct_name: str, tensors: Sequence[TensorParam],
             continue
         base = tensor_fields[t.name] + "_grad"
         fields[t.name] = base
-        members.append((base, "float*", None, "grad_ptr", t.name))
+        members.append((base, "attncc::u64*" if exact else "float*", None, "grad_ptr", t.name))
         if t.ndim > 0:
             members.append((base + "_stride", "attncc::i64", t.ndim, "grad_stride", t.name))
     if not members:

@@ -74,7 +74,7 @@ SUPPORTED_KERNEL_OPTIONS: dict[str, type] = {
     "PERSISTENT": bool,
     "SPLIT_TAIL": bool,
     "PAIRED": bool,
-    "DETERMINISTIC": bool,  # the GPU backward: bitwise reproducible dQ/dK/dV (docs/backward.md)
+    "DETERMINISTIC": bool,  # the GPU backward: bitwise reproducible gradients (docs/backward.md)
     "BACKWARD_KERNEL": str,  # the GPU backward's template: "fa2" or "fa3" (docs/backward.md)
 }
 

@@ -208,11 +208,6 @@ def differentiable_attention(query: torch.Tensor, key: torch.Tensor, value: torc
         raise InvalidArgument(why)
     attn = attention_ir(ir)
     names = check_grad_tensors(attn, _score_grad_tensors(attn, bindings))
-    if names and (kernel_options or {}).get("DETERMINISTIC", False):
-        raise InvalidArgument(f"kernel_options['DETERMINISTIC']=True with captured tensors that "
-                              f"require grad ({', '.join(names)}): their gradients are "
-                              f"accumulated with atomics in any order; detach them, or drop "
-                              f"DETERMINISTIC")
     q = _transform(ir, "query_mod", "q", "q_idx", query, bindings)
     k = _transform(ir, "key_mod", "k", "kv_idx", key, bindings)
     v = _transform(ir, "value_mod", "v", "kv_idx", value, bindings)

@@ -31,6 +31,7 @@ from ..jit.kernels import KernelSpec, get_kernel
 from ..jit.launch_args import captured
 from ..jit.launcher import current_raw_stream
 from .block_mask import kv_major_blocks
+from .exact_grad import exact_grad_buffer, exact_grad_strides, exact_grad_value
 
 __all__ = ["kv_major_lists", "BackwardResult", "run_backward", "backward_kernel",
            "backward_spec", "backward_head_dims_why", "kv_head_chunk", "backward_grid"]
@@ -148,9 +149,11 @@ def backward_kernel(choice: str | None, head_dim: int, mask: Any, sm90: bool) ->
 
 def backward_spec(kind: str, ir: VariantIR, head_dim: int, dtype: str, mask: Any, *,
                   fast_math: bool, device: int | None,
-                  grad_tensors: Sequence[str]) -> KernelSpec:
+                  grad_tensors: Sequence[str], exact_grads: bool = False) -> KernelSpec:
     """The kernel cache's spec: FA3's one form with the FA2-class forms as its fallbacks (a
-    variant whose FA3-class form spills runs FA2), or the FA2-class forms alone."""
+    variant whose FA3-class form spills runs FA2), or the FA2-class forms alone. `exact_grads`
+    (the deterministic mode, with captured gradients): their exact-sum form."""
+    exact = exact_grads and bool(grad_tensors)
     forms = backward_fallbacks(head_dim, mask.block_kv if mask is not None else None)
     if not forms:  # the FA2-class first form's message (BLOCK_SIZE=128)
         _mask_params(mask, backward_tiles(head_dim), 0)
@@ -158,10 +161,10 @@ def backward_spec(kind: str, ir: VariantIR, head_dim: int, dtype: str, mask: Any
         forms = tuple(f for f in forms if mask is None or mask.block_q % f.tq == 0)
         return KernelSpec("fa3_backward", ir=ir, head_dim=head_dim, dtype=dtype,
                           tiles=FA3_BACKWARD_TILES, fast_math=fast_math, device=device,
-                          grad_tensors=tuple(grad_tensors), fallbacks=forms)
+                          grad_tensors=tuple(grad_tensors), fallbacks=forms, exact_grads=exact)
     return KernelSpec("fa2_backward", ir=ir, head_dim=head_dim, dtype=dtype, tiles=forms[0],
                       fast_math=fast_math, device=device, grad_tensors=tuple(grad_tensors),
-                      fallbacks=forms[1:])
+                      fallbacks=forms[1:], exact_grads=exact)
 
 
 def kv_head_chunk(num_kv_heads: int) -> int:
@@ -216,13 +219,9 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     mask_mod already merged with the block mask's, `mask` the forward's lists: gpu_flex's plan).
     `lse` is the forward's (None for normalize none); `dlse` the LSE's gradient or None.
     `deterministic`: one launch per KV tile, in order, so every dQ element takes at most one
-    atomic add per launch and the sum's order is fixed (docs/backward.md, "Kernels").
+    atomic add per launch and the sum's order is fixed, and captured gradients summed exactly
+    (exact_grad.py), so no order matters (docs/backward.md, "Deterministic mode").
     `kernel`: kernel_options['BACKWARD_KERNEL'] ("fa2", "fa3" or None: chosen)."""
-    if deterministic and grad_tensors:
-        raise InvalidArgument(f"kernel_options['DETERMINISTIC']=True with captured tensors that "
-                              f"require grad ({', '.join(grad_tensors)}): their gradients are "
-                              f"accumulated with atomics in any order; detach them, or drop "
-                              f"DETERMINISTIC")
     B, Hq, Sq, D = query.shape
     Hkv, Skv = key.shape[1], key.shape[2]
     if 0 in (B, Hq, Sq, Skv):  # nothing attends to anything: every gradient is 0, no launch
@@ -233,7 +232,8 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     sm90 = torch.cuda.get_device_capability(device) == (9, 0)
     kind = backward_kernel(kernel, D, mask, sm90)
     kern = get_kernel(backward_spec(kind, ir, D, dtype, mask, fast_math=fast_math,
-                                     device=device, grad_tensors=grad_tensors))
+                                     device=device, grad_tensors=grad_tensors,
+                                     exact_grads=deterministic))
     # the form the kernel cache compiled (an FA3 spec may have fallen back to an FA2 form)
     tiles = kern.spec.tiles
     mvals, keep = _mask_params(mask, tiles, Skv)
@@ -250,8 +250,9 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if dlse is not None:
             delta = delta - dlse.float()
         delta = delta.contiguous()
-    bufs = {n: torch.zeros(bindings.tensors[n].shape, dtype=torch.float32, device=dev)
-            for n in grad_tensors}
+    shapes = {n: bindings.tensors[n].shape for n in grad_tensors}
+    bufs = ({n: exact_grad_buffer(s, dev) for n, s in shapes.items()} if deterministic else
+            {n: torch.zeros(s, dtype=torch.float32, device=dev) for n, s in shapes.items()})
     args = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "dout": do.data_ptr(),
             "lse": lse.data_ptr() if lse is not None else 0,
             "delta": delta.data_ptr() if delta is not None else 0,
@@ -270,8 +271,9 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         _launch(kern, args, ir, bindings, bufs, dev, backward_grid(n_tiles, Hkv, B))
     del keep  # the lists stay alive until the launch is enqueued
     # on each tensor's own device: a captured CPU tensor's kernel reads a device copy
-    grads = {n: bufs[n].to(device=bindings.tensors[n].device, dtype=bindings.tensors[n].dtype)
-             for n in grad_tensors}
+    grads = {n: (exact_grad_value(b) if deterministic else b).to(
+        device=bindings.tensors[n].device, dtype=bindings.tensors[n].dtype)
+        for n, b in bufs.items()}
     return BackwardResult(dq_acc.to(query.dtype), dk, dv, grads)
 
 
@@ -286,8 +288,9 @@ def _launch(kern: Any, args: Mapping[str, Any], ir: VariantIR, bindings: Binding
     kl, cfg = kern.launcher, kern.config
     values = captured(ir, bindings, dev)
     vp = variant_param_values(kl.vp.layout, values["scalars"], values["tensors"])
-    gp = variant_grad_values(kl.gp.layout, {n: (b.data_ptr(), list(b.stride()))
-                                            for n, b in bufs.items()})
+    gp = variant_grad_values(kl.gp.layout, {
+        n: (b.data_ptr(), exact_grad_strides(b) if b.dtype == torch.int64 else list(b.stride()))
+        for n, b in bufs.items()})
     kl.launch(grid, (cfg.threads, 1, 1), cfg.smem_bytes, kl.ap.flatten(args), kl.vp.flatten(vp),
               stream=current_raw_stream(dev.index), gp_flat=kl.gp.flatten(gp))
 

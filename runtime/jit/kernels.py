@@ -92,7 +92,8 @@ class KernelSpec:
     given, no fallback, no resource check; `device` the CUDA device (None: compile only).
     "fa2_backward" takes `BackwardTiles`, `fallbacks` (the forms compile_spec tries after
     them, attncc.codegen.tiles.backward_fallbacks) and `grad_tensors`, the captured tensors whose
-    gradients its CapturedGrad hook accumulates (docs/backward.md, "Kernels"). "fa3_backward"
+    gradients its CapturedGrad hook accumulates (docs/backward.md, "Kernels"); `exact_grads`
+    (both backward kinds): in exact, order-independent integer sums (the deterministic mode). "fa3_backward"
     (sm_90a, `attncc.codegen.tiles.FA3_BACKWARD_TILES`) takes the FA2-class forms as its
     `fallbacks`: a variant whose FA3-class form spills runs the FA2-class kernel. `kv_dtype`: an
     fp8 KV cache's dtype name ("float8_e4m3fn" / "float8_e5m2"; the FA2 batch and decode kinds
@@ -120,6 +121,7 @@ class KernelSpec:
     fallbacks: tuple[BackwardTiles, ...] = ()
     kv_dtype: str | None = None
     head_dims: tuple[int, int] | None = None
+    exact_grads: bool = False
     ir_key: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -131,6 +133,8 @@ class KernelSpec:
         if self.kv_dtype is not None and self.kind not in ("fa2_batch", "decode"):
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: fp8 KV caches run on the fa2_batch "
                              f"and decode kernels, not {self.kind}")
+        if self.exact_grads and self.kind not in ("fa2_backward", "fa3_backward"):
+            raise ValueError(f"exact_grads: a form of the backward kernels, not of {self.kind}")
         if self.head_dims is not None and self.kind not in ("fa2_prefill", "fa2_batch",
                                                             "decode", "fa3_prefill"):
             raise ValueError(f"a {self.kind} kernel has no padded head-dim form")
@@ -198,7 +202,8 @@ def _fa2_backward(spec: KernelSpec) -> Generated:
     t = spec.tiles
     kernel = "fa3bwd" if spec.kind == "fa3_backward" else "fa2bwd"
     gk = generate_source(spec.ir, head_dim=spec.head_dim, dtype=spec.dtype, kernel=kernel,
-                         fast_math=spec.fast_math, tiles=t, grad_tensors=spec.grad_tensors)
+                         fast_math=spec.fast_math, tiles=t, grad_tensors=spec.grad_tensors,
+                         exact_grads=spec.exact_grads)
     cfg = LaunchConfig(spec.head_dim, t.tq, t.tkv, t.stages, 1, gk.threads // 32, gk.threads,
                        gk.shared_mem_bytes)
     return Generated(spec, gk.source, gk.kernel_name, gk.attention_params_layout,

@@ -219,14 +219,6 @@ def test_mask_reading_a_tensor_that_requires_grad_raises_before_launch() -> None
         differentiable_attention(q, q, q, ir, bind)
 
 
-def test_deterministic_with_captured_grads_raises_before_launch() -> None:
-    ir, _ = _ir("rel_table", 64)
-    t = torch.zeros(1, 1, 64, 64)
-    with pytest.raises(InvalidArgument, match="DETERMINISTIC"):
-        run_backward(t, t, t, t, None, t, None, ir, Bindings(), None, scale=0.125,
-                     grad_tensors=("bias",), device=0, deterministic=True)
-
-
 def test_block_sizes_the_backward_cannot_tile_raise() -> None:
     from types import SimpleNamespace
 
