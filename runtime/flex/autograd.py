@@ -220,7 +220,8 @@ def differentiable_attention(query: torch.Tensor, key: torch.Tensor, value: torc
 def backward_of_saved(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                       dlse: torch.Tensor | None, ir: VariantIR, bindings: Bindings,
-                      block_mask: Any, scale: float | None, enable_gqa: bool
+                      block_mask: Any, scale: float | None, enable_gqa: bool,
+                      kernel_options: Mapping[str, Any] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                  dict[str, torch.Tensor]] | None:
     # (sinks: the LSE saved includes them, and the kernels' dS is the same; the op's backward
@@ -229,7 +230,9 @@ def backward_of_saved(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     op's, runtime/flex/ops.py): (dq, dk, dv, gradients of every float tensor the score_mod
     reads). The op cannot see which captured tensors require grad, so all of them get one.
     None where this path does not apply: transforms (the op's reference differentiates them),
-    a tensor that the mask reads too, or head dims the backward kernels do not take."""
+    a tensor that the mask reads too, or head dims the backward kernels do not take.
+    `kernel_options`: the forward call's (DETERMINISTIC, BACKWARD_KERNEL, FAST_MATH and the
+    tile options apply to the backward as they do in an eager call)."""
     from .backward import backward_head_dims_why
 
     if attention_ir(ir) is not ir or backward_head_dims_why(query.shape[-1],
@@ -241,7 +244,7 @@ def backward_of_saved(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     names = tuple(t.name for t in ir.tensors if t.name in score_reads
                   and isinstance(bindings.tensors.get(t.name), torch.Tensor)
                   and bindings.tensors[t.name].is_floating_point())
-    call = _Call(ir, bindings, block_mask, scale, enable_gqa, None, names)
+    call = _Call(ir, bindings, block_mask, scale, enable_gqa, kernel_options, names)
     res = _run(call, query, key, value, out, lse if ir.use_softmax else None, dout,
                dlse if ir.use_softmax else None)
     return res.dq, res.dk, res.dv, res.captured

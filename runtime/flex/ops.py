@@ -548,7 +548,7 @@ def flex_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         from .autograd import backward_of_saved, sinks_grad
 
         got = backward_of_saved(q, k, v, out, lse, grad_out, grad_lse, entry.ir, bindings, bm,
-                                scale, gqa)
+                                scale, gqa, dict(entry.kernel_options) or None)
         if got is not None:
             dq, dk, dv, dcap = got
             names = list(entry.tensors)

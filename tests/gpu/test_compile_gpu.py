@@ -182,6 +182,35 @@ def test_backward_through_the_op_learnable_bias_causal():
         assert _rel(got, want) < 2e-2, name
 
 
+def test_backward_through_the_op_deterministic():
+    """kernel_options={"DETERMINISTIC": True} reaches the op's backward: 10 compiled
+    forward+backward runs give the same bits for q, k, v and a learnable bias table's gradients
+    (exact integer sums for the table, docs/backward.md), and they match the reference."""
+    q, k, v = _qkv(256, hq=4, hkv=2, B=2, seed=7, grad=True)
+    table = (0.5 * torch.randn(4, 511, device="cuda")).requires_grad_(True)
+    mod = _relbias(table)
+    bm = attncc.create_block_mask(causal, None, None, 256, 256, device="cuda")
+    opts = {"DETERMINISTIC": True}
+    fn = torch.compile(lambda q, k, v: attncc.flex_attention(
+        q, k, v, score_mod=mod, block_mask=bm, enable_gqa=True, kernel_options=opts),
+        fullgraph=True)
+    runs = []
+    for _ in range(10):
+        for t in (q, k, v, table):
+            t.grad = None
+        fn(q, k, v).float().square().sum().backward()
+        runs.append([t.grad.clone() for t in (q, k, v, table)])
+    for again in runs[1:]:
+        for name, a, b in zip("qkvb", runs[0], again):
+            assert torch.equal(a, b), f"d{name} differs between compiled runs"
+    q2, k2, v2 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    t2 = table.detach().double().requires_grad_(True)
+    ref = _reference(q2, k2, v2, _relbias(t2), causal, True)[0]
+    ref.square().sum().backward()
+    for name, got, want in zip("qkvb", runs[0], (q2.grad, k2.grad, v2.grad, t2.grad)):
+        assert _rel(got, want) < 2e-2, name
+
+
 def test_batch_attention_run_compiled():
     hkv, g, d, page = 2, 4, 128, 16
     kv_lens = [100, 17, 600, 2048]  # with 1, 17, 300 and 1 queries (qo below)

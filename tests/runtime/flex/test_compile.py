@@ -278,3 +278,42 @@ def test_return_lse_without_softmax_is_an_error(rng):
                         backend="aot_eager", fullgraph=True)
     with pytest.raises(Exception, match="normalize='none'"):
         bad(q, k, v)
+
+
+class _CudaLooking(torch.Tensor):
+    """A CPU tensor that says it is on CUDA, so flex_backward takes its kernel branch."""
+
+    @property
+    def is_cuda(self):  # noqa: D401
+        return True
+
+
+def test_op_backward_gets_the_forward_kernel_options(rng, monkeypatch):
+    """The op's backward runs with the kernel_options the compiled call was given (the registry
+    entry's), as an eager call's backward does: DETERMINISTIC inside torch.compile is honoured,
+    not dropped."""
+    from attncc.runtime.flex import autograd
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score * SCALE
+
+    bm = attncc.create_block_mask(causal, None, None, 32, 32, BLOCK_SIZE=16)
+    opts = (("BACKWARD_KERNEL", "fa2"), ("DETERMINISTIC", True))
+    key = ops.register(*ops.hooks_of(mod), bm.mask_mod, opts, tuple(bm.bindings.tensors),
+                       EAGER_CHECKS)[0]
+    seen = {}
+
+    def fake(q, k, v, out, lse, dout, dlse, ir, bindings, block_mask, scale, gqa,
+             kernel_options=None):
+        seen["kernel_options"] = kernel_options
+        return q, k, v, {}
+
+    monkeypatch.setattr(autograd, "backward_of_saved", fake)
+    q, k, v = (t.to(torch.bfloat16).as_subclass(_CudaLooking) for t in _qkv(rng, S=32))
+    out = torch.zeros_like(q)
+    lse = torch.zeros(q.shape[:3])
+    dq, dk, dv, dcap, dsinks = ops.flex_backward(q, k, v, out, lse, torch.ones_like(q), None,
+                                                 ops.entry_for(key), ops.Bindings(), bm, None,
+                                                 False, [])
+    assert seen["kernel_options"] == {"BACKWARD_KERNEL": "fa2", "DETERMINISTIC": True}
+    assert dq is q and dcap == [] and dsinks is None
