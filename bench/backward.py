@@ -1,8 +1,10 @@
 """Backward benchmark: attncc vs FlexAttention (torch.compile) vs SDPA (flash, cuDNN), fwd+bwd.
 
 All implementations run in one process on the same inputs (bf16, H=16, D=128, B*S=16384), with
-bench/prefill.py's variants plus `relbias_causal`, a learnable relative-position table
-(`score + bias[h, q_idx - kv_idx + S - 1]`, the table requires grad, causal mask). Each cell
+bench/prefill.py's variants plus two learnable biases with a causal mask: `relbias_causal`, a
+relative-position table (`score + bias[h, q_idx - kv_idx + S - 1]`, the table requires grad),
+and `alibi_learned_causal`, ALiBi with learnable slopes (`score + slopes[h] * (kv_idx -
+q_idx)`). Each cell
 times the forward (inputs requiring grad, as in training) and forward+backward
 (`torch.autograd.grad` of a fixed output gradient, so nothing accumulates between calls);
 backward-only = fwdbwd - fwd. FLOPs: the forward counts 4*D per unmasked (query, key) pair
@@ -39,7 +41,7 @@ from bench.prefill import (HEAD_DIM, HEADS, SEQ_LENS, TOKENS, Bench, _prefill_me
                            pairs, plot_panels, report, save)
 from bench.prefill import VARIANTS as PREFILL_VARIANTS
 
-VARIANTS = (*PREFILL_VARIANTS, "relbias_causal")
+VARIANTS = (*PREFILL_VARIANTS, "relbias_causal", "alibi_learned_causal")
 IMPLS = ("attncc", "flex", "sdpa_flash", "sdpa_cudnn")
 BWD_FLOP_FACTOR = 2.5
 # issue 29's targets, for every S >= 2048: (variant, compared impl, ratio of backward TFLOP/s)
@@ -64,8 +66,9 @@ def bwd_flops(variant: str, S: int, B: int) -> float:
 
 
 class BackwardBench(Bench):
-    """`bench.prefill.Bench` with q, k, v requiring grad, a fixed output gradient, and the
-    learnable relative-bias variant `relbias_causal`."""
+    """`bench.prefill.Bench` with q, k, v requiring grad, a fixed output gradient, and two
+    learnable-bias variants: `relbias_causal` (a relative-position table, read at positions)
+    and `alibi_learned_causal` (ALiBi with learnable per-head slopes, read once per head)."""
 
     def __init__(self, S: int) -> None:
         import torch
@@ -85,11 +88,21 @@ class BackwardBench(Bench):
 
         self.score_mod["relbias_causal"] = relbias
         self.mask_of["relbias_causal"] = "causal"
+        # ALiBi's geometric slopes 2^(-8 (h + 1) / H), learnable
+        self.slopes = torch.exp2(-8.0 * torch.arange(1, HEADS + 1, device="cuda") / HEADS
+                                 ).requires_grad_(True)
+        slopes = self.slopes
+
+        def alibi_learned(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return score + slopes[h] * (kv_idx - q_idx)
+
+        self.score_mod["alibi_learned_causal"] = alibi_learned
+        self.mask_of["alibi_learned_causal"] = "causal"
+        self.learned = {"relbias_causal": [self.bias], "alibi_learned_causal": [self.slopes]}
 
     def inputs(self, variant: str) -> list[Any]:
         """The tensors whose gradients a training step of `variant` needs."""
-        extra = [self.bias] if variant == "relbias_causal" else []
-        return [self.q, self.k, self.v, *extra]
+        return [self.q, self.k, self.v, *self.learned.get(variant, [])]
 
     def fwdbwd(self, fwd: Callable[[], Any], variant: str) -> Callable[[], Any]:
         """forward + backward of `fwd` for this bench's output gradient (`fwd_bwd`)."""

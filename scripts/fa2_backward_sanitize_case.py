@@ -9,7 +9,8 @@ the FA3-class kernel at 64/128, the FA2-class one at 256).
 
 Arguments pick parts (default: all): dense64, dense128, dense256 (odd lengths: a partial last
 query tile and KV tile; GQA 2; a causal block mask with partial and full blocks; a softcap
-score_mod), bias (a learnable relative-bias table: CapturedGrad's atomics), sigmoid
+score_mod), bias (a learnable relative-bias table, CapturedGrad's atomics, plus learnable ALiBi
+slopes, summed per warp: TileGradTerms / TileGradFlush), sigmoid
 (normalize none), deterministic (one launch per KV tile, and the learnable table again in
 exact sums: kernels/common/exact_grad.cuh). Racecheck instruments every
 shared-memory access: run one part under it. The kernel: kernels/fa2/fa2_backward.cuh;
@@ -68,12 +69,14 @@ def main(parts: list[str]) -> None:
         if f"dense{d}" in parts:
             _case(f"dense{d}", attncc.Variant(score_mod=_softcap), d, block_mask=bm)
     bias = torch.randn(4, 197 + S - 1, device="cuda").mul_(0.5).requires_grad_(True)
+    slopes = torch.linspace(0.02, 0.2, 4, device="cuda").requires_grad_(True)
 
     def rel(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
-        return s + bias[h, q - kv + S - 1]
+        return s + bias[h, q - kv + S - 1] + slopes[h] * (kv - q)
 
+    learned = {"bias": bias, "slopes": slopes}
     if "bias" in parts:
-        _case("bias", attncc.Variant(score_mod=rel, mask_mod=causal), 64, extra={"bias": bias})
+        _case("bias", attncc.Variant(score_mod=rel, mask_mod=causal), 64, extra=learned)
     if "sigmoid" in parts:
         _case("sigmoid", attncc.Variant(score_mod=lambda s, b, h, q, kv: torch.sigmoid(s - 2),
                                         normalize="none"), 128)
@@ -81,7 +84,7 @@ def main(parts: list[str]) -> None:
         _case("deterministic", attncc.Variant(mask_mod=causal), 128,
               options={"DETERMINISTIC": True})
         _case("deterministic bias", attncc.Variant(score_mod=rel, mask_mod=causal), 64,
-              extra={"bias": bias}, options={"DETERMINISTIC": True})
+              extra=learned, options={"DETERMINISTIC": True})
 
 
 if __name__ == "__main__":

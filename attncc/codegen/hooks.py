@@ -28,7 +28,7 @@ from .cuda_expr import ExprNames, emit
 from .errors import CodegenError
 
 if TYPE_CHECKING:
-    from ..ir.autodiff import ScoreModGrad
+    from ..ir.autodiff import CapturedRead, ScoreModGrad
 
 
 @dataclass(frozen=True)
@@ -226,6 +226,15 @@ _SCORE_ARGS = ("float score", "int b", "int h", "int q_idx", "int kv_idx")
 LOGITS_GRAD = HookSpec("score_mod", "LogitsGrad", "has_logits_grad", "float", None, _SCORE_ARGS)
 CAPTURED_GRAD = HookSpec("score_mod", "CapturedGrad", "has_captured_grad", "void", None,
                          ("const Grads& g", "float dlogit", *_SCORE_ARGS))
+# Reads at an index no position changes (`slopes[h]`): each element's term is summed into a
+# register, the kernel sums a warp's registers, and one lane adds the total (docs/backward.md,
+# "Captured gradients of tile-uniform reads").
+TILE_GRAD_TERMS = HookSpec("score_mod", "TileGradTerms", "has_tile_grads", "void", None,
+                           ("float (&acc)[kTileGradSlots]", "float dlogit", *_SCORE_ARGS))
+TILE_GRAD_FLUSH = HookSpec("score_mod", "TileGradFlush", "has_tile_grads", "void", None,
+                           ("const Grads& g", "const float (&acc)[kTileGradSlots]", "int b",
+                            "int h"))
+_POSITIONS = frozenset({"q_idx", "kv_idx", "score"})
 
 
 def logits_grad(hook: Hook, grad: "ScoreModGrad", *, tensors: Mapping[str, str] | None = None,
@@ -249,11 +258,99 @@ def logits_grad(hook: Hook, grad: "ScoreModGrad", *, tensors: Mapping[str, str] 
     return HookCode(LOGITS_GRAD, grad.has_logits_grad, comments, tuple(code.lines()))
 
 
+def tile_uniform(read: "CapturedRead") -> bool:
+    """Whether a read's index is the same at every element of a tile: it uses no position and
+    not the score (b, h and captured values are fixed per tile). `slopes[h]` is; a
+    relative-position table `t[h, q_idx - kv_idx]` is not.
+
+    Example:
+        >>> from attncc.ir.autodiff import CapturedRead
+        >>> from attncc.ir.nodes import var, const
+        >>> tile_uniform(CapturedRead("s", (var("h"),), const(1.0)))
+        True
+        >>> tile_uniform(CapturedRead("t", (var("h"), var("q_idx") - var("kv_idx")), const(1.0)))
+        False
+    """
+    from ..ir.nodes import free_vars
+
+    return not any(_POSITIONS & free_vars(x) for x in read.indices)
+
+
+def _read_target(i: int, r: "CapturedRead", names: ExprNames, grad_fields: Mapping[str, str],
+                 fast_math: bool) -> tuple[list[str], str, str]:
+    """(index temporaries, buffer, element offset) of read `i`'s gradient element."""
+    idx = [emit(x, names, fast_math=fast_math, temp_prefix=f"i{i}_{k}_")
+           for k, x in enumerate(r.indices)]
+    base = f"g.{grad_fields[r.tensor]}"
+    terms = [f"(attncc::i64){_atom(c.value)} * {base}_stride[{k}]"
+             for k, (x, c) in enumerate(zip(r.indices, idx))
+             if not (x.op == "const" and x.attr == 0)]
+    return [t for c in idx for t in c.temps], base, " + ".join(terms) if terms else "0"
+
+
+def _add(base: str, offset: str, value: str, exact: bool) -> str:
+    """The statement adding `value` to element `offset` of gradient buffer `base`."""
+    if exact:
+        return f"attncc::exact_grad_add({base}, {offset}, {value});"
+    return f"atomicAdd({base} + {offset}, {value});" if offset != "0" else \
+        f"atomicAdd({base}, {value});"
+
+
+def tile_grads(hook: Hook, grad: "ScoreModGrad", grad_fields: Mapping[str, str], *,
+               tensors: Mapping[str, str] | None = None,
+               scalars: Mapping[str, str] | None = None, fast_math: bool = False,
+               exact: bool = False) -> tuple[HookCode, HookCode]:
+    """TileGradTerms and TileGradFlush for the tile-uniform reads (`tile_uniform`), in order:
+    Terms adds each element's `dlogit * d score_mod / d t[idx]` into `acc[j]` (register j of
+    the kernel's sum), Flush adds a warp's summed `acc[j]` into `g.<t>_grad[idx]` (a float
+    atomicAdd, or `exact`, attncc::exact_grad_add). Same-address atomics from every element
+    of a tile become one per warp and tile.
+
+    Example:
+        >>> import torch, attncc
+        >>> from attncc.ir.autodiff import score_mod_grad
+        >>> slopes = torch.zeros(4)
+        >>> ir, _ = attncc.Variant(score_mod=lambda s, b, h, q, kv: s + slopes[h] * (kv - q)
+        ...                        ).trace()
+        >>> t = ir.tensors[0].name
+        >>> terms, flush = tile_grads(ir.hook("score_mod"), score_mod_grad(ir, (t,)),
+        ...                           {t: t + "_grad"}, tensors={t: t})
+        >>> [line for line in terms.body if "acc" in line]
+        ['    acc[0] += dlogit * ((float)(kv_idx - q_idx));']
+        >>> [line for line in flush.body if "Add" in line]
+        ['    atomicAdd(g.slopes_grad + (attncc::i64)h * g.slopes_grad_stride[0], acc[0]);']
+    """
+    names = ExprNames(tensors=dict(tensors or {}), scalars=dict(scalars or {}))
+    where = str(hook.source) if hook.source is not None else "(no source location)"
+    reads = [r for r in grad.reads if tile_uniform(r)]
+    terms: list[str] = []
+    flush: list[str] = []
+    notes = [comment_text(f"tile-uniform reads' terms, summed per warp; score_mod: {where}")]
+    for j, r in enumerate(reads):
+        d = emit(r.grad, names, fast_math=fast_math, temp_prefix=f"d{j}_")
+        one = r.grad.op == "const" and r.grad.attr == 1.0
+        terms += ["{", *(f"    {s}" for s in d.temps),
+                  f"    acc[{j}] += {'dlogit' if one else f'dlogit * {_atom(d.value)}'};", "}"]
+        temps, base, offset = _read_target(j, r, names, grad_fields, fast_math)
+        flush += ["{", *(f"    {s}" for s in temps), f"    {_add(base, offset, f'acc[{j}]', exact)}",
+                  "}"]
+        notes.append(comment_text(f"acc[{j}]: {r.tensor}"
+                                  f"[{', '.join(format_expr(x) for x in r.indices)}], "
+                                  f"d/d read = {format_expr(r.grad)}"))
+    if not reads:
+        terms = ["(void)acc; (void)dlogit;  // no tile-uniform read requires grad"]
+        flush = ["(void)g; (void)acc;  // no tile-uniform read requires grad"]
+    on = bool(reads)
+    return (HookCode(TILE_GRAD_TERMS, on, tuple(notes), tuple(terms)),
+            HookCode(TILE_GRAD_FLUSH, on, (notes[0],), tuple(flush)))
+
+
 def captured_grad(hook: Hook, grad: "ScoreModGrad", grad_fields: Mapping[str, str], *,
                   tensors: Mapping[str, str] | None = None,
                   scalars: Mapping[str, str] | None = None, fast_math: bool = False,
                   exact: bool = False) -> HookCode:
-    """CapturedGrad: for every read `t[idx...]` of a captured tensor requiring grad,
+    """CapturedGrad: for every read `t[idx...]` of a captured tensor requiring grad whose index
+    depends on the positions (the others are `tile_grads`'),
     `g.<t>_grad[idx...] += dlogit * d score_mod / d t[idx...]` (a float atomicAdd; `exact`,
     the deterministic mode: `attncc::exact_grad_add`, an order-independent integer sum,
     kernels/common/exact_grad.cuh). Each read is one C++ block, so the temporaries of its index
@@ -262,43 +359,35 @@ def captured_grad(hook: Hook, grad: "ScoreModGrad", grad_fields: Mapping[str, st
     Example:
         >>> import torch, attncc
         >>> from attncc.ir.autodiff import score_mod_grad
-        >>> bias = torch.zeros(4)
-        >>> ir, _ = attncc.Variant(score_mod=lambda s, b, h, q, kv: s * bias[h]).trace()
+        >>> bias = torch.zeros(4, 64)
+        >>> ir, _ = attncc.Variant(score_mod=lambda s, b, h, q, kv: s * bias[h, q]).trace()
         >>> t = ir.tensors[0].name
         >>> code = captured_grad(ir.hook("score_mod"), score_mod_grad(ir, (t,)), {t: t + "_grad"},
         ...                      tensors={t: t})
-        >>> code.body[1:]
-        ('    atomicAdd(g.bias_grad + (attncc::i64)h * g.bias_grad_stride[0], dlogit * score);', '}')
+        >>> code.body[1]
+        '    atomicAdd(g.bias_grad + (attncc::i64)h * g.bias_grad_stride[0] + (attncc::i64)q_idx * g.bias_grad_stride[1], dlogit * score);'
         >>> captured_grad(ir.hook("score_mod"), score_mod_grad(ir, (t,)), {t: t + "_grad"},
         ...               tensors={t: t}, exact=True).body[1]
-        '    attncc::exact_grad_add(g.bias_grad, (attncc::i64)h * g.bias_grad_stride[0], dlogit * score);'
+        '    attncc::exact_grad_add(g.bias_grad, (attncc::i64)h * g.bias_grad_stride[0] + (attncc::i64)q_idx * g.bias_grad_stride[1], dlogit * score);'
     """
     names = ExprNames(tensors=dict(tensors or {}), scalars=dict(scalars or {}))
     where = str(hook.source) if hook.source is not None else "(no source location)"
     comments = [comment_text(f"d score_mod / d (captured tensor read); score_mod: {where}")]
     body: list[str] = []
-    for i, r in enumerate(grad.reads):
+    reads = [r for r in grad.reads if not tile_uniform(r)]
+    for i, r in enumerate(reads):
         d = emit(r.grad, names, fast_math=fast_math, temp_prefix=f"d{i}_")
-        idx = [emit(x, names, fast_math=fast_math, temp_prefix=f"i{i}_{k}_")
-               for k, x in enumerate(r.indices)]
-        base = f"g.{grad_fields[r.tensor]}"
-        terms = [f"(attncc::i64){_atom(c.value)} * {base}_stride[{k}]"
-                 for k, (x, c) in enumerate(zip(r.indices, idx))
-                 if not (x.op == "const" and x.attr == 0)]
-        offset = " + ".join(terms) if terms else "0"
-        addr = f"{base} + {offset}" if terms else base
+        temps, base, offset = _read_target(i, r, names, grad_fields, fast_math)
         one = r.grad.op == "const" and r.grad.attr == 1.0
         scaled = "dlogit" if one else f"dlogit * {_atom(d.value)}"
         comments.append(comment_text(
             f"read {i}: {r.tensor}[{', '.join(format_expr(x) for x in r.indices)}], "
             f"d/d read = {format_expr(r.grad)}"))
-        body += ["{", *(f"    {s}" for c in idx for s in c.temps),
-                 *(f"    {s}" for s in d.temps),
-                 (f"    attncc::exact_grad_add({base}, {offset}, {scaled});" if exact else
-                  f"    atomicAdd({addr}, {scaled});"), "}"]
+        body += ["{", *(f"    {s}" for s in temps), *(f"    {s}" for s in d.temps),
+                 f"    {_add(base, offset, scaled, exact)}", "}"]
     if not body:
-        body = ["(void)g; (void)dlogit;  // no captured tensor requires grad"]
-    return HookCode(CAPTURED_GRAD, bool(grad.reads), tuple(comments), tuple(body))
+        body = ["(void)g; (void)dlogit;  // no position-dependent read requires grad"]
+    return HookCode(CAPTURED_GRAD, bool(reads), tuple(comments), tuple(body))
 
 
 def _atom(text: str) -> str:

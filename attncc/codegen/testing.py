@@ -44,6 +44,9 @@ _CALLS = {
 _BACKWARD_CALLS = {
     "has_logits_grad": "out[6] = V::LogitsGrad(vp, out[8], 0, 1, 2, 3);",
     "has_captured_grad": "V::CapturedGrad(vp, g, out[7], out[8], 0, 1, 2, 3);",
+    "has_tile_grads": ("{ float acc[V::kTileGradSlots] = {}; "
+                       "V::TileGradTerms(vp, acc, out[7], out[8], 0, 1, 2, 3); "
+                       "V::TileGradFlush(vp, g, acc, 0, 1); }"),
 }
 
 

@@ -223,7 +223,9 @@ __device__ __forceinline__ void probs_tile(const BwdTileView& t, const typename 
 // dS^T in place of dP^T: dS' = P (dP - delta) (softmax) or dP (none), then CapturedGrad(dS') and
 // dS = dS' * LogitsGrad(S) at live elements; 0 elsewhere (docs/backward.md, "Kernels"). As in
 // probs_tile, LogitsGrad runs on every element unless it indexes a captured tensor by position;
-// CapturedGrad (atomics) only ever at live ones.
+// CapturedGrad (atomics) only ever at live ones. Reads at a tile-uniform index (slopes[h]) are
+// summed in registers and over the warp, and lane 0 adds the total: one atomic a warp and tile
+// instead of one an element, all on the same address.
 template <typename Variant, int NF>
 __device__ __forceinline__ void dscores_tile(const BwdTileView& t,
                                              const typename Variant::Params& vp,
@@ -232,6 +234,11 @@ __device__ __forceinline__ void dscores_tile(const BwdTileView& t,
                                              float (&dpt)[NF][4], u32 live, const float* sDelta,
                                              bool grads_here) {
   constexpr bool kGuard = Variant::loads_at_positions;
+  float tacc[Variant::kTileGradSlots];  // docs/backward.md, "Tile-uniform captured reads"
+  if constexpr (Variant::has_tile_grads) {
+#pragma unroll
+    for (int j = 0; j < Variant::kTileGradSlots; ++j) tacc[j] = 0.f;
+  }
 #pragma unroll
   for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
@@ -244,12 +251,24 @@ __device__ __forceinline__ void dscores_tile(const BwdTileView& t,
       if constexpr (Variant::has_captured_grad) {
         if (lv && grads_here) Variant::CapturedGrad(vp, vg, dl, sc[nf][i], t.b, t.hq, qi, kv);
       }
+      if constexpr (Variant::has_tile_grads) {
+        if (lv) Variant::TileGradTerms(vp, tacc, dl, sc[nf][i], t.b, t.hq, qi, kv);
+      }
       float ds = dl;
       if constexpr (Variant::has_logits_grad) {
         if (!kGuard || lv) ds = dl * Variant::LogitsGrad(vp, sc[nf][i], t.b, t.hq, qi, kv);
       }
       dpt[nf][i] = lv ? ds : 0.f;
     }
+  if constexpr (Variant::has_tile_grads) {
+    if (grads_here) {  // warp-uniform: every lane takes part in the butterfly
+#pragma unroll
+      for (int j = 0; j < Variant::kTileGradSlots; ++j)
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) tacc[j] += __shfl_xor_sync(0xffffffffu, tacc[j], o);
+      if (t.lane == 0) Variant::TileGradFlush(vp, vg, tacc, t.b, t.hq);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
