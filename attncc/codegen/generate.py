@@ -33,7 +33,8 @@ from ..ir.program import HOOK_ORDER, TRANSFORM_HOOKS, VariantIR
 from .constants import (FA3_SPLIT_HEAD_DIMS, FA3_THREADS, static_asserts,
                         tile_static_asserts)
 from .errors import CodegenError
-from .hooks import EMITTERS, HookCode, captured_grad, logits_grad, tile_grads, tile_uniform
+from .hooks import (EMITTERS, HookCode, captured_grad, diag_grads, diagonal_read, logits_grad,
+                    tile_grads, tile_uniform)
 from .tiles import (FA2_HEAD_DIMS, padded_head_dim, FA3_BACKWARD_TILES, FA3_TKV_CHOICES, BackwardTiles,
                     KernelTiles, backward_tiles, default_tiles, fa3_smem_bytes, fa3_tiles,
                     FA3_PADDED_MIN_DIM)
@@ -254,6 +255,9 @@ class VariantCode:
     # reads of a captured tensor requiring grad at a tile-uniform index (hooks.tile_uniform):
     # summed per warp through TileGradTerms / TileGradFlush, not atomics per element
     tile_grads: int = 0
+    # reads at an index that moves with the positions only through q_idx - kv_idx
+    # (hooks.diagonal_read): summed per diagonal through DiagGradTerms / DiagGradAdd
+    diag_grads: int = 0
     backward_hooks: tuple[HookCode, ...] = ()
     # the deterministic mode's CapturedGrad: exact integer sums (kernels/common/exact_grad.cuh)
     exact_grads: bool = False
@@ -262,6 +266,11 @@ class VariantCode:
     def has_tile_grads(self) -> bool:
         """Whether TileGradTerms / TileGradFlush do anything (`tile_grads` > 0)."""
         return self.tile_grads > 0
+
+    @property
+    def has_diag_grads(self) -> bool:
+        """Whether DiagGradTerms / DiagGradAdd do anything (`diag_grads` > 0)."""
+        return self.diag_grads > 0
 
     @property
     def kv_window_bounds(self) -> tuple[int, int]:
@@ -449,11 +458,13 @@ def _backward_parts(ir: VariantIR, name: str, pl: Any, grad_tensors: Sequence[st
     kw = dict(tensors=pl.tensor_fields, scalars=pl.scalar_fields, fast_math=fast_math)
     hooks = (logits_grad(hook, grad, **kw),
              captured_grad(hook, grad, gl.tensor_fields, exact=exact, **kw),
-             *tile_grads(hook, grad, gl.tensor_fields, exact=exact, **kw))
+             *tile_grads(hook, grad, gl.tensor_fields, exact=exact, **kw),
+             *diag_grads(hook, grad, gl.tensor_fields, exact=exact, **kw))
     return dict(backward=True, grad_tensors=grad_names, grads_name=gl.layout.name,
                 grads_layout=gl.layout, grad_fields=dict(gl.tensor_fields),
                 has_logits_grad=hooks[0].enabled, has_captured_grad=hooks[1].enabled,
                 tile_grads=sum(tile_uniform(r) for r in grad.reads),
+                diag_grads=sum(diagonal_read(r) for r in grad.reads),
                 backward_hooks=hooks, exact_grads=exact)
 
 

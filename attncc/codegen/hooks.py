@@ -235,6 +235,15 @@ TILE_GRAD_FLUSH = HookSpec("score_mod", "TileGradFlush", "has_tile_grads", "void
                            ("const Grads& g", "const float (&acc)[kTileGradSlots]", "int b",
                             "int h"))
 _POSITIONS = frozenset({"q_idx", "kv_idx", "score"})
+# Reads at an index that depends on the positions only through q_idx - kv_idx (a relative
+# table, T5 buckets): one address per diagonal. The kernel sums the terms of each diagonal over
+# a lane's elements and the lanes that share it, and one lane adds the total (docs/backward.md,
+# "Diagonal captured reads").
+DIAG_GRAD_TERMS = HookSpec("score_mod", "DiagGradTerms", "has_diag_grads", "void", None,
+                           ("float (&acc)[kDiagGradSlots]", "float dlogit", *_SCORE_ARGS))
+DIAG_GRAD_ADD = HookSpec("score_mod", "DiagGradAdd", "has_diag_grads", "void", None,
+                         ("const Grads& g", "const float (&acc)[kDiagGradSlots]", "int b",
+                          "int h", "int q_idx", "int kv_idx"))
 
 
 def logits_grad(hook: Hook, grad: "ScoreModGrad", *, tensors: Mapping[str, str] | None = None,
@@ -274,6 +283,81 @@ def tile_uniform(read: "CapturedRead") -> bool:
     from ..ir.nodes import free_vars
 
     return not any(_POSITIONS & free_vars(x) for x in read.indices)
+
+
+def _diagonal_only(n: Node) -> bool:
+    """Whether `n` uses q_idx and kv_idx only as `q_idx - kv_idx` or `kv_idx - q_idx`, and not
+    the score."""
+    if n.op == "sub" and all(a.op == "var" for a in n.args) and \
+            {a.attr for a in n.args} == {"q_idx", "kv_idx"}:
+        return True
+    if n.op == "var":
+        return n.attr not in _POSITIONS
+    return all(_diagonal_only(a) for a in n.args)
+
+
+def diagonal_read(read: "CapturedRead") -> bool:
+    """Whether a read's index depends on the positions, and only through q_idx - kv_idx: the
+    same address along every diagonal of a tile (`t[h, q_idx - kv_idx + C]`, T5 buckets).
+
+    Example:
+        >>> from attncc.ir.autodiff import CapturedRead
+        >>> from attncc.ir.nodes import var, const
+        >>> rel = CapturedRead("t", (var("h"), var("q_idx") - var("kv_idx") + 7), const(1.0))
+        >>> diagonal_read(rel), diagonal_read(CapturedRead("s", (var("h"),), const(1.0)))
+        (True, False)
+        >>> diagonal_read(CapturedRead("t", (var("q_idx"),), const(1.0)))
+        False
+    """
+    return not tile_uniform(read) and all(_diagonal_only(x) for x in read.indices)
+
+
+def diag_grads(hook: Hook, grad: "ScoreModGrad", grad_fields: Mapping[str, str], *,
+               tensors: Mapping[str, str] | None = None,
+               scalars: Mapping[str, str] | None = None, fast_math: bool = False,
+               exact: bool = False) -> tuple[HookCode, HookCode]:
+    """DiagGradTerms and DiagGradAdd for the diagonal reads (`diagonal_read`), in order: Terms
+    sets `acc[j]` to an element's `dlogit * d score_mod / d t[idx]`; Add adds summed `acc[j]`
+    at the index of position (q_idx, kv_idx), any position of the diagonal the sum came from
+    (a float atomicAdd, or `exact`, attncc::exact_grad_add).
+
+    Example:
+        >>> import torch, attncc
+        >>> from attncc.ir.autodiff import score_mod_grad
+        >>> bias = torch.zeros(4, 63)
+        >>> ir, _ = attncc.Variant(score_mod=lambda s, b, h, q, kv: s + bias[h, q - kv + 31]
+        ...                        ).trace()
+        >>> t = ir.tensors[0].name
+        >>> terms, add = diag_grads(ir.hook("score_mod"), score_mod_grad(ir, (t,)),
+        ...                         {t: t + "_grad"}, tensors={t: t})
+        >>> [line for line in terms.body if "acc" in line]
+        ['    acc[0] = dlogit;']
+        >>> [line.strip() for line in add.body if "atomicAdd" in line]
+        ['atomicAdd(g.bias_grad + (attncc::i64)h * g.bias_grad_stride[0] + (attncc::i64)(q_idx - kv_idx + 31) * g.bias_grad_stride[1], acc[0]);']
+    """
+    names = ExprNames(tensors=dict(tensors or {}), scalars=dict(scalars or {}))
+    where = str(hook.source) if hook.source is not None else "(no source location)"
+    reads = [r for r in grad.reads if diagonal_read(r)]
+    terms: list[str] = []
+    adds: list[str] = []
+    notes = [comment_text(f"diagonal reads' terms, summed per diagonal; score_mod: {where}")]
+    for j, r in enumerate(reads):
+        d = emit(r.grad, names, fast_math=fast_math, temp_prefix=f"d{j}_")
+        one = r.grad.op == "const" and r.grad.attr == 1.0
+        terms += ["{", *(f"    {s}" for s in d.temps),
+                  f"    acc[{j}] = {'dlogit' if one else f'dlogit * {_atom(d.value)}'};", "}"]
+        temps, base, offset = _read_target(j, r, names, grad_fields, fast_math)
+        adds += ["{", *(f"    {s}" for s in temps), f"    {_add(base, offset, f'acc[{j}]', exact)}",
+                 "}"]
+        notes.append(comment_text(f"acc[{j}]: {r.tensor}"
+                                  f"[{', '.join(format_expr(x) for x in r.indices)}], "
+                                  f"d/d read = {format_expr(r.grad)}"))
+    if not reads:
+        terms = ["(void)acc; (void)dlogit;  // no diagonal read requires grad"]
+        adds = ["(void)g; (void)acc;  // no diagonal read requires grad"]
+    on = bool(reads)
+    return (HookCode(DIAG_GRAD_TERMS, on, tuple(notes), tuple(terms)),
+            HookCode(DIAG_GRAD_ADD, on, (notes[0],), tuple(adds)))
 
 
 def _read_target(i: int, r: "CapturedRead", names: ExprNames, grad_fields: Mapping[str, str],
@@ -350,7 +434,8 @@ def captured_grad(hook: Hook, grad: "ScoreModGrad", grad_fields: Mapping[str, st
                   scalars: Mapping[str, str] | None = None, fast_math: bool = False,
                   exact: bool = False) -> HookCode:
     """CapturedGrad: for every read `t[idx...]` of a captured tensor requiring grad whose index
-    depends on the positions (the others are `tile_grads`'),
+    depends on the positions other than through q_idx - kv_idx (the others are `tile_grads`'
+    and `diag_grads`'),
     `g.<t>_grad[idx...] += dlogit * d score_mod / d t[idx...]` (a float atomicAdd; `exact`,
     the deterministic mode: `attncc::exact_grad_add`, an order-independent integer sum,
     kernels/common/exact_grad.cuh). Each read is one C++ block, so the temporaries of its index
@@ -374,7 +459,7 @@ def captured_grad(hook: Hook, grad: "ScoreModGrad", grad_fields: Mapping[str, st
     where = str(hook.source) if hook.source is not None else "(no source location)"
     comments = [comment_text(f"d score_mod / d (captured tensor read); score_mod: {where}")]
     body: list[str] = []
-    reads = [r for r in grad.reads if not tile_uniform(r)]
+    reads = [r for r in grad.reads if not tile_uniform(r) and not diagonal_read(r)]
     for i, r in enumerate(reads):
         d = emit(r.grad, names, fast_math=fast_math, temp_prefix=f"d{i}_")
         temps, base, offset = _read_target(i, r, names, grad_fields, fast_math)

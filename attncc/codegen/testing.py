@@ -47,6 +47,9 @@ _BACKWARD_CALLS = {
     "has_tile_grads": ("{ float acc[V::kTileGradSlots] = {}; "
                        "V::TileGradTerms(vp, acc, out[7], out[8], 0, 1, 2, 3); "
                        "V::TileGradFlush(vp, g, acc, 0, 1); }"),
+    "has_diag_grads": ("{ float acc[V::kDiagGradSlots]; "
+                       "V::DiagGradTerms(vp, acc, out[7], out[8], 0, 1, 2, 3); "
+                       "V::DiagGradAdd(vp, g, acc, 0, 1, 2, 3); }"),
 }
 
 

@@ -220,12 +220,43 @@ __device__ __forceinline__ void probs_tile(const BwdTileView& t, const typename 
     }
 }
 
+// One diagonal's sum of a diagonal captured read (docs/backward.md, "Diagonal captured reads"):
+// at one accumulator slot, lane (a, r) = (lane % 4, lane / 4) holds query column 2a (+1) and KV
+// row r, so lanes (a, r), (a + 1, r + 2), (a + 2, r + 4), (a + 3, r + 6) share the diagonal.
+// Each such chain is summed by two shuffles onto its head (a == 0 or r < 2), which adds the
+// total at its own position -- the diagonal's index -- if any element of the chain was live.
+template <typename Variant>
+__device__ __forceinline__ void diag_group_add(const typename Variant::Params& vp,
+                                               const typename Variant::Grads& vg,
+                                               float (&v)[Variant::kDiagGradSlots], bool live,
+                                               int lane, int b, int hq, int qi, int kv) {
+  constexpr int K = Variant::kDiagGradSlots;
+  const int a = lane & 3, r = lane >> 2;
+  const bool s1 = a <= 2 && r <= 5, s2 = a <= 1 && r <= 3, s3 = a == 0 && r <= 1;
+  const unsigned m = __ballot_sync(0xffffffffu, live);
+  const bool any = live || (s1 && ((m >> (lane + 9)) & 1u)) || (s2 && ((m >> (lane + 18)) & 1u)) ||
+                   (s3 && ((m >> (lane + 27)) & 1u));
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    const float o = __shfl_down_sync(0xffffffffu, v[j], 9);
+    if (s1) v[j] += o;
+  }
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    const float o = __shfl_down_sync(0xffffffffu, v[j], 18);
+    if (s2) v[j] += o;
+  }
+  if ((a == 0 || r <= 1) && any) Variant::DiagGradAdd(vp, vg, v, b, hq, qi, kv);
+}
+
 // dS^T in place of dP^T: dS' = P (dP - delta) (softmax) or dP (none), then CapturedGrad(dS') and
 // dS = dS' * LogitsGrad(S) at live elements; 0 elsewhere (docs/backward.md, "Kernels"). As in
 // probs_tile, LogitsGrad runs on every element unless it indexes a captured tensor by position;
 // CapturedGrad (atomics) only ever at live ones. Reads at a tile-uniform index (slopes[h]) are
 // summed in registers and over the warp, and lane 0 adds the total: one atomic a warp and tile
-// instead of one an element, all on the same address.
+// instead of one an element, all on the same address. Reads along diagonals (t[q - kv]) pair
+// element (nf, i) with (nf + 1, i + 2) -- 8 rows and 8 columns on, the same diagonal -- and
+// sum the lanes of each diagonal (diag_group_add).
 template <typename Variant, int NF>
 __device__ __forceinline__ void dscores_tile(const BwdTileView& t,
                                              const typename Variant::Params& vp,
@@ -239,8 +270,15 @@ __device__ __forceinline__ void dscores_tile(const BwdTileView& t,
 #pragma unroll
     for (int j = 0; j < Variant::kTileGradSlots; ++j) tacc[j] = 0.f;
   }
+  constexpr int KD = Variant::kDiagGradSlots;
+  float dprev[2][KD], dcur[2][KD];  // row r's terms of the last / this column block
+  bool lprev[2] = {false, false}, lcur[2] = {false, false};
+  if constexpr (Variant::has_diag_grads) {
 #pragma unroll
-  for (int nf = 0; nf < NF; ++nf)
+    for (int j = 0; j < KD; ++j) dprev[0][j] = dprev[1][j] = 0.f;
+  }
+#pragma unroll
+  for (int nf = 0; nf < NF; ++nf) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int qc = t.q_col(nf, i);
@@ -254,12 +292,45 @@ __device__ __forceinline__ void dscores_tile(const BwdTileView& t,
       if constexpr (Variant::has_tile_grads) {
         if (lv) Variant::TileGradTerms(vp, tacc, dl, sc[nf][i], t.b, t.hq, qi, kv);
       }
+      if constexpr (Variant::has_diag_grads) {
+        float term[KD];
+#pragma unroll
+        for (int j = 0; j < KD; ++j) term[j] = 0.f;
+        if (lv) Variant::DiagGradTerms(vp, term, dl, sc[nf][i], t.b, t.hq, qi, kv);
+        if (i < 2) {  // row r: waits for row r + 8 of the next column block
+#pragma unroll
+          for (int j = 0; j < KD; ++j) dcur[i][j] = term[j];
+          lcur[i] = lv;
+        } else {  // row r + 8: completes the diagonal begun at row r one block before
+#pragma unroll
+          for (int j = 0; j < KD; ++j) term[j] += dprev[i - 2][j];
+          if (grads_here)
+            diag_group_add<Variant>(vp, vg, term, lv || lprev[i - 2], t.lane, t.b, t.hq, qi, kv);
+        }
+      }
       float ds = dl;
       if constexpr (Variant::has_logits_grad) {
         if (!kGuard || lv) ds = dl * Variant::LogitsGrad(vp, sc[nf][i], t.b, t.hq, qi, kv);
       }
       dpt[nf][i] = lv ? ds : 0.f;
     }
+    if constexpr (Variant::has_diag_grads) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int j = 0; j < KD; ++j) dprev[i][j] = dcur[i][j];
+        lprev[i] = lcur[i];
+      }
+    }
+  }
+  if constexpr (Variant::has_diag_grads) {  // row r of the last block: no row r + 8 after it
+    if (grads_here) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        diag_group_add<Variant>(vp, vg, dprev[i], lprev[i], t.lane, t.b, t.hq,
+                                t.q0 + t.q_col(NF - 1, i), t.kv_at(i));
+    }
+  }
   if constexpr (Variant::has_tile_grads) {
     if (grads_here) {  // warp-uniform: every lane takes part in the butterfly
 #pragma unroll

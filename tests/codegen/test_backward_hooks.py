@@ -49,12 +49,12 @@ def test_grads_struct_follows_grad_tensors_in_ir_order() -> None:
     assert [(f.name, f.ctype, f.count) for f in vc.grads_layout.fields] == [
         ("bias_grad", "float*", 1), ("bias_grad_stride", "attncc::i64", 2)]
     assert vc.grads_name == "VariantGrads_rel_table" and vc.grad_tensors == ("bias",)
-    assert vc.has_captured_grad and not vc.has_logits_grad
+    assert vc.has_diag_grads and not vc.has_captured_grad and not vc.has_logits_grad
     packed = vc.grads_layout.pack(variant_grad_values(vc.grads_layout, {"bias": (64, [89, 1])}))
     assert packed == (64).to_bytes(8, "little") + (89).to_bytes(8, "little") + (1).to_bytes(8, "little")
     none = generate_variant(ir, backward=True)
     assert [f.name for f in none.grads_layout.fields] == ["_unused"]
-    assert not none.has_captured_grad
+    assert not none.has_captured_grad and not none.has_diag_grads
     assert "no position-dependent read requires grad" in none.text
 
 
@@ -65,8 +65,10 @@ def test_captured_grad_adds_dlogit_times_derivative_at_the_read_index() -> None:
     assert "acc[0] += dlogit * score;" in vc.text and vc.tile_grads == 1
     assert "atomicAdd(g.scales_grad + (attncc::i64)h * g.scales_grad_stride[0], acc[0]);" \
         in vc.text and not vc.has_captured_grad
+    # bias[h, q_idx - kv_idx + C] moves only along diagonals: summed per diagonal
     rel = generate_variant(_learnable_irs()["rel_table"], backward=True, grad_tensors=("bias",))
-    assert rel.has_captured_grad and rel.tile_grads == 0 and "atomicAdd(g.bias_grad" in rel.text
+    assert rel.diag_grads == 1 and rel.tile_grads == 0 and not rel.has_captured_grad
+    assert "acc[0] = dlogit;" in rel.text and "atomicAdd(g.bias_grad" in rel.text
     assert re.search(r"LogitsGrad\(.*\) \{\n\s+return attncc::to_float\(p\.scales\[", vc.text)
     softcap = generate_variant(_gym_irs()["softcap"], backward=True, fast_math=False).text
     assert "return 1.0f - t0 * t0;" in softcap and "tanhf(score / p.cap)" in softcap
@@ -111,8 +113,8 @@ def test_backward_hooks_of_every_variant_compile(fast_math: bool) -> None:
     irs = [*_gym_irs().values(), *_learnable_irs().values()]
     grads = {n: [t.name for t in ir.tensors] for n, ir in _learnable_irs().items()}
     src = hook_test_unit(irs, prefix="bw", backward=True, grad_tensors=grads, fast_math=fast_math)
-    # relative table and T5 buckets read at positions; ALiBi slopes and head scales per tile
-    assert src.count("V::CapturedGrad(") == 2 and src.count("V::TileGradFlush(") == 2
+    # relative table and T5 buckets read along diagonals; ALiBi slopes and head scales per tile
+    assert src.count("V::DiagGradAdd(") == 2 and src.count("V::TileGradFlush(") == 2
     assert src.count("static_assert(sizeof(VariantGrads_") == len(irs)
     for arch in ("sm_80", "sm_90a"):
         nvrtc_compile(src, arch, f"backward hooks fast_math={fast_math}")

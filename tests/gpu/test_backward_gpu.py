@@ -261,6 +261,24 @@ def test_learnable_t5_buckets() -> None:
     _check(_mod(t5), (1, H, H, S, S, 64), extra={"table": table})
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_learnable_reads_of_every_kind_in_one_mod(d: int) -> None:
+    """The three ways a captured gradient is summed, in one score_mod (docs/backward.md,
+    section 5): a per-key bias (at positions: an atomic per element), a relative table scaling
+    the score (along diagonals, its derivative the score: paired elements and lanes) and a
+    per-head slope (tile-uniform: a warp's sum). Sq != Skv, GQA, no mask, odd lengths."""
+    H, Sq, Skv = 4, 201, 333
+    kbias = _leaf((Skv,), 0.3)
+    rel = _leaf((H, Sq + Skv - 1), 0.1, 1.0)
+    slope = _leaf((H,), 0.02)
+
+    def mod(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return s * rel[h, q - kv + Skv - 1] + kbias[kv] + slope[h] * (kv - q)
+
+    _check(_mod(mod), (2, H, 2, Sq, Skv, d), extra={"kbias": kbias, "rel": rel, "slope": slope},
+           enable_gqa=True)
+
+
 def test_rope_key_mod_learnable_frequencies() -> None:
     """RoPE as key_mod with a learnable frequency table: the transform's gradient, including the
     table's, comes from torch's autograd on the evaluator."""
