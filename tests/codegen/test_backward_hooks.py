@@ -158,7 +158,7 @@ def test_a_backward_kernel_spec_generates_a_backward_unit(monkeypatch) -> None:
     assert "VariantParams_rel_table vp, VariantGrads_rel_table g)" in gk.source
     assert "captured tensors requiring grad (bias)\n" in gk.source
     assert 'static_assert(sizeof(VariantGrads_rel_table) == 24, ' in gk.source
-    assert "static constexpr bool has_captured_grad = true;" in gk.source
+    assert "static constexpr bool has_diag_grads = true;" in gk.source
     assert gk.source.count("ATTNCC_BWDTEST_ENTRY(") == 1
     fwd = generate_source(ir, head_dim=64, dtype="bfloat16", kernel="fa2")
     assert fwd.grads_layout is None and "VariantGrads" not in fwd.source
