@@ -335,29 +335,9 @@ def diag_grads(hook: Hook, grad: "ScoreModGrad", grad_fields: Mapping[str, str],
         >>> [line.strip() for line in add.body if "atomicAdd" in line]
         ['atomicAdd(g.bias_grad + (attncc::i64)h * g.bias_grad_stride[0] + (attncc::i64)(q_idx - kv_idx + 31) * g.bias_grad_stride[1], acc[0]);']
     """
-    names = ExprNames(tensors=dict(tensors or {}), scalars=dict(scalars or {}))
-    where = str(hook.source) if hook.source is not None else "(no source location)"
-    reads = [r for r in grad.reads if diagonal_read(r)]
-    terms: list[str] = []
-    adds: list[str] = []
-    notes = [comment_text(f"diagonal reads' terms, summed per diagonal; score_mod: {where}")]
-    for j, r in enumerate(reads):
-        d = emit(r.grad, names, fast_math=fast_math, temp_prefix=f"d{j}_")
-        one = r.grad.op == "const" and r.grad.attr == 1.0
-        terms += ["{", *(f"    {s}" for s in d.temps),
-                  f"    acc[{j}] = {'dlogit' if one else f'dlogit * {_atom(d.value)}'};", "}"]
-        temps, base, offset = _read_target(j, r, names, grad_fields, fast_math)
-        adds += ["{", *(f"    {s}" for s in temps), f"    {_add(base, offset, f'acc[{j}]', exact)}",
-                 "}"]
-        notes.append(comment_text(f"acc[{j}]: {r.tensor}"
-                                  f"[{', '.join(format_expr(x) for x in r.indices)}], "
-                                  f"d/d read = {format_expr(r.grad)}"))
-    if not reads:
-        terms = ["(void)acc; (void)dlogit;  // no diagonal read requires grad"]
-        adds = ["(void)g; (void)acc;  // no diagonal read requires grad"]
-    on = bool(reads)
-    return (HookCode(DIAG_GRAD_TERMS, on, tuple(notes), tuple(terms)),
-            HookCode(DIAG_GRAD_ADD, on, (notes[0],), tuple(adds)))
+    return _summed_reads(hook, [r for r in grad.reads if diagonal_read(r)], grad_fields,
+                         (DIAG_GRAD_TERMS, DIAG_GRAD_ADD), "=", "diagonal",
+                         "summed per diagonal", tensors, scalars, fast_math, exact)
 
 
 def _read_target(i: int, r: "CapturedRead", names: ExprNames, grad_fields: Mapping[str, str],
@@ -404,29 +384,39 @@ def tile_grads(hook: Hook, grad: "ScoreModGrad", grad_fields: Mapping[str, str],
         >>> [line for line in flush.body if "Add" in line]
         ['    atomicAdd(g.slopes_grad + (attncc::i64)h * g.slopes_grad_stride[0], acc[0]);']
     """
+    return _summed_reads(hook, [r for r in grad.reads if tile_uniform(r)], grad_fields,
+                         (TILE_GRAD_TERMS, TILE_GRAD_FLUSH), "+=", "tile-uniform",
+                         "summed per warp", tensors, scalars, fast_math, exact)
+
+
+def _summed_reads(hook: Hook, reads: list["CapturedRead"], grad_fields: Mapping[str, str],
+                  specs: tuple[HookSpec, HookSpec], assign: str, kind: str, how: str,
+                  tensors: Mapping[str, str] | None, scalars: Mapping[str, str] | None,
+                  fast_math: bool, exact: bool) -> tuple[HookCode, HookCode]:
+    """The (terms, add) hook pair of `tile_grads` / `diag_grads`: terms `acc[j] <assign>
+    dlogit * d score_mod / d read j`; add: `acc[j]` into read j's gradient element."""
     names = ExprNames(tensors=dict(tensors or {}), scalars=dict(scalars or {}))
     where = str(hook.source) if hook.source is not None else "(no source location)"
-    reads = [r for r in grad.reads if tile_uniform(r)]
     terms: list[str] = []
-    flush: list[str] = []
-    notes = [comment_text(f"tile-uniform reads' terms, summed per warp; score_mod: {where}")]
+    adds: list[str] = []
+    notes = [comment_text(f"{kind} reads' terms, {how}; score_mod: {where}")]
     for j, r in enumerate(reads):
         d = emit(r.grad, names, fast_math=fast_math, temp_prefix=f"d{j}_")
         one = r.grad.op == "const" and r.grad.attr == 1.0
         terms += ["{", *(f"    {s}" for s in d.temps),
-                  f"    acc[{j}] += {'dlogit' if one else f'dlogit * {_atom(d.value)}'};", "}"]
-        temps, base, offset = _read_target(j, r, names, grad_fields, fast_math)
-        flush += ["{", *(f"    {s}" for s in temps), f"    {_add(base, offset, f'acc[{j}]', exact)}",
+                  f"    acc[{j}] {assign} {'dlogit' if one else f'dlogit * {_atom(d.value)}'};",
                   "}"]
+        temps, base, offset = _read_target(j, r, names, grad_fields, fast_math)
+        adds += ["{", *(f"    {s}" for s in temps), f"    {_add(base, offset, f'acc[{j}]', exact)}",
+                 "}"]
         notes.append(comment_text(f"acc[{j}]: {r.tensor}"
                                   f"[{', '.join(format_expr(x) for x in r.indices)}], "
                                   f"d/d read = {format_expr(r.grad)}"))
     if not reads:
-        terms = ["(void)acc; (void)dlogit;  // no tile-uniform read requires grad"]
-        flush = ["(void)g; (void)acc;  // no tile-uniform read requires grad"]
-    on = bool(reads)
-    return (HookCode(TILE_GRAD_TERMS, on, tuple(notes), tuple(terms)),
-            HookCode(TILE_GRAD_FLUSH, on, (notes[0],), tuple(flush)))
+        terms = [f"(void)acc; (void)dlogit;  // no {kind} read requires grad"]
+        adds = [f"(void)g; (void)acc;  // no {kind} read requires grad"]
+    return (HookCode(specs[0], bool(reads), tuple(notes), tuple(terms)),
+            HookCode(specs[1], bool(reads), (notes[0],), tuple(adds)))
 
 
 def captured_grad(hook: Hook, grad: "ScoreModGrad", grad_fields: Mapping[str, str], *,
