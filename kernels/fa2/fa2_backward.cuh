@@ -332,7 +332,9 @@ __device__ __forceinline__ void dscores_tile(const BwdTileView& t,
     }
   }
   if constexpr (Variant::has_tile_grads) {
-    if (grads_here) {  // warp-uniform: every lane takes part in the butterfly
+    // grads_here is warp-uniform: every lane takes part in the butterfly. A warp with no live
+    // element adds nothing (its index need not be one the variant ever reads).
+    if (grads_here && __any_sync(0xffffffffu, live != 0u)) {
 #pragma unroll
       for (int j = 0; j < Variant::kTileGradSlots; ++j)
 #pragma unroll
