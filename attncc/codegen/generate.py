@@ -449,7 +449,6 @@ def _backward_parts(ir: VariantIR, name: str, pl: Any, grad_tensors: Sequence[st
     from ..ir.autodiff import score_mod_grad
 
     grad = score_mod_grad(ir, grad_tensors)
-    names = tuple(r.tensor for r in grad.reads)
     grad_names = tuple(t.name for t in ir.tensors if t.name in set(grad_tensors))
     exact = exact and bool(grad_names)  # the form exists only where there is a sum to take
     gl = variant_grads_layout(f"VariantGrads_{name}", ir.tensors, grad_names, pl.tensor_fields,
