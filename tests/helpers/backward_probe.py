@@ -1,5 +1,6 @@
 """A probe kernel for the backward hooks: one thread per (b, h, q_idx, kv_idx) calls a variant's
-LogitsGrad and CapturedGrad on given scores and dlogits (tests/gpu/test_backward_hooks_gpu.py
+LogitsGrad, CapturedGrad and the tile / diagonal gradient hooks (over one element) on given
+scores and dlogits (tests/gpu/test_backward_hooks_gpu.py
 runs it; tests/codegen/test_backward_hooks.py compiles it).
 
 The launcher passes two structs, so the probe's first argument (`ProbeArgs`) carries the score,
@@ -53,5 +54,16 @@ def probe(ir: VariantIR, grad_tensors: Sequence[str], fast_math: bool = True) ->
            f"  V::Grads g;\n{copy}\n"
            "  a.lg[i] = V::LogitsGrad(vp, a.score[i], b, h, q_idx, kv_idx);\n"
            "  V::CapturedGrad(vp, g, a.dlogit[i], a.score[i], b, h, q_idx, kv_idx);\n"
+           # the kernels' sums taken over one element: the same total per gradient entry
+           "  if constexpr (V::has_tile_grads) {\n"
+           "    float acc[V::kTileGradSlots] = {};\n"
+           "    V::TileGradTerms(vp, acc, a.dlogit[i], a.score[i], b, h, q_idx, kv_idx);\n"
+           "    V::TileGradFlush(vp, g, acc, b, h);\n"
+           "  }\n"
+           "  if constexpr (V::has_diag_grads) {\n"
+           "    float acc[V::kDiagGradSlots];\n"
+           "    V::DiagGradTerms(vp, acc, a.dlogit[i], a.score[i], b, h, q_idx, kv_idx);\n"
+           "    V::DiagGradAdd(vp, g, acc, b, h, q_idx, kv_idx);\n"
+           "  }\n"
            "}\n")
     return Probe(src, args, vc)
