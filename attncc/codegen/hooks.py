@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..ir.nodes import Node, walk
 from ..ir.printer import format_expr
@@ -228,7 +228,7 @@ CAPTURED_GRAD = HookSpec("score_mod", "CapturedGrad", "has_captured_grad", "void
                          ("const Grads& g", "float dlogit", *_SCORE_ARGS))
 # Reads at an index no position changes (`slopes[h]`): each element's term is summed into a
 # register, the kernel sums a warp's registers, and one lane adds the total (docs/backward.md,
-# "Captured gradients of tile-uniform reads").
+# "Tile-uniform captured reads").
 TILE_GRAD_TERMS = HookSpec("score_mod", "TileGradTerms", "has_tile_grads", "void", None,
                            ("float (&acc)[kTileGradSlots]", "float dlogit", *_SCORE_ARGS))
 TILE_GRAD_FLUSH = HookSpec("score_mod", "TileGradFlush", "has_tile_grads", "void", None,
@@ -352,6 +352,12 @@ def _read_target(i: int, r: "CapturedRead", names: ExprNames, grad_fields: Mappi
     return [t for c in idx for t in c.temps], base, " + ".join(terms) if terms else "0"
 
 
+def _scaled(r: "CapturedRead", d: Any) -> str:
+    """`dlogit * d score_mod / d read` as C (`d`: the derivative emitted), `dlogit` alone where
+    the derivative is exactly 1."""
+    return "dlogit" if r.grad.op == "const" and r.grad.attr == 1.0 else f"dlogit * {_atom(d.value)}"
+
+
 def _add(base: str, offset: str, value: str, exact: bool) -> str:
     """The statement adding `value` to element `offset` of gradient buffer `base`."""
     if exact:
@@ -402,9 +408,7 @@ def _summed_reads(hook: Hook, reads: list["CapturedRead"], grad_fields: Mapping[
     notes = [comment_text(f"{kind} reads' terms, {how}; score_mod: {where}")]
     for j, r in enumerate(reads):
         d = emit(r.grad, names, fast_math=fast_math, temp_prefix=f"d{j}_")
-        one = r.grad.op == "const" and r.grad.attr == 1.0
-        terms += ["{", *(f"    {s}" for s in d.temps),
-                  f"    acc[{j}] {assign} {'dlogit' if one else f'dlogit * {_atom(d.value)}'};",
+        terms += ["{", *(f"    {s}" for s in d.temps), f"    acc[{j}] {assign} {_scaled(r, d)};",
                   "}"]
         temps, base, offset = _read_target(j, r, names, grad_fields, fast_math)
         adds += ["{", *(f"    {s}" for s in temps), f"    {_add(base, offset, f'acc[{j}]', exact)}",
@@ -453,8 +457,7 @@ def captured_grad(hook: Hook, grad: "ScoreModGrad", grad_fields: Mapping[str, st
     for i, r in enumerate(reads):
         d = emit(r.grad, names, fast_math=fast_math, temp_prefix=f"d{i}_")
         temps, base, offset = _read_target(i, r, names, grad_fields, fast_math)
-        one = r.grad.op == "const" and r.grad.attr == 1.0
-        scaled = "dlogit" if one else f"dlogit * {_atom(d.value)}"
+        scaled = _scaled(r, d)
         comments.append(comment_text(
             f"read {i}: {r.tensor}[{', '.join(format_expr(x) for x in r.indices)}], "
             f"d/d read = {format_expr(r.grad)}"))
