@@ -599,9 +599,12 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
             return _build_backward(ir, vc, spec, name, head_dim, dtype, export, tiles)
         if kernel in ("fa3", "fa3batch"):
             tiles = tiles if tiles is not None else fa3_tiles()
-            if tiles.tkv not in FA3_TKV_CHOICES or tiles != fa3_tiles(tiles.stages, tiles.tkv):
-                raise CodegenError(f"the 'fa3' kernel has 128-row tiles (two consumer "
-                                   f"warpgroups) of {FA3_TKV_CHOICES} keys; got {tiles}")
+            rows = (128, 64) if kernel == "fa3batch" else (128,)  # (64: fa3batch's pair form)
+            if tiles.tkv not in FA3_TKV_CHOICES or tiles.tq not in rows or \
+                    tiles != fa3_tiles(tiles.stages, tiles.tkv, tiles.tq):
+                raise CodegenError(f"the {kernel!r} kernel has {' or '.join(map(str, rows))}-"
+                                   f"row tiles (two consumer warpgroups) of {FA3_TKV_CHOICES} "
+                                   f"keys; got {tiles}")
         tiles = tiles if tiles is not None else default_tiles(head_dim)
         name += tiles.suffix
         threads, rows, smem = tiles.threads, tiles.tq, tiles.smem_bytes(head_dim)

@@ -18,6 +18,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .errors import CodegenError
@@ -127,24 +128,34 @@ def default_tiles(head_dim: int) -> KernelTiles:
     return KernelTiles(64, 32, 2, 1)
 
 
-def fa3_tiles(stages: int = 2, tkv: int = 128) -> KernelTiles:
+def fa3_tiles(stages: int = 2, tkv: int = 128, tq: int = 128) -> KernelTiles:
     """The FA3 kernel's tiles (kernels/fa3/fa3_prefill.cuh: 128 query rows = two consumer
     warpgroups of 64; KV tiles of 64 or 128 keys); the KV tile width and the pipeline depth vary.
+    `tq` 64 is the batch kernel's pair form (kernels/fa3/fa3_batch.cuh: 64-row units whose K/V
+    tiles the two consumer warpgroups split).
 
     Example:
         >>> fa3_tiles(3)
         KernelTiles(tq=128, tkv=128, stages=3, m_frags=1, kv_warps=1, half_rows=False)
-        >>> fa3_tiles(2, tkv=64).suffix
-        '_q128_k64_s2'
+        >>> fa3_tiles(2, tkv=64).suffix, fa3_tiles(4, tkv=64, tq=64).suffix
+        ('_q128_k64_s2', '_q64_k64_s4')
     """
     if tkv not in FA3_TKV_CHOICES:
         raise CodegenError(f"the FA3 kernel's KV tiles are {FA3_TKV_CHOICES} keys, not {tkv}")
-    if not 2 <= stages <= 4:
+    if tq not in (64, 128):
+        raise CodegenError(f"the FA3 kernel's units are 128 query rows (or 64: the batch "
+                           f"kernel's pair form), not {tq}")
+    if tq == 64 and stages not in (2, 4):
+        # each consumer waits only for its own tiles' full barriers, by parity: it could pass
+        # a stage still holding the other consumer's older tile unless the ring is even
+        raise CodegenError(f"the FA3 pair form's K/V ring needs 2 or 4 stages, not {stages}: "
+                           f"its consumers take alternate tiles")
+    if tq == 128 and not 2 <= stages <= 4:
         # a consumer releases K/V tile i only after the P V of tile i, which it issues together
         # with S(i+1): with one stage tile i+1 could never land (the kernel would hang)
         raise CodegenError(f"the FA3 kernel's K/V ring needs 2 to 4 stages, not {stages}: a "
                            f"stage is released one iteration after it is read")
-    return KernelTiles(128, tkv, stages, 1)
+    return KernelTiles(tq, tkv, stages, 1)
 
 
 def fa3_smem_bytes(head_dim: int, tiles: KernelTiles) -> int:
@@ -159,8 +170,9 @@ def fa3_smem_bytes(head_dim: int, tiles: KernelTiles) -> int:
         >>> fa3_smem_bytes(128, fa3_tiles(3)), fa3_smem_bytes(64, fa3_tiles(4))
         (230584, 148704)
     """
-    return (tiles.smem_bytes(head_dim) + 8 * (4 * tiles.stages + 2) + 32 + 16 + 8 * tiles.stages
-            + 1024)
+    # (the Q region holds 128 rows in every form: the pair form hands O over in the second slot)
+    ring = dataclasses.replace(tiles, tq=128).smem_bytes(head_dim)
+    return ring + 8 * (4 * tiles.stages + 2) + 32 + 16 + 8 * tiles.stages + 1024
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,7 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
 }
 
 template <bool B> struct BoolTag { static constexpr bool value = B; };
+template <int I> struct IntTag { static constexpr int value = I; };
 
 // Attention sinks (docs/flex-api.md, "Attention sinks"): join the sink logit `sink` (natural
 // log, finite) to a finished row's softmax denominator, given the row's 1/l (`inv`) and LSE:

@@ -65,14 +65,124 @@ struct PagedRows {
   }
 };
 
-template <typename Variant, typename DType, int D, int TKV, int STAGES>
+// The pair form's hand-over at the end of a unit: consumer 1 gives its rows' state -- running
+// maxima, per-thread sums, unnormalized O, over its half of the tiles -- to consumer 0, which
+// folds it into its own as the online softmax folds a tile (docs/serving.md, "The FA3 pair
+// form"). It goes through consumer 1's Q slot (the pair form loads Q once, into slot 0), in
+// rounds of the slot's size; thread t of consumer 1 holds exactly the rows and columns that
+// thread t of consumer 0 does, so each thread's values are one strided vector of float4s:
+// element k = (m[0], m[1], l[0], l[1], o[0][0..31], o[1][0..31]) [k]. Named barrier 6 (both
+// consumers, 256 threads) closes each round's write, then its read.
+template <int D, bool kSoftmax>
+struct PairMerge {
+  u32 buf;  // consumer 1's Q slot: D / 64 TMA boxes
+  static constexpr int kN = 4 + 32 * (D / 64);                 // floats a thread hands over
+  static constexpr int kChunk = (D / 64) * kBoxBytes / 128 / 4;  // of them per round
+  static constexpr int kRounds = (kN + kChunk - 1) / kChunk;
+  static_assert(kChunk % 4 == 0, "rounds of whole float4s");
+
+  template <int K>
+  __device__ __forceinline__ static float& at(float (&m)[2], float (&l)[2],
+                                              float (&o)[D / 64][32]) {
+    if constexpr (K < 2) return m[K];
+    else if constexpr (K < 4) return l[K - 2];
+    else return o[(K - 4) / 32][(K - 4) % 32];
+  }
+  __device__ __forceinline__ u32 slot(int q) const {  // float4 q of this thread's round
+    return buf + (q * 128 + (threadIdx.x & 127)) * 16;
+  }
+  __device__ __forceinline__ static void sync() {
+    asm volatile("bar.sync 6, 256;\n" ::: "memory");
+  }
+
+  __device__ __forceinline__ void give(float (&m)[2], float (&l)[2],
+                                       float (&o)[D / 64][32]) const {
+    round_trip<0>([&](auto k, u32 addr) {
+      constexpr int K = decltype(k)::value;
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                   "f"(at<K>(m, l, o)), "f"(at<K + 1>(m, l, o)), "f"(at<K + 2>(m, l, o)),
+                   "f"(at<K + 3>(m, l, o))
+                   : "memory");
+    }, true);
+  }
+
+  // m, l, o become the state over both halves (a NaN maximum stays NaN, as torch's softmax)
+  __device__ __forceinline__ void take(float (&m)[2], float (&l)[2],
+                                       float (&o)[D / 64][32]) const {
+    float a0[2] = {1.f, 1.f}, a1[2] = {1.f, 1.f};  // the weights of this state and the other
+    round_trip<0>([&](auto k, u32 addr) {
+      constexpr int K = decltype(k)::value;
+      float v[4];
+      asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+                   : "r"(addr)
+                   : "memory");
+      if constexpr (K == 0) {
+        if constexpr (kSoftmax) {
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const float mx = common::fmax_nan(m[hr], v[hr]);
+            const float mu = mx == common::neg_inf() ? 0.f : mx;  // both rows empty so far
+            a0[hr] = common::fast_exp2(m[hr] - mu);
+            a1[hr] = common::fast_exp2(v[hr] - mu);
+            l[hr] = l[hr] * a0[hr] + v[2 + hr] * a1[hr];
+            m[hr] = mx;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hr = ((K - 4 + e) >> 1) & 1;  // o[blk][i]'s row: (i >> 1) & 1
+          float& x = e == 0 ? at<K>(m, l, o) : e == 1 ? at<K + 1>(m, l, o)
+                   : e == 2 ? at<K + 2>(m, l, o) : at<K + 3>(m, l, o);
+          x = x * a0[hr] + v[e] * a1[hr];
+        }
+      }
+    }, false);
+  }
+
+ private:
+  // every float4 k = 0, 4, .. of the vector, round by round: f(k, address) on the giver's side
+  // before the round's first barrier, on the taker's between the two
+  template <int R, typename F>
+  __device__ __forceinline__ void round_trip(F&& f, bool giver) const {
+    if constexpr (R < kRounds) {
+      if (giver) each<R * kChunk, (R + 1) * kChunk < kN ? (R + 1) * kChunk : kN>(f);
+      sync();
+      if (!giver) each<R * kChunk, (R + 1) * kChunk < kN ? (R + 1) * kChunk : kN>(f);
+      sync();
+      round_trip<R + 1>(f, giver);
+    }
+  }
+  template <int K, int END, typename F>
+  __device__ __forceinline__ void each(F&& f) const {
+    if constexpr (K < END) {
+      f(common::IntTag<K>{}, slot((K % kChunk) / 4));
+      each<K + 4, END>(f);
+    }
+  }
+};
+
+template <typename Variant, typename DType, int D, int TQ, int TKV, int STAGES>
 __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
                                           const typename Variant::Params& vp) {
   static_assert(D == 64 || D == 128, "the FA3 batch kernel supports head dims 64 and 128");
-  static_assert(TKV == 128, "the FA3 batch kernel's KV tiles are 128 keys");
   using S = Smem<D, TKV, STAGES>;
   constexpr int BLOCKS = D / 64;
   constexpr bool kSoftmax = Variant::use_softmax;
+  // the pair form: 64-row units whose K/V tiles the two consumers split (PairMerge below)
+  constexpr bool kPair = TQ == 64;
+  static_assert(TQ == kTQ || kPair, "units of 128 rows, or of 64 (the pair form)");
+  static_assert(TKV == 128 || (kPair && TKV == 64), "KV tiles of 128 keys (the pair form: 64)");
+  // A consumer waits on a stage's full barrier by parity, which cannot tell the tile it wants
+  // from the tile STAGES earlier. Each consumer has waited for that one itself only when
+  // STAGES is even (the pair form hands out tiles by parity); with an odd ring, consumer 1
+  // could pass the barrier of a stage still holding consumer 0's older, unlanded tile.
+  static_assert(!kPair || STAGES % 2 == 0, "the pair form needs an even number of stages");
+  static_assert(!kPair || !(Variant::has_query_transform || Variant::has_key_transform ||
+                            Variant::has_value_transform),
+                "the pair form's consumers share Q and see half the K/V tiles each: variants "
+                "with query/key/value transforms run 128-row units");
 
   extern __shared__ __attribute__((aligned(1024))) unsigned char attncc_fa3_smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(
@@ -93,7 +203,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
   const int last = __ldg(plan_cta_indptr(p) + blockIdx.x + 1);
   const int gf = p.num_q_heads / p.num_kv_heads;
 
-  init_barriers<STAGES>(full_bar, empty_bar, q_full, q_empty);
+  init_barriers<STAGES, false, kPair ? 1 : kConsumers>(full_bar, empty_bar, q_full, q_empty);
 
   // ---- producer: one warp; the other producer warps have nothing to do ----------------------
   // Lane 0 issues Q and arms the barriers; at a paged cache lane j < TKV / R loads the page id of
@@ -112,12 +222,14 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     for (int ui = first; ui < last; ++ui) {
       const fa2::WorkUnit u = fa2::queued_unit(p, ui);
       const int qo_offset = fa2::unit_qo_offset(p, u);
-      // Q: the 128 fused rows, as two boxes of 64 rows (one per consumer) per column block
+      // Q: the 128 fused rows, as two boxes of 64 rows (one per consumer) per column block;
+      // the pair form's 64 rows once, in consumer 0's slot (both read it)
+      constexpr int kQSlots = kPair ? 1 : kConsumers;
       if (ui > first) tma::mbar_wait(q_empty, (ui - first - 1) & 1);
       if (lane == 0) {
-        tma::mbar_arrive_expect_tx(q_full, kConsumers * BLOCKS * kBoxBytes);
+        tma::mbar_arrive_expect_tx(q_full, kQSlots * BLOCKS * kBoxBytes);
 #pragma unroll
-        for (int c = 0; c < kConsumers; ++c)
+        for (int c = 0; c < kQSlots; ++c)
 #pragma unroll
           for (int blk = 0; blk < BLOCKS; ++blk) {
             const u32 dst = sq + (c * BLOCKS + blk) * kBoxBytes;
@@ -163,7 +275,10 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
 
   // ---- consumers -------------------------------------------------------------------------------
   wg::setmaxnreg_inc<kConsumerRegs>();
-  const u32 sq_w = sq + (wg - 1) * BLOCKS * kBoxBytes;
+  const u32 sq_w = sq + (kPair ? 0 : (wg - 1) * BLOCKS * kBoxBytes);
+  // this warpgroup's first row of a unit, computed where used (held in a variable, it moved
+  // ptxas's register allocation of the 128-row form)
+  auto row0 = [&] { return kPair ? 0 : 64 * (wg - 1); };
   const Ring<> ring{sk, sv, full_bar, empty_bar, S::kKvTileBytes, STAGES};
   const Turns turns{wg - 1};
   const float qk_scale = (kSoftmax && !Variant::has_logits_transform) ? p.sm_scale * kLog2e
@@ -183,14 +298,14 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     bool row_ok[2];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const int r = 64 * (wg - 1) + 16 * warp + (lane >> 2) + 8 * hr;  // row within the unit
+      const int r = row0() + 16 * warp + (lane >> 2) + 8 * hr;  // row within the unit
       const int fr = u.q_start + r;
       row_ok[hr] = r < u.q_rows;
       row_tok[hr] = gdiv.div(fr);
       row_hq[hr] = u.kv_head * gf + (fr - row_tok[hr] * gf);
       row_qi[hr] = row_ok[hr] ? fa2::query_position(p, q_pos0, qo_offset, row_tok[hr]) : 0;
     }
-    const bool rows_full = u.q_rows >= kTQ;
+    const bool rows_full = u.q_rows >= TQ;
 
     float o[BLOCKS][32];
 #pragma unroll
@@ -201,7 +316,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     tma::mbar_wait(q_full, (ui - first) & 1);
     // row r of this warpgroup's 64: its query head and position, and whether it is a real row
     auto row_at = [&](int r, int& h, int& qi) {
-      const int ru = 64 * (wg - 1) + r;
+      const int ru = row0() + r;
       if (ru >= u.q_rows) return false;
       const int fr = u.q_start + ru, tok = gdiv.div(fr);
       h = u.kv_head * gf + (fr - tok * gf);
@@ -322,18 +437,39 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     };
     const QRelease<Variant, true> q_release{q_empty};
     auto last_s_done = [&] { q_release.last_s_done(); };
-    if (n > 0) {
+    if constexpr (kPair) {  // this consumer's tiles: those of its parity in the CTA's count
+      const int off = (turns.me - tile) & 1, mine = n > off ? (n - off + 1) >> 1 : 0;
+      if (mine > 0) {
+        consume_alternate_tiles<DType, D, TKV>(
+            mine, tile + off, sq_w, ring, o,
+            [&](float (&s)[TKV / 2], int i, float (&corr)[2]) {
+              logits_softmax(s, off + 2 * i, corr);
+            },
+            [&](int i, int t) { landed(off + 2 * i, t); }, last_s_done);
+      } else {
+        last_s_done();
+      }
+    } else if (n > 0) {
       consume_tiles<DType, D, TKV>(n, tile, sq_w, ring, turns, o, logits_softmax, landed,
                                    last_s_done);
     } else {
       last_s_done();  // nothing reads it (an empty KV range)
     }
     tile += n;
+    if constexpr (kPair) {  // consumer 1 hands its state to consumer 0, which stores the rows
+      const PairMerge<D, kSoftmax> merge{sq + BLOCKS * kBoxBytes};
+      if (turns.me == 1) {
+        merge.give(row_m, row_l, o);
+        q_release.stored();
+        continue;
+      }
+      merge.take(row_m, row_l, o);
+    }
 
     // ---- store: the output rows, or this unit's partial state -----------------------------
     // (a split unit's partial state stays untransformed: the merge kernel applies the output
     // transform to the combined rows)
-    float* part_o = u.slot >= 0 ? p.partial_o + (attncc::i64)u.slot * kTQ * D : nullptr;
+    float* part_o = u.slot >= 0 ? p.partial_o + (attncc::i64)u.slot * TQ * D : nullptr;
     float inv_r[2], lse_r[2];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) finish_row<kSoftmax>(row_m[hr], row_l[hr], inv_r[hr], lse_r[hr]);
@@ -341,7 +477,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
       if (part_o == nullptr && p.sinks != nullptr) {  // whole rows; the merge joins a split's
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {  // the row's query head from its fused row, as below
-          const int fr = u.q_start + 64 * (wg - 1) + 16 * warp + (lane >> 2) + 8 * hr;
+          const int fr = u.q_start + row0() + 16 * warp + (lane >> 2) + 8 * hr;
           const int hq = u.kv_head * gf + (fr - gdiv.div(fr) * gf);
           common::join_sink(__ldg(p.sinks + hq), inv_r[hr], lse_r[hr]);
         }
@@ -361,7 +497,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
       asm volatile("" : "+r"(q_start));
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
-        const int fr = q_start + 64 * (wg - 1) + 16 * warp + (lane >> 2) + 8 * hr;
+        const int fr = q_start + row0() + 16 * warp + (lane >> 2) + 8 * hr;
         row_tok[hr] = gdiv.div(fr);
         row_hq[hr] = u.kv_head * gf + (fr - row_tok[hr] * gf);
       }
@@ -380,7 +516,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     for (int hr = 0; hr < 2; ++hr) {
       const float inv = inv_r[hr], lse = lse_r[hr];
       if (!row_ok[hr]) continue;
-      const int r = 64 * (wg - 1) + 16 * warp + (lane >> 2) + 8 * hr;
+      const int r = row0() + 16 * warp + (lane >> 2) + 8 * hr;
       if (part_o != nullptr) {
         float* dst = part_o + (attncc::i64)r * D;
 #pragma unroll
@@ -391,7 +527,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
             *reinterpret_cast<float2*>(dst + col) =
                 make_float2(o[blk][4 * j + 2 * hr] * inv, o[blk][4 * j + 2 * hr + 1] * inv);
           }
-        if ((lane & 3) == 0) p.partial_lse[(attncc::i64)u.slot * kTQ + r] = kSoftmax ? lse : 0.f;
+        if ((lane & 3) == 0) p.partial_lse[(attncc::i64)u.slot * TQ + r] = kSoftmax ? lse : 0.f;
       } else {
         if (!v4) store_row<DType, D>(out_row(hr), o, hr, inv);
         if constexpr (kSoftmax) {
@@ -402,7 +538,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     }
     q_release.stored();
   }
-  turns.finish(tile);
+  if constexpr (!kPair) turns.finish(tile);  // (the pair form's consumers take no turns)
 }
 
 }  // namespace fa3
@@ -414,9 +550,9 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
 #define ATTNCC_FA3_BATCH_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, M_FRAGS, KV_WARPS) \
   extern "C" __global__ void __launch_bounds__(attncc::fa3::kThreads, 1)                           \
       NAME(attncc::BatchParams p, VARIANT::Params vp) {                                            \
-    static_assert(TQ == attncc::fa3::kTQ && M_FRAGS == 1 && KV_WARPS == 1,                         \
-                  "the FA3 kernel has 128-row CTAs of two 64-row consumer warpgroups");            \
-    attncc::fa3::fa3_batch<VARIANT, DTYPE, HEAD_DIM, TKV, STAGES>(p, vp);                          \
+    static_assert(M_FRAGS == 1 && KV_WARPS == 1,                                                   \
+                  "the FA3 kernel's CTAs are two 64-row consumer warpgroups");                     \
+    attncc::fa3::fa3_batch<VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES>(p, vp);                      \
   }                                                                                                \
   extern "C" __global__ void __launch_bounds__(attncc::fa2::MergeKernel::kThreads, 1)              \
       NAME##_merge(attncc::BatchParams p, VARIANT::Params vp) {                                    \

@@ -652,7 +652,8 @@ struct HeldStage {
 // role passes first (fa3_prefill.cuh), since the peer's copies and arrivals reach them too:
 // from there the roles only meet on mbarriers and named barriers.
 // kSplit: also the split ring's full_v[s] and empty_k[s] at split_bar (Ring<true>).
-template <int STAGES, bool kSplit = false>
+// kReaders: the consumer warpgroups that read each stage (1 in the batch kernel's pair form).
+template <int STAGES, bool kSplit = false, int kReaders = kConsumers>
 __device__ __forceinline__ void init_barriers(u32 full_bar, u32 empty_bar,
                                               u32 q_full, u32 q_empty, u32 split_bar = 0) {
   if (threadIdx.x == 0) {
@@ -660,7 +661,7 @@ __device__ __forceinline__ void init_barriers(u32 full_bar, u32 empty_bar,
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       tma::mbar_init(full_bar + 8 * s, 1);
-      tma::mbar_init(empty_bar + 8 * s, 4 * kConsumers * ctas);
+      tma::mbar_init(empty_bar + 8 * s, 4 * kReaders * ctas);
       if constexpr (kSplit) {
         tma::mbar_init(split_bar + 8 * s, 1);
         tma::mbar_init(split_bar + 8 * (STAGES + s), 4 * kConsumers * ctas);
@@ -832,6 +833,44 @@ __device__ __forceinline__ void consume_tiles(int n, int t0, u32 sq_w,
   wg::fence_operands(o);
   if (held != nullptr) held->tile = hold_last ? t0 + n - 1 : -1;
   if (held == nullptr || !hold_last) ring.release(t0 + n - 1);
+}
+
+// The batch kernel's pair form (fa3_batch.cuh): one warpgroup's pass over n >= 1 ring tiles t0,
+// t0 + 2, ... -- the other consumer takes the tiles between -- each tile finished before the
+// next: S, logits and softmax, P V, release. Not pipelined across tiles as consume_tiles is:
+// there a stage stays held until the next tile's S is issued, which here would be two tiles
+// later, and the two warpgroups' GEMMs overlap each other's softmax instead (docs/serving.md,
+// "The FA3 pair form"). Callbacks as consume_tiles' (i counts this pass's tiles).
+template <typename DType, int D, int TKV, typename LogitsSoftmax, typename Landed, typename LastS>
+__device__ __forceinline__ void consume_alternate_tiles(int n, int t0, u32 sq_w, const Ring<>& ring,
+                                                        float (&o)[D / 64][32],
+                                                        LogitsSoftmax&& logits_softmax,
+                                                        Landed&& landed, LastS&& last_s_done) {
+  float s[TKV / 2];
+  u32 pa[TKV / 16][4];
+  float corr[2];
+  const wg::DescWords q = wg::desc_words(__shfl_sync(0xffffffffu, sq_w, 0), 16, 1024);
+#pragma unroll 1
+  for (int i = 0; i < n; ++i) {
+    const int t = t0 + 2 * i;
+    ring.wait_full(t);
+    landed(i, t);
+    wg::fence();
+    issue_qk<DType, D, TKV>(s, q, ring.k_of(t));
+    wg::wait<0>();
+    wg::fence_operands(s);
+    if (i == n - 1) last_s_done();
+    logits_softmax(s, i, corr);
+    rescale<D>(o, corr);
+    pack_p<DType, TKV>(pa, s);
+    wg::fence_operands(pa);
+    wg::fence_operands(o);
+    wg::fence();
+    issue_pv<DType, D, TKV>(o, pa, ring.v_of(t));
+    wg::wait<0>();
+    wg::fence_operands(o);
+    ring.release(t);
+  }
 }
 
 }  // namespace fa3

@@ -140,8 +140,8 @@ def _kernels_for(ir: VariantIR, head_dim: int, dtype: str, tiles: BatchTiles,
         raise ValueError(f"an fp8 KV cache streams through a ring of 2 * (stages - 1) fp8 "
                          f"stages: tiles={tiles.tq, tiles.tkv, tiles.stages} needs stages >= 2")
     if tiles.kernel == "fa3":
-        spec = KernelSpec("fa3_batch", ir, head_dim, dtype, fa3_batch_tiles(head_dim),
-                          device=device)
+        spec = KernelSpec("fa3_batch", ir, head_dim, dtype,
+                          fa3_tiles(tiles.stages, tiles.tkv, tiles.tq), device=device)
     else:
         spec = KernelSpec("decode" if tiles.kv_warps > 1 else "fa2_batch", ir, head_dim, dtype,
                           KernelTiles(tiles.tq, tiles.tkv, tiles.stages, tiles.m_frags,
@@ -577,7 +577,10 @@ class BatchAttention:
         new batch fits them (`tiles.keep_captured_tiles`) and a captured run's pipeline depth
         (`tiles.keep_captured_depth`)."""
         forced = tuple(self._forced_tiles) if self._forced_tiles is not None else None
-        tiles = batch_tiles(head_dim, max_fused_rows, num_sms(self.device), forced, fa3, long_kv)
+        ir = self._variant_ir()  # (the FA3 pair form shares Q and splits K/V: no row transforms)
+        pair = not any(h in ir.hooks for h in ("query_mod", "key_mod", "value_mod"))
+        tiles = batch_tiles(head_dim, max_fused_rows, num_sms(self.device), forced, fa3, long_kv,
+                            pair)
         tiles = keep_captured_tiles(self.tiles, tiles, fa3)
         return keep_captured_depth(self._captured.tiles if self._captured else None, tiles)
 

@@ -55,15 +55,23 @@ def fa3_unsupported(device: Any, *, head_dim: int, group: int, kv_layout: str,
     return None
 
 
-def fa3_batch_tiles(head_dim: int) -> KernelTiles:
+def fa3_batch_tiles(head_dim: int, tq: int = 128) -> KernelTiles:
     """The FA3 batch kernel's tiles: 128 fused query rows x 128 keys, the deepest K/V ring its
-    shared memory allows (kernels/fa3/fa3_prefill.cuh Smem).
+    shared memory allows (kernels/fa3/fa3_prefill.cuh Smem); `tq` 64: the pair form, units of
+    64 rows whose K/V tiles the two consumers split (docs/serving.md, "The FA3 pair form").
 
     Example:
         >>> fa3_batch_tiles(128)
         KernelTiles(tq=128, tkv=128, stages=3, m_frags=1, kv_warps=1, half_rows=False)
+        >>> fa3_batch_tiles(64, tq=64), fa3_batch_tiles(128, tq=64).suffix
+        (KernelTiles(tq=64, tkv=128, stages=4, m_frags=1, kv_warps=1, half_rows=False), '_q64_k64_s4')
     """
-    return fa3_tiles(fa3_stages(head_dim, 128), 128)
+    if tq == 128:
+        return fa3_tiles(fa3_stages(head_dim, 128), 128)
+    # the pair form needs an even ring (fa3_tiles): four stages, each consumer's tiles two deep,
+    # of 64-key tiles at D = 128, where 128-key stages would leave only two
+    tkv = 128 if head_dim <= 64 else 64
+    return fa3_tiles(4, tkv, tq)
 
 
 def fa3_batch_source(ir: VariantIR, head_dim: int, dtype: str) -> Any:

@@ -27,6 +27,10 @@ __all__ = ["BatchTiles", "PlanConfig", "LONG_KV_KEYS", "batch_tiles", "choose_ba
 # ~1K keys per request they cost 5-16 % on uniform and skewed lengths (fewer CTAs per SM for
 # the scheduler's many short units) (docs/serving.md, "Decode tiles by KV length").
 LONG_KV_KEYS = 8192
+# The fewest fused rows (query tokens x GQA group) a batch's longest request has for the FA3
+# pair form to run it by default (choose_batch_tiles' `pair`; docs/serving.md, "The FA3 pair
+# form"); fewer run FA2's decode tiles.
+PAIR_MIN_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -49,12 +53,15 @@ class BatchTiles:
 
 def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
                        force: tuple[int, ...] | None = None, fa3: str = "off",
-                       long_kv: bool = False) -> BatchTiles:
+                       long_kv: bool = False, pair: bool = False) -> BatchTiles:
     """Tiles for a batch whose longest request has `max_fused_rows` (query tokens x GQA group);
     `force=(T_q, T_kv, stages[, kv_warps])` takes those instead (the grid still follows
     residency). `fa3` ("off", "auto", "on"; the caller checked the FA3 batch kernel can run the
     batch, fa3_batch.py): "on" takes the FA3 batch kernel's tiles (128 fused rows x 128
     keys, one CTA per SM), "auto" does so for prefill batches (at least 128 fused rows).
+    `pair` (the variant has no query/key/value transform): where FA3 runs, a batch of 17 to 64
+    fused rows -- multi-token decode -- takes its pair form, 64-row units whose K/V tiles the
+    two consumer warpgroups split ("auto": from 32 rows; docs/serving.md, "The FA3 pair form").
 
     Decode (up to 16 fused rows) gets 16-row tiles with 2 warps splitting each 32-row KV tile:
     the memory-bound case wants many loads in flight per SM, and a 16-row tile alone is one
@@ -70,11 +77,15 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
         BatchTiles(tq=16, tkv=32, stages=3, m_frags=1, ctas_per_sm=4, num_ctas=528, kv_warps=2, kernel='fa2', half_rows=True)
         >>> choose_batch_tiles(128, 4096, 132, fa3="auto")
         BatchTiles(tq=128, tkv=128, stages=3, m_frags=1, ctas_per_sm=1, num_ctas=132, kv_warps=1, kernel='fa3', half_rows=False)
+        >>> choose_batch_tiles(128, 64, 132, fa3="auto", pair=True).tq
+        64
     """
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim}: the batch kernel supports {HEAD_DIMS}")
-    if fa3 == "on" or (fa3 == "auto" and force is None and max_fused_rows >= 128):
-        t = fa3_batch_tiles(head_dim)
+    paired = pair and force is None and (PAIR_MIN_ROWS if fa3 == "auto" else 17) \
+        <= max_fused_rows <= 64
+    if fa3 == "on" or (fa3 == "auto" and force is None and (max_fused_rows >= 128 or paired)):
+        t = fa3_batch_tiles(head_dim, 64 if paired else 128)
         return BatchTiles(t.tq, t.tkv, t.stages, 1, 1, num_sms, 1, "fa3")
     tq = next((t for t in (16, 32, 64) if t >= max_fused_rows), 128 if head_dim <= 128 else 64)
     # small tiles are bandwidth-bound: 32-row KV tiles halve the shared memory per CTA so twice
@@ -124,9 +135,10 @@ def multi_token_kv_tiles(tq: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=256)
 def batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
-                force: tuple[int, ...] | None, fa3: str, long_kv: bool = False) -> BatchTiles:
+                force: tuple[int, ...] | None, fa3: str, long_kv: bool = False,
+                pair: bool = False) -> BatchTiles:
     """`choose_batch_tiles`, memoised: plan() runs every generation step."""
-    return choose_batch_tiles(head_dim, max_fused_rows, num_sms, force, fa3, long_kv)
+    return choose_batch_tiles(head_dim, max_fused_rows, num_sms, force, fa3, long_kv, pair)
 
 
 def long_kv_batch(kv_lens: np.ndarray) -> bool:

@@ -100,6 +100,40 @@ def test_multi_token_decode_kernels_compile_without_spills(rows: int, head_dim: 
 
 
 @pytest.mark.nvrtc
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fa3_pair_forms_compile_without_spills(head_dim: int) -> None:
+    """The FA3 batch kernel's pair form (64-row units, kernels/fa3/fa3_batch.cuh) at the tiles
+    choose_batch_tiles gives multi-token decode, for a causal variant, a per-head captured
+    slope with the sink epilogue, sigmoid attention and an output transform, as the kernel
+    cache compiles them. tests/gpu/test_fa3_pair_gpu.py runs them."""
+    import torch
+
+    from attncc.frontend import Variant
+    from attncc.ir.simplify import simplify_variant
+    from attncc.runtime.jit.kernels import KernelSpec, compile_spec
+    from attncc.runtime.serving.fa3_batch import fa3_batch_tiles
+    from attncc.runtime.serving.tiles import choose_batch_tiles
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    slopes = torch.linspace(0.1, 0.5, 16)
+    t = choose_batch_tiles(head_dim, 64, 132, fa3="auto", pair=True)
+    assert (t.kernel, t.tq) == ("fa3", 64) and t.stages % 2 == 0
+    for var in (Variant(mask_mod=causal, name="pair_causal"),
+                Variant(score_mod=lambda s, b, h, q, kv: s - slopes[h] * (q - kv),
+                        mask_mod=causal, name="pair_alibi"),
+                Variant(score_mod=lambda s, b, h, q, kv: torch.sigmoid(s), normalize="none",
+                        name="pair_sigmoid"),
+                Variant(mask_mod=causal, output_mod=lambda o, b, h, q, d: o[d] * 2.0,
+                        name="pair_output")):
+        ir = simplify_variant(var.trace()[0])
+        form = compile_spec(KernelSpec("fa3_batch", ir, head_dim, "bfloat16",
+                                       fa3_batch_tiles(head_dim, 64)), "sm_90a")
+        assert form.spill_bytes == 0, (var.name, form.result.log)
+
+
+@pytest.mark.nvrtc
 @pytest.mark.parametrize("name,d", [("relative_bias", 128), ("document_causal", 64)])
 def test_fa3_batch_low_pressure_variants_with_sinks_have_no_spills(name: str, d: int) -> None:
     """The variants whose FA3 batch kernel needs the low-pressure form (tests/gpu/test_batch.py)
