@@ -95,22 +95,20 @@ struct PairMerge {
     asm volatile("bar.sync 6, 256;\n" ::: "memory");
   }
 
-  __device__ __forceinline__ void give(float (&m)[2], float (&l)[2],
-                                       float (&o)[D / 64][32]) const {
-    round_trip<0>([&](auto k, u32 addr) {
+  // Consumer 1 (`giver`) hands its state over; consumer 0's m, l, o become the state over both
+  // halves (a NaN maximum stays NaN, as torch's softmax). Both consumers run this one code
+  // path, so the two meet on the same barrier instructions.
+  __device__ __forceinline__ void hand_over(bool giver, float (&m)[2], float (&l)[2],
+                                            float (&o)[D / 64][32]) const {
+    float a0[2] = {1.f, 1.f}, a1[2] = {1.f, 1.f};  // the weights of the two states
+    auto give = [&](auto k, u32 addr) {
       constexpr int K = decltype(k)::value;
       asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
                    "f"(at<K>(m, l, o)), "f"(at<K + 1>(m, l, o)), "f"(at<K + 2>(m, l, o)),
                    "f"(at<K + 3>(m, l, o))
                    : "memory");
-    }, true);
-  }
-
-  // m, l, o become the state over both halves (a NaN maximum stays NaN, as torch's softmax)
-  __device__ __forceinline__ void take(float (&m)[2], float (&l)[2],
-                                       float (&o)[D / 64][32]) const {
-    float a0[2] = {1.f, 1.f}, a1[2] = {1.f, 1.f};  // the weights of this state and the other
-    round_trip<0>([&](auto k, u32 addr) {
+    };
+    auto take = [&](auto k, u32 addr) {
       constexpr int K = decltype(k)::value;
       float v[4];
       asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
@@ -138,24 +136,26 @@ struct PairMerge {
           x = x * a0[hr] + v[e] * a1[hr];
         }
       }
-    }, false);
+    };
+    rounds<0>(giver, give, take);
   }
 
  private:
-  // every float4 k = 0, 4, .. of the vector, round by round: f(k, address) on the giver's side
-  // before the round's first barrier, on the taker's between the two
-  template <int R, typename F>
-  __device__ __forceinline__ void round_trip(F&& f, bool giver) const {
+  // round R: the giver stores its float4s R * kChunk .. of the vector, both meet, the taker
+  // loads and folds them, both meet again (the slot is then free for round R + 1)
+  template <int R, typename G, typename T>
+  __device__ __forceinline__ void rounds(bool giver, G& give, T& take) const {
     if constexpr (R < kRounds) {
-      if (giver) each<R * kChunk, (R + 1) * kChunk < kN ? (R + 1) * kChunk : kN>(f);
+      constexpr int kEnd = (R + 1) * kChunk < kN ? (R + 1) * kChunk : kN;
+      if (giver) each<R * kChunk, kEnd>(give);
       sync();
-      if (!giver) each<R * kChunk, (R + 1) * kChunk < kN ? (R + 1) * kChunk : kN>(f);
+      if (!giver) each<R * kChunk, kEnd>(take);
       sync();
-      round_trip<R + 1>(f, giver);
+      rounds<R + 1>(giver, give, take);
     }
   }
   template <int K, int END, typename F>
-  __device__ __forceinline__ void each(F&& f) const {
+  __device__ __forceinline__ void each(F& f) const {
     if constexpr (K < END) {
       f(common::IntTag<K>{}, slot((K % kChunk) / 4));
       each<K + 4, END>(f);
@@ -361,6 +361,29 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
       // compare here, and 64 predicates stay live instead (document_mask D = 128: 208 B spilled)
       asm volatile("" : "+r"(keep[0]), "+r"(keep[1]));
     };
+    // (the pair form) a multi-token decode tree mask, as fa2_batch.cuh's BatchWork reads it
+    // (docs/serving.md, "Multi-token decode and tree masks"): query t < 16 of the step keeps
+    // its step's key j < 16 only where bit j of word 16 b + t is set. Only the one or two tiles
+    // holding the step's keys test it, on the checked path.
+    const bool tree_plan = kPair && p.tree_mask != nullptr && p.q_positions == nullptr;
+    auto tree_tile = [&](int kv0) {
+      return tree_plan && kv0 + TKV > q_pos0 && kv0 < q_pos0 + 16;
+    };
+    auto hide_tree = [&](float (&s)[TKV / 2], int kv0) {
+      const float masked = kSoftmax ? common::neg_inf() : 0.f;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const unsigned t = row_qi[hr] - q_pos0;
+        const unsigned w = row_ok[hr] && t < 16u ? __ldg(p.tree_mask + 16 * u.request + t) : ~0u;
+#pragma unroll
+        for (int j = 0; j < TKV / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const unsigned key = kv0 + 8 * j + 2 * (lane & 3) + e - q_pos0;
+            if (key < 16u && !((w >> key) & 1u)) s[4 * j + 2 * hr + e] = masked;
+          }
+      }
+    };
     auto logits_softmax = [&](float (&s)[TKV / 2], int it, float (&corr)[2]) {
       const int kv0 = u.kv_start + it * TKV;
       if constexpr (kMaskBits) {  // logits_softmax_step with the mask from keep
@@ -374,6 +397,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
 #pragma unroll
             for (int e = 0; e < 2; ++e)
               if (!((keep[hr] >> (2 * j + e)) & 1u)) s[4 * j + 2 * hr + e] = masked;
+        if (tree_tile(kv0)) hide_tree(s, kv0);
         if constexpr (kSoftmax) {
           softmax_step<TKV, folds_scale<Variant>()>(s, row_m, row_l, corr, qk_scale);
         } else {
@@ -399,9 +423,18 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
       }
       const bool interior =
           rows_full && kv0 + TKV <= kv_end && (!Variant::has_logits_mask || in_band);
-      logits_softmax_step<Variant, TKV, false>(s, vp, qk_scale, u.request, row_hq, row_qi,
-                                               row_ok, kv0, kv_end, kv_pos0, in_band, interior,
-                                               row_m, row_l, corr);
+      if constexpr (kPair) {  // a tree tile is never interior: the tree rides the checked path
+        const bool tree = tree_tile(kv0);
+        logits_softmax_step<Variant, TKV, false>(
+            s, vp, qk_scale, u.request, row_hq, row_qi, row_ok, kv0, kv_end, kv_pos0, in_band,
+            interior && !tree, row_m, row_l, corr, false, [&](float (&s2)[TKV / 2]) {
+              if (tree) hide_tree(s2, kv0);
+            });
+      } else {
+        logits_softmax_step<Variant, TKV, false>(s, vp, qk_scale, u.request, row_hq, row_qi,
+                                                 row_ok, kv0, kv_end, kv_pos0, in_band, interior,
+                                                 row_m, row_l, corr);
+      }
     };
     // V rows of the last tile past kv_end, zeroed after the tile landed and before this
     // warpgroup's P V reads them. Both consumers zero them (the same zeros: a write of 0 over 0
@@ -457,13 +490,11 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     }
     tile += n;
     if constexpr (kPair) {  // consumer 1 hands its state to consumer 0, which stores the rows
-      const PairMerge<D, kSoftmax> merge{sq + BLOCKS * kBoxBytes};
+      PairMerge<D, kSoftmax>{sq + BLOCKS * kBoxBytes}.hand_over(turns.me == 1, row_m, row_l, o);
       if (turns.me == 1) {
-        merge.give(row_m, row_l, o);
         q_release.stored();
         continue;
       }
-      merge.take(row_m, row_l, o);
     }
 
     // ---- store: the output rows, or this unit's partial state -----------------------------

@@ -352,13 +352,19 @@ __device__ __forceinline__ void mask_band(float (&s)[TKV / 2], const int (&qi)[2
 
 // apply_logits (CHECKED unless the tile is interior) then softmax_step: S(i) -> P(i) in place,
 // with O's rescale factors (1 for variants without softmax). `band`: an interior tile of a
-// has_kv_window variant that is not a full tile; its mask is applied by mask_band.
-template <typename Variant, int TKV, bool kOneHead>
+// has_kv_window variant that is not a full tile; its mask is applied by mask_band. `checked`:
+// what a checked tile's logits go through before the softmax besides the variant's mask (the
+// batch kernel's tree masks; nothing by default).
+struct NoMoreMasks {
+  template <typename S>
+  __device__ __forceinline__ void operator()(S&) const {}
+};
+template <typename Variant, int TKV, bool kOneHead, typename Checked = NoMoreMasks>
 __device__ __forceinline__ void logits_softmax_step(
     float (&s)[TKV / 2], const typename Variant::Params& vp, float qk_scale, int b,
     const int (&hq)[2], const int (&qi)[2], const bool (&row_ok)[2], int kv0, int kv_len,
     int kv_pos0, bool is_full, bool interior, float (&row_m)[2], float (&row_l)[2],
-    float (&corr)[2], bool band = false) {
+    float (&corr)[2], bool band = false, Checked&& checked = Checked{}) {
   if (interior) {
     apply_logits<Variant, TKV, false, kOneHead>(s, vp, qk_scale, b, hq, qi, row_ok, kv0, kv_len,
                                                 kv_pos0, is_full);
@@ -368,6 +374,7 @@ __device__ __forceinline__ void logits_softmax_step(
   } else {
     apply_logits<Variant, TKV, true, kOneHead>(s, vp, qk_scale, b, hq, qi, row_ok, kv0, kv_len,
                                                kv_pos0, is_full);
+    checked(s);
   }
   if constexpr (Variant::use_softmax) {
     softmax_step<TKV, folds_scale<Variant>()>(s, row_m, row_l, corr, qk_scale);

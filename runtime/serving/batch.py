@@ -60,6 +60,7 @@ from attncc.ir.program import TRANSFORM_HOOKS, Bindings, VariantIR
 from ..jit.device import num_sms
 from ..jit.launch_args import captured
 from ..jit.kernels import KernelTiles, KernelRecord, KernelSpec, LoadedKernel, get_kernel
+from attncc.codegen.tiles import fa3_tiles
 from ..jit.launcher import current_raw_stream
 from ..jit.tiles import HEAD_DIMS
 from ..reference import batch_attention_reference, check_sinks
@@ -247,7 +248,8 @@ class BatchAttention:
         self._padded_plan: tuple[int, int] | None = None
         self.head_dim_vo: int | None = None  # the current plan's value head dim
         self._width = 0  # its kernels' head dim (padded width; operands.plan_head_dims)
-        self._fa3_captured = False  # a CUDA graph captured the FA3 batch kernel (no tree masks)
+        # a CUDA graph captured the FA3 batch kernel's 128-row form (which reads no tree masks)
+        self._fa3_captured = False
         self._captured: LaunchShape | None = None  # what the last captured run fixed (capture.py)
         self.kv_data_type: torch.dtype | None = None  # the plan's fp8 cache dtype (None: q's)
         self._scales = KvScales()  # run()'s k_scale / v_scale pointers
@@ -309,7 +311,7 @@ class BatchAttention:
         kv8 = check_kv_data_type(kv_data_type, q_data_type, self.device)
         if tree:
             self._check_tree(q_positions, kv8)
-        self._tree_plan = tree  # (read by _config_key and _fa3_mode: masks run on FA2)
+        self._tree_plan = tree  # (read by _config_key and _tiles_for: FA2 or FA3's pair form)
         self._padded_plan = self._check_padded(dims, kv8)  # (read there too: padded -> FA2)
         if q_positions is None and kv_position_offset is None:
             b, staged = self._checked_fast(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
@@ -349,14 +351,12 @@ class BatchAttention:
             raise ValueError("custom_mask / packed_custom_mask with q_positions: a tree mask "
                              "is indexed by the step's tokens, which q_positions re-numbers; "
                              "leave q_positions out")
-        if self.kernel == "fa3":
-            raise ValueError("BatchAttention(kernel='fa3') with a tree mask: the FA3 batch "
-                             "kernel does not read tree masks; use kernel=None or 'fa2'")
         if self._fa3_captured:
-            raise ValueError("a CUDA graph captured run() with the FA3 batch kernel, which does "
-                             "not read tree masks, so its replays would ignore this mask; capture "
-                             "the multi-token decode loop on a plan of its own batches (or pass "
-                             "kernel='fa2' to the BatchAttention that a graph captures)")
+            raise ValueError("a CUDA graph captured run() with the FA3 batch kernel's 128-row "
+                             "form, which does not read tree masks, so its replays would ignore "
+                             "this mask; capture the multi-token decode loop on a plan of its own "
+                             "batches (or pass kernel='fa2' to the BatchAttention that a graph "
+                             "captures)")
         if kv8 is not None:
             raise ValueError(f"custom_mask / packed_custom_mask with kv_data_type={kv8}: the fp8 "
                              f"cache's kernels do not read tree masks; use a 16-bit cache for "
@@ -531,7 +531,7 @@ class BatchAttention:
         """choose_batch_tiles' `fa3` (`tiles.fa3_mode`), with fa3_unsupported's answer
         memoised per batch shape: plan() runs every step."""
         if self.kernel == "fa2" or (self.kernel is None and self._forced_tiles is not None) \
-                or self._tree_plan or self._padded_plan:  # (both run on the FA2 kernels)
+                or self._padded_plan:  # (runs on the FA2 kernels)
             return "off"
         key = (group, head_dim, page_size, q_dtype, kv8)
         why = self._fa3_why.get(key, False)
@@ -580,8 +580,8 @@ class BatchAttention:
         ir = self._variant_ir()  # (the FA3 pair form shares Q and splits K/V: no row transforms)
         pair = not any(h in ir.hooks for h in ("query_mod", "key_mod", "value_mod"))
         tiles = batch_tiles(head_dim, max_fused_rows, num_sms(self.device), forced, fa3, long_kv,
-                            pair)
-        tiles = keep_captured_tiles(self.tiles, tiles, fa3)
+                            pair, self._tree_plan)
+        tiles = keep_captured_tiles(self.tiles, tiles, fa3, self._tree_plan)
         return keep_captured_depth(self._captured.tiles if self._captured else None, tiles)
 
     # ------------------------------------------------------------------------------ staging
@@ -725,7 +725,8 @@ class BatchAttention:
         """run() is being captured in a CUDA graph: its workspace cannot grow, and later plans
         must keep what its kernels and launch arguments fixed (`_check_captured`)."""
         self._graph_captured = self._graph_captured or self._own_workspace
-        self._fa3_captured = self._fa3_captured or self.tiles.kernel == "fa3"
+        self._fa3_captured = self._fa3_captured or (self.tiles.kernel == "fa3"
+                                                    and self.tiles.tq == 128)
         self._captured = self._launch_shape(
             self.tiles, self.layout, self._offsets, (self.num_qo_heads, self.num_kv_heads),
             (self.head_dim, self.head_dim_vo), self.page_size, self.kv_data_type,

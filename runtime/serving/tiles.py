@@ -53,7 +53,8 @@ class BatchTiles:
 
 def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
                        force: tuple[int, ...] | None = None, fa3: str = "off",
-                       long_kv: bool = False, pair: bool = False) -> BatchTiles:
+                       long_kv: bool = False, pair: bool = False,
+                       tree: bool = False) -> BatchTiles:
     """Tiles for a batch whose longest request has `max_fused_rows` (query tokens x GQA group);
     `force=(T_q, T_kv, stages[, kv_warps])` takes those instead (the grid still follows
     residency). `fa3` ("off", "auto", "on"; the caller checked the FA3 batch kernel can run the
@@ -62,6 +63,8 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
     `pair` (the variant has no query/key/value transform): where FA3 runs, a batch of 17 to 64
     fused rows -- multi-token decode -- takes its pair form, 64-row units whose K/V tiles the
     two consumer warpgroups split ("auto": from 32 rows; docs/serving.md, "The FA3 pair form").
+    `tree` (the plan has a tree mask): only FA2 and FA3's pair form read one, so FA3 runs the
+    batch only in its pair form ("on" raises where it cannot).
 
     Decode (up to 16 fused rows) gets 16-row tiles with 2 warps splitting each 32-row KV tile:
     the memory-bound case wants many loads in flight per SM, and a 16-row tile alone is one
@@ -84,6 +87,14 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
         raise ValueError(f"head_dim {head_dim}: the batch kernel supports {HEAD_DIMS}")
     paired = pair and force is None and (PAIR_MIN_ROWS if fa3 == "auto" else 17) \
         <= max_fused_rows <= 64
+    if tree and not paired and fa3 != "off":
+        if fa3 == "on":
+            raise ValueError(f"BatchAttention(kernel='fa3') with a tree mask: the FA3 batch "
+                             f"kernel reads tree masks only in its pair form, 17 to 64 fused rows "
+                             f"a request (query tokens x GQA group; this batch: "
+                             f"{max_fused_rows}) and no query/key/value mods; use kernel=None "
+                             f"or 'fa2'")
+        fa3 = "off"
     if fa3 == "on" or (fa3 == "auto" and force is None and (max_fused_rows >= 128 or paired)):
         t = fa3_batch_tiles(head_dim, 64 if paired else 128)
         return BatchTiles(t.tq, t.tkv, t.stages, 1, 1, num_sms, 1, "fa3")
@@ -136,9 +147,10 @@ def multi_token_kv_tiles(tq: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=256)
 def batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
                 force: tuple[int, ...] | None, fa3: str, long_kv: bool = False,
-                pair: bool = False) -> BatchTiles:
+                pair: bool = False, tree: bool = False) -> BatchTiles:
     """`choose_batch_tiles`, memoised: plan() runs every generation step."""
-    return choose_batch_tiles(head_dim, max_fused_rows, num_sms, force, fa3, long_kv, pair)
+    return choose_batch_tiles(head_dim, max_fused_rows, num_sms, force, fa3, long_kv, pair,
+                              tree)
 
 
 def long_kv_batch(kv_lens: np.ndarray) -> bool:
@@ -171,10 +183,12 @@ def keep_captured_depth(captured: BatchTiles | None, new: BatchTiles) -> BatchTi
     return new
 
 
-def keep_captured_tiles(current: BatchTiles | None, new: BatchTiles, fa3: str) -> BatchTiles:
+def keep_captured_tiles(current: BatchTiles | None, new: BatchTiles, fa3: str,
+                        tree: bool = False) -> BatchTiles:
     """`current` (the tiles of the kernel run() last used, which a CUDA graph may have
     captured) when the new batch fits them -- larger query tiles of the same kind, or of FA2
-    while FA3 may run -- else `new`.
+    while FA3 may run, but not FA3's 128-row form for a plan with a tree mask (which it does
+    not read) -- else `new`.
 
     Example:
         >>> big, small = choose_batch_tiles(128, 4096, 132), choose_batch_tiles(128, 8, 132)
@@ -182,7 +196,8 @@ def keep_captured_tiles(current: BatchTiles | None, new: BatchTiles, fa3: str) -
         (True, True)
     """
     if current is not None and new.tq != current.tq and current.tq >= new.tq \
-            and (current.kernel == "fa2" or fa3 != "off"):
+            and (current.kernel == "fa2" or fa3 != "off") \
+            and not (tree and current.kernel == "fa3" and current.tq == 128):
         return current
     return new
 

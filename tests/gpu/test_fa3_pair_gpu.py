@@ -15,7 +15,7 @@ import torch
 import attncc
 from attncc.runtime.reference import batch_attention_reference
 from attncc.runtime.serving.batch import BatchAttention
-from tests.gpu.test_multitoken_gpu import _cache, _plan
+from tests.gpu.test_multitoken_gpu import _cache, _mask, _plan
 
 pytestmark = pytest.mark.gpu
 
@@ -41,9 +41,11 @@ def _variant(kind: str, hq: int) -> attncc.Variant:
 
 
 def _check_pair(tokens: int, g: int, d: int, kind: str, kv_lens: list[int],
-                sinks: bool = False, kernel: str | None = None) -> BatchAttention:
+                sinks: bool = False, kernel: str | None = None,
+                tree: str | None = None) -> BatchAttention:
     hkv, page = 2, 16
     hq = hkv * g
+    kv_lens = [max(n, tokens) for n in kv_lens]  # (a request's KV holds its step's tokens)
     q_lens = [tokens] * len(kv_lens)
     c = _cache(kv_lens, page, hkv, seed=tokens * 7 + g + d)
     if d != 128:  # _cache draws D = 128 rows: keep the first d columns
@@ -51,8 +53,9 @@ def _check_pair(tokens: int, g: int, d: int, kind: str, kv_lens: list[int],
     variant = _variant(kind, hq)
     ba = BatchAttention(variant, kv_layout="NHD", kernel=kernel)
     qo = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)))
+    mask = _mask(tree, q_lens, kv_lens, seed=tokens + g) if tree else {}
     ba.plan(qo, c["kv_indptr"], c["kv_indices"], c["last"], num_qo_heads=hq, num_kv_heads=hkv,
-            head_dim=d, page_size=page)
+            head_dim=d, page_size=page, **mask)
     if ba.tiles.kernel != "fa3":
         pytest.skip("the FA3 batch kernel does not run this batch on this GPU")
     assert ba.tiles.tq == 64, ba.tiles
@@ -65,7 +68,7 @@ def _check_pair(tokens: int, g: int, d: int, kind: str, kv_lens: list[int],
     torch.cuda.synchronize()
     ref, ref_lse = batch_attention_reference(q, c["cache"], qo, c["kv_indptr"], c["kv_indices"],
                                              c["last"], page_size=page, variant=variant,
-                                             sinks=sk)
+                                             sinks=sk, **mask)
     assert not torch.isnan(out).any(), f"{int(torch.isnan(out).sum())} outputs unwritten/NaN"
     err = float((out.double() - ref).norm() / ref.norm())
     assert err < 2e-2, f"relative error {err:.3e}"
@@ -88,6 +91,49 @@ CASES = [(tokens, g, d, kind)
                          ids=[f"t{c[0]}-g{c[1]}-d{c[2]}-{c[3]}" for c in CASES])
 def test_pair_form_matches_reference(tokens: int, g: int, d: int, kind: str) -> None:
     _check_pair(tokens, g, d, kind, KV)
+
+
+TREES = [(8, 8, 128, "causal", "tree"), (4, 8, 64, "plain", "packed"),
+         (16, 4, 128, "alibi", "packed"), (5, 8, 128, "sigmoid", "tree")]
+
+
+@pytest.mark.parametrize("tokens,g,d,kind,tree", TREES,
+                         ids=[f"t{c[0]}-g{c[1]}-d{c[2]}-{c[3]}-{c[4]}" for c in TREES])
+def test_pair_form_reads_tree_masks(tokens: int, g: int, d: int, kind: str, tree: str) -> None:
+    """Speculative tree masks (custom and bit-packed) on the pair form's checked tiles, ANDed
+    with the variant's mask, against the reference under the same mask."""
+    _check_pair(tokens, g, d, kind, KV, tree=tree)
+
+
+def test_pair_form_graph_replays_new_trees() -> None:
+    """A CUDA graph captured on a tree-masked pair-form plan replays later plans' masks (the
+    device table), and a plan without a mask sees every key again."""
+    hkv, g, page, tokens = 2, 8, 16, 8
+    kv_lens = [700, 3000, 50]
+    q_lens = [tokens] * len(kv_lens)
+    c = _cache(kv_lens, page, hkv, seed=11)
+    variant = _variant("causal", hkv * g)
+    ba = BatchAttention(variant, kv_layout="NHD")
+    qo = _plan(ba, q_lens, c, hkv * g, hkv, page, _mask("tree", q_lens, kv_lens, seed=1))
+    if ba.tiles.kernel != "fa3":
+        pytest.skip("the FA3 batch kernel does not run this batch on this GPU")
+    q = torch.randn(int(qo[-1]), hkv * g, 128, device="cuda").bfloat16()
+    out = torch.empty_like(q)
+    ba.run(q, c["cache"], out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ba.run(q, c["cache"], out=out)
+    for seed in (2, 3, None):
+        mask = _mask("packed", q_lens, kv_lens, seed=seed) if seed is not None else {}
+        _plan(ba, q_lens, c, hkv * g, hkv, page, mask)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = batch_attention_reference(q, c["cache"], qo, c["kv_indptr"], c["kv_indices"],
+                                           c["last"], page_size=page, variant=variant, **mask)
+        err = float((out.double() - ref).norm() / ref.norm())
+        assert not torch.isnan(out).any() and err < 2e-2, (seed, err)
 
 
 @pytest.mark.parametrize("d", [64, 128])
