@@ -28,9 +28,11 @@ __all__ = ["BatchTiles", "PlanConfig", "LONG_KV_KEYS", "batch_tiles", "choose_ba
 # the scheduler's many short units) (docs/serving.md, "Decode tiles by KV length").
 LONG_KV_KEYS = 8192
 # The fewest fused rows (query tokens x GQA group) a batch's longest request has for the FA3
-# pair form to run it by default (choose_batch_tiles' `pair`; docs/serving.md, "The FA3 pair
-# form"); fewer run FA2's decode tiles.
-PAIR_MIN_ROWS = 32
+# pair form to run it (choose_batch_tiles' `pair`); fewer run FA2's decode tiles. Measured on
+# the H200 (Hq 64 / Hkv 8, kv 8192, batch 32, fraction of copy bandwidth): 16 rows, FA2's
+# decode tiles 0.87; 32 rows, the pair form 0.94 against FA2's 32-row tiles 0.52
+# (docs/serving.md, "The FA3 pair form").
+PAIR_MIN_ROWS = 17
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
     keys, one CTA per SM), "auto" does so for prefill batches (at least 128 fused rows).
     `pair` (the variant has no query/key/value transform): where FA3 runs, a batch of 17 to 64
     fused rows -- multi-token decode -- takes its pair form, 64-row units whose K/V tiles the
-    two consumer warpgroups split ("auto": from 32 rows; docs/serving.md, "The FA3 pair form").
+    two consumer warpgroups split (docs/serving.md, "The FA3 pair form").
     `tree` (the plan has a tree mask): only FA2 and FA3's pair form read one, so FA3 runs the
     batch only in its pair form ("on" raises where it cannot).
 
@@ -85,8 +87,7 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
     """
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim}: the batch kernel supports {HEAD_DIMS}")
-    paired = pair and force is None and (PAIR_MIN_ROWS if fa3 == "auto" else 17) \
-        <= max_fused_rows <= 64
+    paired = pair and force is None and PAIR_MIN_ROWS <= max_fused_rows <= 64
     if tree and not paired and fa3 != "off":
         if fa3 == "on":
             raise ValueError(f"BatchAttention(kernel='fa3') with a tree mask: the FA3 batch "

@@ -141,9 +141,11 @@ def test_pair_form_with_sinks(d: int) -> None:
     _check_pair(8, 8, d, "causal", KV, sinks=True)
 
 
-def test_forced_fa3_takes_the_pair_form_from_17_rows() -> None:
-    """kernel='fa3' runs 17-64 fused rows in the pair form (auto: from 32 rows)."""
-    _check_pair(3, 8, 128, "causal", [40, 700, 5000], kernel="fa3")
+@pytest.mark.parametrize("tokens,g,kernel", [(3, 8, "fa3"), (17, 1, None), (3, 8, None)])
+def test_pair_form_from_17_rows(tokens: int, g: int, kernel: str | None) -> None:
+    """17 to 64 fused rows take the pair form (3 tokens x 8 heads; 17 tokens of MHA), with
+    kernel=None and kernel='fa3'."""
+    _check_pair(tokens, g, 128, "causal", [40, 700, 5000], kernel=kernel)
 
 
 def test_pair_form_is_deterministic_and_matches_fa2() -> None:
