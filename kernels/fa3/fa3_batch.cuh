@@ -71,11 +71,14 @@ struct PagedRows {
 // form"). It goes through consumer 1's Q slot (the pair form loads Q once, into slot 0), in
 // rounds of the slot's size; thread t of consumer 1 holds exactly the rows and columns that
 // thread t of consumer 0 does, so each thread's values are one strided vector of float4s:
-// element k = (m[0], m[1], l[0], l[1], o[0][0..31], o[1][0..31]) [k]. Named barrier 6 (both
-// consumers, 256 threads) closes each round's write, then its read.
+// element k = (m[0], m[1], l[0], l[1], o[0][0..31], o[1][0..31]) [k]. Two mbarriers order the
+// rounds, every thread arriving on its own (full: consumer 1 wrote a round; empty: consumer 0
+// read it), as QRelease does for Q -- with named barriers instead, racecheck reported the next
+// round's writes against the last round's reads.
 template <int D, bool kSoftmax>
 struct PairMerge {
-  u32 buf;  // consumer 1's Q slot: D / 64 TMA boxes
+  u32 buf;          // consumer 1's Q slot: D / 64 TMA boxes
+  u32 full, empty;  // the two mbarriers (128 arrivals each)
   static constexpr int kN = 4 + 32 * (D / 64);                 // floats a thread hands over
   static constexpr int kChunk = (D / 64) * kBoxBytes / 128 / 4;  // of them per round
   static constexpr int kRounds = (kN + kChunk - 1) / kChunk;
@@ -91,15 +94,12 @@ struct PairMerge {
   __device__ __forceinline__ u32 slot(int q) const {  // float4 q of this thread's round
     return buf + (q * 128 + (threadIdx.x & 127)) * 16;
   }
-  __device__ __forceinline__ static void sync() {
-    asm volatile("bar.sync 6, 256;\n" ::: "memory");
-  }
 
   // Consumer 1 (`giver`) hands its state over; consumer 0's m, l, o become the state over both
-  // halves (a NaN maximum stays NaN, as torch's softmax). Both consumers run this one code
-  // path, so the two meet on the same barrier instructions.
+  // halves (a NaN maximum stays NaN, as torch's softmax). `round`: the rounds this consumer
+  // ran in the CTA so far (the barriers' phases).
   __device__ __forceinline__ void hand_over(bool giver, float (&m)[2], float (&l)[2],
-                                            float (&o)[D / 64][32]) const {
+                                            float (&o)[D / 64][32], int& round) const {
     float a0[2] = {1.f, 1.f}, a1[2] = {1.f, 1.f};  // the weights of the two states
     auto give = [&](auto k, u32 addr) {
       constexpr int K = decltype(k)::value;
@@ -137,21 +137,27 @@ struct PairMerge {
         }
       }
     };
-    rounds<0>(giver, give, take);
+    rounds<0>(giver, give, take, round);
   }
 
  private:
-  // round R: the giver stores its float4s R * kChunk .. of the vector, both meet, the taker
-  // loads and folds them, both meet again (the slot is then free for round R + 1)
+  // round R: once the slot is free (the taker read the last round), the giver stores its
+  // float4s R * kChunk .. of the vector; once they landed the taker loads and folds them
   template <int R, typename G, typename T>
-  __device__ __forceinline__ void rounds(bool giver, G& give, T& take) const {
+  __device__ __forceinline__ void rounds(bool giver, G& give, T& take, int& round) const {
     if constexpr (R < kRounds) {
       constexpr int kEnd = (R + 1) * kChunk < kN ? (R + 1) * kChunk : kN;
-      if (giver) each<R * kChunk, kEnd>(give);
-      sync();
-      if (!giver) each<R * kChunk, kEnd>(take);
-      sync();
-      rounds<R + 1>(giver, give, take);
+      if (giver) {
+        if (round > 0) tma::mbar_wait(empty, (round - 1) & 1);
+        each<R * kChunk, kEnd>(give);
+        tma::mbar_arrive(full);
+      } else {
+        tma::mbar_wait(full, round & 1);
+        each<R * kChunk, kEnd>(take);
+        tma::mbar_arrive(empty);
+      }
+      ++round;
+      rounds<R + 1>(giver, give, take, round);
     }
   }
   template <int K, int END, typename F>
@@ -203,6 +209,13 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
   const int last = __ldg(plan_cta_indptr(p) + blockIdx.x + 1);
   const int gf = p.num_q_heads / p.num_kv_heads;
 
+  // (the pair form's hand-over barriers take the split ring's slots, which this kernel's ring
+  // does not use; init_barriers' fence and __syncthreads publish them)
+  const u32 hand_bar = base + S::kSplitBar;
+  if (kPair && threadIdx.x == 0) {
+    tma::mbar_init(hand_bar, 128);
+    tma::mbar_init(hand_bar + 8, 128);
+  }
   init_barriers<STAGES, false, kPair ? 1 : kConsumers>(full_bar, empty_bar, q_full, q_empty);
 
   // ---- producer: one warp; the other producer warps have nothing to do ----------------------
@@ -284,7 +297,7 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
   const float qk_scale = (kSoftmax && !Variant::has_logits_transform) ? p.sm_scale * kLog2e
                                                                       : p.sm_scale;
   const common::FastDiv gdiv(gf);
-  int tile = 0;
+  int tile = 0, hand_rounds = 0;
 #pragma unroll 1
   for (int ui = first; ui < last; ++ui) {
     const fa2::WorkUnit u = fa2::queued_unit(p, ui);
@@ -490,7 +503,8 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
     }
     tile += n;
     if constexpr (kPair) {  // consumer 1 hands its state to consumer 0, which stores the rows
-      PairMerge<D, kSoftmax>{sq + BLOCKS * kBoxBytes}.hand_over(turns.me == 1, row_m, row_l, o);
+      PairMerge<D, kSoftmax>{sq + BLOCKS * kBoxBytes, hand_bar, hand_bar + 8}.hand_over(
+          turns.me == 1, row_m, row_l, o, hand_rounds);
       if (turns.me == 1) {
         q_release.stored();
         continue;
