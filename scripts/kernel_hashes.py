@@ -13,7 +13,8 @@ Kinds: `fa2` (FlexAttention-style prefill, with the runtime's spill fallback til
 `fa3-pair`, `fa3-split` (a split-tail launch: the tail is a runtime branch of the single
 form's cubin, so its hash equals `fa3-single`'s), `fa3-lowpressure` / `fa3-pair-lowpressure`
 (the low-pressure form forced, whether or not the runtime needs it for the variant),
-`fa3-batch` and `fa3-batch-lowpressure`, `fa3-hoisted` (the attention kernel left after the
+`fa3-batch` and `fa3-batch-lowpressure`, `fa3-batch-pair` (the batch kernel's pair form of
+64-row units: multi-token decode; variants with q/k/v transforms have none), `fa3-hoisted` (the attention kernel left after the
 pre-pass takes a variant's q/k/v transforms), `prepass`, `merge` (variant `-`, D=-).
 Inputs are bfloat16 (the merge kernel: bfloat16 and float16). Block-mask launches, whose mask
 is merged into the variant's IR at run time, are not listed.
@@ -44,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FA2_KINDS = ("fa2", "fa2-batch", "fa2-decode")
 FA3_KINDS = ("fa3-single", "fa3-pair", "fa3-split", "fa3-lowpressure", "fa3-pair-lowpressure",
-             "fa3-batch", "fa3-batch-lowpressure", "fa3-hoisted")
+             "fa3-batch", "fa3-batch-lowpressure", "fa3-batch-pair", "fa3-hoisted")
 KINDS = FA2_KINDS + FA3_KINDS + ("prepass", "merge")
 ARCH = "sm_90a"
 PREFILL_S = 4096   # FlexAttention-style prefill shape: B=1, H=16, S x S
@@ -174,7 +175,11 @@ def _fa3_batch(kind: str, variant: str, d: int, arch: str) -> list[str]:
 
     if d not in FA3_BATCH_HEAD_DIMS:
         return []
-    spec = KernelSpec("fa3_batch", _ir(variant, d), d, "bfloat16", fa3_batch_tiles(d))
+    ir = _ir(variant, d)
+    pair = kind == "fa3-batch-pair"
+    if pair and any(h in ir.hooks for h in ("query_mod", "key_mod", "value_mod")):
+        return []
+    spec = KernelSpec("fa3_batch", ir, d, "bfloat16", fa3_batch_tiles(d, 64 if pair else 128))
     if kind.endswith("lowpressure"):
         return _forced_low(spec, kind, variant, d, arch)
     f = compile_spec(spec, arch)
