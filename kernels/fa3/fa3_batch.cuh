@@ -25,6 +25,9 @@
 //   The consumers run fa3_consumer.cuh's pipelined loop per unit, then store: straight to
 //   the output when the unit covers its rows' whole KV range, else fp32 partial O and LSE to the
 //   workspace slot for the merge kernel.
+// The pair form (TQ = 64, multi-token decode): units of 64 rows, Q loaded once for both
+// consumers, each K/V tile read by one of them (alternate tiles), and consumer 1's state handed
+// to consumer 0 at the end of the unit (PairMerge; docs/serving.md, "The FA3 pair form").
 //
 // Keys past the unit's range: K rows are masked in the logits, but P = 0 does not make P V finite
 // if V holds NaN or Inf -- and the unwritten slots of a request's last page may hold anything. So
