@@ -33,6 +33,39 @@ def test_keep_captured_tiles(current: BatchTiles | None, new: BatchTiles, fa3: s
     assert got is (current if kept else new)
 
 
+PAIR = choose_batch_tiles(128, 64, 132, fa3="auto", pair=True)
+
+
+@pytest.mark.parametrize("rows,fa3,pair,want", [
+    (64, "auto", True, ("fa3", 64)), (17, "auto", True, ("fa3", 64)),
+    (16, "auto", True, ("fa2", 16)),      # decode rows keep FA2's decode tiles
+    (65, "auto", True, ("fa2", 128)),     # under 128 rows and over 64: FA2's prefill tiles
+    (128, "auto", True, ("fa3", 128)),
+    (64, "auto", False, ("fa2", 64)),     # a variant with q/k/v mods has no pair form
+    (64, "off", True, ("fa2", 64)), (32, "on", True, ("fa3", 64)), (8, "on", True, ("fa3", 128)),
+])
+def test_the_pair_form_runs_17_to_64_fused_rows(rows: int, fa3: str, pair: bool,
+                                                 want: tuple) -> None:
+    t = choose_batch_tiles(128, rows, 132, fa3=fa3, pair=pair)
+    assert (t.kernel, t.tq) == want
+    if t.tq == 64 and t.kernel == "fa3":
+        assert t.stages % 2 == 0 and (t.tkv, t.ctas_per_sm, t.num_ctas) == (64, 1, 132)
+
+
+def test_tree_masks_take_fa3_only_in_the_pair_form() -> None:
+    """Only FA2 and the pair form read tree masks: a tree plan of 128 rows runs FA2 (or raises
+    with kernel='fa3'), and a 128-row FA3 kernel is not kept for a tree plan."""
+    assert choose_batch_tiles(128, 64, 132, fa3="auto", pair=True, tree=True) == PAIR
+    assert choose_batch_tiles(128, 128, 132, fa3="auto", pair=True, tree=True).kernel == "fa2"
+    with pytest.raises(ValueError, match=r"kernel='fa3'\) with a tree mask: .* pair form"):
+        choose_batch_tiles(128, 128, 132, fa3="on", pair=True, tree=True)
+    with pytest.raises(ValueError, match="no query/key/value mods"):
+        choose_batch_tiles(128, 64, 132, fa3="on", pair=False, tree=True)
+    assert keep_captured_tiles(FA3, PAIR, "auto") is FA3
+    assert keep_captured_tiles(FA3, PAIR, "auto", tree=True) is PAIR
+    assert keep_captured_tiles(PAIR, FA2_DECODE, "auto", tree=True) is PAIR
+
+
 @pytest.mark.parametrize("kernel,forced,why,want", [
     (None, None, None, "auto"), (None, None, "sm_90", "off"), (None, (64, 64, 2), None, "off"),
     ("fa2", None, None, "off"), ("fa3", None, None, "on"), ("fa3", (64, 64, 2), None, "on"),
