@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from attncc.codegen.tiles import fa3_tiles
 from attncc.errors import DeviceError, InvalidArgument, check_bool, check_int
 from attncc.frontend import Variant
 from attncc.ir.program import TRANSFORM_HOOKS, Bindings, VariantIR
@@ -60,14 +61,13 @@ from attncc.ir.program import TRANSFORM_HOOKS, Bindings, VariantIR
 from ..jit.device import num_sms
 from ..jit.launch_args import captured
 from ..jit.kernels import KernelTiles, KernelRecord, KernelSpec, LoadedKernel, get_kernel
-from attncc.codegen.tiles import fa3_tiles
 from ..jit.launcher import current_raw_stream
 from ..jit.tiles import HEAD_DIMS
 from ..reference import batch_attention_reference, check_sinks
 from . import launch
 from .capture import LaunchShape, capture_mismatch
 from .causal import clip_causal_units, mask_causal_bound, section_tokens
-from .fa3_batch import fa3_batch_tiles, fa3_unsupported
+from .fa3_batch import fa3_unsupported
 from .operands import (HeadDims, PlannedShape, cache_views, check_kv_dtype, check_lse, check_out,
                        check_q, plan_head_dims)
 from .plan import planner, scheduler
