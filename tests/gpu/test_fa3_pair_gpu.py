@@ -15,7 +15,7 @@ import torch
 import attncc
 from attncc.runtime.reference import batch_attention_reference
 from attncc.runtime.serving.batch import BatchAttention
-from tests.gpu.test_multitoken_gpu import _cache, _mask, _plan
+from tests.gpu.test_multitoken_gpu import _cache, _capture, _mask, _plan
 
 pytestmark = pytest.mark.gpu
 
@@ -119,11 +119,7 @@ def test_pair_form_graph_replays_new_trees() -> None:
         pytest.skip("the FA3 batch kernel does not run this batch on this GPU")
     q = torch.randn(int(qo[-1]), hkv * g, 128, device="cuda").bfloat16()
     out = torch.empty_like(q)
-    ba.run(q, c["cache"], out=out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ba.run(q, c["cache"], out=out)
+    graph = _capture(ba, q, c["cache"], out)
     for seed in (2, 3, None):
         mask = _mask("packed", q_lens, kv_lens, seed=seed) if seed is not None else {}
         _plan(ba, q_lens, c, hkv * g, hkv, page, mask)

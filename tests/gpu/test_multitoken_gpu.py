@@ -91,6 +91,18 @@ def _check(ba: BatchAttention, q: torch.Tensor, qo: torch.Tensor, c: dict[str, A
         assert (lse[:n].double() - ref_lse).abs().max().item() < 2e-2
 
 
+def _capture(ba: BatchAttention, q: torch.Tensor, cache: Any,
+             out: torch.Tensor) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `ba.run(q, cache, out=out)`, after one eager run (which compiles and
+    loads the kernel: a capture cannot)."""
+    ba.run(q, cache, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ba.run(q, cache, out=out)
+    return graph
+
+
 def _mask(kind: str, q_lens: list[int], kv_lens: list[int], seed: int) -> dict[str, Any]:
     """plan()'s mask arguments: none, a random tree (custom_mask, a CUDA bool tensor as a
     serving loop has it), or the same tree bit-packed (packed_custom_mask)."""
@@ -172,11 +184,7 @@ def test_cuda_graph_replays_new_plans_and_masks(first: str) -> None:
         return _plan(ba, q_lens, c, hq, hkv, page, mask), c, mask
 
     qo, c, mask = plan([8] * 8, [4000] * 8, first, 0)
-    ba.run(q_buf, (k, v), out=out_buf)  # compile and load before capturing
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ba.run(q_buf, (k, v), out=out_buf)
+    graph = _capture(ba, q_buf, (k, v), out_buf)
     steps = [([8] * 8, [4000] * 8, "tree"), ([4] * 12, [700 + 300 * i for i in range(12)], "none"),
              ([2, 8, 5, 8], [9000, 8, 130, 2049], "packed"), ([8] * 16, [1500] * 16, "tree")]
     for i, (q_lens, kv_lens, kind) in enumerate(steps):
@@ -224,11 +232,6 @@ def test_masked_plan_after_capturing_the_fa3_kernel_raises() -> None:
     if ba.tiles is None or ba.tiles.kernel != "fa3":
         pytest.skip("the FA3 batch kernel does not run this batch on this GPU")
     q = torch.randn(int(qo[-1]), hkv * g, D, device="cuda").bfloat16()
-    out = torch.empty_like(q)
-    ba.run(q, c["cache"], out=out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ba.run(q, c["cache"], out=out)
+    graph = _capture(ba, q, c["cache"], torch.empty_like(q))  # noqa: F841 (kept alive)
     with pytest.raises(ValueError, match="FA3 batch kernel"):
         _plan(ba, q_lens, c, hkv * g, hkv, page, _mask("tree", q_lens, kv_lens, seed=1))
