@@ -62,6 +62,20 @@ __device__ __forceinline__ int query_position(const attncc::BatchParams& p, int 
   return p.q_positions != nullptr ? __ldg(p.q_positions + qo_offset + tok) : tok + q_pos0;
 }
 
+// Multi-token decode tree masks (docs/serving.md, "Multi-token decode and tree masks"), as both
+// batch kernels read them: query t (< 16) of request b keeps its step's key j (< 16; position
+// q_pos0 + j) only where bit j of word 16 b + t is set; every other key stays visible, and so
+// does everything of a plan with q_positions (there t is no token index). tree_keys: whether
+// keys [kv0, kv1) hold any of the step's; tree_word: query t's word.
+__device__ __forceinline__ bool tree_keys(const attncc::BatchParams& p, int q_pos0, int kv0,
+                                          int kv1) {
+  return p.tree_mask != nullptr && p.q_positions == nullptr && kv1 > q_pos0 &&
+         kv0 < q_pos0 + 16;
+}
+__device__ __forceinline__ unsigned tree_word(const attncc::BatchParams& p, int b, unsigned t) {
+  return __ldg(p.tree_mask + 16 * b + t);
+}
+
 // ---------------------------------------------------------------------------------------------
 // BatchWork: fa2_attend's view of one work unit.
 // ---------------------------------------------------------------------------------------------
@@ -120,22 +134,19 @@ struct BatchWork {
     return query_position(p, q_pos0, qo_offset, tok);
   }
 
-  // Multi-token decode tree mask (docs/serving.md, "Multi-token decode and tree masks"): query t
-  // (< 16) of request b keeps its step's key j (< 16; kv = q_pos0 + j) only where bit j of word
-  // 16 b + t is set; every other key stays visible, and so does everything of a plan with
-  // q_positions (there t is no token index; plan() refuses masks with them). Unmasked requests'
-  // words are all ones. Read from the kernel parameters, not kept in registers: only the one or
-  // two tiles tree_tile() names pay for it. An fp8 cache's forms carry none (plan() refuses
-  // masks with one): their registers are spent on widening the cache.
+  // Multi-token decode tree mask (tree_keys / tree_word above; plan() refuses masks with
+  // q_positions). Unmasked requests' words are all ones. Read from the kernel parameters, not
+  // kept in registers: only the one or two tiles tree_tile() names pay for it. An fp8 cache's
+  // forms carry none (plan() refuses masks with one): their registers are spent on widening
+  // the cache.
   static constexpr bool kTreeMask = !kKv8;
   __device__ __forceinline__ bool tree_tile(int kv0, int kv_end) const {
-    return p.tree_mask != nullptr && p.q_positions == nullptr && kv_end > q_pos0 &&
-           kv0 < q_pos0 + 16;
+    return tree_keys(p, q_pos0, kv0, kv_end);
   }
   __device__ __forceinline__ bool tree_keeps(int qi, int kv) const {
     const unsigned j = kv - q_pos0, t = qi - q_pos0;
     return p.tree_mask == nullptr || p.q_positions != nullptr || j >= 16u || t >= 16u ||
-           ((__ldg(p.tree_mask + 16 * b + t) >> j) & 1) != 0;
+           ((tree_word(p, b, t) >> j) & 1) != 0;
   }
 
   __device__ __forceinline__ void load_q(u32 sq, int tid) const {

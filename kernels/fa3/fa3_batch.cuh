@@ -377,20 +377,15 @@ __device__ __forceinline__ void fa3_batch(const attncc::BatchParams& p,
       // compare here, and 64 predicates stay live instead (document_mask D = 128: 208 B spilled)
       asm volatile("" : "+r"(keep[0]), "+r"(keep[1]));
     };
-    // (the pair form) a multi-token decode tree mask, as fa2_batch.cuh's BatchWork reads it
-    // (docs/serving.md, "Multi-token decode and tree masks"): query t < 16 of the step keeps
-    // its step's key j < 16 only where bit j of word 16 b + t is set. Only the one or two tiles
-    // holding the step's keys test it, on the checked path.
-    const bool tree_plan = kPair && p.tree_mask != nullptr && p.q_positions == nullptr;
-    auto tree_tile = [&](int kv0) {
-      return tree_plan && kv0 + TKV > q_pos0 && kv0 < q_pos0 + 16;
-    };
+    // (the pair form) a multi-token decode tree mask (fa2_batch.cuh's tree_keys / tree_word):
+    // only the one or two tiles holding the step's keys test it, on the checked path
+    auto tree_tile = [&](int kv0) { return kPair && fa2::tree_keys(p, q_pos0, kv0, kv0 + TKV); };
     auto hide_tree = [&](float (&s)[TKV / 2], int kv0) {
       const float masked = kSoftmax ? common::neg_inf() : 0.f;
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const unsigned t = row_qi[hr] - q_pos0;
-        const unsigned w = row_ok[hr] && t < 16u ? __ldg(p.tree_mask + 16 * u.request + t) : ~0u;
+        const unsigned w = row_ok[hr] && t < 16u ? fa2::tree_word(p, u.request, t) : ~0u;
 #pragma unroll
         for (int j = 0; j < TKV / 8; ++j)
 #pragma unroll
