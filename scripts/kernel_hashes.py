@@ -171,13 +171,14 @@ def _fa3_dense(kind: str, variant: str, d: int, arch: str, ir: Any = None) -> li
 
 def _fa3_batch(kind: str, variant: str, d: int, arch: str) -> list[str]:
     from attncc.runtime.jit.kernels import KernelSpec, compile_spec
-    from attncc.runtime.serving.fa3_batch import FA3_BATCH_HEAD_DIMS, fa3_batch_tiles
+    from attncc.runtime.serving.fa3_batch import (FA3_BATCH_HEAD_DIMS, fa3_batch_tiles,
+                                                  pair_form_runs)
 
     if d not in FA3_BATCH_HEAD_DIMS:
         return []
     ir = _ir(variant, d)
     pair = kind == "fa3-batch-pair"
-    if pair and any(h in ir.hooks for h in ("query_mod", "key_mod", "value_mod")):
+    if pair and not pair_form_runs(ir):
         return []
     spec = KernelSpec("fa3_batch", ir, d, "bfloat16", fa3_batch_tiles(d, 64 if pair else 128))
     if kind.endswith("lowpressure"):

@@ -67,7 +67,7 @@ from ..reference import batch_attention_reference, check_sinks
 from . import launch
 from .capture import LaunchShape, capture_mismatch
 from .causal import clip_causal_units, mask_causal_bound, section_tokens
-from .fa3_batch import fa3_unsupported
+from .fa3_batch import fa3_unsupported, pair_form_runs
 from .operands import (HeadDims, PlannedShape, cache_views, check_kv_dtype, check_lse, check_out,
                        check_q, plan_head_dims)
 from .plan import planner, scheduler
@@ -577,10 +577,8 @@ class BatchAttention:
         new batch fits them (`tiles.keep_captured_tiles`) and a captured run's pipeline depth
         (`tiles.keep_captured_depth`)."""
         forced = tuple(self._forced_tiles) if self._forced_tiles is not None else None
-        ir = self._variant_ir()  # (the FA3 pair form shares Q and splits K/V: no row transforms)
-        pair = not any(h in ir.hooks for h in ("query_mod", "key_mod", "value_mod"))
         tiles = batch_tiles(head_dim, max_fused_rows, num_sms(self.device), forced, fa3, long_kv,
-                            pair, self._tree_plan)
+                            pair_form_runs(self._variant_ir()), self._tree_plan)
         tiles = keep_captured_tiles(self.tiles, tiles, fa3, self._tree_plan)
         return keep_captured_depth(self._captured.tiles if self._captured else None, tiles)
 

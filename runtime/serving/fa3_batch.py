@@ -19,13 +19,14 @@ from typing import Any
 import torch
 
 from attncc.codegen.tiles import KernelTiles, fa3_tiles
+from attncc.ir.hoist import transforms_in
 from attncc.ir.program import VariantIR
 
 from ..jit.tiles import fa3_stages
 from ..jit.tma import MapCache, MapSlot, encode_map
 
 __all__ = ["fa3_unsupported", "fa3_batch_source", "fa3_batch_maps", "fa3_batch_tiles",
-           "FA3_BATCH_HEAD_DIMS"]
+           "pair_form_runs", "FA3_BATCH_HEAD_DIMS"]
 
 FA3_BATCH_HEAD_DIMS = (64, 128)
 
@@ -53,6 +54,18 @@ def fa3_unsupported(device: Any, *, head_dim: int, group: int, kv_layout: str,
     if kv_layout != "ragged" and (page_size < 16 or page_size & (page_size - 1)):
         return f"a power-of-two page size >= 16 (got {page_size})"
     return None
+
+
+def pair_form_runs(ir: VariantIR) -> bool:
+    """Whether the FA3 batch kernel's pair form can run variant `ir`: not with query, key or
+    value transforms, since its consumers share Q and each sees half the K/V tiles (the
+    kernel's static_assert; docs/serving.md, "The FA3 pair form").
+
+    Example:
+        >>> pair_form_runs(VariantIR())
+        True
+    """
+    return not transforms_in(ir)
 
 
 def fa3_batch_tiles(head_dim: int, tq: int = 128) -> KernelTiles:

@@ -91,8 +91,8 @@ def choose_batch_tiles(head_dim: int, max_fused_rows: int, num_sms: int,
     if tree and not paired and fa3 != "off":
         if fa3 == "on":
             raise ValueError(f"BatchAttention(kernel='fa3') with a tree mask: the FA3 batch "
-                             f"kernel reads tree masks only in its pair form, 17 to 64 fused rows "
-                             f"a request (query tokens x GQA group; this batch: "
+                             f"kernel reads tree masks only in its pair form, {PAIR_MIN_ROWS} to "
+                             f"64 fused rows a request (query tokens x GQA group; this batch: "
                              f"{max_fused_rows}) and no query/key/value mods; use kernel=None "
                              f"or 'fa2'")
         fa3 = "off"
