@@ -35,9 +35,9 @@ from .constants import (FA3_SPLIT_HEAD_DIMS, FA3_THREADS, static_asserts,
 from .errors import CodegenError
 from .hooks import (EMITTERS, HookCode, captured_grad, diag_grads, diagonal_read, logits_grad,
                     tile_grads, tile_uniform)
-from .tiles import (FA2_HEAD_DIMS, padded_head_dim, FA3_BACKWARD_TILES, FA3_TKV_CHOICES, BackwardTiles,
-                    KernelTiles, backward_tiles, default_tiles, fa3_smem_bytes, fa3_tiles,
-                    FA3_PADDED_MIN_DIM)
+from .tiles import (FA2_HEAD_DIMS, padded_head_dim, FA3_BACKWARD_TILES, FA3_TKV_CHOICES,
+                    BackwardTiles, fa3_backward_geometry, KernelTiles, backward_tiles,
+                    default_tiles, fa3_smem_bytes, fa3_tiles, FA3_PADDED_MIN_DIM)
 from .layout import (ATTENTION_PARAMS, BACKWARD_PARAMS, BATCH_PARAMS, PREPASS_PARAMS, StructLayout,
                      c_identifier, plan_header_static_asserts, variant_grads_layout,
                      variant_params_layout)
@@ -163,7 +163,8 @@ KERNELS: dict[str, KernelSpec] = {
     "fa3bwd": KernelSpec("fa3bwd", ("common/backward_params.cuh", "common/common.cuh",
                                     "common/exact_grad.cuh", "fa2/fa2_config.cuh",
                                     "fa2/fa2_backward.cuh",
-                                    "hopper/wgmma.cuh", "fa3/fa3_backward.cuh"),
+                                    "hopper/wgmma.cuh", "hopper/tma.cuh",
+                                    "fa3/fa3_backward.cuh"),
                          "attncc::fa3bwd::fa3_backward", threads=0, rows_per_cta=0,
                          head_dim_multiple=64, head_dim_max=128, head_dims=(64, 128),
                          entry_macro="ATTNCC_FA3_BWD_ENTRY", backward=True),
@@ -675,8 +676,8 @@ def _build_backward(ir: VariantIR, vc: VariantCode, spec: KernelSpec, name: str,
     if fa3 and tiles != FA3_BACKWARD_TILES:
         raise CodegenError(f"the 'fa3bwd' kernel has one form, {FA3_BACKWARD_TILES}; got {tiles}")
     name += tiles.suffix + ("_exact" if vc.exact_grads else "")
-    threads, smem = tiles.threads(head_dim), tiles.smem_bytes(head_dim)
-    smem += 1024 if fa3 else 0  # the 128-byte swizzle's 1024-byte alignment slack
+    threads, smem = (fa3_backward_geometry(head_dim) if fa3 else
+                     (tiles.threads(head_dim), tiles.smem_bytes(head_dim)))
     shipped = [(f, read_template(f).rstrip("\n") + "\n") for f in (*COMMON_TEMPLATES, *spec.files)]
     if fa3:  # wgmma.cuh reads the form (never paired here)
         shipped.insert(len(COMMON_TEMPLATES), ("kernel form", form_text()))

@@ -210,7 +210,7 @@ _BACKWARD_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("full_q_num_blocks", "const int*"), ("full_q_indices", "const int*"),
     ("qm_stride_b", "attncc::i64"), ("qm_stride_h", "attncc::i64"),
     ("qi_stride_b", "attncc::i64"), ("qi_stride_h", "attncc::i64"), ("qi_stride_kv", "attncc::i64"),
-    ("block_q", "int"), ("block_kv", "int"), ("kv_tile0", "int"),
+    ("block_q", "int"), ("block_kv", "int"), ("kv_tile0", "int"), ("tma", "const void*"),
 )
 
 BACKWARD_PARAMS: StructLayout = struct_layout("attncc::BackwardParams", _BACKWARD_PARAMS_MEMBERS)

@@ -26,7 +26,8 @@ from .errors import CodegenError
 __all__ = ["KernelTiles", "default_tiles", "fa3_tiles", "fa3_smem_bytes", "FA2_HEAD_DIMS",
            "TQ_CHOICES", "HEAD_DIM_STEP", "HEAD_DIM_MIN", "HEAD_DIM_MAX", "padded_head_dim",
            "TKV_CHOICES", "FA3_TKV_CHOICES", "BackwardTiles", "backward_tiles",
-           "backward_fallbacks", "FA3_BACKWARD_TILES", "FA3_PADDED_MIN_DIM"]
+           "backward_fallbacks", "FA3_BACKWARD_TILES", "fa3_backward_geometry",
+           "FA3_PADDED_MIN_DIM"]
 
 FA2_HEAD_DIMS = (64, 128, 256)
 # Head dims the GPU paths take: multiples of 8 (one 16-byte chunk of 16-bit elements) from 32 to
@@ -244,9 +245,24 @@ def backward_fallbacks(head_dim: int, block_kv: int | None = None) -> tuple[Back
 
 
 # The FA3-class backward's one form (kernels/fa3/fa3_backward.cuh): 64-row query tiles, 128-row
-# KV tiles, two warpgroups (BackwardTiles.threads: 8 warps), the FA2-class kernel's shared tiles
-# plus 1 KB of alignment slack.
+# KV tiles, two stages; its geometry is fa3_backward_geometry's.
 FA3_BACKWARD_TILES = BackwardTiles(64, 128, 2, 1)
+
+
+def fa3_backward_geometry(head_dim: int) -> tuple[int, int]:
+    """Threads and dynamic shared memory of the FA3-class backward (fa3_backward.cuh BwdConfig):
+    a producer warpgroup and two consumers; K, V, the Q and dO stages, two dS buffers, one fp32
+    dQ staging tile per 64 columns, the LSE and delta rows per stage, 128 bytes of mbarriers and
+    1 KB of alignment slack.
+
+    Example:
+        >>> fa3_backward_geometry(128), fa3_backward_geometry(64)
+        ((384, 198784), (384, 116864))
+    """
+    t = FA3_BACKWARD_TILES
+    tiles = 2 * (2 * t.tkv * head_dim + 2 * t.stages * t.tq * head_dim + 2 * t.tq * t.tkv)
+    dq = head_dim // 64 * t.tq * 64 * 4
+    return 384, tiles + dq + 8 * t.stages * t.tq + 128 + 1024
 
 
 def backward_tiles(head_dim: int, block_kv: int | None = None) -> BackwardTiles:

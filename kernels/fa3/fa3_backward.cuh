@@ -4,87 +4,83 @@
 //
 // Self-contained: no #include. Comes after attncc_types.cuh, backward_params.cuh, common.cuh,
 // fa2_config.cuh, fa2_backward.cuh (the per-element hooks, the tile lists), codegen's form
-// block and wgmma.cuh, and before the generated Variant_<name> (ATTNCC_FA3_BWD_ENTRY below).
+// block, wgmma.cuh and tma.cuh, and before the generated Variant_<name> (ATTNCC_FA3_BWD_ENTRY
+// below).
 //
 // Grid: fa2::bwd_cta's (ceil(kv_len / 128) C, num_kv_heads / C, batch), KV heads in chunks of C.
-// Two warpgroups, warpgroup w owns KV rows [64 w, 64 w + 64) of the CTA's 128-row KV tile. As in
-// the FA2-class kernel, a CTA keeps its K and V tile in shared memory and dK, dV in registers,
-// visits the 64-row query tiles of every query head of its GQA group that touch it, and writes
-// dK, dV once. Per query tile and each of its two 32-column query sub-tiles, each warpgroup (its
-// 64 KV rows are every wgmma's M):
+// As in the FA2-class kernel, a CTA keeps its 128-row K and V tile in shared memory and dK, dV in
+// registers, visits the 64-row query tiles of every query head of its GQA group that touch it,
+// and writes dK, dV once. Three warpgroups with roles (docs/backward.md, "Warp specialization"):
+//   producer, warp 0: TMA loads -- K and V once, then each query tile's Q, dO (4-D boxes: rows
+//     past the sequence land as zeros), LSE and delta rows into a two-stage ring (mbarriers);
+//   producer, warp 1: adds each tile's staged fp32 dQ into dq_accum with bulk reductions, off
+//     the consumers' path;
+//   consumers 1 and 2: KV rows [64 w, 64 w + 64) each (every wgmma's M). Per query tile and each
+//     of its two 32-column sub-tiles:
 //   S^T = K Q^T, dP^T = V dO^T                 SS m64n32, both issued at once
 //   P^T, dS^T in registers                     fa2_backward.cuh's probs_tile / dscores_tile: the
 //                                              wgmma accumulator is mma.sync's C layout per warp
 //   dV += P^T dO, dK += dS^T Q                 RS: P^T / dS^T as A fragments, dO / Q N-major
-//   dQ += dS K                                 after both sub-tiles: SS m64n64 over dS in shared
-//                                              memory (query-major), fp32 reductions into dq_accum
-// dQ's columns are split over the warpgroups at head dim 128 (one m64n64 each, all 128 keys);
-// at head dim 64 warpgroup 0 computes it alone, so every dQ element takes one atomic add per
-// CTA and query tile -- what the deterministic mode's per-tile launches rely on.
-// Shared tiles use the 128-byte swizzle of wgmma.cuh (sw128_offset), filled by cp.async.
+//   dQ = dS K                                  after both sub-tiles and both consumers' dS halves:
+//                                              SS m64n64 over dS in shared memory (query-major,
+//                                              two buffers), staged for warp 1
+// dQ's columns are split over the consumers at head dim 128 (one m64n64 each, all 128 keys); at
+// head dim 64 consumer 1 computes it alone, so every dQ element takes one add per CTA and query
+// tile -- what the deterministic mode's per-tile launches rely on.
+// Shared tiles use the 128-byte swizzle of wgmma.cuh (sw128_offset), which TMA writes.
 #ifndef ATTNCC_FA3_BACKWARD_CUH
 #define ATTNCC_FA3_BACKWARD_CUH
 
 namespace attncc {
 namespace fa3bwd {
 
-using common::cp_async_16;
-using common::cp_async_commit;
-using common::cp_async_wait;
 using common::ElemTraits;
 using common::smem_addr;
 using common::TileList;
 typedef unsigned int u32;
-typedef unsigned short u16;
 
 // The N-major descriptor's byte offsets as the forward's V operand uses them (fa3_consumer.cuh;
 // tests/gpu/test_wgmma.py measured them): LBO unused at N = 64, SBO = 1024.
 constexpr unsigned kNMajorLbo = 8192;
 constexpr unsigned kNMajorSbo = 1024;
 
+// setmaxnreg: the producer warpgroup keeps 32 registers, the consumers take 240 each (128 x 32 +
+// 256 x 240 = the SM's 65,536)
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+
 template <int D, int TQ, int TKV, int STAGES, int DSPLIT>
 struct BwdConfig {
   static_assert(D == 64 || D == 128, "the FA3-class backward runs head dims 64 and 128");
   static_assert(TQ == 64 && TKV == 128 && STAGES == 2 && DSPLIT == 1,
                 "one form: 64-row query tiles, 128-row KV tiles, two stages");
-  static constexpr int kThreads = 256;  // two warpgroups of 64 KV rows
+  // a producer warpgroup (warp 0 loads, warp 1 adds dQ) and two consumers of 64 KV rows
+  static constexpr int kThreads = 384;
+  static constexpr int kDqGroups = D / 64;  // consumers that compute dQ (64 columns each)
+  static constexpr int kDqBytes = TQ * 64 * 4;  // one consumer's fp32 dQ tile
   // byte offsets from a 1024-aligned base (128-byte swizzle atoms); tiles are stored as
-  // 64-column blocks of [rows][128 B] one after another (wgmma.cuh)
+  // 64-column blocks of [rows][128 B] one after another (wgmma.cuh), as TMA boxes of
+  // [64 rows][64] land
   static constexpr int kK = 0;
   static constexpr int kV = kK + TKV * D * 2;
-  static constexpr int kQ = kV + TKV * D * 2;            // [STAGES]
-  static constexpr int kDo = kQ + STAGES * TQ * D * 2;   // [STAGES]
-  static constexpr int kDs = kDo + STAGES * TQ * D * 2;  // dS [TQ][TKV], query-major
-  static constexpr int kLse = kDs + TQ * TKV * 2;        // fp32 LSE (base 2) [STAGES][TQ]
-  static constexpr int kDelta = kLse + STAGES * TQ * 4;  // fp32 delta [STAGES][TQ]
-  static constexpr int kSmemBytes = kDelta + STAGES * TQ * 4 + 1024;  // + alignment slack
+  static constexpr int kQ = kV + TKV * D * 2;             // [STAGES]
+  static constexpr int kDo = kQ + STAGES * TQ * D * 2;    // [STAGES]
+  static constexpr int kDs = kDo + STAGES * TQ * D * 2;   // dS [2][TQ][TKV], query-major
+  static constexpr int kDq = kDs + 2 * TQ * TKV * 2;      // fp32 dQ [kDqGroups][kDqBytes]
+  static constexpr int kLse = kDq + kDqGroups * kDqBytes;  // fp32 LSE (base 2) [STAGES][TQ]
+  static constexpr int kDelta = kLse + STAGES * TQ * 4;    // fp32 delta [STAGES][TQ]
+  static constexpr int kBar = kDelta + STAGES * TQ * 4;    // mbarriers (BwdSmem)
+  static constexpr int kSmemBytes = kBar + 128 + 1024;     // + alignment slack
 };
 
-// Copy rows [row0, row0 + ROWS) of a [len][D] 16-bit tensor into a 128B-swizzled tile at
-// shared address dst; rows outside [0, len) are zero-filled.
-template <typename DType, int D, int ROWS, int NT>
-__device__ __forceinline__ void load_rows(const DType* g, i64 stride_s, u32 dst, int row0, int len,
-                                          int tid) {
-  constexpr int CHUNKS = D / 8;
-  constexpr int PER_PASS = NT / CHUNKS;
-  static_assert(NT % CHUNKS == 0 && ROWS % PER_PASS == 0, "loader layout");
-  const int r0 = tid / CHUNKS, col = (tid % CHUNKS) * 8;
-#pragma unroll
-  for (int j = 0; j < ROWS / PER_PASS; ++j) {
-    const int r = r0 + j * PER_PASS;
-    const bool ok = (unsigned)(row0 + r) < (unsigned)len;
-    const DType* src = ok ? g + (i64)(row0 + r) * stride_s + col : g;
-    cp_async_16(dst + wg::sw128_offset(r, col, ROWS), src, ok);
-  }
-}
-
-// Where a CTA's shared tiles are: shared-space addresses for wgmma / cp.async, and generic
-// pointers for the fp32 rows and the dS stores.
+// Where a CTA's shared tiles and barriers are (shared-space addresses). The barriers: K/V landed;
+// per stage Q/dO/LSE/delta landed (full) and read by both consumers (empty); per dS buffer both
+// consumers' halves stored; per dQ tile staged (dq_full) and read by the copy engine (dq_empty).
 template <int D, int TQ, int TKV>
 struct BwdSmem {
   using Cfg = BwdConfig<D, TQ, TKV, 2, 1>;
   u32 base;
-  unsigned char* ptr;
+  unsigned char* ptr;  // generic address of base, for the fp32 rows the hooks read
   __device__ __forceinline__ explicit BwdSmem(unsigned char* raw) {
     const u32 a = smem_addr(raw);
     base = (a + 1023u) & ~1023u;
@@ -94,43 +90,105 @@ struct BwdSmem {
   __device__ __forceinline__ u32 v() const { return base + Cfg::kV; }
   __device__ __forceinline__ u32 q(int st) const { return base + Cfg::kQ + st * TQ * D * 2; }
   __device__ __forceinline__ u32 dout(int st) const { return base + Cfg::kDo + st * TQ * D * 2; }
-  __device__ __forceinline__ u32 ds() const { return base + Cfg::kDs; }
-  __device__ __forceinline__ float* lse2(int st) const {
-    return reinterpret_cast<float*>(ptr + Cfg::kLse) + st * TQ;
+  __device__ __forceinline__ u32 ds(int buf) const { return base + Cfg::kDs + buf * TQ * TKV * 2; }
+  __device__ __forceinline__ u32 dq(int g) const { return base + Cfg::kDq + g * Cfg::kDqBytes; }
+  __device__ __forceinline__ u32 lse2(int st) const { return base + Cfg::kLse + st * TQ * 4; }
+  __device__ __forceinline__ u32 delta(int st) const { return base + Cfg::kDelta + st * TQ * 4; }
+  __device__ __forceinline__ const float* lse2_rows(int st) const {
+    return reinterpret_cast<const float*>(ptr + Cfg::kLse) + st * TQ;
   }
-  __device__ __forceinline__ float* delta(int st) const {
-    return reinterpret_cast<float*>(ptr + Cfg::kDelta) + st * TQ;
+  __device__ __forceinline__ const float* delta_rows(int st) const {
+    return reinterpret_cast<const float*>(ptr + Cfg::kDelta) + st * TQ;
   }
+  __device__ __forceinline__ u32 kv_full() const { return base + Cfg::kBar; }
+  __device__ __forceinline__ u32 full(int st) const { return base + Cfg::kBar + 8 + 8 * st; }
+  __device__ __forceinline__ u32 empty(int st) const { return base + Cfg::kBar + 24 + 8 * st; }
+  __device__ __forceinline__ u32 ds_done(int buf) const { return base + Cfg::kBar + 40 + 8 * buf; }
+  __device__ __forceinline__ u32 dq_full(int g) const { return base + Cfg::kBar + 56 + 8 * g; }
+  __device__ __forceinline__ u32 dq_empty(int g) const { return base + Cfg::kBar + 72 + 8 * g; }
 };
 
-// cp.async query tile i of head hq (Q, dO rows) into its stage; LSE (base 2) and delta by plain
-// stores. Commits one group even past the list (the ring's wait counts groups).
-template <typename DType, int D, int TQ, int TKV, int NT>
-__device__ __forceinline__ void load_q_tile(const attncc::BackwardParams& p,
-                                            const BwdSmem<D, TQ, TKV>& sm, const TileList& tl,
-                                            int i, int b, int hq, int tid) {
-  constexpr float kLog2e = 1.4426950408889634f;
-  if (i < tl.count) {
-    bool is_full;
-    const int q0 = tl.start(i, is_full);
-    const int st = i & 1;
-    load_rows<DType, D, TQ, NT>(
-        reinterpret_cast<const DType*>(p.q) + b * p.q_stride_b + hq * p.q_stride_h, p.q_stride_s,
-        sm.q(st), q0, p.q_len, tid);
-    load_rows<DType, D, TQ, NT>(
-        reinterpret_cast<const DType*>(p.dout) + b * p.do_stride_b + hq * p.do_stride_h,
-        p.do_stride_s, sm.dout(st), q0, p.q_len, tid);
-    if (p.lse != nullptr && tid < TQ) {
-      const int qi = q0 + tid;
-      const bool in = (unsigned)qi < (unsigned)p.q_len;
-      const i64 off = b * p.lse_stride_b + hq * p.lse_stride_h + qi;
-      const float l = in ? p.lse[off] : 0.f;
-      // a row with no weight (LSE -inf) has P = 0 everywhere: exp2(s - +inf) = 0, never NaN
-      sm.lse2(st)[tid] = l == attncc::neg_inf() ? attncc::pos_inf() : l * kLog2e;
-      sm.delta(st)[tid] = in ? p.delta[off] : 0.f;
+// The tensor maps BackwardParams::tma points at: q, k, v, dO, each over [batch, heads, seq,
+// head_dim] in [64 rows][64] boxes with the 128-byte swizzle (runtime/flex/backward.py).
+__device__ __forceinline__ const void* tmap(const attncc::BackwardParams& p, int i) {
+  return reinterpret_cast<const unsigned char*>(p.tma) + 128 * i;
+}
+
+// A [ROWS][D] tile of (b, h) from row0 into its swizzled column blocks: ROWS / 64 boxes a block.
+template <int D, int ROWS>
+__device__ __forceinline__ void load_tile(u32 dst, const void* tm, u32 bar, int row0, int h,
+                                          int b) {
+#pragma unroll
+  for (int blk = 0; blk < D / 64; ++blk)
+#pragma unroll
+    for (int r = 0; r < ROWS / 64; ++r)
+      tma::load_4d(dst + blk * ROWS * 128 + r * 64 * 128, tm, bar, 64 * blk, row0 + 64 * r, h, b);
+}
+
+// The query tiles the CTA visits, in order: every listed tile of every query head of the GQA
+// group. The producer, the dQ warp and both consumers walk the same sequence (visit(n, hq, q0,
+// is_full) per tile, n counting from 0), so their barrier phases agree.
+template <int TQ, int TKV, typename F>
+__device__ __forceinline__ void for_each_tile(const attncc::BackwardParams& p, int b, int h_kv,
+                                              int kv0, F&& visit) {
+  const int gsize = p.num_q_heads / p.num_kv_heads;
+  int n = 0;
+#pragma unroll 1
+  for (int j = 0; j < gsize; ++j) {
+    const int hq = h_kv * gsize + j;
+    const TileList tl = fa2::query_tiles<TQ>(p, b, hq, kv0);
+#pragma unroll 1
+    for (int it = 0; it < tl.count; ++it, ++n) {
+      bool is_full;
+      const int q0 = tl.start(it, is_full);
+      visit(n, hq, q0, is_full);
     }
   }
-  cp_async_commit();
+}
+
+// The producer's loads (one thread): K and V once, then each query tile's Q, dO, and the LSE
+// (base 2) and delta rows into stage n % 2 once both consumers released it.
+template <int D, int TQ, int TKV>
+__device__ __forceinline__ void produce(const attncc::BackwardParams& p,
+                                        const BwdSmem<D, TQ, TKV>& sm, int b, int h_kv, int kv0) {
+  tma::mbar_arrive_expect_tx(sm.kv_full(), 2 * TKV * D * 2);
+  load_tile<D, TKV>(sm.k(), tmap(p, 1), sm.kv_full(), kv0, h_kv, b);
+  load_tile<D, TKV>(sm.v(), tmap(p, 2), sm.kv_full(), kv0, h_kv, b);
+  const bool rows = p.lse != nullptr;  // softmax: the LSE and delta rows too
+  for_each_tile<TQ, TKV>(p, b, h_kv, kv0, [&](int n, int hq, int q0, bool) {
+    const int st = n & 1;
+    if (n >= 2) tma::mbar_wait(sm.empty(st), ((n >> 1) - 1) & 1);
+    tma::mbar_arrive_expect_tx(sm.full(st), 2 * TQ * D * 2 + (rows ? 2 * TQ * 4 : 0));
+    load_tile<D, TQ>(sm.q(st), tmap(p, 0), sm.full(st), q0, hq, b);
+    load_tile<D, TQ>(sm.dout(st), tmap(p, 3), sm.full(st), q0, hq, b);
+    if (rows) {
+      const i64 off = b * p.lse_stride_b + hq * p.lse_stride_h + q0;
+      tma::load_1d(sm.lse2(st), p.lse + off, TQ * 4, sm.full(st));
+      tma::load_1d(sm.delta(st), p.delta + off, TQ * 4, sm.full(st));
+    }
+  });
+}
+
+// The dQ warp (one thread): each tile's staged fp32 dQ, added into dq_accum by the copy engine
+// (one bulk reduction a consumer and tile), then the staging tiles handed back. dq_accum holds
+// each (b, hq, query tile) as kDqGroups contiguous tiles in the staging order (stage_dq).
+template <int D, int TQ, int TKV>
+__device__ __forceinline__ void add_dq(const attncc::BackwardParams& p,
+                                       const BwdSmem<D, TQ, TKV>& sm, int b, int h_kv, int kv0) {
+  using Cfg = BwdConfig<D, TQ, TKV, 2, 1>;
+  for_each_tile<TQ, TKV>(p, b, h_kv, kv0, [&](int n, int hq, int q0, bool) {
+    float* dst = p.dq_accum + b * p.dq_stride_b + hq * p.dq_stride_h + (i64)q0 * D;
+#pragma unroll
+    for (int g = 0; g < Cfg::kDqGroups; ++g) {
+      tma::mbar_wait(sm.dq_full(g), n & 1);
+      tma::reduce_add_f32(dst + g * (Cfg::kDqBytes / 4), sm.dq(g), Cfg::kDqBytes);
+    }
+    tma::bulk_commit();
+    tma::bulk_wait_read<0>();
+#pragma unroll
+    for (int g = 0; g < Cfg::kDqGroups; ++g) tma::mbar_arrive(sm.dq_empty(g));
+  });
+  tma::bulk_wait_all<0>();
 }
 
 // A descriptor rebuilt where it is used: opaque words keep ptxas from hoisting a tile's per-k-step
@@ -192,55 +250,45 @@ __device__ __forceinline__ void store_ds(u32 sds, const u32 (&da)[KS][4], int qs
                  : "memory");
 }
 
-// Two adjacent fp32 adds into global memory (8-byte aligned), one vector reduction (sm_90):
-// half the atomic instructions of dQ's element-wise atomicAdd.
-__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
-}
-
-// dQ[TQ x 64] += dS K over the 64 columns [n0, n0 + 64) and key steps [kk0, kk0 + KS), then
-// fp32 vector reductions (times sm_scale) into dq_accum. Warp wi holds query rows
-// 16 wi + lane/4 (+8).
-template <bool F16, int D, int TQ, int TKV, int KS>
-__device__ __forceinline__ void dq_part(const attncc::BackwardParams& p, u32 sds, u32 sk, int b,
-                                        int hq, int q0, int n0, int kk0, int wi, int lane) {
-  float acc[32];
+// dQ[TQ x 64] = dS K over the 64 columns [n0, n0 + 64), all TKV keys: dS (query-major) and K
+// (N-major) both in shared memory. Ends with the wgmma complete.
+template <bool F16, int TQ, int TKV>
+__device__ __forceinline__ void dq_mma(float (&acc)[32], u32 sds, u32 sk, int n0) {
   const wg::DescWords a0 = local_desc(sds, 16, 1024);
   const wg::DescWords b0 = local_desc(sk + (n0 / 64) * TKV * 128, kNMajorLbo, kNMajorSbo);
   wg::fence();
 #pragma unroll
-  for (int k = 0; k < KS; ++k) {
-    const int kk = kk0 + k;
-    wg::mma_ss_m64n64k16<1, F16>(acc,
-                                 wg::desc_u64(wg::desc_plus(a0, (kk >> 2) * TQ * 128 +
-                                                                    (kk & 3) * 32)),
-                                 wg::desc_u64(wg::desc_plus(b0, kk * 16 * 128)), k > 0);
-  }
+  for (int kk = 0; kk < TKV / 16; ++kk)
+    wg::mma_ss_m64n64k16<1, F16>(
+        acc, wg::desc_u64(wg::desc_plus(a0, (kk >> 2) * TQ * 128 + (kk & 3) * 32)),
+        wg::desc_u64(wg::desc_plus(b0, kk * 16 * 128)), kk > 0);
   wg::commit();
   wg::wait<0>();
   wg::fence_operands(acc);
-  float* dq = p.dq_accum + b * p.dq_stride_b + hq * p.dq_stride_h;
+}
+
+// A consumer's dQ tile (times sm_scale) into its staging tile at `dst`, in the order the bulk
+// reduction adds it to dq_accum: [acc / 4][thread][4] floats, so a warp's 16-byte stores are
+// consecutive (no bank conflicts). runtime/flex/backward.py (fa3_dq) puts rows and columns back:
+// acc[4 j + 2 hr + i] of thread 32 wi + 4 r + a is row 16 wi + 8 hr + r, column 8 j + 2 a + i.
+__device__ __forceinline__ void stage_dq(u32 dst, const float (&acc)[32], int t, float scale) {
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int qi = q0 + 16 * wi + (lane >> 2) + 8 * hr;
-    if (qi >= p.q_len) continue;
-    float* row = dq + (i64)qi * p.dq_stride_s + n0 + 2 * (lane & 3);
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      red_add2(row + 8 * j, acc[4 * j + 2 * hr] * p.sm_scale,
-               acc[4 * j + 2 * hr + 1] * p.sm_scale);
-  }
+  for (int j = 0; j < 8; ++j)
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + (j * 128 + t) * 16),
+                 "f"(acc[4 * j] * scale), "f"(acc[4 * j + 1] * scale),
+                 "f"(acc[4 * j + 2] * scale), "f"(acc[4 * j + 3] * scale)
+                 : "memory");
 }
 
 // Query columns [qs0, qs0 + QS) of a tile against the warpgroup's 64 KV rows: S^T, dP^T, P^T,
-// dS^T in registers, dV and dK updated, dS^T stored for dQ. Ends with its wgmmas complete.
-// t.q0 is the sub-tile's first query position.
+// dS^T in registers, dV and dK updated, dS^T stored (buffer sds) for dQ. Ends with its wgmmas
+// complete. t.q0 is the sub-tile's first query position.
 template <typename Variant, typename DType, int D, int TQ, int TKV, int QS, bool kMask>
 __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
                                         const typename Variant::Params& vp,
                                         const typename Variant::Grads& vg,
                                         const BwdSmem<D, TQ, TKV>& sm, const fa2::BwdTileView& t,
-                                        int st, int qs0, int wgi, int wi, bool mask_here,
+                                        int st, u32 sds, int qs0, int wgi, int wi, bool mask_here,
                                         float (&dk)[D / 64][32], float (&dv)[D / 64][32]) {
   constexpr bool F16 = !ElemTraits<DType>::kIsBf16;
   constexpr int NF = QS / 8;
@@ -257,7 +305,7 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   float(&pt)[NF][4] = *reinterpret_cast<float(*)[NF][4]>(s);
   float sc[NF][4];
   u32 live;
-  fa2::probs_tile<Variant, kMask, NF>(t, vp, pt, sc, live, sm.lse2(st) + qs0, p.sm_scale,
+  fa2::probs_tile<Variant, kMask, NF>(t, vp, pt, sc, live, sm.lse2_rows(st) + qs0, p.sm_scale,
                                       mask_here);
 
   u32 pa[NF / 2][4];
@@ -269,7 +317,7 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   wg::wait<1>();  // dP^T (the dV group may still run)
   wg::fence_operands(dp);
   float(&dpt)[NF][4] = *reinterpret_cast<float(*)[NF][4]>(dp);
-  fa2::dscores_tile<Variant, NF>(t, vp, vg, pt, sc, dpt, live, sm.delta(st) + qs0, true);
+  fa2::dscores_tile<Variant, NF>(t, vp, vg, pt, sc, dpt, live, sm.delta_rows(st) + qs0, true);
   wg::wait<0>();  // dV done: pa's registers are free from here
   wg::fence_operands(pa);
   wg::fence_operands(dv);
@@ -278,7 +326,7 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   fa2::pack_a<DType, NF>(da, dpt);
   // an opaque lane: the stores' swizzled offsets are the same every tile, and ptxas otherwise
   // hoists all of them out of the query loop into registers of their own (then spills)
-  store_ds<TQ, NF / 2>(sm.ds(), da, qs0, 64 * wgi + 16 * wi, (int)common::opaque((u32)t.lane));
+  store_ds<TQ, NF / 2>(sds, da, qs0, 64 * wgi + 16 * wi, (int)common::opaque((u32)t.lane));
   wg::fence_operands(da);
   wg::fence();
   issue_rs<F16, NF / 2, D / 64, TQ>(dk, da, sm.q(st) + q_rows);  // dK += dS^T Q
@@ -288,33 +336,41 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   wg::fence_operands(dk);
 }
 
-// One query tile against the CTA's KV tile (the header's per-tile steps): its two query sub-tiles
-// of 32 columns (a whole 64-column S^T and dP^T spilled beside dK and dV at head dim 128, and
-// serialized the wgmmas of several variants at 64), then dQ. Ends with every wgmma of the tile
-// complete, so the caller may refill the stage.
+// One query tile against the CTA's KV tile (the header's per-tile steps), tile n of the CTA's
+// sequence in stage n % 2 and dS buffer n % 2: its two query sub-tiles of 32 columns (a whole
+// 64-column S^T and dP^T spilled beside dK and dV at head dim 128), the stage released, then
+// once both consumers stored their dS halves, dQ staged for the dQ warp.
 template <typename Variant, typename DType, int D, int TQ, int TKV, bool kMask>
 __device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
                                          const typename Variant::Params& vp,
                                          const typename Variant::Grads& vg,
                                          const BwdSmem<D, TQ, TKV>& sm, const fa2::BwdTileView& t,
-                                         int st, int wgi, int wi, bool mask_here,
+                                         int n, int wgi, int wi, bool mask_here,
                                          float (&dk)[D / 64][32], float (&dv)[D / 64][32]) {
   constexpr bool F16 = !ElemTraits<DType>::kIsBf16;
   constexpr int QS = 32;
+  const int st = n & 1;
+  const u32 sds = sm.ds(n & 1);
   // not unrolled: two inlined sub-tiles let ptxas hoist the second's loads and offsets into
   // the first, and hook-carrying variants spilled at head dim 128
 #pragma unroll 1
   for (int qs0 = 0; qs0 < TQ; qs0 += QS) {
     fa2::BwdTileView ts = t;
     ts.q0 = t.q0 + qs0;
-    bwd_sub<Variant, DType, D, TQ, TKV, QS, kMask>(p, vp, vg, sm, ts, st, qs0, wgi, wi, mask_here,
-                                                   dk, dv);
+    bwd_sub<Variant, DType, D, TQ, TKV, QS, kMask>(p, vp, vg, sm, ts, st, sds, qs0, wgi, wi,
+                                                   mask_here, dk, dv);
   }
-  wg::fence_proxy_async();  // the dS stores, before wgmma reads them
-  __syncthreads();          // dS complete (both warpgroups)
-  if (D == 128 || wgi == 0)
-    dq_part<F16, D, TQ, TKV, TKV / 16>(p, sm.ds(), sm.k(), t.b, t.hq, t.q0, D == 128 ? 64 * wgi : 0,
-                                       0, wi, t.lane);
+  tma::mbar_arrive(sm.empty(st));  // Q, dO, LSE and delta read: the producer may refill
+  wg::fence_proxy_async();         // the dS stores, before wgmma reads them
+  tma::mbar_arrive(sm.ds_done(n & 1));
+  tma::mbar_wait(sm.ds_done(n & 1), (n >> 1) & 1);  // dS complete (both warpgroups)
+  if (D == 64 && wgi != 0) return;  // at head dim 64 consumer 0 computes all of dQ
+  float acc[32];
+  dq_mma<F16, TQ, TKV>(acc, sds, sm.k(), 64 * wgi);
+  if (n > 0) tma::mbar_wait(sm.dq_empty(wgi), (n - 1) & 1);  // the last tile's dQ was read
+  stage_dq(sm.dq(wgi), acc, 32 * wi + t.lane, p.sm_scale);
+  wg::fence_proxy_async();  // the staging stores, before the copy engine reads them
+  tma::mbar_arrive(sm.dq_full(wgi));
 }
 
 // dK (times sm_scale) and dV rows of this warp: element pairs, 32-bit stores.
@@ -342,61 +398,72 @@ __device__ __forceinline__ void store_dkdv(const attncc::BackwardParams& p, int 
   }
 }
 
-// The kernel body: K/V tile in, then for each query head of the group and each listed query
-// tile bwd_tile (two-stage cp.async ring: tile it + 1 loads while tile it computes), dK/dV out.
+// One-time setup by thread 0: every barrier's arrival count (docs/backward.md, "Warp
+// specialization"), made visible to the copy engine.
+template <int D, int TQ, int TKV>
+__device__ __forceinline__ void init_barriers(const BwdSmem<D, TQ, TKV>& sm) {
+  tma::mbar_init(sm.kv_full(), 1);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    tma::mbar_init(sm.full(i), 1);
+    tma::mbar_init(sm.empty(i), 256);  // every consumer thread, after its last read
+    tma::mbar_init(sm.ds_done(i), 256);
+    tma::mbar_init(sm.dq_full(i), 128);  // the staging warpgroup's threads
+    tma::mbar_init(sm.dq_empty(i), 1);   // the dQ warp
+  }
+  tma::fence_barrier_init();
+}
+
+// A consumer warpgroup (wgi 0 or 1: KV rows [64 wgi, 64 wgi + 64) of the tile): every tile of
+// the CTA's sequence once its stage landed (bwd_tile), then dK and dV out.
 template <typename Variant, typename DType, int D, int TQ, int TKV>
-__device__ __forceinline__ void fa3_backward(const attncc::BackwardParams& p,
-                                             const typename Variant::Params& vp,
-                                             const typename Variant::Grads& vg) {
-  using Cfg = BwdConfig<D, TQ, TKV, 2, 1>;
-  static_assert(!Variant::has_query_transform && !Variant::has_key_transform &&
-                    !Variant::has_value_transform && !Variant::has_output_transform,
-                "the backward kernel runs on materialized q/k/v (docs/backward.md, Kernels)");
-  extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa3_bwd_smem[];
-  const BwdSmem<D, TQ, TKV> sm(attncc_fa3_bwd_smem);
-  const int tid = threadIdx.x, lane = tid & 31, wgi = tid >> 7, wi = (tid >> 5) & 3;
+__device__ __forceinline__ void consume(const attncc::BackwardParams& p,
+                                        const typename Variant::Params& vp,
+                                        const typename Variant::Grads& vg,
+                                        const BwdSmem<D, TQ, TKV>& sm, int wgi, int wi, int lane) {
   const fa2::BwdCta cta = fa2::bwd_cta<TKV>(p);
-  const int b = cta.b, h_kv = cta.h_kv, kv0 = cta.kv0;
-  const int gsize = p.num_q_heads / p.num_kv_heads;
-  const int kv_row0 = kv0 + 64 * wgi + 16 * wi;
-
-  load_rows<DType, D, TKV, Cfg::kThreads>(
-      reinterpret_cast<const DType*>(p.k) + b * p.k_stride_b + h_kv * p.k_stride_h, p.k_stride_s,
-      sm.k(), kv0, p.kv_len, tid);
-  load_rows<DType, D, TKV, Cfg::kThreads>(
-      reinterpret_cast<const DType*>(p.v) + b * p.v_stride_b + h_kv * p.v_stride_h, p.v_stride_s,
-      sm.v(), kv0, p.kv_len, tid);
-  cp_async_commit();
-
+  const int b = cta.b, kv_row0 = cta.kv0 + 64 * wgi + 16 * wi;
   float dk[D / 64][32], dv[D / 64][32];
 #pragma unroll
   for (int blk = 0; blk < D / 64; ++blk)
 #pragma unroll
     for (int e = 0; e < 32; ++e) dk[blk][e] = dv[blk][e] = 0.f;
+  tma::mbar_wait(sm.kv_full(), 0);
+  for_each_tile<TQ, TKV>(p, b, cta.h_kv, cta.kv0, [&](int n, int hq, int q0, bool is_full) {
+    tma::mbar_wait(sm.full(n & 1), (n >> 1) & 1);
+    const fa2::BwdTileView t{b, hq, q0, kv_row0, p.q_len, p.kv_len, lane};
+    // one instantiation, the mask decided per tile: two inlined copies of the tile body (one
+    // masked, one not) spilled at head dim 128 (docs/backward.md, "The FA3-class kernel")
+    bwd_tile<Variant, DType, D, TQ, TKV, Variant::has_logits_mask>(p, vp, vg, sm, t, n, wgi, wi,
+                                                                   !is_full, dk, dv);
+  });
+  // re-derived, not live through the loop (bwd_cta)
+  store_dkdv<DType, D>(p, b, fa2::bwd_cta<TKV>(p).h_kv, kv_row0, lane, dk, dv);
+}
 
-#pragma unroll 1
-  for (int j = 0; j < gsize; ++j) {
-    const int hq = fa2::bwd_cta<TKV>(p).h_kv * gsize + j;  // re-derived, not live (bwd_cta)
-    const TileList tl = fa2::query_tiles<TQ>(p, b, hq, kv0);
-    load_q_tile<DType, D, TQ, TKV, Cfg::kThreads>(p, sm, tl, 0, b, hq, tid);
-#pragma unroll 1
-    for (int it = 0; it < tl.count; ++it) {
-      cp_async_wait<0>();        // tile it (and K/V) landed for this thread ...
-      wg::fence_proxy_async();   // ... is visible to wgmma ...
-      __syncthreads();           // ... for all; stage (it + 1) % 2 and dS are free
-      load_q_tile<DType, D, TQ, TKV, Cfg::kThreads>(p, sm, tl, it + 1, b, hq, tid);
-      bool is_full;
-      const int q0 = tl.start(it, is_full);
-      const fa2::BwdTileView t{b, hq, q0, kv_row0, p.q_len, p.kv_len, lane};
-      // one instantiation, the mask decided per tile: two inlined copies of the tile body (one
-      // masked, one not) spilled at head dim 128 (docs/backward.md, "The FA3-class kernel")
-      bwd_tile<Variant, DType, D, TQ, TKV, Variant::has_logits_mask>(p, vp, vg, sm, t, it & 1,
-                                                                     wgi, wi, !is_full, dk, dv);
-    }
-    cp_async_wait<0>();
-    __syncthreads();  // the last tile's stages are read before the next head refills them
+// The kernel body: barriers, then the roles (the header's): warp 0 of the producer warpgroup
+// loads, warp 1 adds dQ, warpgroups 1 and 2 consume.
+template <typename Variant, typename DType, int D, int TQ, int TKV>
+__device__ __forceinline__ void fa3_backward(const attncc::BackwardParams& p,
+                                             const typename Variant::Params& vp,
+                                             const typename Variant::Grads& vg) {
+  static_assert(!Variant::has_query_transform && !Variant::has_key_transform &&
+                    !Variant::has_value_transform && !Variant::has_output_transform,
+                "the backward kernel runs on materialized q/k/v (docs/backward.md, Kernels)");
+  extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa3_bwd_smem[];
+  const BwdSmem<D, TQ, TKV> sm(attncc_fa3_bwd_smem);
+  const int tid = threadIdx.x, wg_id = tid >> 7;
+  if (tid == 0) init_barriers(sm);
+  __syncthreads();
+  if (wg_id == 0) {
+    wg::setmaxnreg_dec<kProducerRegs>();
+    const fa2::BwdCta cta = fa2::bwd_cta<TKV>(p);
+    if (tid == 0) produce<D, TQ, TKV>(p, sm, cta.b, cta.h_kv, cta.kv0);
+    if (tid == 32) add_dq<D, TQ, TKV>(p, sm, cta.b, cta.h_kv, cta.kv0);
+    return;
   }
-  store_dkdv<DType, D>(p, b, fa2::bwd_cta<TKV>(p).h_kv, kv_row0, lane, dk, dv);  // likewise
+  wg::setmaxnreg_inc<kConsumerRegs>();
+  consume<Variant, DType, D, TQ, TKV>(p, vp, vg, sm, wg_id - 1, (tid >> 5) & 3, tid & 31);
 }
 
 }  // namespace fa3bwd
@@ -404,7 +471,9 @@ __device__ __forceinline__ void fa3_backward(const attncc::BackwardParams& p,
 
 // The entry point codegen emits for an FA3-class backward unit: the FA2-class macro's arguments
 // (BackwardTiles), grid (ceil(kv_len / TKV) C, num_kv_heads / C, batch) (fa2::bwd_cta), block
-// BwdConfig::kThreads, dynamic shared memory BwdConfig::kSmemBytes; dq_accum zeroed first.
+// BwdConfig::kThreads, dynamic shared memory BwdConfig::kSmemBytes; BackwardParams::tma the
+// q, k, v, dO maps, the LSE base 2 and with delta padded to whole query tiles, dq_accum zeroed
+// in the staging order (runtime/flex/backward.py).
 #define ATTNCC_FA3_BWD_ENTRY(NAME, VARIANT, DTYPE, HEAD_DIM, TQ, TKV, STAGES, DSPLIT)              \
   extern "C" __global__ void __launch_bounds__(                                                    \
       attncc::fa3bwd::BwdConfig<HEAD_DIM, TQ, TKV, STAGES, DSPLIT>::kThreads, 1)                   \

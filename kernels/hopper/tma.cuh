@@ -107,6 +107,37 @@ __device__ __forceinline__ void load_3d_hint(u32 dst, const void* tmap, u32 bar,
       : "memory");
 }
 
+// 4-D tiled bulk copy: the box at (c0, c1, c2, c3), innermost coordinate first. The FA3-class
+// backward reads [64 rows][64] boxes of a [batch, heads, seq, head_dim] tensor of any strides;
+// rows past seq are outside the tensor and land as zeros.
+__device__ __forceinline__ void load_4d(u32 dst, const void* tmap, u32 bar, int c0, int c1,
+                                        int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+
+// 1-D bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global memory
+// into shared memory at `dst`, completing `bar`'s transaction bytes.
+__device__ __forceinline__ void load_1d(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+// dst[i] += src[i] for `bytes` / 4 fp32 values (a multiple of 16 bytes, both 16-byte aligned),
+// done by the copy engine in L2: it joins the thread's bulk async-group (commit, wait_read and
+// wait_all below), and the writers of `src` must have run fence.proxy.async before.
+__device__ __forceinline__ void reduce_add_f32(float* dst, u32 src, u32 bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+      ::"l"(dst), "r"(src), "r"(bytes)
+      : "memory");
+}
+
 // 4-D tiled bulk store: the box at (c0, c1, c2, c3), innermost coordinate first, written from
 // shared memory at `src` (laid out as a load of the same box would leave it: swizzled as the map
 // says) to the tensor `tmap` describes. Box rows outside the tensor are not written. It joins

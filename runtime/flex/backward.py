@@ -30,6 +30,7 @@ from attncc.ir.program import Bindings, VariantIR
 from ..jit.kernels import KernelSpec, get_kernel
 from ..jit.launch_args import captured
 from ..jit.launcher import current_raw_stream
+from ..jit.tma import MapCache, MapSlot
 from .block_mask import kv_major_blocks
 from .exact_grad import exact_grad_buffer, exact_grad_strides, exact_grad_value
 
@@ -240,7 +241,7 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     tkv = kern.config.tkv
     dev = query.device
     q, k, v, do = (_dense(t) for t in (query, key, value, dout))
-    dq_acc = torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=dev)
+    fa3 = kern.spec.kind == "fa3_backward"
     dk = torch.empty(key.shape, dtype=key.dtype, device=dev)
     dv = torch.empty(value.shape, dtype=value.dtype, device=dev)
     delta = None
@@ -250,6 +251,16 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if dlse is not None:
             delta = delta - dlse.float()
         delta = delta.contiguous()
+    rows = Sq
+    if fa3:  # the FA3-class kernel's inputs (BackwardParams::tma)
+        rows = -(-Sq // FA3_BACKWARD_TILES.tq) * FA3_BACKWARD_TILES.tq
+        if lse is not None:
+            lse, delta = _fa3_rows(lse, delta, rows)
+        dq_acc = torch.zeros(B, Hq, rows * D, dtype=torch.float32, device=dev)
+        dq_strides = {"dq_stride_b": Hq * rows * D, "dq_stride_h": rows * D, "dq_stride_s": D}
+    else:
+        dq_acc = torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=dev)
+        dq_strides = _strides("dq", dq_acc)
     shapes = {n: bindings.tensors[n].shape for n in grad_tensors}
     bufs = ({n: exact_grad_buffer(s, dev) for n, s in shapes.items()} if deterministic else
             {n: torch.zeros(s, dtype=torch.float32, device=dev) for n, s in shapes.items()})
@@ -258,10 +269,11 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             "delta": delta.data_ptr() if delta is not None else 0,
             "dq_accum": dq_acc.data_ptr(), "dk": dk.data_ptr(), "dv": dv.data_ptr(),
             **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", do),
-            **_strides("dq", dq_acc), **_strides("dk", dk), **_strides("dv", dv),
-            "lse_stride_b": Hq * Sq, "lse_stride_h": Sq,
+            **dq_strides, **_strides("dk", dk), **_strides("dv", dv),
+            "lse_stride_b": Hq * rows, "lse_stride_h": rows,
             "batch": B, "num_q_heads": Hq, "num_kv_heads": Hkv, "q_len": Sq, "kv_len": Skv,
-            "sm_scale": scale, **mvals, "kv_tile0": 0}
+            "sm_scale": scale, **mvals, "kv_tile0": 0,
+            "tma": _fa3_maps(q, k, v, do).data_ptr() if fa3 else 0}
     n_tiles = -(-Skv // tkv)
     if deterministic:
         for t in range(n_tiles):
@@ -274,7 +286,56 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     grads = {n: (exact_grad_value(b) if deterministic else b).to(
         device=bindings.tensors[n].device, dtype=bindings.tensors[n].dtype)
         for n, b in bufs.items()}
-    return BackwardResult(dq_acc.to(query.dtype), dk, dv, grads)
+    dq = fa3_dq(dq_acc, Sq, D) if fa3 else dq_acc
+    return BackwardResult(dq.to(query.dtype), dk, dv, grads)
+
+
+_BWD_MAPS = MapCache(16)  # the FA3-class backward's q, k, v, dO maps (runtime/jit/tma.py)
+
+
+def _fa3_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> MapSlot:
+    """The q, k, v, dO tensor maps of the FA3-class backward (fa3_backward.cuh `tmap`): each
+    over [batch, heads, seq, head_dim] as strided, in [64 rows][64] boxes, so a box's rows past
+    the sequence are outside the tensor and load as zeros."""
+    from ..jit.tma import encode_map
+
+    ts = (q, k, v, do)
+    return _BWD_MAPS.get(tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in ts),
+                         q.device, lambda: b"".join(encode_map(t, (1, 1, 64, 64)) for t in ts))
+
+
+def _fa3_rows(lse: torch.Tensor, delta: torch.Tensor, rows: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LSE (base 2; +inf for a row with no weight, so its P is 0, never NaN) and delta as the
+    FA3-class kernel's bulk copies read them: [B, Hq, rows], rows padded to whole query tiles."""
+    B, H, S = lse.shape
+    lse2 = torch.full((B, H, rows), math.inf, dtype=torch.float32, device=lse.device)
+    lse2[..., :S] = torch.where(lse == -math.inf, math.inf, lse.float() * _LOG2E)
+    d = torch.zeros((B, H, rows), dtype=torch.float32, device=lse.device)
+    d[..., :S] = delta
+    return lse2, d
+
+
+_LOG2E = 1.4426950408889634
+
+
+def fa3_dq(acc: torch.Tensor, q_len: int, head_dim: int) -> torch.Tensor:
+    """dQ [B, Hq, q_len, head_dim] (fp32) from the FA3-class kernel's dq_accum [B, Hq, rows *
+    head_dim]: each 64-row query tile is head_dim / 64 staging tiles of [8][128 threads][4]
+    (fa3_backward.cuh `stage_dq`), element 4 j + 2 hr + i of thread 32 wi + 4 r + a at row
+    16 wi + 8 hr + r and column 64 g + 8 j + 2 a + i.
+
+    Example:
+        >>> import torch
+        >>> dq = torch.arange(64 * 64.).view(64, 64)
+        >>> t = dq.view(4, 2, 8, 1, 8, 4, 2).permute(3, 4, 0, 2, 5, 1, 6)  # staging order
+        >>> torch.equal(fa3_dq(t.reshape(1, 1, -1), 64, 64)[0, 0], dq)
+        True
+    """
+    B, H = acc.shape[:2]
+    g = head_dim // 64
+    t = acc.view(B, H, -1, g, 8, 4, 8, 4, 2, 2)  # b, h, tile, g, j, wi, r, a, hr, i
+    return t.permute(0, 1, 2, 5, 8, 6, 3, 4, 7, 9).reshape(B, H, -1, head_dim)[:, :, :q_len]
 
 
 def _launch(kern: Any, args: Mapping[str, Any], ir: VariantIR, bindings: Bindings,

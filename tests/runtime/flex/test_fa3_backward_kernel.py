@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from attncc.codegen.generate import generate_source
-from attncc.codegen.tiles import FA3_BACKWARD_TILES, BackwardTiles
+from attncc.codegen.tiles import FA3_BACKWARD_TILES, BackwardTiles, fa3_backward_geometry
 from attncc.errors import CodegenError, InvalidArgument
 from attncc.gym import GYM
 from attncc.runtime.flex.backward import backward_kernel, backward_spec
@@ -82,7 +82,7 @@ def test_fa3_backward_unit_geometry_and_errors() -> None:
     gk = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3bwd")
     t = FA3_BACKWARD_TILES
     assert gk.kernel_name.endswith("_fa3bwd_d128_bf16" + t.suffix)
-    assert gk.threads == 256 and gk.shared_mem_bytes == t.smem_bytes(128) + 1024
+    assert (gk.threads, gk.shared_mem_bytes) == fa3_backward_geometry(128) == (384, 198784)
     assert (f"fa3bwd::BwdConfig<128, 64, 128, 2, 1>::kSmemBytes == {gk.shared_mem_bytes}"
             in gk.source)
     assert "ATTNCC_FA3_BWD_ENTRY(" in gk.source and gk.shared_mem_bytes <= 227 * 1024
