@@ -45,10 +45,10 @@ struct BackwardParams {
     // first KV tile of the launch (CTA x runs tile kv_tile0 + x / C, fa2_backward.cuh bwd_cta):
     // 0, or the tile of one launch of the deterministic sequence (docs/backward.md, "Kernels")
     int kv_tile0;
-    // FA3-class kernel only: its q, k, v, dO tensor maps (fa3_backward.cuh); there `lse` is base
-    // 2 (+inf for a row with no weight), `lse` and `delta` rows are padded to whole 64-row query
-    // tiles (lse_stride_h a multiple of 64), and dq_accum holds each query tile in the kernel's
-    // staging order (runtime/flex/backward.py fa3_dq). Null for the FA2-class kernel.
+    // FA3-class kernel only: its q, k, v, dO tensor maps (fa3_backward.cuh). There `lse` holds
+    // per 64-row query tile its LSE (base 2, +inf for a row with no weight) then its delta
+    // ([B, Hq, tiles, 2, 64]; `delta` is null), and dq_accum each query tile in the kernel's
+    // staging order (runtime/flex/backward.py _fa3_rows, fa3_dq). Null for the FA2-class kernel.
     const void* tma;
 };
 

@@ -11,10 +11,10 @@
 // As in the FA2-class kernel, a CTA keeps its 128-row K and V tile in shared memory and dK, dV in
 // registers, visits the 64-row query tiles of every query head of its GQA group that touch it,
 // and writes dK, dV once. Three warpgroups with roles (docs/backward.md, "Warp specialization"):
-//   producer, warp 0: TMA loads -- K and V once, then each query tile's Q, dO (4-D boxes: rows
-//     past the sequence land as zeros), LSE and delta rows into a two-stage ring (mbarriers);
-//   producer, warp 1: adds each tile's staged fp32 dQ into dq_accum with bulk reductions, off
-//     the consumers' path;
+//   producer (one thread of warpgroup 0): TMA loads -- K and V once, then each query tile's Q,
+//     dO (4-D boxes: rows past the sequence land as zeros), LSE and delta rows into a two-stage
+//     ring (mbarriers) -- and, a tile behind, each tile's staged fp32 dQ added into dq_accum by
+//     bulk reductions, off the consumers' path;
 //   consumers 1 and 2: KV rows [64 w, 64 w + 64) each (every wgmma's M). Per query tile and each
 //     of its two 32-column sub-tiles:
 //   S^T = K Q^T, dP^T = V dO^T                 SS m64n32, both issued at once
@@ -23,7 +23,7 @@
 //   dV += P^T dO, dK += dS^T Q                 RS: P^T / dS^T as A fragments, dO / Q N-major
 //   dQ = dS K                                  after both sub-tiles and both consumers' dS halves:
 //                                              SS m64n64 over dS in shared memory (query-major,
-//                                              two buffers), staged for warp 1
+//                                              two buffers), staged for the producer
 // dQ's columns are split over the consumers at head dim 128 (one m64n64 each, all 128 keys); at
 // head dim 64 consumer 1 computes it alone, so every dQ element takes one add per CTA and query
 // tile -- what the deterministic mode's per-tile launches rely on.
@@ -46,15 +46,15 @@ constexpr unsigned kNMajorSbo = 1024;
 
 // setmaxnreg: the producer warpgroup keeps 32 registers, the consumers take 240 each (128 x 32 +
 // 256 x 240 = the SM's 65,536)
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
+constexpr int kProducerRegs = 32;
+constexpr int kConsumerRegs = 240;
 
 template <int D, int TQ, int TKV, int STAGES, int DSPLIT>
 struct BwdConfig {
   static_assert(D == 64 || D == 128, "the FA3-class backward runs head dims 64 and 128");
   static_assert(TQ == 64 && TKV == 128 && STAGES == 2 && DSPLIT == 1,
                 "one form: 64-row query tiles, 128-row KV tiles, two stages");
-  // a producer warpgroup (warp 0 loads, warp 1 adds dQ) and two consumers of 64 KV rows
+  // a producer warpgroup (one thread loads and adds dQ) and two consumers of 64 KV rows
   static constexpr int kThreads = 384;
   static constexpr int kDqGroups = D / 64;  // consumers that compute dQ (64 columns each)
   static constexpr int kDqBytes = TQ * 64 * 4;  // one consumer's fp32 dQ tile
@@ -67,9 +67,9 @@ struct BwdConfig {
   static constexpr int kDo = kQ + STAGES * TQ * D * 2;    // [STAGES]
   static constexpr int kDs = kDo + STAGES * TQ * D * 2;   // dS [2][TQ][TKV], query-major
   static constexpr int kDq = kDs + 2 * TQ * TKV * 2;      // fp32 dQ [kDqGroups][kDqBytes]
-  static constexpr int kLse = kDq + kDqGroups * kDqBytes;  // fp32 LSE (base 2) [STAGES][TQ]
-  static constexpr int kDelta = kLse + STAGES * TQ * 4;    // fp32 delta [STAGES][TQ]
-  static constexpr int kBar = kDelta + STAGES * TQ * 4;    // mbarriers (BwdSmem)
+  // fp32 rows [STAGES][2][TQ]: a tile's LSE (base 2), then its delta
+  static constexpr int kRows = kDq + kDqGroups * kDqBytes;
+  static constexpr int kBar = kRows + STAGES * 2 * TQ * 4;  // mbarriers (BwdSmem)
   static constexpr int kSmemBytes = kBar + 128 + 1024;     // + alignment slack
 };
 
@@ -92,13 +92,12 @@ struct BwdSmem {
   __device__ __forceinline__ u32 dout(int st) const { return base + Cfg::kDo + st * TQ * D * 2; }
   __device__ __forceinline__ u32 ds(int buf) const { return base + Cfg::kDs + buf * TQ * TKV * 2; }
   __device__ __forceinline__ u32 dq(int g) const { return base + Cfg::kDq + g * Cfg::kDqBytes; }
-  __device__ __forceinline__ u32 lse2(int st) const { return base + Cfg::kLse + st * TQ * 4; }
-  __device__ __forceinline__ u32 delta(int st) const { return base + Cfg::kDelta + st * TQ * 4; }
+  __device__ __forceinline__ u32 rows(int st) const { return base + Cfg::kRows + st * 2 * TQ * 4; }
   __device__ __forceinline__ const float* lse2_rows(int st) const {
-    return reinterpret_cast<const float*>(ptr + Cfg::kLse) + st * TQ;
+    return reinterpret_cast<const float*>(ptr + Cfg::kRows) + st * 2 * TQ;
   }
   __device__ __forceinline__ const float* delta_rows(int st) const {
-    return reinterpret_cast<const float*>(ptr + Cfg::kDelta) + st * TQ;
+    return reinterpret_cast<const float*>(ptr + Cfg::kRows) + st * 2 * TQ + TQ;
   }
   __device__ __forceinline__ u32 kv_full() const { return base + Cfg::kBar; }
   __device__ __forceinline__ u32 full(int st) const { return base + Cfg::kBar + 8 + 8 * st; }
@@ -126,7 +125,7 @@ __device__ __forceinline__ void load_tile(u32 dst, const void* tm, u32 bar, int 
 }
 
 // The query tiles the CTA visits, in order: every listed tile of every query head of the GQA
-// group. The producer, the dQ warp and both consumers walk the same sequence (visit(n, hq, q0,
+// group. The producer and both consumers walk the same sequence (visit(n, hq, q0,
 // is_full) per tile, n counting from 0), so their barrier phases agree.
 template <int TQ, int TKV, typename F>
 __device__ __forceinline__ void for_each_tile(const attncc::BackwardParams& p, int b, int h_kv,
@@ -146,49 +145,64 @@ __device__ __forceinline__ void for_each_tile(const attncc::BackwardParams& p, i
   }
 }
 
-// The producer's loads (one thread): K and V once, then each query tile's Q, dO, and the LSE
-// (base 2) and delta rows into stage n % 2 once both consumers released it.
+// One query tile's loads into stage n % 2, once both consumers released it (tile n - 2 read):
+// Q, dO, and its LSE (base 2) and delta rows (one copy: they are interleaved by tile).
 template <int D, int TQ, int TKV>
-__device__ __forceinline__ void produce(const attncc::BackwardParams& p,
-                                        const BwdSmem<D, TQ, TKV>& sm, int b, int h_kv, int kv0) {
-  tma::mbar_arrive_expect_tx(sm.kv_full(), 2 * TKV * D * 2);
-  load_tile<D, TKV>(sm.k(), tmap(p, 1), sm.kv_full(), kv0, h_kv, b);
-  load_tile<D, TKV>(sm.v(), tmap(p, 2), sm.kv_full(), kv0, h_kv, b);
+__device__ __forceinline__ void load_q_tile(const attncc::BackwardParams& p,
+                                            const BwdSmem<D, TQ, TKV>& sm, int n, int b, int hq,
+                                            int q0) {
+  const int st = n & 1;
   const bool rows = p.lse != nullptr;  // softmax: the LSE and delta rows too
-  for_each_tile<TQ, TKV>(p, b, h_kv, kv0, [&](int n, int hq, int q0, bool) {
-    const int st = n & 1;
-    if (n >= 2) tma::mbar_wait(sm.empty(st), ((n >> 1) - 1) & 1);
-    tma::mbar_arrive_expect_tx(sm.full(st), 2 * TQ * D * 2 + (rows ? 2 * TQ * 4 : 0));
-    load_tile<D, TQ>(sm.q(st), tmap(p, 0), sm.full(st), q0, hq, b);
-    load_tile<D, TQ>(sm.dout(st), tmap(p, 3), sm.full(st), q0, hq, b);
-    if (rows) {
-      const i64 off = b * p.lse_stride_b + hq * p.lse_stride_h + q0;
-      tma::load_1d(sm.lse2(st), p.lse + off, TQ * 4, sm.full(st));
-      tma::load_1d(sm.delta(st), p.delta + off, TQ * 4, sm.full(st));
-    }
-  });
+  if (n >= 2) tma::mbar_wait(sm.empty(st), ((n >> 1) - 1) & 1);
+  tma::mbar_arrive_expect_tx(sm.full(st), 2 * TQ * D * 2 + (rows ? 2 * TQ * 4 : 0));
+  load_tile<D, TQ>(sm.q(st), tmap(p, 0), sm.full(st), q0, hq, b);
+  load_tile<D, TQ>(sm.dout(st), tmap(p, 3), sm.full(st), q0, hq, b);
+  if (rows)
+    tma::load_1d(sm.rows(st), p.lse + b * p.lse_stride_b + hq * p.lse_stride_h + 2 * q0,
+                 2 * TQ * 4, sm.full(st));
 }
 
-// The dQ warp (one thread): each tile's staged fp32 dQ, added into dq_accum by the copy engine
-// (one bulk reduction a consumer and tile), then the staging tiles handed back. dq_accum holds
-// each (b, hq, query tile) as kDqGroups contiguous tiles in the staging order (stage_dq).
+// Tile n's staged fp32 dQ added into dq_accum by the copy engine (one bulk reduction a staging
+// tile), then the staging tiles handed back. dq_accum holds each (b, hq, query tile) as
+// kDqGroups contiguous tiles in the staging order (stage_dq).
 template <int D, int TQ, int TKV>
 __device__ __forceinline__ void add_dq(const attncc::BackwardParams& p,
-                                       const BwdSmem<D, TQ, TKV>& sm, int b, int h_kv, int kv0) {
+                                       const BwdSmem<D, TQ, TKV>& sm, int n, int b, int hq,
+                                       int q0) {
   using Cfg = BwdConfig<D, TQ, TKV, 2, 1>;
-  for_each_tile<TQ, TKV>(p, b, h_kv, kv0, [&](int n, int hq, int q0, bool) {
-    float* dst = p.dq_accum + b * p.dq_stride_b + hq * p.dq_stride_h + (i64)q0 * D;
+  float* dst = p.dq_accum + b * p.dq_stride_b + hq * p.dq_stride_h + (i64)q0 * D;
 #pragma unroll
-    for (int g = 0; g < Cfg::kDqGroups; ++g) {
-      tma::mbar_wait(sm.dq_full(g), n & 1);
-      tma::reduce_add_f32(dst + g * (Cfg::kDqBytes / 4), sm.dq(g), Cfg::kDqBytes);
-    }
-    tma::bulk_commit();
-    tma::bulk_wait_read<0>();
+  for (int g = 0; g < Cfg::kDqGroups; ++g) {
+    tma::mbar_wait(sm.dq_full(g), n & 1);
+    tma::reduce_add_f32(dst + g * (Cfg::kDqBytes / 4), sm.dq(g), Cfg::kDqBytes);
+  }
+  tma::bulk_commit();
+  tma::bulk_wait_read<0>();
 #pragma unroll
-    for (int g = 0; g < Cfg::kDqGroups; ++g) tma::mbar_arrive(sm.dq_empty(g));
+  for (int g = 0; g < Cfg::kDqGroups; ++g) tma::mbar_arrive(sm.dq_empty(g));
+}
+
+// The producer (one thread): K and V once, then per tile n of the sequence its loads, and
+// tile n - 1's dQ once the consumers staged it. The loads run a tile ahead of the consumers;
+// tile n - 1's dQ is staged after its stage was released, so the reductions never hold up a load.
+template <int D, int TQ, int TKV>
+__device__ __forceinline__ void produce(const attncc::BackwardParams& p,
+                                        const BwdSmem<D, TQ, TKV>& sm) {
+  const fa2::BwdCta cta = fa2::bwd_cta<TKV>(p);
+  const int b = cta.b;
+  tma::mbar_arrive_expect_tx(sm.kv_full(), 2 * TKV * D * 2);
+  load_tile<D, TKV>(sm.k(), tmap(p, 1), sm.kv_full(), cta.kv0, cta.h_kv, b);
+  load_tile<D, TKV>(sm.v(), tmap(p, 2), sm.kv_full(), cta.kv0, cta.h_kv, b);
+  int last_hq = 0, last_q0 = -1, count = 0;
+  for_each_tile<TQ, TKV>(p, b, cta.h_kv, cta.kv0, [&](int n, int hq, int q0, bool) {
+    load_q_tile(p, sm, n, b, hq, q0);
+    if (n > 0) add_dq(p, sm, n - 1, b, last_hq, last_q0);
+    last_hq = hq;
+    last_q0 = q0;
+    count = n + 1;
   });
-  tma::bulk_wait_all<0>();
+  if (count > 0) add_dq(p, sm, count - 1, b, last_hq, last_q0);
+  tma::bulk_wait_all<0>();  // the reductions landed before the CTA ends
 }
 
 // A descriptor rebuilt where it is used: opaque words keep ptxas from hoisting a tile's per-k-step
@@ -339,7 +353,7 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
 // One query tile against the CTA's KV tile (the header's per-tile steps), tile n of the CTA's
 // sequence in stage n % 2 and dS buffer n % 2: its two query sub-tiles of 32 columns (a whole
 // 64-column S^T and dP^T spilled beside dK and dV at head dim 128), the stage released, then
-// once both consumers stored their dS halves, dQ staged for the dQ warp.
+// once both consumers stored their dS halves, dQ staged for the producer's bulk reduction.
 template <typename Variant, typename DType, int D, int TQ, int TKV, bool kMask>
 __device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
                                          const typename Variant::Params& vp,
@@ -409,7 +423,7 @@ __device__ __forceinline__ void init_barriers(const BwdSmem<D, TQ, TKV>& sm) {
     tma::mbar_init(sm.empty(i), 256);  // every consumer thread, after its last read
     tma::mbar_init(sm.ds_done(i), 256);
     tma::mbar_init(sm.dq_full(i), 128);  // the staging warpgroup's threads
-    tma::mbar_init(sm.dq_empty(i), 1);   // the dQ warp
+    tma::mbar_init(sm.dq_empty(i), 1);   // the producer
   }
   tma::fence_barrier_init();
 }
@@ -441,8 +455,8 @@ __device__ __forceinline__ void consume(const attncc::BackwardParams& p,
   store_dkdv<DType, D>(p, b, fa2::bwd_cta<TKV>(p).h_kv, kv_row0, lane, dk, dv);
 }
 
-// The kernel body: barriers, then the roles (the header's): warp 0 of the producer warpgroup
-// loads, warp 1 adds dQ, warpgroups 1 and 2 consume.
+// The kernel body: barriers, then the roles (the header's): one thread of the producer
+// warpgroup loads and adds dQ, warpgroups 1 and 2 consume.
 template <typename Variant, typename DType, int D, int TQ, int TKV>
 __device__ __forceinline__ void fa3_backward(const attncc::BackwardParams& p,
                                              const typename Variant::Params& vp,
@@ -457,9 +471,7 @@ __device__ __forceinline__ void fa3_backward(const attncc::BackwardParams& p,
   __syncthreads();
   if (wg_id == 0) {
     wg::setmaxnreg_dec<kProducerRegs>();
-    const fa2::BwdCta cta = fa2::bwd_cta<TKV>(p);
-    if (tid == 0) produce<D, TQ, TKV>(p, sm, cta.b, cta.h_kv, cta.kv0);
-    if (tid == 32) add_dq<D, TQ, TKV>(p, sm, cta.b, cta.h_kv, cta.kv0);
+    if (tid == 0) produce<D, TQ, TKV>(p, sm);
     return;
   }
   wg::setmaxnreg_inc<kConsumerRegs>();

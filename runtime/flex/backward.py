@@ -251,11 +251,11 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if dlse is not None:
             delta = delta - dlse.float()
         delta = delta.contiguous()
-    rows = Sq
+    lse_h = Sq  # the LSE's (and delta's) stride between heads
     if fa3:  # the FA3-class kernel's inputs (BackwardParams::tma)
         rows = -(-Sq // FA3_BACKWARD_TILES.tq) * FA3_BACKWARD_TILES.tq
         if lse is not None:
-            lse, delta = _fa3_rows(lse, delta, rows)
+            lse, delta, lse_h = _fa3_rows(lse, delta, rows), None, 2 * rows
         dq_acc = torch.zeros(B, Hq, rows * D, dtype=torch.float32, device=dev)
         dq_strides = {"dq_stride_b": Hq * rows * D, "dq_stride_h": rows * D, "dq_stride_s": D}
     else:
@@ -270,7 +270,7 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             "dq_accum": dq_acc.data_ptr(), "dk": dk.data_ptr(), "dv": dv.data_ptr(),
             **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", do),
             **dq_strides, **_strides("dk", dk), **_strides("dv", dv),
-            "lse_stride_b": Hq * rows, "lse_stride_h": rows,
+            "lse_stride_b": Hq * lse_h, "lse_stride_h": lse_h,
             "batch": B, "num_q_heads": Hq, "num_kv_heads": Hkv, "q_len": Sq, "kv_len": Skv,
             "sm_scale": scale, **mvals, "kv_tile0": 0,
             "tma": _fa3_maps(q, k, v, do).data_ptr() if fa3 else 0}
@@ -304,16 +304,17 @@ def _fa3_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
                          q.device, lambda: b"".join(encode_map(t, (1, 1, 64, 64)) for t in ts))
 
 
-def _fa3_rows(lse: torch.Tensor, delta: torch.Tensor, rows: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The LSE (base 2; +inf for a row with no weight, so its P is 0, never NaN) and delta as the
-    FA3-class kernel's bulk copies read them: [B, Hq, rows], rows padded to whole query tiles."""
+def _fa3_rows(lse: torch.Tensor, delta: torch.Tensor, rows: int) -> torch.Tensor:
+    """The LSE and delta as the FA3-class kernel's one bulk copy a tile reads them: [B, Hq,
+    rows / 64, 2, 64], each 64-row query tile's LSE (base 2; +inf for a row with no weight, so
+    its P is 0, never NaN) then its delta, rows padded to whole query tiles (+inf and 0)."""
     B, H, S = lse.shape
+    t = rows // FA3_BACKWARD_TILES.tq
     lse2 = torch.full((B, H, rows), math.inf, dtype=torch.float32, device=lse.device)
     lse2[..., :S] = torch.where(lse == -math.inf, math.inf, lse.float() * _LOG2E)
     d = torch.zeros((B, H, rows), dtype=torch.float32, device=lse.device)
     d[..., :S] = delta
-    return lse2, d
+    return torch.stack((lse2.view(B, H, t, -1), d.view(B, H, t, -1)), dim=3).contiguous()
 
 
 _LOG2E = 1.4426950408889634
