@@ -44,9 +44,10 @@ typedef unsigned int u32;
 constexpr unsigned kNMajorLbo = 8192;
 constexpr unsigned kNMajorSbo = 1024;
 
-// setmaxnreg: the producer warpgroup keeps 32 registers, the consumers take 240 each (128 x 32 +
-// 256 x 240 = the SM's 65,536)
-constexpr int kProducerRegs = 32;
+// setmaxnreg: the producer warpgroup keeps 24 registers and the consumers take 240 each: 128 x
+// 24 + 256 x 240 = 384 x 168, what the launch holds (ptxas's 168 a thread under
+// __launch_bounds__(384, 1)); more for the consumers and their setmaxnreg.inc waits forever
+constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
 
 template <int D, int TQ, int TKV, int STAGES, int DSPLIT>
