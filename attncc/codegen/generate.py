@@ -47,7 +47,8 @@ __all__ = ["KernelSpec", "KERNELS", "DTYPES", "VariantCode", "GeneratedKernel",
 
 # Shipped templates every translation unit starts with, in this order.
 COMMON_TEMPLATES = ("common/attncc_types.cuh", "common/attention_params.cuh")
-FORM_KERNELS = ("fa3", "fa3batch")  # templates compiled in forms (form_text precedes them)
+# templates compiled in forms (form_text precedes them)
+FORM_KERNELS = ("fa3", "fa3batch", "fa3bwd")
 
 
 def form_text(*, paired: bool = False, low_pressure: bool = False) -> str:
@@ -597,7 +598,8 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
                                f"attncc.BatchAttention and is not exported; export 'fa2' or "
                                f"'simple'")
         if spec.backward:
-            return _build_backward(ir, vc, spec, name, head_dim, dtype, export, tiles)
+            return _build_backward(ir, vc, spec, name, head_dim, dtype, export, tiles,
+                                   low_pressure)
         if kernel in ("fa3", "fa3batch"):
             tiles = tiles if tiles is not None else fa3_tiles()
             rows = (128, 64) if kernel == "fa3batch" else (128,)  # (64: fa3batch's pair form)
@@ -658,9 +660,11 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
 
 
 def _build_backward(ir: VariantIR, vc: VariantCode, spec: KernelSpec, name: str,
-                    head_dim: int, dtype: str, export: bool, tiles: Any) -> GeneratedKernel:
+                    head_dim: int, dtype: str, export: bool, tiles: Any,
+                    low_pressure: bool = False) -> GeneratedKernel:
     """A backward unit (kernels/fa2/fa2_backward.cuh): BackwardParams first, then the variant's
-    Params and Grads; grid (ceil(kv_len / tiles.tkv), num_kv_heads, batch)."""
+    Params and Grads; grid (ceil(kv_len / tiles.tkv), num_kv_heads, batch). `low_pressure`: the
+    FA3-class kernel's 16-column sub-tiles (fa3_backward.cuh)."""
     from ..kernels import read_template
 
     if export:
@@ -679,8 +683,9 @@ def _build_backward(ir: VariantIR, vc: VariantCode, spec: KernelSpec, name: str,
     threads, smem = (fa3_backward_geometry(head_dim) if fa3 else
                      (tiles.threads(head_dim), tiles.smem_bytes(head_dim)))
     shipped = [(f, read_template(f).rstrip("\n") + "\n") for f in (*COMMON_TEMPLATES, *spec.files)]
-    if fa3:  # wgmma.cuh reads the form (never paired here)
-        shipped.insert(len(COMMON_TEMPLATES), ("kernel form", form_text()))
+    if fa3:  # wgmma.cuh and fa3_backward.cuh read the form (never paired here)
+        shipped.insert(len(COMMON_TEMPLATES), ("kernel form",
+                                               form_text(low_pressure=low_pressure)))
     asserts = (ATTENTION_PARAMS.static_asserts() + BACKWARD_PARAMS.static_asserts()
                + vc.params_layout.static_asserts()
                + (vc.grads_layout.static_asserts() if vc.grads_layout is not None else [])

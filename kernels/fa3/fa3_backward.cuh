@@ -229,8 +229,10 @@ __device__ __forceinline__ void issue_abt(float (&acc)[QS / 2], u32 a_tile, u32 
     const wg::u64 b = wg::desc_u64(wg::desc_plus(b0, (ks >> 2) * b_block + inner));
     if constexpr (QS == 64)
       wg::mma_ss_m64n64k16<0, F16>(acc, a, b, ks > 0);
-    else
+    else if constexpr (QS == 32)
       wg::mma_ss_m64n32k16<0, F16>(acc, a, b, ks > 0);
+    else
+      wg::mma_ss_m64n16k16<0, F16>(acc, a, b, ks > 0);
   }
 }
 
@@ -363,7 +365,9 @@ __device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
                                          int n, int wgi, int wi, bool mask_here,
                                          float (&dk)[D / 64][32], float (&dv)[D / 64][32]) {
   constexpr bool F16 = !ElemTraits<DType>::kIsBf16;
-  constexpr int QS = 32;
+  // the low-pressure form (codegen's low_pressure=True, tried when this one spills) takes
+  // 16-column sub-tiles: half of S^T, dP^T and their copies in registers beside dK and dV
+  constexpr int QS = form::low_pressure() ? 16 : 32;
   const int st = n & 1;
   const u32 sds = sm.ds(n & 1);
   // not unrolled: two inlined sub-tiles let ptxas hoist the second's loads and offsets into

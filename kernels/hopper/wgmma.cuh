@@ -164,6 +164,24 @@ __device__ __forceinline__ void mma_ss_m64n32k16(float (&d)[16], u64 desc_a, u64
   if constexpr (F16) ATTNCC_WG_SS_N32("f16"); else ATTNCC_WG_SS_N32("bf16");
 }
 
+#define ATTNCC_WG_D8 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#define ATTNCC_WG_D8_LIST "{%0, %1, %2, %3, %4, %5, %6, %7}"
+
+// D[64x16] (+)= A[64x16] * B[16x16], both in shared memory as for mma_ss_m64n32k16: the
+// FA3-class backward's quarter query tiles in its low-pressure form (fa3_backward.cuh).
+#define ATTNCC_WG_SS_N16(T)                                                               \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                              \
+               "wgmma.mma_async.sync.aligned.m64n16k16.f32." T "." T " " ATTNCC_WG_D8_LIST \
+               ", %8, %9, p, 1, 1, 0, %11;\n}\n"                                          \
+               : ATTNCC_WG_D8                                                               \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B))
+template <int TRANS_B, bool F16 = false>
+__device__ __forceinline__ void mma_ss_m64n16k16(float (&d)[8], u64 desc_a, u64 desc_b,
+                                                 int accumulate) {
+  if constexpr (F16) ATTNCC_WG_SS_N16("f16"); else ATTNCC_WG_SS_N16("bf16");
+}
+
 #define ATTNCC_WG_D64                                                                     \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),    \
       "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),          \

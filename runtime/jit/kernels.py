@@ -128,7 +128,8 @@ class KernelSpec:
         if self.kind not in KINDS:
             raise ValueError(f"kernel kind {self.kind!r}: use one of {', '.join(KINDS)}")
         if (self.paired and self.kind != "fa3_prefill") or (
-                self.low_pressure and self.kind not in ("fa3_prefill", "fa3_batch")):
+                self.low_pressure and self.kind not in ("fa3_prefill", "fa3_batch",
+                                                        "fa3_backward")):
             raise ValueError(f"a {self.kind} kernel has no paired / low-pressure form")
         if self.kv_dtype is not None and self.kind not in ("fa2_batch", "decode"):
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: fp8 KV caches run on the fa2_batch "
@@ -203,7 +204,7 @@ def _fa2_backward(spec: KernelSpec) -> Generated:
     kernel = "fa3bwd" if spec.kind == "fa3_backward" else "fa2bwd"
     gk = generate_source(spec.ir, head_dim=spec.head_dim, dtype=spec.dtype, kernel=kernel,
                          fast_math=spec.fast_math, tiles=t, grad_tensors=spec.grad_tensors,
-                         exact_grads=spec.exact_grads)
+                         exact_grads=spec.exact_grads, low_pressure=spec.low_pressure)
     cfg = LaunchConfig(spec.head_dim, t.tq, t.tkv, t.stages, 1, gk.threads // 32, gk.threads,
                        gk.shared_mem_bytes)
     return Generated(spec, gk.source, gk.kernel_name, gk.attention_params_layout,
@@ -409,17 +410,20 @@ def _backward_fallback(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -
 
 def _fa3_backward_fallback(spec: KernelSpec, arch: str,
                            trail: list[CompiledForm]) -> CompiledForm:
-    """The FA3-class backward's one form and, if ptxas reports spills or a stack frame, the
-    FA2-class forms of `spec.fallbacks` (docs/backward.md, "The FA3-class kernel"): the caller
-    launches the returned form's spec, whichever kind it is. Serialized wgmmas (ptxas's C7511
-    note) cost speed, not correctness, and keep the FA3-class form."""
-    form = compile_form(replace(spec, fallbacks=()), arch)
-    trail.append(form)
-    clean = form.spill_bytes == 0 and stack_frame(form.result.log) == 0
-    if clean or not spec.fallbacks:
+    """The FA3-class backward's form, its low-pressure form (16-column sub-tiles) if ptxas
+    reports spills or a stack frame, and then the FA2-class forms of `spec.fallbacks`
+    (docs/backward.md, "The FA3-class kernel"): the caller launches the returned form's spec,
+    whichever kind it is. Serialized wgmmas (ptxas's C7511 note) cost speed, not correctness,
+    and keep the FA3-class form."""
+    for low in (False, True):
+        form = compile_form(replace(spec, fallbacks=(), low_pressure=low), arch)
+        trail.append(form)
+        if form.spill_bytes == 0 and stack_frame(form.result.log) == 0:
+            return form
+    if not spec.fallbacks:
         return form
     fa2 = replace(spec, kind="fa2_backward", tiles=spec.fallbacks[0],
-                  fallbacks=spec.fallbacks[1:])
+                  fallbacks=spec.fallbacks[1:], low_pressure=False)
     return _backward_fallback(fa2, arch, trail)
 
 
