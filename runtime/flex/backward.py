@@ -286,8 +286,8 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     grads = {n: (exact_grad_value(b) if deterministic else b).to(
         device=bindings.tensors[n].device, dtype=bindings.tensors[n].dtype)
         for n, b in bufs.items()}
-    dq = fa3_dq(dq_acc, Sq, D) if fa3 else dq_acc
-    return BackwardResult(dq.to(query.dtype), dk, dv, grads)
+    dq = fa3_dq(dq_acc, Sq, D, query.dtype) if fa3 else dq_acc.to(query.dtype)
+    return BackwardResult(dq, dk, dv, grads)
 
 
 _BWD_MAPS = MapCache(16)  # the FA3-class backward's q, k, v, dO maps (runtime/jit/tma.py)
@@ -320,23 +320,27 @@ def _fa3_rows(lse: torch.Tensor, delta: torch.Tensor, rows: int) -> torch.Tensor
 _LOG2E = 1.4426950408889634
 
 
-def fa3_dq(acc: torch.Tensor, q_len: int, head_dim: int) -> torch.Tensor:
-    """dQ [B, Hq, q_len, head_dim] (fp32) from the FA3-class kernel's dq_accum [B, Hq, rows *
-    head_dim]: each 64-row query tile is head_dim / 64 staging tiles of [8][128 threads][4]
-    (fa3_backward.cuh `stage_dq`), element 4 j + 2 hr + i of thread 32 wi + 4 r + a at row
-    16 wi + 8 hr + r and column 64 g + 8 j + 2 a + i.
+def fa3_dq(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """dQ [B, Hq, q_len, head_dim] in `dtype` from the FA3-class kernel's dq_accum [B, Hq, rows *
+    head_dim] (fp32), by one strided copy: each 64-row query tile is head_dim / 64 staging tiles
+    of [8][128 threads][4] (fa3_backward.cuh `stage_dq`), element 4 j + 2 hr + i of thread
+    32 wi + 4 r + a at row 16 wi + 8 hr + r and column 64 g + 8 j + 2 a + i.
 
     Example:
         >>> import torch
         >>> dq = torch.arange(64 * 64.).view(64, 64)
         >>> t = dq.view(4, 2, 8, 1, 8, 4, 2).permute(3, 4, 0, 2, 5, 1, 6)  # staging order
-        >>> torch.equal(fa3_dq(t.reshape(1, 1, -1), 64, 64)[0, 0], dq)
+        >>> torch.equal(fa3_dq(t.reshape(1, 1, -1), 64, 64, torch.float32)[0, 0], dq)
         True
     """
     B, H = acc.shape[:2]
     g = head_dim // 64
-    t = acc.view(B, H, -1, g, 8, 4, 8, 4, 2, 2)  # b, h, tile, g, j, wi, r, a, hr, i
-    return t.permute(0, 1, 2, 5, 8, 6, 3, 4, 7, 9).reshape(B, H, -1, head_dim)[:, :, :q_len]
+    tiles = acc.shape[2] // (64 * head_dim)
+    out = torch.empty(B, H, tiles * 64, head_dim, dtype=dtype, device=acc.device)
+    # out's dims as b, h, tile, wi, hr, r, g, j, a, i, permuted to the staging order
+    out.view(B, H, tiles, 4, 2, 8, g, 8, 4, 2).permute(0, 1, 2, 6, 7, 3, 5, 8, 4, 9).copy_(
+        acc.view(B, H, tiles, g, 8, 4, 8, 4, 2, 2))
+    return out[:, :, :q_len]
 
 
 def _launch(kern: Any, args: Mapping[str, Any], ir: VariantIR, bindings: Bindings,
