@@ -309,12 +309,15 @@ def _fa3_rows(lse: torch.Tensor, delta: torch.Tensor, rows: int) -> torch.Tensor
     rows / 64, 2, 64], each 64-row query tile's LSE (base 2; +inf for a row with no weight, so
     its P is 0, never NaN) then its delta, rows padded to whole query tiles (+inf and 0)."""
     B, H, S = lse.shape
-    t = rows // FA3_BACKWARD_TILES.tq
-    lse2 = torch.full((B, H, rows), math.inf, dtype=torch.float32, device=lse.device)
-    lse2[..., :S] = torch.where(lse == -math.inf, math.inf, lse.float() * _LOG2E)
-    d = torch.zeros((B, H, rows), dtype=torch.float32, device=lse.device)
-    d[..., :S] = delta
-    return torch.stack((lse2.view(B, H, t, -1), d.view(B, H, t, -1)), dim=3).contiguous()
+    tq = FA3_BACKWARD_TILES.tq
+    if rows > S:  # padded rows: LSE -inf (then +inf below: P = 0) and delta 0
+        lse = torch.nn.functional.pad(lse, (0, rows - S), value=-math.inf)
+        delta = torch.nn.functional.pad(delta, (0, rows - S))
+    out = torch.empty((B, H, rows // tq, 2, tq), dtype=torch.float32, device=lse.device)
+    lse_v = lse.view(B, H, -1, tq)
+    torch.mul(lse_v, _LOG2E, out=out[:, :, :, 0]).masked_fill_(lse_v == -math.inf, math.inf)
+    out[:, :, :, 1].copy_(delta.view(B, H, -1, tq))
+    return out
 
 
 _LOG2E = 1.4426950408889634
