@@ -17,6 +17,8 @@ Example (the KV-major lists need no GPU):
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -64,6 +66,35 @@ def kv_major_lists(num: torch.Tensor, idx: torch.Tensor, fnum: torch.Tensor | No
     return qn, qi, fqn, fqi
 
 
+class _ListsMemo:
+    """The KV-major lists of the last few block masks a backward ran (`kv_major_lists` is about
+    twenty small torch launches a call, host time that a training step repeats for every layer
+    and step). Keyed by the list tensors themselves, which an entry holds, so an id is never
+    reused while cached, and by their version counters, so a list changed in place misses."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: "OrderedDict[tuple, tuple]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, lists: tuple[torch.Tensor | None, ...], n_kv_blocks: int) -> tuple:
+        key = (*((id(t), t._version) if t is not None else None for t in lists), n_kv_blocks)
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+                return hit[1]
+        value = kv_major_lists(*lists, n_kv_blocks)
+        with self._lock:
+            self._entries[key] = (lists, value)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        return value
+
+
+_LISTS = _ListsMemo(8)
+
+
 def _bstrides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(0 if s == 1 else st for s, st in zip(t.shape, t.stride()))
 
@@ -88,7 +119,7 @@ def _mask_params(mask: Any, tiles: BackwardTiles, kv_len: int) -> tuple[dict[str
                               f"GPU backward needs multiples of ({tiles.tq}, {tiles.tkv}): "
                               f"create the block mask with BLOCK_SIZE=128")
     n_kvb = -(-kv_len // mask.block_kv)
-    qn, qi, fqn, fqi = kv_major_lists(mask.num, mask.idx, mask.fnum, mask.fidx, n_kvb)
+    qn, qi, fqn, fqi = _LISTS.get((mask.num, mask.idx, mask.fnum, mask.fidx), n_kvb)
     nb, ix = _bstrides(qn), _bstrides(qi)
     zero.update(q_num_blocks=qn.data_ptr(), q_indices=qi.data_ptr(),
                 full_q_num_blocks=fqn.data_ptr() if fqn is not None else 0,

@@ -232,3 +232,25 @@ def test_block_sizes_the_backward_cannot_tile_raise() -> None:
     ok = SimpleNamespace(num=num, idx=idx, fnum=None, fidx=None, block_q=128, block_kv=128)
     vals, keep = _mask_params(ok, backward_tiles(128), 512)
     assert vals["block_q"] == 128 and vals["q_num_blocks"] == keep[0].data_ptr()
+
+
+def test_kv_major_lists_are_memoized_per_list_tensor_and_version() -> None:
+    """A backward reuses the KV-major lists of a block mask it ran before (the same list
+    tensors, unchanged), recomputes them after an in-place change, and never confuses two
+    masks: each entry holds its tensors, so their ids stay unique while cached."""
+    from attncc.runtime.flex.backward import _ListsMemo
+
+    memo = _ListsMemo(2)
+    num = torch.tensor([[[1, 2, 1]]], dtype=torch.int32)
+    idx = torch.tensor([[[[0, 1], [1, 0], [1, 0]]]], dtype=torch.int32)
+    first = memo.get((num, idx, None, None), 2)
+    assert memo.get((num, idx, None, None), 2) is first
+    fresh = kv_major_lists(num, idx, None, None, 2)
+    assert all(torch.equal(a, b) for a, b in zip(first[:2], fresh[:2]))
+    num[0, 0, 0] = 2  # q block 0 now lists kv blocks 0 and 1
+    changed = memo.get((num, idx, None, None), 2)
+    assert changed is not first and changed[0].tolist() == [[[2, 3]]]
+    other = (num.clone(), idx.clone(), None, None)
+    assert memo.get(other, 2) is not changed  # equal contents, other tensors: its own entry
+    memo.get((num, idx, None, None), 3)  # a third key evicts the oldest (size 2)
+    assert len(memo._entries) == 2
