@@ -70,7 +70,10 @@ class _ListsMemo:
     """The KV-major lists of the last few block masks a backward ran (`kv_major_lists` is about
     twenty small torch launches a call, host time that a training step repeats for every layer
     and step). Keyed by the list tensors themselves, which an entry holds, so an id is never
-    reused while cached, and by their version counters, so a list changed in place misses."""
+    reused while cached, by their version counters, so a list changed in place misses, and by
+    the stream the lists were made on (another stream is not ordered after their making).
+    Nothing made during a CUDA graph capture is kept: its values exist only when the graph
+    replays."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -78,13 +81,18 @@ class _ListsMemo:
         self._lock = threading.Lock()
 
     def get(self, lists: tuple[torch.Tensor | None, ...], n_kv_blocks: int) -> tuple:
-        key = (*((id(t), t._version) if t is not None else None for t in lists), n_kv_blocks)
+        cuda = lists[0].is_cuda
+        stream = torch.cuda.current_stream(lists[0].device).cuda_stream if cuda else 0
+        key = (*((id(t), t._version) if t is not None else None for t in lists), n_kv_blocks,
+               stream)
         with self._lock:
             hit = self._entries.get(key)
             if hit is not None:
                 self._entries.move_to_end(key)
                 return hit[1]
         value = kv_major_lists(*lists, n_kv_blocks)
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return value
         with self._lock:
             self._entries[key] = (lists, value)
             while len(self._entries) > self.size:
