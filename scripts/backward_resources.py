@@ -3,9 +3,11 @@ the backward runs on the transformed q/k/v) at head dims 64/128/256, plus the va
 captured float tensor is made learnable (relative_bias's table, alibi's slopes), the form the
 kernel cache picks for each backward template asked for (`--kernels`; runtime/jit/kernels.py:
 FA2-class, the first of `codegen.tiles.backward_fallbacks` with neither spills nor a stack frame;
-FA3-class, its one form or, if that spills, the FA2-class one: docs/backward.md), its
-registers, spill bytes, stack frame and shared memory, from ptxas's `-v` report through NVRTC.
-Writes a markdown table (and JSON with --out).
+FA3-class, its form, its low-pressure form, or the FA2-class ones, the first that neither
+spills nor keeps a stack frame: docs/backward.md), its registers, spill bytes, stack frame and
+shared memory, from ptxas's `-v` report through NVRTC. The FA3-class kernel's register count is
+the launch's (168 a thread for 384 threads); its consumers run with 240 (setmaxnreg), which
+ptxas's spill report covers. Writes a markdown table (and JSON with --out).
 
     python -m scripts.backward_resources --out bench/results/backward-resources-nvrtc12.json
     python -m scripts.backward_resources --kernels fa3 --head-dims 64 128
@@ -45,7 +47,9 @@ def report(variant: str, head_dim: int, learnable: bool, arch: str,
             "registers": int(regs.group(1)) if regs else None, "spill_bytes": form.spill_bytes,
             "stack_frame": stack_frame(log), "wgmma_serialized": bool(wgmma_notes(log)),
             "smem_bytes": form.gen.smem_bytes, "threads": form.gen.threads,
-            "first_form": form.spec.kind == spec.kind and form.spec.tiles == spec.tiles}
+            "low_pressure": form.spec.low_pressure,
+            "first_form": (form.spec.kind == spec.kind and form.spec.tiles == spec.tiles
+                           and not form.spec.low_pressure)}
 
 
 def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -57,7 +61,8 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         kind = r.get("kind", "fa2_backward").split("_")[0]
         lines.append(f"| {r.get('asked', 'fa2')} | {r['variant']} | {r['head_dim']} | "
                      f"{', '.join(r['grad_tensors']) or '-'} | {kind} {tuple(r['form'])}"
-                     f"{'' if r['first_form'] else ' (fallback)'}"
+                     f"{' (low-pressure)' if r.get('low_pressure') else ''}"
+                     f"{'' if r['first_form'] or r.get('low_pressure') else ' (fallback)'}"
                      f"{' (wgmma serialized)' if r.get('wgmma_serialized') else ''} | "
                      f"{r['registers']} | {r['spill_bytes']} | {r['stack_frame']} | "
                      f"{r['smem_bytes']} | {r['threads']} |")
