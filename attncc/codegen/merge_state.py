@@ -1,4 +1,5 @@
-"""The translation unit of the attention-state merge kernel (kernels/small/merge_state.cuh).
+"""The translation units of the variant-free kernels: the attention-state merge kernel
+(kernels/small/merge_state.cuh) and the backward's row kernel (kernels/small/bwd_rows.cuh).
 
 Unlike the attention kernels it has no variant: one kernel per storage type, merging two states
 ``(o, lse)`` of the same rows (runtime/serving/merge_kernel.py launches it). The unit is the shipped
@@ -18,13 +19,13 @@ from attncc.kernels import read_template
 from .constants import static_asserts
 from .errors import CodegenError
 from .generate import DTYPES
-from .layout import MERGE_STATE_PARAMS, StructLayout
+from .layout import BWD_ROWS_PARAMS, MERGE_STATE_PARAMS, StructLayout
 
-__all__ = ["MergeStateKernel", "merge_state_source"]
+__all__ = ["MergeStateKernel", "merge_state_source", "bwd_rows_source", "small_unit"]
 
 
 class MergeStateKernel(NamedTuple):
-    """A merge kernel's source, its extern "C" name and its one argument's layout."""
+    """A variant-free kernel's source, its extern "C" name and its one argument's layout."""
 
     source: str
     kernel_name: str
@@ -47,15 +48,40 @@ def merge_state_source(dtype: str) -> MergeStateKernel:
                            f"{', '.join(DTYPES)}")
     ctype, short = DTYPES[dtype]
     name = f"attncc_merge_state_{short}"
-    source = "\n".join([
-        f"// attncc: attention-state merge kernel for {dtype} (kernels/small/merge_state.cuh)",
+    source = small_unit(f"attention-state merge kernel for {dtype}", "small/merge_state.cuh",
+                        MERGE_STATE_PARAMS, "merge", f"ATTNCC_MERGE_STATE_ENTRY({name}, {ctype})")
+    return MergeStateKernel(source, name, MERGE_STATE_PARAMS)
+
+
+def bwd_rows_source(dtype: str) -> MergeStateKernel:
+    """The FA3-class backward's row kernel (kernels/small/bwd_rows.cuh: LSE base 2 and delta per
+    query tile) for dO and O of `dtype` ("bfloat16" or "float16").
+
+    Example:
+        >>> bwd_rows_source("float16").kernel_name
+        'attncc_bwd_rows_f16'
+    """
+    if dtype not in ("bfloat16", "float16"):
+        raise CodegenError(f"dtype={dtype!r}: the backward's row kernel takes bfloat16 or "
+                           f"float16 dO and O")
+    ctype, short = DTYPES[dtype]
+    name = f"attncc_bwd_rows_{short}"
+    source = small_unit(f"the backward's row kernel for {dtype}", "small/bwd_rows.cuh",
+                        BWD_ROWS_PARAMS, "bwd_rows", f"ATTNCC_BWD_ROWS_ENTRY({name}, {ctype})")
+    return MergeStateKernel(source, name, BWD_ROWS_PARAMS)
+
+
+def small_unit(what: str, template: str, layout: StructLayout, kernel: str, entry: str) -> str:
+    """A variant-free kernel's translation unit: the shipped types and `template`, the
+    static_asserts pinning `layout` and `kernel`'s mirrored constants, and one entry."""
+    return "\n".join([
+        f"// attncc: {what} (kernels/{template})",
         read_template("common/attncc_types.cuh"),
-        read_template("small/merge_state.cuh"),
+        read_template(template),
         "namespace attncc {",
-        *MERGE_STATE_PARAMS.static_asserts(),
-        *static_asserts("merge"),
+        *layout.static_asserts(),
+        *static_asserts(kernel),
         "}  // namespace attncc",
-        f"ATTNCC_MERGE_STATE_ENTRY({name}, {ctype})",
+        entry,
         "",
     ])
-    return MergeStateKernel(source, name, MERGE_STATE_PARAMS)

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from attncc.codegen.constants import BWD_ROWS_THREADS
 from attncc.codegen.tiles import (FA3_BACKWARD_TILES, BackwardTiles, backward_fallbacks,
                                   backward_tiles)
 from attncc.errors import InvalidArgument
@@ -284,17 +285,17 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     dk = torch.empty(key.shape, dtype=key.dtype, device=dev)
     dv = torch.empty(value.shape, dtype=value.dtype, device=dev)
     delta = None
-    if lse is not None:  # softmax: delta = rowsum(dO * O) - dLSE (docs/backward.md, Kernels)
+    lse_h = Sq  # the LSE's (and delta's) stride between heads
+    if lse is not None and not fa3:  # softmax: delta = rowsum(dO * O) - dLSE (docs/backward.md)
         lse = lse.contiguous()
         delta = (do.float() * out.float()).sum(-1)
         if dlse is not None:
             delta = delta - dlse.float()
         delta = delta.contiguous()
-    lse_h = Sq  # the LSE's (and delta's) stride between heads
     if fa3:  # the FA3-class kernel's inputs (BackwardParams::tma)
         rows = -(-Sq // FA3_BACKWARD_TILES.tq) * FA3_BACKWARD_TILES.tq
         if lse is not None:
-            lse, delta, lse_h = _fa3_rows(lse, delta, rows), None, 2 * rows
+            lse, lse_h = _fa3_rows(do, _dense(out), lse, dlse, rows, dtype, dev), 2 * rows
         dq_acc = torch.zeros(B, Hq, rows * D, dtype=torch.float32, device=dev)
         dq_strides = {"dq_stride_b": Hq * rows * D, "dq_stride_h": rows * D, "dq_stride_s": D}
     else:
@@ -343,23 +344,33 @@ def _fa3_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
                          q.device, lambda: b"".join(encode_map(t, (1, 1, 64, 64)) for t in ts))
 
 
-def _fa3_rows(lse: torch.Tensor, delta: torch.Tensor, rows: int) -> torch.Tensor:
-    """The LSE and delta as the FA3-class kernel's one bulk copy a tile reads them: [B, Hq,
-    rows / 64, 2, 64], each 64-row query tile's LSE (base 2; +inf for a row with no weight, so
-    its P is 0, never NaN) then its delta, rows padded to whole query tiles (+inf and 0)."""
+def _fa3_rows(do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
+              rows: int, dtype: str, dev: torch.device) -> torch.Tensor:
+    """The LSE and delta as the FA3-class kernel's one bulk copy a tile reads them, made by the
+    row kernel (kernels/small/bwd_rows.cuh) in one launch: [B, Hq, rows / 64, 2, 64], each
+    64-row query tile's LSE (base 2; +inf for a row with no weight, so its P is 0, never NaN)
+    then its delta = rowsum(dO * O) - dLSE in fp32, rows padded to whole tiles (+inf and 0).
+    `do` and `out` have 16-byte aligned rows (`_dense`)."""
     B, H, S = lse.shape
     tq = FA3_BACKWARD_TILES.tq
-    if rows > S:  # padded rows: LSE -inf (then +inf below: P = 0) and delta 0
-        lse = torch.nn.functional.pad(lse, (0, rows - S), value=-math.inf)
-        delta = torch.nn.functional.pad(delta, (0, rows - S))
-    out = torch.empty((B, H, rows // tq, 2, tq), dtype=torch.float32, device=lse.device)
-    lse_v = lse.view(B, H, -1, tq)
-    torch.mul(lse_v, _LOG2E, out=out[:, :, :, 0]).masked_fill_(lse_v == -math.inf, math.inf)
-    out[:, :, :, 1].copy_(delta.view(B, H, -1, tq))
-    return out
+    buf = torch.empty((B, H, rows // tq, 2, tq), dtype=torch.float32, device=dev)
+    if dlse is not None and dlse.dtype != torch.float32:
+        dlse = dlse.float()
+    dl = dlse if dlse is not None else lse  # (strides only: the pointer is null)
+    params = {"dout": do.data_ptr(), "out": out.data_ptr(), "lse": lse.data_ptr(),
+              "dlse": dlse.data_ptr() if dlse is not None else 0, "rows": buf.data_ptr(),
+              **{f"{n}_stride_{d}": t.stride(i) for n, t in (("do", do), ("o", out))
+                 for i, d in enumerate("bhs")},
+              **{f"{n}_stride_{d}": t.stride(i) for n, t in (("lse", lse), ("dlse", dl))
+                 for i, d in enumerate("bhs")},
+              "batch": B, "heads": H, "q_len": S, "tiles": rows // tq, "head_dim": do.shape[-1]}
+    kl = get_kernel(KernelSpec("bwd_rows", dtype=dtype, device=dev.index)).launcher
+    warps = BWD_ROWS_THREADS // 32
+    kl.launch((-(-B * H * rows // warps), 1, 1), (BWD_ROWS_THREADS, 1, 1), 0,
+              kl.ap.flatten(params), (), stream=current_raw_stream(dev.index))
+    return buf
 
 
-_LOG2E = 1.4426950408889634
 
 
 def fa3_dq(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:

@@ -126,3 +126,20 @@ def test_fa3_spec_keeps_the_fa2_forms_a_mask_allows() -> None:
                          device=None, grad_tensors=())
     assert spec.kind == "fa3_backward" and spec.tiles == FA3_BACKWARD_TILES
     assert spec.fallbacks and all(128 % f.tkv == 0 for f in spec.fallbacks)
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_row_kernel_compiles_without_spills(dtype: str) -> None:
+    """The backward's row kernel (kernels/small/bwd_rows.cuh: LSE base 2 and delta per query
+    tile, what the FA3-class kernel's producer copies) for each 16-bit dO / O type;
+    tests/gpu/test_fa3_backward_gpu.py checks its rows against torch's formula."""
+    from attncc.codegen.merge_state import bwd_rows_source
+    from attncc.runtime.jit.nvrtc import compile_cuda
+
+    mk = bwd_rows_source(dtype)
+    res = compile_cuda(mk.source, arch="sm_90a", name=f"{mk.kernel_name}.cu", verbose=True)
+    assert f"Compiling entry function '{mk.kernel_name}'" in res.log
+    assert "0 bytes spill stores, 0 bytes spill loads" in res.log
+    with pytest.raises(CodegenError, match="bfloat16 or float16"):
+        bwd_rows_source("float32")
