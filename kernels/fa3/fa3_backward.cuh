@@ -70,7 +70,10 @@ struct BwdConfig {
   static constexpr int kDq = kDs + 2 * TQ * TKV * 2;      // fp32 dQ [kDqGroups][kDqBytes]
   // fp32 rows [STAGES][2][TQ]: a tile's LSE (base 2), then its delta
   static constexpr int kRows = kDq + kDqGroups * kDqBytes;
-  static constexpr int kBar = kRows + STAGES * 2 * TQ * 4;  // mbarriers (BwdSmem)
+  // per stage the tile's query head and first row (with bit 0: a full block), or head -1: the
+  // sequence ended (TileMeta)
+  static constexpr int kMeta = kRows + STAGES * 2 * TQ * 4;
+  static constexpr int kBar = kMeta + STAGES * 8;  // mbarriers (BwdSmem)
   static constexpr int kSmemBytes = kBar + 128 + 1024;     // + alignment slack
 };
 
@@ -81,11 +84,8 @@ template <int D, int TQ, int TKV>
 struct BwdSmem {
   using Cfg = BwdConfig<D, TQ, TKV, 2, 1>;
   u32 base;
-  unsigned char* ptr;  // generic address of base, for the fp32 rows the hooks read
   __device__ __forceinline__ explicit BwdSmem(unsigned char* raw) {
-    const u32 a = smem_addr(raw);
-    base = (a + 1023u) & ~1023u;
-    ptr = raw + (base - a);
+    base = (smem_addr(raw) + 1023u) & ~1023u;
   }
   __device__ __forceinline__ u32 k() const { return base + Cfg::kK; }
   __device__ __forceinline__ u32 v() const { return base + Cfg::kV; }
@@ -94,12 +94,15 @@ struct BwdSmem {
   __device__ __forceinline__ u32 ds(int buf) const { return base + Cfg::kDs + buf * TQ * TKV * 2; }
   __device__ __forceinline__ u32 dq(int g) const { return base + Cfg::kDq + g * Cfg::kDqBytes; }
   __device__ __forceinline__ u32 rows(int st) const { return base + Cfg::kRows + st * 2 * TQ * 4; }
+  // generic pointers for the hooks' code, made at the use from the shared address (no 64-bit
+  // pointer held through the tile loop)
   __device__ __forceinline__ const float* lse2_rows(int st) const {
-    return reinterpret_cast<const float*>(ptr + Cfg::kRows) + st * 2 * TQ;
+    return static_cast<const float*>(__cvta_shared_to_generic(rows(st)));
   }
   __device__ __forceinline__ const float* delta_rows(int st) const {
-    return reinterpret_cast<const float*>(ptr + Cfg::kRows) + st * 2 * TQ + TQ;
+    return static_cast<const float*>(__cvta_shared_to_generic(rows(st) + TQ * 4));
   }
+  __device__ __forceinline__ u32 meta(int st) const { return base + Cfg::kMeta + 8 * st; }
   __device__ __forceinline__ u32 kv_full() const { return base + Cfg::kBar; }
   __device__ __forceinline__ u32 full(int st) const { return base + Cfg::kBar + 8 + 8 * st; }
   __device__ __forceinline__ u32 empty(int st) const { return base + Cfg::kBar + 24 + 8 * st; }
@@ -146,15 +149,32 @@ __device__ __forceinline__ void for_each_tile(const attncc::BackwardParams& p, i
   }
 }
 
+// What the producer tells the consumers about the tile in a stage: its query head (-1: the
+// sequence ended) and first row, bit 0 set for a full block. The consumers then keep no tile
+// list of their own (registers beside dK and dV).
+struct TileMeta {
+  int hq, q0f;
+};
+__device__ __forceinline__ void put_meta(u32 at, TileMeta m) {
+  asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(at), "r"(m.hq), "r"(m.q0f) : "memory");
+}
+__device__ __forceinline__ TileMeta get_meta(u32 at) {
+  TileMeta m;
+  asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(m.hq), "=r"(m.q0f) : "r"(at) : "memory");
+  return m;
+}
+
 // One query tile's loads into stage n % 2, once both consumers released it (tile n - 2 read):
 // Q, dO, and its LSE (base 2) and delta rows (one copy: they are interleaved by tile).
 template <int D, int TQ, int TKV>
 __device__ __forceinline__ void load_q_tile(const attncc::BackwardParams& p,
                                             const BwdSmem<D, TQ, TKV>& sm, int n, int b, int hq,
-                                            int q0) {
+                                            int q0, bool is_full) {
   const int st = n & 1;
   const bool rows = p.lse != nullptr;  // softmax: the LSE and delta rows too
   if (n >= 2) tma::mbar_wait(sm.empty(st), ((n >> 1) - 1) & 1);
+  // the consumers read it after their wait on `full`, which this thread's arrival releases
+  put_meta(sm.meta(st), TileMeta{hq, q0 | (int)is_full});
   tma::mbar_arrive_expect_tx(sm.full(st), 2 * TQ * D * 2 + (rows ? 2 * TQ * 4 : 0));
   load_tile<D, TQ>(sm.q(st), tmap(p, 0), sm.full(st), q0, hq, b);
   load_tile<D, TQ>(sm.dout(st), tmap(p, 3), sm.full(st), q0, hq, b);
@@ -195,13 +215,18 @@ __device__ __forceinline__ void produce(const attncc::BackwardParams& p,
   load_tile<D, TKV>(sm.k(), tmap(p, 1), sm.kv_full(), cta.kv0, cta.h_kv, b);
   load_tile<D, TKV>(sm.v(), tmap(p, 2), sm.kv_full(), cta.kv0, cta.h_kv, b);
   int last_hq = 0, last_q0 = -1, count = 0;
-  for_each_tile<TQ, TKV>(p, b, cta.h_kv, cta.kv0, [&](int n, int hq, int q0, bool) {
-    load_q_tile(p, sm, n, b, hq, q0);
+  for_each_tile<TQ, TKV>(p, b, cta.h_kv, cta.kv0, [&](int n, int hq, int q0, bool is_full) {
+    load_q_tile(p, sm, n, b, hq, q0, is_full);
     if (n > 0) add_dq(p, sm, n - 1, b, last_hq, last_q0);
     last_hq = hq;
     last_q0 = q0;
     count = n + 1;
   });
+  // the end: a stage with head -1 and no bytes, once its last tile was read
+  const int st = count & 1;
+  if (count >= 2) tma::mbar_wait(sm.empty(st), ((count >> 1) - 1) & 1);
+  put_meta(sm.meta(st), TileMeta{-1, 0});
+  tma::mbar_arrive(sm.full(st));
   if (count > 0) add_dq(p, sm, count - 1, b, last_hq, last_q0);
   tma::bulk_wait_all<0>();  // the reductions landed before the CTA ends
 }
@@ -448,14 +473,17 @@ __device__ __forceinline__ void consume(const attncc::BackwardParams& p,
 #pragma unroll
     for (int e = 0; e < 32; ++e) dk[blk][e] = dv[blk][e] = 0.f;
   tma::mbar_wait(sm.kv_full(), 0);
-  for_each_tile<TQ, TKV>(p, b, cta.h_kv, cta.kv0, [&](int n, int hq, int q0, bool is_full) {
+#pragma unroll 1
+  for (int n = 0;; ++n) {
     tma::mbar_wait(sm.full(n & 1), (n >> 1) & 1);
-    const fa2::BwdTileView t{b, hq, q0, kv_row0, p.q_len, p.kv_len, lane};
+    const TileMeta m = get_meta(sm.meta(n & 1));
+    if (m.hq < 0) break;
+    const fa2::BwdTileView t{b, m.hq, m.q0f & ~1, kv_row0, p.q_len, p.kv_len, lane};
     // one instantiation, the mask decided per tile: two inlined copies of the tile body (one
     // masked, one not) spilled at head dim 128 (docs/backward.md, "The FA3-class kernel")
     bwd_tile<Variant, DType, D, TQ, TKV, Variant::has_logits_mask>(p, vp, vg, sm, t, n, wgi, wi,
-                                                                   !is_full, dk, dv);
-  });
+                                                                   !(m.q0f & 1), dk, dv);
+  }
   // re-derived, not live through the loop (bwd_cta)
   store_dkdv<DType, D>(p, b, fa2::bwd_cta<TKV>(p).h_kv, kv_row0, lane, dk, dv);
 }
