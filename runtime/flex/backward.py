@@ -293,6 +293,8 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             delta = delta - dlse.float()
         delta = delta.contiguous()
     if fa3:  # the FA3-class kernel's inputs (BackwardParams::tma)
+        # (held until the launch: a copy made here must outlive it)
+        q, k, v, do = (_tma_strided(t) for t in (q, k, v, do))
         rows = -(-Sq // FA3_BACKWARD_TILES.tq) * FA3_BACKWARD_TILES.tq
         if lse is not None:
             lse, lse_h = _fa3_rows(do, _dense(out), lse, dlse, rows, dtype, dev), 2 * rows
@@ -335,13 +337,33 @@ _BWD_MAPS = MapCache(16)  # the FA3-class backward's q, k, v, dO maps (runtime/j
 
 def _fa3_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> MapSlot:
     """The q, k, v, dO tensor maps of the FA3-class backward (fa3_backward.cuh `tmap`): each
-    over [batch, heads, seq, head_dim] as strided, in [64 rows][64] boxes, so a box's rows past
-    the sequence are outside the tensor and load as zeros."""
+    over [batch, heads, seq, head_dim] as strided (positive strides: `_tma_strided`), in
+    [64 rows][64] boxes, so a box's rows past the sequence are outside the tensor and load as
+    zeros."""
     from ..jit.tma import encode_map
 
     ts = (q, k, v, do)
     return _BWD_MAPS.get(tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in ts),
                          q.device, lambda: b"".join(encode_map(t, (1, 1, 64, 64)) for t in ts))
+
+
+def _tma_strided(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a tensor map can describe it: a positive stride in every dim. A broadcast dim
+    (stride 0, as an expanded output gradient has) is copied out; a size-1 dim's stride, never
+    stepped, is set to the extent of the dims inside it.
+
+    Example:
+        >>> x = torch.zeros(1, 64, 8).expand(2, 64, 8)
+        >>> _tma_strided(x).stride(), _tma_strided(torch.zeros(64, 8)[None]).stride()
+        ((512, 8, 1), (512, 8, 1))
+    """
+    if any(st == 0 and n > 1 for n, st in zip(t.shape[:-1], t.stride()[:-1])):
+        t = t.contiguous()
+    strides = list(t.stride())
+    for i in range(t.dim() - 2, -1, -1):
+        if strides[i] == 0 or t.shape[i] == 1:
+            strides[i] = strides[i + 1] * t.shape[i + 1]
+    return t if strides == list(t.stride()) else t.as_strided(t.shape, strides)
 
 
 def _fa3_rows(do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
