@@ -15,8 +15,8 @@
 //     dO (4-D boxes: rows past the sequence land as zeros), LSE and delta rows into a two-stage
 //     ring (mbarriers) -- and, a tile behind, each tile's staged fp32 dQ added into dq_accum by
 //     bulk reductions, off the consumers' path;
-//   consumers 1 and 2: KV rows [64 w, 64 w + 64) each (every wgmma's M). Per query tile and each
-//     of its two 32-column sub-tiles:
+//   consumer w (warpgroup w + 1, w = 0, 1): KV rows [64 w, 64 w + 64) (every wgmma's M). Per
+//     query tile and each of its two 32-column sub-tiles:
 //   S^T = K Q^T, dP^T = V dO^T                 SS m64n32, both issued at once
 //   P^T, dS^T in registers                     fa2_backward.cuh's probs_tile / dscores_tile: the
 //                                              wgmma accumulator is mma.sync's C layout per warp
@@ -25,7 +25,7 @@
 //                                              SS m64n64 over dS in shared memory (query-major,
 //                                              two buffers), staged for the producer
 // dQ's columns are split over the consumers at head dim 128 (one m64n64 each, all 128 keys); at
-// head dim 64 consumer 1 computes it alone, so every dQ element takes one add per CTA and query
+// head dim 64 consumer 0 computes it alone, so every dQ element takes one add per CTA and query
 // tile -- what the deterministic mode's per-tile launches rely on.
 // Shared tiles use the 128-byte swizzle of wgmma.cuh (sw128_offset), which TMA writes.
 #ifndef ATTNCC_FA3_BACKWARD_CUH
