@@ -14,8 +14,9 @@ Kinds: `fa2` (FlexAttention-style prefill, with the runtime's spill fallback til
 form's cubin, so its hash equals `fa3-single`'s), `fa3-lowpressure` / `fa3-pair-lowpressure`
 (the low-pressure form forced, whether or not the runtime needs it for the variant),
 `fa3-batch` and `fa3-batch-lowpressure`, `fa3-batch-pair` (the batch kernel's pair form of
-64-row units: multi-token decode; variants with q/k/v transforms have none), `fa3-hoisted` (the attention kernel left after the
-pre-pass takes a variant's q/k/v transforms), `prepass`, `merge` (variant `-`, D=-).
+64-row units: multi-token decode; variants with q/k/v transforms have none), `fa3-hoisted`
+(the attention kernel left after the pre-pass takes a variant's q/k/v transforms), `prepass`,
+`merge` (variant `-`, D=-).
 Inputs are bfloat16 (the merge kernel: bfloat16 and float16). Block-mask launches, whose mask
 is merged into the variant's IR at run time, are not listed.
 

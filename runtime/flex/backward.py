@@ -361,7 +361,7 @@ def _tma_strided(t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
     strides = list(t.stride())
     for i in range(t.dim() - 2, -1, -1):
-        if strides[i] == 0 or t.shape[i] == 1:
+        if t.shape[i] == 1:  # (the only dims a zero stride is left on)
             strides[i] = strides[i + 1] * t.shape[i + 1]
     return t if strides == list(t.stride()) else t.as_strided(t.shape, strides)
 
