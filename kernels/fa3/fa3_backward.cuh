@@ -16,12 +16,12 @@
 //     ring (mbarriers) -- and, a tile behind, each tile's staged fp32 dQ added into dq_accum by
 //     bulk reductions, off the consumers' path;
 //   consumer w (warpgroup w + 1, w = 0, 1): KV rows [64 w, 64 w + 64) (every wgmma's M). Per
-//     query tile and each of its two 32-column sub-tiles:
-//   S^T = K Q^T, dP^T = V dO^T                 SS m64n32, both issued at once
+//     query tile and each of its sub-tiles of QS = 64, 32 or 16 columns (the form's):
+//   S^T = K Q^T, dP^T = V dO^T                 SS m64nQS
 //   P^T, dS^T in registers                     fa2_backward.cuh's probs_tile / dscores_tile: the
 //                                              wgmma accumulator is mma.sync's C layout per warp
 //   dV += P^T dO, dK += dS^T Q                 RS: P^T / dS^T as A fragments, dO / Q N-major
-//   dQ = dS K                                  after both sub-tiles and both consumers' dS halves:
+//   dQ = dS K                                  after the sub-tiles and both consumers' dS halves:
 //                                              SS m64n64 over dS in shared memory (query-major,
 //                                              two buffers), staged for the producer
 // dQ's columns are split over the consumers at head dim 128 (one m64n64 each, all 128 keys); at
@@ -323,15 +323,19 @@ __device__ __forceinline__ void stage_dq(u32 dst, const float (&acc)[32], int t,
 }
 
 // Query columns [qs0, qs0 + QS) of a tile against the warpgroup's 64 KV rows: S^T, dP^T, P^T,
-// dS^T in registers, dV and dK updated, dS^T stored (buffer sds) for dQ. Ends with its wgmmas
-// complete. t.q0 is the sub-tile's first query position.
-template <typename Variant, typename DType, int D, int TQ, int TKV, int QS, bool kMask>
+// dS^T in registers, dV and dK updated, dS^T stored (buffer sds) for dQ and packed in `da`. Ends
+// with its wgmmas complete, but for the dK wgmma without kWaitDk (the caller waits for it, and
+// keeps `da` alive until then). t.q0 is the sub-tile's first query position. At 64 columns S^T
+// is issued alone and dP^T beside dV: S^T and dP^T at once do not fit beside dK and dV.
+template <typename Variant, typename DType, int D, int TQ, int TKV, int QS, bool kMask,
+          bool kWaitDk>
 __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
                                         const typename Variant::Params& vp,
                                         const typename Variant::Grads& vg,
                                         const BwdSmem<D, TQ, TKV>& sm, const fa2::BwdTileView& t,
                                         int st, u32 sds, int qs0, int wgi, int wi, bool mask_here,
-                                        float (&dk)[D / 64][32], float (&dv)[D / 64][32]) {
+                                        float (&dk)[D / 64][32], float (&dv)[D / 64][32],
+                                        u32 (&da)[QS / 16][4]) {
   constexpr bool F16 = !ElemTraits<DType>::kIsBf16;
   constexpr int NF = QS / 8;
   const u32 kv_rows = wgi * 64 * 128;  // the warpgroup's first K / V row in each column block
@@ -340,9 +344,13 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   wg::fence();
   issue_abt<F16, D / 16, QS>(s, sm.k() + kv_rows, TKV * 128, sm.q(st) + q_rows, TQ * 128);
   wg::commit();
-  issue_abt<F16, D / 16, QS>(dp, sm.v() + kv_rows, TKV * 128, sm.dout(st) + q_rows, TQ * 128);
-  wg::commit();
-  wg::wait<1>();
+  if constexpr (QS < 64) {
+    issue_abt<F16, D / 16, QS>(dp, sm.v() + kv_rows, TKV * 128, sm.dout(st) + q_rows, TQ * 128);
+    wg::commit();
+    wg::wait<1>();
+  } else {
+    wg::wait<0>();
+  }
   wg::fence_operands(s);
   float(&pt)[NF][4] = *reinterpret_cast<float(*)[NF][4]>(s);
   float sc[NF][4];
@@ -354,6 +362,10 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   fa2::pack_a<DType, NF>(pa, pt);
   wg::fence_operands(pa);
   wg::fence();
+  if constexpr (QS == 64) {
+    issue_abt<F16, D / 16, QS>(dp, sm.v() + kv_rows, TKV * 128, sm.dout(st) + q_rows, TQ * 128);
+    wg::commit();
+  }
   issue_rs<F16, NF / 2, D / 64, TQ>(dv, pa, sm.dout(st) + q_rows);  // dV += P^T dO
   wg::commit();
   wg::wait<1>();  // dP^T (the dV group may still run)
@@ -364,7 +376,6 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   wg::fence_operands(pa);
   wg::fence_operands(dv);
 
-  u32 da[NF / 2][4];
   fa2::pack_a<DType, NF>(da, dpt);
   // an opaque lane: the stores' swizzled offsets are the same every tile, and ptxas otherwise
   // hoists all of them out of the query loop into registers of their own (then spills)
@@ -373,14 +384,15 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   wg::fence();
   issue_rs<F16, NF / 2, D / 64, TQ>(dk, da, sm.q(st) + q_rows);  // dK += dS^T Q
   wg::commit();
-  wg::wait<0>();
-  wg::fence_operands(da);  // the dK wgmma read da until the wait
-  wg::fence_operands(dk);
+  if constexpr (kWaitDk) {
+    wg::wait<0>();
+    wg::fence_operands(da);  // the dK wgmma read da until the wait
+    wg::fence_operands(dk);
+  }
 }
 
 // One query tile against the CTA's KV tile (the header's per-tile steps), tile n of the CTA's
-// sequence in stage n % 2 and dS buffer n % 2: its two query sub-tiles of 32 columns (a whole
-// 64-column S^T and dP^T spilled beside dK and dV at head dim 128), the stage released, then
+// sequence in stage n % 2 and dS buffer n % 2: its query sub-tiles, the stage released, then
 // once both consumers stored their dS halves, dQ staged for the producer's bulk reduction.
 template <typename Variant, typename DType, int D, int TQ, int TKV, bool kMask>
 __device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
@@ -390,27 +402,50 @@ __device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
                                          int n, int wgi, int wi, bool mask_here,
                                          float (&dk)[D / 64][32], float (&dv)[D / 64][32]) {
   constexpr bool F16 = !ElemTraits<DType>::kIsBf16;
-  // the low-pressure form (codegen's low_pressure=True, tried when this one spills) takes
-  // 16-column sub-tiles: half of S^T, dP^T and their copies in registers beside dK and dV
-  constexpr int QS = form::low_pressure() ? 16 : 32;
+  // sub-tiles of 64, 32 or 16 query columns by the form's pressure level (the kernel cache
+  // tries them in that order until one compiles without spills; docs/backward.md)
+  constexpr int QS = 64 >> form::pressure_level();
+  // at 64 columns (one sub-tile) its dK wgmma runs on through the dS exchange and dQ's wgmmas;
+  // the narrower forms wait for it (`da` live past the sub-tile cost them their form)
+  constexpr bool kOverlapDk = QS == 64;
   const int st = n & 1;
   const u32 sds = sm.ds(n & 1);
-  // not unrolled: two inlined sub-tiles let ptxas hoist the second's loads and offsets into
-  // the first, and hook-carrying variants spilled at head dim 128
+  u32 da[QS / 16][4];
+  if constexpr (kOverlapDk) {
+    bwd_sub<Variant, DType, D, TQ, TKV, QS, kMask, false>(p, vp, vg, sm, t, st, sds, 0, wgi, wi,
+                                                          mask_here, dk, dv, da);
+  } else {
+    // not unrolled: inlined sub-tiles let ptxas hoist the next one's loads and offsets into
+    // the one before, and hook-carrying variants spilled at head dim 128
 #pragma unroll 1
-  for (int qs0 = 0; qs0 < TQ; qs0 += QS) {
-    fa2::BwdTileView ts = t;
-    ts.q0 = t.q0 + qs0;
-    bwd_sub<Variant, DType, D, TQ, TKV, QS, kMask>(p, vp, vg, sm, ts, st, sds, qs0, wgi, wi,
-                                                   mask_here, dk, dv);
+    for (int qs0 = 0; qs0 < TQ; qs0 += QS) {
+      fa2::BwdTileView ts = t;
+      ts.q0 = t.q0 + qs0;
+      bwd_sub<Variant, DType, D, TQ, TKV, QS, kMask, true>(p, vp, vg, sm, ts, st, sds, qs0, wgi,
+                                                           wi, mask_here, dk, dv, da);
+    }
   }
-  tma::mbar_arrive(sm.empty(st));  // Q, dO, LSE and delta read: the producer may refill
-  wg::fence_proxy_async();         // the dS stores, before wgmma reads them
+  // Q, dO, LSE and delta read (the dK wgmma done): the producer may refill the stage
+  if constexpr (!kOverlapDk) tma::mbar_arrive(sm.empty(st));
+  wg::fence_proxy_async();  // the dS stores, before wgmma reads them
   tma::mbar_arrive(sm.ds_done(n & 1));
   tma::mbar_wait(sm.ds_done(n & 1), (n >> 1) & 1);  // dS complete (both warpgroups)
-  if (D == 64 && wgi != 0) return;  // at head dim 64 consumer 0 computes all of dQ
+  if (D == 64 && wgi != 0) {  // at head dim 64 consumer 0 computes all of dQ
+    if constexpr (kOverlapDk) {
+      wg::wait<0>();
+      wg::fence_operands(da);
+      wg::fence_operands(dk);
+      tma::mbar_arrive(sm.empty(st));
+    }
+    return;
+  }
   float acc[32];
-  dq_mma<F16, TQ, TKV>(acc, sds, sm.k(), 64 * wgi);
+  dq_mma<F16, TQ, TKV>(acc, sds, sm.k(), 64 * wgi);  // (its wait covers the dK wgmma)
+  if constexpr (kOverlapDk) {
+    wg::fence_operands(da);
+    wg::fence_operands(dk);
+    tma::mbar_arrive(sm.empty(st));
+  }
   if (n > 0) tma::mbar_wait(sm.dq_empty(wgi), (n - 1) & 1);  // the last tile's dQ was read
   stage_dq(sm.dq(wgi), acc, 32 * wi + t.lane, p.sm_scale);
   wg::fence_proxy_async();  // the staging stores, before the copy engine reads them

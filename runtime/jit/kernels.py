@@ -113,7 +113,7 @@ class KernelSpec:
     dtype: str = "bfloat16"
     tiles: KernelTiles | BackwardTiles | None = None
     paired: bool = False
-    low_pressure: bool = False
+    low_pressure: int = 0
     fast_math: bool = True
     forced: bool = False
     device: int | None = None
@@ -131,6 +131,9 @@ class KernelSpec:
                 self.low_pressure and self.kind not in ("fa3_prefill", "fa3_batch",
                                                         "fa3_backward")):
             raise ValueError(f"a {self.kind} kernel has no paired / low-pressure form")
+        if int(self.low_pressure) not in ((0, 1, 2) if self.kind == "fa3_backward" else (0, 1)):
+            raise ValueError(f"low_pressure={self.low_pressure!r}: a {self.kind} kernel's "
+                             f"levels are 0 and 1 (the FA3-class backward's 0, 1 and 2)")
         if self.kv_dtype is not None and self.kind not in ("fa2_batch", "decode"):
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: fp8 KV caches run on the fa2_batch "
                              f"and decode kernels, not {self.kind}")
@@ -412,12 +415,12 @@ def _backward_fallback(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -
 
 def _fa3_backward_fallback(spec: KernelSpec, arch: str,
                            trail: list[CompiledForm]) -> CompiledForm:
-    """The FA3-class backward's form, its low-pressure form (16-column sub-tiles) if ptxas
-    reports spills or a stack frame, and then the FA2-class forms of `spec.fallbacks`
-    (docs/backward.md, "The FA3-class kernel"): the caller launches the returned form's spec,
-    whichever kind it is. Serialized wgmmas (ptxas's C7511 note) cost speed, not correctness,
-    and keep the FA3-class form."""
-    for low in (False, True):
+    """The FA3-class backward's forms by pressure level (query sub-tiles of 64, 32, then 16
+    columns) until ptxas reports neither spills nor a stack frame, and then the FA2-class forms
+    of `spec.fallbacks` (docs/backward.md, "The FA3-class kernel"): the caller launches the
+    returned form's spec, whichever kind it is. Serialized wgmmas (ptxas's C7511 note) cost
+    speed, not correctness, and keep the FA3-class form."""
+    for low in (0, 1, 2):
         form = compile_form(replace(spec, fallbacks=(), low_pressure=low), arch)
         trail.append(form)
         if form.spill_bytes == 0 and stack_frame(form.result.log) == 0:

@@ -28,8 +28,8 @@ def _spec(name: str, d: int, dtype: str = "bfloat16"):
 @pytest.mark.parametrize("name", [*sorted(GYM), *sorted(LEARNABLE)])
 def test_fa3_backward_form_compiles_without_spills_at_head_dim_128(name: str) -> None:
     """Head dim 128 is the tight one (dK and dV take 128 of a consumer's 240 registers): every
-    variant's FA3-class form, or its low-pressure form, is what the kernel cache returns, with
-    no local memory."""
+    variant's FA3-class form at one of its sub-tile widths is what the kernel cache returns,
+    with no local memory."""
     from attncc.runtime.jit.kernels import compile_spec
 
     trail: list = []
@@ -54,8 +54,8 @@ def test_fa3_backward_form_compiles_without_spills_at_head_dim_64(name: str, dty
 
 def test_fa3_backward_falls_back_to_the_fa2_forms_when_its_form_spills(monkeypatch,
                                                                        tmp_path) -> None:
-    """A spilled FA3-class form (here: reported so) hands over to its low-pressure form, and
-    that one to the FA2-class forms, in order; the caller launches the kind and tiles of the
+    """A spilled FA3-class form (here: reported so) hands over to its forms with 32- and then
+    16-column sub-tiles, and those to the FA2-class forms, in order; the caller launches the kind and tiles of the
     returned form. An empty form memo: a warm one (scripts/backward_resources.py fills it)
     would answer without compiling."""
     import attncc.runtime.jit.kernels as K
@@ -75,10 +75,9 @@ def test_fa3_backward_falls_back_to_the_fa2_forms_when_its_form_spills(monkeypat
     monkeypatch.setattr(K, "compile_form", fake)
     spec = _spec("causal", 128)
     form = K.compile_spec(spec, "sm_90a")
-    assert compiled[:2] == [("fa3_backward", FA3_BACKWARD_TILES, False),
-                            ("fa3_backward", FA3_BACKWARD_TILES, True)]
+    assert compiled[:3] == [("fa3_backward", FA3_BACKWARD_TILES, level) for level in (0, 1, 2)]
     assert form.spec.kind == "fa2_backward" and form.spec.tiles == spec.fallbacks[0]
-    assert not form.spec.low_pressure and len(compiled) == 3
+    assert not form.spec.low_pressure and len(compiled) == 4
 
 
 def test_fa3_backward_unit_geometry_and_errors() -> None:
