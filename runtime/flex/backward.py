@@ -386,9 +386,17 @@ def _fa3_rows(do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torc
               **{f"{n}_stride_{d}": t.stride(i) for n, t in (("lse", lse), ("dlse", dl))
                  for i, d in enumerate("bhs")},
               "batch": B, "heads": H, "q_len": S, "tiles": rows // tq, "head_dim": do.shape[-1]}
+    D = do.shape[-1]
+    if D % 8 or (D // 8) & (D // 8 - 1) or D > 256:
+        raise InvalidArgument(f"the FA3-class backward's row kernel takes head dims 8 x a power "
+                              f"of two up to 256, not {D}")
+    for name, t in (("dout", do), ("out", out)):
+        if t.data_ptr() % 16 or any(st % 8 for st in t.stride()[:-1]) or t.stride(-1) != 1:
+            raise InvalidArgument(f"{name}: the row kernel reads 16-byte aligned rows; pass it "
+                                  f"through _dense first")
     kl = get_kernel(KernelSpec("bwd_rows", dtype=dtype, device=dev.index)).launcher
-    warps = BWD_ROWS_THREADS // 32
-    kl.launch((-(-B * H * rows // warps), 1, 1), (BWD_ROWS_THREADS, 1, 1), 0,
+    rows_per_block = BWD_ROWS_THREADS // (D // 8)
+    kl.launch((-(-B * H * rows // rows_per_block), 1, 1), (BWD_ROWS_THREADS, 1, 1), 0,
               kl.ap.flatten(params), (), stream=current_raw_stream(dev.index))
     return buf
 
