@@ -306,6 +306,15 @@ _BWD_ROWS_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
 
 BWD_ROWS_PARAMS: StructLayout = struct_layout("attncc::BwdRowsParams", _BWD_ROWS_PARAMS_MEMBERS)
 
+# Mirrors kernels/small/bwd_dq.cuh's BwdDqParams (the FA3-class backward's dQ conversion).
+_BWD_DQ_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
+    ("acc", "const float*"), ("dq", "void*"),
+    *((f"dq_stride_{d}", "attncc::i64") for d in "bhs"),
+    ("heads", "int"), ("q_len", "int"), ("tiles", "int"), ("groups", "int"),
+)
+
+BWD_DQ_PARAMS: StructLayout = struct_layout("attncc::BwdDqParams", _BWD_DQ_PARAMS_MEMBERS)
+
 # ----------------------------------------------------------------------------- C names
 
 _CPP_KEYWORDS = frozenset("""

@@ -1,5 +1,6 @@
 """The translation units of the variant-free kernels: the attention-state merge kernel
-(kernels/small/merge_state.cuh) and the backward's row kernel (kernels/small/bwd_rows.cuh).
+(kernels/small/merge_state.cuh), the backward's row kernel (kernels/small/bwd_rows.cuh) and its
+dQ conversion (kernels/small/bwd_dq.cuh).
 
 Unlike the attention kernels it has no variant: one kernel per storage type, merging two states
 ``(o, lse)`` of the same rows (runtime/serving/merge_kernel.py launches it). The unit is the shipped
@@ -19,9 +20,10 @@ from attncc.kernels import read_template
 from .constants import static_asserts
 from .errors import CodegenError
 from .generate import DTYPES
-from .layout import BWD_ROWS_PARAMS, MERGE_STATE_PARAMS, StructLayout
+from .layout import BWD_DQ_PARAMS, BWD_ROWS_PARAMS, MERGE_STATE_PARAMS, StructLayout
 
-__all__ = ["MergeStateKernel", "merge_state_source", "bwd_rows_source", "small_unit"]
+__all__ = ["MergeStateKernel", "merge_state_source", "bwd_rows_source", "bwd_dq_source",
+           "small_unit"]
 
 
 class MergeStateKernel(NamedTuple):
@@ -61,14 +63,30 @@ def bwd_rows_source(dtype: str) -> MergeStateKernel:
         >>> bwd_rows_source("float16").kernel_name
         'attncc_bwd_rows_f16'
     """
+    return _backward_unit(dtype, "bwd_rows", "the backward's row kernel", BWD_ROWS_PARAMS)
+
+
+def bwd_dq_source(dtype: str) -> MergeStateKernel:
+    """The FA3-class backward's dQ conversion (kernels/small/bwd_dq.cuh: fp32 dq_accum in the
+    consumers' staging order to dQ rows) for dQ of `dtype` ("bfloat16" or "float16").
+
+    Example:
+        >>> bwd_dq_source("bfloat16").kernel_name
+        'attncc_bwd_dq_bf16'
+    """
+    return _backward_unit(dtype, "bwd_dq", "the backward's dQ conversion", BWD_DQ_PARAMS)
+
+
+def _backward_unit(dtype: str, kind: str, what: str, layout: StructLayout) -> MergeStateKernel:
+    """The unit of a backward helper kernel `kind` (kernels/small/<kind>.cuh, entry macro
+    ATTNCC_<KIND>_ENTRY) for 16-bit `dtype`."""
     if dtype not in ("bfloat16", "float16"):
-        raise CodegenError(f"dtype={dtype!r}: the backward's row kernel takes bfloat16 or "
-                           f"float16 dO and O")
+        raise CodegenError(f"dtype={dtype!r}: {what} takes bfloat16 or float16 tensors")
     ctype, short = DTYPES[dtype]
-    name = f"attncc_bwd_rows_{short}"
-    source = small_unit(f"the backward's row kernel for {dtype}", "small/bwd_rows.cuh",
-                        BWD_ROWS_PARAMS, "bwd_rows", f"ATTNCC_BWD_ROWS_ENTRY({name}, {ctype})")
-    return MergeStateKernel(source, name, BWD_ROWS_PARAMS)
+    name = f"attncc_{kind}_{short}"
+    source = small_unit(f"{what} for {dtype}", f"small/{kind}.cuh", layout, kind,
+                        f"ATTNCC_{kind.upper()}_ENTRY({name}, {ctype})")
+    return MergeStateKernel(source, name, layout)
 
 
 def small_unit(what: str, template: str, layout: StructLayout, kernel: str, entry: str) -> str:

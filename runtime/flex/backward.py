@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from attncc.codegen.constants import BWD_ROWS_THREADS
+from attncc.codegen.constants import BWD_DQ_THREADS, BWD_ROWS_THREADS
 from attncc.codegen.tiles import (FA3_BACKWARD_TILES, BackwardTiles, backward_fallbacks,
                                   backward_tiles)
 from attncc.errors import InvalidArgument
@@ -405,9 +405,11 @@ def _fa3_rows(do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torc
 
 def fa3_dq(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """dQ [B, Hq, q_len, head_dim] in `dtype` from the FA3-class kernel's dq_accum [B, Hq, rows *
-    head_dim] (fp32), by one strided copy: each 64-row query tile is head_dim / 64 staging tiles
-    of [8][128 threads][4] (fa3_backward.cuh `stage_dq`), element 4 j + 2 hr + i of thread
-    32 wi + 4 r + a at row 16 wi + 8 hr + r and column 64 g + 8 j + 2 a + i.
+    head_dim] (fp32): each 64-row query tile is head_dim / 64 staging tiles of [8][128 threads][4]
+    (fa3_backward.cuh `stage_dq`), element 4 j + 2 hr + i of thread 32 wi + 4 r + a at row
+    16 wi + 8 hr + r and column 64 g + 8 j + 2 a + i. On CUDA one launch of the dQ conversion
+    (kernels/small/bwd_dq.cuh) for bf16 / fp16; otherwise (and as that layout's definition) one
+    strided torch copy.
 
     Example:
         >>> import torch
@@ -419,11 +421,31 @@ def fa3_dq(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype) -> 
     B, H = acc.shape[:2]
     g = head_dim // 64
     tiles = acc.shape[2] // (64 * head_dim)
+    if acc.is_cuda and dtype in (torch.bfloat16, torch.float16):
+        return _dq_kernel(acc, q_len, head_dim, dtype)
     out = torch.empty(B, H, tiles * 64, head_dim, dtype=dtype, device=acc.device)
     # out's dims as b, h, tile, wi, hr, r, g, j, a, i, permuted to the staging order
     out.view(B, H, tiles, 4, 2, 8, g, 8, 4, 2).permute(0, 1, 2, 6, 7, 3, 5, 8, 4, 9).copy_(
         acc.view(B, H, tiles, g, 8, 4, 8, 4, 2, 2))
     return out[:, :, :q_len]
+
+
+def _dq_kernel(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype
+               ) -> torch.Tensor:
+    """`fa3_dq` by the dQ conversion kernel: one CTA per 64 x 64 block of dQ."""
+    B, H = acc.shape[:2]
+    tiles = acc.shape[2] // (64 * head_dim)
+    if not acc.is_contiguous():
+        raise InvalidArgument("dq_accum: the dQ conversion reads a contiguous accumulator")
+    dq = torch.empty(B, H, q_len, head_dim, dtype=dtype, device=acc.device)
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    kl = get_kernel(KernelSpec("bwd_dq", dtype=name, device=acc.device.index)).launcher
+    params = {"acc": acc.data_ptr(), "dq": dq.data_ptr(),
+              **{f"dq_stride_{d}": dq.stride(i) for i, d in enumerate("bhs")},
+              "heads": H, "q_len": q_len, "tiles": tiles, "groups": head_dim // 64}
+    kl.launch((B * H * tiles * (head_dim // 64), 1, 1), (BWD_DQ_THREADS, 1, 1), 0,
+              kl.ap.flatten(params), (), stream=current_raw_stream(acc.device.index))
+    return dq
 
 
 def _launch(kern: Any, args: Mapping[str, Any], ir: VariantIR, bindings: Bindings,

@@ -57,7 +57,7 @@ __all__ = ["KINDS", "FA2_SPILL_BUDGET", "STRICT_ENV",
            "get_kernel", "check_resources", "clear_loaded", "KernelTiles"]
 
 KINDS = ("fa2_prefill", "fa3_prefill", "fa2_batch", "decode", "fa3_batch", "prepass", "merge",
-         "fa2_backward", "fa3_backward", "bwd_rows")
+         "fa2_backward", "fa3_backward", "bwd_rows", "bwd_dq")
 
 # Spill bytes (stores + loads, ptxas -v) an FA2 form may have before the prefill path falls back
 # to smaller tiles. One fragment per warp: none. Two: ptxas at the 255-register cap spills a few
@@ -215,16 +215,17 @@ def _fa2_backward(spec: KernelSpec) -> Generated:
 
 
 def _merge(spec: KernelSpec) -> Generated:
-    from attncc.codegen.merge_state import bwd_rows_source, merge_state_source
+    from attncc.codegen.merge_state import bwd_dq_source, bwd_rows_source, merge_state_source
 
-    mk = (merge_state_source if spec.kind == "merge" else bwd_rows_source)(spec.dtype)
+    mk = {"merge": merge_state_source, "bwd_rows": bwd_rows_source,
+          "bwd_dq": bwd_dq_source}[spec.kind](spec.dtype)
     return Generated(spec, mk.source, mk.kernel_name, mk.params_layout, None, 0, 0, None)
 
 
 _GENERATORS: dict[str, Callable[[KernelSpec], Generated]] = {
     "fa2_prefill": _fa2, "fa2_batch": _fa2, "decode": _fa2, "fa3_prefill": _fa3,
     "fa3_batch": _fa3, "prepass": _prepass, "merge": _merge, "bwd_rows": _merge,
-    "fa2_backward": _fa2_backward,
+    "bwd_dq": _merge, "fa2_backward": _fa2_backward,
     "fa3_backward": _fa2_backward}
 
 
@@ -276,7 +277,7 @@ class CompiledForm:
 
 def _verbose(spec: KernelSpec) -> bool:
     # the variant-free kernels are compiled without ptxas's report
-    return spec.kind not in ("merge", "bwd_rows")
+    return spec.kind not in ("merge", "bwd_rows", "bwd_dq")
 
 
 def compile_form(spec: KernelSpec, arch: str) -> CompiledForm:

@@ -46,6 +46,28 @@ def test_sm90_default_is_fa3_and_its_gradients_are_finite() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,sq", [(64, 197), (128, 256), (128, 1)])
+def test_dq_conversion_matches_the_torch_copy(dtype: torch.dtype, d: int, sq: int) -> None:
+    """The dQ conversion kernel (kernels/small/bwd_dq.cuh) against `fa3_dq`'s strided torch copy
+    of the same accumulator (the staging order's definition), bit for bit: both round to
+    nearest even; NaN and inf kept; padded rows not written."""
+    import math
+
+    from attncc.runtime.flex.backward import fa3_dq
+
+    g = torch.Generator(device="cuda").manual_seed(d + sq)
+    B, H = 2, 3
+    rows = -(-sq // 64) * 64
+    acc = torch.randn(B, H, rows * d, device="cuda", generator=g) * 100
+    acc[0, 1, 7] = math.nan
+    acc[1, 2, 70 % acc.shape[2]] = -math.inf
+    got = fa3_dq(acc, sq, d, dtype)
+    want = fa3_dq(acc.cpu(), sq, d, dtype)
+    assert got.shape == (B, H, sq, d) and got.is_contiguous()
+    assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d,sq", [(64, 197), (128, 256), (256, 70)])
 @pytest.mark.parametrize("with_dlse", [False, True])
 def test_row_kernel_matches_torch(dtype: torch.dtype, d: int, sq: int, with_dlse: bool) -> None:

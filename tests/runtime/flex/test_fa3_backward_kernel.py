@@ -129,16 +129,19 @@ def test_fa3_spec_keeps_the_fa2_forms_a_mask_allows() -> None:
 
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_row_kernel_compiles_without_spills(dtype: str) -> None:
+@pytest.mark.parametrize("kind", ["bwd_rows", "bwd_dq"])
+def test_backward_helper_kernels_compile_without_spills(kind: str, dtype: str) -> None:
     """The backward's row kernel (kernels/small/bwd_rows.cuh: LSE base 2 and delta per query
-    tile, what the FA3-class kernel's producer copies) for each 16-bit dO / O type;
-    tests/gpu/test_fa3_backward_gpu.py checks its rows against torch's formula."""
-    from attncc.codegen.merge_state import bwd_rows_source
+    tile, what the FA3-class kernel's producer copies) and its dQ conversion (bwd_dq.cuh:
+    dq_accum's staging order to dQ rows), for each 16-bit type; tests/gpu/test_fa3_backward_gpu.py
+    checks them against torch."""
+    from attncc.codegen import merge_state
     from attncc.runtime.jit.nvrtc import compile_cuda
 
-    mk = bwd_rows_source(dtype)
+    source = getattr(merge_state, f"{kind}_source")
+    mk = source(dtype)
     res = compile_cuda(mk.source, arch="sm_90a", name=f"{mk.kernel_name}.cu", verbose=True)
     assert f"Compiling entry function '{mk.kernel_name}'" in res.log
     assert "0 bytes spill stores, 0 bytes spill loads" in res.log
     with pytest.raises(CodegenError, match="bfloat16 or float16"):
-        bwd_rows_source("float32")
+        source("float32")
