@@ -52,7 +52,9 @@ GRAD_NAMES = ("dq", "dk", "dv", "dbias")
 TIMING = ("triton.testing.do_bench median (warmup 25 ms, rep 100 ms), eager calls (host cost "
           "included); fwd_ms: the forward with inputs requiring grad, fwdbwd_ms: forward + "
           "torch.autograd.grad of a fixed output gradient, bwd_ms = fwdbwd_ms - fwd_ms; "
-          "bwd_tflops counts 2.5x the forward's FLOPs (4*D per unmasked pair, causal half)")
+          "bwd_tflops counts 2.5x the forward's FLOPs (4*D per unmasked pair, causal half); "
+          "*_kernel_ms: the GPU time of the same calls' kernels and copies (torch.profiler, "
+          "5 calls, bench/timing.py device_ms), bwd_kernel_tflops from their difference")
 
 
 def fwd_flops(variant: str, S: int, B: int) -> float:
@@ -173,13 +175,30 @@ def _measure_cell(bench: BackwardBench, impl: str, variant: str,
         rec["kernel_options"] = opts
     spin_gpu()  # the clocks dropped while the host compiled (bench/timing.py)
     _set_times(rec, _time(fwd), _time(step))
+    _set_kernel_times(rec, fwd, step)
     return rec, grads, fwd, step
+
+
+def _set_kernel_times(rec: dict[str, Any], fwd: Callable[[], Any], step: Callable[[], Any]
+                      ) -> None:
+    """The cell's GPU-only figures (`bench.timing.device_ms`): the kernels of the forward and of
+    forward+backward, and the backward's share as TFLOP/s, free of each implementation's host
+    path (the eager figures above include it)."""
+    from bench.timing import device_ms
+
+    f, fb = device_ms(fwd), device_ms(step)
+    S, B, variant = rec["S"], rec["B"], rec["variant"]
+    rec.update(fwd_kernel_ms=f, fwdbwd_kernel_ms=fb, bwd_kernel_ms=fb - f,
+               bwd_kernel_tflops=(bwd_flops(variant, S, B) / ((fb - f) * 1e-3) / 1e12
+                                  if fb > f else None))
 
 
 def _line(rec: dict[str, Any], label: str, note: str = "") -> str:
     bwd = f"{rec['bwd_tflops']:7.1f}" if rec["bwd_tflops"] is not None else "      -"
+    kern = (f" (kernels {rec['bwd_kernel_tflops']:5.0f})" if rec.get("bwd_kernel_tflops")
+            else "")
     return (f"S={rec['S']:6d} {rec['variant']:15s} {label:28s} fwd {rec['fwd_ms']:8.3f} ms "
-            f"fwd+bwd {rec['fwdbwd_ms']:8.3f} ms  bwd {bwd} TFLOP/s{note}")
+            f"fwd+bwd {rec['fwdbwd_ms']:8.3f} ms  bwd {bwd} TFLOP/s{kern}{note}")
 
 
 def _add_rel_errs(recs: list[dict[str, Any]], grads: dict[int, list[Any]],
@@ -290,8 +309,9 @@ def table(doc: dict[str, Any]) -> str:
              f"implementation (relative Frobenius). Targets (S >= {TARGET_MIN_S}): "
              + ", ".join(f"{v} >= {x} x {i}" for v, i, x in TARGETS) + ".", "",
              "| variant | S | attncc | flex | sdpa_flash | sdpa_cudnn | / flex | / cuDNN "
-             "| fwd+bwd ms attncc / flex | rel_err | targets met |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| kernels only: attncc / flex / cuDNN | fwd+bwd ms attncc / flex | rel_err "
+             "| targets met |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for variant in VARIANTS:
         for S in sorted({r["S"] for r in res if r["variant"] == variant}):
             lines.append(_table_row(by, variant, S))
@@ -313,11 +333,13 @@ def _table_row(by: dict[tuple, dict], variant: str, S: int) -> str:
     met = "-" if not checks else ("yes" if all(checks) else "**no**")
     times = " / ".join(_fmt(by.get((i, variant, S), {}).get("fwdbwd_ms"), ".2f")
                        for i in ("attncc", "flex"))
+    kernels = " / ".join(_fmt(by.get((i, variant, S), {}).get("bwd_kernel_tflops"))
+                         for i in ("attncc", "flex", "sdpa_cudnn"))
     err = (f"{mine_rec['rel_err']:.1e} vs {mine_rec['rel_err_vs']}" if "rel_err" in mine_rec
            else "-")
     return (f"| {variant} | {S} | " + " | ".join(cells) + " | "
             + " | ".join(_fmt(ratios.get(i), ".2f") for i in ("flex", "sdpa_cudnn"))
-            + f" | {times} | {err} | {met} |")
+            + f" | {kernels} | {times} | {err} | {met} |")
 
 
 def _sweep_table(results: list[dict[str, Any]], by: dict[tuple, dict]) -> list[str]:

@@ -67,6 +67,23 @@ def spin_gpu(seconds: float = 0.3) -> None:
         torch.cuda.synchronize()
 
 
+def device_ms(fn: Callable[[], Any], calls: int = 5) -> float:
+    """GPU kernel milliseconds of one call of `fn`: the summed device time of every kernel and
+    memory operation torch.profiler (CUPTI) records over `calls` calls, per call. It leaves out
+    the host time and the launch gaps that an eager timing of a short call measures, so two
+    implementations' device work compares even where their host paths differ."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
+
+
 def graph_of(fn: Callable[[], Any]) -> Any:
     """`fn` captured in a CUDA graph (after warm-up on a side stream); raises if it cannot be."""
     import torch

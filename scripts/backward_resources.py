@@ -3,8 +3,8 @@ the backward runs on the transformed q/k/v) at head dims 64/128/256, plus the va
 captured float tensor is made learnable (relative_bias's table, alibi's slopes), the form the
 kernel cache picks for each backward template asked for (`--kernels`; runtime/jit/kernels.py:
 FA2-class, the first of `codegen.tiles.backward_fallbacks` with neither spills nor a stack frame;
-FA3-class, its form, its low-pressure form, or the FA2-class ones, the first that neither
-spills nor keeps a stack frame: docs/backward.md), its registers, spill bytes, stack frame and
+FA3-class, its forms with 64-, 32- and 16-column query sub-tiles, or the FA2-class ones, the
+first that neither spills nor keeps a stack frame: docs/backward.md), its registers, spill bytes, stack frame and
 shared memory, from ptxas's `-v` report through NVRTC. The FA3-class kernel's register count is
 the launch's (168 a thread for 384 threads); its consumers run with 240 (setmaxnreg), which
 ptxas's spill report covers. Writes a markdown table (and JSON with --out).
@@ -59,9 +59,11 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              "| stack B | smem B | threads |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         kind = r.get("kind", "fa2_backward").split("_")[0]
+        lp = int(r.get("low_pressure") or 0)
+        form = (f" ({64 >> lp}-column sub-tiles)" if kind == "fa3" else
+                " (low-pressure)" if lp else "")
         lines.append(f"| {r.get('asked', 'fa2')} | {r['variant']} | {r['head_dim']} | "
-                     f"{', '.join(r['grad_tensors']) or '-'} | {kind} {tuple(r['form'])}"
-                     f"{' (low-pressure)' if r.get('low_pressure') else ''}"
+                     f"{', '.join(r['grad_tensors']) or '-'} | {kind} {tuple(r['form'])}{form}"
                      f"{'' if r['first_form'] or r.get('low_pressure') else ' (fallback)'}"
                      f"{' (wgmma serialized)' if r.get('wgmma_serialized') else ''} | "
                      f"{r['registers']} | {r['spill_bytes']} | {r['stack_frame']} | "

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 __all__ = ["Mirror", "MIRRORS", "static_asserts", "tile_static_asserts", "FA3_THREADS",
            "FA3_PERSISTENT_HEAD_DIMS", "FA3_SPLIT_HEAD_DIMS", "FA3_SLOT_WARPS", "MERGE_THREADS",
-           "MERGE_STATE_THREADS", "L2_SECTION_BYTES", "MAX_PIECES_PER_ITEM", "MIN_SPLIT_KEYS", "PREPASS_WARPS",
-           "EXACT_GRAD_WORDS"]
+           "MERGE_STATE_THREADS", "L2_SECTION_BYTES", "MAX_PIECES_PER_ITEM", "MIN_SPLIT_KEYS",
+           "PREPASS_WARPS", "EXACT_GRAD_WORDS", "BWD_ROWS_THREADS",
+           "BWD_DQ_THREADS"]
 
 _FA3 = ("fa3", "fa3batch")
 _BATCH = ("fa2batch", "fa3batch")
@@ -77,6 +78,11 @@ MIRRORS: tuple[Mirror, ...] = (
     Mirror("MERGE_STATE_THREADS", 256, "attncc::merge::kThreads", "small/merge_state.cuh",
            ("merge",)),
     Mirror("PREPASS_WARPS", 8, "attncc::prepass::kWarps", "small/prepass.cuh", ("prepass",)),
+    # the FA3-class backward's row kernel (runtime/flex/backward.py)
+    Mirror("BWD_ROWS_THREADS", 256, "attncc::bwdrows::kThreads", "small/bwd_rows.cuh",
+           ("bwd_rows",)),
+    # the FA3-class backward's dQ conversion (runtime/flex/backward.py fa3_dq)
+    Mirror("BWD_DQ_THREADS", 256, "attncc::bwddq::kThreads", "small/bwd_dq.cuh", ("bwd_dq",)),
     # words per element of a captured gradient in the deterministic mode (12 of an exact sum,
     # 1 of non-finite flags; runtime/flex/exact_grad.py reads them back)
     Mirror("EXACT_GRAD_WORDS", 13, "attncc::kExactGradWords", "common/exact_grad.cuh",
@@ -97,6 +103,8 @@ MERGE_THREADS: int = _BY_NAME["MERGE_THREADS"].value  # type: ignore[assignment]
 MERGE_STATE_THREADS: int = _BY_NAME["MERGE_STATE_THREADS"].value  # type: ignore[assignment]
 PREPASS_WARPS: int = _BY_NAME["PREPASS_WARPS"].value  # type: ignore[assignment]
 EXACT_GRAD_WORDS: int = _BY_NAME["EXACT_GRAD_WORDS"].value  # type: ignore[assignment]
+BWD_ROWS_THREADS: int = _BY_NAME["BWD_ROWS_THREADS"].value  # type: ignore[assignment]
+BWD_DQ_THREADS: int = _BY_NAME["BWD_DQ_THREADS"].value  # type: ignore[assignment]
 
 
 def static_asserts(kernel: str, head_dim: int = 0) -> list[str]:

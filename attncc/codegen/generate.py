@@ -51,28 +51,34 @@ COMMON_TEMPLATES = ("common/attncc_types.cuh", "common/attention_params.cuh")
 FORM_KERNELS = ("fa3", "fa3batch", "fa3bwd")
 
 
-def form_text(*, paired: bool = False, low_pressure: bool = False) -> str:
+def form_text(*, paired: bool = False, low_pressure: int = 0) -> str:
     """The kernel form as C++: the block codegen puts ahead of the FA3 templates, which read
     it with `if constexpr` (docs/kernel-interface.md, section 4). Constexpr functions, not
-    variables: a namespace-scope constexpr variable is a symbol in the cubin.
+    variables: a namespace-scope constexpr variable is a symbol in the cubin. `low_pressure` is
+    the form's pressure level: 0 as written, 1 (or True) the low-pressure form, 2 the FA3-class
+    backward's lowest (its 16-column sub-tiles); `low_pressure()` says whether it is above 0.
 
     Example:
         >>> print(form_text(paired=True).splitlines()[2])
         __host__ __device__ __forceinline__ constexpr bool paired() { return true; }
+        >>> print(form_text(low_pressure=True).splitlines()[3])
+        __host__ __device__ __forceinline__ constexpr int pressure_level() { return 1; }
     """
     return ("namespace attncc {\nnamespace form {\n"
             f"__host__ __device__ __forceinline__ constexpr bool paired() {{ return "
             f"{str(bool(paired)).lower()}; }}\n"
-            f"__host__ __device__ __forceinline__ constexpr bool low_pressure() {{ return "
-            f"{str(bool(low_pressure)).lower()}; }}\n"
+            + _LEVEL.format(int(low_pressure)) + "\n"
+            "__host__ __device__ __forceinline__ constexpr bool low_pressure() { return "
+            "pressure_level() > 0; }\n"
             "}  // namespace form\n}  // namespace attncc\n")
 
 
-_LOW = "__host__ __device__ __forceinline__ constexpr bool low_pressure() {{ return {}; }}"
+_LEVEL = "__host__ __device__ __forceinline__ constexpr int pressure_level() {{ return {}; }}"
+PRESSURE_LEVELS = (0, 1, 2)  # the forms' levels; 2 only for the FA3-class backward
 
 
-def with_form(source: str, *, low_pressure: bool) -> str:
-    """A generated FA3 unit in the other low-pressure form: the same text but the form block's
+def with_form(source: str, *, low_pressure: int) -> str:
+    """A generated FA3 unit in another pressure level: the same text but the form block's
     line (the kernel cache generates each form from its spec; scripts and tests swap a unit's).
 
     Example:
@@ -85,11 +91,11 @@ def with_form(source: str, *, low_pressure: bool) -> str:
         ...
         attncc.errors.CodegenError: with_form: the source has no form block (generate it with kernel='fa3' or 'fa3batch')
     """
-    old, new = (_LOW.format(str(not low_pressure).lower()), _LOW.format(str(low_pressure).lower()))
-    if source.count(old) + source.count(new) != 1:
+    found = [lv for lv in PRESSURE_LEVELS if _LEVEL.format(lv) in source]
+    if len(found) != 1 or source.count(_LEVEL.format(found[0])) != 1:
         raise CodegenError("with_form: the source has no form block (generate it with "
                            "kernel='fa3' or 'fa3batch')")
-    return source.replace(old, new)
+    return source.replace(_LEVEL.format(found[0]), _LEVEL.format(int(low_pressure)))
 
 
 @dataclass(frozen=True)
@@ -497,10 +503,13 @@ def _check_options(head_dim: int, dtype: str, kernel: str) -> KernelSpec:
     return spec
 
 
-def _check_form(kernel: str, head_dim: int, paired: bool, low_pressure: bool) -> None:
+def _check_form(kernel: str, head_dim: int, paired: bool, low_pressure: int) -> None:
     if (paired or low_pressure) and kernel not in FORM_KERNELS:
         raise CodegenError(f"paired / low_pressure are forms of the FA3 kernels "
                            f"{FORM_KERNELS}, not of {kernel!r}")
+    if int(low_pressure) not in (PRESSURE_LEVELS if kernel == "fa3bwd" else (0, 1)):
+        raise CodegenError(f"low_pressure={low_pressure!r}: the levels of a {kernel!r} kernel "
+                           f"are 0 and 1{' and 2' if kernel == 'fa3bwd' else ''} (or bools)")
     if paired and (kernel != "fa3" or head_dim not in FA3_SPLIT_HEAD_DIMS):
         raise CodegenError(f"paired=True: CTA pairs are a form of the dense 'fa3' kernel at "
                            f"head dims {FA3_SPLIT_HEAD_DIMS}; got kernel="
@@ -569,7 +578,7 @@ def _check_padded(head_dims: tuple[int, int] | None, head_dim: int, kernel: str,
 
 def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
            fast_math: bool | None = None, tiles: KernelTiles | None = None,
-           paired: bool = False, low_pressure: bool = False,
+           paired: bool = False, low_pressure: int = 0,
            grad_tensors: Sequence[str] = (), kv_dtype: str | None = None,
            head_dims: tuple[int, int] | None = None, exact_grads: bool = False
            ) -> GeneratedKernel:
@@ -661,10 +670,10 @@ def _build(ir: VariantIR, head_dim: int, dtype: str, kernel: str, export: bool,
 
 def _build_backward(ir: VariantIR, vc: VariantCode, spec: KernelSpec, name: str,
                     head_dim: int, dtype: str, export: bool, tiles: Any,
-                    low_pressure: bool = False) -> GeneratedKernel:
+                    low_pressure: int = 0) -> GeneratedKernel:
     """A backward unit (kernels/fa2/fa2_backward.cuh): BackwardParams first, then the variant's
     Params and Grads; grid (ceil(kv_len / tiles.tkv), num_kv_heads, batch). `low_pressure`: the
-    FA3-class kernel's 16-column sub-tiles (fa3_backward.cuh)."""
+    FA3-class kernel's query sub-tiles, 64 >> level columns (fa3_backward.cuh)."""
     from ..kernels import read_template
 
     if export:
@@ -708,7 +717,7 @@ def _build_backward(ir: VariantIR, vc: VariantCode, spec: KernelSpec, name: str,
 
 def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "simple",
                     fast_math: bool | None = None, tiles: KernelTiles | None = None,
-                    paired: bool = False, low_pressure: bool = False,
+                    paired: bool = False, low_pressure: int = 0,
                     grad_tensors: Sequence[str] = (), kv_dtype: str | None = None,
                     head_dims: tuple[int, int] | None = None, exact_grads: bool = False
                     ) -> GeneratedKernel:
@@ -719,7 +728,7 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
     prefill template, bf16/fp16, `tiles` or `fa2.default_tiles`) or "fa2batch" (the persistent
     serving kernel and its merge kernel), "fa3" / "fa3batch" (sm_90a). The FA3 kernels come in
     forms: `paired` (dense "fa3" at a persistent head dim: CTA pairs) and `low_pressure` (fewer
-    registers; the spill fallback), emitted as `attncc::form` (form_text). A backward kernel
+    registers; the spill fallback; a level, form_text), emitted as `attncc::form` (form_text). A backward kernel
     (KernelSpec.backward) also gets the gradient hooks; `grad_tensors` names the captured tensors
     that require grad (docs/backward.md), `exact_grads` sums their gradients exactly, in any
     order the same (the deterministic mode; the name ends in `_exact`). `fast_math=True` spells the hooks' math with

@@ -296,6 +296,25 @@ _MERGE_STATE_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
 MERGE_STATE_PARAMS: StructLayout = struct_layout("attncc::MergeStateParams",
                                                  _MERGE_STATE_PARAMS_MEMBERS)
 
+# Mirrors kernels/small/bwd_rows.cuh's BwdRowsParams (the FA3-class backward's row kernel).
+_BWD_ROWS_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
+    ("dout", "const void*"), ("out", "const void*"), ("lse", "const float*"),
+    ("dlse", "const float*"), ("rows", "float*"),
+    *((f"{t}_stride_{d}", "attncc::i64") for t in ("do", "o", "lse", "dlse") for d in "bhs"),
+    ("batch", "int"), ("heads", "int"), ("q_len", "int"), ("tiles", "int"), ("head_dim", "int"),
+)
+
+BWD_ROWS_PARAMS: StructLayout = struct_layout("attncc::BwdRowsParams", _BWD_ROWS_PARAMS_MEMBERS)
+
+# Mirrors kernels/small/bwd_dq.cuh's BwdDqParams (the FA3-class backward's dQ conversion).
+_BWD_DQ_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
+    ("acc", "const float*"), ("dq", "void*"),
+    *((f"dq_stride_{d}", "attncc::i64") for d in "bhs"),
+    ("heads", "int"), ("q_len", "int"), ("tiles", "int"), ("groups", "int"),
+)
+
+BWD_DQ_PARAMS: StructLayout = struct_layout("attncc::BwdDqParams", _BWD_DQ_PARAMS_MEMBERS)
+
 # ----------------------------------------------------------------------------- C names
 
 _CPP_KEYWORDS = frozenset("""

@@ -1,4 +1,6 @@
-"""The translation unit of the attention-state merge kernel (kernels/small/merge_state.cuh).
+"""The translation units of the variant-free kernels: the attention-state merge kernel
+(kernels/small/merge_state.cuh), the backward's row kernel (kernels/small/bwd_rows.cuh) and its
+dQ conversion (kernels/small/bwd_dq.cuh).
 
 Unlike the attention kernels it has no variant: one kernel per storage type, merging two states
 ``(o, lse)`` of the same rows (runtime/serving/merge_kernel.py launches it). The unit is the shipped
@@ -18,13 +20,14 @@ from attncc.kernels import read_template
 from .constants import static_asserts
 from .errors import CodegenError
 from .generate import DTYPES
-from .layout import MERGE_STATE_PARAMS, StructLayout
+from .layout import BWD_DQ_PARAMS, BWD_ROWS_PARAMS, MERGE_STATE_PARAMS, StructLayout
 
-__all__ = ["MergeStateKernel", "merge_state_source"]
+__all__ = ["MergeStateKernel", "merge_state_source", "bwd_rows_source", "bwd_dq_source",
+           "small_unit"]
 
 
 class MergeStateKernel(NamedTuple):
-    """A merge kernel's source, its extern "C" name and its one argument's layout."""
+    """A variant-free kernel's source, its extern "C" name and its one argument's layout."""
 
     source: str
     kernel_name: str
@@ -47,15 +50,56 @@ def merge_state_source(dtype: str) -> MergeStateKernel:
                            f"{', '.join(DTYPES)}")
     ctype, short = DTYPES[dtype]
     name = f"attncc_merge_state_{short}"
-    source = "\n".join([
-        f"// attncc: attention-state merge kernel for {dtype} (kernels/small/merge_state.cuh)",
+    source = small_unit(f"attention-state merge kernel for {dtype}", "small/merge_state.cuh",
+                        MERGE_STATE_PARAMS, "merge", f"ATTNCC_MERGE_STATE_ENTRY({name}, {ctype})")
+    return MergeStateKernel(source, name, MERGE_STATE_PARAMS)
+
+
+def bwd_rows_source(dtype: str) -> MergeStateKernel:
+    """The FA3-class backward's row kernel (kernels/small/bwd_rows.cuh: LSE base 2 and delta per
+    query tile) for dO and O of `dtype` ("bfloat16" or "float16").
+
+    Example:
+        >>> bwd_rows_source("float16").kernel_name
+        'attncc_bwd_rows_f16'
+    """
+    return _backward_unit(dtype, "bwd_rows", "the backward's row kernel", BWD_ROWS_PARAMS)
+
+
+def bwd_dq_source(dtype: str) -> MergeStateKernel:
+    """The FA3-class backward's dQ conversion (kernels/small/bwd_dq.cuh: fp32 dq_accum in the
+    consumers' staging order to dQ rows) for dQ of `dtype` ("bfloat16" or "float16").
+
+    Example:
+        >>> bwd_dq_source("bfloat16").kernel_name
+        'attncc_bwd_dq_bf16'
+    """
+    return _backward_unit(dtype, "bwd_dq", "the backward's dQ conversion", BWD_DQ_PARAMS)
+
+
+def _backward_unit(dtype: str, kind: str, what: str, layout: StructLayout) -> MergeStateKernel:
+    """The unit of a backward helper kernel `kind` (kernels/small/<kind>.cuh, entry macro
+    ATTNCC_<KIND>_ENTRY) for 16-bit `dtype`."""
+    if dtype not in ("bfloat16", "float16"):
+        raise CodegenError(f"dtype={dtype!r}: {what} takes bfloat16 or float16 tensors")
+    ctype, short = DTYPES[dtype]
+    name = f"attncc_{kind}_{short}"
+    source = small_unit(f"{what} for {dtype}", f"small/{kind}.cuh", layout, kind,
+                        f"ATTNCC_{kind.upper()}_ENTRY({name}, {ctype})")
+    return MergeStateKernel(source, name, layout)
+
+
+def small_unit(what: str, template: str, layout: StructLayout, kernel: str, entry: str) -> str:
+    """A variant-free kernel's translation unit: the shipped types and `template`, the
+    static_asserts pinning `layout` and `kernel`'s mirrored constants, and one entry."""
+    return "\n".join([
+        f"// attncc: {what} (kernels/{template})",
         read_template("common/attncc_types.cuh"),
-        read_template("small/merge_state.cuh"),
+        read_template(template),
         "namespace attncc {",
-        *MERGE_STATE_PARAMS.static_asserts(),
-        *static_asserts("merge"),
+        *layout.static_asserts(),
+        *static_asserts(kernel),
         "}  // namespace attncc",
-        f"ATTNCC_MERGE_STATE_ENTRY({name}, {ctype})",
+        entry,
         "",
     ])
-    return MergeStateKernel(source, name, MERGE_STATE_PARAMS)

@@ -252,17 +252,17 @@ FA3_BACKWARD_TILES = BackwardTiles(64, 128, 2, 1)
 def fa3_backward_geometry(head_dim: int) -> tuple[int, int]:
     """Threads and dynamic shared memory of the FA3-class backward (fa3_backward.cuh BwdConfig):
     a producer warpgroup and two consumers; K, V, the Q and dO stages, two dS buffers, one fp32
-    dQ staging tile per 64 columns, the LSE and delta rows per stage, 128 bytes of mbarriers and
-    1 KB of alignment slack.
+    dQ staging tile per 64 columns, the LSE and delta rows and a tile's 8-byte description per
+    stage, 128 bytes of mbarriers and 1 KB of alignment slack.
 
     Example:
         >>> fa3_backward_geometry(128), fa3_backward_geometry(64)
-        ((384, 198784), (384, 116864))
+        ((384, 198800), (384, 116880))
     """
     t = FA3_BACKWARD_TILES
     tiles = 2 * (2 * t.tkv * head_dim + 2 * t.stages * t.tq * head_dim + 2 * t.tq * t.tkv)
     dq = head_dim // 64 * t.tq * 64 * 4
-    return 384, tiles + dq + 8 * t.stages * t.tq + 128 + 1024
+    return 384, tiles + dq + 8 * t.stages * t.tq + 8 * t.stages + 128 + 1024
 
 
 def backward_tiles(head_dim: int, block_kv: int | None = None) -> BackwardTiles:

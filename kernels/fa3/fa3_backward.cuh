@@ -16,12 +16,12 @@
 //     ring (mbarriers) -- and, a tile behind, each tile's staged fp32 dQ added into dq_accum by
 //     bulk reductions, off the consumers' path;
 //   consumer w (warpgroup w + 1, w = 0, 1): KV rows [64 w, 64 w + 64) (every wgmma's M). Per
-//     query tile and each of its two 32-column sub-tiles:
-//   S^T = K Q^T, dP^T = V dO^T                 SS m64n32, both issued at once
+//     query tile and each of its sub-tiles of QS = 64, 32 or 16 columns (the form's):
+//   S^T = K Q^T, dP^T = V dO^T                 SS m64nQS
 //   P^T, dS^T in registers                     fa2_backward.cuh's probs_tile / dscores_tile: the
 //                                              wgmma accumulator is mma.sync's C layout per warp
 //   dV += P^T dO, dK += dS^T Q                 RS: P^T / dS^T as A fragments, dO / Q N-major
-//   dQ = dS K                                  after both sub-tiles and both consumers' dS halves:
+//   dQ = dS K                                  after the sub-tiles and both consumers' dS halves:
 //                                              SS m64n64 over dS in shared memory (query-major,
 //                                              two buffers), staged for the producer
 // dQ's columns are split over the consumers at head dim 128 (one m64n64 each, all 128 keys); at
@@ -70,7 +70,10 @@ struct BwdConfig {
   static constexpr int kDq = kDs + 2 * TQ * TKV * 2;      // fp32 dQ [kDqGroups][kDqBytes]
   // fp32 rows [STAGES][2][TQ]: a tile's LSE (base 2), then its delta
   static constexpr int kRows = kDq + kDqGroups * kDqBytes;
-  static constexpr int kBar = kRows + STAGES * 2 * TQ * 4;  // mbarriers (BwdSmem)
+  // per stage the tile's query head and first row (with bit 0: a full block), or head -1: the
+  // sequence ended (TileMeta)
+  static constexpr int kMeta = kRows + STAGES * 2 * TQ * 4;
+  static constexpr int kBar = kMeta + STAGES * 8;  // mbarriers (BwdSmem)
   static constexpr int kSmemBytes = kBar + 128 + 1024;     // + alignment slack
 };
 
@@ -81,11 +84,8 @@ template <int D, int TQ, int TKV>
 struct BwdSmem {
   using Cfg = BwdConfig<D, TQ, TKV, 2, 1>;
   u32 base;
-  unsigned char* ptr;  // generic address of base, for the fp32 rows the hooks read
   __device__ __forceinline__ explicit BwdSmem(unsigned char* raw) {
-    const u32 a = smem_addr(raw);
-    base = (a + 1023u) & ~1023u;
-    ptr = raw + (base - a);
+    base = (smem_addr(raw) + 1023u) & ~1023u;
   }
   __device__ __forceinline__ u32 k() const { return base + Cfg::kK; }
   __device__ __forceinline__ u32 v() const { return base + Cfg::kV; }
@@ -94,12 +94,15 @@ struct BwdSmem {
   __device__ __forceinline__ u32 ds(int buf) const { return base + Cfg::kDs + buf * TQ * TKV * 2; }
   __device__ __forceinline__ u32 dq(int g) const { return base + Cfg::kDq + g * Cfg::kDqBytes; }
   __device__ __forceinline__ u32 rows(int st) const { return base + Cfg::kRows + st * 2 * TQ * 4; }
+  // generic pointers for the hooks' code, made at the use from the shared address (no 64-bit
+  // pointer held through the tile loop)
   __device__ __forceinline__ const float* lse2_rows(int st) const {
-    return reinterpret_cast<const float*>(ptr + Cfg::kRows) + st * 2 * TQ;
+    return static_cast<const float*>(__cvta_shared_to_generic(rows(st)));
   }
   __device__ __forceinline__ const float* delta_rows(int st) const {
-    return reinterpret_cast<const float*>(ptr + Cfg::kRows) + st * 2 * TQ + TQ;
+    return static_cast<const float*>(__cvta_shared_to_generic(rows(st) + TQ * 4));
   }
+  __device__ __forceinline__ u32 meta(int st) const { return base + Cfg::kMeta + 8 * st; }
   __device__ __forceinline__ u32 kv_full() const { return base + Cfg::kBar; }
   __device__ __forceinline__ u32 full(int st) const { return base + Cfg::kBar + 8 + 8 * st; }
   __device__ __forceinline__ u32 empty(int st) const { return base + Cfg::kBar + 24 + 8 * st; }
@@ -146,15 +149,32 @@ __device__ __forceinline__ void for_each_tile(const attncc::BackwardParams& p, i
   }
 }
 
+// What the producer tells the consumers about the tile in a stage: its query head (-1: the
+// sequence ended) and first row, bit 0 set for a full block. The consumers then keep no tile
+// list of their own (registers beside dK and dV).
+struct TileMeta {
+  int hq, q0f;
+};
+__device__ __forceinline__ void put_meta(u32 at, TileMeta m) {
+  asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(at), "r"(m.hq), "r"(m.q0f) : "memory");
+}
+__device__ __forceinline__ TileMeta get_meta(u32 at) {
+  TileMeta m;
+  asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(m.hq), "=r"(m.q0f) : "r"(at) : "memory");
+  return m;
+}
+
 // One query tile's loads into stage n % 2, once both consumers released it (tile n - 2 read):
 // Q, dO, and its LSE (base 2) and delta rows (one copy: they are interleaved by tile).
 template <int D, int TQ, int TKV>
 __device__ __forceinline__ void load_q_tile(const attncc::BackwardParams& p,
                                             const BwdSmem<D, TQ, TKV>& sm, int n, int b, int hq,
-                                            int q0) {
+                                            int q0, bool is_full) {
   const int st = n & 1;
   const bool rows = p.lse != nullptr;  // softmax: the LSE and delta rows too
   if (n >= 2) tma::mbar_wait(sm.empty(st), ((n >> 1) - 1) & 1);
+  // the consumers read it after their wait on `full`, which this thread's arrival releases
+  put_meta(sm.meta(st), TileMeta{hq, q0 | (int)is_full});
   tma::mbar_arrive_expect_tx(sm.full(st), 2 * TQ * D * 2 + (rows ? 2 * TQ * 4 : 0));
   load_tile<D, TQ>(sm.q(st), tmap(p, 0), sm.full(st), q0, hq, b);
   load_tile<D, TQ>(sm.dout(st), tmap(p, 3), sm.full(st), q0, hq, b);
@@ -195,13 +215,18 @@ __device__ __forceinline__ void produce(const attncc::BackwardParams& p,
   load_tile<D, TKV>(sm.k(), tmap(p, 1), sm.kv_full(), cta.kv0, cta.h_kv, b);
   load_tile<D, TKV>(sm.v(), tmap(p, 2), sm.kv_full(), cta.kv0, cta.h_kv, b);
   int last_hq = 0, last_q0 = -1, count = 0;
-  for_each_tile<TQ, TKV>(p, b, cta.h_kv, cta.kv0, [&](int n, int hq, int q0, bool) {
-    load_q_tile(p, sm, n, b, hq, q0);
+  for_each_tile<TQ, TKV>(p, b, cta.h_kv, cta.kv0, [&](int n, int hq, int q0, bool is_full) {
+    load_q_tile(p, sm, n, b, hq, q0, is_full);
     if (n > 0) add_dq(p, sm, n - 1, b, last_hq, last_q0);
     last_hq = hq;
     last_q0 = q0;
     count = n + 1;
   });
+  // the end: a stage with head -1 and no bytes, once its last tile was read
+  const int st = count & 1;
+  if (count >= 2) tma::mbar_wait(sm.empty(st), ((count >> 1) - 1) & 1);
+  put_meta(sm.meta(st), TileMeta{-1, 0});
+  tma::mbar_arrive(sm.full(st));
   if (count > 0) add_dq(p, sm, count - 1, b, last_hq, last_q0);
   tma::bulk_wait_all<0>();  // the reductions landed before the CTA ends
 }
@@ -298,15 +323,19 @@ __device__ __forceinline__ void stage_dq(u32 dst, const float (&acc)[32], int t,
 }
 
 // Query columns [qs0, qs0 + QS) of a tile against the warpgroup's 64 KV rows: S^T, dP^T, P^T,
-// dS^T in registers, dV and dK updated, dS^T stored (buffer sds) for dQ. Ends with its wgmmas
-// complete. t.q0 is the sub-tile's first query position.
-template <typename Variant, typename DType, int D, int TQ, int TKV, int QS, bool kMask>
+// dS^T in registers, dV and dK updated, dS^T stored (buffer sds) for dQ and packed in `da`. Ends
+// with its wgmmas complete, but for the dK wgmma without kWaitDk (the caller waits for it, and
+// keeps `da` alive until then). t.q0 is the sub-tile's first query position. At 64 columns S^T
+// is issued alone and dP^T beside dV: S^T and dP^T at once do not fit beside dK and dV.
+template <typename Variant, typename DType, int D, int TQ, int TKV, int QS, bool kMask,
+          bool kWaitDk>
 __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
                                         const typename Variant::Params& vp,
                                         const typename Variant::Grads& vg,
                                         const BwdSmem<D, TQ, TKV>& sm, const fa2::BwdTileView& t,
                                         int st, u32 sds, int qs0, int wgi, int wi, bool mask_here,
-                                        float (&dk)[D / 64][32], float (&dv)[D / 64][32]) {
+                                        float (&dk)[D / 64][32], float (&dv)[D / 64][32],
+                                        u32 (&da)[QS / 16][4]) {
   constexpr bool F16 = !ElemTraits<DType>::kIsBf16;
   constexpr int NF = QS / 8;
   const u32 kv_rows = wgi * 64 * 128;  // the warpgroup's first K / V row in each column block
@@ -315,9 +344,13 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   wg::fence();
   issue_abt<F16, D / 16, QS>(s, sm.k() + kv_rows, TKV * 128, sm.q(st) + q_rows, TQ * 128);
   wg::commit();
-  issue_abt<F16, D / 16, QS>(dp, sm.v() + kv_rows, TKV * 128, sm.dout(st) + q_rows, TQ * 128);
-  wg::commit();
-  wg::wait<1>();
+  if constexpr (QS < 64) {
+    issue_abt<F16, D / 16, QS>(dp, sm.v() + kv_rows, TKV * 128, sm.dout(st) + q_rows, TQ * 128);
+    wg::commit();
+    wg::wait<1>();
+  } else {
+    wg::wait<0>();
+  }
   wg::fence_operands(s);
   float(&pt)[NF][4] = *reinterpret_cast<float(*)[NF][4]>(s);
   float sc[NF][4];
@@ -329,6 +362,10 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   fa2::pack_a<DType, NF>(pa, pt);
   wg::fence_operands(pa);
   wg::fence();
+  if constexpr (QS == 64) {
+    issue_abt<F16, D / 16, QS>(dp, sm.v() + kv_rows, TKV * 128, sm.dout(st) + q_rows, TQ * 128);
+    wg::commit();
+  }
   issue_rs<F16, NF / 2, D / 64, TQ>(dv, pa, sm.dout(st) + q_rows);  // dV += P^T dO
   wg::commit();
   wg::wait<1>();  // dP^T (the dV group may still run)
@@ -339,7 +376,6 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   wg::fence_operands(pa);
   wg::fence_operands(dv);
 
-  u32 da[NF / 2][4];
   fa2::pack_a<DType, NF>(da, dpt);
   // an opaque lane: the stores' swizzled offsets are the same every tile, and ptxas otherwise
   // hoists all of them out of the query loop into registers of their own (then spills)
@@ -348,14 +384,15 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   wg::fence();
   issue_rs<F16, NF / 2, D / 64, TQ>(dk, da, sm.q(st) + q_rows);  // dK += dS^T Q
   wg::commit();
-  wg::wait<0>();
-  wg::fence_operands(da);  // the dK wgmma read da until the wait
-  wg::fence_operands(dk);
+  if constexpr (kWaitDk) {
+    wg::wait<0>();
+    wg::fence_operands(da);  // the dK wgmma read da until the wait
+    wg::fence_operands(dk);
+  }
 }
 
 // One query tile against the CTA's KV tile (the header's per-tile steps), tile n of the CTA's
-// sequence in stage n % 2 and dS buffer n % 2: its two query sub-tiles of 32 columns (a whole
-// 64-column S^T and dP^T spilled beside dK and dV at head dim 128), the stage released, then
+// sequence in stage n % 2 and dS buffer n % 2: its query sub-tiles, the stage released, then
 // once both consumers stored their dS halves, dQ staged for the producer's bulk reduction.
 template <typename Variant, typename DType, int D, int TQ, int TKV, bool kMask>
 __device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
@@ -365,27 +402,50 @@ __device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
                                          int n, int wgi, int wi, bool mask_here,
                                          float (&dk)[D / 64][32], float (&dv)[D / 64][32]) {
   constexpr bool F16 = !ElemTraits<DType>::kIsBf16;
-  // the low-pressure form (codegen's low_pressure=True, tried when this one spills) takes
-  // 16-column sub-tiles: half of S^T, dP^T and their copies in registers beside dK and dV
-  constexpr int QS = form::low_pressure() ? 16 : 32;
+  // sub-tiles of 64, 32 or 16 query columns by the form's pressure level (the kernel cache
+  // tries them in that order until one compiles without spills; docs/backward.md)
+  constexpr int QS = 64 >> form::pressure_level();
+  // at 64 columns (one sub-tile) its dK wgmma runs on through the dS exchange and dQ's wgmmas;
+  // the narrower forms wait for it (`da` live past the sub-tile cost them their form)
+  constexpr bool kOverlapDk = QS == 64;
   const int st = n & 1;
   const u32 sds = sm.ds(n & 1);
-  // not unrolled: two inlined sub-tiles let ptxas hoist the second's loads and offsets into
-  // the first, and hook-carrying variants spilled at head dim 128
+  u32 da[QS / 16][4];
+  if constexpr (kOverlapDk) {
+    bwd_sub<Variant, DType, D, TQ, TKV, QS, kMask, false>(p, vp, vg, sm, t, st, sds, 0, wgi, wi,
+                                                          mask_here, dk, dv, da);
+  } else {
+    // not unrolled: inlined sub-tiles let ptxas hoist the next one's loads and offsets into
+    // the one before, and hook-carrying variants spilled at head dim 128
 #pragma unroll 1
-  for (int qs0 = 0; qs0 < TQ; qs0 += QS) {
-    fa2::BwdTileView ts = t;
-    ts.q0 = t.q0 + qs0;
-    bwd_sub<Variant, DType, D, TQ, TKV, QS, kMask>(p, vp, vg, sm, ts, st, sds, qs0, wgi, wi,
-                                                   mask_here, dk, dv);
+    for (int qs0 = 0; qs0 < TQ; qs0 += QS) {
+      fa2::BwdTileView ts = t;
+      ts.q0 = t.q0 + qs0;
+      bwd_sub<Variant, DType, D, TQ, TKV, QS, kMask, true>(p, vp, vg, sm, ts, st, sds, qs0, wgi,
+                                                           wi, mask_here, dk, dv, da);
+    }
   }
-  tma::mbar_arrive(sm.empty(st));  // Q, dO, LSE and delta read: the producer may refill
-  wg::fence_proxy_async();         // the dS stores, before wgmma reads them
+  // Q, dO, LSE and delta read (the dK wgmma done): the producer may refill the stage
+  if constexpr (!kOverlapDk) tma::mbar_arrive(sm.empty(st));
+  wg::fence_proxy_async();  // the dS stores, before wgmma reads them
   tma::mbar_arrive(sm.ds_done(n & 1));
   tma::mbar_wait(sm.ds_done(n & 1), (n >> 1) & 1);  // dS complete (both warpgroups)
-  if (D == 64 && wgi != 0) return;  // at head dim 64 consumer 0 computes all of dQ
+  if (D == 64 && wgi != 0) {  // at head dim 64 consumer 0 computes all of dQ
+    if constexpr (kOverlapDk) {
+      wg::wait<0>();
+      wg::fence_operands(da);
+      wg::fence_operands(dk);
+      tma::mbar_arrive(sm.empty(st));
+    }
+    return;
+  }
   float acc[32];
-  dq_mma<F16, TQ, TKV>(acc, sds, sm.k(), 64 * wgi);
+  dq_mma<F16, TQ, TKV>(acc, sds, sm.k(), 64 * wgi);  // (its wait covers the dK wgmma)
+  if constexpr (kOverlapDk) {
+    wg::fence_operands(da);
+    wg::fence_operands(dk);
+    tma::mbar_arrive(sm.empty(st));
+  }
   if (n > 0) tma::mbar_wait(sm.dq_empty(wgi), (n - 1) & 1);  // the last tile's dQ was read
   stage_dq(sm.dq(wgi), acc, 32 * wi + t.lane, p.sm_scale);
   wg::fence_proxy_async();  // the staging stores, before the copy engine reads them
@@ -448,14 +508,17 @@ __device__ __forceinline__ void consume(const attncc::BackwardParams& p,
 #pragma unroll
     for (int e = 0; e < 32; ++e) dk[blk][e] = dv[blk][e] = 0.f;
   tma::mbar_wait(sm.kv_full(), 0);
-  for_each_tile<TQ, TKV>(p, b, cta.h_kv, cta.kv0, [&](int n, int hq, int q0, bool is_full) {
+#pragma unroll 1
+  for (int n = 0;; ++n) {
     tma::mbar_wait(sm.full(n & 1), (n >> 1) & 1);
-    const fa2::BwdTileView t{b, hq, q0, kv_row0, p.q_len, p.kv_len, lane};
+    const TileMeta m = get_meta(sm.meta(n & 1));
+    if (m.hq < 0) break;
+    const fa2::BwdTileView t{b, m.hq, m.q0f & ~1, kv_row0, p.q_len, p.kv_len, lane};
     // one instantiation, the mask decided per tile: two inlined copies of the tile body (one
     // masked, one not) spilled at head dim 128 (docs/backward.md, "The FA3-class kernel")
     bwd_tile<Variant, DType, D, TQ, TKV, Variant::has_logits_mask>(p, vp, vg, sm, t, n, wgi, wi,
-                                                                   !is_full, dk, dv);
-  });
+                                                                   !(m.q0f & 1), dk, dv);
+  }
   // re-derived, not live through the loop (bwd_cta)
   store_dkdv<DType, D>(p, b, fa2::bwd_cta<TKV>(p).h_kv, kv_row0, lane, dk, dv);
 }

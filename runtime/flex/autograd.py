@@ -163,20 +163,21 @@ class _Attention(torch.autograd.Function):
 
 def _run(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
          lse: torch.Tensor | None, dout: torch.Tensor, dlse: torch.Tensor | None) -> Any:
-    """The backward launch for one saved forward: the forward's plan (merged mask, lists),
-    captured reads clamped as the forward's, then backward.run_backward."""
-    from attncc.ir.analysis import Shapes
-
+    """The backward launch for one saved forward: the forward's plan (merged mask, lists; the
+    call cache's entry, as the forward's call found it), captured reads clamped as the
+    forward's (cached the same way), then backward.run_backward."""
     from .backward import default_scale, run_backward
-    from .gpu_flex import _clamped, plan_launch
+    from .gpu_flex import _call_entry, clamped_reads
 
-    pl = plan_launch(q, k, v, call.ir, call.bindings, block_mask=call.block_mask,
-                     enable_gqa=call.enable_gqa, kernel_options=call.kernel_options)
-    bindings = pl.bindings
-    B, Hq, Sq, D = q.shape
-    shapes = Shapes(B, Hq, k.shape[1], Sq, k.shape[2], D, v.shape[-1])
-    ir, sizes = _clamped(pl.ir, shapes, dict(bindings.tensors), bindings.scalars,
-                         call.block_mask)
+    entry = _call_entry(q, k, v, call.ir, call.bindings, call.block_mask, call.enable_gqa,
+                        call.kernel_options)
+    pl = entry.plan
+    bindings = call.bindings  # this call's captured values, the mask's merged in
+    if pl.mask_scalars or pl.mask_tensors:
+        bindings = Bindings({**bindings.scalars, **pl.mask_scalars},
+                            {**bindings.tensors, **pl.mask_tensors})
+    ir, sizes = clamped_reads(entry, bindings, q, k, v)
+    D = q.shape[-1]
     if sizes:
         bindings = Bindings({**bindings.scalars, **sizes}, bindings.tensors)
     opts = call.kernel_options or {}

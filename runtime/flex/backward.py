@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from attncc.codegen.constants import BWD_DQ_THREADS, BWD_ROWS_THREADS
 from attncc.codegen.tiles import (FA3_BACKWARD_TILES, BackwardTiles, backward_fallbacks,
                                   backward_tiles)
 from attncc.errors import InvalidArgument
@@ -284,19 +285,19 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     dk = torch.empty(key.shape, dtype=key.dtype, device=dev)
     dv = torch.empty(value.shape, dtype=value.dtype, device=dev)
     delta = None
-    if lse is not None:  # softmax: delta = rowsum(dO * O) - dLSE (docs/backward.md, Kernels)
+    lse_h = Sq  # the LSE's (and delta's) stride between heads
+    if lse is not None and not fa3:  # softmax: delta = rowsum(dO * O) - dLSE (docs/backward.md)
         lse = lse.contiguous()
         delta = (do.float() * out.float()).sum(-1)
         if dlse is not None:
             delta = delta - dlse.float()
         delta = delta.contiguous()
-    lse_h = Sq  # the LSE's (and delta's) stride between heads
     if fa3:  # the FA3-class kernel's inputs (BackwardParams::tma)
         # (held until the launch: a copy made here must outlive it)
         q, k, v, do = (_tma_strided(t) for t in (q, k, v, do))
         rows = -(-Sq // FA3_BACKWARD_TILES.tq) * FA3_BACKWARD_TILES.tq
         if lse is not None:
-            lse, delta, lse_h = _fa3_rows(lse, delta, rows), None, 2 * rows
+            lse, lse_h = _fa3_rows(do, _dense(out), lse, dlse, rows, dtype, dev), 2 * rows
         dq_acc = torch.zeros(B, Hq, rows * D, dtype=torch.float32, device=dev)
         dq_strides = {"dq_stride_b": Hq * rows * D, "dq_stride_h": rows * D, "dq_stride_s": D}
     else:
@@ -365,30 +366,50 @@ def _tma_strided(t: torch.Tensor) -> torch.Tensor:
     return t if strides == list(t.stride()) else t.as_strided(t.shape, strides)
 
 
-def _fa3_rows(lse: torch.Tensor, delta: torch.Tensor, rows: int) -> torch.Tensor:
-    """The LSE and delta as the FA3-class kernel's one bulk copy a tile reads them: [B, Hq,
-    rows / 64, 2, 64], each 64-row query tile's LSE (base 2; +inf for a row with no weight, so
-    its P is 0, never NaN) then its delta, rows padded to whole query tiles (+inf and 0)."""
+def _fa3_rows(do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
+              rows: int, dtype: str, dev: torch.device) -> torch.Tensor:
+    """The LSE and delta as the FA3-class kernel's one bulk copy a tile reads them, made by the
+    row kernel (kernels/small/bwd_rows.cuh) in one launch: [B, Hq, rows / 64, 2, 64], each
+    64-row query tile's LSE (base 2; +inf for a row with no weight, so its P is 0, never NaN)
+    then its delta = rowsum(dO * O) - dLSE in fp32, rows padded to whole tiles (+inf and 0).
+    `do` and `out` have 16-byte aligned rows (`_dense`)."""
     B, H, S = lse.shape
     tq = FA3_BACKWARD_TILES.tq
-    if rows > S:  # padded rows: LSE -inf (then +inf below: P = 0) and delta 0
-        lse = torch.nn.functional.pad(lse, (0, rows - S), value=-math.inf)
-        delta = torch.nn.functional.pad(delta, (0, rows - S))
-    out = torch.empty((B, H, rows // tq, 2, tq), dtype=torch.float32, device=lse.device)
-    lse_v = lse.view(B, H, -1, tq)
-    torch.mul(lse_v, _LOG2E, out=out[:, :, :, 0]).masked_fill_(lse_v == -math.inf, math.inf)
-    out[:, :, :, 1].copy_(delta.view(B, H, -1, tq))
-    return out
+    buf = torch.empty((B, H, rows // tq, 2, tq), dtype=torch.float32, device=dev)
+    if dlse is not None and dlse.dtype != torch.float32:
+        dlse = dlse.float()
+    dl = dlse if dlse is not None else lse  # (strides only: the pointer is null)
+    params = {"dout": do.data_ptr(), "out": out.data_ptr(), "lse": lse.data_ptr(),
+              "dlse": dlse.data_ptr() if dlse is not None else 0, "rows": buf.data_ptr(),
+              **{f"{n}_stride_{d}": t.stride(i) for n, t in (("do", do), ("o", out))
+                 for i, d in enumerate("bhs")},
+              **{f"{n}_stride_{d}": t.stride(i) for n, t in (("lse", lse), ("dlse", dl))
+                 for i, d in enumerate("bhs")},
+              "batch": B, "heads": H, "q_len": S, "tiles": rows // tq, "head_dim": do.shape[-1]}
+    D = do.shape[-1]
+    if D % 8 or (D // 8) & (D // 8 - 1) or D > 256:
+        raise InvalidArgument(f"the FA3-class backward's row kernel takes head dims 8 x a power "
+                              f"of two up to 256, not {D}")
+    for name, t in (("dout", do), ("out", out)):
+        if t.data_ptr() % 16 or any(st % 8 for st in t.stride()[:-1]) or t.stride(-1) != 1:
+            raise InvalidArgument(f"{name}: the row kernel reads 16-byte aligned rows; pass it "
+                                  f"through _dense first")
+    kl = get_kernel(KernelSpec("bwd_rows", dtype=dtype, device=dev.index)).launcher
+    rows_per_block = BWD_ROWS_THREADS // (D // 8)
+    kl.launch((-(-B * H * rows // rows_per_block), 1, 1), (BWD_ROWS_THREADS, 1, 1), 0,
+              kl.ap.flatten(params), (), stream=current_raw_stream(dev.index))
+    return buf
 
 
-_LOG2E = 1.4426950408889634
 
 
 def fa3_dq(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """dQ [B, Hq, q_len, head_dim] in `dtype` from the FA3-class kernel's dq_accum [B, Hq, rows *
-    head_dim] (fp32), by one strided copy: each 64-row query tile is head_dim / 64 staging tiles
-    of [8][128 threads][4] (fa3_backward.cuh `stage_dq`), element 4 j + 2 hr + i of thread
-    32 wi + 4 r + a at row 16 wi + 8 hr + r and column 64 g + 8 j + 2 a + i.
+    head_dim] (fp32): each 64-row query tile is head_dim / 64 staging tiles of [8][128 threads][4]
+    (fa3_backward.cuh `stage_dq`), element 4 j + 2 hr + i of thread 32 wi + 4 r + a at row
+    16 wi + 8 hr + r and column 64 g + 8 j + 2 a + i. On CUDA one launch of the dQ conversion
+    (kernels/small/bwd_dq.cuh) for bf16 / fp16; otherwise (and as that layout's definition) one
+    strided torch copy.
 
     Example:
         >>> import torch
@@ -400,11 +421,31 @@ def fa3_dq(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype) -> 
     B, H = acc.shape[:2]
     g = head_dim // 64
     tiles = acc.shape[2] // (64 * head_dim)
+    if acc.is_cuda and dtype in (torch.bfloat16, torch.float16):
+        return _dq_kernel(acc, q_len, head_dim, dtype)
     out = torch.empty(B, H, tiles * 64, head_dim, dtype=dtype, device=acc.device)
     # out's dims as b, h, tile, wi, hr, r, g, j, a, i, permuted to the staging order
     out.view(B, H, tiles, 4, 2, 8, g, 8, 4, 2).permute(0, 1, 2, 6, 7, 3, 5, 8, 4, 9).copy_(
         acc.view(B, H, tiles, g, 8, 4, 8, 4, 2, 2))
     return out[:, :, :q_len]
+
+
+def _dq_kernel(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype
+               ) -> torch.Tensor:
+    """`fa3_dq` by the dQ conversion kernel: one CTA per 64 x 64 block of dQ."""
+    B, H = acc.shape[:2]
+    tiles = acc.shape[2] // (64 * head_dim)
+    if not acc.is_contiguous():
+        raise InvalidArgument("dq_accum: the dQ conversion reads a contiguous accumulator")
+    dq = torch.empty(B, H, q_len, head_dim, dtype=dtype, device=acc.device)
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    kl = get_kernel(KernelSpec("bwd_dq", dtype=name, device=acc.device.index)).launcher
+    params = {"acc": acc.data_ptr(), "dq": dq.data_ptr(),
+              **{f"dq_stride_{d}": dq.stride(i) for i, d in enumerate("bhs")},
+              "heads": H, "q_len": q_len, "tiles": tiles, "groups": head_dim // 64}
+    kl.launch((B * H * tiles * (head_dim // 64), 1, 1), (BWD_DQ_THREADS, 1, 1), 0,
+              kl.ap.flatten(params), (), stream=current_raw_stream(acc.device.index))
+    return dq
 
 
 def _launch(kern: Any, args: Mapping[str, Any], ir: VariantIR, bindings: Bindings,

@@ -721,6 +721,42 @@ def _safe_reads(entry: _CallEntry, bindings: Bindings, query: torch.Tensor, key:
     return got
 
 
+_CLAMPED: "OrderedDict[tuple, tuple]" = OrderedDict()  # the backward's clamped IRs
+
+
+def clamped_reads(entry: _CallEntry, bindings: Bindings, query: torch.Tensor,
+                  key: torch.Tensor, value: torch.Tensor) -> tuple[VariantIR, dict[str, int]]:
+    """The backward's side of `_safe_reads`: the plan's IR with its captured reads clamped for
+    this call's shapes and captured values, and the sizes the clamps bind (no kernel), cached
+    under the same key. The clamp analysis may read the block mask to the host; a training step
+    runs it once, not every backward."""
+    pl = entry.plan
+    if not pl.ir.tensors:
+        return pl.ir, {}
+    names = sorted({t.name for t in pl.ir.tensors})
+    tensors = {n: bindings.tensors.get(n) for n in names}
+    try:  # as _safe_reads: the plan fixes the scalar names, so their values identify the call
+        ckey = (id(pl), query.shape, key.shape, value.shape[-1],
+                tuple(t.shape for t in tensors.values() if isinstance(t, torch.Tensor)),
+                tuple(bindings.scalars.values()))
+        hit = _CLAMPED.get(ckey)
+    except TypeError:  # an unhashable captured value: clamp every call
+        ckey, hit = None, None
+    if hit is not None and hit[0] is pl:  # (the entry holds pl, so its id is not reused)
+        return hit[1], hit[2]
+    from attncc.ir.analysis import Shapes
+
+    B, Hq, Sq, D = query.shape
+    shapes = Shapes(B, Hq, key.shape[1], Sq, key.shape[2], D, value.shape[-1])
+    ir, sizes = _clamped(pl.ir, shapes, tensors, bindings.scalars, entry.block_mask)
+    if ckey is not None and not torch.cuda.is_current_stream_capturing():
+        with _CALLS_LOCK:
+            _CLAMPED[ckey] = (pl, ir, sizes)
+            while len(_CLAMPED) > _CALL_CACHE_SIZE:
+                _CLAMPED.popitem(last=False)
+    return ir, sizes
+
+
 def _call_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ir: VariantIR, block_mask: Any,
               enable_gqa: bool, kernel_options: Mapping[str, Any] | None) -> tuple:
     """What a launch plan depends on: the variant's content (interned IR nodes), the block mask's

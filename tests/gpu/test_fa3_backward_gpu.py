@@ -43,3 +43,63 @@ def test_sm90_default_is_fa3_and_its_gradients_are_finite() -> None:
                .requires_grad_() for _ in range(3))
     attncc.flex_attention(q, k, v).float().square().sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,sq", [(64, 197), (128, 256), (128, 1)])
+def test_dq_conversion_matches_the_torch_copy(dtype: torch.dtype, d: int, sq: int) -> None:
+    """The dQ conversion kernel (kernels/small/bwd_dq.cuh) against `fa3_dq`'s strided torch copy
+    of the same accumulator (the staging order's definition), bit for bit but for NaN's
+    payload (a NaN where torch has one): both round to nearest even; inf kept; padded rows
+    not written."""
+    import math
+
+    from attncc.runtime.flex.backward import fa3_dq
+
+    g = torch.Generator(device="cuda").manual_seed(d + sq)
+    B, H = 2, 3
+    rows = -(-sq // 64) * 64
+    acc = torch.randn(B, H, rows * d, device="cuda", generator=g) * 100
+    acc[0, 1, 7] = math.nan
+    acc[1, 2, 70 % acc.shape[2]] = -math.inf
+    got = fa3_dq(acc, sq, d, dtype)
+    want = fa3_dq(acc.cpu(), sq, d, dtype)
+    assert got.shape == (B, H, sq, d) and got.is_contiguous()
+    got = got.cpu()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,sq", [(64, 197), (128, 256), (256, 70)])
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_row_kernel_matches_torch(dtype: torch.dtype, d: int, sq: int, with_dlse: bool) -> None:
+    """The row kernel (kernels/small/bwd_rows.cuh) against torch's formula: LSE base 2 with +inf
+    for a row with no weight, delta = rowsum(dO * O) - dLSE in fp32, padded rows +inf / 0, NaN
+    propagated; O read through a transposed view ([B, S, H, D] storage)."""
+    import math
+
+    from attncc.runtime.flex.backward import _fa3_rows
+
+    g = torch.Generator(device="cuda").manual_seed(d + sq)
+    B, H = 2, 3
+    do = torch.randn(B, H, sq, d, device="cuda", dtype=dtype, generator=g)
+    out = torch.randn(B, sq, H, d, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+    lse = torch.randn(B, H, sq, device="cuda", generator=g)
+    lse[0, 1, 5] = -math.inf
+    do[1, 2, 7, 3] = float("nan")
+    dlse = torch.randn(B, H, sq, device="cuda", generator=g) if with_dlse else None
+    rows = -(-sq // 64) * 64
+    got = _fa3_rows(do, out, lse, dlse, rows, "bfloat16" if dtype == torch.bfloat16 else
+                    "float16", do.device)
+    delta = (do.float() * out.float()).sum(-1) - (dlse if with_dlse else 0)
+    lse2 = torch.where(lse == -math.inf, math.inf, lse * 1.4426950408889634)
+    got_lse = got[:, :, :, 0].reshape(B, H, rows)
+    got_delta = got[:, :, :, 1].reshape(B, H, rows)
+    assert torch.equal(got_lse[..., :sq], lse2)
+    assert torch.isinf(got_lse[..., sq:]).all() and (got_lse[..., sq:] > 0).all()
+    assert (got_delta[..., sq:] == 0).all()
+    assert torch.isnan(got_delta[1, 2, 7]) and torch.isnan(delta[1, 2, 7])
+    ok = ~torch.isnan(delta)
+    torch.testing.assert_close(got_delta[..., :sq][ok], delta[ok], rtol=1e-5, atol=1e-5)

@@ -31,7 +31,8 @@ def test_every_kernel_names_existing_templates_and_every_template_is_used() -> N
     from attncc.codegen.generate import COMMON_TEMPLATES, KERNELS
     from attncc.kernels import template_path
 
-    used = {*COMMON_TEMPLATES, "small/merge_state.cuh"}
+    used = {*COMMON_TEMPLATES, "small/merge_state.cuh", "small/bwd_rows.cuh",
+            "small/bwd_dq.cuh"}
     for spec in KERNELS.values():
         used.update(spec.files)
     assert all(template_path(f).is_file() for f in used)

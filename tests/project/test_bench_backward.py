@@ -20,8 +20,8 @@ def _rec(impl: str, variant: str, S: int, bwd: float, **kw: object) -> dict:
 
 RECORDS = [
     _rec("attncc", "causal", 8192, 500.0, rel_err=3e-3, rel_err_vs="flex",
-         rel_err_grads={"dq": 3e-3, "dk": 2e-3, "dv": 1e-3}),
-    _rec("flex", "causal", 8192, 349.0),
+         rel_err_grads={"dq": 3e-3, "dk": 2e-3, "dv": 1e-3}, bwd_kernel_tflops=520.0),
+    _rec("flex", "causal", 8192, 349.0, bwd_kernel_tflops=360.4),
     _rec("sdpa_flash", "causal", 8192, 275.0),
     _rec("sdpa_cudnn", "causal", 8192, 462.0),
     _rec("attncc", "full", 8192, 500.0),
@@ -49,9 +49,9 @@ def test_table_checks_every_target() -> None:
     text = table({"meta": META, "results": RECORDS})
     rows = _rows(text)
     assert rows["causal8192"] == ("| causal | 8192 | 500 | 349 | 275 | 462 | 1.43 | 1.08 | "
-                                  "3.50 / 3.50 | 3.0e-03 vs flex | yes |")
-    assert rows["full8192"].endswith("| 1.27 | 0.97 | 3.50 / 3.50 | - | **no** |")
-    assert rows["full512"].endswith("| 0.33 | - | 3.50 / 3.50 | - | - |")
+                                  "520 / 360 / - | 3.50 / 3.50 | 3.0e-03 vs flex | yes |")
+    assert rows["full8192"].endswith("| 1.27 | 0.97 | - / - / - | 3.50 / 3.50 | - | **no** |")
+    assert rows["full512"].endswith("| 0.33 | - | - / - / - | 3.50 / 3.50 | - | - |")
     # attncc failed: its cell says so and the target against Flex counts as missed
     assert rows["relbias_causal2048"].startswith("| relbias_causal | 2048 | err | 200 | - | - |")
     assert rows["relbias_causal2048"].endswith("| **no** |")
@@ -217,6 +217,8 @@ def test_run_cell_group_times_rounds_and_checks_grads(monkeypatch: pytest.Monkey
     monkeypatch.setattr(bb, "_time", fake_time)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr("bench.timing.spin_gpu", lambda seconds=0.3: None)
+    kernel_ms = iter([1.0, 3.0] * 10)  # each cell's forward, then its forward + backward
+    monkeypatch.setattr("bench.timing.device_ms", lambda fn, calls=5: next(kernel_ms))
     cells = [(i, None) for i in bb.IMPLS]
     recs = bb.run_cell_group(_CpuBench(), "relbias_causal", cells, rounds=3)
     by = {r["impl"]: r for r in recs}
@@ -228,6 +230,9 @@ def test_run_cell_group_times_rounds_and_checks_grads(monkeypatch: pytest.Monkey
     assert (by["attncc"]["fwd_ms"], by["attncc"]["fwdbwd_ms"], by["attncc"]["bwd_ms"]) == (
         7.0, 8.0, 1.0)
     assert (by["flex"]["fwd_ms"], by["flex"]["fwdbwd_ms"]) == (5.0, 6.0)
+    assert by["attncc"]["bwd_kernel_ms"] == 2.0
+    assert by["attncc"]["bwd_kernel_tflops"] == pytest.approx(
+        bb.bwd_flops("relbias_causal", 32, 2) / 2e-3 / 1e12)
     assert by["attncc"]["rel_err_vs"] == "flex"
     assert set(by["attncc"]["rel_err_grads"]) == {"dq", "dk", "dv", "dbias"}
     assert 0 <= by["attncc"]["rel_err"] < 1e-5

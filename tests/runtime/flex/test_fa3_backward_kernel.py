@@ -28,8 +28,8 @@ def _spec(name: str, d: int, dtype: str = "bfloat16"):
 @pytest.mark.parametrize("name", [*sorted(GYM), *sorted(LEARNABLE)])
 def test_fa3_backward_form_compiles_without_spills_at_head_dim_128(name: str) -> None:
     """Head dim 128 is the tight one (dK and dV take 128 of a consumer's 240 registers): every
-    variant's FA3-class form, or its low-pressure form, is what the kernel cache returns, with
-    no local memory."""
+    variant's FA3-class form at one of its sub-tile widths is what the kernel cache returns,
+    with no local memory."""
     from attncc.runtime.jit.kernels import compile_spec
 
     trail: list = []
@@ -54,8 +54,8 @@ def test_fa3_backward_form_compiles_without_spills_at_head_dim_64(name: str, dty
 
 def test_fa3_backward_falls_back_to_the_fa2_forms_when_its_form_spills(monkeypatch,
                                                                        tmp_path) -> None:
-    """A spilled FA3-class form (here: reported so) hands over to its low-pressure form, and
-    that one to the FA2-class forms, in order; the caller launches the kind and tiles of the
+    """A spilled FA3-class form (here: reported so) hands over to its forms with 32- and then
+    16-column sub-tiles, and those to the FA2-class forms, in order; the caller launches the kind and tiles of the
     returned form. An empty form memo: a warm one (scripts/backward_resources.py fills it)
     would answer without compiling."""
     import attncc.runtime.jit.kernels as K
@@ -75,10 +75,9 @@ def test_fa3_backward_falls_back_to_the_fa2_forms_when_its_form_spills(monkeypat
     monkeypatch.setattr(K, "compile_form", fake)
     spec = _spec("causal", 128)
     form = K.compile_spec(spec, "sm_90a")
-    assert compiled[:2] == [("fa3_backward", FA3_BACKWARD_TILES, False),
-                            ("fa3_backward", FA3_BACKWARD_TILES, True)]
+    assert compiled[:3] == [("fa3_backward", FA3_BACKWARD_TILES, level) for level in (0, 1, 2)]
     assert form.spec.kind == "fa2_backward" and form.spec.tiles == spec.fallbacks[0]
-    assert not form.spec.low_pressure and len(compiled) == 3
+    assert not form.spec.low_pressure and len(compiled) == 4
 
 
 def test_fa3_backward_unit_geometry_and_errors() -> None:
@@ -86,7 +85,7 @@ def test_fa3_backward_unit_geometry_and_errors() -> None:
     gk = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3bwd")
     t = FA3_BACKWARD_TILES
     assert gk.kernel_name.endswith("_fa3bwd_d128_bf16" + t.suffix)
-    assert (gk.threads, gk.shared_mem_bytes) == fa3_backward_geometry(128) == (384, 198784)
+    assert (gk.threads, gk.shared_mem_bytes) == fa3_backward_geometry(128) == (384, 198800)
     assert (f"fa3bwd::BwdConfig<128, 64, 128, 2, 1>::kSmemBytes == {gk.shared_mem_bytes}"
             in gk.source)
     assert "ATTNCC_FA3_BWD_ENTRY(" in gk.source and gk.shared_mem_bytes <= 227 * 1024
@@ -126,3 +125,23 @@ def test_fa3_spec_keeps_the_fa2_forms_a_mask_allows() -> None:
                          device=None, grad_tensors=())
     assert spec.kind == "fa3_backward" and spec.tiles == FA3_BACKWARD_TILES
     assert spec.fallbacks and all(128 % f.tkv == 0 for f in spec.fallbacks)
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kind", ["bwd_rows", "bwd_dq"])
+def test_backward_helper_kernels_compile_without_spills(kind: str, dtype: str) -> None:
+    """The backward's row kernel (kernels/small/bwd_rows.cuh: LSE base 2 and delta per query
+    tile, what the FA3-class kernel's producer copies) and its dQ conversion (bwd_dq.cuh:
+    dq_accum's staging order to dQ rows), for each 16-bit type; tests/gpu/test_fa3_backward_gpu.py
+    checks them against torch."""
+    from attncc.codegen import merge_state
+    from attncc.runtime.jit.nvrtc import compile_cuda
+
+    source = getattr(merge_state, f"{kind}_source")
+    mk = source(dtype)
+    res = compile_cuda(mk.source, arch="sm_90a", name=f"{mk.kernel_name}.cu", verbose=True)
+    assert f"Compiling entry function '{mk.kernel_name}'" in res.log
+    assert "0 bytes spill stores, 0 bytes spill loads" in res.log
+    with pytest.raises(CodegenError, match="bfloat16 or float16"):
+        source("float32")
