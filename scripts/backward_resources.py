@@ -4,10 +4,11 @@ captured float tensor is made learnable (relative_bias's table, alibi's slopes),
 kernel cache picks for each backward template asked for (`--kernels`; runtime/jit/kernels.py:
 FA2-class, the first of `codegen.tiles.backward_fallbacks` with neither spills nor a stack frame;
 FA3-class, its forms with 64-, 32- and 16-column query sub-tiles, or the FA2-class ones, the
-first that neither spills nor keeps a stack frame: docs/backward.md), its registers, spill bytes, stack frame and
-shared memory, from ptxas's `-v` report through NVRTC. The FA3-class kernel's register count is
-the launch's (168 a thread for 384 threads); its consumers run with 240 (setmaxnreg), which
-ptxas's spill report covers. Writes a markdown table (and JSON with --out).
+first that neither spills nor keeps a stack frame: docs/backward.md), its registers, spill
+bytes, stack frame and shared memory, from ptxas's `-v` report through NVRTC. The FA3-class
+kernel's register count is the launch's (168 a thread for 384 threads); its consumers run with
+the number in parentheses (setmaxnreg, `FA3_BWD_CONSUMER_REGS`), which ptxas's spill report
+covers. Writes a markdown table (and JSON with --out).
 
     python -m scripts.backward_resources --out bench/results/backward-resources-nvrtc12.json
     python -m scripts.backward_resources --kernels fa3 --head-dims 64 128
@@ -19,6 +20,8 @@ import json
 import re
 from pathlib import Path
 from typing import Any
+
+from attncc.codegen.constants import FA3_BWD_CONSUMER_REGS
 
 LEARNABLE = ("relative_bias", "alibi", "alibi_causal")  # their captured float tensor gets .grad
 
@@ -44,7 +47,10 @@ def report(variant: str, head_dim: int, learnable: bool, arch: str,
     return {"variant": variant, "head_dim": head_dim, "grad_tensors": list(grads),
             "asked": kernel, "kind": form.spec.kind,
             "kernel": form.gen.kernel_name, "form": [t.tq, t.tkv, t.dsplit],
-            "registers": int(regs.group(1)) if regs else None, "spill_bytes": form.spill_bytes,
+            "registers": int(regs.group(1)) if regs else None,
+            "consumer_registers": (FA3_BWD_CONSUMER_REGS if form.spec.kind == "fa3_backward"
+                                   else None),
+            "spill_bytes": form.spill_bytes,
             "stack_frame": stack_frame(log), "wgmma_serialized": bool(wgmma_notes(log)),
             "smem_bytes": form.gen.smem_bytes, "threads": form.gen.threads,
             "low_pressure": form.spec.low_pressure,
@@ -52,10 +58,17 @@ def report(variant: str, head_dim: int, learnable: bool, arch: str,
                            and not form.spec.low_pressure)}
 
 
+def _regs(r: dict[str, Any]) -> str:
+    """ptxas's registers, and the consumers' under setmaxnreg in parentheses."""
+    cons = r.get("consumer_registers")
+    return f"{r['registers']}" + (f" ({cons})" if cons else "")
+
+
 def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"Backward kernels, {meta['arch']}, NVRTC {meta['nvrtc']}, bf16 "
              f"(scripts/backward_resources.py)", "",
-             "| asked | variant | D | grads | kernel, form (q, kv, split) | regs | spill B "
+             "| asked | variant | D | grads | kernel, form (q, kv, split) | regs (consumers) "
+             "| spill B "
              "| stack B | smem B | threads |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         kind = r.get("kind", "fa2_backward").split("_")[0]
@@ -66,7 +79,7 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                      f"{', '.join(r['grad_tensors']) or '-'} | {kind} {tuple(r['form'])}{form}"
                      f"{'' if r['first_form'] or r.get('low_pressure') else ' (fallback)'}"
                      f"{' (wgmma serialized)' if r.get('wgmma_serialized') else ''} | "
-                     f"{r['registers']} | {r['spill_bytes']} | {r['stack_frame']} | "
+                     f"{_regs(r)} | {r['spill_bytes']} | {r['stack_frame']} | "
                      f"{r['smem_bytes']} | {r['threads']} |")
     return "\n".join(lines) + "\n"
 

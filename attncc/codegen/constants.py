@@ -22,7 +22,7 @@ __all__ = ["Mirror", "MIRRORS", "static_asserts", "tile_static_asserts", "FA3_TH
            "FA3_PERSISTENT_HEAD_DIMS", "FA3_SPLIT_HEAD_DIMS", "FA3_SLOT_WARPS", "MERGE_THREADS",
            "MERGE_STATE_THREADS", "L2_SECTION_BYTES", "MAX_PIECES_PER_ITEM", "MIN_SPLIT_KEYS",
            "PREPASS_WARPS", "EXACT_GRAD_WORDS", "BWD_ROWS_THREADS",
-           "BWD_DQ_THREADS"]
+           "BWD_DQ_THREADS", "FA3_BWD_CONSUMER_REGS"]
 
 _FA3 = ("fa3", "fa3batch")
 _BATCH = ("fa2batch", "fa3batch")
@@ -83,6 +83,10 @@ MIRRORS: tuple[Mirror, ...] = (
            ("bwd_rows",)),
     # the FA3-class backward's dQ conversion (runtime/flex/backward.py fa3_dq)
     Mirror("BWD_DQ_THREADS", 256, "attncc::bwddq::kThreads", "small/bwd_dq.cuh", ("bwd_dq",)),
+    # the FA3-class backward's consumer registers a thread (setmaxnreg; ptxas reports the
+    # launch's 168, so scripts/backward_resources.py reports this one beside it)
+    Mirror("FA3_BWD_CONSUMER_REGS", 240, "attncc::fa3bwd::kConsumerRegs", "fa3/fa3_backward.cuh",
+           ("fa3bwd",)),
     # words per element of a captured gradient in the deterministic mode (12 of an exact sum,
     # 1 of non-finite flags; runtime/flex/exact_grad.py reads them back)
     Mirror("EXACT_GRAD_WORDS", 13, "attncc::kExactGradWords", "common/exact_grad.cuh",
@@ -105,6 +109,7 @@ PREPASS_WARPS: int = _BY_NAME["PREPASS_WARPS"].value  # type: ignore[assignment]
 EXACT_GRAD_WORDS: int = _BY_NAME["EXACT_GRAD_WORDS"].value  # type: ignore[assignment]
 BWD_ROWS_THREADS: int = _BY_NAME["BWD_ROWS_THREADS"].value  # type: ignore[assignment]
 BWD_DQ_THREADS: int = _BY_NAME["BWD_DQ_THREADS"].value  # type: ignore[assignment]
+FA3_BWD_CONSUMER_REGS: int = _BY_NAME["FA3_BWD_CONSUMER_REGS"].value  # type: ignore[assignment]
 
 
 def static_asserts(kernel: str, head_dim: int = 0) -> list[str]:
