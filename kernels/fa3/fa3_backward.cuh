@@ -324,11 +324,10 @@ __device__ __forceinline__ void stage_dq(u32 dst, const float (&acc)[32], int t,
 
 // Query columns [qs0, qs0 + QS) of a tile against the warpgroup's 64 KV rows: S^T, dP^T, P^T,
 // dS^T in registers, dV and dK updated, dS^T stored (buffer sds) for dQ and packed in `da`. Ends
-// with its wgmmas complete, but for the dK wgmma without kWaitDk (the caller waits for it, and
-// keeps `da` alive until then). t.q0 is the sub-tile's first query position. At 64 columns S^T
-// is issued alone and dP^T beside dV: S^T and dP^T at once do not fit beside dK and dV.
-template <typename Variant, typename DType, int D, int TQ, int TKV, int QS, bool kMask,
-          bool kWaitDk>
+// with its wgmmas complete, but for a whole tile's (QS == TQ) dK wgmma: the caller waits for it
+// and keeps `da` alive until then. t.q0 is the sub-tile's first query position. A whole tile's
+// S^T is issued alone and dP^T beside dV: S^T and dP^T at once do not fit beside dK and dV.
+template <typename Variant, typename DType, int D, int TQ, int TKV, int QS, bool kMask>
 __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
                                         const typename Variant::Params& vp,
                                         const typename Variant::Grads& vg,
@@ -338,13 +337,14 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
                                         u32 (&da)[QS / 16][4]) {
   constexpr bool F16 = !ElemTraits<DType>::kIsBf16;
   constexpr int NF = QS / 8;
+  constexpr bool kWhole = QS == TQ;
   const u32 kv_rows = wgi * 64 * 128;  // the warpgroup's first K / V row in each column block
   const u32 q_rows = qs0 * 128;        // the sub-tile's first Q / dO row in each column block
   float s[QS / 2], dp[QS / 2];
   wg::fence();
   issue_abt<F16, D / 16, QS>(s, sm.k() + kv_rows, TKV * 128, sm.q(st) + q_rows, TQ * 128);
   wg::commit();
-  if constexpr (QS < 64) {
+  if constexpr (!kWhole) {
     issue_abt<F16, D / 16, QS>(dp, sm.v() + kv_rows, TKV * 128, sm.dout(st) + q_rows, TQ * 128);
     wg::commit();
     wg::wait<1>();
@@ -362,7 +362,7 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   fa2::pack_a<DType, NF>(pa, pt);
   wg::fence_operands(pa);
   wg::fence();
-  if constexpr (QS == 64) {
+  if constexpr (kWhole) {
     issue_abt<F16, D / 16, QS>(dp, sm.v() + kv_rows, TKV * 128, sm.dout(st) + q_rows, TQ * 128);
     wg::commit();
   }
@@ -384,7 +384,7 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   wg::fence();
   issue_rs<F16, NF / 2, D / 64, TQ>(dk, da, sm.q(st) + q_rows);  // dK += dS^T Q
   wg::commit();
-  if constexpr (kWaitDk) {
+  if constexpr (!kWhole) {
     wg::wait<0>();
     wg::fence_operands(da);  // the dK wgmma read da until the wait
     wg::fence_operands(dk);
@@ -405,15 +405,16 @@ __device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
   // sub-tiles of 64, 32 or 16 query columns by the form's pressure level (the kernel cache
   // tries them in that order until one compiles without spills; docs/backward.md)
   constexpr int QS = 64 >> form::pressure_level();
-  // at 64 columns (one sub-tile) its dK wgmma runs on through the dS exchange and dQ's wgmmas;
-  // the narrower forms wait for it (`da` live past the sub-tile cost them their form)
-  constexpr bool kOverlapDk = QS == 64;
+  // a whole tile as one sub-tile (64 columns) leaves its dK wgmma running through the dS
+  // exchange and dQ's wgmmas; the narrower forms wait for it (bwd_sub: `da` live past the
+  // sub-tile cost them their form)
+  constexpr bool kOverlapDk = QS == TQ;
   const int st = n & 1;
   const u32 sds = sm.ds(n & 1);
   u32 da[QS / 16][4];
   if constexpr (kOverlapDk) {
-    bwd_sub<Variant, DType, D, TQ, TKV, QS, kMask, false>(p, vp, vg, sm, t, st, sds, 0, wgi, wi,
-                                                          mask_here, dk, dv, da);
+    bwd_sub<Variant, DType, D, TQ, TKV, QS, kMask>(p, vp, vg, sm, t, st, sds, 0, wgi, wi,
+                                                   mask_here, dk, dv, da);
   } else {
     // not unrolled: inlined sub-tiles let ptxas hoist the next one's loads and offsets into
     // the one before, and hook-carrying variants spilled at head dim 128
@@ -421,8 +422,8 @@ __device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
     for (int qs0 = 0; qs0 < TQ; qs0 += QS) {
       fa2::BwdTileView ts = t;
       ts.q0 = t.q0 + qs0;
-      bwd_sub<Variant, DType, D, TQ, TKV, QS, kMask, true>(p, vp, vg, sm, ts, st, sds, qs0, wgi,
-                                                           wi, mask_here, dk, dv, da);
+      bwd_sub<Variant, DType, D, TQ, TKV, QS, kMask>(p, vp, vg, sm, ts, st, sds, qs0, wgi, wi,
+                                                     mask_here, dk, dv, da);
     }
   }
   // Q, dO, LSE and delta read (the dK wgmma done): the producer may refill the stage
