@@ -243,11 +243,16 @@ def _strides(prefix: str, t: torch.Tensor) -> dict[str, int]:
             f"{prefix}_stride_s": t.stride(2)}
 
 
+def _rows_16b(t: torch.Tensor) -> bool:
+    """Whether `t`'s rows take 16-byte loads: a contiguous, 16-byte aligned head dim and row
+    strides in multiples of 8 elements."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s % 8 == 0 for s in t.stride()[:-1]))
+
+
 def _dense(t: torch.Tensor) -> torch.Tensor:
-    """`t` with a contiguous, 16-byte aligned head dim and row strides the 16-byte loads take."""
-    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-          and all(s % 8 == 0 for s in t.stride()[:-1]))
-    return t if ok else t.contiguous()
+    """`t` with rows the 16-byte loads take (`_rows_16b`)."""
+    return t if _rows_16b(t) else t.contiguous()
 
 
 def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -374,6 +379,14 @@ def _fa3_rows(do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torc
     then its delta = rowsum(dO * O) - dLSE in fp32, rows padded to whole tiles (+inf and 0).
     `do` and `out` have 16-byte aligned rows (`_dense`)."""
     B, H, S = lse.shape
+    D = do.shape[-1]
+    if D % 8 or (D // 8) & (D // 8 - 1) or D > 256:
+        raise InvalidArgument(f"the FA3-class backward's row kernel takes head dims 8 x a power "
+                              f"of two up to 256, not {D}")
+    for name, t in (("dout", do), ("out", out)):
+        if not _rows_16b(t):
+            raise InvalidArgument(f"{name}: the row kernel reads 16-byte aligned rows; pass it "
+                                  f"through _dense first")
     tq = FA3_BACKWARD_TILES.tq
     buf = torch.empty((B, H, rows // tq, 2, tq), dtype=torch.float32, device=dev)
     if dlse is not None and dlse.dtype != torch.float32:
@@ -385,22 +398,12 @@ def _fa3_rows(do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torc
                  for i, d in enumerate("bhs")},
               **{f"{n}_stride_{d}": t.stride(i) for n, t in (("lse", lse), ("dlse", dl))
                  for i, d in enumerate("bhs")},
-              "batch": B, "heads": H, "q_len": S, "tiles": rows // tq, "head_dim": do.shape[-1]}
-    D = do.shape[-1]
-    if D % 8 or (D // 8) & (D // 8 - 1) or D > 256:
-        raise InvalidArgument(f"the FA3-class backward's row kernel takes head dims 8 x a power "
-                              f"of two up to 256, not {D}")
-    for name, t in (("dout", do), ("out", out)):
-        if t.data_ptr() % 16 or any(st % 8 for st in t.stride()[:-1]) or t.stride(-1) != 1:
-            raise InvalidArgument(f"{name}: the row kernel reads 16-byte aligned rows; pass it "
-                                  f"through _dense first")
+              "batch": B, "heads": H, "q_len": S, "tiles": rows // tq, "head_dim": D}
     kl = get_kernel(KernelSpec("bwd_rows", dtype=dtype, device=dev.index)).launcher
     rows_per_block = BWD_ROWS_THREADS // (D // 8)
     kl.launch((-(-B * H * rows // rows_per_block), 1, 1), (BWD_ROWS_THREADS, 1, 1), 0,
               kl.ap.flatten(params), (), stream=current_raw_stream(dev.index))
     return buf
-
-
 
 
 def fa3_dq(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -418,11 +421,11 @@ def fa3_dq(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype) -> 
         >>> torch.equal(fa3_dq(t.reshape(1, 1, -1), 64, 64, torch.float32)[0, 0], dq)
         True
     """
+    if acc.is_cuda and dtype in (torch.bfloat16, torch.float16):
+        return _dq_kernel(acc, q_len, head_dim, dtype)
     B, H = acc.shape[:2]
     g = head_dim // 64
     tiles = acc.shape[2] // (64 * head_dim)
-    if acc.is_cuda and dtype in (torch.bfloat16, torch.float16):
-        return _dq_kernel(acc, q_len, head_dim, dtype)
     out = torch.empty(B, H, tiles * 64, head_dim, dtype=dtype, device=acc.device)
     # out's dims as b, h, tile, wi, hr, r, g, j, a, i, permuted to the staging order
     out.view(B, H, tiles, 4, 2, 8, g, 8, 4, 2).permute(0, 1, 2, 6, 7, 3, 5, 8, 4, 9).copy_(
