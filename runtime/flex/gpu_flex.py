@@ -685,19 +685,11 @@ def _safe_reads(entry: _CallEntry, bindings: Bindings, query: torch.Tensor, key:
         entry.read_names = tuple(sorted({t.name for t in pl.ir.tensors} | (
             {t.name for t in pl.prepass.tensors} if pl.prepass is not None else set())))
     tensors = {n: bindings.tensors.get(n) for n in entry.read_names}
-    try:  # the plan fixes the scalar names, so their values identify the call
-        rkey = (id(pl), query.shape, key.shape, value.shape[-1],
-                tuple(t.shape for t in tensors.values() if isinstance(t, torch.Tensor)),
-                tuple(bindings.scalars.values()))
-        hit = _READS.get(rkey)
-    except TypeError:  # an unhashable captured value: check every call
-        rkey, hit = None, None
+    rkey = _reads_key(pl, tensors, bindings, query, key, value)
+    hit = _READS.get(rkey) if rkey is not None else None
     if hit is not None and hit.plan is pl:
         return hit
-    from attncc.ir.analysis import Shapes
-
-    B, Hq, Sq, D = query.shape
-    shapes = Shapes(B, Hq, key.shape[1], Sq, key.shape[2], D, value.shape[-1])
+    shapes = _reads_shapes(query, key, value)
     ir, sizes = _clamped(pl.ir, shapes, tensors, bindings.scalars, entry.block_mask)
     pre, pre_sizes = _clamped(pl.prepass, shapes, tensors, bindings.scalars)
     if ir is pl.ir and entry.kernel is None:
@@ -713,12 +705,42 @@ def _safe_reads(entry: _CallEntry, bindings: Bindings, query: torch.Tensor, key:
         pre_kernel = prepass_kernel(pre, head_dim=pl.head_dim, dtype=pl.dtype,
                                     fast_math=pl.tiles.fast_math, device=pl.device)
     got = _Reads(pl, ir, pre, {**sizes, **pre_sizes}, kernel, pre_kernel)
-    if rkey is not None and not torch.cuda.is_current_stream_capturing():
-        with _CALLS_LOCK:
-            _READS[rkey] = got
-            while len(_READS) > _CALL_CACHE_SIZE:
-                _READS.popitem(last=False)
+    _remember(_READS, rkey, got)
     return got
+
+
+def _reads_key(pl: Any, tensors: Mapping[str, Any], bindings: Bindings, query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor) -> tuple | None:
+    """The key a call's checked reads are cached under: the plan, the shapes, the captured
+    tensors' shapes and the scalar values (the plan fixes the scalar names, so their values
+    identify the call); None for an unhashable captured value (checked every call)."""
+    rkey = (id(pl), query.shape, key.shape, value.shape[-1],
+            tuple(t.shape for t in tensors.values() if isinstance(t, torch.Tensor)),
+            tuple(bindings.scalars.values()))
+    try:
+        hash(rkey)
+    except TypeError:
+        return None
+    return rkey
+
+
+def _reads_shapes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Any:
+    """The call's shapes as the clamp analysis takes them (attncc.ir.analysis.Shapes)."""
+    from attncc.ir.analysis import Shapes
+
+    B, Hq, Sq, D = query.shape
+    return Shapes(B, Hq, key.shape[1], Sq, key.shape[2], D, value.shape[-1])
+
+
+def _remember(cache: "OrderedDict[tuple, Any]", ckey: tuple | None, value: Any) -> None:
+    """`value` into an LRU cache of _CALL_CACHE_SIZE entries, unless it has no key or was made
+    during a CUDA graph capture (its tensors exist only when the graph replays)."""
+    if ckey is None or torch.cuda.is_current_stream_capturing():
+        return
+    with _CALLS_LOCK:
+        cache[ckey] = value
+        while len(cache) > _CALL_CACHE_SIZE:
+            cache.popitem(last=False)
 
 
 _CLAMPED: "OrderedDict[tuple, tuple]" = OrderedDict()  # the backward's clamped IRs
@@ -735,25 +757,13 @@ def clamped_reads(entry: _CallEntry, bindings: Bindings, query: torch.Tensor,
         return pl.ir, {}
     names = sorted({t.name for t in pl.ir.tensors})
     tensors = {n: bindings.tensors.get(n) for n in names}
-    try:  # as _safe_reads: the plan fixes the scalar names, so their values identify the call
-        ckey = (id(pl), query.shape, key.shape, value.shape[-1],
-                tuple(t.shape for t in tensors.values() if isinstance(t, torch.Tensor)),
-                tuple(bindings.scalars.values()))
-        hit = _CLAMPED.get(ckey)
-    except TypeError:  # an unhashable captured value: clamp every call
-        ckey, hit = None, None
+    ckey = _reads_key(pl, tensors, bindings, query, key, value)
+    hit = _CLAMPED.get(ckey) if ckey is not None else None
     if hit is not None and hit[0] is pl:  # (the entry holds pl, so its id is not reused)
         return hit[1], hit[2]
-    from attncc.ir.analysis import Shapes
-
-    B, Hq, Sq, D = query.shape
-    shapes = Shapes(B, Hq, key.shape[1], Sq, key.shape[2], D, value.shape[-1])
-    ir, sizes = _clamped(pl.ir, shapes, tensors, bindings.scalars, entry.block_mask)
-    if ckey is not None and not torch.cuda.is_current_stream_capturing():
-        with _CALLS_LOCK:
-            _CLAMPED[ckey] = (pl, ir, sizes)
-            while len(_CLAMPED) > _CALL_CACHE_SIZE:
-                _CLAMPED.popitem(last=False)
+    ir, sizes = _clamped(pl.ir, _reads_shapes(query, key, value), tensors, bindings.scalars,
+                         entry.block_mask)
+    _remember(_CLAMPED, ckey, (pl, ir, sizes))
     return ir, sizes
 
 
@@ -936,13 +946,11 @@ def _call_entry(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ir:
     pl = plan_launch(query, key, value, ir, bindings, block_mask=block_mask,
                      enable_gqa=enable_gqa, kernel_options=kernel_options)
     entry = _CallEntry(pl, None, block_mask)
-    # not while a CUDA graph records: its inputs are copies in the graph's pool, which must hold
-    # no live tensor the graph does not output (docs/compile.md, "CUDA graphs")
-    if (pl.mask is None or not pl.mask.derived) and not torch.cuda.is_current_stream_capturing():
-        with _CALLS_LOCK:
-            _CALLS[ckey] = entry
-            while len(_CALLS) > _CALL_CACHE_SIZE:
-                _CALLS.popitem(last=False)
+    # (_remember keeps nothing while a CUDA graph records: its inputs are copies in the graph's
+    # pool, which must hold no live tensor the graph does not output; docs/compile.md, "CUDA
+    # graphs")
+    if pl.mask is None or not pl.mask.derived:
+        _remember(_CALLS, ckey, entry)
     return entry
 
 
