@@ -507,7 +507,7 @@ def _check_form(kernel: str, head_dim: int, paired: bool, low_pressure: int) -> 
     if (paired or low_pressure) and kernel not in FORM_KERNELS:
         raise CodegenError(f"paired / low_pressure are forms of the FA3 kernels "
                            f"{FORM_KERNELS}, not of {kernel!r}")
-    if int(low_pressure) not in (PRESSURE_LEVELS if kernel == "fa3bwd" else (0, 1)):
+    if int(low_pressure) not in (PRESSURE_LEVELS if kernel == "fa3bwd" else PRESSURE_LEVELS[:2]):
         raise CodegenError(f"low_pressure={low_pressure!r}: the levels of a {kernel!r} kernel "
                            f"are 0 and 1{' and 2' if kernel == 'fa3bwd' else ''} (or bools)")
     if paired and (kernel != "fa3" or head_dim not in FA3_SPLIT_HEAD_DIMS):
@@ -728,8 +728,8 @@ def generate_source(ir: VariantIR, *, head_dim: int, dtype: str, kernel: str = "
     prefill template, bf16/fp16, `tiles` or `fa2.default_tiles`) or "fa2batch" (the persistent
     serving kernel and its merge kernel), "fa3" / "fa3batch" (sm_90a). The FA3 kernels come in
     forms: `paired` (dense "fa3" at a persistent head dim: CTA pairs) and `low_pressure` (fewer
-    registers; the spill fallback; a level, form_text), emitted as `attncc::form` (form_text). A backward kernel
-    (KernelSpec.backward) also gets the gradient hooks; `grad_tensors` names the captured tensors
+    registers; the spill fallback; a level), emitted as `attncc::form` (form_text). A backward
+    kernel (KernelSpec.backward) also gets the gradient hooks; `grad_tensors` names the captured tensors
     that require grad (docs/backward.md), `exact_grads` sums their gradients exactly, in any
     order the same (the deterministic mode; the name ends in `_exact`). `fast_math=True` spells the hooks' math with
     one-instruction approximations (see `cuda_expr.emit`); None (default) means True for the

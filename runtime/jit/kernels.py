@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from attncc.codegen.generate import use_template_cache
+from attncc.codegen.generate import PRESSURE_LEVELS, use_template_cache
 from attncc.codegen.tiles import BackwardTiles, KernelTiles
 from attncc.errors import ResourceError
 from attncc.ir.program import VariantIR
@@ -131,7 +131,8 @@ class KernelSpec:
                 self.low_pressure and self.kind not in ("fa3_prefill", "fa3_batch",
                                                         "fa3_backward")):
             raise ValueError(f"a {self.kind} kernel has no paired / low-pressure form")
-        if int(self.low_pressure) not in ((0, 1, 2) if self.kind == "fa3_backward" else (0, 1)):
+        if int(self.low_pressure) not in (PRESSURE_LEVELS if self.kind == "fa3_backward"
+                                          else PRESSURE_LEVELS[:2]):
             raise ValueError(f"low_pressure={self.low_pressure!r}: a {self.kind} kernel's "
                              f"levels are 0 and 1 (the FA3-class backward's 0, 1 and 2)")
         if self.kv_dtype is not None and self.kind not in ("fa2_batch", "decode"):
@@ -421,7 +422,7 @@ def _fa3_backward_fallback(spec: KernelSpec, arch: str,
     of `spec.fallbacks` (docs/backward.md, "The FA3-class kernel"): the caller launches the
     returned form's spec, whichever kind it is. Serialized wgmmas (ptxas's C7511 note) cost
     speed, not correctness, and keep the FA3-class form."""
-    for low in (0, 1, 2):
+    for low in PRESSURE_LEVELS:
         form = compile_form(replace(spec, fallbacks=(), low_pressure=low), arch)
         trail.append(form)
         if form.spill_bytes == 0 and stack_frame(form.result.log) == 0:
