@@ -67,11 +67,9 @@ def spin_gpu(seconds: float = 0.3) -> None:
         torch.cuda.synchronize()
 
 
-def device_ms(fn: Callable[[], Any], calls: int = 5) -> float:
-    """GPU kernel milliseconds of one call of `fn`: the summed device time of every kernel and
-    memory operation torch.profiler (CUPTI) records over `calls` calls, per call. It leaves out
-    the host time and the launch gaps that an eager timing of a short call measures, so two
-    implementations' device work compares even where their host paths differ."""
+def profiled_kernels(fn: Callable[[], Any], calls: int) -> Any:
+    """torch.profiler's per-kernel averages (CUDA activity only) over `calls` calls of `fn`,
+    after one untimed call."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -81,7 +79,15 @@ def device_ms(fn: Callable[[], Any], calls: int = 5) -> float:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
+    return prof.key_averages()
+
+
+def device_ms(fn: Callable[[], Any], calls: int = 5) -> float:
+    """GPU kernel milliseconds of one call of `fn`: the summed device time of every kernel and
+    memory operation torch.profiler (CUPTI) records over `calls` calls, per call. It leaves out
+    the host time and the launch gaps that an eager timing of a short call measures, so two
+    implementations' device work compares even where their host paths differ."""
+    return sum(e.self_device_time_total for e in profiled_kernels(fn, calls)) / calls / 1e3
 
 
 def graph_of(fn: Callable[[], Any]) -> Any:

@@ -100,15 +100,10 @@ def cells(S: int) -> dict[str, Callable[[], Any]]:
 def kernel_times(fn: Callable[[], Any], label: str, reps: int = 20) -> None:
     """Print the GPU time per call of each kernel `fn` launches (torch.profiler)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    for ev in prof.key_averages():
+    from bench.timing import profiled_kernels
+
+    for ev in profiled_kernels(fn, reps):
         if ev.device_type == torch.autograd.DeviceType.CUDA or getattr(ev, "device_time", 0):
             us = getattr(ev, "device_time_total", 0.0) / reps
             if us > 0:
