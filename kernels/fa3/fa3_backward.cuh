@@ -326,7 +326,8 @@ __device__ __forceinline__ void stage_dq(u32 dst, const float (&acc)[32], int t,
 // dS^T in registers, dV and dK updated, dS^T stored (buffer sds) for dQ and packed in `da`. Ends
 // with its wgmmas complete, but for a whole tile's (QS == TQ) dK wgmma: the caller waits for it
 // and keeps `da` alive until then. t.q0 is the sub-tile's first query position. A whole tile's
-// S^T is issued alone and dP^T beside dV: S^T and dP^T at once do not fit beside dK and dV.
+// S^T is issued alone and dP^T beside dV: S^T and dP^T at once do not fit beside dK and dV;
+// it was issued into `s` a tile ahead (bwd_tile), a narrower sub-tile's is issued here.
 template <typename Variant, typename DType, int D, int TQ, int TKV, int QS, bool kMask>
 __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
                                         const typename Variant::Params& vp,
@@ -334,16 +335,18 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
                                         const BwdSmem<D, TQ, TKV>& sm, const fa2::BwdTileView& t,
                                         int st, u32 sds, int qs0, int wgi, int wi, bool mask_here,
                                         float (&dk)[D / 64][32], float (&dv)[D / 64][32],
-                                        u32 (&da)[QS / 16][4]) {
+                                        u32 (&da)[QS / 16][4], float (&s)[QS / 2]) {
   constexpr bool F16 = !ElemTraits<DType>::kIsBf16;
   constexpr int NF = QS / 8;
   constexpr bool kWhole = QS == TQ;
   const u32 kv_rows = wgi * 64 * 128;  // the warpgroup's first K / V row in each column block
   const u32 q_rows = qs0 * 128;        // the sub-tile's first Q / dO row in each column block
-  float s[QS / 2], dp[QS / 2];
-  wg::fence();
-  issue_abt<F16, D / 16, QS>(s, sm.k() + kv_rows, TKV * 128, sm.q(st) + q_rows, TQ * 128);
-  wg::commit();
+  float dp[QS / 2];
+  if constexpr (!kWhole) {
+    wg::fence();
+    issue_abt<F16, D / 16, QS>(s, sm.k() + kv_rows, TKV * 128, sm.q(st) + q_rows, TQ * 128);
+    wg::commit();
+  }
   if constexpr (!kWhole) {
     issue_abt<F16, D / 16, QS>(dp, sm.v() + kv_rows, TKV * 128, sm.dout(st) + q_rows, TQ * 128);
     wg::commit();
@@ -394,27 +397,32 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
 // One query tile against the CTA's KV tile (the header's per-tile steps), tile n of the CTA's
 // sequence in stage n % 2 and dS buffer n % 2: its query sub-tiles, the stage released, then
 // once both consumers stored their dS halves, dQ staged for the producer's bulk reduction.
+// Returns the next tile's TileMeta (head -1: the end). At 64 columns tile n's `Sᵀ` was issued
+// into `s` before (by the caller, or by tile n - 1 here), and this tile issues the next one's
+// after the dS exchange, ahead of dQ's wgmmas.
 template <typename Variant, typename DType, int D, int TQ, int TKV, bool kMask>
-__device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
-                                         const typename Variant::Params& vp,
-                                         const typename Variant::Grads& vg,
-                                         const BwdSmem<D, TQ, TKV>& sm, const fa2::BwdTileView& t,
-                                         int n, int wgi, int wi, bool mask_here,
-                                         float (&dk)[D / 64][32], float (&dv)[D / 64][32]) {
+__device__ __forceinline__ TileMeta bwd_tile(const attncc::BackwardParams& p,
+                                             const typename Variant::Params& vp,
+                                             const typename Variant::Grads& vg,
+                                             const BwdSmem<D, TQ, TKV>& sm,
+                                             const fa2::BwdTileView& t, int n, int wgi, int wi,
+                                             bool mask_here, float (&dk)[D / 64][32],
+                                             float (&dv)[D / 64][32],
+                                             float (&s)[(64 >> form::pressure_level()) / 2]) {
   constexpr bool F16 = !ElemTraits<DType>::kIsBf16;
   // sub-tiles of 64, 32 or 16 query columns by the form's pressure level (the kernel cache
   // tries them in that order until one compiles without spills; docs/backward.md)
   constexpr int QS = 64 >> form::pressure_level();
-  // a whole tile as one sub-tile (64 columns) leaves its dK wgmma running through the dS
-  // exchange and dQ's wgmmas; the narrower forms wait for it (bwd_sub: `da` live past the
-  // sub-tile cost them their form)
+  // at 64 columns (one sub-tile) its dK wgmma runs on through the dS exchange and dQ's wgmmas,
+  // and the next tile's S^T is issued ahead of dQ; the narrower forms wait for dK (`da` live
+  // past the sub-tile cost them their form)
   constexpr bool kOverlapDk = QS == TQ;
   const int st = n & 1;
   const u32 sds = sm.ds(n & 1);
   u32 da[QS / 16][4];
   if constexpr (kOverlapDk) {
     bwd_sub<Variant, DType, D, TQ, TKV, QS, kMask>(p, vp, vg, sm, t, st, sds, 0, wgi, wi,
-                                                   mask_here, dk, dv, da);
+                                                   mask_here, dk, dv, da, s);
   } else {
     // not unrolled: inlined sub-tiles let ptxas hoist the next one's loads and offsets into
     // the one before, and hook-carrying variants spilled at head dim 128
@@ -423,7 +431,7 @@ __device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
       fa2::BwdTileView ts = t;
       ts.q0 = t.q0 + qs0;
       bwd_sub<Variant, DType, D, TQ, TKV, QS, kMask>(p, vp, vg, sm, ts, st, sds, qs0, wgi, wi,
-                                                     mask_here, dk, dv, da);
+                                                     mask_here, dk, dv, da, s);
     }
   }
   // Q, dO, LSE and delta read (the dK wgmma done): the producer may refill the stage
@@ -438,19 +446,31 @@ __device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
       wg::fence_operands(dk);
       tma::mbar_arrive(sm.empty(st));
     }
-    return;
+  } else {
+    float acc[32];
+    dq_mma<F16, TQ, TKV>(acc, sds, sm.k(), 64 * wgi);  // (its wait covers the dK wgmma)
+    if constexpr (kOverlapDk) {
+      wg::fence_operands(da);
+      wg::fence_operands(dk);
+      tma::mbar_arrive(sm.empty(st));
+    }
+    if (n > 0) tma::mbar_wait(sm.dq_empty(wgi), (n - 1) & 1);  // the last tile's dQ was read
+    stage_dq(sm.dq(wgi), acc, 32 * wi + t.lane, p.sm_scale);
+    wg::fence_proxy_async();  // the staging stores, before the copy engine reads them
+    tma::mbar_arrive(sm.dq_full(wgi));
   }
-  float acc[32];
-  dq_mma<F16, TQ, TKV>(acc, sds, sm.k(), 64 * wgi);  // (its wait covers the dK wgmma)
-  if constexpr (kOverlapDk) {
-    wg::fence_operands(da);
-    wg::fence_operands(dk);
-    tma::mbar_arrive(sm.empty(st));
+  // the next tile (its stage was filled while this one ran) and, at 64 columns, its S^T: in
+  // flight through the loop's turn, waited on in its bwd_sub
+  tma::mbar_wait(sm.full((n + 1) & 1), ((n + 1) >> 1) & 1);
+  const TileMeta next = get_meta(sm.meta((n + 1) & 1));
+  if constexpr (kOverlapDk) {  // (after the last tile too: a divergent issue serializes every
+                               // wgmma, ptxas's C7518; the end's stage holds stale tiles)
+    wg::fence();
+    issue_abt<F16, D / 16, QS>(s, sm.k() + wgi * 64 * 128, TKV * 128, sm.q((n + 1) & 1),
+                               TQ * 128);
+    wg::commit();
   }
-  if (n > 0) tma::mbar_wait(sm.dq_empty(wgi), (n - 1) & 1);  // the last tile's dQ was read
-  stage_dq(sm.dq(wgi), acc, 32 * wi + t.lane, p.sm_scale);
-  wg::fence_proxy_async();  // the staging stores, before the copy engine reads them
-  tma::mbar_arrive(sm.dq_full(wgi));
+  return next;
 }
 
 // dK (times sm_scale) and dV rows of this warp: element pairs, 32-bit stores.
@@ -509,17 +529,26 @@ __device__ __forceinline__ void consume(const attncc::BackwardParams& p,
 #pragma unroll
     for (int e = 0; e < 32; ++e) dk[blk][e] = dv[blk][e] = 0.f;
   tma::mbar_wait(sm.kv_full(), 0);
+  constexpr int QS = 64 >> form::pressure_level();
+  float s[QS / 2];  // S^T of a sub-tile; at 64 columns issued a tile ahead (bwd_tile)
+  tma::mbar_wait(sm.full(0), 0);
+  TileMeta m = get_meta(sm.meta(0));
+  if constexpr (QS == TQ) {
+    wg::fence();
+    issue_abt<!ElemTraits<DType>::kIsBf16, D / 16, QS>(s, sm.k() + wgi * 64 * 128, TKV * 128,
+                                                       sm.q(0), TQ * 128);
+    wg::commit();
+  }
 #pragma unroll 1
-  for (int n = 0;; ++n) {
-    tma::mbar_wait(sm.full(n & 1), (n >> 1) & 1);
-    const TileMeta m = get_meta(sm.meta(n & 1));
-    if (m.hq < 0) break;
+  for (int n = 0; m.hq >= 0; ++n) {
     const fa2::BwdTileView t{b, m.hq, m.q0f & ~1, kv_row0, p.q_len, p.kv_len, lane};
     // one instantiation, the mask decided per tile: two inlined copies of the tile body (one
     // masked, one not) spilled at head dim 128 (docs/backward.md, "The FA3-class kernel")
-    bwd_tile<Variant, DType, D, TQ, TKV, Variant::has_logits_mask>(p, vp, vg, sm, t, n, wgi, wi,
-                                                                   !(m.q0f & 1), dk, dv);
+    m = bwd_tile<Variant, DType, D, TQ, TKV, Variant::has_logits_mask>(
+        p, vp, vg, sm, t, n, wgi, wi, !(m.q0f & 1), dk, dv, s);
   }
+  wg::wait<0>();  // the S^T issued past the last tile
+  wg::fence_operands(s);
   // re-derived, not live through the loop (bwd_cta)
   store_dkdv<DType, D>(p, b, fa2::bwd_cta<TKV>(p).h_kv, kv_row0, lane, dk, dv);
 }
