@@ -399,7 +399,7 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
 // once both consumers stored their dS halves, dQ staged for the producer's bulk reduction.
 // Returns the next tile's TileMeta (head -1: the end). At 64 columns tile n's `Sᵀ` was issued
 // into `s` before (by the caller, or by tile n - 1 here), and this tile issues the next one's
-// after the dS exchange, ahead of dQ's wgmmas.
+// after dQ's wgmmas (S^T beside dQ's accumulator spills), so it runs through the staging.
 template <typename Variant, typename DType, int D, int TQ, int TKV, bool kMask>
 __device__ __forceinline__ TileMeta bwd_tile(const attncc::BackwardParams& p,
                                              const typename Variant::Params& vp,
