@@ -9,8 +9,8 @@ the FA3-class kernel at 64/128, the FA2-class one at 256).
 
 Arguments pick parts (default: all): dense64, dense128, dense256 (odd lengths: a partial last
 query tile and KV tile; GQA 2; a causal block mask with partial and full blocks; a softcap
-score_mod), bias (a learnable relative-bias table, CapturedGrad's atomics, plus learnable ALiBi
-slopes, summed per warp: TileGradTerms / TileGradFlush), sigmoid
+score_mod), plain128 (the same without the score_mod: the widest sub-tile form), bias (a
+learnable relative-bias table, CapturedGrad's atomics, plus learnable ALiBi slopes, summed per warp: TileGradTerms / TileGradFlush), sigmoid
 (normalize none), deterministic (one launch per KV tile, and the learnable table again in
 exact sums: kernels/common/exact_grad.cuh). Racecheck instruments every
 shared-memory access: run one part under it. The kernel: kernels/fa2/fa2_backward.cuh;
@@ -68,6 +68,8 @@ def main(parts: list[str]) -> None:
     for d in (64, 128, 256):
         if f"dense{d}" in parts:
             _case(f"dense{d}", attncc.Variant(score_mod=_softcap), d, block_mask=bm)
+    if "plain128" in parts:  # no score_mod: the FA3-class kernel's 64-column form at 128
+        _case("plain128", attncc.Variant(), 128, block_mask=bm)
     bias = torch.randn(4, 197 + S - 1, device="cuda").mul_(0.5).requires_grad_(True)
     slopes = torch.linspace(0.02, 0.2, 4, device="cuda").requires_grad_(True)
 
@@ -93,5 +95,6 @@ if __name__ == "__main__":
         _KERNEL["BACKWARD_KERNEL"] = args[1]
         args = args[2:]
         if _KERNEL["BACKWARD_KERNEL"] == "fa3":  # the FA3-class kernel runs head dims 64 and 128
-            args = args or ["dense64", "dense128", "bias", "sigmoid", "deterministic"]
+            args = args or ["dense64", "dense128", "plain128", "bias", "sigmoid",
+                            "deterministic"]
     main(args or ["dense64", "dense128", "dense256", "bias", "sigmoid", "deterministic"])
