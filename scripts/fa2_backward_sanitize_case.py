@@ -10,9 +10,10 @@ the FA3-class kernel at 64/128, the FA2-class one at 256).
 Arguments pick parts (default: all): dense64, dense128, dense256 (odd lengths: a partial last
 query tile and KV tile; GQA 2; a causal block mask with partial and full blocks; a softcap
 score_mod), plain128 (the same without the score_mod: the widest sub-tile form), bias (a
-learnable relative-bias table, CapturedGrad's atomics, plus learnable ALiBi slopes, summed per warp: TileGradTerms / TileGradFlush), sigmoid
-(normalize none), deterministic (one launch per KV tile, and the learnable table again in
-exact sums: kernels/common/exact_grad.cuh). Racecheck instruments every
+learnable relative-bias table, CapturedGrad's atomics, plus learnable ALiBi slopes, summed
+per warp: TileGradTerms / TileGradFlush), sigmoid (normalize none), deterministic (one
+launch per KV tile, and the learnable table again in exact sums:
+kernels/common/exact_grad.cuh). Racecheck instruments every
 shared-memory access: run one part under it. The kernel: kernels/fa2/fa2_backward.cuh;
 docs/backward.md, "Kernels".
 """
@@ -97,4 +98,5 @@ if __name__ == "__main__":
         if _KERNEL["BACKWARD_KERNEL"] == "fa3":  # the FA3-class kernel runs head dims 64 and 128
             args = args or ["dense64", "dense128", "plain128", "bias", "sigmoid",
                             "deterministic"]
-    main(args or ["dense64", "dense128", "dense256", "bias", "sigmoid", "deterministic"])
+    main(args or ["dense64", "dense128", "plain128", "dense256", "bias", "sigmoid",
+                  "deterministic"])
