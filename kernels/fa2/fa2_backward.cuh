@@ -169,14 +169,25 @@ struct BwdTileView {
     return nf * 8 + 2 * (lane & 3) + (i & 1);
   }
   __device__ __forceinline__ int kv_at(int i) const { return kv_row0 + (lane >> 2) + 8 * (i >> 1); }
+  // The positions a hook sees: where it indexes a captured tensor by position (kClamp:
+  // Variant::loads_at_positions) real ones only, a row or key past the end as the last.
+  template <bool kClamp>
+  __device__ __forceinline__ int hook_q(int qi) const {
+    return kClamp ? min(qi, q_len - 1) : qi;
+  }
+  template <bool kClamp>
+  __device__ __forceinline__ int hook_kv(int kv) const {
+    return kClamp ? min(kv, kv_len - 1) : kv;
+  }
 };
 
 // P^T (softmax) or W^T (normalize none) of the tile, in place of the raw dot products st; `live`
 // gets bit 4 nf + i for each element inside the sequence and unmasked; `sc` the scaled scores
-// (what LogitsGrad / CapturedGrad take). Out-of-range elements never reach a hook that indexes a
-// captured tensor by position (Variant::loads_at_positions); every other hook is arithmetic and
-// runs on every element, its result selected, so the tile has no branches (a guarded exp2 and
-// LSE load cost ~20 instructions an element in reconvergence: docs/backward.md, "Per-element code").
+// (what LogitsGrad / CapturedGrad take). Every hook runs on every element, its result selected,
+// so the tile has no branches (a guarded exp2 and LSE load cost ~20 instructions an element in
+// reconvergence, a guarded table read its latency: docs/backward.md, "Per-element code"). A
+// hook that indexes a captured tensor by position (Variant::loads_at_positions) sees real
+// positions only, as the forward's: a row or key past the end as the last (BwdTileView::hook_q).
 // sLse2: the stage's LSE in base 2 per query column (+inf for a row with no weight: P = 0).
 // mask_here: with kMask, whether this tile applies LogitsMask (false on a full block); the FA3-
 // class kernel decides at run time, so that its tile body is inlined once (docs/backward.md).
@@ -186,7 +197,7 @@ __device__ __forceinline__ void probs_tile(const BwdTileView& t, const typename 
                                            const float* sLse2, float sm_scale,
                                            bool mask_here = true) {
   constexpr float kLog2e = 1.4426950408889634f;
-  constexpr bool kGuard = Variant::loads_at_positions;
+  constexpr bool kClamp = Variant::loads_at_positions;
   live = 0u;
 #pragma unroll
   for (int nf = 0; nf < NF; ++nf)
@@ -194,20 +205,15 @@ __device__ __forceinline__ void probs_tile(const BwdTileView& t, const typename 
     for (int i = 0; i < 4; ++i) {
       const int qc = t.q_col(nf, i);
       const int qi = t.q0 + qc, kv = t.kv_at(i);
+      const int qh = t.hook_q<kClamp>(qi), kvh = t.hook_kv<kClamp>(kv);
       const float score = st[nf][i] * sm_scale;
       sc[nf][i] = score;
       const bool in = qi < t.q_len && kv < t.kv_len;
       bool ok = in;
-      if constexpr (kMask) {
-        if constexpr (kGuard)
-          ok = in && (!mask_here || Variant::LogitsMask(vp, t.b, t.hq, qi, kv));
-        else
-          ok = in & (!mask_here | Variant::LogitsMask(vp, t.b, t.hq, qi, kv));
-      }
+      if constexpr (kMask) ok = in & (!mask_here | Variant::LogitsMask(vp, t.b, t.hq, qh, kvh));
       float s1 = score;
-      if constexpr (Variant::has_logits_transform) {
-        if (!kGuard || ok) s1 = Variant::LogitsTransform(vp, score, t.b, t.hq, qi, kv);
-      }
+      if constexpr (Variant::has_logits_transform)
+        s1 = Variant::LogitsTransform(vp, score, t.b, t.hq, qh, kvh);
       float val;
       if constexpr (Variant::use_softmax) {
         const float e = fast_exp2(s1 * kLog2e - sLse2[qc]);
@@ -251,8 +257,8 @@ __device__ __forceinline__ void diag_group_add(const typename Variant::Params& v
 
 // dS^T in place of dP^T: dS' = P (dP - delta) (softmax) or dP (none), then CapturedGrad(dS') and
 // dS = dS' * LogitsGrad(S) at live elements; 0 elsewhere (docs/backward.md, "Kernels"). As in
-// probs_tile, LogitsGrad runs on every element unless it indexes a captured tensor by position;
-// CapturedGrad (atomics) only ever at live ones. Reads at a tile-uniform index (slopes[h]) are
+// probs_tile, LogitsGrad runs on every element (at real positions); CapturedGrad (atomics) only
+// ever at live ones. Reads at a tile-uniform index (slopes[h]) are
 // summed in registers and over the warp, and lane 0 adds the total: one atomic a warp and tile
 // instead of one an element, all on the same address. Reads along diagonals (t[q - kv]) pair
 // element (nf, i) with (nf + 1, i + 2) -- 8 rows and 8 columns on, the same diagonal -- and
@@ -264,7 +270,7 @@ __device__ __forceinline__ void dscores_tile(const BwdTileView& t,
                                              const float (&pt)[NF][4], const float (&sc)[NF][4],
                                              float (&dpt)[NF][4], u32 live, const float* sDelta,
                                              bool grads_here) {
-  constexpr bool kGuard = Variant::loads_at_positions;
+  constexpr bool kClamp = Variant::loads_at_positions;
   float tacc[Variant::kTileGradSlots];  // docs/backward.md, "Tile-uniform captured reads"
   if constexpr (Variant::has_tile_grads) {
 #pragma unroll
@@ -310,7 +316,8 @@ __device__ __forceinline__ void dscores_tile(const BwdTileView& t,
       }
       float ds = dl;
       if constexpr (Variant::has_logits_grad) {
-        if (!kGuard || lv) ds = dl * Variant::LogitsGrad(vp, sc[nf][i], t.b, t.hq, qi, kv);
+        ds = dl * Variant::LogitsGrad(vp, sc[nf][i], t.b, t.hq, t.hook_q<kClamp>(qi),
+                                      t.hook_kv<kClamp>(kv));
       }
       dpt[nf][i] = lv ? ds : 0.f;
     }
