@@ -150,10 +150,18 @@ def grad_errors(mine: list[Any], ref: list[Any]) -> dict[str, float]:
     return {name: _rel_err(a, b) for name, a, b in zip(GRAD_NAMES, mine, ref)}
 
 
+# a forward + backward call this slow after its first one compiles again on every call (Flex's
+# with a captured tensor that requires grad): timed by single calls, not by do_bench's dozens
+SLOW_CALL_S = 1.0
+
+
 def _measure_cell(bench: BackwardBench, impl: str, variant: str,
-                  opts: dict | None) -> tuple[dict[str, Any], Any, Callable, Callable] | None:
+                  opts: dict | None
+                  ) -> tuple[dict[str, Any], Any, Callable | None, Callable | None] | None:
     """First calls (compiles) and one timing of a cell: (record, grads, fwd, fwdbwd), or None
-    when `impl` does not run `variant`. Raises what the implementation raises."""
+    when `impl` does not run `variant`; a cell that recompiles on every call (SLOW_CALL_S) is
+    timed by one call of each and returns no callables (no rounds). Raises what the
+    implementation raises."""
     import torch
 
     from bench.timing import spin_gpu
@@ -173,6 +181,17 @@ def _measure_cell(bench: BackwardBench, impl: str, variant: str,
                            "first_fwdbwd_s": round(time.time() - t1, 2)}
     if opts is not None:
         rec["kernel_options"] = opts
+    t2 = time.time()
+    step()
+    torch.cuda.synchronize()
+    again = time.time() - t2
+    if again > SLOW_CALL_S:  # recompiles per call: one call each, no rounds, no kernel times
+        t3 = time.time()
+        fwd()
+        torch.cuda.synchronize()
+        rec["recompiles_per_call"] = True
+        _set_times(rec, (time.time() - t3) * 1e3, again * 1e3)
+        return rec, grads, None, None
     spin_gpu()  # the clocks dropped while the host compiled (bench/timing.py)
     _set_times(rec, _time(fwd), _time(step))
     _set_kernel_times(rec, fwd, step)
@@ -248,8 +267,10 @@ def run_cell_group(bench: BackwardBench, variant: str, cells: list[tuple[str, di
         elif impl in ("flex", "sdpa_flash"):
             refs[impl] = cell_grads
         results.append(rec)
-        timed.append((rec, fwd, step, label))
-        print(_line(rec, label), flush=True)
+        if fwd is not None and step is not None:
+            timed.append((rec, fwd, step, label))
+        print(_line(rec, label, " (recompiles every call: one call timed)"
+                    if rec.get("recompiles_per_call") else ""), flush=True)
     for r in range(1, rounds):
         for rec, fwd, step, _ in (timed[::-1] if r % 2 else timed):
             rec.setdefault("fwd_ms_rounds", [rec["fwd_ms"]]).append(_time(fwd))

@@ -236,3 +236,27 @@ def test_run_cell_group_times_rounds_and_checks_grads(monkeypatch: pytest.Monkey
     assert by["attncc"]["rel_err_vs"] == "flex"
     assert set(by["attncc"]["rel_err_grads"]) == {"dq", "dk", "dv", "dbias"}
     assert 0 <= by["attncc"]["rel_err"] < 1e-5
+
+
+def test_a_cell_that_recompiles_every_call_is_timed_by_one_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward + backward slower than SLOW_CALL_S after its first call (Flex recompiling for a
+    captured tensor that requires grad) is timed by one call of each: no do_bench, no profiled
+    kernel times, no extra rounds; it is marked and still gets a backward figure."""
+    import torch
+
+    from bench import backward as bb
+
+    def no_time(fn):
+        raise AssertionError("do_bench on a recompiling cell")
+
+    monkeypatch.setattr(bb, "SLOW_CALL_S", -1.0)
+    monkeypatch.setattr(bb, "_time", no_time)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr("bench.timing.device_ms", no_time)
+    recs = bb.run_cell_group(_CpuBench(), "relbias_causal", [("attncc", None), ("flex", None)],
+                             rounds=3)
+    for rec in recs:
+        assert rec["recompiles_per_call"] and "fwd_ms_rounds" not in rec
+        assert rec["fwdbwd_ms"] > 0 and "bwd_kernel_ms" not in rec
+    assert "rel_err" in {r["impl"]: r for r in recs}["attncc"]
