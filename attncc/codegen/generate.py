@@ -43,7 +43,8 @@ from .layout import (ATTENTION_PARAMS, BACKWARD_PARAMS, BATCH_PARAMS, PREPASS_PA
                      variant_params_layout)
 
 __all__ = ["KernelSpec", "KERNELS", "DTYPES", "VariantCode", "GeneratedKernel",
-           "generate_variant", "generate_source", "render", "form_text", "with_form"]
+           "generate_variant", "generate_source", "render", "form_text", "with_form",
+           "PRESSURE_LEVELS", "pressure_levels"]
 
 # Shipped templates every translation unit starts with, in this order.
 COMMON_TEMPLATES = ("common/attncc_types.cuh", "common/attention_params.cuh")
@@ -75,6 +76,17 @@ def form_text(*, paired: bool = False, low_pressure: int = 0) -> str:
 
 _LEVEL = "__host__ __device__ __forceinline__ constexpr int pressure_level() {{ return {}; }}"
 PRESSURE_LEVELS = (0, 1, 2)  # the forms' levels; 2 only for the FA3-class backward
+
+
+def pressure_levels(backward: bool) -> tuple[int, ...]:
+    """The pressure levels a form kernel takes: the FA3-class backward's all, the forward FA3
+    kernels' 0 and 1 (codegen and the kernel cache's KernelSpec check against it).
+
+    Example:
+        >>> pressure_levels(True), pressure_levels(False)
+        ((0, 1, 2), (0, 1))
+    """
+    return PRESSURE_LEVELS if backward else PRESSURE_LEVELS[:2]
 
 
 def with_form(source: str, *, low_pressure: int) -> str:
@@ -507,9 +519,10 @@ def _check_form(kernel: str, head_dim: int, paired: bool, low_pressure: int) -> 
     if (paired or low_pressure) and kernel not in FORM_KERNELS:
         raise CodegenError(f"paired / low_pressure are forms of the FA3 kernels "
                            f"{FORM_KERNELS}, not of {kernel!r}")
-    if int(low_pressure) not in (PRESSURE_LEVELS if kernel == "fa3bwd" else PRESSURE_LEVELS[:2]):
+    levels = pressure_levels(kernel == "fa3bwd")
+    if int(low_pressure) not in levels:
         raise CodegenError(f"low_pressure={low_pressure!r}: the levels of a {kernel!r} kernel "
-                           f"are 0 and 1{' and 2' if kernel == 'fa3bwd' else ''} (or bools)")
+                           f"are {levels} (or bools)")
     if paired and (kernel != "fa3" or head_dim not in FA3_SPLIT_HEAD_DIMS):
         raise CodegenError(f"paired=True: CTA pairs are a form of the dense 'fa3' kernel at "
                            f"head dims {FA3_SPLIT_HEAD_DIMS}; got kernel="

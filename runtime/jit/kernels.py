@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from attncc.codegen.generate import PRESSURE_LEVELS, use_template_cache
+from attncc.codegen.generate import PRESSURE_LEVELS, pressure_levels, use_template_cache
 from attncc.codegen.tiles import BackwardTiles, KernelTiles
 from attncc.errors import ResourceError
 from attncc.ir.program import VariantIR
@@ -131,10 +131,10 @@ class KernelSpec:
                 self.low_pressure and self.kind not in ("fa3_prefill", "fa3_batch",
                                                         "fa3_backward")):
             raise ValueError(f"a {self.kind} kernel has no paired / low-pressure form")
-        if int(self.low_pressure) not in (PRESSURE_LEVELS if self.kind == "fa3_backward"
-                                          else PRESSURE_LEVELS[:2]):
+        levels = pressure_levels(self.kind == "fa3_backward")
+        if int(self.low_pressure) not in levels:
             raise ValueError(f"low_pressure={self.low_pressure!r}: a {self.kind} kernel's "
-                             f"levels are 0 and 1 (the FA3-class backward's 0, 1 and 2)")
+                             f"levels are {levels}")
         if self.kv_dtype is not None and self.kind not in ("fa2_batch", "decode"):
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: fp8 KV caches run on the fa2_batch "
                              f"and decode kernels, not {self.kind}")
