@@ -328,7 +328,8 @@ def table(doc: dict[str, Any]) -> str:
              f"fwd time; 2.5x the forward's FLOPs, causal counts half, the sliding window its "
              f"unmasked pairs). rel_err: attncc's worst of dq/dk/dv(/dbias) against the named "
              f"implementation (relative Frobenius). Targets (S >= {TARGET_MIN_S}): "
-             + ", ".join(f"{v} >= {x} x {i}" for v, i, x in TARGETS) + ".", "",
+             + ", ".join(f"{v} >= {x} x {i}" for v, i, x in TARGETS) + ".",
+             *_provenance(m), "",
              "| variant | S | attncc | flex | sdpa_flash | sdpa_cudnn | / flex | / cuDNN "
              "| kernels only: attncc / flex / cuDNN | fwd+bwd ms attncc / flex | rel_err "
              "| targets met |",
@@ -338,6 +339,22 @@ def table(doc: dict[str, Any]) -> str:
             lines.append(_table_row(by, variant, S))
     lines += _sweep_table(doc["results"], by)
     return "\n".join(lines) + "\n"
+
+
+def _provenance(meta: dict[str, Any]) -> list[str]:
+    """Lines naming the merged runs (commit, date) and the trees they measured, when a table
+    joins several runs (`--report A B --out C`).
+
+    Example:
+        >>> _provenance({"runs": [{"attncc_commit": "abc1234def", "date": "2026-12-03T18:49"},
+        ...                       {"attncc_commit": "fff", "date": "2026-12-02T01:00"}]})
+        ['Runs: abc1234def (2026-12-03), fff (2026-12-02).']
+    """
+    runs = meta.get("runs") or []
+    lines = (["Runs: " + ", ".join(f"{r['attncc_commit'][:10]} ({r['date'][:10]})" for r in runs)
+              + "."] if len(runs) > 1 else [])
+    return lines + ([meta["tree_note"][:1].upper() + meta["tree_note"][1:] + "."]
+                    if meta.get("tree_note") else [])
 
 
 def _table_row(by: dict[tuple, dict], variant: str, S: int) -> str:
