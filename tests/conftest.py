@@ -23,9 +23,15 @@ from typing import Any
 import pytest
 import torch
 
+from attncc.integrations.transformers import hub_kernels_first
+
 # A kernel loaded with spills or local memory its form is expected to run without is an error
 # in tests (runtime/jit/kernels.py check_resources), not a warning.
 os.environ.setdefault("ATTNCC_STRICT_RESOURCES", "1")
+
+# transformers >= 5.25 imports Hugging Face's `kernels` at import time; pytest's rootdir on
+# sys.path would hand it this checkout's kernels/ instead (attncc.integrations.transformers)
+hub_kernels_first()
 
 requires_gpu = pytest.mark.gpu
 requires_nvrtc = pytest.mark.nvrtc

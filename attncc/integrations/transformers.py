@@ -30,8 +30,12 @@ Example (the tests build tiny random Llama, Qwen2 and Gemma-2 models the same wa
 from __future__ import annotations
 
 import functools
+import importlib.machinery
+import importlib.metadata
+import importlib.util
 import math
 import numbers
+import sys
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -55,8 +59,40 @@ _COMBINATORS = {"and_masks.<locals>.and_mask": and_masks,
 _UNSUPPORTED = {"position_bias": "an additive position bias", "head_mask": "a head mask"}
 
 
+def hub_kernels_first() -> None:
+    """Import the `kernels` distribution (Hugging Face's hub kernels) from where it is installed,
+    if it is and nothing named `kernels` is imported yet. transformers (>= 5.25) imports it at
+    import time, and in a source checkout of attncc, with the checkout on sys.path (its root as
+    the working directory, or pytest's rootdir), the checkout's `kernels/` directory -- attncc's
+    CUDA templates, installed as `attncc.kernels` -- would be found first.
+
+    Example:
+        >>> import sys
+        >>> hub_kernels_first()
+        >>> "kernels" not in sys.modules or not hasattr(sys.modules["kernels"], "read_template")
+        True
+    """
+    if "kernels" in sys.modules:
+        return
+    try:
+        dist = importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    spec = importlib.machinery.PathFinder.find_spec("kernels", [str(dist.locate_file(""))])
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["kernels"]
+        raise
+
+
 def _transformers() -> tuple[Any, Any]:
     """transformers' two registries, or MissingDependency naming the extra to install."""
+    hub_kernels_first()
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface

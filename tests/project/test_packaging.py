@@ -120,3 +120,22 @@ def test_project_resolves_with_torch(torch_version: str) -> None:
                            "--ignore-installed", ".[dev]", f"torch=={torch_version}.*"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_kernels_package_doctests() -> None:
+    """attncc.kernels' doctests through its installed name: pytest does not collect the
+    checkout's kernels/ directory, which it would import as a top-level `kernels`, the name of
+    Hugging Face's hub-kernels package that transformers (>= 5.25) imports."""
+    import doctest
+
+    import attncc.kernels
+
+    result = doctest.testmod(attncc.kernels)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_transformers_finds_hub_kernels_not_the_template_directory() -> None:
+    """With the checkout on sys.path (as here), `kernels` is Hugging Face's package when it is
+    installed (tests/conftest.py imports it first), never attncc's CUDA templates."""
+    module = sys.modules.get("kernels")
+    assert module is None or not hasattr(module, "read_template")
