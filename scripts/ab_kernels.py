@@ -5,12 +5,16 @@ cannot be judged from two separate runs).
     git archive REV kernels | tar -x -C /tmp/rev      # then, on the GPU machine:
     python -m scripts.ab_kernels /tmp/rev/kernels [/tmp/rev2/kernels ...] --S 2048 --variants causal
     python -m scripts.ab_kernels /tmp/rev/kernels --D 64      # another head dim, same B*S and H
+    python -m scripts.ab_kernels /tmp/rev/kernels --backward --variants causal alibi_learned_causal
 
 The current codegen generates both translation units; only the templates differ, so a revision
 whose templates expect another codegen does not compile. Variants and inputs are
 bench/prefill.py's (B*S = 16384, H = 16, D = 128 unless --D, bf16); figures are the best of `--rounds`
 interleaved medians in TFLOP/s (each revision named by its folder's parent), and max|diff|
-compares each output with the current one.
+compares each output with the current one. `--backward` compares the backward instead, on
+bench/backward.py's cells (its learnable-bias variants too): the backward's kernel TFLOP/s
+(torch.profiler device time of forward + backward minus the forward's, best of the rounds),
+and max|diff| over every gradient.
 """
 from __future__ import annotations
 
@@ -51,6 +55,39 @@ def compare(builds: list[tuple[str, Callable[[], None], dict[str, Any] | None]],
             print(f"{variant:15s} S={S:5d}: {first} {best[first]:6.1f}  {others}", flush=True)
 
 
+def compare_backward(builds: list[tuple[str, Callable[[], None], dict[str, Any] | None]],
+                     seq_lens: list[int], variants: list[str], rounds: int) -> None:
+    """`compare` for the backward: per (S, variant) each build's backward kernel TFLOP/s
+    (bench.timing.device_ms, so host paths do not blur a kernel change) against the first
+    build's, and the largest difference of any gradient from the first build's."""
+    from bench.backward import BackwardBench, bwd_flops
+    from bench.timing import device_ms
+
+    first = builds[0][0]
+    for S in seq_lens:
+        bench = BackwardBench(S)
+        for variant in variants:
+            flops = bwd_flops(variant, S, bench.B)
+            best: dict[str, float] = {}
+            grads: dict[str, list[Any]] = {}
+            for _ in range(rounds):
+                for name, setup, opts in builds:
+                    setup()
+                    fwd = bench.fn("attncc", variant, opts)
+                    step = bench.fwdbwd(fwd, variant)
+                    grads[name] = [g.float() for g in step()]
+                    ms = device_ms(step) - device_ms(fwd)
+                    best[name] = max(best.get(name, 0.0), flops / ms / 1e9)
+            builds[0][1]()
+
+            def diff(name: str) -> float:
+                return max(float((a - b).abs().max()) for a, b in zip(grads[first], grads[name]))
+            others = "  ".join(
+                f"{name} {best[name]:6.1f} ({first}/{name} {best[first] / best[name]:.3f}, "
+                f"max|diff| {diff(name):.1e})" for name, _, _ in builds[1:])
+            print(f"{variant:20s} S={S:5d}: {first} {best[first]:6.1f}  {others}", flush=True)
+
+
 def template_switch() -> Callable[[Path | None], None]:
     """`use(folder)`, which makes every later compile read its templates from `folder`'s
     kernels (None: the installed ones) and drops what was loaded or planned with the others.
@@ -75,16 +112,27 @@ def template_switch() -> Callable[[Path | None], None]:
 
 
 def main() -> None:
-    from bench.prefill import VARIANTS
+    from bench.backward import VARIANTS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("base", type=Path, nargs="+", help="other revisions' kernels/ folders")
     ap.add_argument("--S", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--variants", nargs="+", default=["full", "causal"], choices=VARIANTS)
+    ap.add_argument("--variants", nargs="+", default=["full", "causal"], choices=VARIANTS,
+                    help="bench/prefill.py's, and with --backward bench/backward.py's "
+                         "learnable-bias variants too")
+    ap.add_argument("--backward", action="store_true",
+                    help="compare the backward (kernel TFLOP/s, every gradient) instead")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--D", type=int, default=None, choices=(64, 128, 256),
                     help="head dim (default: bench/prefill.py's, 128)")
     args = ap.parse_args()
+    from bench.prefill import VARIANTS as FORWARD_VARIANTS
+
+    if args.backward and args.D is not None:
+        ap.error("--D: the backward cells are bench/backward.py's, head dim 128")
+    if not args.backward and set(args.variants) - set(FORWARD_VARIANTS):
+        ap.error(f"--variants {' '.join(sorted(set(args.variants) - set(FORWARD_VARIANTS)))}: "
+                 f"learnable-bias variants are bench/backward.py's; add --backward")
     if args.D is not None:
         import bench.prefill
 
@@ -92,7 +140,8 @@ def main() -> None:
     use = template_switch()
     builds = [("current", lambda: use(None), None)] + [
         (f.resolve().parent.name, lambda f=f: use(f), None) for f in args.base]
-    compare(builds, args.S, args.variants, args.rounds)
+    (compare_backward if args.backward else compare)(builds, args.S, args.variants,
+                                                      args.rounds)
 
 
 if __name__ == "__main__":
