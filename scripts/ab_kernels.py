@@ -23,69 +23,73 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-def compare(builds: list[tuple[str, Callable[[], None], dict[str, Any] | None]],
-            seq_lens: list[int], variants: list[str], rounds: int) -> None:
-    """Print, per (S, variant), each build's best interleaved median against the first build's.
+Build = tuple[str, Callable[[], None], dict[str, Any] | None]
+
+
+def _interleaved(builds: list[Build], rounds: int,
+                 run: Callable[[dict[str, Any] | None], tuple[float, list[Any]]]) -> str:
+    """`run(kernel_options) -> (TFLOP/s, outputs)` for each build in `rounds` interleaved rounds,
+    the first build's templates back in place after; each build's best TFLOP/s against the first
+    build's, and the largest difference of its outputs (the last round's) from the first's.
 
     A build is (name, setup, kernel_options): `setup()` installs its templates before it runs.
     """
+    best: dict[str, float] = {}
+    outs: dict[str, list[Any]] = {}
+    for _ in range(rounds):
+        for name, setup, opts in builds:
+            setup()
+            tflops, outs[name] = run(opts)
+            best[name] = max(best.get(name, 0.0), tflops)
+    builds[0][1]()
+    first = builds[0][0]
+
+    def diff(name: str) -> float:
+        return max(float((a.float() - b.float()).abs().max())
+                   for a, b in zip(outs[first], outs[name]))
+    return f"{first} {best[first]:6.1f}  " + "  ".join(
+        f"{name} {best[name]:6.1f} ({first}/{name} {best[first] / best[name]:.3f}, "
+        f"max|diff| {diff(name):.1e})" for name, _, _ in builds[1:])
+
+
+def compare(builds: list[Build], seq_lens: list[int], variants: list[str], rounds: int) -> None:
+    """Print, per (S, variant), each build's best interleaved median against the first build's
+    (_interleaved)."""
     from triton.testing import do_bench
 
     from bench.prefill import HEAD_DIM, HEADS, Bench, pairs
 
-    first = builds[0][0]
     for S in seq_lens:
         bench = Bench(S)
         for variant in variants:
             flops = 4 * HEAD_DIM * bench.B * HEADS * pairs(variant, S)
-            best: dict[str, float] = {}
-            outs: dict[str, Any] = {}
-            for _ in range(rounds):
-                for name, setup, opts in builds:
-                    setup()
-                    fn = bench.fn("attncc", variant, kernel_options=opts)
-                    outs[name] = fn()
-                    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-                    best[name] = max(best.get(name, 0.0), flops / ms / 1e9)
-            builds[0][1]()
-            others = "  ".join(
-                f"{name} {best[name]:6.1f} ({first}/{name} {best[first] / best[name]:.3f}, "
-                f"max|diff| {float((outs[first].float() - outs[name].float()).abs().max()):.1e})"
-                for name, _, _ in builds[1:])
-            print(f"{variant:15s} S={S:5d}: {first} {best[first]:6.1f}  {others}", flush=True)
+
+            def run(opts: dict[str, Any] | None) -> tuple[float, list[Any]]:
+                fn = bench.fn("attncc", variant, kernel_options=opts)
+                out = fn()
+                return flops / do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e9, [out]
+            print(f"{variant:20s} S={S:5d}: {_interleaved(builds, rounds, run)}", flush=True)
 
 
-def compare_backward(builds: list[tuple[str, Callable[[], None], dict[str, Any] | None]],
-                     seq_lens: list[int], variants: list[str], rounds: int) -> None:
+def compare_backward(builds: list[Build], seq_lens: list[int], variants: list[str],
+                     rounds: int) -> None:
     """`compare` for the backward: per (S, variant) each build's backward kernel TFLOP/s
-    (bench.timing.device_ms, so host paths do not blur a kernel change) against the first
-    build's, and the largest difference of any gradient from the first build's."""
+    (bench.timing.device_ms, so host paths do not blur a kernel change) and the largest
+    difference of any gradient, against the first build's."""
     from bench.backward import BackwardBench, bwd_flops
     from bench.timing import device_ms
 
-    first = builds[0][0]
     for S in seq_lens:
         bench = BackwardBench(S)
         for variant in variants:
             flops = bwd_flops(variant, S, bench.B)
-            best: dict[str, float] = {}
-            grads: dict[str, list[Any]] = {}
-            for _ in range(rounds):
-                for name, setup, opts in builds:
-                    setup()
-                    fwd = bench.fn("attncc", variant, opts)
-                    step = bench.fwdbwd(fwd, variant)
-                    grads[name] = [g.float() for g in step()]
-                    ms = device_ms(step) - device_ms(fwd)
-                    best[name] = max(best.get(name, 0.0), flops / ms / 1e9)
-            builds[0][1]()
 
-            def diff(name: str) -> float:
-                return max(float((a - b).abs().max()) for a, b in zip(grads[first], grads[name]))
-            others = "  ".join(
-                f"{name} {best[name]:6.1f} ({first}/{name} {best[first] / best[name]:.3f}, "
-                f"max|diff| {diff(name):.1e})" for name, _, _ in builds[1:])
-            print(f"{variant:20s} S={S:5d}: {first} {best[first]:6.1f}  {others}", flush=True)
+            def run(opts: dict[str, Any] | None) -> tuple[float, list[Any]]:
+                fwd = bench.fn("attncc", variant, opts)
+                step = bench.fwdbwd(fwd, variant)
+                grads = list(step())
+                return flops / (device_ms(step) - device_ms(fwd)) / 1e9, grads
+            print(f"{variant:20s} S={S:5d}: {_interleaved(builds, rounds, run)}", flush=True)
 
 
 def template_switch() -> Callable[[Path | None], None]:

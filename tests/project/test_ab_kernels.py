@@ -33,3 +33,21 @@ def test_backward_flag_picks_the_backward_comparison(monkeypatch: pytest.MonkeyP
                             [b[0] for b in builds], S, variants)))
     ab_kernels.main()
     assert seen == [(["current", "rev"], [8192], ["alibi_learned_causal"])]
+
+
+def test_interleaved_reports_best_rounds_and_output_differences() -> None:
+    """Builds run in interleaved rounds, each under its own setup; the best TFLOP/s and the
+    last round's outputs are compared with the first build's, whose setup runs last."""
+    import torch
+
+    installed: list[str] = []
+    speeds = {"a": iter([100.0, 120.0]), "b": iter([150.0, 90.0])}
+    outs = {"a": [torch.zeros(3)], "b": [torch.tensor([0.0, 0.5, 0.0])]}
+
+    def run(opts: dict | None) -> tuple[float, list]:
+        return next(speeds[installed[-1]]), outs[installed[-1]]
+
+    builds = [(n, lambda n=n: installed.append(n), None) for n in ("a", "b")]
+    line = ab_kernels._interleaved(builds, 2, run)
+    assert installed == ["a", "b", "a", "b", "a"]
+    assert line == "a  120.0  b  150.0 (a/b 0.800, max|diff| 5.0e-01)"
