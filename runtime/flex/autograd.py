@@ -16,6 +16,7 @@ Example (no GPU needed to strip the transforms):
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -52,11 +53,18 @@ def needs_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         isinstance(t, torch.Tensor) and t.requires_grad for t in bindings.tensors.values())
 
 
-def _loads(ir: VariantIR, hook: str) -> set[str]:
+def _loads(ir: VariantIR, hook: str) -> frozenset[str]:
     """The captured tensors `hook` reads (none when the variant has no such hook)."""
     if hook not in ir.hooks:
-        return set()
-    return {n.attr for n in walk(ir.expr(hook)) if n.op == "load"}
+        return frozenset()
+    return _loads_of(ir.expr(hook))
+
+
+@functools.lru_cache(maxsize=256)
+def _loads_of(expr: Any) -> frozenset[str]:
+    """The captured tensors an (interned, so hashable) expression reads: asked on every
+    training call, walked once per expression."""
+    return frozenset(n.attr for n in walk(expr) if n.op == "load")
 
 
 def _score_grad_tensors(ir: VariantIR, bindings: Bindings) -> tuple[str, ...]:
@@ -142,6 +150,8 @@ class _Attention(torch.autograd.Function):
                                       return_lse=call.ir.use_softmax,
                                       kernel_options=call.kernel_options, sinks=sinks)
         ctx.call = call
+        # an unused output's gradient stays None: no zero LSE gradient made and read per call
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, lse if lse is not None else out.new_empty(0), sinks)
         if lse is None:
             lse = out.new_empty(0, dtype=torch.float32)
@@ -152,6 +162,8 @@ class _Attention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
         q, k, v, out, lse, sinks = ctx.saved_tensors
         call: _Call = ctx.call
+        if dout is None:  # only the LSE was used
+            dout = torch.zeros_like(out)
         res = _run(call, q, k, v, out, lse if call.ir.use_softmax else None, dout,
                    dlse if call.ir.use_softmax else None)
         # the kernels' dS is unchanged when the LSE includes the sink; its own gradient here

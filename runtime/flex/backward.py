@@ -30,7 +30,7 @@ from attncc.codegen.tiles import (FA3_BACKWARD_TILES, BackwardTiles, backward_fa
 from attncc.errors import InvalidArgument
 from attncc.ir.program import Bindings, VariantIR
 
-from ..jit.kernels import KernelSpec, get_kernel
+from ..jit.kernels import KernelSpec, get_kernel, loaded_generation
 from ..jit.launch_args import captured
 from ..jit.launcher import current_raw_stream
 from ..jit.tma import MapCache, MapSlot
@@ -67,7 +67,29 @@ def kv_major_lists(num: torch.Tensor, idx: torch.Tensor, fnum: torch.Tensor | No
     return qn, qi, fqn, fqi
 
 
-class _ListsMemo:
+class _Lru:
+    """A bounded, thread-safe map that forgets its least recently used entry first."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: "OrderedDict[tuple, Any]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def lookup(self, key: tuple) -> Any:
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+            return hit
+
+    def store(self, key: tuple, entry: Any) -> None:
+        with self._lock:
+            self._entries[key] = entry
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+
+class _ListsMemo(_Lru):
     """The KV-major lists of the last few block masks a backward ran (`kv_major_lists` is about
     twenty small torch launches a call, host time that a training step repeats for every layer
     and step). Keyed by the list tensors themselves, which an entry holds, so an id is never
@@ -76,28 +98,17 @@ class _ListsMemo:
     Nothing made during a CUDA graph capture is kept: its values exist only when the graph
     replays."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._entries: "OrderedDict[tuple, tuple]" = OrderedDict()
-        self._lock = threading.Lock()
-
     def get(self, lists: tuple[torch.Tensor | None, ...], n_kv_blocks: int) -> tuple:
         cuda = lists[0].is_cuda
-        stream = torch.cuda.current_stream(lists[0].device).cuda_stream if cuda else 0
+        stream = current_raw_stream(lists[0].device.index) if cuda else 0
         key = (*((id(t), t._version) if t is not None else None for t in lists), n_kv_blocks,
                stream)
-        with self._lock:
-            hit = self._entries.get(key)
-            if hit is not None:
-                self._entries.move_to_end(key)
-                return hit[1]
+        hit = self.lookup(key)
+        if hit is not None:
+            return hit[1]
         value = kv_major_lists(*lists, n_kv_blocks)
-        if cuda and torch.cuda.is_current_stream_capturing():
-            return value
-        with self._lock:
-            self._entries[key] = (lists, value)
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
+        if not (cuda and torch.cuda.is_current_stream_capturing()):
+            self.store(key, (lists, value))
         return value
 
 
@@ -255,6 +266,64 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t if _rows_16b(t) else t.contiguous()
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """Whether `t` is [B, H, S, D] with the row-major strides of its shape (size-1 dims too,
+    which `is_contiguous` does not check), a 16-byte aligned start and D a multiple of 8: then
+    `_dense` and `_tma_strided` both return it unchanged, so the common call skips their
+    per-dim checks."""
+    if t.dim() != 4:
+        return False
+    _, h, s, d = t.shape
+    return t.stride() == (h * s * d, s * d, d, 1) and d % 8 == 0 and t.data_ptr() % 16 == 0
+
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def _sm90(device: int) -> bool:
+    """Whether `device` is an sm_90 GPU (asked of torch once per device)."""
+    cap = _CAPABILITY.get(device)
+    if cap is None:
+        cap = _CAPABILITY[device] = torch.cuda.get_device_capability(device)
+    return cap == (9, 0)
+
+
+class _KernelMemo(_Lru):
+    """The loaded backward kernel of the last few (variant IR, form) pairs a backward ran:
+    building its `KernelSpec` and the kernel cache's lookup are tens of microseconds of host
+    time every training step repeats for every layer. Keyed by the IR object's id, the kernel
+    cache's generation (`loaded_generation`: it forgets with the cache) and the form's
+    arguments; an entry holds the IR, so the id is not reused while it is cached, and a hit
+    must be that very object."""
+
+    def get(self, ir: VariantIR, args: tuple, make: Any) -> Any:
+        key = (id(ir), loaded_generation(), *args)
+        hit = self.lookup(key)
+        if hit is not None and hit[0] is ir:
+            return hit[1]
+        kern = make()
+        self.store(key, (ir, kern))
+        return kern
+
+
+_KERNELS = _KernelMemo(32)
+
+
+def _backward_kernel(kernel: str | None, ir: VariantIR, head_dim: int, dtype: str, mask: Any,
+                     *, fast_math: bool, device: int, grad_tensors: Sequence[str],
+                     deterministic: bool) -> Any:
+    """The loaded kernel `run_backward` launches (the kernel cache's; memoized by `_KERNELS`)."""
+    blocks = (mask.block_q, mask.block_kv) if mask is not None else None
+
+    def make() -> Any:
+        kind = backward_kernel(kernel, head_dim, mask, _sm90(device))
+        return get_kernel(backward_spec(kind, ir, head_dim, dtype, mask, fast_math=fast_math,
+                                        device=device, grad_tensors=grad_tensors,
+                                        exact_grads=deterministic))
+    return _KERNELS.get(ir, (kernel, head_dim, dtype, blocks, fast_math, device,
+                             tuple(grad_tensors), deterministic), make)
+
+
 def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor | None, dout: torch.Tensor,
                  dlse: torch.Tensor | None, ir: VariantIR, bindings: Bindings, mask: Any, *,
@@ -275,18 +344,17 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               torch.zeros_like(value),
                               {n: torch.zeros_like(bindings.tensors[n]) for n in grad_tensors})
     dtype = "bfloat16" if query.dtype == torch.bfloat16 else "float16"
-    sm90 = torch.cuda.get_device_capability(device) == (9, 0)
-    kind = backward_kernel(kernel, D, mask, sm90)
-    kern = get_kernel(backward_spec(kind, ir, D, dtype, mask, fast_math=fast_math,
-                                     device=device, grad_tensors=grad_tensors,
-                                     exact_grads=deterministic))
+    kern = _backward_kernel(kernel, ir, D, dtype, mask, fast_math=fast_math, device=device,
+                            grad_tensors=grad_tensors, deterministic=deterministic)
     # the form the kernel cache compiled (an FA3 spec may have fallen back to an FA2 form)
     tiles = kern.spec.tiles
     mvals, keep = _mask_params(mask, tiles, Skv)
     tkv = kern.config.tkv
     dev = query.device
-    q, k, v, do = (_dense(t) for t in (query, key, value, dout))
     fa3 = kern.spec.kind == "fa3_backward"
+    plain = all(_plain(t) for t in (query, key, value, dout))
+    q, k, v, do = ((query, key, value, dout) if plain else
+                   tuple(_dense(t) for t in (query, key, value, dout)))
     dk = torch.empty(key.shape, dtype=key.dtype, device=dev)
     dv = torch.empty(value.shape, dtype=value.dtype, device=dev)
     delta = None
@@ -299,10 +367,12 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         delta = delta.contiguous()
     if fa3:  # the FA3-class kernel's inputs (BackwardParams::tma)
         # (held until the launch: a copy made here must outlive it)
-        q, k, v, do = (_tma_strided(t) for t in (q, k, v, do))
+        if not plain:
+            q, k, v, do = (_tma_strided(t) for t in (q, k, v, do))
         rows = -(-Sq // FA3_BACKWARD_TILES.tq) * FA3_BACKWARD_TILES.tq
         if lse is not None:
-            lse, lse_h = _fa3_rows(do, _dense(out), lse, dlse, rows, dtype, dev), 2 * rows
+            o = out if _plain(out) else _dense(out)
+            lse, lse_h = _fa3_rows(do, o, lse, dlse, rows, dtype, dev), 2 * rows
         dq_acc = torch.zeros(B, Hq, rows * D, dtype=torch.float32, device=dev)
         dq_strides = {"dq_stride_b": Hq * rows * D, "dq_stride_h": rows * D, "dq_stride_s": D}
     else:
@@ -399,11 +469,27 @@ def _fa3_rows(do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torc
               **{f"{n}_stride_{d}": t.stride(i) for n, t in (("lse", lse), ("dlse", dl))
                  for i, d in enumerate("bhs")},
               "batch": B, "heads": H, "q_len": S, "tiles": rows // tq, "head_dim": D}
-    kl = get_kernel(KernelSpec("bwd_rows", dtype=dtype, device=dev.index)).launcher
+    kl = _small_kernel("bwd_rows", dtype, dev.index).launcher
     rows_per_block = BWD_ROWS_THREADS // (D // 8)
     kl.launch((-(-B * H * rows // rows_per_block), 1, 1), (BWD_ROWS_THREADS, 1, 1), 0,
               kl.ap.flatten(params), (), stream=current_raw_stream(dev.index))
     return buf
+
+
+_SMALL: dict[tuple[str, str, int | None], Any] = {}
+
+
+def _small_kernel(kind: str, dtype: str, device: int | None) -> Any:
+    """The row or dQ conversion kernel (no variant: one per dtype and device), loaded once per
+    `loaded_generation`."""
+    key = (kind, dtype, device, loaded_generation())
+    kern = _SMALL.get(key)
+    if kern is None:
+        kern = get_kernel(KernelSpec(kind, dtype=dtype, device=device))
+        if len(_SMALL) > 16:
+            _SMALL.clear()
+        _SMALL[key] = kern
+    return kern
 
 
 def fa3_dq(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -442,7 +528,7 @@ def _dq_kernel(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype
         raise InvalidArgument("dq_accum: the dQ conversion reads a contiguous accumulator")
     dq = torch.empty(B, H, q_len, head_dim, dtype=dtype, device=acc.device)
     name = "bfloat16" if dtype == torch.bfloat16 else "float16"
-    kl = get_kernel(KernelSpec("bwd_dq", dtype=name, device=acc.device.index)).launcher
+    kl = _small_kernel("bwd_dq", name, acc.device.index).launcher
     params = {"acc": acc.data_ptr(), "dq": dq.data_ptr(),
               **{f"dq_stride_{d}": dq.stride(i) for i, d in enumerate("bhs")},
               "heads": H, "q_len": q_len, "tiles": tiles, "groups": head_dim // 64}

@@ -54,7 +54,7 @@ SLOW_COMPILE_S = 1.0
 __all__ = ["KINDS", "FA2_SPILL_BUDGET", "STRICT_ENV",
            "KernelSpec", "Generated", "CompiledForm", "KernelRecord", "LoadedKernel",
            "variant_key", "generate", "spill_budget", "compile_form", "compile_spec",
-           "get_kernel", "check_resources", "clear_loaded", "KernelTiles"]
+           "get_kernel", "check_resources", "clear_loaded", "loaded_generation", "KernelTiles"]
 
 KINDS = ("fa2_prefill", "fa3_prefill", "fa2_batch", "decode", "fa3_batch", "prepass", "merge",
          "fa2_backward", "fa3_backward", "bwd_rows", "bwd_dq")
@@ -615,10 +615,20 @@ def get_kernel(spec: KernelSpec) -> LoadedKernel:
         return hit
 
 
+_GENERATION = [0]  # clear_loaded calls so far (`loaded_generation`)
+
+
 def clear_loaded() -> None:
     """Forget every loaded kernel (the next use rebuilds)."""
     with _LOCK:
         _LOADED.clear()
+        _GENERATION[0] += 1
+
+
+def loaded_generation() -> int:
+    """How many times `clear_loaded` ran: memos of loaded kernels outside this cache (the
+    backward's, runtime/flex/backward.py) key on it, so they forget with it."""
+    return _GENERATION[0]
 
 
 def _arch(device: int) -> str:

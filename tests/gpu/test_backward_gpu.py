@@ -367,6 +367,25 @@ def test_return_lse_gradient() -> None:
     _check(_mod(_softcap, causal), (1, 2, 2, 300, 300, 128), with_lse=True)
 
 
+def test_lse_alone_reaches_the_loss() -> None:
+    """Only the LSE is used: the output's gradient arrives as None (grads are not
+    materialized), dV is 0 and dQ / dK are the LSE's, against the fp64 reference."""
+    q, k, v = _qkv(1, 2, 2, 300, 300, 128)
+    variant = _mod(_softcap, causal)
+    opts = _options(None, 128, None)
+    out, lse = attncc.flex_attention(q, k, v, score_mod=variant, return_lse=True,
+                                     kernel_options=opts)
+    dlse = torch.randn(lse.shape, device="cuda", generator=_gen()).double()
+    got = torch.autograd.grad((lse.double() * dlse).sum(), [q, k, v])
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ir, bind = variant.trace()
+    _, lse64 = attention_reference(q64, k64, v64, ir, bind, float_dtype=torch.float64)
+    want = torch.autograd.grad((lse64 * dlse).sum(), [q64, k64, v64], allow_unused=True)
+    assert torch.count_nonzero(got[2]) == 0
+    errs = {n: _rel(n, g, w) for n, g, w in zip(("dq", "dk"), got, want)}
+    assert all(e < TOL[torch.bfloat16] for e in errs.values()), errs
+
+
 def test_deterministic_mode_20_runs_bitwise_equal() -> None:
     q, k, v = _qkv(2, 8, 2, 600, 600, 128)
     opts = {"DETERMINISTIC": True}
