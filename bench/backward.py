@@ -418,15 +418,16 @@ def write_outputs(doc: dict[str, Any], out: Path | None) -> Path:
 
 def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """Several runs' results as one document: the first run's meta, with each run's commit and
-    date in `meta["runs"]`; a cell measured twice keeps the later run's record."""
+    date in `meta["runs"]` (a document merged before brings its own runs); a cell measured
+    twice keeps the later run's record."""
     by: dict[tuple, dict[str, Any]] = {}
     for doc in docs:
         for r in doc["results"]:
             opts = json.dumps(r.get("kernel_options"), sort_keys=True)
             by[(r["impl"], r["variant"], r["S"], opts)] = r
-    meta = {**docs[0]["meta"], "runs": [{k: d["meta"].get(k) for k in ("attncc_commit", "date")}
-                                        for d in docs]}
-    return {"meta": meta, "results": list(by.values())}
+    runs = [run for d in docs for run in d["meta"].get("runs") or
+            [{k: d["meta"].get(k) for k in ("attncc_commit", "date")}]]
+    return {"meta": {**docs[0]["meta"], "runs": runs}, "results": list(by.values())}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -89,6 +89,13 @@ def test_report_merges_runs(tmp_path: Path) -> None:
     assert [r["attncc_commit"] for r in doc["meta"]["runs"]] == ["aaa", "bbb"]
     assert len(doc["results"]) == 5 and redo in doc["results"]
     assert "| causal | 2048 | 400 |" in out.with_suffix(".md").read_text()
+    # a merged document merged again keeps its runs
+    third = {"meta": {**META, "attncc_commit": "ccc"}, "results": [redo]}
+    paths.append(tmp_path / "c.json")
+    paths[-1].write_text(json.dumps(third))
+    assert main(["--report", str(out), str(paths[-1]), "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["meta"]["runs"]
+    assert [r["attncc_commit"] for r in runs] == ["aaa", "bbb", "ccc"]
 
 
 def test_times_and_flops() -> None:
