@@ -32,6 +32,7 @@ from attncc.ir.program import Bindings, VariantIR
 
 from ..jit.kernels import KernelSpec, get_kernel, loaded_generation
 from ..jit.launch_args import captured
+from ..jit.device import capability
 from ..jit.launcher import current_raw_stream
 from ..jit.tma import MapCache, MapSlot
 from .block_mask import kv_major_blocks
@@ -263,29 +264,18 @@ def _rows_16b(t: torch.Tensor) -> bool:
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """`t` with rows the 16-byte loads take (`_rows_16b`)."""
-    return t if _rows_16b(t) else t.contiguous()
+    return t if _plain(t) or _rows_16b(t) else t.contiguous()
 
 
 def _plain(t: torch.Tensor) -> bool:
     """Whether `t` is [B, H, S, D] with the row-major strides of its shape (size-1 dims too,
     which `is_contiguous` does not check), a 16-byte aligned start and D a multiple of 8: then
-    `_dense` and `_tma_strided` both return it unchanged, so the common call skips their
-    per-dim checks."""
+    `_dense` and `_tma_strided` return it unchanged at once, without their per-dim checks
+    (the common call)."""
     if t.dim() != 4:
         return False
     _, h, s, d = t.shape
     return t.stride() == (h * s * d, s * d, d, 1) and d % 8 == 0 and t.data_ptr() % 16 == 0
-
-
-_CAPABILITY: dict[int, tuple[int, int]] = {}
-
-
-def _sm90(device: int) -> bool:
-    """Whether `device` is an sm_90 GPU (asked of torch once per device)."""
-    cap = _CAPABILITY.get(device)
-    if cap is None:
-        cap = _CAPABILITY[device] = torch.cuda.get_device_capability(device)
-    return cap == (9, 0)
 
 
 class _KernelMemo(_Lru):
@@ -316,7 +306,7 @@ def _backward_kernel(kernel: str | None, ir: VariantIR, head_dim: int, dtype: st
     blocks = (mask.block_q, mask.block_kv) if mask is not None else None
 
     def make() -> Any:
-        kind = backward_kernel(kernel, head_dim, mask, _sm90(device))
+        kind = backward_kernel(kernel, head_dim, mask, capability(device) == (9, 0))
         return get_kernel(backward_spec(kind, ir, head_dim, dtype, mask, fast_math=fast_math,
                                         device=device, grad_tensors=grad_tensors,
                                         exact_grads=deterministic))
@@ -352,9 +342,7 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     tkv = kern.config.tkv
     dev = query.device
     fa3 = kern.spec.kind == "fa3_backward"
-    plain = all(_plain(t) for t in (query, key, value, dout))
-    q, k, v, do = ((query, key, value, dout) if plain else
-                   tuple(_dense(t) for t in (query, key, value, dout)))
+    q, k, v, do = (_dense(t) for t in (query, key, value, dout))
     dk = torch.empty(key.shape, dtype=key.dtype, device=dev)
     dv = torch.empty(value.shape, dtype=value.dtype, device=dev)
     delta = None
@@ -367,12 +355,10 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         delta = delta.contiguous()
     if fa3:  # the FA3-class kernel's inputs (BackwardParams::tma)
         # (held until the launch: a copy made here must outlive it)
-        if not plain:
-            q, k, v, do = (_tma_strided(t) for t in (q, k, v, do))
+        q, k, v, do = (_tma_strided(t) for t in (q, k, v, do))
         rows = -(-Sq // FA3_BACKWARD_TILES.tq) * FA3_BACKWARD_TILES.tq
         if lse is not None:
-            o = out if _plain(out) else _dense(out)
-            lse, lse_h = _fa3_rows(do, o, lse, dlse, rows, dtype, dev), 2 * rows
+            lse, lse_h = _fa3_rows(do, _dense(out), lse, dlse, rows, dtype, dev), 2 * rows
         dq_acc = torch.zeros(B, Hq, rows * D, dtype=torch.float32, device=dev)
         dq_strides = {"dq_stride_b": Hq * rows * D, "dq_stride_h": rows * D, "dq_stride_s": D}
     else:
@@ -432,6 +418,8 @@ def _tma_strided(t: torch.Tensor) -> torch.Tensor:
         >>> _tma_strided(x).stride(), _tma_strided(torch.zeros(64, 8)[None]).stride()
         ((512, 8, 1), (512, 8, 1))
     """
+    if _plain(t):
+        return t
     if any(st == 0 and n > 1 for n, st in zip(t.shape[:-1], t.stride()[:-1])):
         t = t.contiguous()
     strides = list(t.stride())
@@ -476,19 +464,17 @@ def _fa3_rows(do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torc
     return buf
 
 
-_SMALL: dict[tuple[str, str, int | None], Any] = {}
+_SMALL = _Lru(16)
 
 
 def _small_kernel(kind: str, dtype: str, device: int | None) -> Any:
     """The row or dQ conversion kernel (no variant: one per dtype and device), loaded once per
     `loaded_generation`."""
     key = (kind, dtype, device, loaded_generation())
-    kern = _SMALL.get(key)
+    kern = _SMALL.lookup(key)
     if kern is None:
         kern = get_kernel(KernelSpec(kind, dtype=dtype, device=device))
-        if len(_SMALL) > 16:
-            _SMALL.clear()
-        _SMALL[key] = kern
+        _SMALL.store(key, kern)
     return kern
 
 

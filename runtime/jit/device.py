@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-__all__ = ["num_sms"]
+__all__ = ["capability", "num_sms"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -22,3 +22,9 @@ def num_sms(device: int | torch.device) -> int:
     if isinstance(device, torch.device) and device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def capability(device: int) -> tuple[int, int]:
+    """(major, minor) compute capability of CUDA device `device`, asked of torch once."""
+    return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
