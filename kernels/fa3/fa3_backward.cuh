@@ -40,7 +40,8 @@ using common::TileList;
 typedef unsigned int u32;
 
 // The N-major descriptor's byte offsets as the forward's V operand uses them (fa3_consumer.cuh;
-// tests/gpu/test_wgmma.py measured them): LBO unused at N = 64, SBO = 1024.
+// tests/gpu/test_wgmma.py measured them): LBO unused at N = 64 (at N = 128 it is the distance
+// between the two 64-column blocks: issue_rs), SBO = 1024.
 constexpr unsigned kNMajorLbo = 8192;
 constexpr unsigned kNMajorSbo = 1024;
 
@@ -262,16 +263,28 @@ __device__ __forceinline__ void issue_abt(float (&acc)[QS / 2], u32 a_tile, u32 
 }
 
 // acc[blk] += A B for each 64-column block blk of B: A the K-step fragments in registers (P^T or
-// dS^T packed), B an N-major [16 KS rows][D] tile of TQ rows (dO or Q of the stage).
+// dS^T packed), B an N-major [16 KS rows][D] tile of TQ rows (dO or Q of the stage). At head dim
+// 128 one m64n128 per k-step covers both blocks (the descriptor's LBO steps from one to the
+// other): half the wgmmas of two m64n64 chains, 2-4 % faster (docs/backward.md).
 template <bool F16, int KS, int NB, int ROWS>
 __device__ __forceinline__ void issue_rs(float (&acc)[NB][32], const u32 (&a)[KS][4], u32 b_tile) {
-  const wg::DescWords b0 = local_desc(b_tile, kNMajorLbo, kNMajorSbo);
-#pragma unroll
-  for (int blk = 0; blk < NB; ++blk)
+  if constexpr (NB == 2) {  // both 64-column blocks in one m64n128 chain (LBO: block to block)
+    const wg::DescWords b0 = local_desc(b_tile, ROWS * 128, kNMajorSbo);
+    float(&acc2)[64] = *reinterpret_cast<float(*)[64]>(&acc[0][0]);
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk)
-      wg::mma_rs_m64n64k16<1, F16>(
-          acc[blk], a[kk], wg::desc_u64(wg::desc_plus(b0, blk * ROWS * 128 + kk * 16 * 128)), 1);
+      wg::mma_rs_m64n128k16<1, F16>(acc2, a[kk], wg::desc_u64(wg::desc_plus(b0, kk * 16 * 128)),
+                                    1);
+  } else {
+    const wg::DescWords b0 = local_desc(b_tile, kNMajorLbo, kNMajorSbo);
+#pragma unroll
+    for (int blk = 0; blk < NB; ++blk)
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk)
+        wg::mma_rs_m64n64k16<1, F16>(
+            acc[blk], a[kk], wg::desc_u64(wg::desc_plus(b0, blk * ROWS * 128 + kk * 16 * 128)),
+            1);
+  }
 }
 
 // dS^T of the warp's 16 KV rows to shared memory as dS [TQ][TKV] (query-major, swizzled): the
@@ -293,7 +306,7 @@ __device__ __forceinline__ void store_ds(u32 sds, const u32 (&da)[KS][4], int qs
 }
 
 // dQ[TQ x 64] = dS K over the 64 columns [n0, n0 + 64), all TKV keys: dS (query-major) and K
-// (N-major) both in shared memory. Ends with the wgmma complete.
+// (N-major) both in shared memory. Issued and committed; the caller waits.
 template <bool F16, int TQ, int TKV>
 __device__ __forceinline__ void dq_mma(float (&acc)[32], u32 sds, u32 sk, int n0) {
   const wg::DescWords a0 = local_desc(sds, 16, 1024);
@@ -305,8 +318,6 @@ __device__ __forceinline__ void dq_mma(float (&acc)[32], u32 sds, u32 sk, int n0
         acc, wg::desc_u64(wg::desc_plus(a0, (kk >> 2) * TQ * 128 + (kk & 3) * 32)),
         wg::desc_u64(wg::desc_plus(b0, kk * 16 * 128)), kk > 0);
   wg::commit();
-  wg::wait<0>();
-  wg::fence_operands(acc);
 }
 
 // A consumer's dQ tile (times sm_scale) into its staging tile at `dst`, in the order the bulk
@@ -399,7 +410,8 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
 // once both consumers stored their dS halves, dQ staged for the producer's bulk reduction.
 // Returns the next tile's TileMeta (head -1: the end). At 64 columns tile n's `Sᵀ` was issued
 // into `s` before (by the caller, or by tile n - 1 here), and this tile issues the next one's
-// after dQ's wgmmas (S^T beside dQ's accumulator spills), so it runs through the staging.
+// right behind dQ's wgmmas, before waiting for them, so it runs through dQ's wait, the staging
+// and the loop's turn.
 template <typename Variant, typename DType, int D, int TQ, int TKV, bool kMask>
 __device__ __forceinline__ TileMeta bwd_tile(const attncc::BackwardParams& p,
                                              const typename Variant::Params& vp,
@@ -439,28 +451,11 @@ __device__ __forceinline__ TileMeta bwd_tile(const attncc::BackwardParams& p,
   wg::fence_proxy_async();  // the dS stores, before wgmma reads them
   tma::mbar_arrive(sm.ds_done(n & 1));
   tma::mbar_wait(sm.ds_done(n & 1), (n >> 1) & 1);  // dS complete (both warpgroups)
-  if (D == 64 && wgi != 0) {  // at head dim 64 consumer 0 computes all of dQ
-    if constexpr (kOverlapDk) {
-      wg::wait<0>();
-      wg::fence_operands(da);
-      wg::fence_operands(dk);
-      tma::mbar_arrive(sm.empty(st));
-    }
-  } else {
-    float acc[32];
-    dq_mma<F16, TQ, TKV>(acc, sds, sm.k(), 64 * wgi);  // (its wait covers the dK wgmma)
-    if constexpr (kOverlapDk) {
-      wg::fence_operands(da);
-      wg::fence_operands(dk);
-      tma::mbar_arrive(sm.empty(st));
-    }
-    if (n > 0) tma::mbar_wait(sm.dq_empty(wgi), (n - 1) & 1);  // the last tile's dQ was read
-    stage_dq(sm.dq(wgi), acc, 32 * wi + t.lane, p.sm_scale);
-    wg::fence_proxy_async();  // the staging stores, before the copy engine reads them
-    tma::mbar_arrive(sm.dq_full(wgi));
-  }
+  float acc[32];
+  const bool dq_here = !(D == 64 && wgi != 0);  // at head dim 64 consumer 0 computes all of dQ
+  if (dq_here) dq_mma<F16, TQ, TKV>(acc, sds, sm.k(), 64 * wgi);
   // the next tile (its stage was filled while this one ran) and, at 64 columns, its S^T: in
-  // flight through the loop's turn, waited on in its bwd_sub
+  // flight through dQ's staging and the loop's turn, waited on in its bwd_sub
   tma::mbar_wait(sm.full((n + 1) & 1), ((n + 1) >> 1) & 1);
   const TileMeta next = get_meta(sm.meta((n + 1) & 1));
   if constexpr (kOverlapDk) {  // (after the last tile too: a divergent issue serializes every
@@ -469,6 +464,21 @@ __device__ __forceinline__ TileMeta bwd_tile(const attncc::BackwardParams& p,
     issue_abt<F16, D / 16, QS>(s, sm.k() + wgi * 64 * 128, TKV * 128, sm.q((n + 1) & 1),
                                TQ * 128);
     wg::commit();
+    wg::wait<1>();  // dQ's (and the dK) wgmmas; S^T runs on
+  } else {
+    wg::wait<0>();
+  }
+  wg::fence_operands(acc);
+  if constexpr (kOverlapDk) {
+    wg::fence_operands(da);
+    wg::fence_operands(dk);
+    tma::mbar_arrive(sm.empty(st));
+  }
+  if (dq_here) {
+    if (n > 0) tma::mbar_wait(sm.dq_empty(wgi), (n - 1) & 1);  // the last tile's dQ was read
+    stage_dq(sm.dq(wgi), acc, 32 * wi + t.lane, p.sm_scale);
+    wg::fence_proxy_async();  // the staging stores, before the copy engine reads them
+    tma::mbar_arrive(sm.dq_full(wgi));
   }
   return next;
 }

@@ -215,6 +215,21 @@ __device__ __forceinline__ void mma_ss_m64n128k16(float (&d)[64], u64 desc_a, u6
   if constexpr (F16) ATTNCC_WG_SS_N128("f16"); else ATTNCC_WG_SS_N128("bf16");
 }
 
+// D[64x128] (+)= A[64x16] (registers, as mma_rs_m64n64k16) * B[16x128] (shared; N-major when
+// TRANS_B: two 64-column swizzle atoms the descriptor's LBO apart).
+#define ATTNCC_WG_RS_N128(T)                                                               \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " " ATTNCC_WG_D64_LIST \
+               ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"                            \
+               : ATTNCC_WG_D64                                                               \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate),   \
+                 "n"(TRANS_B))
+template <int TRANS_B, bool F16 = false>
+__device__ __forceinline__ void mma_rs_m64n128k16(float (&d)[64], const u32 (&a)[4],
+                                                  u64 desc_b, int accumulate) {
+  if constexpr (F16) ATTNCC_WG_RS_N128("f16"); else ATTNCC_WG_RS_N128("bf16");
+}
+
 // Warp-specialized kernels hand registers from the producer to the consumers: every warp of a
 // warpgroup executes one of these (the count must be a multiple of 8 in 24..256).
 template <int N>
