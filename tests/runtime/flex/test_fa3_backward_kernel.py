@@ -1,7 +1,8 @@
 """The FA3-class backward kernel (kernels/fa3/fa3_backward.cuh) without a GPU: its one form
 compiles under NVRTC for sm_90a with no spills and no stack frame for every AttentionGym and
 learnable-bias variant (else the kernel cache would quietly run the FA2-class kernel instead),
-the fallback to the FA2-class forms, the unit's geometry, and the choice of template. The GPU
+the fallback to the FA2-class forms, the unit's geometry, the shape of its register-A
+products, and the choice of template. The GPU
 tests are tests/gpu/test_backward_gpu.py (every case on both templates); docs/backward.md,
 "The FA3-class kernel", is the design."""
 from __future__ import annotations
@@ -50,6 +51,25 @@ def test_fa3_backward_form_compiles_without_spills_at_head_dim_64(name: str, dty
     form = compile_spec(_spec(name, 64, dtype), "sm_90a")
     assert form.spec.kind == "fa3_backward"
     assert _no_local_memory(form.result.log) and not wgmma_notes(form.result.log), form.result.log
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("d", [64, 128])
+def test_fa3_backward_products_from_registers_span_the_head_dim(d: int) -> None:
+    """dV += P^T dO and dK += dS^T Q (A from registers) run as one m64n128 chain at head dim 128
+    (the N-major descriptor's LBO stepping between the two 64-column blocks) and as m64n64 at
+    64; the register-A wgmmas of the PTX are those and no others (docs/backward.md)."""
+    import re
+
+    from attncc.runtime.jit import nvrtc
+
+    ir, _ = _ir("noop", d)
+    gk = generate_source(ir, head_dim=d, dtype="bfloat16", kernel="fa3bwd")
+    ptx = nvrtc.compile_cuda(gk.source, arch="sm_90a", emit="ptx").ptx or ""
+    # a register A operand is a braced list right after the braced accumulators
+    rs = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16\s*"
+                    r"\{[^}]*\},\s*\{", ptx)
+    assert rs and set(rs) == {str(min(d, 128))}, sorted(set(rs))
 
 
 def test_fa3_backward_falls_back_to_the_fa2_forms_when_its_form_spills(monkeypatch,
