@@ -262,28 +262,21 @@ __device__ __forceinline__ void issue_abt(float (&acc)[QS / 2], u32 a_tile, u32 
   }
 }
 
-// acc[blk] += A B for each 64-column block blk of B: A the K-step fragments in registers (P^T or
-// dS^T packed), B an N-major [16 KS rows][D] tile of TQ rows (dO or Q of the stage). At head dim
-// 128 one m64n128 per k-step covers both blocks (the descriptor's LBO steps from one to the
-// other): half the wgmmas of two m64n64 chains, 2-4 % faster (docs/backward.md).
+// acc += A B over B's NB 64-column blocks: A the K-step fragments in registers (P^T or dS^T
+// packed), B an N-major [16 KS rows][D] tile of TQ rows (dO or Q of the stage). At head dim 128
+// one m64n128 per k-step covers both blocks, the descriptor's LBO stepping from one to the
+// other (docs/backward.md, "The FA3-class kernel").
 template <bool F16, int KS, int NB, int ROWS>
 __device__ __forceinline__ void issue_rs(float (&acc)[NB][32], const u32 (&a)[KS][4], u32 b_tile) {
-  if constexpr (NB == 2) {  // both 64-column blocks in one m64n128 chain (LBO: block to block)
-    const wg::DescWords b0 = local_desc(b_tile, ROWS * 128, kNMajorSbo);
-    float(&acc2)[64] = *reinterpret_cast<float(*)[64]>(&acc[0][0]);
+  static_assert(NB == 1 || NB == 2, "head dims 64 and 128");
+  const wg::DescWords b0 = local_desc(b_tile, NB == 2 ? ROWS * 128 : kNMajorLbo, kNMajorSbo);
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk)
-      wg::mma_rs_m64n128k16<1, F16>(acc2, a[kk], wg::desc_u64(wg::desc_plus(b0, kk * 16 * 128)),
-                                    1);
-  } else {
-    const wg::DescWords b0 = local_desc(b_tile, kNMajorLbo, kNMajorSbo);
-#pragma unroll
-    for (int blk = 0; blk < NB; ++blk)
-#pragma unroll
-      for (int kk = 0; kk < KS; ++kk)
-        wg::mma_rs_m64n64k16<1, F16>(
-            acc[blk], a[kk], wg::desc_u64(wg::desc_plus(b0, blk * ROWS * 128 + kk * 16 * 128)),
-            1);
+  for (int kk = 0; kk < KS; ++kk) {
+    const wg::u64 b = wg::desc_u64(wg::desc_plus(b0, kk * 16 * 128));
+    if constexpr (NB == 2)
+      wg::mma_rs_m64n128k16<1, F16>(*reinterpret_cast<float(*)[64]>(&acc[0][0]), a[kk], b, 1);
+    else
+      wg::mma_rs_m64n64k16<1, F16>(acc[0], a[kk], b, 1);
   }
 }
 
