@@ -89,6 +89,14 @@ class _Lru:
             while len(self._entries) > self.size:
                 self._entries.popitem(last=False)
 
+    def get_or_make(self, key: tuple, make: Any) -> Any:
+        """The entry of `key`, made by `make()` and stored on a miss."""
+        hit = self.lookup(key)
+        if hit is None:
+            hit = make()
+            self.store(key, hit)
+        return hit
+
 
 class _ListsMemo(_Lru):
     """The KV-major lists of the last few block masks a backward ran (`kv_major_lists` is about
@@ -283,17 +291,10 @@ class _KernelMemo(_Lru):
     building its `KernelSpec` and the kernel cache's lookup are tens of microseconds of host
     time every training step repeats for every layer. Keyed by the IR object's id, the kernel
     cache's generation (`loaded_generation`: it forgets with the cache) and the form's
-    arguments; an entry holds the IR, so the id is not reused while it is cached, and a hit
-    must be that very object."""
+    arguments; an entry holds the IR, so no other object can have its id while it is cached."""
 
     def get(self, ir: VariantIR, args: tuple, make: Any) -> Any:
-        key = (id(ir), loaded_generation(), *args)
-        hit = self.lookup(key)
-        if hit is not None and hit[0] is ir:
-            return hit[1]
-        kern = make()
-        self.store(key, (ir, kern))
-        return kern
+        return self.get_or_make((id(ir), loaded_generation(), *args), lambda: (ir, make()))[1]
 
 
 _KERNELS = _KernelMemo(32)
@@ -470,12 +471,8 @@ _SMALL = _Lru(16)
 def _small_kernel(kind: str, dtype: str, device: int | None) -> Any:
     """The row or dQ conversion kernel (no variant: one per dtype and device), loaded once per
     `loaded_generation`."""
-    key = (kind, dtype, device, loaded_generation())
-    kern = _SMALL.lookup(key)
-    if kern is None:
-        kern = get_kernel(KernelSpec(kind, dtype=dtype, device=device))
-        _SMALL.store(key, kern)
-    return kern
+    return _SMALL.get_or_make((kind, dtype, device, loaded_generation()),
+                             lambda: get_kernel(KernelSpec(kind, dtype=dtype, device=device)))
 
 
 def fa3_dq(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
