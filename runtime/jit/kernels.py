@@ -418,15 +418,21 @@ def _backward_fallback(spec: KernelSpec, arch: str, trail: list[CompiledForm]) -
 def _fa3_backward_fallback(spec: KernelSpec, arch: str,
                            trail: list[CompiledForm]) -> CompiledForm:
     """The FA3-class backward's forms by pressure level (query sub-tiles of 64, 32, then 16
-    columns) until ptxas reports neither spills nor a stack frame, and then the FA2-class forms
-    of `spec.fallbacks` (docs/backward.md, "The FA3-class kernel"): the caller launches the
-    returned form's spec, whichever kind it is. Serialized wgmmas (ptxas's C7511 note) cost
-    speed, not correctness, and keep the FA3-class form."""
+    columns): the first with neither spills, a stack frame nor serialized wgmmas (ptxas's
+    C751x notes); else the first with neither spills nor a stack frame (serialized wgmmas cost
+    speed, not correctness, and keep the FA3-class form); else the FA2-class forms of
+    `spec.fallbacks` (docs/backward.md, "The FA3-class kernel"). The caller launches the
+    returned form's spec, whichever kind it is."""
+    unspilled = None
     for low in PRESSURE_LEVELS:
         form = compile_form(replace(spec, fallbacks=(), low_pressure=low), arch)
         trail.append(form)
         if form.spill_bytes == 0 and stack_frame(form.result.log) == 0:
-            return form
+            if not form.notes:
+                return form
+            unspilled = unspilled or form
+    if unspilled is not None:
+        return unspilled
     if not spec.fallbacks:
         return form
     fa2 = replace(spec, kind="fa2_backward", tiles=spec.fallbacks[0],

@@ -100,6 +100,34 @@ def test_fa3_backward_falls_back_to_the_fa2_forms_when_its_form_spills(monkeypat
     assert not form.spec.low_pressure and len(compiled) == 4
 
 
+@pytest.mark.parametrize("serialized,want", [((0,), 1), ((0, 1, 2), 0)])
+def test_fa3_backward_prefers_a_level_whose_wgmmas_are_not_serialized(
+        monkeypatch, tmp_path, serialized: tuple[int, ...], want: int) -> None:
+    """A spill-free level whose wgmmas ptxas serialized (its C7512 note) gives way to the next
+    level that compiles clean; where every spill-free level is serialized, the first of them
+    runs (speed lost, not correctness), not the FA2-class forms."""
+    import attncc.runtime.jit.kernels as K
+
+    monkeypatch.setattr(K.FormMemo, "default", staticmethod(lambda: K.FormMemo(tmp_path)))
+    note = ("ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions "
+            "are serialized due to insufficient register resources")
+    compiled: list = []
+
+    def fake(spec, arch):
+        compiled.append(spec.low_pressure)
+        log = "ptxas . 0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
+        if spec.low_pressure in serialized:
+            log += "\n" + note
+        res = K.NvrtcResult(b"", None, log, ())
+        return K.CompiledForm(K.generate(spec), res, K.spill_bytes(log),
+                              tuple(K.wgmma_notes(log)), 0, 0)
+
+    monkeypatch.setattr(K, "compile_form", fake)
+    form = K.compile_spec(_spec("causal", 128), "sm_90a")
+    assert form.spec.kind == "fa3_backward" and form.spec.low_pressure == want
+    assert compiled == ([0, 1] if want == 1 else [0, 1, 2])
+
+
 def test_fa3_backward_unit_geometry_and_errors() -> None:
     ir, _ = _ir("causal", 128)
     gk = generate_source(ir, head_dim=128, dtype="bfloat16", kernel="fa3bwd")
