@@ -30,7 +30,7 @@ def _spec(name: str, d: int, dtype: str = "bfloat16"):
 def test_fa3_backward_form_compiles_without_spills_at_head_dim_128(name: str) -> None:
     """Head dim 128 is the tight one (dK and dV take 128 of a consumer's 240 registers): every
     variant's FA3-class form at one of its sub-tile widths is what the kernel cache returns,
-    with no local memory."""
+    with no local memory and its wgmma pipeline intact (no C751x note)."""
     from attncc.runtime.jit.kernels import compile_spec
 
     trail: list = []
@@ -38,6 +38,7 @@ def test_fa3_backward_form_compiles_without_spills_at_head_dim_128(name: str) ->
     assert form.spec.kind == "fa3_backward", [t.gen.kernel_name for t in trail]
     assert len(trail) == 1 + form.spec.low_pressure, [t.spec.low_pressure for t in trail]
     assert _no_local_memory(form.result.log), form.result.log
+    assert not form.notes, form.notes
 
 
 @pytest.mark.nvrtc
