@@ -1,10 +1,9 @@
 """The FA3-class backward kernel (kernels/fa3/fa3_backward.cuh) without a GPU: its one form
 compiles under NVRTC for sm_90a with no spills and no stack frame for every AttentionGym and
 learnable-bias variant (else the kernel cache would quietly run the FA2-class kernel instead),
-the fallback to the FA2-class forms, the unit's geometry, the shape of its register-A
-products, and the choice of template. The GPU
-tests are tests/gpu/test_backward_gpu.py (every case on both templates); docs/backward.md,
-"The FA3-class kernel", is the design."""
+the fallback to the FA2-class forms, the unit's geometry, the shape of its register-A products,
+and the choice of template. The GPU tests are tests/gpu/test_backward_gpu.py (every case on
+both templates); docs/backward.md, "The FA3-class kernel", is the design."""
 from __future__ import annotations
 
 
@@ -17,6 +16,16 @@ from attncc.gym import GYM
 from attncc.runtime.flex.backward import backward_kernel, backward_spec
 from tests.helpers.learnable import LEARNABLE
 from tests.runtime.flex.test_backward_kernel import _ir, _no_local_memory
+
+
+def _reported(spec, log: str):
+    """A CompiledForm of `spec` as if ptxas had printed `log`: its spill bytes and wgmma notes
+    read from it as the kernel cache reads them (the fallback tests' stand-in compiles)."""
+    import attncc.runtime.jit.kernels as K
+
+    res = K.NvrtcResult(b"", None, log, ())
+    return K.CompiledForm(K.generate(spec), res, K.spill_bytes(log), tuple(K.wgmma_notes(log)),
+                          0, 0)
 
 
 def _spec(name: str, d: int, dtype: str = "bfloat16"):
@@ -90,8 +99,7 @@ def test_fa3_backward_falls_back_to_the_fa2_forms_when_its_form_spills(monkeypat
         log = ("ptxas . 0 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads"
                if spec.kind == "fa3_backward" else
                "ptxas . 0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads")
-        res = K.NvrtcResult(b"", None, log, ())
-        return K.CompiledForm(K.generate(spec), res, K.spill_bytes(log), (), 0, 0)
+        return _reported(spec, log)
 
     monkeypatch.setattr(K, "compile_form", fake)
     spec = _spec("causal", 128)
@@ -119,9 +127,7 @@ def test_fa3_backward_prefers_a_level_whose_wgmmas_are_not_serialized(
         log = "ptxas . 0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
         if spec.low_pressure in serialized:
             log += "\n" + note
-        res = K.NvrtcResult(b"", None, log, ())
-        return K.CompiledForm(K.generate(spec), res, K.spill_bytes(log),
-                              tuple(K.wgmma_notes(log)), 0, 0)
+        return _reported(spec, log)
 
     monkeypatch.setattr(K, "compile_form", fake)
     form = K.compile_spec(_spec("causal", 128), "sm_90a")
