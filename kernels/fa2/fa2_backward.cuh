@@ -191,6 +191,60 @@ struct BwdTileView {
 // sLse2: the stage's LSE in base 2 per query column (+inf for a row with no weight: P = 0).
 // mask_here: with kMask, whether this tile applies LogitsMask (false on a full block); the FA3-
 // class kernel decides at run time, so that its tile body is inlined once (docs/backward.md).
+// Bit 4 nf + i set for each element of the thread's tile inside both sequences, built once a
+// tile from the bounds: query column 8 nf + 2 (lane % 4) + (i & 1) < q_len - q0, KV row
+// kv_at(i) < kv_len. The columns inside are a prefix of nf per column parity, the rows one bit
+// per row: a few instructions a tile, where a compare and two bit operations an element were
+// (docs/backward.md, "Per-element code").
+template <int NF>
+__device__ __forceinline__ u32 bounds_mask(const BwdTileView& t) {
+  static_assert(NF >= 1 && NF <= 8, "4 bits an nf in a u32");
+  const int qlim = t.q_len - t.q0 - 2 * (t.lane & 3);
+  auto prefix = [](int cols) {  // bits of the nf with 8 nf < cols
+    const int n = min(max((cols + 7) >> 3, 0), NF);
+    return n >= 8 ? 0xffffffffu : (1u << (4 * n)) - 1u;
+  };
+  const u32 cols = (prefix(qlim) & 0x55555555u) | (prefix(qlim - 1) & 0xaaaaaaaau);
+  const u32 rows = (t.kv_at(0) < t.kv_len ? 0x33333333u : 0u) |
+                   (t.kv_at(2) < t.kv_len ? 0xccccccccu : 0u);
+  return cols & rows;
+}
+
+// Bit 4 nf + i set for each element of the thread's tile that a band mask lo <= kv - q <= hi
+// (Variant::has_kv_window: causal, a sliding window) keeps: row kv_at(i) keeps the query
+// columns [kv - hi - q0, kv - lo - q0], an interval, so per row and column parity a difference
+// of two prefixes (bounds_mask's); the forward's mask_band is the same test on its own layout.
+template <typename Variant, int NF>
+__device__ __forceinline__ u32 band_mask(const BwdTileView& t) {
+  constexpr bool kLo = Variant::kv_window_lo > -(1LL << 40);  // (unbounded: -+2^62)
+  constexpr bool kHi = Variant::kv_window_hi < (1LL << 40);
+  // in 32 bits: only where a row's interval meets the tile's 8 NF columns matters, so the
+  // bounds and the row offset are clamped to +-2^29 first
+  constexpr int kLim = 1 << 29;
+  constexpr long long kLoC = Variant::kv_window_lo, kHiC = Variant::kv_window_hi;
+  constexpr int kLoI = !kLo ? 0 : kLoC > kLim ? kLim : kLoC < -kLim ? -kLim : (int)kLoC;
+  constexpr int kHiI = !kHi ? 0 : kHiC > kLim ? kLim : kHiC < -kLim ? -kLim : (int)kHiC;
+  auto prefix = [](int cols) {  // bits of the nf with 8 nf < cols
+    const int n = min(max((cols + 7) >> 3, 0), NF);
+    return n >= 8 ? 0xffffffffu : (1u << (4 * n)) - 1u;
+  };
+  u32 keep = 0u;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    // columns qc of row r kept: kv - hi - q0 <= qc <= kv - lo - q0, qc = 8 nf + a2 + parity
+    const int d = max(min(t.kv_at(2 * r) - t.q0 - 2 * (t.lane & 3), kLim), -kLim);
+    u32 row = 0u;
+#pragma unroll
+    for (int par = 0; par < 2; ++par) {
+      const u32 upto = kLo ? prefix(d - kLoI + 1 - par) : 0xffffffffu;
+      const u32 below = kHi ? prefix(d - kHiI - par) : 0u;
+      row |= (upto & ~below) & (par ? 0xaaaaaaaau : 0x55555555u);
+    }
+    keep |= row & (r ? 0xccccccccu : 0x33333333u);
+  }
+  return keep;
+}
+
 template <typename Variant, bool kMask, int NF>
 __device__ __forceinline__ void probs_tile(const BwdTileView& t, const typename Variant::Params& vp,
                                            float (&st)[NF][4], float (&sc)[NF][4], u32& live,
@@ -198,7 +252,15 @@ __device__ __forceinline__ void probs_tile(const BwdTileView& t, const typename 
                                            bool mask_here = true) {
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool kClamp = Variant::loads_at_positions;
-  live = 0u;
+  // the elements inside the sequences, and (a band mask: the mask too) kept, per tile; a mask
+  // of another form is evaluated per element (the hook), its bits packed there
+  constexpr bool kBand = kMask && Variant::has_kv_window;
+  const u32 inside = bounds_mask<NF>(t);
+  if constexpr (kBand)  // (computed on a full block too: a branch here cost the descriptors
+                        // their uniform registers)
+    live = inside & (band_mask<Variant, NF>(t) | (0u - (u32)!mask_here));
+  else
+    live = kMask ? 0u : inside;
 #pragma unroll
   for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
@@ -208,9 +270,12 @@ __device__ __forceinline__ void probs_tile(const BwdTileView& t, const typename 
       const int qh = t.hook_q<kClamp>(qi), kvh = t.hook_kv<kClamp>(kv);
       const float score = st[nf][i] * sm_scale;
       sc[nf][i] = score;
-      const bool in = qi < t.q_len && kv < t.kv_len;
-      bool ok = in;
-      if constexpr (kMask) ok = in & (!mask_here | Variant::LogitsMask(vp, t.b, t.hq, qh, kvh));
+      bool ok;
+      if constexpr (kMask && !kBand)
+        ok = (qi < t.q_len && kv < t.kv_len) &
+             (!mask_here | Variant::LogitsMask(vp, t.b, t.hq, qh, kvh));
+      else
+        ok = (live >> (nf * 4 + i)) & 1u;
       float s1 = score;
       if constexpr (Variant::has_logits_transform)
         s1 = Variant::LogitsTransform(vp, score, t.b, t.hq, qh, kvh);
@@ -222,7 +287,7 @@ __device__ __forceinline__ void probs_tile(const BwdTileView& t, const typename 
         val = ok ? s1 : 0.f;
       }
       st[nf][i] = val;
-      live |= (ok ? 1u : 0u) << (nf * 4 + i);
+      if constexpr (kMask && !kBand) live |= (ok ? 1u : 0u) << (nf * 4 + i);
     }
 }
 
