@@ -310,7 +310,7 @@ BWD_ROWS_PARAMS: StructLayout = struct_layout("attncc::BwdRowsParams", _BWD_ROWS
 _BWD_DQ_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("acc", "const float*"), ("dq", "void*"),
     *((f"dq_stride_{d}", "attncc::i64") for d in "bhs"),
-    ("heads", "int"), ("q_len", "int"), ("tiles", "int"), ("groups", "int"),
+    ("heads", "int"), ("q_len", "int"), ("tiles", "int"), ("groups", "int"), ("scale", "float"),
 )
 
 BWD_DQ_PARAMS: StructLayout = struct_layout("attncc::BwdDqParams", _BWD_DQ_PARAMS_MEMBERS)

@@ -313,16 +313,16 @@ __device__ __forceinline__ void dq_mma(float (&acc)[32], u32 sds, u32 sk, int n0
   wg::commit();
 }
 
-// A consumer's dQ tile (times sm_scale) into its staging tile at `dst`, in the order the bulk
-// reduction adds it to dq_accum: [acc / 4][thread][4] floats, so a warp's 16-byte stores are
-// consecutive (no bank conflicts). runtime/flex/backward.py (fa3_dq) puts rows and columns back:
-// acc[4 j + 2 hr + i] of thread 32 wi + 4 r + a is row 16 wi + 8 hr + r, column 8 j + 2 a + i.
-__device__ __forceinline__ void stage_dq(u32 dst, const float (&acc)[32], int t, float scale) {
+// A consumer's dQ tile into its staging tile at `dst`, in the order the bulk reduction adds it
+// to dq_accum: [acc / 4][thread][4] floats, so a warp's 16-byte stores are consecutive (no bank
+// conflicts). runtime/flex/backward.py (fa3_dq) puts rows and columns back and applies sm_scale
+// once (not here: 32 multiplies a tile): acc[4 j + 2 hr + i] of thread 32 wi + 4 r + a is row
+// 16 wi + 8 hr + r, column 8 j + 2 a + i.
+__device__ __forceinline__ void stage_dq(u32 dst, const float (&acc)[32], int t) {
 #pragma unroll
   for (int j = 0; j < 8; ++j)
     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + (j * 128 + t) * 16),
-                 "f"(acc[4 * j] * scale), "f"(acc[4 * j + 1] * scale),
-                 "f"(acc[4 * j + 2] * scale), "f"(acc[4 * j + 3] * scale)
+                 "f"(acc[4 * j]), "f"(acc[4 * j + 1]), "f"(acc[4 * j + 2]), "f"(acc[4 * j + 3])
                  : "memory");
 }
 
@@ -469,7 +469,7 @@ __device__ __forceinline__ TileMeta bwd_tile(const attncc::BackwardParams& p,
   }
   if (dq_here) {
     if (n > 0) tma::mbar_wait(sm.dq_empty(wgi), (n - 1) & 1);  // the last tile's dQ was read
-    stage_dq(sm.dq(wgi), acc, 32 * wi + t.lane, p.sm_scale);
+    stage_dq(sm.dq(wgi), acc, 32 * wi + t.lane);
     wg::fence_proxy_async();  // the staging stores, before the copy engine reads them
     tma::mbar_arrive(sm.dq_full(wgi));
   }

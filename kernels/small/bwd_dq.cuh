@@ -4,7 +4,7 @@
 // `stage_dq`): 1024 groups of four floats, group 128 j + t holding thread t's accumulator
 // elements 4 j .. 4 j + 3, where element 4 j + 2 hr + i of thread t = 32 wi + 4 r + a is row
 // 16 wi + 8 hr + r, column 8 j + 2 a + i. This kernel converts to the storage type and puts
-// rows and columns back (docs/backward.md, "Warp specialization").
+// rows and columns back, times sm_scale (docs/backward.md, "Warp specialization").
 //
 // Work: one CTA per block. Its 256 threads read the block's 16 KB as consecutive 16-byte
 // groups, write each as two converted pairs into shared memory at their rows (a row stride of
@@ -26,6 +26,7 @@ struct BwdDqParams {
     void* dq;          // [batch, heads, q_len, head_dim]
     i64 dq_stride_b, dq_stride_h, dq_stride_s;
     int heads, q_len, tiles, groups;  // groups: head_dim / 64
+    float scale;  // sm_scale: the backward kernel stages dS K, dQ is scale times its sum
 };
 
 namespace bwddq {
@@ -54,8 +55,8 @@ __device__ __forceinline__ void bwd_dq(const BwdDqParams& p) {
         const float4 v = src[f];
         const int j = f >> 7, t = f & 127;
         const int row = 16 * (t >> 5) + ((t >> 2) & 7), w = 4 * j + (t & 3);
-        sm[row * kRowWords + w] = pair<T>(v.x, v.y);
-        sm[(row + 8) * kRowWords + w] = pair<T>(v.z, v.w);
+        sm[row * kRowWords + w] = pair<T>(v.x * p.scale, v.y * p.scale);
+        sm[(row + 8) * kRowWords + w] = pair<T>(v.z * p.scale, v.w * p.scale);
     }
     __syncthreads();
     T* out = static_cast<T*>(p.dq) + b * p.dq_stride_b + h * p.dq_stride_h + 64 * g;

@@ -390,7 +390,7 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     grads = {n: (exact_grad_value(b) if deterministic else b).to(
         device=bindings.tensors[n].device, dtype=bindings.tensors[n].dtype)
         for n, b in bufs.items()}
-    dq = fa3_dq(dq_acc, Sq, D, query.dtype) if fa3 else dq_acc.to(query.dtype)
+    dq = fa3_dq(dq_acc, Sq, D, query.dtype, scale) if fa3 else dq_acc.to(query.dtype)
     return BackwardResult(dq, dk, dv, grads)
 
 
@@ -475,9 +475,11 @@ def _small_kernel(kind: str, dtype: str, device: int | None) -> Any:
                              lambda: get_kernel(KernelSpec(kind, dtype=dtype, device=device)))
 
 
-def fa3_dq(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """dQ [B, Hq, q_len, head_dim] in `dtype` from the FA3-class kernel's dq_accum [B, Hq, rows *
-    head_dim] (fp32): each 64-row query tile is head_dim / 64 staging tiles of [8][128 threads][4]
+def fa3_dq(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype,
+           scale: float = 1.0) -> torch.Tensor:
+    """dQ [B, Hq, q_len, head_dim] in `dtype`: `scale` (the attention's sm_scale, which the
+    kernel leaves out of its sums) times the FA3-class kernel's dq_accum [B, Hq, rows *
+    head_dim] (fp32), where each 64-row query tile is head_dim / 64 staging tiles of [8][128 threads][4]
     (fa3_backward.cuh `stage_dq`), element 4 j + 2 hr + i of thread 32 wi + 4 r + a at row
     16 wi + 8 hr + r and column 64 g + 8 j + 2 a + i. On CUDA one launch of the dQ conversion
     (kernels/small/bwd_dq.cuh) for bf16 / fp16; otherwise (and as that layout's definition) one
@@ -491,19 +493,19 @@ def fa3_dq(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype) -> 
         True
     """
     if acc.is_cuda and dtype in (torch.bfloat16, torch.float16):
-        return _dq_kernel(acc, q_len, head_dim, dtype)
+        return _dq_kernel(acc, q_len, head_dim, dtype, scale)
     B, H = acc.shape[:2]
     g = head_dim // 64
     tiles = acc.shape[2] // (64 * head_dim)
     out = torch.empty(B, H, tiles * 64, head_dim, dtype=dtype, device=acc.device)
     # out's dims as b, h, tile, wi, hr, r, g, j, a, i, permuted to the staging order
     out.view(B, H, tiles, 4, 2, 8, g, 8, 4, 2).permute(0, 1, 2, 6, 7, 3, 5, 8, 4, 9).copy_(
-        acc.view(B, H, tiles, g, 8, 4, 8, 4, 2, 2))
+        acc.view(B, H, tiles, g, 8, 4, 8, 4, 2, 2) * scale)
     return out[:, :, :q_len]
 
 
-def _dq_kernel(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype
-               ) -> torch.Tensor:
+def _dq_kernel(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype,
+               scale: float) -> torch.Tensor:
     """`fa3_dq` by the dQ conversion kernel: one CTA per 64 x 64 block of dQ."""
     B, H = acc.shape[:2]
     tiles = acc.shape[2] // (64 * head_dim)
@@ -514,7 +516,8 @@ def _dq_kernel(acc: torch.Tensor, q_len: int, head_dim: int, dtype: torch.dtype
     kl = _small_kernel("bwd_dq", name, acc.device.index).launcher
     params = {"acc": acc.data_ptr(), "dq": dq.data_ptr(),
               **{f"dq_stride_{d}": dq.stride(i) for i, d in enumerate("bhs")},
-              "heads": H, "q_len": q_len, "tiles": tiles, "groups": head_dim // 64}
+              "heads": H, "q_len": q_len, "tiles": tiles, "groups": head_dim // 64,
+              "scale": float(scale)}
     kl.launch((B * H * tiles * (head_dim // 64), 1, 1), (BWD_DQ_THREADS, 1, 1), 0,
               kl.ap.flatten(params), (), stream=current_raw_stream(acc.device.index))
     return dq

@@ -45,13 +45,15 @@ def test_sm90_default_is_fa3_and_its_gradients_are_finite() -> None:
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+@pytest.mark.parametrize("scale", [1.0, 128 ** -0.5])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d,sq", [(64, 197), (128, 256), (128, 1)])
-def test_dq_conversion_matches_the_torch_copy(dtype: torch.dtype, d: int, sq: int) -> None:
+def test_dq_conversion_matches_the_torch_copy(dtype: torch.dtype, d: int, sq: int,
+                                              scale: float) -> None:
     """The dQ conversion kernel (kernels/small/bwd_dq.cuh) against `fa3_dq`'s strided torch copy
-    of the same accumulator (the staging order's definition), bit for bit but for NaN's
-    payload (a NaN where torch has one): both round to nearest even; inf kept; padded rows
-    not written."""
+    of the same accumulator (the staging order's definition), times the same sm_scale, bit for
+    bit but for NaN's payload (a NaN where torch has one): both round the fp32 product to nearest
+    even; inf kept; padded rows not written."""
     import math
 
     from attncc.runtime.flex.backward import fa3_dq
@@ -62,8 +64,8 @@ def test_dq_conversion_matches_the_torch_copy(dtype: torch.dtype, d: int, sq: in
     acc = torch.randn(B, H, rows * d, device="cuda", generator=g) * 100
     acc[0, 1, 7] = math.nan
     acc[1, 2, 70 % acc.shape[2]] = -math.inf
-    got = fa3_dq(acc, sq, d, dtype)
-    want = fa3_dq(acc.cpu(), sq, d, dtype)
+    got = fa3_dq(acc, sq, d, dtype, scale)
+    want = fa3_dq(acc.cpu(), sq, d, dtype, scale)
     assert got.shape == (B, H, sq, d) and got.is_contiguous()
     got = got.cpu()
     nan = torch.isnan(want)
