@@ -205,7 +205,7 @@ _BACKWARD_PARAMS_MEMBERS: tuple[tuple[str, str], ...] = (
       for d in "bhs"),
     ("lse_stride_b", "attncc::i64"), ("lse_stride_h", "attncc::i64"),
     ("batch", "int"), ("num_q_heads", "int"), ("num_kv_heads", "int"), ("q_len", "int"),
-    ("kv_len", "int"), ("sm_scale", "float"),
+    ("kv_len", "int"), ("sm_scale", "float"), ("sm_scale_log2", "float"),
     ("q_num_blocks", "const int*"), ("q_indices", "const int*"),
     ("full_q_num_blocks", "const int*"), ("full_q_indices", "const int*"),
     ("qm_stride_b", "attncc::i64"), ("qm_stride_h", "attncc::i64"),

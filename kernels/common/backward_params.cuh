@@ -32,6 +32,7 @@ struct BackwardParams {
 
     int batch, num_q_heads, num_kv_heads, q_len, kv_len;
     float sm_scale;
+    float sm_scale_log2;  // sm_scale * log2(e) rounded to float, as the forward's exp2 takes it
 
     // The block mask's KV-major (transposed) lists: for each (b, h, KV block) the query blocks
     // that touch it, partial ones (LogitsMask applies) and full ones. All null: no block mask.

@@ -249,6 +249,7 @@ template <typename Variant, bool kMask, int NF>
 __device__ __forceinline__ void probs_tile(const BwdTileView& t, const typename Variant::Params& vp,
                                            float (&st)[NF][4], float (&sc)[NF][4], u32& live,
                                            const float* sLse2, float sm_scale,
+                                           float sm_scale_log2,
                                            bool mask_here = true) {
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool kClamp = Variant::loads_at_positions;
@@ -281,7 +282,11 @@ __device__ __forceinline__ void probs_tile(const BwdTileView& t, const typename 
         s1 = Variant::LogitsTransform(vp, score, t.b, t.hq, qh, kvh);
       float val;
       if constexpr (Variant::use_softmax) {
-        const float e = fast_exp2(s1 * kLog2e - sLse2[qc]);
+        // without a logits transform the scale folds into the exp2's FFMA, the forward's
+        // product (its LSE was summed from it)
+        const float e = Variant::has_logits_transform
+                            ? fast_exp2(s1 * kLog2e - sLse2[qc])
+                            : fast_exp2(st[nf][i] * sm_scale_log2 - sLse2[qc]);
         val = ok ? e : 0.f;
       } else {
         val = ok ? s1 : 0.f;
@@ -616,7 +621,8 @@ __device__ __forceinline__ void bwd_tile(const attncc::BackwardParams& p,
   mma_smem_abt<DType, D / 16, NF, 2 * D>(pt, opaque(a_rows_addr(sm.k, 2 * D, 16 * group, lane)),
                                          a_key(lane), opaque(bn_rows_addr(sq, 2 * D, lane)),
                                          bn_key(lane));
-  probs_tile<Variant, kMask>(t, vp, pt, sc, live, sm.lse2 + st * TQ, p.sm_scale);
+  probs_tile<Variant, kMask>(t, vp, pt, sc, live, sm.lse2 + st * TQ, p.sm_scale,
+                             p.sm_scale_log2);
 
   // dV += P^T dO
   {

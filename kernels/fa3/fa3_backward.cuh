@@ -363,7 +363,7 @@ __device__ __forceinline__ void bwd_sub(const attncc::BackwardParams& p,
   float sc[NF][4];
   u32 live;
   fa2::probs_tile<Variant, kMask, NF>(t, vp, pt, sc, live, sm.lse2_rows(st) + qs0, p.sm_scale,
-                                      mask_here);
+                                      p.sm_scale_log2, mask_here);
 
   u32 pa[NF / 2][4];
   fa2::pack_a<DType, NF>(pa, pt);

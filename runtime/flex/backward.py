@@ -17,6 +17,7 @@ Example (the KV-major lists need no GPU):
 from __future__ import annotations
 
 import math
+import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -376,7 +377,7 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             **dq_strides, **_strides("dk", dk), **_strides("dv", dv),
             "lse_stride_b": Hq * lse_h, "lse_stride_h": lse_h,
             "batch": B, "num_q_heads": Hq, "num_kv_heads": Hkv, "q_len": Sq, "kv_len": Skv,
-            "sm_scale": scale, **mvals, "kv_tile0": 0,
+            "sm_scale": scale, "sm_scale_log2": scale_log2(scale), **mvals, "kv_tile0": 0,
             "tma": _fa3_maps(q, k, v, do).data_ptr() if fa3 else 0}
     n_tiles = -(-Skv // tkv)
     if deterministic:
@@ -392,6 +393,20 @@ def run_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         for n, b in bufs.items()}
     dq = fa3_dq(dq_acc, Sq, D, query.dtype, scale) if fa3 else dq_acc.to(query.dtype)
     return BackwardResult(dq, dk, dv, grads)
+
+
+def scale_log2(scale: float) -> float:
+    """sm_scale * log2(e) as the kernels' float arithmetic rounds it (fp32 operands, one
+    rounding of their exact product): the factor the forward's exp2 applies, which the
+    backward recomputes P with (BackwardParams::sm_scale_log2).
+
+    Example:
+        >>> scale_log2(0.125) == 0.125 * 1.4426950216293335
+        True
+    """
+    def f32(x: float) -> float:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    return f32(f32(scale) * f32(math.log2(math.e)))
 
 
 _BWD_MAPS = MapCache(16)  # the FA3-class backward's q, k, v, dO maps (runtime/jit/tma.py)
