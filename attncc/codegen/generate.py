@@ -262,6 +262,9 @@ class VariantCode:
     # mask_mod is exactly lo <= kv_idx - q_idx <= hi (attncc.ir.kv_bound.kv_window; None: an
     # unbounded side), or None: a batch kernel then skips the mask on tiles inside the band
     kv_window: tuple[int | None, int | None] | None = None
+    # otherwise exactly such a band with bounds that read captured scalars (a sliding window
+    # of a captured width): each bound's C expression over `vp`, None an unbounded side
+    kv_window_runtime: tuple[str | None, str | None] | None = None
     # backward translation units only (generate_variant(backward=True)): the gradient hooks,
     # VariantGrads_<name> (grads_layout, packed by the launcher with
     # attncc.codegen.layout.variant_grad_values) and its member per tensor requiring grad
@@ -413,6 +416,27 @@ def _mask_window(ir: VariantIR) -> tuple[int | None, int | None] | None:
     return kv_window(ir.hook("mask_mod").expr)
 
 
+def _mask_window_runtime(ir: VariantIR, scalars: Mapping[str, str]
+                         ) -> tuple[str | None, str | None] | None:
+    """A band mask_mod's bounds that read captured scalars (attncc.ir.kv_bound.kv_window_params)
+    as C expressions over the variant's params `vp` (`scalars`: captured scalar -> member), or
+    None when the mask is no such band or a constant one (kv_window then has it)."""
+    from ..ir.kv_bound import kv_window_params
+
+    if "mask_mod" not in ir.hooks or ir.hook("mask_mod").is_identity:
+        return None
+    w = kv_window_params(ir.hook("mask_mod").expr)
+    if w is None or not any(b is not None and b[1] for b in w):
+        return None
+
+    def c(b: Any) -> str | None:
+        if b is None:
+            return None
+        return " + ".join([f"{b[0]}LL"] + [f"{coef}LL * (long long)vp.{scalars[name]}"
+                                           for name, coef in b[1]])
+    return c(w[0]), c(w[1])
+
+
 def generate_variant(ir: VariantIR, *, fast_math: bool = False, backward: bool = False,
                      grad_tensors: Sequence[str] = (), exact_grads: bool = False
                      ) -> VariantCode:
@@ -457,7 +481,8 @@ def generate_variant(ir: VariantIR, *, fast_math: bool = False, backward: bool =
                      use_softmax=ir.use_softmax, **flags, params_layout=pl.layout,
                      tensor_fields=dict(pl.tensor_fields), scalar_fields=dict(pl.scalar_fields),
                      hooks=hooks, loads_at_positions=loads_at_positions(ir),
-                     kv_window=_mask_window(ir), **bwd)
+                     kv_window=_mask_window(ir),
+                     kv_window_runtime=_mask_window_runtime(ir, pl.scalar_fields), **bwd)
     # One template renders both structs (so they read as one unit); split at the blank line.
     params_text, _, variant_text = render("variant.cuh.j2", v=vc, hooks=hooks).partition("\n\n")
     return replace(vc, params_struct=params_text + "\n", variant_struct=variant_text)

@@ -28,30 +28,17 @@ Example:
 """
 from __future__ import annotations
 
-from .nodes import Node, const_value
+from .nodes import I32, Node, const_value
 
-__all__ = ["causal_bound", "kv_window"]
+__all__ = ["causal_bound", "kv_window", "kv_window_params"]
 
 _Linear = tuple[int, int, int]  # (coefficient of q_idx, of kv_idx, constant)
 
 
 def _linear(n: Node) -> _Linear | None:
     """`n` as a*q_idx + b*kv_idx + c with integer a, b, c, or None."""
-    if n.op == "var":
-        return {"q_idx": (1, 0, 0), "kv_idx": (0, 1, 0)}.get(n.attr)
-    if n.op == "const":
-        v = const_value(n)
-        return (0, 0, int(v)) if isinstance(v, int) and not isinstance(v, bool) else None
-    if n.op == "neg":
-        x = _linear(n.args[0])
-        return None if x is None else (-x[0], -x[1], -x[2])
-    if n.op in ("add", "sub"):
-        a, b = _linear(n.args[0]), _linear(n.args[1])
-        if a is None or b is None:
-            return None
-        s = 1 if n.op == "add" else -1
-        return (a[0] + s * b[0], a[1] + s * b[1], a[2] + s * b[2])
-    return None
+    a = _affine(n)
+    return None if a is None or a[3] else a[:3]
 
 
 def _normalized(op: str, lhs: Node, rhs: Node) -> tuple[str, int] | None:
@@ -126,5 +113,97 @@ def kv_window(mask: Node) -> tuple[int | None, int | None] | None:
                 lo = w[0] if lo is None else max(lo, w[0])
             if w[1] is not None:
                 hi = w[1] if hi is None else min(hi, w[1])
+        return lo, hi
+    return None
+
+
+# ---- bands whose bounds read captured integer scalars (a sliding window's width) -------------
+# A bound is (k, terms): k + sum(coef * scalar for scalar, coef in terms), terms sorted.
+Bound = tuple[int, tuple[tuple[str, int], ...]]
+
+
+def _affine(n: Node) -> tuple[int, int, int, dict[str, int]] | None:
+    """`n` as a*q_idx + b*kv_idx + c + sum(coef * scalar) over captured I32 scalars, or None."""
+    if n.op == "param":
+        return (0, 0, 0, {n.attr: 1}) if n.dtype is I32 else None
+    if n.op == "var":
+        v = {"q_idx": (1, 0), "kv_idx": (0, 1)}.get(n.attr)
+        return None if v is None else (*v, 0, {})
+    if n.op == "const":
+        c = const_value(n)
+        return (0, 0, int(c), {}) if isinstance(c, int) and not isinstance(c, bool) else None
+    if n.op == "neg":
+        x = _affine(n.args[0])
+        return None if x is None else (-x[0], -x[1], -x[2], {k: -v for k, v in x[3].items()})
+    if n.op in ("add", "sub"):
+        a, b = _affine(n.args[0]), _affine(n.args[1])
+        if a is None or b is None:
+            return None
+        sg = 1 if n.op == "add" else -1
+        terms = dict(a[3])
+        for name, c in b[3].items():
+            terms[name] = terms.get(name, 0) + sg * c
+        return (a[0] + sg * b[0], a[1] + sg * b[1], a[2] + sg * b[2],
+                {k: v for k, v in terms.items() if v})
+    return None
+
+
+def _compare_bounds(op: str, lhs: Node, rhs: Node) -> tuple[Bound | None, Bound | None] | None:
+    """`lhs op rhs` as exactly lo <= kv_idx - q_idx <= hi with affine bounds, or None."""
+    a, b = _affine(lhs), _affine(rhs)
+    if a is None or b is None:
+        return None
+    cq, ckv, k = a[0] - b[0], a[1] - b[1], a[2] - b[2]
+    terms = dict(a[3])
+    for name, c in b[3].items():
+        terms[name] = terms.get(name, 0) - c
+    if cq != -ckv or cq not in (1, -1):
+        return None
+    if cq == -1:  # -(q - kv) + K op 0  <=>  (q - kv) - K  flipped op  0
+        op = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}[op]
+        k, terms = -k, {n: -c for n, c in terms.items()}
+    t = tuple(sorted((n, c) for n, c in terms.items() if c))
+    # (q - kv) + K op 0  <=>  (kv - q)  op'  K
+    return {"ge": (None, (k, t)), "gt": (None, (k - 1, t)), "le": ((k, t), None),
+            "lt": ((k + 1, t), None), "eq": ((k, t), (k, t))}.get(op)
+
+
+def kv_window_params(mask: Node) -> tuple[Bound | None, Bound | None] | None:
+    """kv_window for bands whose bounds may read captured I32 scalars: (lo, hi), each None
+    (unbounded) or (k, ((scalar, coef), ...)) meaning k + sum(coef * scalar), when `mask` is
+    exactly lo <= kv_idx - q_idx <= hi; None otherwise. A side bounded twice keeps the tighter
+    only when both bounds are constants (a scalar's bound cannot be ordered against another).
+
+    Example:
+        >>> from attncc.ir.nodes import var, param, I32
+        >>> q, kv, w = var("q_idx"), var("kv_idx"), param("window", I32)
+        >>> kv_window_params((q >= kv) & (q - kv <= w))
+        ((0, (('window', -1),)), (0, ()))
+        >>> kv_window_params((q >= kv) & (kv > q - 9))
+        ((-8, ()), (0, ()))
+        >>> kv_window_params((q - kv <= w) & (q - kv <= 4)) is None
+        True
+    """
+    if mask.op in ("ge", "gt", "le", "lt", "eq", "ne"):
+        return _compare_bounds(mask.op, mask.args[0], mask.args[1])
+    if mask.op == "and":
+        lo: Bound | None = None
+        hi: Bound | None = None
+        for a in mask.args:
+            w = kv_window_params(a)
+            if w is None:
+                return None
+            for side, new in ((0, w[0]), (1, w[1])):
+                if new is None:
+                    continue
+                old = lo if side == 0 else hi
+                if old is not None:
+                    if old[1] or new[1]:
+                        return None
+                    new = (max(old[0], new[0]) if side == 0 else min(old[0], new[0]), ())
+                if side == 0:
+                    lo = new
+                else:
+                    hi = new
         return lo, hi
     return None

@@ -215,15 +215,22 @@ __device__ __forceinline__ u32 bounds_mask(const BwdTileView& t) {
 // columns [kv - hi - q0, kv - lo - q0], an interval, so per row and column parity a difference
 // of two prefixes (bounds_mask's); the forward's mask_band is the same test on its own layout.
 template <typename Variant, int NF>
-__device__ __forceinline__ u32 band_mask(const BwdTileView& t) {
-  constexpr bool kLo = Variant::kv_window_lo > -(1LL << 40);  // (unbounded: -+2^62)
-  constexpr bool kHi = Variant::kv_window_hi < (1LL << 40);
+__device__ __forceinline__ u32 band_mask(const BwdTileView& t, const typename Variant::Params& vp) {
+  // the bounds: constants (has_kv_window), or read from captured scalars at run time
+  // (has_runtime_kv_window: a sliding window of a captured width)
+  constexpr bool kRt = !Variant::has_kv_window;
+  constexpr bool kLo = kRt ? Variant::runtime_kv_window_lo_bounded
+                           : Variant::kv_window_lo > -(1LL << 40);  // (unbounded: -+2^62)
+  constexpr bool kHi = kRt ? Variant::runtime_kv_window_hi_bounded
+                           : Variant::kv_window_hi < (1LL << 40);
   // in 32 bits: only where a row's interval meets the tile's 8 NF columns matters, so the
   // bounds and the row offset are clamped to +-2^29 first
   constexpr int kLim = 1 << 29;
-  constexpr long long kLoC = Variant::kv_window_lo, kHiC = Variant::kv_window_hi;
-  constexpr int kLoI = !kLo ? 0 : kLoC > kLim ? kLim : kLoC < -kLim ? -kLim : (int)kLoC;
-  constexpr int kHiI = !kHi ? 0 : kHiC > kLim ? kLim : kHiC < -kLim ? -kLim : (int)kHiC;
+  auto clamp_ll = [](long long x) {
+    return x > kLim ? kLim : x < -kLim ? -kLim : (int)x;
+  };
+  const int kLoI = !kLo ? 0 : clamp_ll(kRt ? Variant::runtime_kv_window_lo(vp) : Variant::kv_window_lo);
+  const int kHiI = !kHi ? 0 : clamp_ll(kRt ? Variant::runtime_kv_window_hi(vp) : Variant::kv_window_hi);
   auto prefix = [](int cols) {  // bits of the nf with 8 nf < cols
     const int n = min(max((cols + 7) >> 3, 0), NF);
     return n >= 8 ? 0xffffffffu : (1u << (4 * n)) - 1u;
@@ -255,11 +262,12 @@ __device__ __forceinline__ void probs_tile(const BwdTileView& t, const typename 
   constexpr bool kClamp = Variant::loads_at_positions;
   // the elements inside the sequences, and (a band mask: the mask too) kept, per tile; a mask
   // of another form is evaluated per element (the hook), its bits packed there
-  constexpr bool kBand = kMask && Variant::has_kv_window;
+  constexpr bool kBand =
+      kMask && (Variant::has_kv_window || Variant::has_runtime_kv_window);
   const u32 inside = bounds_mask<NF>(t);
   if constexpr (kBand)  // (computed on a full block too: a branch here cost the descriptors
                         // their uniform registers)
-    live = inside & (band_mask<Variant, NF>(t) | (0u - (u32)!mask_here));
+    live = inside & (band_mask<Variant, NF>(t, vp) | (0u - (u32)!mask_here));
   else
     live = kMask ? 0u : inside;
 #pragma unroll

@@ -4,7 +4,7 @@ element against their definition: element (nf, i) of lane L's tile is live iff i
 q0 + 8 nf + 2 (L % 4) + (i & 1) < q_len, its key kv_row0 + L / 4 + 8 (i / 2) < kv_len, and
 (band_mask) lo <= key - query <= hi. Exhaustive over lanes, column counts and tile positions
 around the sequence ends and the band's edges, for causal, a sliding window, a two-sided band
-and one-sided bands. Needs a host C++ compiler (skipped without one)."""
+and one-sided bands, with the bounds as constants and as run-time values (a captured width). Needs a host C++ compiler (skipped without one)."""
 from __future__ import annotations
 
 import re
@@ -42,6 +42,7 @@ using std::max;
 typedef unsigned int u32;
 #define __device__
 #define __forceinline__ inline
+struct P { long long lo, hi; };
 %(functions)s
 %(variants)s
 template <typename V, int NF>
@@ -53,7 +54,7 @@ long check(long long lo, long long hi, int* bad) {
         for (int q_len = 0; q_len <= 200; q_len += 37)
           for (int kv_len = 0; kv_len <= 200; kv_len += 41) {
             BwdTileView t{0, 0, q0, kv0, q_len, kv_len, lane};
-            const u32 in = bounds_mask<NF>(t), band = band_mask<V, NF>(t);
+            const u32 in = bounds_mask<NF>(t), band = band_mask<V, NF>(t, P{lo, hi});
             for (int nf = 0; nf < NF; ++nf)
               for (int i = 0; i < 4; ++i) {
                 const int q = q0 + t.q_col(nf, i), kv = t.kv_at(i);
@@ -80,13 +81,28 @@ int main() {
 """
 
 
+def _variant(name: str, lo: int, hi: int, runtime: bool) -> str:
+    """A stand-in Variant: the band as constants (has_kv_window), or (runtime) as bounds the
+    Params carry, read at run time (has_runtime_kv_window: a captured window width)."""
+    bounded = f"runtime_kv_window_lo_bounded = {str(runtime and lo != -_UNBOUNDED).lower()}; " \
+              f"static constexpr bool runtime_kv_window_hi_bounded = " \
+              f"{str(runtime and hi != _UNBOUNDED).lower()};"
+    return (f"struct V_{name}{'_rt' if runtime else ''} {{ using Params = P; "
+            f"static constexpr bool has_kv_window = {str(not runtime).lower()}; "
+            f"static constexpr bool has_runtime_kv_window = {str(runtime).lower()}; "
+            f"static constexpr long long kv_window_lo = {lo if not runtime else -_UNBOUNDED}LL; "
+            f"static constexpr long long kv_window_hi = {hi if not runtime else _UNBOUNDED}LL; "
+            f"static constexpr bool {bounded} "
+            f"static long long runtime_kv_window_lo(const P& p) {{ return p.lo; }} "
+            f"static long long runtime_kv_window_hi(const P& p) {{ return p.hi; }} }};")
+
+
 def test_tile_masks_match_their_definition(tmp_path) -> None:
     src = read_template("fa2/fa2_backward.cuh")
-    variants = "\n".join(
-        f"struct V_{name} {{ static constexpr long long kv_window_lo = {lo}LL; "
-        f"static constexpr long long kv_window_hi = {hi}LL; }};" for name, lo, hi in _BANDS)
-    calls = "\n".join(f"  n += check<V_{name}, {nf}>({lo}LL, {hi}LL, &bad);"
-                      for name, lo, hi in _BANDS for nf in (2, 4, 8))
+    variants = "\n".join(_variant(name, lo, hi, runtime) for name, lo, hi in _BANDS
+                         for runtime in (False, True))
+    calls = "\n".join(f"  n += check<V_{name}{'_rt' if rt else ''}, {nf}>({lo}LL, {hi}LL, &bad);"
+                      for name, lo, hi in _BANDS for rt in (False, True) for nf in (2, 4, 8))
     cpp = tmp_path / "masks.cpp"
     cpp.write_text(_HARNESS % {"functions": _functions(src), "variants": variants,
                                "calls": calls})
