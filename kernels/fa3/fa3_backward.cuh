@@ -567,7 +567,9 @@ __device__ __forceinline__ void fa3_backward(const attncc::BackwardParams& p,
                 "the backward kernel runs on materialized q/k/v (docs/backward.md, Kernels)");
   extern __shared__ __attribute__((aligned(128))) unsigned char attncc_fa3_bwd_smem[];
   const BwdSmem<D, TQ, TKV> sm(attncc_fa3_bwd_smem);
-  const int tid = threadIdx.x, wg_id = tid >> 7;
+  // the warpgroup index broadcast from lane 0, so ptxas knows it warp-uniform: the consumers'
+  // K / V addresses and their wgmma descriptors then stay in uniform registers (no R2UR a wgmma)
+  const int tid = threadIdx.x, wg_id = __shfl_sync(0xffffffffu, tid >> 7, 0);
   if (tid == 0) init_barriers(sm);
   __syncthreads();
   if (wg_id == 0) {
