@@ -32,39 +32,11 @@ from .nodes import I32, Node, const_value
 
 __all__ = ["causal_bound", "kv_window", "kv_window_params"]
 
-_Linear = tuple[int, int, int]  # (coefficient of q_idx, of kv_idx, constant)
-
-
-def _linear(n: Node) -> _Linear | None:
-    """`n` as a*q_idx + b*kv_idx + c with integer a, b, c, or None."""
-    a = _affine(n)
-    return None if a is None or a[3] else a[:3]
-
-
-def _normalized(op: str, lhs: Node, rhs: Node) -> tuple[str, int] | None:
-    """(op', k) with `lhs op rhs  <=>  (q_idx - kv_idx) + k  op'  0`, when the comparison is
-    alpha * (q_idx - kv_idx) + k  op  0 with alpha = +-1; else None."""
-    a, b = _linear(lhs), _linear(rhs)
-    if a is None or b is None:
-        return None
-    cq, ckv, k = a[0] - b[0], a[1] - b[1], a[2] - b[2]
-    if cq != -ckv or cq not in (1, -1):
-        return None
-    if cq == -1:  # -(q - kv) + k op 0  <=>  (q - kv) - k  flipped op  0
-        op = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}[op]
-        k = -k
-    return op, k
-
 
 def _compare_window(op: str, lhs: Node, rhs: Node) -> tuple[int | None, int | None] | None:
-    """`lhs op rhs` as exactly lo <= kv_idx - q_idx <= hi (None: unbounded side), or None."""
-    n = _normalized(op, lhs, rhs)
-    if n is None:
-        return None
-    op, k = n
-    # (q - kv) + k op 0  <=>  (kv - q)  op'  k  with op' the mirror of op
-    return {"ge": (None, k), "gt": (None, k - 1), "le": (k, None), "lt": (k + 1, None),
-            "eq": (k, k)}.get(op)
+    """`lhs op rhs` as exactly lo <= kv_idx - q_idx <= hi with constant bounds (None: an
+    unbounded side), or None."""
+    return _constant(_compare_bounds(op, lhs, rhs, scalars=False))
 
 
 def _compare_bound(op: str, lhs: Node, rhs: Node) -> int | None:
@@ -100,26 +72,21 @@ def kv_window(mask: Node) -> tuple[int | None, int | None] | None:
         >>> kv_window(kv < q), kv_window((q >= kv) & (kv > q - 9)), kv_window((q >= kv) | (kv < 4))
         ((None, -1), (-8, 0), None)
     """
-    if mask.op in ("ge", "gt", "le", "lt", "eq", "ne"):
-        return _compare_window(mask.op, mask.args[0], mask.args[1])
-    if mask.op == "and":
-        lo: int | None = None
-        hi: int | None = None
-        for a in mask.args:
-            w = kv_window(a)
-            if w is None:
-                return None
-            if w[0] is not None:
-                lo = w[0] if lo is None else max(lo, w[0])
-            if w[1] is not None:
-                hi = w[1] if hi is None else min(hi, w[1])
-        return lo, hi
-    return None
+    return _constant(_band(mask, scalars=False))
 
 
 # ---- bands whose bounds read captured integer scalars (a sliding window's width) -------------
 # A bound is (k, terms): k + sum(coef * scalar for scalar, coef in terms), terms sorted.
 Bound = tuple[int, tuple[tuple[str, int], ...]]
+
+
+def _constant(w: tuple[Bound | None, Bound | None] | None
+              ) -> tuple[int | None, int | None] | None:
+    """A band of constant bounds (`scalars=False` below) as (lo, hi) integers."""
+    if w is None:
+        return None
+    lo, hi = w
+    return (None if lo is None else lo[0]), (None if hi is None else hi[0])
 
 
 def _affine(n: Node) -> tuple[int, int, int, dict[str, int]] | None:
@@ -148,10 +115,12 @@ def _affine(n: Node) -> tuple[int, int, int, dict[str, int]] | None:
     return None
 
 
-def _compare_bounds(op: str, lhs: Node, rhs: Node) -> tuple[Bound | None, Bound | None] | None:
-    """`lhs op rhs` as exactly lo <= kv_idx - q_idx <= hi with affine bounds, or None."""
+def _compare_bounds(op: str, lhs: Node, rhs: Node, scalars: bool = True
+                    ) -> tuple[Bound | None, Bound | None] | None:
+    """`lhs op rhs` as exactly lo <= kv_idx - q_idx <= hi with affine bounds, or None; with
+    `scalars` False, None as soon as a side reads a captured scalar (kv_window's bands)."""
     a, b = _affine(lhs), _affine(rhs)
-    if a is None or b is None:
+    if a is None or b is None or (not scalars and (a[3] or b[3])):
         return None
     cq, ckv, k = a[0] - b[0], a[1] - b[1], a[2] - b[2]
     terms = dict(a[3])
@@ -184,13 +153,18 @@ def kv_window_params(mask: Node) -> tuple[Bound | None, Bound | None] | None:
         >>> kv_window_params((q - kv <= w) & (q - kv <= 4)) is None
         True
     """
+    return _band(mask, scalars=True)
+
+
+def _band(mask: Node, scalars: bool) -> tuple[Bound | None, Bound | None] | None:
+    """kv_window_params, or with `scalars` False kv_window's band (constant bounds only)."""
     if mask.op in ("ge", "gt", "le", "lt", "eq", "ne"):
-        return _compare_bounds(mask.op, mask.args[0], mask.args[1])
+        return _compare_bounds(mask.op, mask.args[0], mask.args[1], scalars)
     if mask.op == "and":
         lo: Bound | None = None
         hi: Bound | None = None
         for a in mask.args:
-            w = kv_window_params(a)
+            w = _band(a, scalars)
             if w is None:
                 return None
             for side, new in ((0, w[0]), (1, w[1])):
