@@ -191,6 +191,14 @@ struct BwdTileView {
 // sLse2: the stage's LSE in base 2 per query column (+inf for a row with no weight: P = 0).
 // mask_here: with kMask, whether this tile applies LogitsMask (false on a full block); the FA3-
 // class kernel decides at run time, so that its tile body is inlined once (docs/backward.md).
+// The bits 4 nf + i of every column block nf with 8 nf < cols (bounds_mask's and band_mask's
+// prefixes of a thread's column blocks).
+template <int NF>
+__device__ __forceinline__ u32 nf_prefix(int cols) {
+  const int n = min(max((cols + 7) >> 3, 0), NF);
+  return n >= 8 ? 0xffffffffu : (1u << (4 * n)) - 1u;
+}
+
 // Bit 4 nf + i set for each element of the thread's tile inside both sequences, built once a
 // tile from the bounds: query column 8 nf + 2 (lane % 4) + (i & 1) < q_len - q0, KV row
 // kv_at(i) < kv_len. The columns inside are a prefix of nf per column parity, the rows one bit
@@ -200,11 +208,7 @@ template <int NF>
 __device__ __forceinline__ u32 bounds_mask(const BwdTileView& t) {
   static_assert(NF >= 1 && NF <= 8, "4 bits an nf in a u32");
   const int qlim = t.q_len - t.q0 - 2 * (t.lane & 3);
-  auto prefix = [](int cols) {  // bits of the nf with 8 nf < cols
-    const int n = min(max((cols + 7) >> 3, 0), NF);
-    return n >= 8 ? 0xffffffffu : (1u << (4 * n)) - 1u;
-  };
-  const u32 cols = (prefix(qlim) & 0x55555555u) | (prefix(qlim - 1) & 0xaaaaaaaau);
+  const u32 cols = (nf_prefix<NF>(qlim) & 0x55555555u) | (nf_prefix<NF>(qlim - 1) & 0xaaaaaaaau);
   const u32 rows = (t.kv_at(0) < t.kv_len ? 0x33333333u : 0u) |
                    (t.kv_at(2) < t.kv_len ? 0xccccccccu : 0u);
   return cols & rows;
@@ -213,7 +217,7 @@ __device__ __forceinline__ u32 bounds_mask(const BwdTileView& t) {
 // Bit 4 nf + i set for each element of the thread's tile that a band mask lo <= kv - q <= hi
 // (Variant::has_kv_window: causal, a sliding window) keeps: row kv_at(i) keeps the query
 // columns [kv - hi - q0, kv - lo - q0], an interval, so per row and column parity a difference
-// of two prefixes (bounds_mask's); the forward's mask_band is the same test on its own layout.
+// of two prefixes (nf_prefix); the forward's mask_band is the same test on its own layout.
 template <typename Variant, int NF>
 __device__ __forceinline__ u32 band_mask(const BwdTileView& t, const typename Variant::Params& vp) {
   // the bounds: constants (has_kv_window), or read from captured scalars at run time
@@ -229,12 +233,10 @@ __device__ __forceinline__ u32 band_mask(const BwdTileView& t, const typename Va
   auto clamp_ll = [](long long x) {
     return x > kLim ? kLim : x < -kLim ? -kLim : (int)x;
   };
-  const int kLoI = !kLo ? 0 : clamp_ll(kRt ? Variant::runtime_kv_window_lo(vp) : Variant::kv_window_lo);
-  const int kHiI = !kHi ? 0 : clamp_ll(kRt ? Variant::runtime_kv_window_hi(vp) : Variant::kv_window_hi);
-  auto prefix = [](int cols) {  // bits of the nf with 8 nf < cols
-    const int n = min(max((cols + 7) >> 3, 0), NF);
-    return n >= 8 ? 0xffffffffu : (1u << (4 * n)) - 1u;
-  };
+  const int kLoI =
+      !kLo ? 0 : clamp_ll(kRt ? Variant::runtime_kv_window_lo(vp) : Variant::kv_window_lo);
+  const int kHiI =
+      !kHi ? 0 : clamp_ll(kRt ? Variant::runtime_kv_window_hi(vp) : Variant::kv_window_hi);
   u32 keep = 0u;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -243,8 +245,8 @@ __device__ __forceinline__ u32 band_mask(const BwdTileView& t, const typename Va
     u32 row = 0u;
 #pragma unroll
     for (int par = 0; par < 2; ++par) {
-      const u32 upto = kLo ? prefix(d - kLoI + 1 - par) : 0xffffffffu;
-      const u32 below = kHi ? prefix(d - kHiI - par) : 0u;
+      const u32 upto = kLo ? nf_prefix<NF>(d - kLoI + 1 - par) : 0xffffffffu;
+      const u32 below = kHi ? nf_prefix<NF>(d - kHiI - par) : 0u;
       row |= (upto & ~below) & (par ? 0xaaaaaaaau : 0x55555555u);
     }
     keep |= row & (r ? 0xccccccccu : 0x33333333u);

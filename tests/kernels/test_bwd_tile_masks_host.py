@@ -26,9 +26,9 @@ _BANDS = [("causal", -_UNBOUNDED, 0), ("sliding_window_64", -64, 0), ("band_m5_p
 
 
 def _functions(src: str) -> str:
-    """BwdTileView, bounds_mask and band_mask out of the template, as host C++."""
+    """BwdTileView, nf_prefix, bounds_mask and band_mask out of the template, as host C++."""
     view = re.search(r"struct BwdTileView \{.*?\n\};\n", src, re.S)
-    masks = re.search(r"// Bit 4 nf \+ i set for each element of the thread's tile inside both.*?"
+    masks = re.search(r"// The bits 4 nf \+ i of every column block nf with 8 nf < cols.*?"
                       r"(?=template <typename Variant, bool kMask, int NF>)", src, re.S)
     assert view and masks, "the template no longer has BwdTileView / bounds_mask / band_mask"
     return view.group(0) + masks.group(0)
