@@ -31,7 +31,7 @@ from ..ir.discrete import discrete_cone, is_closed, is_sink
 from ..ir.nodes import BOOL, F32, I32, DType, Node, walk
 from .errors import CodegenError
 
-__all__ = ["ExprNames", "CudaCode", "emit", "float_literal", "int_literal", "ctype_of"]
+__all__ = ["ExprNames", "CudaCode", "emit", "float_literal", "int_literal", "ctype_of", "to_f32"]
 
 # Binding power, higher binds tighter (C++ precedence).
 _ATOM, _UNARY, _MUL, _ADD, _REL, _EQ, _AND, _OR, _COND = 100, 90, 80, 70, 60, 55, 40, 35, 20
@@ -93,7 +93,7 @@ def ctype_of(dtype: DType) -> str:
     return _CTYPES[dtype]
 
 
-def _to_f32(v: float) -> float:
+def to_f32(v: float) -> float:
     """Round a Python float to the nearest float32 (ties to even); overflow gives +-inf."""
     if math.isnan(v) or math.isinf(v):
         return v
@@ -109,10 +109,10 @@ def _to_f32(v: float) -> float:
 
 def _reciprocal_literal(c: float) -> str:
     """1 / c in float32 as torch's CUDA division by a Python scalar computes it (1.0f / c)."""
-    c = _to_f32(c)
+    c = to_f32(c)
     if c == 0 or math.isnan(c):
         return float_literal(math.nan if math.isnan(c) else math.copysign(math.inf, c))
-    return float_literal(_to_f32(1.0 / c))
+    return float_literal(to_f32(1.0 / c))
 
 
 def float_literal(v: float) -> str:
@@ -127,7 +127,7 @@ def float_literal(v: float) -> str:
         >>> float_literal(float("-inf")), float_literal(-0.0)
         ('__uint_as_float(0xff800000u)', '-0.0f')
     """
-    x = _to_f32(float(v))
+    x = to_f32(float(v))
     if math.isnan(x):
         return "__uint_as_float(0x7fc00000u)"
     if math.isinf(x):
@@ -280,7 +280,7 @@ class _Printer:
                 return f"__fmul_rn({x[0]}, {rcp})"
             return f"attncc::floordiv_rcp({x[0]}, {x[1]}, {rcp})"
         if op == "pow" and n.args[1].op == "const":
-            special = _POW_SPECIAL.get(float(_to_f32(n.args[1].attr)))
+            special = _POW_SPECIAL.get(float(to_f32(n.args[1].attr)))
             if special is not None:
                 return special.format(x=x[0])
         if op == "pow" and is_closed(n.args[1]):
@@ -300,7 +300,7 @@ class _Printer:
         the division); a / b -> attncc::fast_div (a * rcp.approx(b), ~2 ulp) otherwise."""
         b = n.args[1]
         if b.op == "const" and b.attr != 0 and math.isfinite(b.attr):
-            r = _to_f32(1.0 / _to_f32(b.attr))
+            r = to_f32(1.0 / to_f32(b.attr))
             if r != 0 and math.isfinite(r) and abs(r) >= 1.1754943508222875e-38:
                 return f"{operand(0, _MUL)} * {float_literal(r)}", _MUL
         a_text, b_text = (texts[id(x)][0] for x in n.args)

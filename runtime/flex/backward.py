@@ -17,7 +17,6 @@ Example (the KV-major lists need no GPU):
 from __future__ import annotations
 
 import math
-import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from attncc.codegen.constants import BWD_DQ_THREADS, BWD_ROWS_THREADS
+from attncc.codegen.cuda_expr import to_f32
 from attncc.codegen.tiles import (FA3_BACKWARD_TILES, BackwardTiles, backward_fallbacks,
                                   backward_tiles)
 from attncc.errors import InvalidArgument
@@ -404,9 +404,7 @@ def scale_log2(scale: float) -> float:
         >>> scale_log2(0.125) == 0.125 * 1.4426950216293335
         True
     """
-    def f32(x: float) -> float:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    return f32(f32(scale) * f32(math.log2(math.e)))
+    return to_f32(to_f32(scale) * to_f32(math.log2(math.e)))
 
 
 _BWD_MAPS = MapCache(16)  # the FA3-class backward's q, k, v, dO maps (runtime/jit/tma.py)
